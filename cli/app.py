@@ -1,0 +1,31 @@
+"""The k4 command-line app: wires one module per command into a Typer app."""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(
+    name="k4",
+    help="Run GGUF K-quantized LLMs fast on one NVIDIA GPU (numpy reference backend on the CPU).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Each module defines register(app) which adds its command(s).
+COMMAND_MODULES = ("run", "tokenize", "prompt", "info", "perplexity", "quantize")
+
+for _name in COMMAND_MODULES:
+    try:
+        _module = importlib.import_module(f"cli.{_name}")
+    except ModuleNotFoundError as exc:  # a command whose module is not written yet
+        if exc.name != f"cli.{_name}":
+            raise
+        continue
+    _module.register(app)
+
+
+def main() -> None:
+    app()

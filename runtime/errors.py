@@ -1,0 +1,45 @@
+"""Errors a user can cause. Each carries one sentence that says what is wrong and what to do.
+
+The CLI catches `K4Error` in one place (cli/render.py), prints the message on one line and
+exits with `exit_code`. Everything else is a bug and keeps its traceback.
+"""
+
+
+class K4Error(Exception):
+    """Base of every user-facing error. `str(err)` is the one-line message."""
+
+    exit_code = 2
+
+
+class ModelFileError(K4Error):
+    """The model file is missing, not a GGUF, truncated or inconsistent."""
+
+
+class UnsupportedModelError(K4Error):
+    """The file is a valid GGUF, but its architecture or tensor types are not supported."""
+
+
+class TokenizerError(K4Error):
+    """The GGUF's vocabulary metadata cannot be turned into a tokenizer."""
+
+
+class TemplateError(K4Error):
+    """The chat template is invalid or raised an error while rendering."""
+
+
+class BackendUnavailableError(K4Error):
+    """The requested backend cannot run here (no GPU, no CuPy, out of GPU memory)."""
+
+
+class ContextFullError(K4Error):
+    """The prompt or conversation does not fit in the context window (--ctx-size)."""
+
+
+class UsageError(K4Error):
+    """An option or input value is invalid."""
+
+
+class Interrupted(K4Error):
+    """The user pressed Ctrl-C; the CLI exits with 130."""
+
+    exit_code = 130

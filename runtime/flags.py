@@ -1,0 +1,67 @@
+"""Every K4_* environment flag, parsed in this one place.
+
+Each optimization of the CUDA backend has a flag that turns it off (set it to 0), so
+`k4 bench --flags "K4_X=0"` can measure what it is worth. Unknown K4_* variables get one
+warning. The README's flag table is generated from FLAGS (see `flag_table`).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    default: int
+    doc: str
+
+
+FLAGS: dict[str, Flag] = {
+    f.name: f
+    for f in (
+        Flag("K4_TRACE", 0, "1 prints the per-phase copy/sync/launch counters after `k4 run`."),
+        Flag("K4_CUDA_GRAPH", 1, "Capture one decode step in a CUDA graph and replay it every token."),
+        Flag("K4_PINGPONG", 1, "Two-stream ping-pong readback: enqueue step t+1 before reading token t."),
+        Flag("K4_PINNED_UPLOAD", 1, "Upload weights through two pinned staging buffers on a copy stream."),
+        Flag("K4_REPACK", 1, "Repack quantized weights at load into the layout the matrix-vector kernels read fastest."),
+        Flag("K4_PREFILL_TC", 1, "Prefill matrix products on tensor cores (dequantize tiles to fp16); 0 uses matrix-vector per token."),
+        Flag("K4_SPLIT_ATTN", 1, "Decode attention split over the sequence (flash-decoding) for long contexts."),
+    )
+}
+
+
+def _parse(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        from .errors import UsageError
+
+        raise UsageError(f"environment variable {name}={raw!r} is not an integer; use 0 or 1") from None
+
+
+class Flags:
+    """Flag values from an environment mapping (default: os.environ), read once."""
+
+    def __init__(self, env: Mapping[str, str] | None = None):
+        env = os.environ if env is None else env
+        self.values = {n: _parse(n, env[n]) if n in env else f.default for n, f in FLAGS.items()}
+        self.unknown = sorted(k for k in env if k.startswith("K4_") and k not in FLAGS and k != "K4_SHARED")
+
+    def __getitem__(self, name: str) -> int:
+        return self.values[name]
+
+    def on(self, name: str) -> bool:
+        return bool(self.values[name])
+
+    def warn_unknown(self) -> None:
+        for name in self.unknown:
+            warnings.warn(f"unknown flag {name} is ignored; known flags: {', '.join(FLAGS)}", stacklevel=2)
+
+
+def current() -> Flags:
+    """Flags from the process environment, read now."""
+    return Flags()

@@ -1,0 +1,284 @@
+"""GGUF model files: open, validate, and describe them.
+
+Format: GGUF v2/v3 as specified in ggml's docs/gguf.md, read with the `gguf` package's
+memory-mapped `GGUFReader`. Tensor shapes here are in numpy (row-major) order, the reverse
+of ggml's `ne`: a weight of ggml shape [n_embd, n_vocab] is `(n_vocab, n_embd)` here, one row
+per output feature.
+
+Every problem with a file raises `ModelFileError` or `UnsupportedModelError`, whose message
+names the file and says what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+from .errors import ModelFileError, UnsupportedModelError
+
+GGUF_MAGIC = b"GGUF"
+
+# Tensor types every backend computes with (ggml type names).
+SUPPORTED_TYPES = frozenset(
+    GGMLQuantizationType[n] for n in ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
+)
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of a GGUF file, still in its on-disk encoding.
+
+    name:  GGUF tensor name, e.g. "blk.0.attn_q.weight".
+    ggml_type: its ggml type (GGMLQuantizationType).
+    shape: numpy order, e.g. (n_out, n_in) for a matrix.
+    raw:   uint8 view of the encoded bytes, memory-mapped, shape (n_rows, bytes_per_row)
+           for quantized types, or the typed array for F32/F16 (as the gguf package gives it).
+    """
+
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    raw: np.ndarray
+
+    @property
+    def type_name(self) -> str:
+        return self.ggml_type.name
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def n_bytes(self) -> int:
+        block, size = GGML_QUANT_SIZES[self.ggml_type]
+        return self.n_elements // block * size
+
+    def raw_bytes(self) -> np.ndarray:
+        """The encoded bytes as a uint8 array of shape (n_rows, bytes_per_row) (memory-mapped view)."""
+        rows = int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
+        return self.raw.reshape(-1).view(np.uint8).reshape(rows, -1)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a model, from GGUF metadata (keys `{arch}.*` as llama.cpp writes them).
+
+    Sizes are element counts. `rope_neox` selects the NeoX RoPE layout (rotate halves: qwen2,
+    qwen3) rather than llama's interleaved pairs (GGUF llama weights are permuted for it).
+    """
+
+    arch: str
+    name: str
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_ctx_train: int
+    rms_eps: float
+    rope_freq_base: float
+    rope_dim: int
+    rope_neox: bool
+    has_qkv_bias: bool
+    has_qk_norm: bool
+    has_rope_freqs: bool
+    tied_embeddings: bool
+
+    @property
+    def n_gqa(self) -> int:
+        """Query heads per KV head."""
+        return self.n_head // self.n_head_kv
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+
+class ModelFile:
+    """A validated, memory-mapped GGUF file.
+
+    Attributes: path, reader (gguf.GGUFReader), metadata (key -> python value, arrays of
+    strings/numbers decoded lazily via `meta`), tensors (name -> Tensor), config (ModelConfig,
+    or None for vocabulary-only files).
+
+    Raises ModelFileError (missing/not GGUF/truncated/inconsistent) or UnsupportedModelError
+    (architecture or tensor type k4 cannot run) when `require_weights` is true.
+    """
+
+    def __init__(self, path: str | os.PathLike, require_weights: bool = True):
+        self.path = Path(path)
+        self.reader = _open_reader(self.path)
+        self.tensors = _tensor_table(self.path, self.reader)
+        self.arch = self.meta("general.architecture")
+        self.config: ModelConfig | None = None
+        if require_weights:
+            self.config = _config_from(self)
+            check_weights(self)
+
+    def meta(self, key: str, default: Any = None) -> Any:
+        """The value of a metadata key (scalars, strings, lists), or `default` when absent."""
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except Exception as exc:  # the gguf package raises assorted errors on corrupt fields
+            raise ModelFileError(f"{self.path}: metadata key {key!r} is corrupt ({exc}); re-download or re-convert the model") from None
+
+    def has_meta(self, key: str) -> bool:
+        return key in self.reader.fields
+
+    def tensor(self, name: str) -> Tensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelFileError(f"{self.path}: tensor {name!r} is missing; the file is incomplete or not a {self.arch} model") from None
+
+    @property
+    def file_size(self) -> int:
+        return self.path.stat().st_size
+
+    @property
+    def n_params(self) -> int:
+        return sum(t.n_elements for t in self.tensors.values())
+
+
+def _open_reader(path: Path) -> GGUFReader:
+    if not path.exists():
+        raise ModelFileError(f"{path}: no such file; pass an existing .gguf with -m")
+    if path.is_dir():
+        raise ModelFileError(f"{path}: is a directory; pass a .gguf file with -m")
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise ModelFileError(f"{path}: cannot be read ({exc.strerror})") from None
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(f"{path}: not a GGUF file (bad magic {magic!r}); convert the model to GGUF first")
+    try:
+        return GGUFReader(path, "r")
+    except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on damage
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelFileError(f"{path}: damaged or truncated GGUF ({reason}); re-download the file") from None
+
+
+def _tensor_table(path: Path, reader: GGUFReader) -> dict[str, Tensor]:
+    size = path.stat().st_size
+    table: dict[str, Tensor] = {}
+    for t in reader.tensors:
+        if t.name in table:
+            raise ModelFileError(f"{path}: tensor {t.name!r} appears twice; the file is corrupt")
+        if int(t.data_offset) + int(t.n_bytes) > size:
+            raise ModelFileError(f"{path}: tensor {t.name!r} runs past the end of the file; the file is truncated, re-download it")
+        shape = tuple(int(d) for d in reversed(list(t.shape)))
+        table[t.name] = Tensor(t.name, GGMLQuantizationType(int(t.tensor_type)), shape, t.data)
+    return table
+
+
+def _config_from(mf: ModelFile) -> ModelConfig:
+    arch = mf.arch
+    if arch is None:
+        raise ModelFileError(f"{mf.path}: metadata key 'general.architecture' is missing; this is not a model file")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(f"{mf.path}: architecture {arch!r} is not supported; k4 runs {', '.join(ARCHITECTURES)}")
+
+    def need(key: str) -> Any:
+        value = mf.meta(f"{arch}.{key}")
+        if value is None:
+            raise ModelFileError(f"{mf.path}: metadata key '{arch}.{key}' is missing; the file is incomplete")
+        return value
+
+    n_embd = int(need("embedding_length"))
+    n_head = int(need("attention.head_count"))
+    n_head_kv = int(mf.meta(f"{arch}.attention.head_count_kv", n_head))
+    head_dim = int(mf.meta(f"{arch}.attention.key_length", n_embd // max(n_head, 1)))
+    if n_head <= 0 or n_head_kv <= 0 or n_head % n_head_kv or head_dim <= 0:
+        raise ModelFileError(f"{mf.path}: head counts n_head={n_head} n_head_kv={n_head_kv} are inconsistent")
+    tok_embd = mf.tensor("token_embd.weight")
+    return ModelConfig(
+        arch=arch,
+        name=str(mf.meta("general.name", mf.path.stem)),
+        n_vocab=tok_embd.shape[0],
+        n_embd=n_embd,
+        n_layer=int(need("block_count")),
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        n_ff=int(need("feed_forward_length")),
+        n_ctx_train=int(mf.meta(f"{arch}.context_length", 2048)),
+        rms_eps=float(mf.meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_freq_base=float(mf.meta(f"{arch}.rope.freq_base", 10000.0)),
+        rope_dim=int(mf.meta(f"{arch}.rope.dimension_count", head_dim)),
+        rope_neox=arch in ("qwen2", "qwen3"),
+        has_qkv_bias="blk.0.attn_q.bias" in mf.tensors,
+        has_qk_norm="blk.0.attn_q_norm.weight" in mf.tensors,
+        has_rope_freqs="rope_freqs.weight" in mf.tensors,
+        tied_embeddings="output.weight" not in mf.tensors,
+    )
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the forward pass reads, with its numpy shape."""
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (cfg.n_vocab, cfg.n_embd),
+        "output_norm.weight": (cfg.n_embd,),
+    }
+    if not cfg.tied_embeddings:
+        shapes["output.weight"] = (cfg.n_vocab, cfg.n_embd)
+    if cfg.has_rope_freqs:
+        shapes["rope_freqs.weight"] = (cfg.rope_dim // 2,)
+    for i in range(cfg.n_layer):
+        p = f"blk.{i}."
+        shapes[p + "attn_norm.weight"] = (cfg.n_embd,)
+        shapes[p + "attn_q.weight"] = (cfg.q_dim, cfg.n_embd)
+        shapes[p + "attn_k.weight"] = (cfg.kv_dim, cfg.n_embd)
+        shapes[p + "attn_v.weight"] = (cfg.kv_dim, cfg.n_embd)
+        shapes[p + "attn_output.weight"] = (cfg.n_embd, cfg.q_dim)
+        shapes[p + "ffn_norm.weight"] = (cfg.n_embd,)
+        shapes[p + "ffn_gate.weight"] = (cfg.n_ff, cfg.n_embd)
+        shapes[p + "ffn_up.weight"] = (cfg.n_ff, cfg.n_embd)
+        shapes[p + "ffn_down.weight"] = (cfg.n_embd, cfg.n_ff)
+        if cfg.has_qkv_bias:
+            shapes[p + "attn_q.bias"] = (cfg.q_dim,)
+            shapes[p + "attn_k.bias"] = (cfg.kv_dim,)
+            shapes[p + "attn_v.bias"] = (cfg.kv_dim,)
+        if cfg.has_qk_norm:
+            shapes[p + "attn_q_norm.weight"] = (cfg.head_dim,)
+            shapes[p + "attn_k_norm.weight"] = (cfg.head_dim,)
+    return shapes
+
+
+def check_weights(mf: ModelFile) -> None:
+    """Check that every tensor the forward pass needs is present, shaped and typed as expected.
+
+    Raises ModelFileError (missing tensor, wrong shape) or UnsupportedModelError (tensor type).
+    """
+    assert mf.config is not None
+    for name, shape in expected_shapes(mf.config).items():
+        t = mf.tensor(name)
+        if t.shape != shape:
+            raise ModelFileError(f"{mf.path}: tensor {name!r} has shape {t.shape}, expected {shape}; the file is inconsistent")
+        if t.ggml_type not in SUPPORTED_TYPES:
+            supported = ", ".join(sorted(x.name for x in SUPPORTED_TYPES))
+            raise UnsupportedModelError(f"{mf.path}: tensor {name!r} has type {t.type_name}, which k4 does not support (supported: {supported})")
+        block, _ = GGML_QUANT_SIZES[t.ggml_type]
+        if shape[-1] % block:
+            raise ModelFileError(f"{mf.path}: tensor {name!r} rows of {shape[-1]} are not a multiple of the {t.type_name} block of {block}")
+
+
+def open_model(path: str | os.PathLike, require_weights: bool = True) -> ModelFile:
+    """Open and validate a GGUF file; see ModelFile."""
+    return ModelFile(path, require_weights=require_weights)
