@@ -1,0 +1,86 @@
+"""The protocol every backend implements (numpy reference, CUDA), and backend selection.
+
+A backend owns the model's weights and one KV cache of `n_ctx` positions. `tokens` lists the
+ids whose keys/values are in the cache, in order; `n_past == len(tokens)`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Protocol, Sequence
+
+import numpy as np
+
+from .model import ModelConfig, ModelFile
+from .sampling import SamplingParams
+from .trace import Trace
+
+
+class Backend(Protocol):
+    name: str
+    config: ModelConfig
+    n_ctx: int
+    trace: Trace
+    tokens: list[int]
+
+    @property
+    def n_past(self) -> int: ...
+
+    def reset(self) -> None:
+        """Empty the KV cache."""
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n cached positions (0 <= n <= n_past), drop the rest."""
+
+    def eval(self, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Run the model over token_ids after the cached ones and cache them.
+
+        Returns logits, float32: (len(token_ids), n_vocab) if all_logits else (n_vocab,) for the
+        last position. Raises ContextFullError if n_past + len(token_ids) > n_ctx.
+        """
+
+    def generate(self, token_ids: Sequence[int], params: SamplingParams, history: Sequence[int] = ()) -> Iterator[int]:
+        """Evaluate token_ids, then yield sampled ids forever, feeding each back in.
+
+        `history` is the token list the repeat penalty looks at before token_ids. The draw
+        number for the RNG is the count of tokens yielded so far. A backend may compute one
+        token ahead of the consumer; when the generator is closed, the cache holds exactly
+        token_ids plus the tokens consumed except the last (which was never evaluated).
+        Raises ContextFullError when the cache is full.
+        """
+
+
+def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0) -> Backend:
+    """Build the backend `kind` ("auto", "numpy", "cuda") for a loaded model.
+
+    n_ctx = 0 means the model's training context. "auto" picks cuda when a GPU and CuPy are
+    present, else numpy. Raises BackendUnavailableError (cuda asked for but not usable) or
+    UsageError (unknown kind).
+    """
+    from .errors import UsageError
+
+    if kind not in ("auto", "numpy", "cuda"):
+        raise UsageError(f"--backend {kind!r} is unknown; use auto, numpy or cuda")
+    assert mf.config is not None
+    n_ctx = n_ctx or mf.config.n_ctx_train
+    if n_ctx < 1:
+        raise UsageError(f"--ctx-size {n_ctx} is invalid; use a positive number of tokens")
+    if kind == "auto":
+        kind = "cuda" if cuda_available() else "numpy"
+    if kind == "cuda":
+        from .cuda.backend import CudaBackend, require_cuda
+
+        require_cuda()
+        return CudaBackend(mf, n_ctx)
+    from .reference import NumpyBackend
+
+    return NumpyBackend(mf, n_ctx)
+
+
+def cuda_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy as cp
+
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
