@@ -50,3 +50,35 @@ def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[obj
     for r in rows:
         t.add_row(*(str(x) for x in r))
     return t
+
+
+COUNTER_COLUMNS = (
+    ("ms", "time ms"),
+    ("steps", "steps"),
+    ("h2d_bytes", "H2D bytes"),
+    ("h2d_count", "H2D #"),
+    ("d2h_bytes", "D2H bytes"),
+    ("d2h_count", "D2H #"),
+    ("syncs", "syncs"),
+    ("launches", "launches"),
+    ("graph_replays", "graph replays"),
+    ("allocs", "allocs"),
+    ("alloc_bytes", "alloc bytes"),
+)
+
+
+def trace_table(trace, title: str = "per-phase counters") -> Table:
+    """A table of runtime.trace.Trace: one row per phase, one column per counter."""
+    rows = []
+    for phase, c in trace.phases.items():
+        d = c.as_dict()
+        rows.append([phase] + [f"{d[k]:,.1f}" if k == "ms" else f"{d[k]:,}" for k, _ in COUNTER_COLUMNS])
+    return table(title, ["phase"] + [h for _, h in COUNTER_COLUMNS], rows, right=range(1, len(COUNTER_COLUMNS) + 1))
+
+
+def stats_line(load_ms: float, result) -> str:
+    """One line of generation stats (runtime.generate.GenerationResult)."""
+    return (
+        f"load {load_ms:,.0f} ms | prompt {result.prompt_tokens} tok ({result.prefill_tokens} evaluated), "
+        f"{result.prompt_tps:,.1f} t/s | generated {len(result.token_ids)} tok, {result.gen_tps:,.1f} t/s | stop: {result.stop_reason}"
+    )

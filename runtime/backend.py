@@ -14,6 +14,8 @@ from .model import ModelConfig, ModelFile
 from .sampling import SamplingParams
 from .trace import Trace
 
+DEFAULT_CTX = 4096  # tokens, as llama.cpp's default --ctx-size
+
 
 class Backend(Protocol):
     name: str
@@ -52,7 +54,7 @@ class Backend(Protocol):
 def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0) -> Backend:
     """Build the backend `kind` ("auto", "numpy", "cuda") for a loaded model.
 
-    n_ctx = 0 means the model's training context. "auto" picks cuda when a GPU and CuPy are
+    n_ctx = 0 means the model's training context, capped at DEFAULT_CTX tokens. "auto" picks cuda when a GPU and CuPy are
     present, else numpy. Raises BackendUnavailableError (cuda asked for but not usable) or
     UsageError (unknown kind).
     """
@@ -61,7 +63,7 @@ def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0) -> Backend:
     if kind not in ("auto", "numpy", "cuda"):
         raise UsageError(f"--backend {kind!r} is unknown; use auto, numpy or cuda")
     assert mf.config is not None
-    n_ctx = n_ctx or mf.config.n_ctx_train
+    n_ctx = n_ctx or min(mf.config.n_ctx_train, DEFAULT_CTX)
     if n_ctx < 1:
         raise UsageError(f"--ctx-size {n_ctx} is invalid; use a positive number of tokens")
     if kind == "auto":

@@ -1,0 +1,205 @@
+"""The numpy reference backend: the whole forward pass in float32 on the CPU.
+
+It is the oracle every CUDA kernel is tested against, and what runs where there is no GPU.
+Written to be read top to bottom, in the order a token flows through the model:
+weights -> KV cache -> forward (embedding, layers, output) -> generation loop.
+
+Algorithms: the llama architecture as implemented by llama.cpp (RMSNorm, RoPE "normal"
+(interleaved pairs) for llama GGUFs and "NeoX" (halves) for qwen2/qwen3, grouped-query
+attention, SwiGLU feed-forward); weights dequantized by the gguf package (gguf.quants).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+from gguf.quants import dequantize
+
+from .errors import ContextFullError
+from .model import ModelConfig, ModelFile, Tensor
+from .sampling import SamplingParams, sample
+from .trace import Trace
+
+
+def dequantize_tensor(t: Tensor) -> np.ndarray:
+    """A GGUF tensor decoded to float32, numpy shape t.shape (gguf.quants is the oracle)."""
+    return np.ascontiguousarray(dequantize(t.raw, t.ggml_type), dtype=np.float32).reshape(t.shape)
+
+
+class Layer:
+    """One transformer block's weights, float32. Matrices are (n_out, n_in)."""
+
+    def __init__(self, mf: ModelFile, i: int):
+        cfg = mf.config
+        get = lambda name: dequantize_tensor(mf.tensor(f"blk.{i}.{name}"))  # noqa: E731
+        self.attn_norm = get("attn_norm.weight")  # (n_embd,)
+        self.wq = get("attn_q.weight")  # (n_head * head_dim, n_embd)
+        self.wk = get("attn_k.weight")  # (n_head_kv * head_dim, n_embd)
+        self.wv = get("attn_v.weight")  # (n_head_kv * head_dim, n_embd)
+        self.wo = get("attn_output.weight")  # (n_embd, n_head * head_dim)
+        self.ffn_norm = get("ffn_norm.weight")  # (n_embd,)
+        self.w_gate = get("ffn_gate.weight")  # (n_ff, n_embd)
+        self.w_up = get("ffn_up.weight")  # (n_ff, n_embd)
+        self.w_down = get("ffn_down.weight")  # (n_embd, n_ff)
+        self.bq = get("attn_q.bias") if cfg.has_qkv_bias else None  # (n_head * head_dim,)
+        self.bk = get("attn_k.bias") if cfg.has_qkv_bias else None  # (n_head_kv * head_dim,)
+        self.bv = get("attn_v.bias") if cfg.has_qkv_bias else None  # (n_head_kv * head_dim,)
+        self.q_norm = get("attn_q_norm.weight") if cfg.has_qk_norm else None  # (head_dim,)
+        self.k_norm = get("attn_k_norm.weight") if cfg.has_qk_norm else None  # (head_dim,)
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x (..., n) float32 -> x / sqrt(mean(x^2) + eps) * w, over the last axis."""
+    ms = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
+    return (x / np.sqrt(ms + np.float32(eps))) * w
+
+
+def rope_tables(cfg: ModelConfig, positions: np.ndarray, freq_factors: np.ndarray | None):
+    """cos, sin of shape (T, rope_dim // 2) float32 for the given positions (T,).
+
+    theta_i = pos * base^(-2i / rope_dim), divided by freq_factors[i] when the model has
+    `rope_freqs.weight` (Llama 3.1 rope scaling).
+    """
+    half = cfg.rope_dim // 2
+    inv_freq = cfg.rope_freq_base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)  # (half,)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.astype(np.float64)
+    theta = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # (T, half)
+    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, neox: bool) -> np.ndarray:
+    """x (T, n_heads, head_dim) -> rotated copy; only the first rope_dim dims of each head turn.
+
+    neox=False: pairs (2i, 2i+1) (llama.cpp's "normal" mode); neox=True: pairs (i, i + rope_dim/2).
+    """
+    out = x.copy()
+    c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, half)
+    if neox:
+        half = rope_dim // 2
+        a, b = x[..., :half], x[..., half:rope_dim]  # (T, n_heads, half) each
+        out[..., :half] = a * c - b * s
+        out[..., half:rope_dim] = a * s + b * c
+    else:
+        a, b = x[..., 0:rope_dim:2], x[..., 1:rope_dim:2]  # (T, n_heads, half) each
+        out[..., 0:rope_dim:2] = a * c - b * s
+        out[..., 1:rope_dim:2] = a * s + b * c
+    return out
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+class NumpyBackend:
+    """The reference backend (see runtime/backend.py for the protocol).
+
+    Weights are dequantized to float32 at load; the KV cache is float32,
+    (n_layer, n_ctx, n_head_kv, head_dim) for keys and values each.
+    """
+
+    name = "numpy"
+
+    def __init__(self, mf: ModelFile, n_ctx: int):
+        cfg = mf.config
+        assert cfg is not None
+        self.config, self.n_ctx, self.trace = cfg, n_ctx, Trace()
+        with self.trace.in_phase("load"):
+            self.token_embd = dequantize_tensor(mf.tensor("token_embd.weight"))  # (n_vocab, n_embd)
+            self.output_norm = dequantize_tensor(mf.tensor("output_norm.weight"))  # (n_embd,)
+            out_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+            self.output = self.token_embd if cfg.tied_embeddings else dequantize_tensor(mf.tensor(out_name))  # (n_vocab, n_embd)
+            self.rope_freqs = dequantize_tensor(mf.tensor("rope_freqs.weight")) if cfg.has_rope_freqs else None  # (rope_dim/2,)
+            self.layers = [Layer(mf, i) for i in range(cfg.n_layer)]
+            kv_shape = (cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim)
+            self.k_cache = np.zeros(kv_shape, dtype=np.float32)  # (n_layer, n_ctx, n_head_kv, head_dim)
+            self.v_cache = np.zeros(kv_shape, dtype=np.float32)  # (n_layer, n_ctx, n_head_kv, head_dim)
+        self.tokens: list[int] = []
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.n_past:
+            raise ValueError(f"truncate({n}) outside 0..{self.n_past}")
+        del self.tokens[n:]
+
+    def eval(self, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        ids = np.asarray(token_ids, dtype=np.int64)  # (T,)
+        if ids.size == 0:
+            raise ValueError("eval() needs at least one token")
+        if self.n_past + ids.size > self.n_ctx:
+            raise ContextFullError(
+                f"{self.n_past + ids.size} tokens do not fit in the context of {self.n_ctx}; raise --ctx-size or shorten the input"
+            )
+        phase = "prefill" if ids.size > 1 else "decode"
+        with self.trace.in_phase(phase) as c:
+            logits = self._forward(ids, all_logits)
+            c.steps += 1
+        self.tokens.extend(int(t) for t in ids)
+        return logits
+
+    def _forward(self, ids: np.ndarray, all_logits: bool) -> np.ndarray:
+        cfg = self.config
+        T, p0 = ids.size, self.n_past
+        nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        positions = np.arange(p0, p0 + T)  # (T,)
+        cos, sin = rope_tables(cfg, positions, self.rope_freqs)  # (T, rope_dim/2) each
+        # causal mask over the cache: query t (at p0 + t) sees cache positions 0..p0 + t
+        mask = np.arange(p0 + T)[None, :] > positions[:, None]  # (T, p0 + T) bool
+        scale = np.float32(1.0 / np.sqrt(hd))
+
+        x = self.token_embd[ids]  # (T, n_embd) the residual stream
+        for li, L in enumerate(self.layers):
+            # attention: norm, projections, rope, cache write, grouped-query attention, output
+            h = rms_norm(x, L.attn_norm, cfg.rms_eps)  # (T, n_embd)
+            q = h @ L.wq.T  # (T, nh * hd)
+            k = h @ L.wk.T  # (T, nkv * hd)
+            v = h @ L.wv.T  # (T, nkv * hd)
+            if L.bq is not None:
+                q, k, v = q + L.bq, k + L.bk, v + L.bv
+            q = q.reshape(T, nh, hd)  # (T, nh, hd)
+            k = k.reshape(T, nkv, hd)  # (T, nkv, hd)
+            if L.q_norm is not None:
+                q = rms_norm(q, L.q_norm, cfg.rms_eps)
+                k = rms_norm(k, L.k_norm, cfg.rms_eps)
+            q = apply_rope(q, cos, sin, cfg.rope_dim, cfg.rope_neox)
+            k = apply_rope(k, cos, sin, cfg.rope_dim, cfg.rope_neox)
+            self.k_cache[li, p0 : p0 + T] = k
+            self.v_cache[li, p0 : p0 + T] = v.reshape(T, nkv, hd)
+            keys = self.k_cache[li, : p0 + T]  # (S, nkv, hd), S = p0 + T
+            vals = self.v_cache[li, : p0 + T]  # (S, nkv, hd)
+            qg = q.reshape(T, nkv, cfg.n_gqa, hd)  # (T, nkv, gqa, hd): query heads grouped by kv head
+            scores = np.einsum("tkgd,skd->kgts", qg, keys) * scale  # (nkv, gqa, T, S)
+            scores = np.where(mask, np.float32(-np.inf), scores)
+            scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            probs = scores / scores.sum(axis=-1, keepdims=True)  # (nkv, gqa, T, S)
+            attn = np.einsum("kgts,skd->tkgd", probs, vals).reshape(T, nh * hd)  # (T, nh * hd)
+            x = x + attn @ L.wo.T  # (T, n_embd)
+            # feed-forward: norm, SwiGLU, down projection
+            h = rms_norm(x, L.ffn_norm, cfg.rms_eps)  # (T, n_embd)
+            ff = silu(h @ L.w_gate.T) * (h @ L.w_up.T)  # (T, n_ff)
+            x = x + ff @ L.w_down.T  # (T, n_embd)
+
+        if not all_logits:
+            x = x[-1:]
+        h = rms_norm(x, self.output_norm, cfg.rms_eps)  # (T or 1, n_embd)
+        logits = (h @ self.output.T).astype(np.float32)  # (T or 1, n_vocab)
+        return logits if all_logits else logits[0]
+
+    def generate(self, token_ids: Sequence[int], params: SamplingParams, history: Sequence[int] = ()) -> Iterator[int]:
+        recent = list(history) + list(token_ids)
+        logits = self.eval(token_ids)
+        step = 0
+        while True:
+            with self.trace.in_phase("sample"):
+                tok = sample(logits, params, recent, step)
+            step += 1
+            recent.append(tok)
+            yield tok
+            logits = self.eval([tok])
