@@ -1,0 +1,92 @@
+"""GGUF opening and validation: good files give the right config, bad ones one clear line."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from gguf import GGMLQuantizationType as T
+from typer.testing import CliRunner
+
+from cli.app import app
+from runtime.errors import ModelFileError, UnsupportedModelError
+from runtime.model import open_model
+from tiny import tiny_config, write_tiny
+
+runner = CliRunner()
+
+
+def test_config_of_real_models(shared):
+    cfg = open_model(shared / "models" / "stories260K.gguf").config
+    assert (cfg.arch, cfg.n_vocab, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff) == (
+        "llama", 512, 64, 5, 8, 4, 8, 172)
+    assert not cfg.rope_neox and not cfg.tied_embeddings and cfg.n_gqa == 2
+    pad = open_model(shared / "models" / "stories260K-pad-q4_k_m.gguf")
+    assert (pad.config.n_embd, pad.config.n_head, pad.config.n_head_kv, pad.config.head_dim) == (256, 32, 16, 8)
+    types = sorted({t.type_name for t in pad.tensors.values()})
+    assert types == ["F32", "Q4_K", "Q6_K"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_config_flags_per_arch(tmp_path, shared, arch):
+    p = write_tiny(tmp_path / "m.gguf", shared / "models" / "stories260K.gguf", tiny_config(arch, tied_embeddings=arch == "qwen3"))
+    cfg = open_model(p).config
+    assert cfg.rope_neox == (arch != "llama")
+    assert cfg.has_qkv_bias == (arch == "qwen2")
+    assert cfg.has_qk_norm == (arch == "qwen3")
+    assert cfg.tied_embeddings == (arch == "qwen3")
+
+
+def _bad_files(tmp_path, shared):
+    vocab = shared / "models" / "stories260K.gguf"
+    sample = shared / "models" / "stories260K-pad-q4_k_m.gguf"
+    text = tmp_path / "notes.gguf"
+    text.write_text("hello, I am not a model\n")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(sample.read_bytes()[: int(sample.stat().st_size * 0.6)])
+    header_cut = tmp_path / "header_cut.gguf"
+    header_cut.write_bytes(sample.read_bytes()[:200])
+    arch = write_tiny(tmp_path / "arch.gguf", vocab, tiny_config("mamba"))
+    qtype = write_tiny(tmp_path / "q4_0.gguf", vocab, tiny_config(), matrix_type=T.Q4_0)
+    missing = write_tiny(tmp_path / "missing.gguf", vocab, tiny_config(), skip=("blk.1.ffn_up.weight",))
+    return {
+        "absent": (tmp_path / "nope.gguf", "no such file"),
+        "not_gguf": (text, "not a GGUF file"),
+        "truncated": (truncated, "truncated"),
+        "header_cut": (header_cut, "truncated GGUF"),
+        "arch": (arch, "architecture 'mamba' is not supported"),
+        "qtype": (qtype, "has type Q4_0, which k4 does not support"),
+        "missing": (missing, "tensor 'blk.1.ffn_up.weight' is missing"),
+    }
+
+
+CASES = ["absent", "not_gguf", "truncated", "header_cut", "arch", "qtype", "missing"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_file_raises_our_error(tmp_path, shared, case):
+    path, message = _bad_files(tmp_path, shared)[case]
+    with pytest.raises((ModelFileError, UnsupportedModelError)) as info:
+        open_model(path)
+    assert message in str(info.value)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("command", ["info", "run"])
+@pytest.mark.parametrize("case", CASES)
+def test_bad_file_cli_one_line_exit_2(tmp_path, shared, case, command):
+    path, message = _bad_files(tmp_path, shared)[case]
+    args = [command, "-m", str(path)] + (["hi", "--backend", "numpy"] if command == "run" else [])
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_sample_file_untouched_by_failed_load(tmp_path, shared):
+    src = shared / "models" / "stories260K-pad-q4_k_m.gguf"
+    copy = tmp_path / "m.gguf"
+    shutil.copy(src, copy)
+    open_model(copy)
+    assert copy.read_bytes() == src.read_bytes()

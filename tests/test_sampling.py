@@ -1,0 +1,66 @@
+"""The host sampler: greedy, the filter chain, the repeat penalty rule, the seeded RNG."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.errors import UsageError
+from runtime.sampling import SamplingParams, apply_repeat_penalty, sample, splitmix64, uniform
+
+
+def test_splitmix64_known_values():
+    # splitmix64 outputs for state 0 (first output of the reference generator seeded with 0)
+    assert splitmix64(0) == 0xE220A8397B1DCDAF
+    assert 0.0 <= uniform(1, 2) < 1.0 and uniform(1, 2) == uniform(1, 2) and uniform(1, 2) != uniform(1, 3)
+
+
+def test_greedy_is_argmax_first_on_ties():
+    logits = np.array([0.0, 3.0, 3.0, 1.0], np.float32)
+    assert sample(logits, SamplingParams(temperature=0), [], 0) == 1
+
+
+def test_repeat_penalty_divides_positive_multiplies_negative():
+    logits = np.array([2.0, -2.0, 1.0], np.float32)
+    out = apply_repeat_penalty(logits, [0, 1, 0], 2.0, 64)
+    np.testing.assert_allclose(out, [1.0, -4.0, 1.0])
+    np.testing.assert_allclose(apply_repeat_penalty(logits, [0, 1], 2.0, 1), [2.0, -4.0, 1.0])
+
+
+def test_top_k_one_is_greedy():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal(100).astype(np.float32)
+    for step in range(20):
+        assert sample(logits, SamplingParams(temperature=1.5, top_k=1, seed=step), [], step) == int(np.argmax(logits))
+
+
+def test_filters_limit_the_candidates():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
+    seen = {sample(logits, SamplingParams(temperature=1.0, top_k=0, top_p=0.7, min_p=0.0, seed=s), [], 0) for s in range(300)}
+    assert seen == {0, 1}
+    seen = {sample(logits, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.25, seed=s), [], 0) for s in range(300)}
+    assert seen == {0, 1, 2}
+    seen = {sample(logits, SamplingParams(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0, seed=s), [], 0) for s in range(300)}
+    assert seen == {0, 1, 2}
+
+
+def test_distribution_follows_temperature():
+    logits = np.log(np.array([0.6, 0.4], np.float32))
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    draws = [sample(logits, p.with_(seed=s), [], 0) for s in range(4000)]
+    assert abs(draws.count(0) / 4000 - 0.6) < 0.03
+
+
+def test_same_seed_same_tokens():
+    logits = np.random.default_rng(1).standard_normal(50).astype(np.float32)
+    p = SamplingParams(temperature=1.0, seed=7)
+    assert [sample(logits, p, [], i) for i in range(10)] == [sample(logits, p, [], i) for i in range(10)]
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(temperature=-1), "--temp"), (dict(top_p=0), "(0, 1]"), (dict(top_p=1.5), "(0, 1]"),
+    (dict(min_p=2), "--min-p"), (dict(repeat_penalty=0), "--repeat-penalty"), (dict(repeat_last_n=-1), "--repeat-last-n"),
+])
+def test_invalid_values_name_the_range(change, needle):
+    with pytest.raises(UsageError, match=needle.replace("(", r"\(").replace("]", r"\]")):
+        SamplingParams().with_(**change)
