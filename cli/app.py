@@ -15,7 +15,7 @@ app = typer.Typer(
 )
 
 # Each module defines register(app) which adds its command(s).
-COMMAND_MODULES = ("run", "tokenize", "prompt", "info", "perplexity", "quantize")
+COMMAND_MODULES = ("run", "chat", "tokenize", "prompt", "info", "perplexity", "quantize", "synth", "bench")
 
 for _name in COMMAND_MODULES:
     try:
