@@ -3,6 +3,7 @@ and the error boundary that turns K4Error into a one-line message and an exit co
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from typing import Callable, Iterable, Sequence
@@ -82,3 +83,20 @@ def stats_line(load_ms: float, result) -> str:
         f"load {load_ms:,.0f} ms | prompt {result.prompt_tokens} tok ({result.prefill_tokens} evaluated), "
         f"{result.prompt_tps:,.1f} t/s | generated {len(result.token_ids)} tok, {result.gen_tps:,.1f} t/s | stop: {result.stop_reason}"
     )
+
+
+@contextlib.contextmanager
+def progress_bar(description: str, min_bytes: int = 0):
+    """A rich progress bar on stderr in bytes; yields update(done, total). Nothing is drawn for
+    totals under min_bytes or when stderr is not a terminal."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=err, transient=True, disable=not err.is_terminal) as prog:
+        task = prog.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            if total >= min_bytes:
+                prog.update(task, completed=done, total=total)
+
+        yield update

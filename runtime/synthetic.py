@@ -1,0 +1,227 @@
+"""Synthetic models: the exact shapes and Q4_K_M tensor-type layout of real models, with random,
+numerically sane weights, written as quantized blocks directly (no float weights are made).
+
+Speed does not depend on weight values, so these are how k4 is benchmarked at real sizes.
+Shapes: the models' published configs (Hugging Face config.json of each). Q4_K_M type choice:
+llama.cpp's llama_tensor_get_type (llama-quant.cpp): output (or tied token_embd) Q6_K; attn_v
+and ffn_down Q6_K on the layers `use_more_bits` picks; Q4_K elsewhere; rows that are not a
+multiple of 256 fall back (Q4_K -> Q5_0, Q6_K -> Q8_0). Block layouts: ggml-common.h.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUFWriter
+from gguf import GGMLQuantizationType as T
+
+from .errors import UsageError
+from .model import ModelConfig, expected_shapes, open_model
+
+QK_K = 256
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A real model's shape. Sizes in elements; n_ctx is the training context."""
+
+    arch: str
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_ctx: int
+    rope_freq_base: float
+    rms_eps: float
+    head_dim: int = 0  # 0: n_embd // n_head
+    tied: bool = False
+
+    def config(self, name: str) -> ModelConfig:
+        hd = self.head_dim or self.n_embd // self.n_head
+        return ModelConfig(
+            arch=self.arch, name=name, n_vocab=self.n_vocab, n_embd=self.n_embd, n_layer=self.n_layer,
+            n_head=self.n_head, n_head_kv=self.n_head_kv, head_dim=hd, n_ff=self.n_ff, n_ctx_train=self.n_ctx,
+            rms_eps=self.rms_eps, rope_freq_base=self.rope_freq_base, rope_dim=hd, rope_neox=self.arch != "llama",
+            has_qkv_bias=self.arch == "qwen2", has_qk_norm=self.arch == "qwen3", has_rope_freqs=False,
+            tied_embeddings=self.tied,
+        )
+
+
+PRESETS: dict[str, Preset] = {
+    "tinyllama-1.1b": Preset("llama", 32000, 2048, 22, 32, 4, 5632, 2048, 10000.0, 1e-5),
+    "llama2-7b": Preset("llama", 32000, 4096, 32, 32, 32, 11008, 4096, 10000.0, 1e-5),
+    "llama3-8b": Preset("llama", 128256, 4096, 32, 32, 8, 14336, 8192, 500000.0, 1e-5),
+    "qwen2.5-0.5b": Preset("qwen2", 151936, 896, 24, 14, 2, 4864, 32768, 1000000.0, 1e-6, tied=True),
+    "qwen2.5-7b": Preset("qwen2", 152064, 3584, 28, 28, 4, 18944, 32768, 1000000.0, 1e-6),
+    "qwen3-8b": Preset("qwen3", 151936, 4096, 36, 32, 8, 12288, 40960, 1000000.0, 1e-6, head_dim=128),
+    # a small shape for tests: every code path of the 7B shapes, 256-multiple rows, GQA
+    "test-tiny": Preset("llama", 512, 256, 2, 4, 2, 512, 512, 10000.0, 1e-5),
+}
+
+
+def use_more_bits(i_layer: int, n_layer: int) -> bool:
+    """llama.cpp's rule for which layers get more bits in the _M mixes."""
+    return i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8 or (i_layer - n_layer // 8) % 3 == 2
+
+
+FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0, T.Q5_K: T.Q5_0}
+
+
+def q4_k_m_type(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> T:
+    """The ggml type llama.cpp's Q4_K_M mix gives tensor `name` (numpy shape)."""
+    if len(shape) == 1:
+        return T.F32
+    if name == "output.weight" or (cfg.tied_embeddings and name == "token_embd.weight"):
+        t = T.Q6_K
+    elif name.endswith(("attn_v.weight", "ffn_down.weight")) and use_more_bits(int(name.split(".")[1]), cfg.n_layer):
+        t = T.Q6_K
+    else:
+        t = T.Q4_K
+    return FALLBACK.get(t, t) if shape[-1] % QK_K else t
+
+
+def random_blocks(t: T, n_rows: int, n_cols: int, rng: np.random.Generator, scale: float) -> np.ndarray:
+    """Random valid blocks of type t for an (n_rows, n_cols) matrix whose weights have standard
+    deviation about `scale`: uint8 (n_rows, n_cols / block * type_size). Scales are finite fp16;
+    quants are random bytes."""
+    block, size = GGML_QUANT_SIZES[t]
+    nb = n_rows * (n_cols // block)
+    raw = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)  # (nb, size)
+
+    def put_f16(col: int, values: np.ndarray) -> None:
+        raw[:, col : col + 2] = values.astype(np.float16).view(np.uint8).reshape(nb, 2)
+
+    jitter = rng.uniform(0.5, 1.5, size=nb).astype(np.float32)
+    if t == T.Q4_K:  # d, dmin, scales[12] (6-bit), qs[128]: w = d*sc*q - dmin*m, q in 0..15
+        put_f16(0, scale / (48 * 4.6) * jitter)
+        put_f16(2, scale / (48 * 4.6) * 7.5 * jitter)
+        raw[:, 4:16] |= 0x20  # scale and min codes in 32..63 (low 6 bits; high bits of scales[8:] hold 4-bit halves)
+    elif t == T.Q5_K:  # d, dmin, scales[12], qh[32], qs[128]: q in 0..31
+        put_f16(0, scale / (48 * 9.2) * jitter)
+        put_f16(2, scale / (48 * 9.2) * 15.5 * jitter)
+        raw[:, 4:16] |= 0x20
+    elif t == T.Q6_K:  # ql[128], qh[64], int8 scales[16], d: w = d*sc*(q-32)
+        raw[:, 192:208] = rng.integers(8, 24, size=(nb, 16), dtype=np.uint8)
+        put_f16(208, scale / (16 * 18.5) * jitter)
+    elif t == T.Q8_0:  # d, int8 qs[32]
+        put_f16(0, scale / 73.9 * jitter)
+    elif t == T.Q5_0:  # d, qh[4], qs[16]: w = d*(q-16)
+        put_f16(0, scale / 9.2 * jitter)
+    else:
+        raise ValueError(f"random_blocks: no generator for {t.name}")
+    return raw.reshape(n_rows, -1)
+
+
+def vocab_from(path: Path | None, n_vocab: int) -> dict:
+    """Tokenizer metadata of `path` (a GGUF with a vocabulary), or of the bundled sample model,
+    padded with `<unused_N>` tokens to n_vocab when shorter, cut when longer."""
+    from cli.common import SAMPLE_MODEL
+
+    src = open_model(path or SAMPLE_MODEL, require_weights=False)
+    tokens = list(src.meta("tokenizer.ggml.tokens") or [])
+    if not tokens:
+        raise UsageError(f"{src.path}: has no vocabulary (tokenizer.ggml.tokens); point --vocab at a model GGUF")
+    scores = list(src.meta("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    types = list(src.meta("tokenizer.ggml.token_type") or [1] * len(tokens))
+    pad = n_vocab - len(tokens)
+    tokens = tokens[:n_vocab] + [f"<unused_{i}>" for i in range(pad)]
+    scores = scores[:n_vocab] + [-1e9] * pad
+    types = types[:n_vocab] + [5] * pad  # 5 = unused
+    meta = {k: src.meta(k) for k in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.bos_token_id",
+                                      "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
+                                      "tokenizer.chat_template")}
+    merges = src.meta("tokenizer.ggml.merges")
+    return {"tokens": tokens, "scores": scores, "types": types, "merges": merges, "meta": meta}
+
+
+def write_synthetic(preset: str, out: Path, vocab: Path | None = None, seed: int = 0,
+                    progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write a synthetic Q4_K_M model of PRESETS[preset] to `out` (a temporary name, renamed at
+    the end). progress(done_bytes, total_bytes) is called after each tensor.
+
+    Raises UsageError for an unknown preset.
+    """
+    if preset not in PRESETS:
+        raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    cfg = PRESETS[preset].config(f"synthetic {preset}")
+    rng = np.random.default_rng(seed)
+    v = vocab_from(vocab, cfg.n_vocab)
+    shapes = expected_shapes(cfg)
+    types = {name: q4_k_m_type(name, shape, cfg) for name, shape in shapes.items()}
+    tmp = out.with_name(out.name + ".part")
+    w = GGUFWriter(str(tmp), cfg.arch)
+    _write_metadata(w, cfg, v)
+    for name, shape in shapes.items():
+        block, size = GGML_QUANT_SIZES[types[name]]
+        nbytes = int(np.prod(shape)) // block * size
+        if types[name] == T.F32:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes)
+        else:  # quantized tensors are described by their byte shape
+            w.add_tensor_info(name, (*shape[:-1], shape[-1] // block * size), np.dtype(np.uint8), nbytes, raw_dtype=types[name])
+    total = sum(int(np.prod(s)) // GGML_QUANT_SIZES[types[n]][0] * GGML_QUANT_SIZES[types[n]][1] for n, s in shapes.items())
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        done = 0
+        for name, shape in shapes.items():
+            data = _tensor_data(name, shape, types[name], cfg, rng)
+            w.write_tensor_data(data)
+            done += data.nbytes
+            if progress:
+                progress(done, total)
+        w.close()
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out
+
+
+def _write_metadata(w: GGUFWriter, cfg: ModelConfig, v: dict) -> None:
+    a = cfg.arch
+    w.add_name(cfg.name)
+    w.add_uint32(f"{a}.context_length", cfg.n_ctx_train)
+    w.add_uint32(f"{a}.embedding_length", cfg.n_embd)
+    w.add_uint32(f"{a}.block_count", cfg.n_layer)
+    w.add_uint32(f"{a}.feed_forward_length", cfg.n_ff)
+    w.add_uint32(f"{a}.attention.head_count", cfg.n_head)
+    w.add_uint32(f"{a}.attention.head_count_kv", cfg.n_head_kv)
+    w.add_uint32(f"{a}.attention.key_length", cfg.head_dim)
+    w.add_uint32(f"{a}.attention.value_length", cfg.head_dim)
+    w.add_uint32(f"{a}.rope.dimension_count", cfg.rope_dim)
+    w.add_float32(f"{a}.rope.freq_base", cfg.rope_freq_base)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_eps)
+    w.add_uint32("general.file_type", 15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    w.add_uint32("general.quantization_version", 2)
+    meta = v["meta"]
+    w.add_string("tokenizer.ggml.model", meta["tokenizer.ggml.model"])
+    if meta["tokenizer.ggml.pre"]:
+        w.add_string("tokenizer.ggml.pre", meta["tokenizer.ggml.pre"])
+    w.add_token_list(v["tokens"])
+    w.add_token_scores(v["scores"])
+    w.add_token_types(v["types"])
+    if v["merges"]:
+        w.add_token_merges(v["merges"])
+    for key, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("unknown", w.add_unk_token_id)):
+        if meta[f"tokenizer.ggml.{key}_token_id"] is not None:
+            add(meta[f"tokenizer.ggml.{key}_token_id"])
+    if meta["tokenizer.chat_template"]:
+        w.add_chat_template(meta["tokenizer.chat_template"])
+
+
+def _tensor_data(name: str, shape: tuple[int, ...], t: T, cfg: ModelConfig, rng: np.random.Generator) -> np.ndarray:
+    if t == T.F32:
+        base = 1.0 if name.endswith("norm.weight") else 0.0
+        return (base + 0.02 * rng.standard_normal(shape)).astype(np.float32)  # norms near 1, biases near 0
+    n_rows, n_cols = shape
+    # token_embd rows are read as activations (std ~1 after the first norm); other weights as a
+    # 1/sqrt(fan_in) projection so activations keep their scale through the layers
+    scale = 1.0 if name == "token_embd.weight" else 1.0 / np.sqrt(n_cols)
+    return random_blocks(t, n_rows, n_cols, rng, scale)
