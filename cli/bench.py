@@ -1,0 +1,192 @@
+"""`k4 bench`: llama-bench-style throughput, plus where the time and the bytes go."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Annotated, List, Optional
+
+import typer
+
+from . import common as c
+from .render import err, errors_to_exit, out, table
+
+FORMATS = ("table", "md", "csv", "json", "jsonl")
+
+
+@errors_to_exit
+def bench(
+    model: c.ModelOpt = None,
+    synthetic: Annotated[Optional[str], typer.Option("--synthetic", help="Bench a synthetic model of this preset (written to a temporary file).")] = None,
+    n_prompt: Annotated[str, typer.Option("-p", "--n-prompt", help="Prompt sizes, comma list.")] = "512",
+    n_gen: Annotated[str, typer.Option("-n", "--n-gen", help="Generated tokens, comma list.")] = "128",
+    pg: Annotated[Optional[List[str]], typer.Option("--pg", help="Prompt,generation pair (repeatable), e.g. 512,128.")] = None,
+    depth: Annotated[str, typer.Option("-d", "--depth", help="KV cache depths before each test, comma list.")] = "0",
+    reps: Annotated[int, typer.Option("-r", "--repetitions", help="Measured runs per test (after one warm-up).")] = 5,
+    flags: Annotated[Optional[List[str]], typer.Option("--flags", help="A flag configuration \"K4_X=0;K4_Y=1\" (repeatable).")] = None,
+    output: Annotated[str, typer.Option("-o", "--output", help="table, md, csv, json or jsonl.")] = "table",
+    backend: c.BackendOpt = "auto",
+    ctx_size: c.CtxOpt = 0,
+    kernels: Annotated[bool, typer.Option("--kernels", help="Microbenchmark the matrix-vector and attention kernels instead (GPU).")] = False,
+) -> None:
+    """Measure prompt processing (ppN) and generation (tgN) speed, llama-bench style."""
+    from runtime import bench as rb
+    from runtime.errors import UsageError
+
+    if output not in FORMATS:
+        raise UsageError(f"-o {output!r} is unknown; use one of {', '.join(FORMATS)}")
+    if reps < 1:
+        raise UsageError(f"-r {reps} is invalid; use at least 1")
+    if kernels:
+        return _kernels(output)
+    pairs = [tuple(rb.parse_list(x, "--pg")) for x in (pg or [])]
+    if any(len(p) != 2 for p in pairs):
+        raise UsageError("--pg takes a pair PROMPT,GEN, e.g. --pg 512,128")
+    tests = rb.expand(rb.parse_list(n_prompt, "-p"), rb.parse_list(n_gen, "-n"), pairs, rb.parse_list(depth, "--depth"),
+                      [rb.parse_flags(f) for f in (flags or [])])
+    if not tests:
+        raise UsageError("nothing to run: every -p, -n and --pg is 0")
+    if synthetic and model:
+        raise UsageError("give either -m MODEL or --synthetic PRESET, not both")
+    with tempfile.TemporaryDirectory(prefix="k4-bench-") as tmp:
+        path = _synthetic(synthetic, Path(tmp)) if synthetic else c.model_path(model)
+        _run(path, tests, reps, output, backend, ctx_size)
+
+
+def _synthetic(preset: str, folder: Path) -> Path:
+    from runtime.synthetic import write_synthetic
+
+    from .render import progress_bar
+
+    with progress_bar(f"writing synthetic {preset}") as update:
+        return write_synthetic(preset, folder / f"{preset}.gguf", progress=update)
+
+
+def _run(path: Path, tests, reps: int, output: str, backend: str, ctx_size: int) -> None:
+    from rich.progress import Progress
+
+    from runtime import bench as rb
+    from runtime.backend import make_backend
+    from runtime.model import open_model
+
+    mf = open_model(path)
+    cfg = mf.config
+    need = max(t.depth + t.n_tokens for t in tests)
+    n_ctx = ctx_size or max(need, 16)
+    model_info = {"model_type": f"{cfg.arch} {cfg.name}", "model_size": mf.file_size, "model_n_params": mf.n_params}
+    results, env = [], None
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as prog:
+        task = prog.add_task("benchmarking", total=len(tests) * reps)
+        try:
+            for res in rb.iter_results(tests, lambda flags: make_backend(mf, backend, n_ctx), reps, cfg.n_vocab,
+                                       on_rep=lambda: prog.advance(task)):
+                env = env or rb.environment(path, res_backend_name(res, backend))
+                results.append(res)
+        except KeyboardInterrupt:
+            err.print(f"interrupted: showing the {len(results)} finished test(s)")
+            _print(results, env, model_info, output)
+            raise typer.Exit(130)
+    _print(results, env, model_info, output)
+
+
+def res_backend_name(res, requested: str) -> str:
+    from runtime.backend import cuda_available
+
+    return requested if requested != "auto" else ("cuda" if cuda_available() else "numpy")
+
+
+def _print(results, env, model_info, output: str) -> None:
+    from runtime.bench import result_record
+
+    if not results:
+        return
+    records = [result_record(r, env, model_info) for r in results]
+    if output == "json":
+        sys.stdout.write(json.dumps(records, indent=2) + "\n")
+    elif output == "jsonl":
+        sys.stdout.write("".join(json.dumps(r) + "\n" for r in records))
+    elif output == "csv":
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=list(records[0]))
+        w.writeheader()
+        for r in records:
+            w.writerow({k: (" ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else v) for k, v in r.items()})
+        sys.stdout.write(buf.getvalue())
+    elif output == "md":
+        sys.stdout.write(_markdown(records))
+    else:
+        _tables(results, records)
+
+
+def _summary_rows(records):
+    for r in records:
+        yield (Path(r["model"]).name, f"{r['model_size'] / 2**20:,.2f} MiB", f"{r['model_n_params'] / 1e6:,.2f} M",
+               r["backend"], r["flags"] or "-", r["test"], f"{r['avg_ts']:,.2f} ± {r['stddev_ts']:,.2f}")
+
+
+SUMMARY_COLUMNS = ("model", "size", "params", "backend", "flags", "test", "t/s")
+
+
+def _markdown(records) -> str:
+    lines = ["| " + " | ".join(SUMMARY_COLUMNS) + " |", "| " + " | ".join("---" for _ in SUMMARY_COLUMNS) + " |"]
+    lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in _summary_rows(records)]
+    return "\n".join(lines) + "\n"
+
+
+def _tables(results, records) -> None:
+    env = records[0]
+    out.print(f"[dim]{env['gpu'] or env['cpu']} | backend {env['backend']} | k4 {env['k4_version']} ({env['git_commit'] or 'no git'}) "
+              f"| cupy {env['cupy'] or '-'} | driver {env.get('driver', '-')} | cuda {env.get('cuda_runtime', '-')}[/]")
+    out.print(table("throughput", SUMMARY_COLUMNS, _summary_rows(records), right=(1, 2, 6)))
+    rows = []
+    for r in results:
+        ph = r.phases
+        ms = lambda name: f"{ph[name]['ms']:,.1f}" if name in ph else "-"  # noqa: E731
+        rows.append((r.test.name, r.test.flags_text or "-", f"{r.load.get('load', {}).get('ms', 0):,.0f}", ms("prefill"), ms("decode"),
+                     ms("sample"), f"{r.latency(0.5):.3f}", f"{r.latency(0.99):.3f}"))
+    out.print(table("time per phase (ms, last run; load once per configuration)",
+                    ("test", "flags", "load", "prefill", "decode", "sample", "token p50", "token p99"), rows, right=range(2, 8)))
+    rows = []
+    for r in results:
+        for phase, cnt in r.phases.items():
+            steps = max(cnt.get("steps", 0), 1)
+            rows.append((r.test.name, phase, f"{cnt['h2d_bytes']:,}", cnt["h2d_count"], f"{cnt['d2h_bytes']:,}", cnt["d2h_count"],
+                         cnt["syncs"], cnt["launches"], cnt["graph_replays"], f"{cnt['d2h_bytes'] / steps:,.1f}"))
+    out.print(table("copy traffic per phase (last run)",
+                    ("test", "phase", "H2D bytes", "H2D #", "D2H bytes", "D2H #", "syncs", "launches", "graph replays", "D2H B/step"),
+                    rows, right=range(2, 10)))
+    mem = results[-1].memory
+    if mem:
+        out.print(table("GPU memory", ("what", "bytes"), [(k, f"{v:,}") for k, v in mem.items()], right=(1,)))
+
+
+def _kernels(output: str) -> None:
+    from runtime.backend import cuda_available
+    from runtime.errors import BackendUnavailableError
+
+    if not cuda_available():
+        raise BackendUnavailableError("--kernels needs an NVIDIA GPU and CuPy; install k4 with the cuda13 or cuda12 extra")
+    from runtime.cuda.matmul import bench_gemv
+
+    shapes = [("Q4_K", 4096, 4096), ("Q4_K", 11008, 4096), ("Q4_K", 4096, 11008), ("Q4_K", 32000, 4096),
+              ("Q6_K", 4096, 4096), ("Q6_K", 32000, 4096), ("Q5_K", 4096, 4096), ("Q8_0", 4096, 4096),
+              ("Q5_0", 4096, 4096), ("F16", 4096, 4096)]
+    records = []
+    for qtype, n_out, n_in in shapes:
+        r = bench_gemv(qtype, n_out, n_in)
+        records.append({"kernel": "gemv", "type": qtype, "n_out": n_out, "n_in": n_in, "us": r["us"], "gb_s": r["gb_s"],
+                        "fraction_of_4.2TB/s": r["gb_s"] / 4200.0})
+    if output in ("json", "jsonl"):
+        sys.stdout.write(json.dumps(records, indent=2) + "\n" if output == "json" else "".join(json.dumps(r) + "\n" for r in records))
+        return
+    out.print(table("matrix-vector kernels (median of CUDA-event timings)", ("type", "n_out x n_in", "µs", "GB/s", "of 4.2 TB/s"),
+                    [(r["type"], f"{r['n_out']}x{r['n_in']}", f"{r['us']:.2f}", f"{r['gb_s']:,.0f}", f"{r['fraction_of_4.2TB/s']:.0%}")
+                     for r in records], right=(2, 3, 4)))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench")(bench)

@@ -1,0 +1,230 @@
+"""Benchmarks with llama-bench's structure: comma lists expand into a cartesian product of
+test instances, one warm-up run each, raw per-run samples kept, tokens/s as mean +- sample sd.
+Nothing here prints; cli/bench.py renders.
+
+Test names as llama-bench: pp512 (prompt processing of 512 tokens), tg128 (128 decoded
+tokens), pp512+tg128 (both, one figure over all tokens), and tg128@d4096 (decode after a KV
+cache filled with 4096 tokens). Prompt tokens are random ids from the vocabulary (seeded).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import platform
+import statistics
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from .errors import UsageError
+from .flags import FLAGS
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class BenchTest:
+    """One test instance: prompt tokens, generated tokens, KV depth, and a flag configuration."""
+
+    n_prompt: int
+    n_gen: int
+    depth: int = 0
+    flags: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def name(self) -> str:
+        parts = ([f"pp{self.n_prompt}"] if self.n_prompt else []) + ([f"tg{self.n_gen}"] if self.n_gen else [])
+        return "+".join(parts) + (f"@d{self.depth}" if self.depth else "")
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_prompt + self.n_gen
+
+    @property
+    def flags_text(self) -> str:
+        return ";".join(f"{k}={v}" for k, v in self.flags)
+
+
+@dataclass
+class BenchResult:
+    """Raw samples (tokens/s per repetition) and what a run of the test recorded."""
+
+    test: BenchTest
+    samples: list[float] = field(default_factory=list)
+    token_ms: list[float] = field(default_factory=list)  # per decoded token latencies of every repetition
+    phases: dict[str, dict] = field(default_factory=dict)  # trace counters of the last repetition
+    memory: dict[str, int] = field(default_factory=dict)
+    load: dict[str, dict] = field(default_factory=dict)  # the backend's load-phase counters (ms, bytes) when it was built
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.samples) if self.samples else float("nan")
+
+    @property
+    def sd(self) -> float:
+        return statistics.stdev(self.samples) if len(self.samples) > 1 else 0.0
+
+    def latency(self, q: float) -> float:
+        """Per-token decode latency quantile q in [0, 1], ms (nan without decode samples)."""
+        return float(np.quantile(self.token_ms, q)) if self.token_ms else float("nan")
+
+
+def parse_list(text: str, what: str) -> list[int]:
+    """"128,512" -> [128, 512]. Raises UsageError on anything but non-negative integers."""
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip() != ""]
+    except ValueError:
+        raise UsageError(f"{what} {text!r} is not a comma list of integers, e.g. 128,512") from None
+    if not values or any(v < 0 for v in values):
+        raise UsageError(f"{what} {text!r} must list non-negative integers, e.g. 128,512")
+    return values
+
+
+def parse_flags(text: str) -> tuple[tuple[str, str], ...]:
+    """"K4_X=1;K4_Y=0" -> (("K4_X", "1"), ("K4_Y", "0")). Raises UsageError on unknown flags."""
+    pairs = []
+    for item in filter(None, (s.strip() for s in text.split(";"))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or name not in FLAGS:
+            raise UsageError(f"--flags item {item!r} is not NAME=VALUE with a known flag ({', '.join(FLAGS)})")
+        pairs.append((name, value.strip()))
+    return tuple(pairs)
+
+
+def expand(n_prompt: Sequence[int], n_gen: Sequence[int], pg: Sequence[tuple[int, int]],
+           depths: Sequence[int], flag_sets: Sequence[tuple[tuple[str, str], ...]]) -> list[BenchTest]:
+    """Every combination, in llama-bench's order: per flag set and depth, the pp tests, the tg
+    tests, then the pp+tg pairs. Zero-sized tests are skipped."""
+    tests = []
+    for flags, depth in itertools.product(flag_sets or [()], depths or [0]):
+        tests += [BenchTest(p, 0, depth, flags) for p in n_prompt if p > 0]
+        tests += [BenchTest(0, n, depth, flags) for n in n_gen if n > 0]
+        tests += [BenchTest(p, n, depth, flags) for p, n in pg if p > 0 or n > 0]
+    return tests
+
+
+@contextmanager
+def flags_applied(flags: Sequence[tuple[str, str]]):
+    """Set K4_* variables for the duration of the block (backends read them when built)."""
+    saved = {k: os.environ.get(k) for k, _ in flags}
+    os.environ.update(dict(flags))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _prompt(n: int, n_vocab: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, n_vocab, size=n).tolist()
+
+
+def run_once(backend, test: BenchTest, n_vocab: int, seed: int) -> tuple[float, list[float]]:
+    """One repetition: returns (tokens/s over the test's tokens, per-token decode ms)."""
+    backend.reset()
+    if test.depth:
+        if test.depth + test.n_tokens > backend.n_ctx:
+            raise UsageError(f"{test.name} needs {test.depth + test.n_tokens} tokens of context; raise --ctx-size")
+        backend.eval(_prompt(test.depth, n_vocab, seed + 1))
+    prompt = _prompt(test.n_prompt, n_vocab, seed)
+    t0 = time.perf_counter()
+    token_ms: list[float] = []
+    if not test.n_gen:
+        backend.eval(prompt)
+    else:
+        feed = prompt
+        if not prompt:  # decode only: the first step re-evaluates the last cached token (or BOS)
+            feed = [backend.tokens[-1]] if backend.tokens else [1]
+            backend.truncate(max(backend.n_past - 1, 0))
+        gen = backend.generate(feed, SamplingParams(temperature=0.0))
+        try:
+            t_prev = time.perf_counter()
+            for i in range(test.n_gen):
+                next(gen)
+                t = time.perf_counter()
+                if i or not prompt:  # the first token of pp+tg also carries the prefill
+                    token_ms.append((t - t_prev) * 1e3)
+                t_prev = t
+        finally:
+            gen.close()
+    elapsed = time.perf_counter() - t0
+    return test.n_tokens / elapsed, token_ms
+
+
+def run_test(backend, test: BenchTest, reps: int, n_vocab: int, seed: int = 0,
+             on_rep: Callable[[], None] | None = None, load: dict | None = None) -> BenchResult:
+    """One warm-up run, then `reps` measured runs of `test` on `backend`."""
+    res = BenchResult(test, load=load or {})
+    run_once(backend, test, n_vocab, seed)
+    for r in range(reps):
+        backend.trace.reset()
+        tps, token_ms = run_once(backend, test, n_vocab, seed)
+        res.samples.append(tps)
+        res.token_ms += token_ms
+        if on_rep:
+            on_rep()
+    res.phases = {name: c.as_dict() for name, c in backend.trace.phases.items()}
+    res.memory = backend.memory_report() if hasattr(backend, "memory_report") else {}
+    return res
+
+
+def environment(model: Path | None = None, backend_name: str = "") -> dict:
+    """What a result was measured on: k4 version and commit, Python, numpy, CuPy, GPU, driver, CUDA."""
+    from . import __version__
+
+    env = {"k4_version": __version__, "git_commit": _git_commit(), "python": platform.python_version(),
+           "numpy": np.__version__, "backend": backend_name, "cpu": platform.processor() or platform.machine()}
+    if model is not None:
+        env.update({"model": str(model), "model_bytes": Path(model).stat().st_size})
+    try:
+        import cupy as cp
+
+        dev = cp.cuda.Device()
+        props = cp.cuda.runtime.getDeviceProperties(dev.id)
+        env.update({"cupy": cp.__version__, "gpu": props["name"].decode(),
+                    "driver": cp.cuda.runtime.driverGetVersion(), "cuda_runtime": cp.cuda.runtime.runtimeGetVersion()})
+    except Exception:
+        env.update({"cupy": None, "gpu": None})
+    return env
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def result_record(res: BenchResult, env: dict, model_info: dict) -> dict:
+    """A flat dict for the machine-readable printers (csv/json/jsonl)."""
+    t = res.test
+    return {
+        **env, **model_info,
+        "test": t.name, "n_prompt": t.n_prompt, "n_gen": t.n_gen, "n_depth": t.depth, "flags": t.flags_text,
+        "reps": len(res.samples), "avg_ts": res.mean, "stddev_ts": res.sd, "samples_ts": list(res.samples),
+        "token_ms_p50": res.latency(0.5), "token_ms_p99": res.latency(0.99),
+    }
+
+
+def iter_results(tests: Sequence[BenchTest], make_backend: Callable[[tuple], object], reps: int, n_vocab: int,
+                 on_rep: Callable[[], None] | None = None) -> Iterator[BenchResult]:
+    """Run every test, building one backend per flag set (flags apply while it is built and used)."""
+    for flags, group in itertools.groupby(tests, key=lambda t: t.flags):
+        with flags_applied(flags):
+            backend = make_backend(flags)
+            load = {name: c.as_dict() for name, c in backend.trace.phases.items()}
+            for test in group:
+                yield run_test(backend, test, reps, n_vocab, on_rep=on_rep, load=load)
+            del backend
