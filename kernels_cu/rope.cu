@@ -1,0 +1,81 @@
+// Rotary position embedding (Su et al. 2021, RoFormer) on q and k, fused with the optional
+// per-head q/k RMSNorm of qwen3 and the store of k and v into the fp16 KV cache.
+//
+// Pair layouts, as llama.cpp's ggml_rope: "normal" (GGUF llama, whose q/k weights are permuted
+// for it) rotates (2i, 2i+1); NeoX (qwen2, qwen3) rotates (i, i + rope_dim/2). Dimensions at or
+// past rope_dim pass through. The angle of pair i at position p is p * inv_freq[i], with
+// inv_freq[i] = rope_freq_base^(-2i/rope_dim) / rope_freqs[i] computed on the host in float64;
+// the angle and its sine/cosine are computed in double, so large positions stay exact.
+// Launched by runtime/cuda/ops.py (Ops.rope_qk_store).
+#include "ops_common.cuh"
+
+// One head row (D values) handled by one warp: src may alias dst_f32 (q is rotated in place);
+// exactly one of dst_f32 / dst_f16 is non-null.
+__device__ __forceinline__ void rope_row(const float* src, float* dst_f32, half* dst_f16,
+                                         const float* __restrict__ norm_w, float eps,
+                                         const double* __restrict__ inv_freq, double p, int D, int rope_dim,
+                                         int neox, int lane) {
+    float scale = 1.0f;
+    if (norm_w != nullptr) {
+        float ss = 0.0f;
+        for (int i = lane; i < D; i += 32) ss += src[i] * src[i];
+        ss = k4ops::warp_sum(ss);
+        scale = rsqrtf(ss / (float)D + eps);
+    }
+    const int half_dim = rope_dim / 2;
+    for (int i = lane; i < half_dim; i += 32) {
+        const int a = neox ? i : 2 * i;
+        const int b = neox ? i + half_dim : 2 * i + 1;
+        float xa = src[a] * scale, xb = src[b] * scale;
+        if (norm_w != nullptr) {
+            xa *= norm_w[a];
+            xb *= norm_w[b];
+        }
+        double s, c;
+        sincos(p * inv_freq[i], &s, &c);
+        const float ya = xa * (float)c - xb * (float)s;
+        const float yb = xa * (float)s + xb * (float)c;
+        if (dst_f32 != nullptr) {
+            dst_f32[a] = ya;
+            dst_f32[b] = yb;
+        } else {
+            dst_f16[a] = __float2half_rn(ya);
+            dst_f16[b] = __float2half_rn(yb);
+        }
+    }
+    for (int i = rope_dim + lane; i < D; i += 32) {
+        const float x = src[i] * scale * (norm_w != nullptr ? norm_w[i] : 1.0f);
+        if (dst_f32 != nullptr) dst_f32[i] = x;
+        else dst_f16[i] = __float2half_rn(x);
+    }
+}
+
+// q: (n_tok, n_head, D) f32, normalized (when q_norm) and rotated in place.
+// k, v: (n_tok, n_head_kv, D) f32, read only.
+// k_cache, v_cache: (n_ctx, n_head_kv, D) fp16, this layer's slice; rows pos0 .. pos0+n_tok-1
+//   are written (k normalized and rotated, v as is).
+// q_norm, k_norm: (D,) f32 or null. inv_freq: (rope_dim/2,) f64. pos: (1,) int32, pos0 = *pos.
+// Thread mapping: one warp per row; grid.x = ceil(n_tok * (n_head + n_head_kv) / warps per block).
+extern "C" __global__ void rope_qk_store(float* q, const float* __restrict__ k, const float* __restrict__ v,
+                                         half* __restrict__ k_cache, half* __restrict__ v_cache,
+                                         const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+                                         const double* __restrict__ inv_freq, const int* __restrict__ pos,
+                                         int n_tok, int n_head, int n_head_kv, int D, int rope_dim, int neox,
+                                         float eps) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int rows_per_tok = n_head + n_head_kv;
+    if (row >= n_tok * rows_per_tok) return;  // whole warp leaves together
+    const int t = row / rows_per_tok, j = row % rows_per_tok;
+    const int p = *pos + t;
+    if (j < n_head) {
+        float* qr = q + ((size_t)t * n_head + j) * D;
+        rope_row(qr, qr, nullptr, q_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane);
+        return;
+    }
+    const int hk = j - n_head;
+    const size_t src = ((size_t)t * n_head_kv + hk) * D;
+    const size_t dst = ((size_t)p * n_head_kv + hk) * D;
+    rope_row(k + src, nullptr, k_cache + dst, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane);
+    for (int i = lane; i < D; i += 32) v_cache[dst + i] = __float2half_rn(v[src + i]);
+}
