@@ -1,0 +1,350 @@
+"""llama.cpp's reference quantizers (no importance matrix), vectorized over blocks in numpy.
+
+Every function here reproduces, byte for byte, the `quantize_row_*_ref` function of the same
+name in ggml's ggml-quants.c, which `llama-quantize` runs when no importance matrix is given:
+
+    Q4_K  quantize_row_q4_K_ref   (make_qkx2_quants on 8 sub-blocks of 32, 6-bit scales/mins)
+    Q5_K  quantize_row_q5_K_ref   (the same with 5-bit quants)
+    Q6_K  quantize_row_q6_K_ref   (make_qx_quants on 16 sub-blocks of 16, int8 scales)
+    Q5_0  quantize_row_q5_0_ref,  Q5_1 quantize_row_q5_1_ref   (fallbacks for rows % 256 != 0)
+    Q8_0  quantize_row_q8_0_ref   (through gguf.quants, whose Q8_0 is the same arithmetic)
+    F16   GGML_FP32_TO_FP16 (round to nearest even, as numpy's float16 cast)
+
+Block layouts are ggml-common.h's block_q4_K, block_q5_K, block_q6_K, block_q5_0, block_q5_1,
+block_q8_0, all little-endian. The C code works in float32 and sums left to right; so does this
+module: every reduction over the elements of a (sub-)block is a loop over the element index
+(`_sum_seq`) applied to all sub-blocks at once, never numpy's pairwise sum. Sub-blocks are laid
+out as columns, x of shape (n, N) for N sub-blocks of n elements, so that element i of every
+sub-block is one contiguous row.
+
+Input everywhere: float32 array (n_rows, n_per_row) with n_per_row a multiple of the block size.
+Output: uint8 array (n_rows, n_per_row // block_size * type_size).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
+
+QK_K = 256  # weights per K-quant super-block (ggml-common.h)
+GROUP_MAX_EPS = np.float32(1e-15)  # ggml-quants.c: a group whose max |x| is below this is all zero
+_MAGIC = np.float32(12582912.0)  # 1.5 * 2**23, nearest_int's rounding constant
+
+f32 = np.float32
+
+
+def nearest_int(x: np.ndarray) -> np.ndarray:
+    """ggml-quants.c nearest_int: float32 array -> int32, rounding half to even.
+
+    The C code adds 1.5 * 2**23 and reads the low mantissa bits; doing the same here keeps the
+    result identical to llama.cpp's even for inputs outside +-2**22 (inf, nan, huge), which the
+    callers then clamp.
+    """
+    bits = (np.asarray(x, dtype=f32) + _MAGIC).view(np.int32)
+    return (bits & 0x7FFFFF) - 0x400000
+
+
+def _sum_seq(a: np.ndarray) -> np.ndarray:
+    """(n, N) float32 -> (N,): `s = 0; for i: s += a[i]` in float32, the C loops' order."""
+    s = a[0] + f32(0)
+    for row in a[1:]:
+        s += row
+    return s
+
+
+def _fp16(x: np.ndarray) -> np.ndarray:
+    """GGML_FP32_TO_FP16: float32 -> float16, round to nearest even."""
+    return np.asarray(x, dtype=f32).astype(np.float16)
+
+
+def _columns(x: np.ndarray, n: int) -> np.ndarray:
+    """(n_rows, n_per_row) -> (n, N): sub-blocks of n consecutive weights as contiguous columns."""
+    return np.ascontiguousarray(x.reshape(-1, n).T)
+
+
+def _rows(cols: np.ndarray, block: int) -> np.ndarray:
+    """Inverse of _columns: (n, N) -> (n_blocks, block), weights back in file order."""
+    return np.ascontiguousarray(cols.T).reshape(-1, block)
+
+
+def make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
+    """ggml-quants.c make_qkx2_quants (use_mad = false) for N sub-blocks at once.
+
+    x, w: (n, N) float32 weights and their importance. Fits x ~ scale * L - the_min with
+    L in [0, nmax], trying nstep + 1 candidate scales; a candidate is kept when its weighted
+    squared error is lower, and later candidates start from the best min found so far, as in C.
+    Returns scale (N,) float32, the_min (N,) float32 (>= 0), L (n, N) int32.
+    """
+    n, N = x.shape
+    mn0 = np.minimum(x.min(axis=0), f32(0))  # (N,) C: running min, then `if (min > 0) min = 0`
+    mx = x.max(axis=0)  # (N,)
+    flat = mx == mn0  # (N,) all weights equal: L = 0, scale = 0
+    sum_w = _sum_seq(w)  # (N,)
+    sum_x = _sum_seq(w * x)  # (N,)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        mn = mn0.copy()
+        iscale = f32(nmax) / (mx - mn)
+        scale = f32(1) / iscale
+        L = np.clip(nearest_int(iscale * (x - mn)), 0, nmax)  # (n, N)
+        diff = scale * L.astype(f32) + mn - x
+        best_error = _sum_seq(w * (diff * diff))
+        for step in range(nstep + 1):
+            iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / (mx - mn)
+            laux = np.clip(nearest_int(iscale * (x - mn)), 0, nmax)  # (n, N)
+            lf = laux.astype(f32)
+            wl = w * lf
+            sum_l = _sum_seq(wl)
+            sum_l2 = _sum_seq(wl * lf)
+            sum_xl = _sum_seq(wl * x)
+            D = sum_w * sum_l2 - sum_l * sum_l
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            clamped = this_min > 0
+            this_min = np.where(clamped, f32(0), this_min)
+            this_scale = np.where(clamped, sum_xl / sum_l2, this_scale)
+            diff = this_scale * lf + this_min - x
+            cur_error = _sum_seq(w * (diff * diff))
+            better = (D > 0) & (cur_error < best_error)  # (N,)
+            L = np.where(better, laux, L)
+            best_error = np.where(better, cur_error, best_error)
+            scale = np.where(better, this_scale, scale)
+            mn = np.where(better, this_min, mn)
+    L[:, flat] = 0
+    scale = np.where(flat, f32(0), scale)
+    mn = np.where(flat, mn0, mn)
+    return scale, -mn, L
+
+
+def make_qx_quants(x: np.ndarray, nmax: int):
+    """ggml-quants.c make_qx_quants with rmse_type = 1 and no quant weights (w = x*x).
+
+    x: (n, N) float32 sub-blocks. Fits x ~ scale * (L - nmax), L in [0, 2*nmax - 1], trying
+    the scales -(nmax + 0.1*is)/max for is in -9..9 around the first guess. A sub-block whose
+    max |x| is below GROUP_MAX_EPS gets L = 0, scale = 0.
+    Returns scale (N,) float32 (signed), L (n, N) int32.
+    """
+    n, N = x.shape
+    cols = np.arange(N)
+    ax = np.abs(x)
+    first = ax.argmax(axis=0)  # (N,) C keeps the first index of the largest |x|
+    amax = ax[first, cols]
+    mx = x[first, cols]  # (N,) the signed value of largest magnitude
+    zero = amax < GROUP_MAX_EPS
+    w = x * x
+    wx = w * x
+
+    def fit(iscale):
+        l = np.clip(nearest_int(iscale * x), -nmax, nmax - 1)  # (n, N)
+        lf = l.astype(f32)
+        return l + nmax, _sum_seq(wx * lf), _sum_seq(w * lf * lf)
+
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        L, sumlx, suml2 = fit(f32(-nmax) / mx)
+        scale = np.where(suml2 != 0, sumlx / suml2, f32(0))
+        best = scale * sumlx
+        for step in range(-9, 10):
+            if step == 0:
+                continue
+            laux, sumlx, suml2 = fit(-(f32(nmax) + f32(0.1) * f32(step)) / mx)
+            better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+            L = np.where(better, laux, L)
+            scale = np.where(better, sumlx / suml2, scale)
+            best = np.where(better, scale * sumlx, best)
+    L[:, zero] = 0
+    return np.where(zero, f32(0), scale), L
+
+
+def _pack_scales_k4(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
+    """6-bit scales and mins (n_blocks, 8) -> the 12 scale bytes of block_q4_K / block_q5_K.
+
+    Layout (get_scale_min_k4): bytes 0-3 hold scales 0-3 plus the top 2 bits of scales 4-7,
+    bytes 4-7 mins 0-3 plus the top bits of mins 4-7, bytes 8-11 the low nibbles of scales
+    and mins 4-7.
+    """
+    out = np.empty((ls.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = ls[:, 0:4] | ((ls[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = lm[:, 0:4] | ((lm[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (ls[:, 4:8] & 0xF) | ((lm[:, 4:8] & 0xF) << 4)
+    return out
+
+
+def _quantize_kx(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
+    """The part quantize_row_q4_K_ref and quantize_row_q5_K_ref share.
+
+    x: (n_rows, n_per_row) float32. Returns d, dmin (n_blocks,) float16, the 12 scale bytes
+    (n_blocks, 12) and the quants L (n_blocks, 256) uint8 in [0, nmax].
+    """
+    xs = _columns(x, 32)  # (32, N) N = 8 sub-blocks per super-block
+    nb = xs.shape[1] // 8
+    av_x = np.sqrt(_sum_seq(xs * xs) / f32(32))  # (N,)
+    weights = av_x + np.abs(xs)  # (32, N)
+    scales, mins, L = make_qkx2_quants(xs, weights, nmax, rmin, rdelta, nstep)
+    scales = scales.reshape(nb, 8)
+    mins = mins.reshape(nb, 8)
+    max_scale = scales.max(axis=1)
+    max_scale = np.where(max_scale > 0, max_scale, f32(0))  # (nb,) C: running max from 0
+    max_min = mins.max(axis=1)
+    max_min = np.where(max_min > 0, max_min, f32(0))
+    with np.errstate(divide="ignore"):
+        inv_scale = np.where(max_scale > 0, f32(63) / max_scale, f32(0))
+        inv_min = np.where(max_min > 0, f32(63) / max_min, f32(0))
+    # `uint8_t ls = nearest_int(...)` wraps modulo 256 before MIN(63, ls)
+    ls = np.minimum(nearest_int(inv_scale[:, None] * scales) & 0xFF, 63).astype(np.uint8)  # (nb, 8)
+    lm = np.minimum(nearest_int(inv_min[:, None] * mins) & 0xFF, 63).astype(np.uint8)
+    d = _fp16(max_scale / f32(63))  # (nb,)
+    dmin = _fp16(max_min / f32(63))
+    d_sub = (d.astype(f32)[:, None] * ls.astype(f32)).reshape(-1)  # (N,)
+    dm_sub = (dmin.astype(f32)[:, None] * lm.astype(f32)).reshape(-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        requant = np.clip(nearest_int((xs + dm_sub) / d_sub), 0, nmax)
+    L = np.where(d_sub != 0, requant, L)  # a sub-block whose scale is 0 keeps its first fit
+    return d, dmin, _pack_scales_k4(ls, lm), _rows(L, QK_K).astype(np.uint8)
+
+
+def quantize_q4_K(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q4_K_ref: (n_rows, n_per_row) float32 -> block_q4_K bytes (n_rows, n_per_row / 256 * 144).
+
+    block_q4_K: d (fp16), dmin (fp16), scales[12], qs[128] (two 4-bit quants per byte: weight l
+    of each 64-run in the low nibble, weight l + 32 in the high nibble).
+    """
+    n_rows = x.shape[0]
+    d, dmin, scales, L = _quantize_kx(x, 15, -1.0, 0.1, 20)
+    Lr = L.reshape(-1, 4, 2, 32)  # (nb, 64-run, half, l)
+    qs = (Lr[:, :, 0, :] | (Lr[:, :, 1, :] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=1)
+    return blocks.reshape(n_rows, -1)
+
+
+def quantize_q5_K(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q5_K_ref: (n_rows, n_per_row) float32 -> block_q5_K bytes (n_rows, n_per_row / 256 * 176).
+
+    block_q5_K: d, dmin (fp16), scales[12], qh[32] (bit 2k / 2k+1 of qh[l] is the fifth bit of
+    weight l / l + 32 of 64-run k), qs[128] (low nibbles, laid out as in Q4_K).
+    """
+    n_rows = x.shape[0]
+    d, dmin, scales, L = _quantize_kx(x, 31, -0.5, 0.1, 15)
+    Lr = L.reshape(-1, 4, 2, 32)  # (nb, 64-run, half, l)
+    lo, hi = Lr & 0xF, Lr >> 4
+    qs = (lo[:, :, 0, :] | (lo[:, :, 1, :] << 4)).reshape(-1, 128)
+    shifts = (2 * np.arange(4, dtype=np.uint8))[None, :, None]  # (1, 4, 1)
+    qh = np.bitwise_or.reduce((hi[:, :, 0, :] << shifts) | (hi[:, :, 1, :] << (shifts + 1)), axis=1)  # (nb, 32)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qh.astype(np.uint8), qs], axis=1)
+    return blocks.reshape(n_rows, -1)
+
+
+def quantize_q6_K(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q6_K_ref: (n_rows, n_per_row) float32 -> block_q6_K bytes (n_rows, n_per_row / 256 * 210).
+
+    block_q6_K: ql[128] (low nibbles), qh[64] (high 2 bits), scales[16] (int8), d (fp16).
+    A super-block whose sub-block scales are all below GROUP_MAX_EPS is all zero bytes.
+    """
+    n_rows = x.shape[0]
+    xs = _columns(x, 16)  # (16, N) N = 16 sub-blocks per super-block
+    nb = xs.shape[1] // 16
+    scales, L = make_qx_quants(xs, 32)
+    scales = scales.reshape(nb, 16)
+    abs_scales = np.abs(scales)
+    first = abs_scales.argmax(axis=1)  # (nb,) C keeps the first largest |scale|
+    max_abs = abs_scales[np.arange(nb), first]
+    max_scale = scales[np.arange(nb), first]
+    zero = max_abs < GROUP_MAX_EPS
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = f32(-128) / max_scale  # (nb,)
+        d = _fp16(f32(1) / iscale)
+        sc = np.minimum(nearest_int(iscale[:, None] * scales), 127).astype(np.int8)  # (nb, 16)
+        d_sub = (d.astype(f32)[:, None] * sc.astype(f32)).reshape(-1)  # (N,)
+        requant = np.clip(nearest_int(xs / d_sub), -32, 31) + 32
+    L = _rows(np.where(d_sub != 0, requant, L), QK_K).astype(np.uint8)  # (nb, 256)
+    Lr = L.reshape(nb, 2, 4, 32)  # (nb, 128-half, quarter, l)
+    ql = np.concatenate([(Lr[:, :, 0] & 0xF) | ((Lr[:, :, 2] & 0xF) << 4), (Lr[:, :, 1] & 0xF) | ((Lr[:, :, 3] & 0xF) << 4)], axis=2)
+    qh = (Lr[:, :, 0] >> 4) | ((Lr[:, :, 1] >> 4) << 2) | ((Lr[:, :, 2] >> 4) << 4) | ((Lr[:, :, 3] >> 4) << 6)
+    blocks = np.concatenate([ql.reshape(nb, 128), qh.reshape(nb, 64), sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], axis=1)
+    blocks[zero] = 0
+    return blocks.reshape(n_rows, -1)
+
+
+def _pack_q5(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """5-bit quants (nb, 32) -> qh (nb, 4) (bit j = fifth bit of weight j) and qs (nb, 16) (weight j | weight j+16 << 4)."""
+    q = q.astype(np.uint32)
+    qh = np.bitwise_or.reduce(((q >> 4) & 1) << np.arange(32, dtype=np.uint32), axis=1).astype("<u4")
+    qs = ((q[:, :16] & 0xF) | ((q[:, 16:] & 0xF) << 4)).astype(np.uint8)
+    return qh.view(np.uint8).reshape(-1, 4), qs
+
+
+def quantize_q5_0(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q5_0_ref: (n_rows, n_per_row) float32 -> block_q5_0 bytes (n_rows, n_per_row / 32 * 22).
+
+    block_q5_0: d (fp16) = max / -16 where max is the first weight of largest |x|, qh[4], qs[16];
+    quants (int8)(x / d + 16.5), at most 31.
+    """
+    n_rows = x.shape[0]
+    b = x.reshape(-1, 32)  # (nb, 32)
+    rows = np.arange(b.shape[0])
+    mx = b[rows, np.abs(b).argmax(axis=1)]
+    d = mx / f32(-16)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, f32(1) / d, f32(0))
+    q = np.minimum(np.trunc(b * inv[:, None] + f32(16.5)), 31).astype(np.uint8)
+    qh, qs = _pack_q5(q)
+    blocks = np.concatenate([_fp16(d).view(np.uint8).reshape(-1, 2), qh, qs], axis=1)
+    return blocks.reshape(n_rows, -1)
+
+
+def quantize_q5_1(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q5_1_ref: (n_rows, n_per_row) float32 -> block_q5_1 bytes (n_rows, n_per_row / 32 * 24).
+
+    block_q5_1: d = (max - min) / 31, m = min (both fp16), qh[4], qs[16]; quants (uint8)((x - min) / d + 0.5).
+    """
+    n_rows = x.shape[0]
+    b = x.reshape(-1, 32)  # (nb, 32)
+    mn = b.min(axis=1)
+    d = (b.max(axis=1) - mn) / f32(31)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, f32(1) / d, f32(0))
+    q = np.trunc((b - mn[:, None]) * inv[:, None] + f32(0.5)).astype(np.uint8)
+    qh, qs = _pack_q5(q)
+    blocks = np.concatenate([_fp16(d).view(np.uint8).reshape(-1, 2), _fp16(mn).view(np.uint8).reshape(-1, 2), qh, qs], axis=1)
+    return blocks.reshape(n_rows, -1)
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q8_0_ref: (n_rows, n_per_row) float32 -> block_q8_0 bytes (n_rows, n_per_row / 32 * 34).
+
+    block_q8_0: d = max|x| / 127 (fp16), qs[32] = roundf(x / d). The gguf package's Q8_0
+    quantizer does exactly this arithmetic in float32 (checked against a transcription of the C
+    in tests/test_quantize.py), so it is used as is.
+    """
+    return gguf_quantize(np.asarray(x, dtype=f32), GGMLQuantizationType.Q8_0)
+
+
+def quantize_f16(x: np.ndarray) -> np.ndarray:
+    """GGML_FP32_TO_FP16 row by row: (n_rows, n_per_row) float32 -> F16 bytes (n_rows, n_per_row * 2)."""
+    return np.ascontiguousarray(_fp16(x)).view(np.uint8).reshape(x.shape[0], -1)
+
+
+QUANTIZERS = {
+    GGMLQuantizationType.Q4_K: quantize_q4_K,
+    GGMLQuantizationType.Q5_K: quantize_q5_K,
+    GGMLQuantizationType.Q6_K: quantize_q6_K,
+    GGMLQuantizationType.Q5_0: quantize_q5_0,
+    GGMLQuantizationType.Q5_1: quantize_q5_1,
+    GGMLQuantizationType.Q8_0: quantize_q8_0,
+    GGMLQuantizationType.F16: quantize_f16,
+}
+
+
+def quantize(x: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    """Encode float32 rows as `ggml_type`: (n_rows, n_per_row) -> uint8 (n_rows, row bytes).
+
+    Types: Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0 (llama.cpp reference arithmetic) and F16.
+    Raises ValueError for another type or rows that are not a multiple of the block size
+    (the planner in runtime/quantize.py never asks for either).
+    """
+    block, _ = GGML_QUANT_SIZES[ggml_type]
+    x = np.asarray(x, dtype=f32)
+    if x.ndim != 2 or x.shape[1] % block:
+        raise ValueError(f"{ggml_type.name} needs rows that are a multiple of {block}, got shape {x.shape}")
+    if ggml_type not in QUANTIZERS:
+        raise ValueError(f"no quantizer for {ggml_type.name}")
+    return QUANTIZERS[ggml_type](x)

@@ -1,0 +1,365 @@
+"""`k4 quantize`: F32/F16/BF16 GGUF -> Q4_K_M, Q4_K_S, Q5_K_M, Q6_K or Q8_0, as llama-quantize does it.
+
+Three steps, in execution order:
+
+1. plan: pick each tensor's type with llama.cpp's rules for the mix (llama-quant.cpp,
+   llama_tensor_get_type, without importance matrix or overrides): 1-D tensors and norms keep
+   their type; output.weight (token_embd.weight when the embeddings are tied) becomes Q6_K,
+   Q8_0 if its rows are not a multiple of 256; attn_v / ffn_down of the layers that
+   use_more_bits() picks become Q6_K in Q4_K_M and Q5_K_M; the first attn_v (4) and ffn_down
+   (n_layer / 8) become Q5_K in Q4_K_S; a type whose block does not divide the row length
+   falls back (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, then F16). Tensors are ordered as
+   llama.cpp's loader orders them (by layer, then name), which also fixes the layer counters
+   its rules use.
+2. quantize: row chunks of every tensor through runtime/kquants.py on a thread pool (numpy
+   releases the GIL), reporting progress in weights.
+3. write: gguf.GGUFWriter, every metadata key of the input in its order (after
+   general.architecture, which the writer puts first), then general.quantization_version = 2
+   and general.file_type (LLAMA_FTYPE), the input's alignment; into a temporary file next to
+   OUT that is renamed to OUT only when complete and removed on any error or Ctrl-C.
+
+Only k4's dense architectures (llama, qwen2, qwen3) are planned; llama.cpp's MoE and Falcon
+rules are not reproduced.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize
+
+from . import kquants
+from .errors import ModelFileError, UnsupportedModelError, UsageError
+from .model import ModelFile, open_model
+
+T = GGMLQuantizationType
+
+GGML_QNT_VERSION = 2  # ggml.h: the quantization format version llama.cpp writes
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A llama.cpp file type: its LLAMA_FTYPE number (general.file_type) and default tensor type."""
+
+    name: str
+    file_type: int
+    default_type: GGMLQuantizationType
+
+
+MIXES = {
+    m.name: m
+    for m in (
+        Mix("Q4_K_M", 15, T.Q4_K),
+        Mix("Q4_K_S", 14, T.Q4_K),
+        Mix("Q5_K_M", 17, T.Q5_K),
+        Mix("Q6_K", 18, T.Q6_K),
+        Mix("Q8_0", 7, T.Q8_0),
+    )
+}
+
+INPUT_TYPES = (T.F32, T.F16, T.BF16)  # what the Hugging Face converters write
+FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0, T.Q8_0: T.F16}
+CHUNK_WEIGHTS = 1 << 20  # weights per unit of work on the thread pool and per progress step
+
+Progress = Callable[[int, int, str], None]  # (weights done, weights in all, tensor name)
+
+
+def get_mix(name: str) -> Mix:
+    """The Mix called `name` (case-insensitive). Raises UsageError naming the valid ones."""
+    mix = MIXES.get(name.upper())
+    if mix is None:
+        raise UsageError(f"unknown quantization type {name!r}; use one of {', '.join(MIXES)}")
+    return mix
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor of the output: name, numpy shape, input type and output type."""
+
+    name: str
+    shape: tuple[int, ...]
+    src_type: GGMLQuantizationType
+    dst_type: GGMLQuantizationType
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def src_bytes(self) -> int:
+        return _n_bytes(self.shape, self.src_type)
+
+    @property
+    def dst_bytes(self) -> int:
+        return _n_bytes(self.shape, self.dst_type)
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """What `quantize_model` will write: the mix and every tensor in output order.
+
+    src_bytes / dst_bytes: tensor data in bytes, before and after; bpw: bits per weight after.
+    """
+
+    mix: Mix
+    tensors: tuple[TensorPlan, ...]
+
+    @property
+    def n_elements(self) -> int:
+        return sum(t.n_elements for t in self.tensors)
+
+    @property
+    def src_bytes(self) -> int:
+        return sum(t.src_bytes for t in self.tensors)
+
+    @property
+    def dst_bytes(self) -> int:
+        return sum(t.dst_bytes for t in self.tensors)
+
+    @property
+    def bpw(self) -> float:
+        return 8.0 * self.dst_bytes / max(self.n_elements, 1)
+
+
+def _n_bytes(shape: Sequence[int], ggml_type: GGMLQuantizationType) -> int:
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    return int(np.prod(shape)) // block * size
+
+
+def _layer_of(name: str) -> int:
+    """The layer number of `blk.N.` tensor names, -1 for the others (llama.cpp's sscanf)."""
+    m = re.match(r"blk\.([+-]?\d+)\.", name)
+    return int(m.group(1)) if m else -1
+
+
+def llama_order(names: Sequence[str]) -> list[str]:
+    """Tensor names in llama.cpp's loader order (weight_name_comparer: layer, then name bytes)."""
+    return sorted(names, key=lambda n: (_layer_of(n), n.encode("utf-8")))
+
+
+def allows_quantization(name: str, shape: Sequence[int]) -> bool:
+    """llama-quant.cpp tensor_allows_quantization for dense models: at least 2 dimensions
+    counted as ggml_n_dims does (numpy shape (1, n) is 1-D), named *weight, not a norm."""
+    n_dims = len(shape)
+    while n_dims > 1 and shape[len(shape) - n_dims] == 1:
+        n_dims -= 1
+    return n_dims >= 2 and name.endswith("weight") and "_norm.weight" not in name
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama-quant.cpp use_more_bits: the first and last eighth of the layers and every third between."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def _fallback(ggml_type: GGMLQuantizationType, n_per_row: int) -> GGMLQuantizationType:
+    """llama-quant.cpp tensor_type_fallback: a type whose block divides the row length.
+
+    Where llama.cpp gives up (Q8_0 on rows not a multiple of 32) this returns F16.
+    """
+    while n_per_row % GGML_QUANT_SIZES[ggml_type][0]:
+        ggml_type = FALLBACK[ggml_type]
+    return ggml_type
+
+
+def choose_types(
+    tensors: Sequence[tuple[str, tuple[int, ...]]],
+    mix: Mix,
+    arch: str,
+    n_layer: int,
+    n_head: int,
+    n_head_kv: int,
+) -> list[GGMLQuantizationType | None]:
+    """llama.cpp's type for each (name, numpy shape), in llama_order; None = keep the input type.
+
+    Source: llama-quant.cpp llama_tensor_get_type / llama_tensor_get_type_impl for the five
+    mixes, no importance matrix, no overrides. The attn_v and ffn_down counters advance in the
+    order given, so pass the tensors in llama_order.
+    """
+    names = [n for n, _ in tensors]
+    tied = "output.weight" not in names
+    n_attn_v = sum("attn_v.weight" in n for n in names)
+    # llama-model.cpp: 80 layers is LLM_TYPE_70B for qwen2, and for llama with grouped-query attention
+    is_70b = n_layer == 80 and (arch == "qwen2" or (arch == "llama" and n_head != n_head_kv))
+    i_attn_v = i_ffn_down = 0
+    types: list[GGMLQuantizationType | None] = []
+    for name, shape in tensors:
+        if not allows_quantization(name, shape):
+            types.append(None)
+            continue
+        new = mix.default_type
+        if name == "output.weight" or (tied and name == "token_embd.weight"):
+            if shape[-1] % GGML_QUANT_SIZES[new][0]:
+                new = T.Q8_0
+            elif new != T.Q8_0:
+                new = T.Q6_K
+        elif "attn_v.weight" in name:
+            if mix.name in ("Q4_K_M", "Q5_K_M") and use_more_bits(i_attn_v, n_attn_v):
+                new = T.Q6_K
+            elif mix.name == "Q4_K_S" and i_attn_v < 4:
+                new = T.Q5_K
+            if is_70b and new == T.Q4_K:
+                new = T.Q5_K
+            i_attn_v += 1
+        elif "ffn_down" in name:
+            if mix.name in ("Q4_K_M", "Q5_K_M") and use_more_bits(i_ffn_down, n_layer):
+                new = T.Q6_K
+            elif mix.name == "Q4_K_S" and i_ffn_down < n_layer // 8:
+                new = T.Q5_K
+            i_ffn_down += 1
+        types.append(_fallback(new, shape[-1]))
+    return types
+
+
+def plan_quantization(mf: ModelFile, mix: Mix) -> QuantPlan:
+    """The per-tensor plan for quantizing `mf` to `mix`, tensors in llama.cpp's order.
+
+    Raises UnsupportedModelError when a tensor to be quantized is not F32, F16 or BF16
+    (k4 does not re-quantize quantized models).
+    """
+    cfg = mf.config
+    assert cfg is not None
+    names = llama_order(list(mf.tensors))
+    shapes = [(n, mf.tensors[n].shape) for n in names]
+    types = choose_types(shapes, mix, cfg.arch, cfg.n_layer, cfg.n_head, cfg.n_head_kv)
+    plans = []
+    for (name, shape), new in zip(shapes, types):
+        src = mf.tensors[name].ggml_type
+        if new is not None and src not in INPUT_TYPES:
+            raise UnsupportedModelError(
+                f"{mf.path}: tensor {name!r} is already {src.name}; k4 quantize reads F32, F16 or BF16 models "
+                "(convert the original weights with llama.cpp's convert_hf_to_gguf.py)"
+            )
+        plans.append(TensorPlan(name, shape, src, src if new is None else new))
+    return QuantPlan(mix, tuple(plans))
+
+
+def _encode_rows(raw: np.ndarray, src: GGMLQuantizationType, dst: GGMLQuantizationType, name: str) -> np.ndarray:
+    """Input rows (n, bytes) uint8 of type src -> output rows (n, bytes) uint8 of type dst."""
+    x = np.asarray(dequantize(raw, src), dtype=np.float32)  # (n, n_per_row) exact for F32/F16/BF16
+    if not np.isfinite(x).all():
+        raise ModelFileError(f"tensor {name!r} contains NaN or infinite weights; the input model is damaged")
+    return kquants.quantize(x, dst)
+
+
+def _submit(mf: ModelFile, tp: TensorPlan, pool: ThreadPoolExecutor):
+    """Queue the row chunks of one tensor. Returns (output array (rows, row bytes) uint8, list of
+    (row slice, future of the encoded rows)); a tensor kept as it is has its input bytes and no futures."""
+    raw = mf.tensors[tp.name].raw_bytes()  # (rows, row bytes) memory-mapped
+    if tp.dst_type == tp.src_type:
+        return raw, []
+    n_rows, n_per_row = raw.shape[0], tp.shape[-1]
+    out = np.empty((n_rows, _n_bytes((n_per_row,), tp.dst_type)), dtype=np.uint8)
+    step = max(1, CHUNK_WEIGHTS // n_per_row)
+    jobs = [(slice(r, r + step), pool.submit(_encode_rows, raw[r : r + step], tp.src_type, tp.dst_type, tp.name)) for r in range(0, n_rows, step)]
+    return out, jobs
+
+
+def _copy_metadata(mf: ModelFile, writer: GGUFWriter, skip: set[str]) -> None:
+    """Every key/value of the input, in file order, as raw values (strings as bytes, so any
+    encoding survives). Empty arrays are left out: GGUF writers (the gguf package, the
+    converters) never write them."""
+    for key, field in mf.reader.fields.items():
+        if key.startswith("GGUF.") or key in skip:
+            continue
+        vtype = field.types[0]
+        if vtype == GGUFValueType.ARRAY:
+            if len(field.types) != 2:
+                raise UnsupportedModelError(f"{mf.path}: metadata key {key!r} is a nested array, which k4 quantize cannot copy")
+            sub = field.types[1]
+            if sub == GGUFValueType.STRING:
+                value = [bytes(field.parts[i]) for i in field.data]
+            else:
+                value = [v for i in field.data for v in field.parts[i].tolist()]
+            if value:
+                writer.add_key_value(key, value, vtype, sub_type=sub)
+        elif vtype == GGUFValueType.STRING:
+            writer.add_key_value(key, bytes(field.parts[-1]), vtype)
+        else:
+            writer.add_key_value(key, field.parts[-1].tolist()[0], vtype)
+
+
+def _temp_path(out: Path) -> Path:
+    return out.with_name(f".{out.name}.k4-partial-{os.getpid()}")
+
+
+def write_quantized(mf: ModelFile, plan: QuantPlan, out: Path, progress: Progress | None = None, threads: int = 0) -> None:
+    """Quantize `mf` by `plan` and write the GGUF to `out` (through a temporary file, renamed at
+    the end; removed on any error or KeyboardInterrupt). threads = 0: one per CPU core.
+
+    Raises ModelFileError (NaN/inf weights), OSError subclasses for disk errors.
+    """
+    tmp = _temp_path(out)
+    writer = GGUFWriter(tmp, mf.arch)
+    writer.data_alignment = int(mf.reader.alignment)
+    _copy_metadata(mf, writer, {"general.architecture", "general.quantization_version", "general.file_type"})
+    writer.add_quantization_version(GGML_QNT_VERSION)
+    writer.add_file_type(plan.mix.file_type)
+    for tp in plan.tensors:
+        byte_shape = (*tp.shape[:-1], _n_bytes(tp.shape[-1:], tp.dst_type))  # the writer maps it back to tp.shape
+        writer.add_tensor_info(tp.name, byte_shape, np.dtype(np.uint8), tp.dst_bytes, raw_dtype=tp.dst_type)
+    total, done = plan.n_elements, 0
+    pool = ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        queued = deque([(tp, *_submit(mf, tp, pool)) for tp in plan.tensors[:2]])
+        for i in range(len(plan.tensors)):
+            tp, data, jobs = queued.popleft()
+            if i + 2 < len(plan.tensors):  # keep the next tensor's chunks queued while this one finishes
+                queued.append((plan.tensors[i + 2], *_submit(mf, plan.tensors[i + 2], pool)))
+            for rows, job in jobs:
+                data[rows] = job.result()
+                done += data[rows].shape[0] * tp.shape[-1]
+                if progress:
+                    progress(done, total, tp.name)
+            if not jobs:
+                done += tp.n_elements
+                if progress:
+                    progress(done, total, tp.name)
+            writer.write_tensor_data(data)
+        writer.fout[0].flush()
+        os.fsync(writer.fout[0].fileno())
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    pool.shutdown()
+
+
+def quantize_model(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    mix_name: str,
+    force: bool = False,
+    progress: Progress | None = None,
+    threads: int = 0,
+) -> QuantPlan:
+    """Quantize the GGUF at `src` to the mix `mix_name` and write it to `out`. Returns the plan.
+
+    Raises UsageError (unknown mix; `out` exists and force is false; `out` is `src`),
+    ModelFileError / UnsupportedModelError (bad input, not F32/F16/BF16), OSError (disk).
+    """
+    mix = get_mix(mix_name)
+    out = Path(out)
+    if Path(src).resolve() == out.resolve():
+        raise UsageError(f"{out} is the input file; write the quantized model to another path")
+    if out.exists() and not force:
+        raise UsageError(f"{out} already exists; pass --force to overwrite it")
+    if out.is_dir():
+        raise UsageError(f"{out} is a directory; give a file name for the quantized model")
+    mf = open_model(src)
+    plan = plan_quantization(mf, mix)
+    write_quantized(mf, plan, out, progress, threads)
+    return plan
