@@ -37,6 +37,10 @@ def bench(
     from runtime import bench as rb
     from runtime.errors import UsageError
 
+    from runtime.flags import current as current_flags
+
+    for warning in current_flags().warnings():
+        err.print(f"warning: {warning}", style="yellow")
     if output not in FORMATS:
         raise UsageError(f"-o {output!r} is unknown; use one of {', '.join(FORMATS)}")
     if reps < 1:

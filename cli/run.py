@@ -39,7 +39,8 @@ def run(
     from runtime.generate import Generator
 
     flags = current_flags()
-    flags.warn_unknown()
+    for warning in flags.warnings():
+        err.print(f"warning: {warning}", style="yellow")
     params = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, c.resolve_seed(seed)).validate()
     text = c.read_text(prompt, file)
     s = c.load_session(model, backend, ctx_size)

@@ -58,7 +58,7 @@ def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0) -> Backend:
     present, else numpy. Raises BackendUnavailableError (cuda asked for but not usable) or
     UsageError (unknown kind).
     """
-    from .errors import UsageError
+    from .errors import BackendUnavailableError, UsageError
 
     if kind not in ("auto", "numpy", "cuda"):
         raise UsageError(f"--backend {kind!r} is unknown; use auto, numpy or cuda")
@@ -69,9 +69,12 @@ def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0) -> Backend:
     if kind == "auto":
         kind = "cuda" if cuda_available() else "numpy"
     if kind == "cuda":
-        from .cuda.backend import CudaBackend, require_cuda
+        if not cuda_available():
+            raise BackendUnavailableError(
+                "--backend cuda needs an NVIDIA GPU and CuPy (pip install -e '.[cuda13]'); use --backend numpy to run on the CPU"
+            )
+        from .cuda.backend import CudaBackend
 
-        require_cuda()
         return CudaBackend(mf, n_ctx)
     from .reference import NumpyBackend
 

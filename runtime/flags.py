@@ -2,13 +2,12 @@
 
 Each optimization of the CUDA backend has a flag that turns it off (set it to 0), so
 `k4 bench --flags "K4_X=0"` can measure what it is worth. Unknown K4_* variables get one
-warning. The README's flag table is generated from FLAGS (see `flag_table`).
+warning. The README's flag table lists every flag (tests/test_cli.py checks it).
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -57,9 +56,9 @@ class Flags:
     def on(self, name: str) -> bool:
         return bool(self.values[name])
 
-    def warn_unknown(self) -> None:
-        for name in self.unknown:
-            warnings.warn(f"unknown flag {name} is ignored; known flags: {', '.join(FLAGS)}", stacklevel=2)
+    def warnings(self) -> list[str]:
+        """One message per unknown K4_* variable in the environment."""
+        return [f"unknown flag {name} is ignored; known flags: {', '.join(FLAGS)}" for name in self.unknown]
 
 
 def current() -> Flags:

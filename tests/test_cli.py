@@ -1,0 +1,137 @@
+"""The k4 CLI end to end on the numpy backend: run, info, tokenize, options, errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.app import app
+from runtime.flags import FLAGS
+
+runner = CliRunner()
+
+
+def invoke(*args, input=None):
+    return runner.invoke(app, list(args), input=input)
+
+
+def test_run_default_sample_streams_prompt_and_completion():
+    r = invoke("run", "--backend", "numpy", "--temp", "0", "-n", "12", "Once upon a time")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("Once upon a time, there was")
+    assert re.search(r"generated 12 tok, [\d,.]+ t/s", r.stderr)
+
+
+def test_run_json_fields_and_seed_determinism():
+    args = ("run", "--backend", "numpy", "--json", "--temp", "1.0", "--seed", "42", "-n", "20", "Lily")
+    a, b = json.loads(invoke(*args).stdout), json.loads(invoke(*args).stdout)
+    assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 20
+    assert a["prompt_ids"][0] == 1 and a["seed"] == 42 and a["stop_reason"] == "length"
+    for key in ("text", "prompt_tokens", "generated_tokens", "load_ms", "prompt_ms", "gen_ms", "prompt_tps", "gen_tps"):
+        assert key in a
+    other = json.loads(invoke(*args[:6], "--seed", "43", "-n", "20", "Lily").stdout)
+    assert other["token_ids"] != a["token_ids"]
+
+
+def test_run_prompt_from_file_and_stdin(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("The little dog")
+    a = invoke("run", "--backend", "numpy", "--temp", "0", "-n", "8", "--json", "-f", str(f))
+    b = invoke("run", "--backend", "numpy", "--temp", "0", "-n", "8", "--json", input="The little dog")
+    assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
+
+
+def test_run_stop_string_cuts_before_it():
+    r = invoke("run", "--backend", "numpy", "--temp", "0", "-n", "48", "--json", "--stop", "Lily", "Once upon a time")
+    out = json.loads(r.stdout)
+    assert out["stop_reason"] == "stop"
+    assert out["text"] == ", there was a little girl named "
+
+
+def test_run_no_bos():
+    out = json.loads(invoke("run", "--backend", "numpy", "--temp", "0", "-n", "1", "--json", "--no-bos", "Hi").stdout)
+    assert out["prompt_ids"][0] != 1
+
+
+def test_context_limits():
+    r = invoke("run", "--backend", "numpy", "-c", "8", "--temp", "0", "--json", "Once upon a time there was")
+    out = json.loads(r.stdout)
+    assert out["stop_reason"] == "context" and out["prompt_tokens"] + out["generated_tokens"] == 8
+    r = invoke("run", "--backend", "numpy", "-c", "4", "Once upon a time there was a dog")
+    assert r.exit_code == 2 and "raise --ctx-size" in r.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--temp", "-1"), "--temp"), (("--top-p", "0"), "(0, 1]"), (("--min-p", "3"), "--min-p"),
+    (("--backend", "tpu"), "--backend 'tpu' is unknown"), (("-m", "/nonexistent.gguf"), "no such file"),
+    (("-f", "/nonexistent.txt"), "cannot read"),
+])
+def test_run_invalid_options_one_line(args, needle):
+    r = invoke("run", *args, "hello") if "-f" not in args else invoke("run", *args)
+    assert r.exit_code == 2, r.output
+    assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr
+
+
+def test_info_of_sample():
+    r = invoke("info")
+    assert r.exit_code == 0
+    for needle in ("llama", "Q4_K", "Q6_K", "n_embd", "256", "absent"):
+        assert needle in r.stdout
+
+
+def test_tokenize_ids_and_pieces(shared):
+    r = invoke("tokenize", "-m", str(shared / "models" / "stories260K.gguf"), "--ids", "Once upon a time")
+    ids = json.loads(r.stdout)
+    assert ids[0] == 1 and len(ids) > 2
+    r = invoke("tokenize", "-m", str(shared / "models" / "stories260K.gguf"), "--no-bos", "Once")
+    assert "->" in r.stdout and "1 ->" not in r.stdout.split("\n")[0][:8]
+
+
+def test_tokenize_vocab_only_gguf(shared):
+    r = invoke("tokenize", "-m", str(shared / "vocab" / "ggml-vocab-gpt-2.gguf"), "--ids", "--no-bos", "Hello world")
+    assert r.exit_code == 0 and json.loads(r.stdout) == [15496, 995]
+
+
+def test_prompt_renders_template(tmp_path, shared):
+    msgs = tmp_path / "m.json"
+    msgs.write_text(json.dumps([{"role": "user", "content": "Hi"}]))
+    tmpl = shared / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+    r = invoke("prompt", "-m", str(shared / "vocab" / "ggml-vocab-gpt-2.gguf"), "--messages", str(msgs), "--template", str(tmpl))
+    assert r.exit_code == 0, r.output
+    assert r.stdout.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    r = invoke("prompt", "-m", str(shared / "vocab" / "ggml-vocab-gpt-2.gguf"), "--messages", str(msgs), "--template", str(tmpl),
+               "--no-generation-prompt")
+    assert r.stdout.endswith("<|im_start|>user\nHi<|im_end|>\n")
+
+
+def test_perplexity_needs_enough_text(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("A short text.")
+    r = invoke("perplexity", "--backend", "numpy", "-f", str(f), "-c", "64")
+    assert r.exit_code == 2 and "needs at least 128" in r.stderr
+
+
+def test_unknown_flag_warns():
+    r = runner.invoke(app, ["run", "--backend", "numpy", "-n", "1", "hi"], env={"K4_NOPE": "1"})
+    assert r.exit_code == 0 and "unknown flag K4_NOPE" in r.stderr
+
+
+def test_readme_lists_every_flag_and_its_commands_work():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for name, flag in FLAGS.items():
+        assert f"| `{name}` | {flag.default} |" in readme
+    assert 'pip install -e ".[test]" && pytest -q' in readme
+    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    assert 'pip install -e ".[test]" && pytest -q' in ci
+
+
+def test_console_script_runs():
+    r = subprocess.run([sys.executable, "-m", "cli", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "run" in r.stdout
