@@ -1,0 +1,128 @@
+"""k4 bench and k4 synth on the numpy backend: expansion, flags, printers, synthetic layouts."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+from typer.testing import CliRunner
+
+from cli.app import app
+from runtime.bench import BenchTest, expand, parse_flags, parse_list
+from runtime.errors import UsageError
+from runtime.model import expected_shapes, open_model
+from runtime.reference import NumpyBackend
+from runtime.synthetic import PRESETS, q4_k_m_type, random_blocks, write_synthetic
+
+runner = CliRunner()
+
+
+def test_test_names_follow_llama_bench():
+    assert BenchTest(512, 0).name == "pp512"
+    assert BenchTest(0, 128).name == "tg128"
+    assert BenchTest(512, 128).name == "pp512+tg128"
+    assert BenchTest(0, 128, 4096).name == "tg128@d4096"
+
+
+def test_expand_is_the_cartesian_product():
+    flags = [parse_flags("K4_CUDA_GRAPH=0"), parse_flags("K4_CUDA_GRAPH=1;K4_PINGPONG=0")]
+    tests = expand([128, 512], [128], [(512, 128)], [0, 4096], flags)
+    assert len(tests) == 2 * 2 * (2 + 1 + 1)
+    assert [t.name for t in tests[:4]] == ["pp128", "pp512", "tg128", "pp512+tg128"]
+    assert tests[4].name == "pp128@d4096"
+    assert tests[-1].flags == (("K4_CUDA_GRAPH", "1"), ("K4_PINGPONG", "0"))
+    assert expand([0], [0], [], [0], []) == []
+
+
+@pytest.mark.parametrize("text", ["12,x", "-1", ""])
+def test_parse_list_rejects(text):
+    with pytest.raises(UsageError):
+        parse_list(text, "-p")
+
+
+def test_parse_flags_rejects_unknown():
+    with pytest.raises(UsageError, match="K4_NOPE"):
+        parse_flags("K4_NOPE=1")
+
+
+def _bench(*args):
+    r = runner.invoke(app, ["bench", "--backend", "numpy", "-r", "2", *args])
+    assert r.exit_code == 0, r.output
+    return r.stdout
+
+
+def test_bench_json_records():
+    recs = json.loads(_bench("-p", "16", "-n", "4", "--pg", "8,4", "-o", "json", "--flags", "K4_CUDA_GRAPH=0"))
+    assert [r["test"] for r in recs] == ["pp16", "tg4", "pp8+tg4"]
+    for r in recs:
+        assert len(r["samples_ts"]) == 2 and r["avg_ts"] == pytest.approx(np.mean(r["samples_ts"]))
+        assert r["stddev_ts"] == pytest.approx(np.std(r["samples_ts"], ddof=1))
+        assert r["flags"] == "K4_CUDA_GRAPH=0" and r["backend"] == "numpy" and r["k4_version"]
+        assert r["model_n_params"] > 0 and "gpu" in r and "cupy" in r
+
+
+def test_bench_csv_and_jsonl_parse_back():
+    rows = list(csv.DictReader(io.StringIO(_bench("-p", "16", "-n", "4", "-o", "csv"))))
+    assert [r["test"] for r in rows] == ["pp16", "tg4"] and float(rows[1]["avg_ts"]) > 0
+    lines = _bench("-p", "16", "-n", "0", "-d", "0,8", "-o", "jsonl").splitlines()
+    assert [json.loads(x)["test"] for x in lines] == ["pp16", "pp16@d8"]
+    md = _bench("-p", "8", "-n", "0", "-o", "md")
+    assert md.startswith("| model |") and "| pp8 |" in md
+
+
+def test_bench_tables_show_phases_and_traffic():
+    out = _bench("-p", "8", "-n", "4")
+    for title in ("throughput", "time per phase", "copy traffic"):
+        assert title in out
+
+
+@pytest.mark.parametrize("args, needle", [(("-o", "xml"), "-o 'xml'"), (("-r", "0"), "-r 0"), (("--pg", "1,2,3"), "--pg"),
+                                          (("--flags", "K4_X=1"), "K4_X")])
+def test_bench_bad_options(args, needle):
+    r = runner.invoke(app, ["bench", "--backend", "numpy", *args])
+    assert r.exit_code == 2 and needle in r.stderr
+
+
+def test_bench_synthetic():
+    recs = json.loads(_bench("--synthetic", "test-tiny", "-p", "8", "-n", "2", "-o", "json"))
+    assert recs[0]["model_type"] == "llama synthetic test-tiny"
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q5_0])
+def test_random_blocks_are_sane(qtype):
+    w = dequantize(random_blocks(qtype, 32, 512, np.random.default_rng(0), 0.05), qtype)
+    assert w.shape == (32, 512) and np.isfinite(w).all()
+    assert 0.02 < w.std() < 0.1 and abs(w.mean()) < 0.01
+
+
+def test_q4_k_m_plan_matches_llama_cpp_file(shared):
+    mf = open_model(shared / "models" / "stories260K-pad-q4_k_m.gguf")
+    for name, t in mf.tensors.items():
+        assert q4_k_m_type(name, t.shape, mf.config) == t.ggml_type, name
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_preset_layouts(preset):
+    cfg = PRESETS[preset].config(preset)
+    shapes = expected_shapes(cfg)
+    types = {n: q4_k_m_type(n, s, cfg) for n, s in shapes.items()}
+    assert types["token_embd.weight"] in (T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0)
+    assert (types.get("output.weight") or types["token_embd.weight"]) in (T.Q6_K, T.Q8_0)
+    assert all(types[n] == T.F32 for n, s in shapes.items() if len(s) == 1)
+
+
+def test_synth_writes_a_model_with_finite_forward(tmp_path):
+    out = tmp_path / "tiny.gguf"
+    r = runner.invoke(app, ["synth", "test-tiny", str(out)])
+    assert r.exit_code == 0, r.output
+    mf = open_model(out)
+    assert mf.config.n_embd == 256 and mf.config.n_layer == 2
+    logits = NumpyBackend(mf, 32).eval(list(range(1, 20)), all_logits=True)
+    assert np.isfinite(logits).all() and logits.std() > 0
+    r = runner.invoke(app, ["synth", "test-tiny", str(out)])
+    assert r.exit_code == 2 and "--force" in r.stderr
