@@ -3,9 +3,7 @@ numerically sane weights, written as quantized blocks directly (no float weights
 
 Speed does not depend on weight values, so these are how k4 is benchmarked at real sizes.
 Shapes: the models' published configs (Hugging Face config.json of each). Q4_K_M type choice:
-llama.cpp's llama_tensor_get_type (llama-quant.cpp): output (or tied token_embd) Q6_K; attn_v
-and ffn_down Q6_K on the layers `use_more_bits` picks; Q4_K elsewhere; rows that are not a
-multiple of 256 fall back (Q4_K -> Q5_0, Q6_K -> Q8_0). Block layouts: ggml-common.h.
+llama.cpp's, as runtime.quantize implements it. Block layouts: ggml-common.h.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from gguf import GGMLQuantizationType as T
 from .errors import UsageError
 from .model import ModelConfig, expected_shapes, open_model
 
-QK_K = 256
 
 
 @dataclass(frozen=True)
@@ -65,25 +62,15 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def use_more_bits(i_layer: int, n_layer: int) -> bool:
-    """llama.cpp's rule for which layers get more bits in the _M mixes."""
-    return i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8 or (i_layer - n_layer // 8) % 3 == 2
+def q4_k_m_types(cfg: ModelConfig) -> dict[str, T]:
+    """The ggml type of every tensor of a model of config `cfg` in llama.cpp's Q4_K_M mix
+    (runtime.quantize.choose_types; 1-D tensors stay F32)."""
+    from .quantize import choose_types, get_mix, llama_order
 
-
-FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0, T.Q5_K: T.Q5_0}
-
-
-def q4_k_m_type(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> T:
-    """The ggml type llama.cpp's Q4_K_M mix gives tensor `name` (numpy shape)."""
-    if len(shape) == 1:
-        return T.F32
-    if name == "output.weight" or (cfg.tied_embeddings and name == "token_embd.weight"):
-        t = T.Q6_K
-    elif name.endswith(("attn_v.weight", "ffn_down.weight")) and use_more_bits(int(name.split(".")[1]), cfg.n_layer):
-        t = T.Q6_K
-    else:
-        t = T.Q4_K
-    return FALLBACK.get(t, t) if shape[-1] % QK_K else t
+    shapes = expected_shapes(cfg)
+    names = llama_order(list(shapes))
+    types = choose_types([(n, shapes[n]) for n in names], get_mix("Q4_K_M"), cfg.arch, cfg.n_layer, cfg.n_head, cfg.n_head_kv)
+    return {n: t or T.F32 for n, t in zip(names, types)}
 
 
 def random_blocks(t: T, n_rows: int, n_cols: int, rng: np.random.Generator, scale: float) -> np.ndarray:
@@ -153,7 +140,7 @@ def write_synthetic(preset: str, out: Path, vocab: Path | None = None, seed: int
     rng = np.random.default_rng(seed)
     v = vocab_from(vocab, cfg.n_vocab)
     shapes = expected_shapes(cfg)
-    types = {name: q4_k_m_type(name, shape, cfg) for name, shape in shapes.items()}
+    types = q4_k_m_types(cfg)
     tmp = out.with_name(out.name + ".part")
     w = GGUFWriter(str(tmp), cfg.arch)
     _write_metadata(w, cfg, v)

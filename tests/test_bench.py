@@ -17,7 +17,7 @@ from runtime.bench import BenchTest, expand, parse_flags, parse_list
 from runtime.errors import UsageError
 from runtime.model import expected_shapes, open_model
 from runtime.reference import NumpyBackend
-from runtime.synthetic import PRESETS, q4_k_m_type, random_blocks, write_synthetic
+from runtime.synthetic import PRESETS, q4_k_m_types, random_blocks
 
 runner = CliRunner()
 
@@ -102,15 +102,15 @@ def test_random_blocks_are_sane(qtype):
 
 def test_q4_k_m_plan_matches_llama_cpp_file(shared):
     mf = open_model(shared / "models" / "stories260K-pad-q4_k_m.gguf")
-    for name, t in mf.tensors.items():
-        assert q4_k_m_type(name, t.shape, mf.config) == t.ggml_type, name
+    plan = q4_k_m_types(mf.config)
+    assert plan == {name: t.ggml_type for name, t in mf.tensors.items()}
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_preset_layouts(preset):
     cfg = PRESETS[preset].config(preset)
     shapes = expected_shapes(cfg)
-    types = {n: q4_k_m_type(n, s, cfg) for n, s in shapes.items()}
+    types = q4_k_m_types(cfg)
     assert types["token_embd.weight"] in (T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0)
     assert (types.get("output.weight") or types["token_embd.weight"]) in (T.Q6_K, T.Q8_0)
     assert all(types[n] == T.F32 for n, s in shapes.items() if len(s) == 1)
