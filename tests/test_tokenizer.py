@@ -1,0 +1,219 @@
+"""Tokenizer: llama.cpp's vocabulary suites, round trips, streaming, BOS/EOS and EOG rules."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runtime.errors import TokenizerError
+from runtime.model import open_model
+from runtime.tokenizer import Tokenizer
+
+VOCABS = ("llama-spm", "gpt-2", "falcon", "deepseek-llm")
+
+@pytest.fixture(scope="module")
+def vocab(shared):
+    """name -> Tokenizer for shared/vocab/ggml-vocab-{name}.gguf, "stories" for stories260K (opened once)."""
+
+    cache: dict[str, Tokenizer] = {}
+
+    def get(name: str) -> Tokenizer:
+        if name not in cache:
+            path = shared / "models" / "stories260K.gguf" if name == "stories" else shared / "vocab" / f"ggml-vocab-{name}.gguf"
+            cache[name] = Tokenizer.from_model(open_model(path, require_weights=False))
+        return cache[name]
+
+    return get
+
+
+def read_suite(path):
+    """(text, expected ids) pairs of a llama.cpp vocab test (.inp/.out, format in shared/README.md)."""
+    texts = path.with_suffix(".gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    assert texts[-1] == ""
+    lines = path.with_suffix(".gguf.out").read_text(encoding="utf-8").split("\n")
+    expected = [[int(x) for x in line.split()] for line in lines[: len(texts) - 1]]
+    return list(zip(texts[:-1], expected))
+
+
+def write_vocab(path, tokens, types, model="gpt2", pre="gpt-2", merges=(), **ids):
+    """A vocabulary-only GGUF; ids: bos/eos/eot = token id keys."""
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    if model is not None:
+        w.add_tokenizer_model(model)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if merges:
+        w.add_token_merges(list(merges))
+    for key, value in ids.items():
+        getattr(w, f"add_{key}_token_id")(value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return open_model(path, require_weights=False)
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_vocab_suite_matches_llama_cpp(vocab, shared, name):
+    tok = vocab(name)
+    cases = read_suite(shared / "vocab" / f"ggml-vocab-{name}.gguf")
+    assert len(cases) == 46
+    wrong = [(text, got, ids) for text, ids in cases if (got := tok.encode(text, add_bos=False)) != ids]
+    assert wrong == []
+
+
+def test_vocab_metadata(vocab):
+    spm, gpt2, falcon, deepseek = (vocab(n) for n in VOCABS)
+    assert (spm.model, spm.n_vocab, spm.bos_id, spm.eos_id, spm.add_bos, spm.add_eos) == ("llama", 32000, 1, 2, True, False)
+    assert (gpt2.model, gpt2.pre, gpt2.n_vocab, gpt2.bos_id, gpt2.add_bos) == ("gpt2", "gpt-2", 50257, 50256, False)
+    assert (falcon.pre, falcon.eos_id, falcon.eos_text) == ("falcon", 11, "<|endoftext|>")
+    assert (deepseek.pre, deepseek.bos_id, deepseek.add_bos) == ("deepseek-llm", 100000, True)
+    assert spm.bos_text == "<s>" and spm.eos_text == "</s>"
+
+
+def test_stories_once_upon_a_time(vocab):
+    tok = vocab("stories")
+    ids = tok.encode("Once upon a time")
+    assert ids == [1, 403, 407, 261, 378]
+    assert [tok.piece(i) for i in ids] == ["<s>", "▁Once", "▁upon", "▁a", "▁time"]
+    assert tok.decode(ids, skip_special=True) == "Once upon a time"
+    assert tok.decode(ids) == "<s>Once upon a time"
+    assert tok.decode(ids[1:]) == "Once upon a time"
+
+
+def test_add_bos_and_eos(vocab):
+    tok = vocab("stories")
+    assert tok.encode("Once")[0] == 1
+    assert tok.encode("Once", add_bos=False) == [403]
+    assert tok.encode("Once", add_bos=False, add_eos=True) == [403, 2]
+    assert tok.encode("") == [1]
+    gpt2, deepseek = vocab("gpt-2"), vocab("deepseek-llm")
+    assert gpt2.encode("Hello") == [15496]
+    assert gpt2.encode("Hello", add_bos=True) == [50256, 15496]
+    assert deepseek.encode("Hello")[0] == 100000
+
+
+def test_parse_special(vocab):
+    gpt2 = vocab("gpt-2")
+    assert gpt2.encode("a<|endoftext|>", parse_special=True) == [64, 50256]
+    plain = gpt2.encode("a<|endoftext|>")
+    assert 50256 not in plain and gpt2.decode(plain) == "a<|endoftext|>"
+    spm = vocab("stories")
+    # The space prefix is added after a special token too, as llama.cpp does.
+    assert spm.encode("</s>Once", add_bos=False, parse_special=True) == [2, 403]
+    assert 2 not in spm.encode("</s>Once", add_bos=False)
+
+
+def test_decode_skip_special(vocab):
+    gpt2 = vocab("gpt-2")
+    ids = gpt2.encode("Hi there") + [50256]
+    assert gpt2.decode(ids) == "Hi there<|endoftext|>"
+    assert gpt2.decode(ids, skip_special=True) == "Hi there"
+
+
+_TEXT = st.text(
+    alphabet=st.characters(whitelist_categories=("L", "N", "P", "S", "Zs"), whitelist_characters="\n\t", blacklist_characters="\u2581\ufffd"),
+    max_size=40,
+)
+
+
+@pytest.mark.parametrize("name", (*VOCABS, "stories"))
+def test_round_trip_and_stream(vocab, name):
+    tok = vocab(name)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(_TEXT)
+    def check(text):
+        ids = tok.encode(text, add_bos=False)
+        assert tok.decode(ids) == text
+        stream = tok.stream_decoder(at_start=True)
+        parts = [stream.add(i) for i in ids] + [stream.flush()]
+        assert "".join(parts) == text
+        assert not any("\ufffd" in p for p in parts)
+
+    check()
+
+
+def test_stream_spm_byte_fallback(vocab):
+    tok = vocab("stories")
+    ids = tok.encode("a ☃ b", add_bos=False)
+    assert [tok.piece(i) for i in ids] == ["▁a", "▁", "<0xE2>", "<0x98>", "<0x83>", "▁b"]
+    stream = tok.stream_decoder(at_start=True)
+    assert [stream.add(i) for i in ids] == ["a", " ", "", "", "☃", " b"]
+    assert stream.flush() == ""
+
+
+def test_stream_byte_level_split_character(vocab):
+    tok = vocab("gpt-2")
+    ids = tok.encode("😀!")
+    assert len(ids) >= 3
+    stream = tok.stream_decoder()
+    out = [stream.add(i) for i in ids]
+    assert "".join(out) == "😀!" and out[0] == ""
+    assert all(o in ("", "😀", "!", "😀!") for o in out)
+
+
+def test_stream_flush_unfinished_character(vocab):
+    tok = vocab("stories")
+    stream = tok.stream_decoder()
+    assert stream.add(tok.encode("☃", add_bos=False)[1]) == ""  # <0xE2> alone
+    assert stream.flush() == "\ufffd"
+
+
+def test_stream_continuation_keeps_the_space(vocab):
+    tok = vocab("stories")
+    ids = tok.encode("Once upon a time there was")
+    prompt, rest = ids[:5], ids[5:]
+    stream = tok.stream_decoder()
+    continuation = "".join(stream.add(i) for i in rest) + stream.flush()
+    assert continuation == " there was"
+    assert tok.decode(prompt, skip_special=True) + continuation == "Once upon a time there was"
+    skipping = tok.stream_decoder(skip_special=True, at_start=True)
+    assert "".join(skipping.add(i) for i in ids) == "Once upon a time there was"
+
+
+def test_eog(vocab):
+    assert vocab("stories").is_eog(2) and not vocab("stories").is_eog(1)
+    assert vocab("gpt-2").is_eog(50256)
+    assert vocab("falcon").eog_ids == frozenset({11})
+    assert vocab("deepseek-llm").is_eog(100001) and not vocab("deepseek-llm").is_eog(100000)
+
+
+def test_eog_by_text_and_eot_key(tmp_path):
+    tokens = ["a", "b", "ab", "<|im_end|>", "<|im_start|>", "<|eot_id|>", "<x>"]
+    types = [1, 1, 1, 3, 3, 3, 4]
+    mf = write_vocab(tmp_path / "v.gguf", tokens, types, merges=["a b"], bos=4, eos=6, eot=5)
+    tok = Tokenizer.from_model(mf)
+    assert tok.eog_ids == frozenset({3, 5, 6})
+    assert (tok.bos_id, tok.add_bos, tok.bos_text) == (4, False, "<|im_start|>")
+    # User-defined tokens match even without parse_special; control tokens only with it.
+    assert tok.encode("ab<x>a<|im_end|>", parse_special=True) == [2, 6, 0, 3]
+    assert tok.encode("ab<x>a<|im_end|>") == [2, 6, 0]
+    assert tok.decode([2, 6, 3], skip_special=True) == "ab<x>"
+
+
+def test_llama3_pre_adds_bos_by_default(tmp_path):
+    mf = write_vocab(tmp_path / "v.gguf", ["a", "b", "ab", "<|begin_of_text|>"], [1, 1, 1, 3], pre="llama-bpe", merges=["a b"], bos=3)
+    tok = Tokenizer.from_model(mf)
+    assert tok.add_bos and tok.encode("ab") == [3, 2]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"pre": "klingon"}, "pre-tokenizer 'klingon'"),
+        ({"model": "bert"}, "tokenizer model 'bert'"),
+        ({"model": None}, "no vocabulary"),
+        ({"merges": ()}, "tokenizer.ggml.merges is missing"),
+    ],
+)
+def test_tokenizer_errors_name_the_file(tmp_path, kwargs, message):
+    args = {"merges": ["a b"], **kwargs}
+    mf = write_vocab(tmp_path / "bad.gguf", ["a", "b", "ab"], [1, 1, 1], **args)
+    with pytest.raises(TokenizerError) as err:
+        Tokenizer.from_model(mf)
+    assert message in str(err.value) and "bad.gguf" in str(err.value) and "\n" not in str(err.value)
