@@ -262,15 +262,22 @@ def _submit(mf: ModelFile, tp: TensorPlan, pool: ThreadPoolExecutor):
     return out, jobs
 
 
-def _copy_metadata(mf: ModelFile, writer: GGUFWriter, skip: set[str]) -> None:
-    """Every key/value of the input, in file order, as raw values (strings as bytes, so any
-    encoding survives). Empty arrays are left out: GGUF writers (the gguf package, the
-    converters) never write them."""
+def copy_metadata(mf: ModelFile, writer: GGUFWriter, skip: set[str] = frozenset(), replace: dict[str, object] | None = None) -> None:
+    """Add every key/value of `mf` to `writer` in file order, except GGUF.* and `skip`; keys in
+    `replace` keep their place and type with the new value.
+
+    Values are copied raw (strings as bytes, so any encoding survives). Empty arrays are left
+    out: the gguf package cannot write them, and no converter does. Raises
+    UnsupportedModelError for nested arrays.
+    """
+    replace = replace or {}
     for key, field in mf.reader.fields.items():
         if key.startswith("GGUF.") or key in skip:
             continue
         vtype = field.types[0]
-        if vtype == GGUFValueType.ARRAY:
+        if key in replace:
+            writer.add_key_value(key, replace[key], vtype)
+        elif vtype == GGUFValueType.ARRAY:
             if len(field.types) != 2:
                 raise UnsupportedModelError(f"{mf.path}: metadata key {key!r} is a nested array, which k4 quantize cannot copy")
             sub = field.types[1]
@@ -299,7 +306,7 @@ def write_quantized(mf: ModelFile, plan: QuantPlan, out: Path, progress: Progres
     tmp = _temp_path(out)
     writer = GGUFWriter(tmp, mf.arch)
     writer.data_alignment = int(mf.reader.alignment)
-    _copy_metadata(mf, writer, {"general.architecture", "general.quantization_version", "general.file_type"})
+    copy_metadata(mf, writer, {"general.architecture", "general.quantization_version", "general.file_type"})
     writer.add_quantization_version(GGML_QNT_VERSION)
     writer.add_file_type(plan.mix.file_type)
     for tp in plan.tensors:

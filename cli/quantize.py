@@ -1,0 +1,80 @@
+"""`k4 quantize`: F32/F16/BF16 GGUF -> a llama.cpp K-quant mix, byte-identical to llama-quantize."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from runtime.errors import UsageError
+
+from .render import err, errors_to_exit, out, table
+
+MIX_NAMES = "Q4_K_M, Q4_K_S, Q5_K_M, Q6_K, Q8_0"
+
+
+def _mib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**10:,.1f} KiB" if n_bytes < 2**20 else f"{n_bytes / 2**20:,.2f} MiB"
+
+
+def _summary(plan) -> str:
+    return (
+        f"{plan.mix.name}: {len(plan.tensors)} tensors, {plan.n_elements:,} weights, "
+        f"{_mib(plan.src_bytes)} -> {_mib(plan.dst_bytes)} ({plan.bpw:.2f} bits per weight)"
+    )
+
+
+def _print_plan(plan) -> None:
+    rows = [(t.name, " x ".join(str(d) for d in t.shape), t.src_type.name, t.dst_type.name, _mib(t.dst_bytes)) for t in plan.tensors]
+    out.print(table(None, ("name", "shape", "from", "to", "size"), rows, right=(4,)))
+    out.print(_summary(plan))
+
+
+@errors_to_exit
+def quantize(
+    model: Annotated[Path, typer.Argument(metavar="IN", help="Input GGUF with F32, F16 or BF16 weights.", show_default=False)],
+    out_or_type: Annotated[str, typer.Argument(metavar="OUT", help="Output GGUF (with --dry-run: the TYPE).", show_default=False)],
+    qtype: Annotated[Optional[str], typer.Argument(metavar="TYPE", help=f"One of {MIX_NAMES}.", show_default=False)] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the per-tensor plan and the resulting size; write nothing.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
+    threads: Annotated[int, typer.Option("-t", "--threads", help="Worker threads (0 = one per CPU core).")] = 0,
+) -> None:
+    """Quantize IN to TYPE as llama-quantize does (no importance matrix): `k4 quantize IN OUT TYPE`,
+    or `k4 quantize --dry-run IN TYPE` to see the plan."""
+    from runtime.model import open_model
+    from runtime.quantize import get_mix, plan_quantization
+
+    if dry_run:
+        if qtype is not None:
+            raise UsageError("--dry-run takes IN TYPE, not an output file: k4 quantize --dry-run IN TYPE")
+        _print_plan(plan_quantization(open_model(model), get_mix(out_or_type)))
+        return
+    if qtype is None:
+        raise UsageError(f"missing TYPE: k4 quantize IN OUT TYPE, with TYPE one of {MIX_NAMES}")
+    if threads < 0:
+        raise UsageError(f"--threads {threads} is negative; use 0 for one per core")
+    get_mix(qtype)
+    plan = _quantize_with_progress(model, Path(out_or_type), qtype, force, threads)
+    err.print(_summary(plan))
+    err.print(f"wrote {out_or_type}")
+
+
+def _quantize_with_progress(model: Path, target: Path, qtype: str, force: bool, threads: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from runtime.quantize import quantize_model
+
+    columns = ("[progress.description]{task.description}", BarColumn(), TaskProgressColumn(), MofNCompleteColumn(),
+               "weights", TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task(f"quantizing to {qtype.upper()}", total=None)
+
+        def update(done: int, total: int, name: str) -> None:
+            bar.update(task, completed=done, total=total, description=f"{qtype.upper()} {name}")
+
+        return quantize_model(model, target, qtype, force=force, progress=update, threads=threads)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("quantize")(quantize)
