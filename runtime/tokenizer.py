@@ -124,10 +124,9 @@ class Tokenizer:
     absent), eog_ids (every id that ends generation).
     """
 
-    def __init__(self, source: str, tokens: list[str], types: list[int], hf: HFTokenizer, model: str, pre: str,
+    def __init__(self, tokens: list[str], types: list[int], hf: HFTokenizer, model: str, pre: str,
                  bos_id: int | None, eos_id: int | None, add_bos: bool, add_eos: bool, eog_ids: frozenset[int],
                  add_space_prefix: bool):
-        self.source = source
         self.tokens = tokens
         self.types = types
         self.model = model
@@ -147,7 +146,8 @@ class Tokenizer:
         """Build the tokenizer of an open GGUF (a vocabulary-only file will do).
 
         Defaults for absent keys are llama.cpp's: "llama" has BOS 1, EOS 2 and adds BOS; "gpt2"
-        adds no BOS unless its pre-tokenizer is Llama 3's. Raises TokenizerError, naming the file,
+        adds no BOS unless its pre-tokenizer is Llama 3's, and has no BOS/EOS unless the file
+        names them (llama.cpp would guess id 11, Falcon's). Raises TokenizerError, naming the file,
         when the vocabulary is missing or inconsistent, or its model or pre-tokenizer is unknown.
         """
         where = str(mf.path)
@@ -156,7 +156,7 @@ class Tokenizer:
         if model is None or not tokens:
             raise TokenizerError(f"{where}: no vocabulary (tokenizer.ggml.model/tokens missing); convert the model with its tokenizer")
         n_vocab = len(tokens)
-        types = mf.meta(Keys.Tokenizer.TOKEN_TYPE) or [int(TokenType.NORMAL)] * n_vocab
+        types = [int(t) for t in mf.meta(Keys.Tokenizer.TOKEN_TYPE) or [TokenType.NORMAL] * n_vocab]
         if len(types) != n_vocab:
             raise TokenizerError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries for {n_vocab} tokens; the file is corrupt")
 
@@ -192,7 +192,7 @@ class Tokenizer:
         ends |= {i for i, text in enumerate(tokens) if text in EOG_TEXTS}
         ends.discard(None)
         return cls(
-            where, tokens, [int(t) for t in types], hf, model, pre, bos_id, eos_id,
+            tokens, types, hf, model, pre, bos_id, eos_id,
             bool(mf.meta(Keys.Tokenizer.ADD_BOS, add_bos_default)), bool(mf.meta(Keys.Tokenizer.ADD_EOS, False)),
             frozenset(ends), add_space_prefix,
         )

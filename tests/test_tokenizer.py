@@ -37,7 +37,7 @@ def read_suite(path):
     return list(zip(texts[:-1], expected))
 
 
-def write_vocab(path, tokens, types, model="gpt2", pre="gpt-2", merges=(), **ids):
+def write_vocab(path, tokens, types, model="gpt2", pre="gpt-2", merges=(), scores=None, space_prefix=None, **ids):
     """A vocabulary-only GGUF; ids: bos/eos/eot = token id keys."""
     w = gguf.GGUFWriter(str(path), arch="llama")
     if model is not None:
@@ -48,6 +48,10 @@ def write_vocab(path, tokens, types, model="gpt2", pre="gpt-2", merges=(), **ids
     w.add_token_types(types)
     if merges:
         w.add_token_merges(list(merges))
+    if scores is not None:
+        w.add_token_scores(scores)
+    if space_prefix is not None:
+        w.add_add_space_prefix(space_prefix)
     for key, value in ids.items():
         getattr(w, f"add_{key}_token_id")(value)
     w.write_header_to_file()
@@ -200,6 +204,32 @@ def test_llama3_pre_adds_bos_by_default(tmp_path):
     mf = write_vocab(tmp_path / "v.gguf", ["a", "b", "ab", "<|begin_of_text|>"], [1, 1, 1, 3], pre="llama-bpe", merges=["a b"], bos=3)
     tok = Tokenizer.from_model(mf)
     assert tok.add_bos and tok.encode("ab") == [3, 2]
+
+
+@pytest.mark.parametrize(
+    ("pre", "expected"),
+    [
+        ("llama-bpe", [4, 4, 6]),  # digits in runs of up to 3
+        ("qwen2", [0, 1, 2, 0, 1, 2, 6]),  # single digits
+        ("smollm", [0, 1, 2, 0, 1, 2, 6]),
+        ("gpt-2", [4, 4, 6]),  # one run of digits, then BPE
+        ("default", [4, 4, 6]),
+    ],
+)
+def test_pre_tokenizer_digit_rules(tmp_path, pre, expected):
+    tokens = ["1", "2", "3", "12", "123", "x", "Ġx", "Ġ"]
+    mf = write_vocab(tmp_path / "v.gguf", tokens, [1] * len(tokens), pre=pre, merges=["1 2", "12 3", "Ġ x"])
+    assert Tokenizer.from_model(mf).encode("123123 x") == expected
+
+
+@pytest.mark.parametrize(("space_prefix", "ids", "text"), [(None, [6, 7], "a b"), (True, [6, 7], "a b"), (False, [3, 7], "a b")])
+def test_spm_space_prefix(tmp_path, space_prefix, ids, text):
+    tokens = ["<unk>", "<s>", "</s>", "a", "b", "▁", "▁a", "▁b"]
+    mf = write_vocab(tmp_path / "v.gguf", tokens, [2, 3, 3, 1, 1, 1, 1, 1], model="llama", pre=None,
+                     scores=[0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0], space_prefix=space_prefix)
+    tok = Tokenizer.from_model(mf)
+    assert tok.encode("a b", add_bos=False) == ids
+    assert tok.decode(ids) == text
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,196 @@
+"""Chat templates: the four real templates rendered to exact text, errors, sandbox, fallback, messages files."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from types import SimpleNamespace
+
+import pytest
+
+from runtime.chat_template import FALLBACK_TEMPLATE, ChatTemplate, load_messages
+from runtime.errors import TemplateError, UsageError
+from runtime.model import open_model
+from runtime.tokenizer import Tokenizer
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Hello!"},
+    {"role": "assistant", "content": "Hi! How can I help?"},
+    {"role": "user", "content": "Tell me a joke."},
+]
+
+# template file -> (bos_text, eos_text of the model, expected text with add_generation_prompt, without)
+EXPECTED = {
+    "Qwen-Qwen2.5-7B-Instruct.jinja": (
+        "", "<|im_end|>",
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nHello!<|im_end|>\n"
+        "<|im_start|>assistant\nHi! How can I help?<|im_end|>\n"
+        "<|im_start|>user\nTell me a joke.<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nHello!<|im_end|>\n"
+        "<|im_start|>assistant\nHi! How can I help?<|im_end|>\n"
+        "<|im_start|>user\nTell me a joke.<|im_end|>\n",
+    ),
+    # No date_string is passed (as in transformers), so the template's default date shows.
+    "meta-llama-Llama-3.1-8B-Instruct.jinja": (
+        "<|begin_of_text|>", "<|eot_id|>",
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+        "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
+        "You are a helpful assistant.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHello!<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nHi! How can I help?<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nTell me a joke.<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+        "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
+        "You are a helpful assistant.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHello!<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nHi! How can I help?<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nTell me a joke.<|eot_id|>",
+    ),
+    # Mistral puts the system message into the last user turn and has no generation prompt.
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja": (
+        "<s>", "</s>",
+        "<s>[INST]Hello![/INST]Hi! How can I help?</s>[INST]You are a helpful assistant.\n\nTell me a joke.[/INST]",
+        "<s>[INST]Hello![/INST]Hi! How can I help?</s>[INST]You are a helpful assistant.\n\nTell me a joke.[/INST]",
+    ),
+    # Phi-3.5 ends a finished conversation with the EOS text.
+    "microsoft-Phi-3.5-mini-instruct.jinja": (
+        "<s>", "<|endoftext|>",
+        "<|system|>\nYou are a helpful assistant.<|end|>\n<|user|>\nHello!<|end|>\n"
+        "<|assistant|>\nHi! How can I help?<|end|>\n<|user|>\nTell me a joke.<|end|>\n<|assistant|>\n",
+        "<|system|>\nYou are a helpful assistant.<|end|>\n<|user|>\nHello!<|end|>\n"
+        "<|assistant|>\nHi! How can I help?<|end|>\n<|user|>\nTell me a joke.<|end|>\n<|endoftext|>",
+    ),
+}
+
+
+def specials(bos: str = "<s>", eos: str = "</s>") -> SimpleNamespace:
+    """What ChatTemplate reads from a Tokenizer: bos_text and eos_text."""
+    return SimpleNamespace(bos_text=bos, eos_text=eos)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_real_templates_render_exactly(shared, name):
+    bos, eos, with_prompt, without_prompt = EXPECTED[name]
+    template = ChatTemplate.from_file(shared / "templates" / name, specials(bos, eos))
+    assert not template.is_fallback
+    assert template.render(CONVERSATION) == with_prompt
+    assert template.render(CONVERSATION, add_generation_prompt=False) == without_prompt
+
+
+def test_template_raise_exception_is_template_error(shared):
+    template = ChatTemplate.from_file(shared / "templates" / "mistralai-Mistral-Nemo-Instruct-2407.jinja", specials())
+    with pytest.raises(TemplateError, match="conversation roles must alternate user/assistant"):
+        template.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+def test_raise_exception_message_is_one_line():
+    template = ChatTemplate("{{ raise_exception('first\nsecond') }}", "t.jinja")
+    with pytest.raises(TemplateError) as err:
+        template.render(CONVERSATION)
+    assert str(err.value) == "t.jinja: chat template error: first second"
+
+
+def test_syntax_error_is_template_error():
+    with pytest.raises(TemplateError, match=r"t\.jinja: chat template syntax error at line 2"):
+        ChatTemplate("ok\n{% if %}", "t.jinja")
+
+
+def test_failure_inside_template_is_template_error():
+    template = ChatTemplate("{{ messages[0]['content'] + none }}", "t.jinja")
+    with pytest.raises(TemplateError, match="TypeError"):
+        template.render(CONVERSATION)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ ''.__class__.__mro__ }}",
+        "{{ cycler.__init__.__globals__.os.environ }}",
+        "{{ lipsum.__globals__['os'].popen('id').read() }}",
+        "{{ messages.append({'role': 'user', 'content': 'x'}) }}",
+        "{{ messages[0].update({'role': 'x'}) }}",
+        "{% include '/etc/passwd' %}",
+    ],
+)
+def test_sandbox_refuses_escapes(source):
+    messages = [dict(m) for m in CONVERSATION]
+    with pytest.raises(TemplateError):
+        ChatTemplate(source, "hostile.jinja").render(messages)
+    assert messages == CONVERSATION
+
+
+def test_sandbox_unsafe_attribute_renders_nothing():
+    assert ChatTemplate("[{{ ''|attr('__class__') }}]", "t.jinja").render(CONVERSATION) == "[]"
+
+
+def test_tojson_keeps_unicode_and_takes_indent():
+    template = ChatTemplate("{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=1) }}", "t.jinja")
+    out = template.render([{"role": "user", "content": "héllo ☃"}])
+    assert out == '{"role": "user", "content": "héllo ☃"}|{\n "role": "user",\n "content": "héllo ☃"\n}'
+
+
+def test_strftime_now_uses_the_given_time():
+    template = ChatTemplate("{{ strftime_now('%d %b %Y') }}", "t.jinja")
+    assert template.render(CONVERSATION, now=datetime(2025, 3, 9, 12, 0)) == "09 Mar 2025"
+
+
+def test_variables_and_loopcontrols():
+    source = (
+        "{{ bos_token }}{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+        "{{ m.role }};{% endfor %}{{ tools is none }}{{ documents is none }}{{ eos_token }}"
+    )
+    assert ChatTemplate(source, "t.jinja", "<B>", "<E>").render(CONVERSATION) == "<B>system;user;TrueTrue<E>"
+
+
+def test_fallback_is_chatml_for_a_model_without_template(shared):
+    mf = open_model(shared / "models" / "stories260K.gguf", require_weights=False)
+    template = ChatTemplate.from_model(mf, Tokenizer.from_model(mf))
+    assert template.is_fallback and template.source == FALLBACK_TEMPLATE
+    assert template.render(CONVERSATION[1:2]) == "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"
+    assert template.render(CONVERSATION[1:2], add_generation_prompt=False) == "<|im_start|>user\nHello!<|im_end|>\n"
+
+
+def test_from_model_reads_the_gguf_template(tmp_path):
+    meta = {"tokenizer.chat_template": "{{ bos_token }}{{ messages[-1]['content'] }}"}
+    mf = SimpleNamespace(path=tmp_path / "m.gguf", meta=lambda key, default=None: meta.get(key, default))
+    template = ChatTemplate.from_model(mf, specials("<s>"))
+    assert not template.is_fallback
+    assert template.render(CONVERSATION) == "<s>Tell me a joke."
+
+
+def test_from_file_unreadable(tmp_path):
+    with pytest.raises(TemplateError, match="missing.jinja: cannot read the chat template"):
+        ChatTemplate.from_file(tmp_path / "missing.jinja", specials())
+
+
+def test_load_messages(tmp_path):
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(CONVERSATION), encoding="utf-8")
+    assert load_messages(path) == CONVERSATION
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[{", "not valid JSON"),
+        ("{}", "non-empty JSON list"),
+        ("[]", "non-empty JSON list"),
+        ('[{"role": "user"}]', "message 0 is not an object"),
+        ('[{"role": "user", "content": "a"}, "b"]', "message 1 is not an object"),
+    ],
+)
+def test_load_messages_malformed(tmp_path, text, message):
+    path = tmp_path / "chat.json"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(UsageError, match=message):
+        load_messages(path)
+
+
+def test_load_messages_missing_file(tmp_path):
+    with pytest.raises(UsageError, match="cannot read the messages file"):
+        load_messages(tmp_path / "nope.json")
