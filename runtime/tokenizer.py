@@ -121,7 +121,8 @@ class Tokenizer:
     Attributes: n_vocab (number of tokens), model ("llama" or "gpt2"), pre (the pre-tokenizer
     name, "default" for "llama"), bos_id / eos_id (None when the vocabulary has none), add_bos /
     add_eos (whether encode adds them by default), bos_text / eos_text (their texts, "" when
-    absent), eog_ids (every id that ends generation).
+    absent), eog_ids (every id that ends generation), tokens / types (text and gguf TokenType of
+    each id), strips_first_space (a "llama" vocabulary with add_space_prefix).
     """
 
     def __init__(self, tokens: list[str], types: list[int], hf: HFTokenizer, model: str, pre: str,
