@@ -1,0 +1,485 @@
+// Shared by every k4 kernel: integer types, ggml's quantized block layouts, the two device
+// layouts of a weight tensor (raw and planar), half/bf16 conversion and warp reductions.
+//
+// Block layouts: ggml-common.h (block_q4_K, block_q5_K, block_q6_K, block_q8_0, block_q5_0);
+// the meaning of their bits: ggml-quants.c dequantize_row_*. This header compiles under NVRTC
+// (CuPy, the run-time compiler) and nvcc alike, so it includes no header at all.
+#pragma once
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+#define QK_K 256
+#define K_SCALE_SIZE 12
+#define QK8_0 32
+#define QK5_0 32
+
+// fp16 numbers are stored as their bits (ggml_half is uint16_t).
+struct block_q4_K {  // 256 weights, 4.5 bits each: w = d*sc*q - dmin*m, q in 0..15
+    u16 d;                     // super-block scale of the 6-bit scales
+    u16 dmin;                  // super-block scale of the 6-bit mins
+    u8 scales[K_SCALE_SIZE];   // 8 scales and 8 mins, 6 bits each (get_scale_min_k4)
+    u8 qs[QK_K / 2];           // 4-bit quants: byte 32j+l holds weights 64j+l (low) and 64j+32+l (high)
+};
+static_assert(sizeof(block_q4_K) == 144, "block_q4_K is 144 bytes");
+
+struct block_q5_K {  // 256 weights, 5.5 bits each: w = d*sc*q - dmin*m, q in 0..31
+    u16 d;
+    u16 dmin;
+    u8 scales[K_SCALE_SIZE];
+    u8 qh[QK_K / 8];           // 5th bit: bit s of byte l belongs to weight 32s+l
+    u8 qs[QK_K / 2];           // low 4 bits, as in block_q4_K
+};
+static_assert(sizeof(block_q5_K) == 176, "block_q5_K is 176 bytes");
+
+struct block_q6_K {  // 256 weights, 6.5625 bits each: w = d*sc*(q-32), q in 0..63
+    u8 ql[QK_K / 2];           // low 4 bits: byte 64h+l holds weights 128h+l (low) and 128h+64+l (high), l<64
+    u8 qh[QK_K / 4];           // high 2 bits: bits 2s..2s+1 of byte 32h+l belong to weight 128h+32s+l
+    i8 scales[QK_K / 16];      // one signed 8-bit scale per 16 weights
+    u16 d;
+};
+static_assert(sizeof(block_q6_K) == 210, "block_q6_K is 210 bytes");
+
+struct block_q8_0 {  // 32 weights: w = d*q
+    u16 d;
+    i8 qs[QK8_0];
+};
+static_assert(sizeof(block_q8_0) == 34, "block_q8_0 is 34 bytes");
+
+struct block_q5_0 {  // 32 weights: w = d*(q-16), q = low nibble | (bit i of qh) << 4
+    u16 d;
+    u8 qh[4];
+    u8 qs[QK5_0 / 2];          // byte i holds weights i (low) and i+16 (high)
+};
+static_assert(sizeof(block_q5_0) == 22, "block_q5_0 is 22 bytes");
+
+// ---- device layouts --------------------------------------------------------------------------
+// A quantized tensor of nblk blocks is either `raw` (ggml's array of structs, as in the file) or
+// `planar`: each byte range ("group") [cut(g), cut(g+1)) of the block, the same range for every
+// block, stored contiguously over all nblk blocks, group after group, each group's plane padded
+// to 16 bytes. Planar makes every wide field 16-byte aligned whatever the block size (Q6_K's
+// 210-byte blocks, Q8_0's 34). runtime/cuda/matmul.py builds the same layout on the host.
+
+__host__ __device__ constexpr i64 round16(i64 n) { return (n + 15) & ~(i64)15; }
+
+// Pointer to group G of block `blk` of the tensor at `w` (T supplies block_bytes and cut()).
+template <class T, int G, bool PLANAR>
+__device__ __forceinline__ const u8* group_at(const u8* w, i64 nblk, i64 blk) {
+    if (PLANAR) {
+        i64 base = 0;
+#pragma unroll
+        for (int g = 0; g < G; ++g) base += round16(nblk * (T::cut(g + 1) - T::cut(g)));
+        return w + base + blk * (T::cut(G + 1) - T::cut(G));
+    }
+    return w + blk * T::block_bytes + T::cut(G);
+}
+
+// 16 bytes from p, which is ALIGN-byte aligned (16: one vector load; 2: eight 16-bit loads).
+template <int ALIGN>
+__device__ __forceinline__ uint4 load16(const u8* p) {
+    if (ALIGN >= 16) return __ldg(reinterpret_cast<const uint4*>(p));
+    const u16* h = reinterpret_cast<const u16*>(p);
+    uint4 v;
+    v.x = __ldg(h + 0) | ((u32)__ldg(h + 1) << 16);
+    v.y = __ldg(h + 2) | ((u32)__ldg(h + 3) << 16);
+    v.z = __ldg(h + 4) | ((u32)__ldg(h + 5) << 16);
+    v.w = __ldg(h + 6) | ((u32)__ldg(h + 7) << 16);
+    return v;
+}
+
+// 4 bytes from p, which is ALIGN-byte aligned (4 or more: one load; 2: two 16-bit loads).
+template <int ALIGN>
+__device__ __forceinline__ u32 load4(const u8* p) {
+    if (ALIGN >= 4) return __ldg(reinterpret_cast<const u32*>(p));
+    const u16* h = reinterpret_cast<const u16*>(p);
+    return __ldg(h) | ((u32)__ldg(h + 1) << 16);
+}
+
+__device__ __forceinline__ u16 load2(const u8* p) { return __ldg(reinterpret_cast<const u16*>(p)); }
+
+// ---- number formats ---------------------------------------------------------------------------
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float((u32)b << 16); }
+
+// The 6-bit scales and mins of sub-blocks 2p and 2p+1 (p = 0..3) of a Q4_K/Q5_K block, from its
+// 12 scale bytes as little-endian words s0, s1, s2 (bytes 0-3, 4-7, 8-11). Same bits as
+// ggml-quants.c get_scale_min_k4: sub-block i < 4 keeps the low 6 bits of bytes i (scale) and
+// i+4 (min); i >= 4 takes its low 4 bits from byte i+4 and its top 2 from bytes i-4 and i.
+__device__ __forceinline__ void get_scale_min_k4(int p, u32 s0, u32 s1, u32 s2, int& sc0, int& sc1, int& m0, int& m1) {
+    const u32 sc = p < 2 ? s0 & 0x3F3F3F3Fu : (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u);
+    const u32 m = p < 2 ? s1 & 0x3F3F3F3Fu : ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u);
+    const int sh = 16 * (p & 1);
+    sc0 = (sc >> sh) & 0xFF;
+    sc1 = (sc >> (sh + 8)) & 0xFF;
+    m0 = (m >> sh) & 0xFF;
+    m1 = (m >> (sh + 8)) & 0xFF;
+}
+
+// ---- warp reductions (all 32 lanes must take part) ---------------------------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// ---- quantized activations (q8 x) in shared memory ---------------------------------------------
+// The matrix-vector kernels quantize x once per thread block: n_in int8 in 16-byte units (unit u
+// holds elements 16u..16u+15), one float scale per 32 elements (d), and per unit that scale times
+// the unit's sum of quants (s), so sum(w*x) over a unit is d*dot(q_w, q_x) and offsets cost one
+// multiply. Unit u is stored at a position rotated within its 128-byte row by SWZ*(u/8), which
+// makes each weight type's read pattern free of shared-memory bank conflicts.
+__device__ __forceinline__ int x_unit_slot(int u, int swz) { return (u & ~7) | ((u + swz * (u >> 3)) & 7); }
+
+template <int SWZ>
+struct q8x {
+    const u8* q;     // (round_up(n_in/16, 8) * 16) bytes, swizzled units
+    const float* d;  // (n_in/32) scales
+    const float* s;  // (n_in/16) d * sum of the unit's quants
+    __device__ __forceinline__ uint4 unit(int u) const {
+        return *reinterpret_cast<const uint4*>(q + 16 * x_unit_slot(u, SWZ));
+    }
+};
+
+__device__ __forceinline__ u32 word(const uint4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+
+__device__ __forceinline__ int dot16(const uint4& a, const uint4& b, int acc) {
+    acc = __dp4a((int)a.x, (int)b.x, acc);
+    acc = __dp4a((int)a.y, (int)b.y, acc);
+    acc = __dp4a((int)a.z, (int)b.z, acc);
+    return __dp4a((int)a.w, (int)b.w, acc);
+}
+
+__device__ __forceinline__ uint4 map4(const uint4& v, u32 shift, u32 mask) {
+    return make_uint4((v.x >> shift) & mask, (v.y >> shift) & mask, (v.z >> shift) & mask, (v.w >> shift) & mask);
+}
+
+__device__ __forceinline__ uint4 or4(const uint4& a, const uint4& b) { return make_uint4(a.x | b.x, a.y | b.y, a.z | b.z, a.w | b.w); }
+
+// ---- dequantized output: 16 consecutive values at p (float, or fp16 bits), 16-byte aligned ------
+__device__ __forceinline__ void store16(float* p, const float (&v)[16]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) reinterpret_cast<float4*>(p)[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
+}
+
+__device__ __forceinline__ void store16(u16* p, const float (&v)[16]) {
+    u32 h[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) h[k] = f32_to_f16(v[2 * k]) | ((u32)f32_to_f16(v[2 * k + 1]) << 16);
+    reinterpret_cast<uint4*>(p)[0] = make_uint4(h[0], h[1], h[2], h[3]);
+    reinterpret_cast<uint4*>(p)[1] = make_uint4(h[4], h[5], h[6], h[7]);
+}
+
+__device__ __forceinline__ int nibble(const uint4& v, int i, int shift) { return (word(v, i >> 2) >> (8 * (i & 3) + shift)) & 0xF; }
+
+// ---- per-type decoders ----------------------------------------------------------------------------
+// Each weight type T splits a row into chunks of T::chunk_elems weights, the work of one thread:
+//   chunk load<PLANAR>(w, nblk, blk, j)   issue the loads of chunk j of block blk (global index)
+//   float dot(chunk, ci, x)               sum over the chunk of w*x (ci: chunk index within the row)
+//   void dequant(chunk, ci, row)          write the chunk's weights into row[0..n_in) (float or fp16)
+// Values written by dequant round exactly as the gguf package's numpy dequantize does.
+
+struct type_q4_K {
+    static constexpr int block_bytes = sizeof(block_q4_K), block_elems = QK_K, chunk_elems = 64;
+    static constexpr int raw_align = 16, x_swizzle = 1;
+    // groups: d, dmin and scales (16 bytes) | qs
+    __host__ __device__ static constexpr int cut(int g) {
+        return g == 0 ? 0 : g == 1 ? (int)__builtin_offsetof(block_q4_K, qs) : (int)sizeof(block_q4_K);
+    }
+    struct chunk {
+        uint4 meta;    // d, dmin (fp16), scales[12]
+        uint4 q0, q1;  // qs[32j..32j+31]: sub-block 2j in the low nibbles, 2j+1 in the high
+    };
+    template <bool PLANAR>
+    __device__ static chunk load(const u8* w, i64 nblk, i64 blk, int j) {
+        constexpr int A = PLANAR ? 16 : raw_align;
+        const u8* qs = group_at<type_q4_K, 1, PLANAR>(w, nblk, blk) + 32 * j;
+        return {load16<A>(group_at<type_q4_K, 0, PLANAR>(w, nblk, blk)), load16<A>(qs), load16<A>(qs + 16)};
+    }
+    template <int SWZ>
+    __device__ static float dot(const chunk& c, int ci, const q8x<SWZ>& x) {
+        int sc0, sc1, m0, m1;
+        get_scale_min_k4(ci & 3, c.meta.y, c.meta.z, c.meta.w, sc0, sc1, m0, m1);
+        const int u = 4 * ci;  // x units of this chunk: u, u+1 (sub-block 2j), u+2, u+3 (2j+1)
+        const int s0 = dot16(map4(c.q1, 0, 0x0F0F0F0Fu), x.unit(u + 1), dot16(map4(c.q0, 0, 0x0F0F0F0Fu), x.unit(u), 0));
+        const int s1 = dot16(map4(c.q1, 4, 0x0F0F0F0Fu), x.unit(u + 3), dot16(map4(c.q0, 4, 0x0F0F0F0Fu), x.unit(u + 2), 0));
+        const float2 dx = *reinterpret_cast<const float2*>(x.d + 2 * ci);
+        const float4 sx = *reinterpret_cast<const float4*>(x.s + u);
+        const float d = f16_to_f32(c.meta.x & 0xFFFF), dmin = f16_to_f32(c.meta.x >> 16);
+        return d * ((float)sc0 * dx.x * (float)s0 + (float)sc1 * dx.y * (float)s1) -
+               dmin * ((float)m0 * (sx.x + sx.y) + (float)m1 * (sx.z + sx.w));
+    }
+    template <class OUT>
+    __device__ static void dequant(const chunk& c, int ci, OUT* row) {
+        int sc[2], m[2];
+        get_scale_min_k4(ci & 3, c.meta.y, c.meta.z, c.meta.w, sc[0], sc[1], m[0], m[1]);
+        const float d = f16_to_f32(c.meta.x & 0xFFFF), dmin = f16_to_f32(c.meta.x >> 16);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {  // runs of 16: (q0, q1) low nibbles, then high
+            const float ds = __fmul_rn(d, (float)sc[r >> 1]), dm = __fmul_rn(dmin, (float)m[r >> 1]);
+            float v[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) v[i] = __fsub_rn(__fmul_rn(ds, (float)nibble(r & 1 ? c.q1 : c.q0, i, 4 * (r >> 1))), dm);
+            store16(row + 64 * ci + 16 * r, v);
+        }
+    }
+};
+
+struct type_q5_K {
+    static constexpr int block_bytes = sizeof(block_q5_K), block_elems = QK_K, chunk_elems = 64;
+    static constexpr int raw_align = 16, x_swizzle = 1;
+    // groups: d, dmin and scales (16 bytes) | qh | qs
+    __host__ __device__ static constexpr int cut(int g) {
+        return g == 0 ? 0 : g == 1 ? (int)__builtin_offsetof(block_q5_K, qh) : g == 2 ? (int)__builtin_offsetof(block_q5_K, qs) : (int)sizeof(block_q5_K);
+    }
+    struct chunk {
+        uint4 meta;
+        uint4 h0, h1;  // qh[0..31]: bits 2j and 2j+1 are this chunk's
+        uint4 q0, q1;  // qs[32j..32j+31]
+    };
+    template <bool PLANAR>
+    __device__ static chunk load(const u8* w, i64 nblk, i64 blk, int j) {
+        constexpr int A = PLANAR ? 16 : raw_align;
+        const u8* qh = group_at<type_q5_K, 1, PLANAR>(w, nblk, blk);
+        const u8* qs = group_at<type_q5_K, 2, PLANAR>(w, nblk, blk) + 32 * j;
+        return {load16<A>(group_at<type_q5_K, 0, PLANAR>(w, nblk, blk)), load16<A>(qh), load16<A>(qh + 16), load16<A>(qs), load16<A>(qs + 16)};
+    }
+    // bit `bit` of each byte of h, moved to bit 4 (the 5th bit of the quants)
+    __device__ static uint4 high(const uint4& h, int bit) {
+        uint4 b = map4(h, bit, 0x01010101u);
+        return make_uint4(b.x << 4, b.y << 4, b.z << 4, b.w << 4);
+    }
+    template <int SWZ>
+    __device__ static float dot(const chunk& c, int ci, const q8x<SWZ>& x) {
+        const int j = ci & 3;
+        int sc0, sc1, m0, m1;
+        get_scale_min_k4(j, c.meta.y, c.meta.z, c.meta.w, sc0, sc1, m0, m1);
+        const int u = 4 * ci;
+        const int s0 = dot16(or4(map4(c.q1, 0, 0x0F0F0F0Fu), high(c.h1, 2 * j)), x.unit(u + 1),
+                             dot16(or4(map4(c.q0, 0, 0x0F0F0F0Fu), high(c.h0, 2 * j)), x.unit(u), 0));
+        const int s1 = dot16(or4(map4(c.q1, 4, 0x0F0F0F0Fu), high(c.h1, 2 * j + 1)), x.unit(u + 3),
+                             dot16(or4(map4(c.q0, 4, 0x0F0F0F0Fu), high(c.h0, 2 * j + 1)), x.unit(u + 2), 0));
+        const float2 dx = *reinterpret_cast<const float2*>(x.d + 2 * ci);
+        const float4 sx = *reinterpret_cast<const float4*>(x.s + u);
+        const float d = f16_to_f32(c.meta.x & 0xFFFF), dmin = f16_to_f32(c.meta.x >> 16);
+        return d * ((float)sc0 * dx.x * (float)s0 + (float)sc1 * dx.y * (float)s1) -
+               dmin * ((float)m0 * (sx.x + sx.y) + (float)m1 * (sx.z + sx.w));
+    }
+    template <class OUT>
+    __device__ static void dequant(const chunk& c, int ci, OUT* row) {
+        const int j = ci & 3;
+        int sc[2], m[2];
+        get_scale_min_k4(j, c.meta.y, c.meta.z, c.meta.w, sc[0], sc[1], m[0], m[1]);
+        const float d = f16_to_f32(c.meta.x & 0xFFFF), dmin = f16_to_f32(c.meta.x >> 16);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const float ds = __fmul_rn(d, (float)sc[r >> 1]), dm = __fmul_rn(dmin, (float)m[r >> 1]);
+            const uint4& q = r & 1 ? c.q1 : c.q0;
+            const uint4& h = r & 1 ? c.h1 : c.h0;
+            float v[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                const int hb = (word(h, i >> 2) >> (8 * (i & 3) + 2 * j + (r >> 1))) & 1;
+                v[i] = __fsub_rn(__fmul_rn(ds, (float)(nibble(q, i, 4 * (r >> 1)) | (hb << 4))), dm);
+            }
+            store16(row + 64 * ci + 16 * r, v);
+        }
+    }
+};
+
+struct type_q6_K {
+    static constexpr int block_bytes = sizeof(block_q6_K), block_elems = QK_K, chunk_elems = 64;
+    static constexpr int raw_align = 2, x_swizzle = 2;
+    // groups: ql | qh | scales | d
+    __host__ __device__ static constexpr int cut(int g) {
+        return g == 0 ? 0 : g == 1 ? (int)__builtin_offsetof(block_q6_K, qh) : g == 2 ? (int)__builtin_offsetof(block_q6_K, scales)
+             : g == 3 ? (int)__builtin_offsetof(block_q6_K, d) : (int)sizeof(block_q6_K);
+    }
+    // Chunk j = 2h + lr covers weights 128h + 32m + 16lr + (0..15), m = 0..3.
+    struct chunk {
+        uint4 la, lb;  // ql[64h+16lr ..+16], ql[64h+32+16lr ..+16]
+        uint4 h;       // qh[32h+16lr ..+16]
+        uint4 sc;      // scales[16]
+        u16 d;
+    };
+    template <bool PLANAR>
+    __device__ static chunk load(const u8* w, i64 nblk, i64 blk, int j) {
+        constexpr int A = PLANAR ? 16 : raw_align;
+        const u8* ql = group_at<type_q6_K, 0, PLANAR>(w, nblk, blk) + 64 * (j >> 1) + 16 * (j & 1);
+        const u8* qh = group_at<type_q6_K, 1, PLANAR>(w, nblk, blk) + 32 * (j >> 1) + 16 * (j & 1);
+        return {load16<A>(ql), load16<A>(ql + 32), load16<A>(qh), load16<A>(group_at<type_q6_K, 2, PLANAR>(w, nblk, blk)),
+                load2(group_at<type_q6_K, 3, PLANAR>(w, nblk, blk))};
+    }
+    // bits 2m, 2m+1 of each byte of qh word h, moved to bits 4, 5
+    __device__ static u32 hbits(u32 h, int m) { return (m == 0 ? h << 4 : m == 1 ? h << 2 : m == 2 ? h : h >> 2) & 0x30303030u; }
+    // 6-bit quants (0..63) of run m
+    __device__ static uint4 quants(const chunk& c, int m) {
+        const uint4 l = map4(m & 1 ? c.lb : c.la, 4 * (m >> 1), 0x0F0F0F0Fu);
+        return make_uint4(l.x | hbits(c.h.x, m), l.y | hbits(c.h.y, m), l.z | hbits(c.h.z, m), l.w | hbits(c.h.w, m));
+    }
+    // signed scale of run m
+    __device__ static int scale(const chunk& c, int j, int m) {
+        const u32 wd = (j >> 1) ? (m >> 1 ? c.sc.w : c.sc.z) : (m >> 1 ? c.sc.y : c.sc.x);
+        return (int)(i8)(wd >> (8 * (j & 1) + 16 * (m & 1)));
+    }
+    template <int SWZ>
+    __device__ static float dot(const chunk& c, int ci, const q8x<SWZ>& x) {
+        const int j = ci & 3;
+        const int u = 8 * (ci >> 1) + (ci & 1);  // x unit of run m: u + 2m
+        const float4 dx = *reinterpret_cast<const float4*>(x.d + 4 * (ci >> 1));
+        float acc = 0.f;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const int s = dot16(quants(c, m), x.unit(u + 2 * m), 0);
+            const float dxm = m == 0 ? dx.x : m == 1 ? dx.y : m == 2 ? dx.z : dx.w;
+            acc += (float)scale(c, j, m) * (dxm * (float)s - 32.f * x.s[u + 2 * m]);
+        }
+        return f16_to_f32(c.d) * acc;
+    }
+    template <class OUT>
+    __device__ static void dequant(const chunk& c, int ci, OUT* row) {
+        const int j = ci & 3;
+        const float d = f16_to_f32(c.d);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const float ds = __fmul_rn(d, (float)scale(c, j, m));
+            const uint4 q = quants(c, m);
+            float v[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(ds, (float)((int)((word(q, i >> 2) >> (8 * (i & 3))) & 0xFF) - 32));
+            store16(row + 256 * (ci >> 2) + 128 * (j >> 1) + 32 * m + 16 * (j & 1), v);
+        }
+    }
+};
+
+struct type_q8_0 {
+    static constexpr int block_bytes = sizeof(block_q8_0), block_elems = QK8_0, chunk_elems = 32;
+    static constexpr int raw_align = 2, x_swizzle = 1;
+    // groups: d | qs
+    __host__ __device__ static constexpr int cut(int g) {
+        return g == 0 ? 0 : g == 1 ? (int)__builtin_offsetof(block_q8_0, qs) : (int)sizeof(block_q8_0);
+    }
+    struct chunk {
+        uint4 q0, q1;  // qs[0..31]
+        u16 d;
+    };
+    template <bool PLANAR>
+    __device__ static chunk load(const u8* w, i64 nblk, i64 blk, int) {
+        constexpr int A = PLANAR ? 16 : raw_align;
+        const u8* qs = group_at<type_q8_0, 1, PLANAR>(w, nblk, blk);
+        return {load16<A>(qs), load16<A>(qs + 16), load2(group_at<type_q8_0, 0, PLANAR>(w, nblk, blk))};
+    }
+    template <int SWZ>
+    __device__ static float dot(const chunk& c, int ci, const q8x<SWZ>& x) {
+        const int s = dot16(c.q1, x.unit(2 * ci + 1), dot16(c.q0, x.unit(2 * ci), 0));
+        return f16_to_f32(c.d) * x.d[ci] * (float)s;
+    }
+    template <class OUT>
+    __device__ static void dequant(const chunk& c, int ci, OUT* row) {
+        const float d = f16_to_f32(c.d);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float v[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) v[i] = __fmul_rn((float)(i8)(word(r ? c.q1 : c.q0, i >> 2) >> (8 * (i & 3))), d);
+            store16(row + 32 * ci + 16 * r, v);
+        }
+    }
+};
+
+struct type_q5_0 {
+    static constexpr int block_bytes = sizeof(block_q5_0), block_elems = QK5_0, chunk_elems = 32;
+    static constexpr int raw_align = 2, x_swizzle = 1;
+    // groups: d | qh | qs
+    __host__ __device__ static constexpr int cut(int g) {
+        return g == 0 ? 0 : g == 1 ? (int)__builtin_offsetof(block_q5_0, qh) : g == 2 ? (int)__builtin_offsetof(block_q5_0, qs) : (int)sizeof(block_q5_0);
+    }
+    struct chunk {
+        uint4 q;  // qs[16]: weights i (low nibble) and i+16 (high)
+        u32 qh;   // bit i: 5th bit of weight i
+        u16 d;
+    };
+    template <bool PLANAR>
+    __device__ static chunk load(const u8* w, i64 nblk, i64 blk, int) {
+        constexpr int A = PLANAR ? 16 : raw_align;
+        return {load16<A>(group_at<type_q5_0, 2, PLANAR>(w, nblk, blk)), load4<A>(group_at<type_q5_0, 1, PLANAR>(w, nblk, blk)),
+                load2(group_at<type_q5_0, 0, PLANAR>(w, nblk, blk))};
+    }
+    // bits 0..3 of n, one per byte, at bit 4 of bytes 0..3 (the four copies n<<7k do not overlap)
+    __device__ static u32 spread4(u32 n) { return ((n * 0x00204081u) & 0x01010101u) << 4; }
+    // 5-bit quants (0..31) of half r (weights 16r..16r+15)
+    __device__ static uint4 quants(const chunk& c, int r) {
+        const uint4 l = map4(c.q, 4 * r, 0x0F0F0F0Fu);
+        const u32 h = c.qh >> (16 * r);
+        return make_uint4(l.x | spread4(h & 0xF), l.y | spread4((h >> 4) & 0xF), l.z | spread4((h >> 8) & 0xF), l.w | spread4((h >> 12) & 0xF));
+    }
+    template <int SWZ>
+    __device__ static float dot(const chunk& c, int ci, const q8x<SWZ>& x) {
+        const int s = dot16(quants(c, 1), x.unit(2 * ci + 1), dot16(quants(c, 0), x.unit(2 * ci), 0));
+        return f16_to_f32(c.d) * (x.d[ci] * (float)s - 16.f * (x.s[2 * ci] + x.s[2 * ci + 1]));
+    }
+    template <class OUT>
+    __device__ static void dequant(const chunk& c, int ci, OUT* row) {
+        const float d = f16_to_f32(c.d);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const uint4 q = quants(c, r);
+            float v[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(d, (float)((int)((word(q, i >> 2) >> (8 * (i & 3))) & 0xFF) - 16));
+            store16(row + 32 * ci + 16 * r, v);
+        }
+    }
+};
+
+// Unquantized types: `per16` weights per 16 bytes, unpacked to float.
+struct type_f32 {
+    static constexpr int elem_bytes = 4, per16 = 4;
+    __device__ static float get(const u8* row, i64 i) { return __ldg(reinterpret_cast<const float*>(row) + i); }
+    __device__ static void unpack(const uint4& v, float (&f)[per16]) {
+        f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y); f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+    }
+};
+
+struct type_f16 {
+    static constexpr int elem_bytes = 2, per16 = 8;
+    __device__ static float get(const u8* row, i64 i) { return f16_to_f32(__ldg(reinterpret_cast<const u16*>(row) + i)); }
+    __device__ static void unpack(const uint4& v, float (&f)[per16]) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            f[2 * k] = f16_to_f32(word(v, k) & 0xFFFF);
+            f[2 * k + 1] = f16_to_f32(word(v, k) >> 16);
+        }
+    }
+};
+
+struct type_bf16 {
+    static constexpr int elem_bytes = 2, per16 = 8;
+    __device__ static float get(const u8* row, i64 i) { return bf16_to_f32(__ldg(reinterpret_cast<const u16*>(row) + i)); }
+    __device__ static void unpack(const uint4& v, float (&f)[per16]) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            f[2 * k] = __uint_as_float(word(v, k) << 16);
+            f[2 * k + 1] = __uint_as_float(word(v, k) & 0xFFFF0000u);
+        }
+    }
+};

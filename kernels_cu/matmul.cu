@@ -1,0 +1,79 @@
+// Dequantization for prefill and embeddings, and the small kernels around the cuBLAS product.
+//
+// Prefill computes Y[n_tok, n_out] = X[n_tok, n_in] @ W^T on tensor cores: dequant_q / dequant_f
+// expand a range of W's rows to fp16 (into a scratch buffer that stays in L2), f32_to_f16
+// converts X, cuBLAS multiplies (fp16 in, fp32 accumulate and out), add_rows applies the
+// epilogue. The same dequant kernels with float output and a row-id list are the embedding
+// lookup (token_embd.weight rows), exact to the gguf package's numpy dequantize.
+//
+// Thread mapping: dequant_q, one thread per chunk of T (common.cuh); dequant_f, one thread per
+// weight; f32_to_f16 and add_rows, one thread per element. The launcher validates everything.
+#include "common.cuh"
+
+// out[r, :] = dequantized row src(r) of W, r < n_rows, src(r) = row_ids ? row_ids[r] : row0 + r.
+template <class T, bool PLANAR, class OUT>
+__global__ void dequant_q(const u8* __restrict__ w,       // (n_w_rows, n_in) in T's blocks
+                          i64 nblk,                       // blocks in the whole tensor (planar layout)
+                          int n_in,
+                          const int* __restrict__ row_ids, // (n_rows,) or null
+                          int row0, int n_rows,
+                          OUT* __restrict__ out) {         // (n_rows, n_in), float or fp16 bits
+    constexpr int cpb = T::block_elems / T::chunk_elems;
+    const int n_chunks = n_in / T::chunk_elems;
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (i64)n_rows * n_chunks) return;
+    const int r = (int)(idx / n_chunks), c = (int)(idx % n_chunks);
+    const int src = row_ids ? row_ids[r] : row0 + r;
+    const typename T::chunk ch = T::template load<PLANAR>(w, nblk, (i64)src * (n_in / T::block_elems) + c / cpb, c % cpb);
+    T::dequant(ch, c, out + (i64)r * n_in);
+}
+
+__device__ __forceinline__ void put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void put(u16* p, float v) { *p = f32_to_f16(v); }
+
+template <class T, class OUT>
+__global__ void dequant_f(const u8* __restrict__ w,         // (n_w_rows, n_in) of T
+                          int n_in, const int* __restrict__ row_ids, int row0, int n_rows,
+                          OUT* __restrict__ out) {           // (n_rows, n_in)
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (i64)n_rows * n_in) return;
+    const int r = (int)(idx / n_in), i = (int)(idx % n_in);
+    const int src = row_ids ? row_ids[r] : row0 + r;
+    put(out + idx, T::get(w + (i64)src * n_in * T::elem_bytes, i));
+}
+
+extern "C" __global__ void f32_to_f16(const float* __restrict__ x, u16* __restrict__ y, i64 n) {  // y = fp16(x), (n,)
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = f32_to_f16(x[i]);
+}
+
+// Y[t, o] += residual[t, o] + bias[o]; either may be null.
+extern "C" __global__ void add_rows(float* Y,                          // (n_tok, n_out)
+                                    const float* __restrict__ residual, // (n_tok, n_out) or null
+                                    const float* __restrict__ bias,     // (n_out,) or null
+                                    int n_tok, int n_out) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (i64)n_tok * n_out) return;
+    float v = Y[i];
+    if (residual) v += residual[i];
+    if (bias) v += bias[i % n_out];
+    Y[i] = v;
+}
+
+#define K4_DEQUANT_Q(T) \
+    template __global__ void dequant_q<T, false, float>(const u8*, i64, int, const int*, int, int, float*); \
+    template __global__ void dequant_q<T, true, float>(const u8*, i64, int, const int*, int, int, float*); \
+    template __global__ void dequant_q<T, false, u16>(const u8*, i64, int, const int*, int, int, u16*); \
+    template __global__ void dequant_q<T, true, u16>(const u8*, i64, int, const int*, int, int, u16*);
+K4_DEQUANT_Q(type_q4_K)
+K4_DEQUANT_Q(type_q5_K)
+K4_DEQUANT_Q(type_q6_K)
+K4_DEQUANT_Q(type_q8_0)
+K4_DEQUANT_Q(type_q5_0)
+
+#define K4_DEQUANT_F(T) \
+    template __global__ void dequant_f<T, float>(const u8*, int, const int*, int, int, float*); \
+    template __global__ void dequant_f<T, u16>(const u8*, int, const int*, int, int, u16*);
+K4_DEQUANT_F(type_f32)
+K4_DEQUANT_F(type_f16)
+K4_DEQUANT_F(type_bf16)

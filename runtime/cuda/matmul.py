@@ -1,0 +1,514 @@
+"""The dequant-matmul family on the GPU: matrix-vector products for decode (gemv), matrix-matrix
+products for prefill (matmul), the embedding lookup (dequant_rows), and their microbenchmarks.
+
+Weights stay in their ggml encoding on the device (Q4_K keeps 144 bytes per 256 weights). With
+repacking on (flag K4_REPACK) a quantized tensor is stored *planar*: each byte range of the
+block (e.g. Q6_K's ql | qh | scales | d) contiguous over all blocks, each plane padded to 16
+bytes, so every wide field is 16-byte aligned whatever the block size; the kernels read raw
+(ggml's array of blocks) and planar alike. Layouts: ggml-common.h; kernels: kernels_cu/gemv.cu
+and kernels_cu/matmul.cu, their per-type decoders in kernels_cu/common.cuh.
+
+decode, y = W @ x: one kernel. Quantized types quantize x to 8 bits per 32 values inside each
+thread block (llama.cpp's q8_1 idea) and use integer dot products; F32/F16/BF16 use float x.
+prefill, Y = X @ W^T: W is dequantized to fp16 a row range at a time (<= 32 MiB, so it stays in
+L2) and multiplied by cuBLAS on tensor cores (fp16 inputs, fp32 accumulation and output); with
+K4_PREFILL_TC=0, or for a few tokens, it is one gemv per token instead.
+
+Every entry point validates on the host (ValueError: these are programming errors of the
+caller, not user errors), allocates nothing, and never synchronizes, so it can be captured in
+a CUDA graph; launches go through runtime.cuda.launch and are counted in `trace` when given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+
+from runtime import flags
+from runtime.model import Tensor
+from runtime.trace import Trace
+
+from .compile import module
+from .launch import launch
+
+
+@dataclass(frozen=True)
+class QuantKernels:
+    """How kernels_cu handles one quantized ggml type.
+
+    decoder: the C++ decoder struct in kernels_cu/common.cuh.
+    groups:  byte offsets cutting a block into the planes of the planar layout (ggml-common.h
+             field offsets; the last one is the block size).
+    gemv:    (WARPS, U) of the gemv_q8 instance used: warps per block, chunks in flight per lane.
+    """
+
+    decoder: str
+    groups: tuple[int, ...]
+    gemv: tuple[int, int]
+
+
+QUANT: dict[T, QuantKernels] = {
+    T.Q4_K: QuantKernels("type_q4_K", (0, 16, 144), (32, 2)),          # d dmin scales | qs
+    T.Q5_K: QuantKernels("type_q5_K", (0, 16, 48, 176), (32, 1)),      # d dmin scales | qh | qs
+    T.Q6_K: QuantKernels("type_q6_K", (0, 128, 192, 208, 210), (32, 2)),  # ql | qh | scales | d
+    T.Q8_0: QuantKernels("type_q8_0", (0, 2, 34), (32, 4)),            # d | qs
+    T.Q5_0: QuantKernels("type_q5_0", (0, 2, 6, 22), (32, 4)),         # d | qh | qs
+}
+# Unquantized types: C++ decoder and bytes per weight.
+FLOAT: dict[T, tuple[str, int]] = {T.F32: ("type_f32", 4), T.F16: ("type_f16", 2), T.BF16: ("type_bf16", 2)}
+
+# gemv_q8 variants compiled besides each type's default (measured by bench_gemv(variant=...)).
+EXTRA_GEMV_VARIANTS: dict[T, tuple[tuple[int, int], ...]] = {T.Q4_K: ((16, 2), (32, 1)), T.Q6_K: ((32, 1),)}
+FLOAT_GEMV = (8, 4)  # gemv_f: warps per block, 16-byte chunks in flight per lane
+
+GEMV_MAX_TOKENS = 4          # matmul of at most this many tokens runs as gemv per token
+DEQUANT_CHUNK_BYTES = 32 << 20  # fp16 rows dequantized per cuBLAS call (fits the H200's 60 MB L2)
+
+
+def _bool(b: bool) -> str:
+    return "true" if b else "false"
+
+
+def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int]) -> str:
+    return f"gemv_q8<{QUANT[t].decoder}, {_bool(planar)}, {variant[0]}, {variant[1]}>"
+
+
+def _gemv_f_name(t: T, vec: bool) -> str:
+    return f"gemv_f<{FLOAT[t][0]}, {FLOAT_GEMV[0]}, {FLOAT_GEMV[1]}, {_bool(vec)}>"
+
+
+def _dequant_name(t: T, planar: bool, out: str) -> str:
+    if t in QUANT:
+        return f"dequant_q<{QUANT[t].decoder}, {_bool(planar)}, {out}>"
+    return f"dequant_f<{FLOAT[t][0]}, {out}>"
+
+
+GEMV_NAMES = tuple(
+    [_gemv_q8_name(t, p, v) for t, q in QUANT.items() for v in (q.gemv, *EXTRA_GEMV_VARIANTS.get(t, ())) for p in (False, True)]
+    + [_gemv_f_name(t, vec) for t in FLOAT for vec in (True, False)]
+)
+MATMUL_NAMES = tuple(
+    [_dequant_name(t, p, out) for t in QUANT for p in (False, True) for out in ("float", "u16")]
+    + [_dequant_name(t, False, out) for t in FLOAT for out in ("float", "u16")]
+    + ["f32_to_f16", "add_rows"]
+)
+
+
+def _kernel(filename: str, name: str):
+    names = GEMV_NAMES if filename == "gemv.cu" else MATMUL_NAMES
+    return module(filename, names).get_function(name)
+
+
+# ---- host layout -------------------------------------------------------------------------------
+
+def _round16(n: int) -> int:
+    return (n + 15) & ~15
+
+
+def _check_matrix(t: Tensor) -> tuple[int, int]:
+    if len(t.shape) != 2:
+        raise ValueError(f"{t.name}: a weight matrix must be 2-D, got shape {t.shape}")
+    if t.ggml_type not in QUANT and t.ggml_type not in FLOAT:
+        raise ValueError(f"{t.name}: type {t.type_name} has no CUDA kernels")
+    n_out, n_in = t.shape
+    block = GGML_QUANT_SIZES[t.ggml_type][0]
+    if n_in % block:
+        raise ValueError(f"{t.name}: rows of {n_in} are not a multiple of the {t.type_name} block of {block}")
+    return n_out, n_in
+
+
+def planar_nbytes(ggml_type: T, nblk: int) -> int:
+    """Bytes of the planar layout of `nblk` blocks of a quantized type: each plane padded to 16."""
+    g = QUANT[ggml_type].groups
+    return sum(_round16(nblk * (b - a)) for a, b in zip(g, g[1:]))
+
+
+def weight_layout(t: Tensor, repack: bool) -> np.ndarray:
+    """The bytes to upload for weight matrix `t`: uint8, 1-D, contiguous.
+
+    Quantized types with `repack` get the planar layout (see the module docstring), everything
+    else the file's bytes unchanged. Raises ValueError if `t` is not a 2-D matrix of a type with
+    CUDA kernels whose rows are whole blocks.
+    """
+    _check_matrix(t)
+    raw = t.raw_bytes()  # (n_rows, bytes_per_row)
+    if not (repack and t.ggml_type in QUANT):
+        return np.ascontiguousarray(raw).reshape(-1)
+    g = QUANT[t.ggml_type].groups
+    blocks = raw.reshape(-1, g[-1])  # (nblk, block_bytes)
+    nblk = blocks.shape[0]
+    out = np.zeros(planar_nbytes(t.ggml_type, nblk), np.uint8)
+    off = 0
+    for a, b in zip(g, g[1:]):
+        out[off : off + nblk * (b - a)] = blocks[:, a:b].reshape(-1)
+        off += _round16(nblk * (b - a))
+    return out
+
+
+# ---- device weights ----------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class DeviceWeight:
+    """A weight matrix on the GPU in its quantized (raw or planar) layout.
+
+    ggml_type: GGMLQuantizationType; shape: (n_out, n_in); data: cupy uint8 array (nbytes,);
+    planar: repacked layout; prefill_tc: matmul uses tensor cores (flag K4_PREFILL_TC).
+    """
+
+    ggml_type: T
+    shape: tuple[int, int]
+    data: object
+    planar: bool
+    prefill_tc: bool = True
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the weight."""
+        return int(self.data.nbytes)
+
+    @property
+    def n_blocks(self) -> int:
+        return self.shape[0] * self.shape[1] // GGML_QUANT_SIZES[self.ggml_type][0]
+
+
+def make_weight(t: Tensor, device_bytes, repack: bool) -> DeviceWeight:
+    """Wrap `device_bytes` (cupy uint8, 1-D, the upload of weight_layout(t, repack)) as a DeviceWeight.
+
+    Raises ValueError when the bytes do not match the layout's size or `t` is not a matrix k4
+    can multiply (see weight_layout).
+    """
+    n_out, n_in = _check_matrix(t)
+    planar = bool(repack and t.ggml_type in QUANT)
+    block, size = GGML_QUANT_SIZES[t.ggml_type]
+    nblk = n_out * n_in // block
+    expect = planar_nbytes(t.ggml_type, nblk) if planar else nblk * size
+    if device_bytes.dtype != np.uint8 or device_bytes.ndim != 1 or device_bytes.nbytes != expect:
+        raise ValueError(f"{t.name}: device bytes must be uint8 of shape ({expect},), got {device_bytes.dtype} {device_bytes.shape}")
+    return DeviceWeight(t.ggml_type, (n_out, n_in), device_bytes, planar, flags.current().on("K4_PREFILL_TC"))
+
+
+def _device_limits() -> tuple[int, int]:
+    """(multiprocessors, L2 bytes) of the current device."""
+    import cupy as cp
+
+    attrs = cp.cuda.Device().attributes
+    return attrs["MultiProcessorCount"], attrs["L2CacheSize"]
+
+
+def _q8x_smem(n_in: int) -> int:
+    """Shared memory of gemv_q8 (bytes): int8 units padded to 128 bytes, d per 32, s per 16."""
+    return ((n_in // 16 + 7) & ~7) * 16 + _round16(n_in // 32 * 4) + n_in // 16 * 4
+
+
+def _blocks_per_sm(kernel, threads: int, smem: int) -> int:
+    """Resident blocks per multiprocessor (sm_90: 2048 threads, 64K registers allocated per warp
+    in units of 256, 228 KB shared memory with 1 KB reserved per block)."""
+    regs = max(1, -(-kernel.num_regs // 8) * 8)
+    return max(1, min(2048 // threads, 65536 // (regs * threads), (228 << 10) // (smem + (1 << 10))))
+
+
+def _gemv_plan(w: DeviceWeight, variant: tuple[int, int] | None = None):
+    """(kernel, grid, block, shared_mem) for gemv on w, cached per variant. The grid is as many
+    blocks as fit on the GPU at once, but at most one per row."""
+    plan = w._plans.get(variant)
+    if plan is not None:
+        return plan
+    n_out, n_in = w.shape
+    if w.ggml_type in QUANT:
+        warps, u = variant or QUANT[w.ggml_type].gemv
+        kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, (warps, u)))
+        smem = _q8x_smem(n_in)
+        if smem > 48 << 10:
+            kernel.max_dynamic_shared_size_bytes = smem
+    else:
+        warps = FLOAT_GEMV[0]
+        kernel = _kernel("gemv.cu", _gemv_f_name(w.ggml_type, (n_in * FLOAT[w.ggml_type][1]) % 16 == 0))
+        smem = 0
+    grid = min(_device_limits()[0] * _blocks_per_sm(kernel, 32 * warps, smem), n_out)
+    plan = (kernel, (grid,), (32 * warps,), smem)
+    w._plans[variant] = plan
+    return plan
+
+
+# ---- argument checks ---------------------------------------------------------------------------
+
+def _null_or(a):
+    return np.uint64(0) if a is None else a
+
+
+def _check_array(name: str, a, shape: tuple[int, ...], dtype=np.float32, align16: bool = False) -> None:
+    import cupy as cp
+
+    if not isinstance(a, cp.ndarray) or a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
+        got = f"{a.dtype} {a.shape}" if isinstance(a, cp.ndarray) else type(a).__name__
+        raise ValueError(f"{name} must be a contiguous {np.dtype(dtype).name} cupy array of shape {shape}, got {got}")
+    if align16 and a.data.ptr % 16:
+        raise ValueError(f"{name} must start at a 16-byte aligned address")
+
+
+# ---- decode: matrix-vector ---------------------------------------------------------------------
+
+def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, stream=None, trace: Trace | None = None,
+         variant: tuple[int, int] | None = None) -> None:
+    """y = w @ x (+ bias) (+ residual), one kernel launch.
+
+    x: (n_in,) float32, 16-byte aligned; y: (n_out,) float32; residual: (n_out,) float32 or
+    None, may be y itself (in-place residual add); bias: (n_out,) float32 or None. All cupy
+    arrays, contiguous. `variant` (WARPS, U) picks another compiled gemv_q8 instance (see
+    EXTRA_GEMV_VARIANTS). Quantized weights compute with x quantized to 8 bits per 32 values
+    (relative error about 5e-3 on random data); float weights in float32.
+    Raises ValueError on wrong shapes, dtypes or alignment.
+    """
+    n_out, n_in = w.shape
+    _check_array("x", x, (n_in,), align16=True)
+    _check_array("y", y, (n_out,))
+    if residual is not None:
+        _check_array("residual", residual, (n_out,))
+    if bias is not None:
+        _check_array("bias", bias, (n_out,))
+    kernel, grid, block, smem = _gemv_plan(w, variant)
+    args = (w.data, x, y, _null_or(residual), _null_or(bias), np.int32(n_out), np.int32(n_in))
+    launch(kernel, grid, block, args, smem, stream, trace)
+
+
+# ---- embeddings: rows of a matrix ----------------------------------------------------------------
+
+def _dequant_launch(w: DeviceWeight, row_ids, row0: int, n_rows: int, out, out_type: str, stream, trace) -> None:
+    n_in = w.shape[1]
+    kernel = _kernel("matmul.cu", _dequant_name(w.ggml_type, w.planar, out_type))
+    if w.ggml_type in QUANT:
+        per_row = n_in // (64 if w.ggml_type in (T.Q4_K, T.Q5_K, T.Q6_K) else 32)  # chunks per row
+        args = (w.data, np.int64(w.n_blocks), np.int32(n_in), _null_or(row_ids), np.int32(row0), np.int32(n_rows), out)
+    else:
+        per_row = n_in
+        args = (w.data, np.int32(n_in), _null_or(row_ids), np.int32(row0), np.int32(n_rows), out)
+    threads = 256
+    launch(kernel, (math.ceil(n_rows * per_row / threads),), (threads,), args, 0, stream, trace)
+
+
+def dequant_rows(w: DeviceWeight, row_ids, out, stream=None, trace: Trace | None = None) -> None:
+    """out[i] = float32 row row_ids[i] of w, exactly as gguf's numpy dequantize computes it.
+
+    row_ids: (n,) int32 cupy array of row indices, each in [0, n_out) (not checked: the ids
+    stay on the device); out: (n, n_in) float32 cupy array, contiguous, 16-byte aligned.
+    Raises ValueError on wrong shapes or dtypes.
+    """
+    n = row_ids.shape[0] if getattr(row_ids, "ndim", 0) == 1 else -1
+    _check_array("row_ids", row_ids, (n,), np.int32)
+    _check_array("out", out, (n, w.shape[1]), align16=True)
+    if n:
+        _dequant_launch(w, row_ids, 0, n, out, "float", stream, trace)
+
+
+# ---- prefill: matrix-matrix --------------------------------------------------------------------
+
+def _chunk_rows(w: DeviceWeight) -> int:
+    n_out, n_in = w.shape
+    return min(n_out, max(128, DEQUANT_CHUNK_BYTES // (2 * n_in) // 128 * 128))
+
+
+def _uses_gemv(w: DeviceWeight, n_tok: int) -> bool:
+    return not w.prefill_tc or n_tok <= GEMV_MAX_TOKENS
+
+
+def _scratch_parts(w: DeviceWeight, n_tok: int) -> tuple[int, int]:
+    """(fp16 X bytes, fp16 W chunk bytes) that matmul of n_tok tokens needs in its scratch."""
+    if _uses_gemv(w, n_tok) or w.ggml_type == T.F32:
+        return 0, 0
+    x_bytes = (n_tok * w.shape[1] * 2 + 255) & ~255
+    return x_bytes, 0 if w.ggml_type == T.F16 else _chunk_rows(w) * w.shape[1] * 2
+
+
+def matmul_scratch_bytes(weights: Sequence[DeviceWeight], max_tokens: int) -> int:
+    """Bytes of device scratch that `matmul` needs for any of `weights` and up to `max_tokens` tokens."""
+    if not weights:
+        return 0
+    x_bytes = max(_scratch_parts(w, max_tokens)[0] for w in weights)
+    w_bytes = max(_scratch_parts(w, max_tokens)[1] for w in weights)
+    return x_bytes + w_bytes
+
+
+_ONE = np.ones(1, np.float32)
+_ZERO = np.zeros(1, np.float32)
+
+
+def _gemm(m: int, n: int, k: int, a_ptr: int, a_type: int, b_ptr: int, b_type: int, c_ptr: int, ldc: int, beta_one: bool) -> None:
+    """C (col-major m x n, ldc; float32) = A^T @ B (+ C): A col-major k x m, B col-major k x n."""
+    import cupy as cp
+    from cupy_backends.cuda.libs import cublas
+
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    beta = _ONE if beta_one else _ZERO
+    cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m, n, k, _ONE.ctypes.data, a_ptr, a_type, k,
+                  b_ptr, b_type, k, beta.ctypes.data, c_ptr, cp.cuda.runtime.CUDA_R_32F, ldc,
+                  cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+
+
+def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, stream=None,
+           trace: Trace | None = None) -> None:
+    """Y = X @ w^T (+ bias) (+ residual) for a batch of tokens (prefill).
+
+    X: (n_tok, n_in) float32, 16-byte aligned; Y: (n_tok, n_out) float32; residual:
+    (n_tok, n_out) float32 or None, may be Y itself; bias: (n_out,) float32 or None; scratch:
+    cupy uint8 array of at least matmul_scratch_bytes([w, ...], n_tok) bytes (None only when
+    that is 0). Tensor-core path: X and W in fp16, fp32 accumulation (relative error about 1e-3);
+    F32 weights run in float32 through cuBLAS; gemv per token when the flag K4_PREFILL_TC is
+    off or n_tok <= GEMV_MAX_TOKENS. Raises ValueError on wrong shapes, dtypes or scratch size.
+    """
+    import cupy as cp
+
+    n_out, n_in = w.shape
+    n_tok = X.shape[0] if getattr(X, "ndim", 0) == 2 else -1
+    _check_array("X", X, (n_tok, n_in), align16=True)
+    _check_array("Y", Y, (n_tok, n_out))
+    if residual is not None:
+        _check_array("residual", residual, (n_tok, n_out))
+    if bias is not None:
+        _check_array("bias", bias, (n_out,))
+    if _uses_gemv(w, n_tok):
+        for i in range(n_tok):
+            gemv(w, X[i], Y[i], residual=None if residual is None else residual[i], bias=bias, stream=stream, trace=trace)
+        return
+    x_bytes, w_bytes = _scratch_parts(w, n_tok)
+    if x_bytes + w_bytes and (scratch is None or scratch.dtype != np.uint8 or scratch.nbytes < x_bytes + w_bytes):
+        raise ValueError(f"matmul of {n_tok} tokens on {w.ggml_type.name} {w.shape} needs a uint8 scratch of "
+                         f"{x_bytes + w_bytes} bytes (matmul_scratch_bytes)")
+    in_place = residual is not None and residual.data.ptr == Y.data.ptr
+    with stream or cp.cuda.get_current_stream():
+        if w.ggml_type == T.F32:
+            b_ptr, b_type = X.data.ptr, cp.cuda.runtime.CUDA_R_32F
+        else:
+            xh = scratch[:x_bytes].view(np.float16)
+            launch(_kernel("matmul.cu", "f32_to_f16"), (math.ceil(n_tok * n_in / 256),), (256,),
+                   (X, xh, np.int64(n_tok * n_in)), 0, None, trace)
+            b_ptr, b_type = xh.data.ptr, cp.cuda.runtime.CUDA_R_16F
+        a_type = {T.F32: cp.cuda.runtime.CUDA_R_32F}.get(w.ggml_type, cp.cuda.runtime.CUDA_R_16F)
+        rows = n_out if w.ggml_type in (T.F32, T.F16) else _chunk_rows(w)
+        wh = None if w_bytes == 0 else scratch[x_bytes : x_bytes + w_bytes].view(np.float16)
+        for r0 in range(0, n_out, rows):
+            n = min(rows, n_out - r0)
+            if wh is None:
+                a_ptr = w.data.data.ptr + r0 * n_in * (4 if w.ggml_type == T.F32 else 2)
+            else:
+                _dequant_launch(w, None, r0, n, wh, "u16", None, trace)
+                a_ptr = wh.data.ptr
+            _gemm(n, n_tok, n_in, a_ptr, a_type, b_ptr, b_type, Y.data.ptr + 4 * r0, n_out, in_place)
+            if trace is not None:
+                trace.launch()
+        if (residual is not None and not in_place) or bias is not None:
+            launch(_kernel("matmul.cu", "add_rows"), (math.ceil(n_tok * n_out / 256),), (256,),
+                   (Y, _null_or(None if in_place else residual), _null_or(bias), np.int32(n_tok), np.int32(n_out)), 0, None, trace)
+
+
+# ---- microbenchmarks ---------------------------------------------------------------------------
+
+def random_weight(ggml_type: T, n_out: int, n_in: int, rng: np.random.Generator) -> Tensor:
+    """A random (n_out, n_in) weight matrix of `ggml_type` with valid blocks (finite fp16 scales,
+    random quants; runtime.synthetic.random_blocks) and weights of standard deviation ~1/sqrt(n_in)."""
+    from runtime.synthetic import random_blocks
+
+    scale = 1.0 / math.sqrt(n_in)
+    if ggml_type in QUANT:
+        raw = random_blocks(ggml_type, n_out, n_in, rng, scale)
+    else:
+        f = (rng.standard_normal((n_out, n_in)) * scale).astype(np.float32)
+        raw = {T.F32: f, T.F16: f.astype(np.float16), T.BF16: (f.view(np.uint32) >> 16).astype(np.uint16)}[ggml_type]
+    return Tensor("random", ggml_type, (n_out, n_in), raw)
+
+
+def _copies(t: Tensor, repack: bool, factor: float, cap: int) -> list[DeviceWeight]:
+    """Enough device copies of t to exceed `factor` times the L2, so timings stream from memory."""
+    import cupy as cp
+
+    host = weight_layout(t, repack)
+    n = max(2, min(cap, math.ceil(factor * _device_limits()[1] / host.nbytes)))
+    return [make_weight(t, cp.asarray(host), repack) for _ in range(n)]
+
+
+def _time_graph(body, n_calls: int, iters: int) -> float:
+    """Median device time (µs) of one of the `n_calls` calls body(i) recorded in a CUDA graph."""
+    import cupy as cp
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for i in range(n_calls):  # compile, create handles, warm up
+            body(i)
+        stream.begin_capture()
+        for i in range(n_calls):
+            body(i)
+        graph = stream.end_capture()
+        graph.launch()
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        times = []
+        for _ in range(max(5, iters // n_calls)):
+            start.record()
+            graph.launch()
+            end.record()
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / n_calls)
+    return float(np.median(times))
+
+
+def _type(name: str) -> T:
+    try:
+        t = T[name]
+    except KeyError:
+        t = None
+    if t not in QUANT and t not in FLOAT:
+        raise ValueError(f"no CUDA kernels for type {name!r}; use one of {', '.join(x.name for x in (*QUANT, *FLOAT))}")
+    return t
+
+
+def bench_gemv(ggml_type: str, n_out: int, n_in: int, iters: int = 200, *, repack: bool | None = None,
+               variant: tuple[int, int] | None = None) -> dict:
+    """Time y = W @ x for a random (n_out, n_in) W of `ggml_type` (a ggml type name, e.g. "Q4_K").
+
+    Launches are recorded in a CUDA graph (as decode runs them), rotating over copies of W that
+    together exceed 4x the L2; warm-up first, then the median over CUDA-event timings of graph
+    replays. repack: layout (default: flag K4_REPACK); variant: see gemv.
+    Returns {"us": µs per product, "gb_s": GB/s, "bytes": bytes read and written per product}.
+    Raises ValueError for a type without kernels.
+    """
+    import cupy as cp
+
+    t = _type(ggml_type)
+    repack = flags.current().on("K4_REPACK") if repack is None else repack
+    rng = np.random.default_rng(0)
+    weights = _copies(random_weight(t, n_out, n_in, rng), repack, 4.0, 64)
+    x = cp.asarray(rng.standard_normal(n_in, dtype=np.float32))
+    y = cp.empty(n_out, cp.float32)
+    n_calls = len(weights) * math.ceil(20 / len(weights))
+    us = _time_graph(lambda i: gemv(weights[i % len(weights)], x, y, variant=variant), n_calls, iters)
+    nbytes = weights[0].nbytes + 4 * (n_in + n_out)
+    return {"us": us, "gb_s": nbytes / us / 1e3, "bytes": nbytes}
+
+
+def bench_matmul(ggml_type: str, n_tok: int, n_out: int, n_in: int, iters: int = 50, *, tensor_cores: bool = True,
+                 repack: bool | None = None) -> dict:
+    """Time Y = X @ W^T (prefill) for n_tok tokens and a random (n_out, n_in) W of `ggml_type`.
+
+    tensor_cores=False times the per-token gemv path. Timed as bench_gemv does (CUDA graph,
+    copies of W exceeding 2x the L2, median). Returns {"us": µs per product, "tflop_s":
+    2*n_tok*n_out*n_in / time in TFLOP/s, "tok_s": tokens per second}.
+    Raises ValueError for a type without kernels.
+    """
+    import cupy as cp
+
+    t = _type(ggml_type)
+    repack = flags.current().on("K4_REPACK") if repack is None else repack
+    rng = np.random.default_rng(0)
+    weights = _copies(random_weight(t, n_out, n_in, rng), repack, 2.0, 8)
+    for w in weights:
+        w.prefill_tc = tensor_cores
+    X = cp.asarray(rng.standard_normal((n_tok, n_in), dtype=np.float32))
+    Y = cp.empty((n_tok, n_out), cp.float32)
+    scratch = cp.empty(max(1, matmul_scratch_bytes(weights, n_tok)), cp.uint8)
+    us = _time_graph(lambda i: matmul(weights[i % len(weights)], X, Y, scratch=scratch), len(weights), iters)
+    return {"us": us, "tflop_s": 2.0 * n_tok * n_out * n_in / us / 1e6, "tok_s": n_tok / us * 1e6}

@@ -1,0 +1,266 @@
+"""The dequant-matmul family (runtime/cuda/matmul.py) against numpy: gguf's dequantize of random
+valid blocks, then a float64 product.
+
+Error limits (relative L2, ||got - ref|| / ||ref||): float weights in gemv, float32 arithmetic:
+1e-5. Quantized weights in gemv quantize x to 8 bits per 32 values: the error is that of x's
+rounding, about 5e-3 on random data, limit 1e-2. Prefill on tensor cores rounds X and W to
+fp16: about 4e-4, limit 2e-3. dequant_rows is exact. Inputs are fresh random draws each run
+(the seed is in the failure message); outputs are poisoned with NaN before each call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from runtime.cuda import matmul as mm
+from runtime.model import Tensor
+
+QUANTIZED = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0"]
+FLOATS = ["F16", "BF16", "F32"]
+LIMIT_Q8 = 1e-2
+LIMIT_F32 = 1e-5
+LIMIT_FP16 = 2e-3
+
+
+def shapes(type_name: str) -> list[tuple[int, int]]:
+    """(n_out, n_in) cases: n_out from 1 to more rows than the grid has warps, n_in from one
+    block to many; float types also get rows that are not a multiple of 16 bytes."""
+    block = 256 if type_name in ("Q4_K", "Q5_K", "Q6_K") else 32
+    second = (37, 37) if type_name in FLOATS else (37, 2 * block)
+    return [(1, block), second, (300, 3 * block), (4133, 8 * block)]
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(got.astype(np.float64) - ref) / np.linalg.norm(ref))
+
+
+def fresh_rng() -> tuple[np.random.Generator, int]:
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    return np.random.default_rng(seed), seed
+
+
+def weight(type_name: str, n_out: int, n_in: int, rng, repack: bool):
+    """(device weight, float64 reference matrix (n_out, n_in))."""
+    import cupy as cp
+
+    t = mm.random_weight(T[type_name], n_out, n_in, rng)
+    w = mm.make_weight(t, cp.asarray(mm.weight_layout(t, repack)), repack)
+    return w, dequantize(t.raw_bytes(), t.ggml_type).astype(np.float64)
+
+
+def nan_like(shape):
+    import cupy as cp
+
+    return cp.full(shape, cp.nan, cp.float32)
+
+
+# ---- host layout (CPU) -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("type_name", QUANTIZED)
+def test_planar_layout_holds_every_group_contiguously(type_name):
+    rng = np.random.default_rng(1)
+    t = mm.random_weight(T[type_name], 3, 2 * GGML_QUANT_SIZES[T[type_name]][0], rng)
+    raw = t.raw_bytes().reshape(-1)
+    groups = mm.QUANT[t.ggml_type].groups
+    blocks = raw.reshape(-1, groups[-1])
+    planar = mm.weight_layout(t, repack=True)
+    assert planar.nbytes == mm.planar_nbytes(t.ggml_type, blocks.shape[0])
+    off = 0
+    for a, b in zip(groups, groups[1:]):
+        n = blocks.shape[0] * (b - a)
+        assert np.array_equal(planar[off : off + n], blocks[:, a:b].reshape(-1))
+        assert off % 16 == 0
+        off += -(-n // 16) * 16
+    assert np.array_equal(mm.weight_layout(t, repack=False), raw)
+
+
+def test_weight_layout_rejects_partial_blocks():
+    t = mm.random_weight(T.F32, 2, 8, np.random.default_rng(0))
+    bad = Tensor("w", T.Q4_K, (2, 100), t.raw)
+    with pytest.raises(ValueError, match="multiple of the Q4_K block"):
+        mm.weight_layout(bad, repack=True)
+
+
+# ---- decode: gemv ------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("repack", [True, False], ids=["planar", "raw"])
+@pytest.mark.parametrize("type_name", QUANTIZED + FLOATS)
+def test_gemv_matches_numpy(type_name, repack):
+    import cupy as cp
+
+    rng, seed = fresh_rng()
+    limit = LIMIT_Q8 if type_name in QUANTIZED else LIMIT_F32
+    for n_out, n_in in shapes(type_name):
+        w, ref_w = weight(type_name, n_out, n_in, rng, repack)
+        x = rng.standard_normal(n_in).astype(np.float32)
+        y = nan_like(n_out)
+        mm.gemv(w, cp.asarray(x), y)
+        got = y.get()
+        assert np.isfinite(got).all(), f"{type_name} {n_out}x{n_in}: unwritten or non-finite outputs (seed {seed})"
+        err = rel_err(got, ref_w @ x.astype(np.float64))
+        assert err < limit, f"{type_name} {n_out}x{n_in} repack={repack}: relative error {err:.2e} (seed {seed})"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("type_name,variant", [(t, v) for t, vs in mm.EXTRA_GEMV_VARIANTS.items() for v in vs])
+def test_gemv_variants_match_numpy(type_name, variant):
+    import cupy as cp
+
+    rng, seed = fresh_rng()
+    w, ref_w = weight(type_name.name, 777, 1536, rng, True)
+    x = rng.standard_normal(1536).astype(np.float32)
+    y = nan_like(777)
+    mm.gemv(w, cp.asarray(x), y, variant=variant)
+    assert rel_err(y.get(), ref_w @ x.astype(np.float64)) < LIMIT_Q8, f"seed {seed}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "F32"])
+def test_gemv_epilogues(type_name):
+    import cupy as cp
+
+    rng, seed = fresh_rng()
+    n_out, n_in = 300, 512
+    limit = LIMIT_Q8 if type_name in QUANTIZED else LIMIT_F32
+    w, ref_w = weight(type_name, n_out, n_in, rng, True)
+    x = rng.standard_normal(n_in).astype(np.float32)
+    r = rng.standard_normal(n_out).astype(np.float32)
+    b = rng.standard_normal(n_out).astype(np.float32)
+    ref = ref_w @ x.astype(np.float64)
+    dx = cp.asarray(x)
+
+    y = nan_like(n_out)
+    mm.gemv(w, dx, y, residual=cp.asarray(r), bias=cp.asarray(b))
+    assert rel_err(y.get(), ref + r + b) < limit, f"residual + bias (seed {seed})"
+
+    y = cp.asarray(r)
+    mm.gemv(w, dx, y, residual=y)
+    assert rel_err(y.get(), ref + r) < limit, f"in-place residual (seed {seed})"
+
+    y = nan_like(n_out)
+    mm.gemv(w, dx, y, bias=cp.asarray(b))
+    assert rel_err(y.get(), ref + b) < limit, f"bias (seed {seed})"
+
+
+@pytest.mark.cuda
+def test_gemv_rejects_bad_arguments():
+    import cupy as cp
+
+    w, _ = weight("Q4_K", 8, 256, np.random.default_rng(0), True)
+    with pytest.raises(ValueError, match="x must be"):
+        mm.gemv(w, cp.zeros(255, cp.float32), cp.zeros(8, cp.float32))
+    with pytest.raises(ValueError, match="y must be"):
+        mm.gemv(w, cp.zeros(256, cp.float32), cp.zeros(8, cp.float64))
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        mm.gemv(w, cp.zeros(260, cp.float32)[1:257], cp.zeros(8, cp.float32))
+
+
+# ---- prefill: matmul ---------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("type_name", QUANTIZED + FLOATS)
+def test_matmul_matches_numpy(type_name, monkeypatch):
+    import cupy as cp
+
+    monkeypatch.setattr(mm, "DEQUANT_CHUNK_BYTES", 128 * 2 * 1024)  # several row chunks below
+    rng, seed = fresh_rng()
+    limit = LIMIT_F32 if type_name == "F32" else LIMIT_FP16
+    for n_out, n_in in shapes(type_name)[1:]:
+        w, ref_w = weight(type_name, n_out, n_in, rng, True)
+        for n_tok in (5, 67):
+            X = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+            Y = nan_like((n_tok, n_out))
+            scratch = cp.empty(max(1, mm.matmul_scratch_bytes([w], n_tok)), cp.uint8)
+            mm.matmul(w, cp.asarray(X), Y, scratch=scratch)
+            got = Y.get()
+            assert np.isfinite(got).all(), f"{type_name} {n_tok}x{n_out}x{n_in}: unwritten outputs (seed {seed})"
+            err = rel_err(got, X.astype(np.float64) @ ref_w.T)
+            assert err < limit, f"{type_name} {n_tok}x{n_out}x{n_in}: relative error {err:.2e} (seed {seed})"
+
+
+@pytest.mark.cuda
+def test_matmul_epilogues():
+    import cupy as cp
+
+    rng, seed = fresh_rng()
+    n_tok, n_out, n_in = 33, 300, 512
+    w, ref_w = weight("Q4_K", n_out, n_in, rng, True)
+    X = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+    R = rng.standard_normal((n_tok, n_out)).astype(np.float32)
+    b = rng.standard_normal(n_out).astype(np.float32)
+    ref = X.astype(np.float64) @ ref_w.T
+    scratch = cp.empty(mm.matmul_scratch_bytes([w], n_tok), cp.uint8)
+    dX = cp.asarray(X)
+
+    Y = nan_like((n_tok, n_out))
+    mm.matmul(w, dX, Y, residual=cp.asarray(R), bias=cp.asarray(b), scratch=scratch)
+    assert rel_err(Y.get(), ref + R + b) < LIMIT_FP16, f"residual + bias (seed {seed})"
+
+    Y = cp.asarray(R)
+    mm.matmul(w, dX, Y, residual=Y, bias=cp.asarray(b), scratch=scratch)
+    assert rel_err(Y.get(), ref + R + b) < LIMIT_FP16, f"in-place residual + bias (seed {seed})"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_tok,tensor_cores", [(mm.GEMV_MAX_TOKENS, True), (9, False)])
+def test_matmul_gemv_path(n_tok, tensor_cores):
+    import cupy as cp
+
+    rng, seed = fresh_rng()
+    w, ref_w = weight("Q6_K", 300, 512, rng, True)
+    w.prefill_tc = tensor_cores
+    assert mm.matmul_scratch_bytes([w], n_tok) == 0
+    X = rng.standard_normal((n_tok, 512)).astype(np.float32)
+    R = rng.standard_normal((n_tok, 300)).astype(np.float32)
+    Y = cp.asarray(R)
+    mm.matmul(w, cp.asarray(X), Y, residual=Y)
+    assert rel_err(Y.get(), X.astype(np.float64) @ ref_w.T + R) < LIMIT_Q8, f"seed {seed}"
+
+
+@pytest.mark.cuda
+def test_matmul_needs_scratch():
+    import cupy as cp
+
+    w, _ = weight("Q4_K", 300, 512, np.random.default_rng(0), True)
+    X, Y = cp.zeros((16, 512), cp.float32), cp.zeros((16, 300), cp.float32)
+    need = mm.matmul_scratch_bytes([w], 16)
+    assert need >= 16 * 512 * 2 + 300 * 512 * 2
+    with pytest.raises(ValueError, match="scratch"):
+        mm.matmul(w, X, Y, scratch=cp.empty(need - 1, cp.uint8))
+
+
+# ---- embeddings: dequant_rows --------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("repack", [True, False], ids=["planar", "raw"])
+@pytest.mark.parametrize("type_name", QUANTIZED + FLOATS)
+def test_dequant_rows_is_exact(type_name, repack):
+    import cupy as cp
+
+    rng, seed = fresh_rng()
+    n_out, n_in = shapes(type_name)[2]
+    w, ref_w = weight(type_name, n_out, n_in, rng, repack)
+    ids = rng.integers(0, n_out, size=9).astype(np.int32)
+    ids[:2] = [0, n_out - 1]
+    ids[-1] = ids[2]
+    out = nan_like((9, n_in))
+    mm.dequant_rows(w, cp.asarray(ids), out)
+    assert np.array_equal(out.get(), ref_w[ids].astype(np.float32)), f"{type_name} repack={repack} (seed {seed})"
+
+
+# ---- microbenchmarks ---------------------------------------------------------------------------
+
+@pytest.mark.cuda
+def test_bench_gemv_and_matmul_report_rates():
+    r = mm.bench_gemv("Q4_K", 512, 1024, iters=20)
+    assert r["bytes"] == 512 * 1024 // 256 * 144 + 4 * (512 + 1024)
+    assert r["us"] > 0 and r["gb_s"] == pytest.approx(r["bytes"] / r["us"] / 1e3)
+    m = mm.bench_matmul("Q4_K", 64, 512, 1024, iters=5)
+    assert m["us"] > 0 and m["tok_s"] == pytest.approx(64 / m["us"] * 1e6)
+    with pytest.raises(ValueError, match="no CUDA kernels"):
+        mm.bench_gemv("Q2_K", 256, 256)

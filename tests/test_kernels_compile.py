@@ -1,0 +1,33 @@
+"""Every kernels_cu/*.cu compiles with nvcc for sm_90, with the options NVRTC gets at run time
+(runtime.cuda.compile.OPTIONS), so kernel errors show up on machines without a GPU. The
+matrix kernels must also not spill registers to local memory."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from kernels_cu import SOURCE_DIR
+from runtime.cuda.compile import OPTIONS
+
+SOURCES = sorted(SOURCE_DIR.glob("*.cu"))
+NO_SPILL = {"gemv.cu", "matmul.cu"}
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
+def test_compiles_for_sm90(src, tmp_path):
+    cmd = ["nvcc", "-arch=sm_90", *OPTIONS, "-Xptxas", "-v", "-c", str(src), "-o", str(tmp_path / "k.o")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, f"{src.name} does not compile:\n{r.stderr}"
+    if src.name in NO_SPILL:
+        spills = [line for line in r.stderr.splitlines() if re.search(r"[1-9]\d* bytes spill (stores|loads)", line)]
+        assert not spills, f"{src.name} spills registers:\n" + "\n".join(spills)
+
+
+def test_every_kernel_file_is_checked():
+    assert {"gemv.cu", "matmul.cu"} <= {p.name for p in SOURCES}
