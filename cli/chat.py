@@ -1,0 +1,363 @@
+"""`k4 chat`: a conversation in the terminal, or one message per line from a pipe.
+
+Interactive (stdin is a terminal): prompt_toolkit line editing with a persistent history, a
+`\"\"\"` block or a paste for multi-line messages, streamed replies, slash commands (/help). Ctrl-C
+during a reply stops it at the next token and keeps the partial reply; a second Ctrl-C stops it at
+once and empties the KV cache (the next turn evaluates the whole conversation again). Ctrl-C at the
+prompt says how to leave; Ctrl-D or /bye leaves.
+
+Piped (stdin not a terminal): each line is one user message (lines starting with / are slash
+commands), replies go to stdout one per line, notices and stats to stderr; an error ends the run.
+
+The conversation logic lives in runtime/chat.py; this module reads input, dispatches commands and
+renders.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+from contextlib import closing
+from pathlib import Path
+from typing import Annotated, List, Optional
+
+import typer
+
+from runtime.errors import K4Error, UsageError
+from runtime.flags import current as current_flags
+from runtime.sampling import SamplingParams
+
+from . import common as c
+from .render import err, errors_to_exit, out, table, trace_table
+
+PROMPT, CONTINUATION = ">>> ", "... "
+BLOCK = '"""'
+
+COMMANDS = (
+    ("/help", "this list"),
+    ("/system [TEXT]", "set the system prompt (no TEXT: show it); applies from the next message"),
+    ("/set [PARAM VALUE]", "set temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed (-1 = random) or max_tokens (-1 = no limit); no PARAM: show them"),
+    ("/show [template]", "model, backend, context use, parameters and chat template (template: its source)"),
+    ("/clear", "start a new conversation (the system prompt stays)"),
+    ("/regen", "answer the last message again, replacing the last reply"),
+    ("/save FILE [--force]", "write the conversation as JSON messages (--force overwrites FILE)"),
+    ("/load FILE", "continue the conversation saved in FILE"),
+    ("/stats", "the last reply's timing and per-phase copy-traffic table"),
+    ("/bye, /exit, /quit", "leave (or press Ctrl-D)"),
+)
+
+
+def default_history() -> Path:
+    """$XDG_STATE_HOME/k4/history, ~/.local/state/k4/history when XDG_STATE_HOME is unset or relative."""
+    state = os.environ.get("XDG_STATE_HOME", "")
+    base = Path(state) if state and Path(state).is_absolute() else Path.home() / ".local" / "state"
+    return base / "k4" / "history"
+
+
+def reply_stats(result) -> str:
+    """The line after each reply: evaluated prompt tokens and reply tokens with their rates (t/s)."""
+    return (f"[ prompt {result.prefill_tokens:,} tok {result.prompt_tps:,.0f} t/s | "
+            f"reply {len(result.token_ids):,} tok {result.gen_tps:,.0f} t/s ]")
+
+
+def message_text(line: str) -> str:
+    """The message typed at the prompt: a \"\"\" block loses its delimiters; outer blank space goes."""
+    text = line.strip()
+    if text.startswith(BLOCK):
+        text = text[len(BLOCK):]
+        if text.endswith(BLOCK):
+            text = text[: -len(BLOCK)]
+    return text.strip()
+
+
+def in_open_block(text: str) -> bool:
+    """Whether the prompt holds a \"\"\" block still waiting for its closing \"\"\"."""
+    text = text.strip()
+    return text.startswith(BLOCK) and not (len(text) >= 2 * len(BLOCK) and text.endswith(BLOCK))
+
+
+class InterruptGuard:
+    """SIGINT handling during a reply: the first Ctrl-C sets `hit` (the reply loop stops at the
+    next token, between backend steps); a second raises KeyboardInterrupt at once. With
+    enabled False (piped input) Ctrl-C keeps its default effect."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.hit = False
+
+    def _handle(self, signum, frame):
+        if self.hit:
+            raise KeyboardInterrupt
+        self.hit = True
+
+    def __enter__(self) -> "InterruptGuard":
+        if self.enabled:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+class Repl:
+    """The chat loop over a runtime.chat.ChatSession: input, slash commands, rendering."""
+
+    def __init__(self, session, loaded: c.Session, model: Path, interactive: bool, stats: bool):
+        self.session = session
+        self.loaded = loaded
+        self.model = model
+        self.interactive = interactive
+        self.stats = stats
+        self.commands = {
+            "/help": self.help, "/system": self.system, "/set": self.set, "/show": self.show, "/clear": self.clear,
+            "/regen": self.regen, "/save": self.save, "/load": self.load, "/stats": self.last_stats,
+        }
+
+    def handle(self, line: str) -> bool:
+        """Act on one input line; False means leave. K4Errors are printed (interactive) or raised."""
+        try:
+            if line.startswith("/"):
+                return self.command(line)
+            text = message_text(line) if self.interactive else line.strip()
+            if text:
+                self.turn(text)
+        except K4Error as exc:
+            if not self.interactive:
+                raise
+            err.print(f"error: {exc}", style="red", markup=False)
+        return True
+
+    def command(self, line: str) -> bool:
+        name, _, rest = line.strip().partition(" ")
+        if name in ("/bye", "/exit", "/quit"):
+            return False
+        action = self.commands.get(name)
+        if action is None:
+            err.print(f"unknown command {name}; /help lists the commands (start a message with a space to send text beginning with /)",
+                      style="yellow", markup=False)
+        else:
+            action(rest.strip())
+        return True
+
+    def turn(self, text: str | None) -> None:
+        """Send `text` (None: answer the last message again), stream the reply, report."""
+        s = self.session
+        plan = s.plan(text)
+        if plan.dropped_turns:
+            err.print(f"context full: dropped the {plan.dropped_turns} oldest turn(s) so the conversation fits in "
+                      f"{s.n_ctx} tokens (the system prompt stays; /save still writes every message)", style="yellow", markup=False)
+        try:
+            with InterruptGuard(self.interactive) as guard, closing(s.run(plan)) as stream:
+                for piece in stream:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+                    if guard.hit:
+                        break
+        except KeyboardInterrupt:
+            if not self.interactive:
+                raise
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        self.report()
+
+    def report(self) -> None:
+        s = self.session
+        result = s.last.result
+        if result.stop_reason == "interrupted":
+            after = ("the KV cache was emptied, so the next message evaluates the whole conversation again"
+                     if s.last.cache_reset else "/regen answers again")
+            err.print(f"[interrupted: the partial reply is kept in the conversation; {after}]", style="yellow", markup=False)
+        elif result.stop_reason == "context":
+            err.print(f"the reply filled the context of {s.n_ctx} tokens; the next message drops the oldest turns "
+                      "(raise --ctx-size for more)", style="yellow", markup=False)
+        if self.stats:
+            err.print(reply_stats(result), style="dim", markup=False)
+
+    def help(self, _: str) -> None:
+        out.print(table("k4 chat commands", ["command", "what it does"], COMMANDS))
+        out.print(f"Messages: one line, or a block between {BLOCK} lines, or a paste. Ctrl-C stops a reply (the part "
+                  "written is kept). Ctrl-D leaves.", markup=False)
+
+    def system(self, text: str) -> None:
+        if not text:
+            out.print(f"system prompt: {self.session.system!r}" if self.session.system is not None else "no system prompt",
+                      markup=False)
+            return
+        self.session.system = text
+        out.print("system prompt set; it applies from the next message", markup=False)
+
+    def set(self, args: str) -> None:
+        parts = args.split()
+        if not parts:
+            out.print(table("parameters", ["name", "value"], self.session.settings().items()))
+            return
+        if len(parts) != 2:
+            raise UsageError("use /set PARAM VALUE, e.g. /set temperature 0.7 (/set alone lists them)")
+        name, value = parts
+        if name == "seed" and value.lstrip("-").isdigit() and int(value) < 0:
+            value = str(c.resolve_seed(int(value)))
+        self.session.set_param(name, value)
+        out.print(f"{name} = {self.session.settings()[name]}", markup=False)
+
+    def show(self, what: str) -> None:
+        s, cfg = self.session, self.loaded.mf.config
+        if what == "template":
+            out.print(f"chat template ({s.template.origin}):", markup=False)
+            out.print(s.template.source, markup=False)
+            return
+        if what:
+            raise UsageError(f"/show {what} is unknown; use /show or /show template")
+        in_window = len(s.messages) - s.start
+        rows = [
+            ("model", f"{self.model} ({cfg.name}, {cfg.arch})"),
+            ("backend", self.loaded.backend.name),
+            ("context", f"{s.backend.n_past:,} of {s.n_ctx:,} tokens cached; reply reserve {s.reply_reserve:,}"),
+            ("conversation", f"{len(s.messages)} messages, {in_window} in the context window"),
+            ("system prompt", repr(s.system) if s.system is not None else "none"),
+            ("chat template", s.template.origin + (" (k4's fallback: the model has none)" if s.template.is_fallback else "")),
+        ]
+        rows += [(name, str(value)) for name, value in s.settings().items()]
+        shown = table(None, ["", ""], rows)
+        shown.show_header = False
+        out.print(shown)
+
+    def clear(self, _: str) -> None:
+        self.session.clear()
+        out.print("new conversation (the system prompt stays)", markup=False)
+
+    def regen(self, _: str) -> None:
+        self.turn(None)
+
+    def save(self, args: str) -> None:
+        words = shlex.split(args)
+        force = "--force" in words
+        paths = [w for w in words if w != "--force"]
+        if len(paths) != 1:
+            raise UsageError("use /save FILE (add --force to overwrite an existing FILE)")
+        self.session.save(Path(paths[0]), overwrite=force)
+        out.print(f"saved {len(self.session.conversation())} messages to {paths[0]}", markup=False)
+
+    def load(self, args: str) -> None:
+        words = shlex.split(args)
+        if len(words) != 1:
+            raise UsageError("use /load FILE")
+        self.session.load(Path(words[0]))
+        n = len(self.session.messages)
+        out.print(f"loaded {n} messages from {words[0]}; your next message continues the conversation", markup=False)
+
+    def last_stats(self, _: str) -> None:
+        last = self.session.last
+        if last is None:
+            out.print("no reply yet", markup=False)
+            return
+        r = last.result
+        rows = [
+            ("prompt", f"{r.prompt_tokens:,} tok", f"{r.prompt_tokens - r.prefill_tokens:,} from the cache, {r.prefill_tokens:,} evaluated",
+             f"{r.prompt_ms:,.1f} ms", f"{r.prompt_tps:,.1f} t/s"),
+            ("reply", f"{len(r.token_ids):,} tok", f"stop: {r.stop_reason}", f"{r.gen_ms:,.1f} ms", f"{r.gen_tps:,.1f} t/s"),
+        ]
+        out.print(table("last reply", ["phase", "tokens", "", "time", "rate"], rows, right=(1, 3, 4)))
+        out.print(trace_table(last.trace, "per-phase counters (last reply)"))
+
+    def run_interactive(self, history: Path) -> None:
+        prompt = make_prompt(history)
+        cfg = self.loaded.mf.config
+        err.print(f"k4 chat: {cfg.name} on {self.loaded.backend.name}, context {self.session.n_ctx:,} tokens. "
+                  "/help for commands, Ctrl-D or /bye to leave.", style="dim", markup=False)
+        while True:
+            try:
+                line = prompt.prompt(PROMPT)
+            except KeyboardInterrupt:
+                err.print("(Ctrl-C stops a reply; to leave, type /bye or press Ctrl-D)", style="dim", markup=False)
+                continue
+            except EOFError:
+                return
+            if not self.handle(line):
+                return
+
+    def run_piped(self) -> None:
+        for line in sys.stdin:
+            if not self.handle(line.rstrip("\r\n")):
+                return
+
+
+def make_prompt(history: Path):
+    """A prompt_toolkit PromptSession with a file history at `history` (in memory, with a warning,
+    when the file cannot be created) that takes several lines inside a \"\"\" block."""
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.application import get_app
+    from prompt_toolkit.filters import Condition
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+    try:
+        history.parent.mkdir(parents=True, exist_ok=True)
+        history.touch()
+        store = FileHistory(str(history))
+    except OSError as exc:
+        err.print(f"warning: cannot use the history file {history} ({exc.strerror or exc}); pass --history FILE to keep one",
+                  style="yellow", markup=False)
+        store = InMemoryHistory()
+    multiline = Condition(lambda: in_open_block(get_app().current_buffer.text))
+    return PromptSession(history=store, multiline=multiline, prompt_continuation=CONTINUATION)
+
+
+def system_prompt(text: Optional[str], file: Optional[Path]) -> Optional[str]:
+    """--system TEXT or --system-file F (not both). Raises UsageError."""
+    if text is not None and file is not None:
+        raise UsageError("give the system prompt with --system or --system-file, not both")
+    return c.read_text(None, file, "system prompt") if file is not None else text
+
+
+@errors_to_exit
+def chat(
+    model: c.ModelOpt = None,
+    system: Annotated[Optional[str], typer.Option("--system", help="System prompt.", show_default=False)] = None,
+    system_file: Annotated[Optional[Path], typer.Option("--system-file", help="Read the system prompt from this file.", show_default=False)] = None,
+    chat_template: Annotated[Optional[Path], typer.Option("--chat-template", help="Jinja chat template file to use instead of the model's.", show_default=False)] = None,
+    history: Annotated[Optional[Path], typer.Option("--history", help="Input history file (default: $XDG_STATE_HOME/k4/history or ~/.local/state/k4/history).", show_default=False)] = None,
+    no_stats: Annotated[bool, typer.Option("--no-stats", help="Do not print the token counts and rates after each reply.")] = False,
+    n_predict: c.NPredictOpt = -1,
+    ctx_size: c.CtxOpt = 0,
+    temp: c.TempOpt = 0.8,
+    top_k: c.TopKOpt = 40,
+    top_p: c.TopPOpt = 0.95,
+    min_p: c.MinPOpt = 0.05,
+    repeat_penalty: c.RepeatPenaltyOpt = 1.0,
+    repeat_last_n: c.RepeatLastNOpt = 64,
+    seed: c.SeedOpt = -1,
+    no_bos: c.NoBosOpt = False,
+    stop: Annotated[Optional[List[str]], typer.Option("--stop", help="End a reply when this text appears (repeatable).")] = None,
+    backend: c.BackendOpt = "auto",
+) -> None:
+    """Chat with a GGUF model: line editing, history, slash commands (/help); or one message per line from a pipe."""
+    from runtime.chat import ChatSession
+    from runtime.chat_template import ChatTemplate
+
+    for warning in current_flags().warnings():
+        err.print(f"warning: {warning}", style="yellow", markup=False)
+    params = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, c.resolve_seed(seed)).validate()
+    if n_predict < -1:
+        raise UsageError(f"-n {n_predict} is invalid; use a count >= 0, or -1 for no limit")
+    system_text = system_prompt(system, system_file)
+    path = c.model_path(model)
+    loaded = c.load_session(path, backend, ctx_size)
+    if chat_template is not None:
+        template = ChatTemplate.from_file(chat_template, loaded.tokenizer)
+    else:
+        template = ChatTemplate.from_model(loaded.mf, loaded.tokenizer)
+    if template.is_fallback:
+        err.print(f"warning: the model has no chat template; using k4's fallback ({template.origin}); pass "
+                  "--chat-template FILE for the model's own", style="yellow", markup=False)
+    session = ChatSession(loaded.backend, loaded.tokenizer, template, params, n_predict, system_text, no_bos, stop or ())
+    repl = Repl(session, loaded, path, interactive=sys.stdin.isatty(), stats=not no_stats)
+    if repl.interactive:
+        repl.run_interactive(history if history is not None else default_history())
+    else:
+        repl.run_piped()
+
+
+def register(app: typer.Typer) -> None:
+    app.command("chat")(chat)
