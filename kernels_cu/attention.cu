@@ -22,7 +22,7 @@
 //   dividing D/8), each lane dotting 8-value slices; values: thread = (slice c, key lane kl),
 //   accumulating 8 output dims over keys kl, kl + n_kl, ...; key lanes are summed at the end.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-attn_f16kv(const float* __restrict__ q, const half* __restrict__ k_cache, const half* __restrict__ v_cache,
+attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
            float* __restrict__ out, float* __restrict__ part, const int* __restrict__ pos, int n_head,
            int n_head_kv, int D, int split_len, float scale) {
     const int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z;
@@ -33,8 +33,8 @@ attn_f16kv(const float* __restrict__ q, const half* __restrict__ k_cache, const 
     const int begin = s * split_len;
     const int end = min(n_kv, begin + split_len);
     const size_t kv_stride = (size_t)n_head_kv * D;
-    const half* kbase = k_cache + (size_t)hk * D;
-    const half* vbase = v_cache + (size_t)hk * D;
+    const u16* kbase = k_cache + (size_t)hk * D;
+    const u16* vbase = v_cache + (size_t)hk * D;
 
     extern __shared__ float smem[];
     float* qs = smem;            // (D,) query, pre-scaled
@@ -65,7 +65,7 @@ attn_f16kv(const float* __restrict__ q, const half* __restrict__ k_cache, const 
             const int j = j0 + grp;
             float d = 0.0f;
             if (j < n) {
-                const half* kr = kbase + (size_t)(c0 + j) * kv_stride;
+                const u16* kr = kbase + (size_t)(c0 + j) * kv_stride;
                 for (int cc = gl; cc < G; cc += tpg) {
                     float kv[8];
                     k4ops::load_half8(kr + cc * 8, kv);

@@ -1,10 +1,11 @@
-// Helpers shared by the non-matmul kernels (norm, rope, attention, elementwise, sampling):
-// warp and block reductions, an infinity constant (NVRTC has no <cmath>), and the fp16 type.
+// Helpers shared by the non-matmul kernels (norm, rope, attention, elementwise, sampling), on
+// top of common.cuh (integer types, fp16 conversion, float warp reductions): block reductions,
+// double and int warp reductions, an infinity constant (NVRTC has no <cmath>), 8-wide fp16 loads.
 //
 // Block reductions assume blockDim.x is a multiple of 32 and at most 1024. Every thread of
 // the block must call them (they contain __syncthreads) and every thread gets the result.
 #pragma once
-#include <cuda_fp16.h>
+#include "common.cuh"
 
 namespace k4ops {
 
@@ -12,21 +13,9 @@ constexpr unsigned FULL_MASK = 0xffffffffu;
 
 __device__ __forceinline__ float inf_f32() { return __int_as_float(0x7f800000); }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
-    return v;
-}
-
 __device__ __forceinline__ double warp_sum(double v) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
-    return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, off));
     return v;
 }
 
@@ -42,11 +31,11 @@ __device__ __forceinline__ int warp_min(int v) {
 __device__ __forceinline__ float block_sum(float v) {
     __shared__ float part[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    v = warp_sum(v);
+    v = ::warp_sum(v);
     __syncthreads();
     if (lane == 0) part[warp] = v;
     __syncthreads();
-    return warp_sum(lane < n_warps ? part[lane] : 0.0f);
+    return ::warp_sum(lane < n_warps ? part[lane] : 0.0f);
 }
 
 __device__ __forceinline__ double block_sum(double v) {
@@ -62,11 +51,11 @@ __device__ __forceinline__ double block_sum(double v) {
 __device__ __forceinline__ float block_max(float v) {
     __shared__ float part[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    v = warp_max(v);
+    v = ::warp_max(v);
     __syncthreads();
     if (lane == 0) part[warp] = v;
     __syncthreads();
-    return warp_max(lane < n_warps ? part[lane] : -inf_f32());
+    return ::warp_max(lane < n_warps ? part[lane] : -inf_f32());
 }
 
 __device__ __forceinline__ int block_min(int v) {
@@ -79,15 +68,14 @@ __device__ __forceinline__ int block_min(int v) {
     return warp_min(lane < n_warps ? part[lane] : 0x7fffffff);
 }
 
-// Eight fp16 values (one 16-byte load) widened to float.
-__device__ __forceinline__ void load_half8(const half* __restrict__ p, float* out) {
+// Eight fp16 values (one 16-byte load; p 16-byte aligned) widened to float.
+__device__ __forceinline__ void load_half8(const u16* __restrict__ p, float* out) {
     const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const half2* h = reinterpret_cast<const half2*>(&raw);
+    const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-        const float2 f = __half22float2(h[u]);
-        out[2 * u] = f.x;
-        out[2 * u + 1] = f.y;
+        out[2 * u] = f16_to_f32((u16)(w[u] & 0xffffu));
+        out[2 * u + 1] = f16_to_f32((u16)(w[u] >> 16));
     }
 }
 

@@ -11,7 +11,7 @@
 
 // One head row (D values) handled by one warp: src may alias dst_f32 (q is rotated in place);
 // exactly one of dst_f32 / dst_f16 is non-null.
-__device__ __forceinline__ void rope_row(const float* src, float* dst_f32, half* dst_f16,
+__device__ __forceinline__ void rope_row(const float* src, float* dst_f32, u16* dst_f16,
                                          const float* __restrict__ norm_w, float eps,
                                          const double* __restrict__ inv_freq, double p, int D, int rope_dim,
                                          int neox, int lane) {
@@ -19,7 +19,7 @@ __device__ __forceinline__ void rope_row(const float* src, float* dst_f32, half*
     if (norm_w != nullptr) {
         float ss = 0.0f;
         for (int i = lane; i < D; i += 32) ss += src[i] * src[i];
-        ss = k4ops::warp_sum(ss);
+        ss = warp_sum(ss);
         scale = rsqrtf(ss / (float)D + eps);
     }
     const int half_dim = rope_dim / 2;
@@ -39,14 +39,14 @@ __device__ __forceinline__ void rope_row(const float* src, float* dst_f32, half*
             dst_f32[a] = ya;
             dst_f32[b] = yb;
         } else {
-            dst_f16[a] = __float2half_rn(ya);
-            dst_f16[b] = __float2half_rn(yb);
+            dst_f16[a] = f32_to_f16(ya);
+            dst_f16[b] = f32_to_f16(yb);
         }
     }
     for (int i = rope_dim + lane; i < D; i += 32) {
         const float x = src[i] * scale * (norm_w != nullptr ? norm_w[i] : 1.0f);
         if (dst_f32 != nullptr) dst_f32[i] = x;
-        else dst_f16[i] = __float2half_rn(x);
+        else dst_f16[i] = f32_to_f16(x);
     }
 }
 
@@ -57,7 +57,7 @@ __device__ __forceinline__ void rope_row(const float* src, float* dst_f32, half*
 // q_norm, k_norm: (D,) f32 or null. inv_freq: (rope_dim/2,) f64. pos: (1,) int32, pos0 = *pos.
 // Thread mapping: one warp per row; grid.x = ceil(n_tok * (n_head + n_head_kv) / warps per block).
 extern "C" __global__ void rope_qk_store(float* q, const float* __restrict__ k, const float* __restrict__ v,
-                                         half* __restrict__ k_cache, half* __restrict__ v_cache,
+                                         u16* __restrict__ k_cache, u16* __restrict__ v_cache,
                                          const float* __restrict__ q_norm, const float* __restrict__ k_norm,
                                          const double* __restrict__ inv_freq, const int* __restrict__ pos,
                                          int n_tok, int n_head, int n_head_kv, int D, int rope_dim, int neox,
@@ -77,5 +77,5 @@ extern "C" __global__ void rope_qk_store(float* q, const float* __restrict__ k, 
     const size_t src = ((size_t)t * n_head_kv + hk) * D;
     const size_t dst = ((size_t)p * n_head_kv + hk) * D;
     rope_row(k + src, nullptr, k_cache + dst, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane);
-    for (int i = lane; i < D; i += 32) v_cache[dst + i] = __float2half_rn(v[src + i]);
+    for (int i = lane; i < D; i += 32) v_cache[dst + i] = f32_to_f16(v[src + i]);
 }

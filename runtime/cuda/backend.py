@@ -1,0 +1,462 @@
+"""The CUDA backend: the model of runtime/reference.py on one NVIDIA GPU, with our kernels.
+
+Reads top to bottom in execution order: availability check, weights (uploaded once in their
+quantized block layout), buffers (all allocated at load), the forward pass (shared by prefill
+chunks and the decode step), the decode step (one CUDA graph, replayed every token), and the
+generation loop (on-device sampling, two-stream ping-pong readback).
+
+Decode state lives on the device, (4,) int32 [tok, pos, ring_count, draw] (ops.ST_*): the token
+the next step evaluates, its position (= n_past), the tokens pushed into the repeat-penalty
+ring, and the draws made (the RNG step). The decode step reads and advances it itself, so the
+same graph serves every step, and its only host traffic is the 4-byte sampled id.
+
+Trace counting: launches count kernels (a cuBLAS call counts one), also those a graph replay
+runs; syncs count stream synchronizations. The ping-pong readback waits on the event of
+one 4-byte copy while the next step runs; that wait drains no stream and is not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from ..errors import BackendUnavailableError, ContextFullError, UnsupportedModelError
+from ..flags import Flags
+from ..model import ModelConfig, ModelFile, expected_shapes
+from ..reference import dequantize_tensor
+from ..sampling import SamplingParams
+from ..trace import Trace
+
+try:
+    import cupy as cp
+except ModuleNotFoundError:  # require_cuda() says so
+    cp = None
+else:
+    from . import matmul, memory, ops
+
+PREFILL_CHUNK = 512  # tokens per prefill batch (rows of the activation buffers)
+RING_MIN = 1024  # slots of the device token ring (repeat penalty window and readback source)
+
+
+def require_cuda() -> None:
+    """Raise BackendUnavailableError when CuPy is missing, no NVIDIA GPU is visible, or the GPU
+    is older than compute capability 7.0 (our kernels use warp match instructions)."""
+    if cp is None:
+        raise BackendUnavailableError("CuPy is not installed; install k4 with pip install -e '.[cuda13]' (or cuda12), or use --backend numpy")
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except cp.cuda.runtime.CUDARuntimeError as exc:
+        raise BackendUnavailableError(f"no usable NVIDIA GPU ({exc}); check the driver with nvidia-smi, or use --backend numpy") from None
+    if n == 0:
+        raise BackendUnavailableError("no NVIDIA GPU is visible; check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --backend numpy")
+    major = int(cp.cuda.Device().compute_capability[:-1])
+    if major < 7:
+        raise BackendUnavailableError(f"the GPU has compute capability {cp.cuda.Device().compute_capability}; k4 needs 7.0 or newer")
+
+
+@dataclass
+class LayerWeights:
+    """One block's weights on the device. Matrices are matmul.DeviceWeight (n_out, n_in);
+    vectors are f32 CuPy arrays."""
+
+    attn_norm: object  # (n_embd,)
+    wq: object  # (q_dim, n_embd)
+    wk: object  # (kv_dim, n_embd)
+    wv: object  # (kv_dim, n_embd)
+    wo: object  # (n_embd, q_dim)
+    ffn_norm: object  # (n_embd,)
+    w_gate: object  # (n_ff, n_embd)
+    w_up: object  # (n_ff, n_embd)
+    w_down: object  # (n_embd, n_ff)
+    bq: object = None  # (q_dim,) qwen2
+    bk: object = None  # (kv_dim,)
+    bv: object = None  # (kv_dim,)
+    q_norm: object = None  # (head_dim,) qwen3
+    k_norm: object = None  # (head_dim,)
+
+
+def check_shapes(cfg: ModelConfig) -> None:
+    """Raise UnsupportedModelError for head shapes the attention and RoPE kernels do not take."""
+    if cfg.head_dim % 8 or cfg.head_dim > ops.MAX_HEAD_DIM:
+        raise UnsupportedModelError(f"head_dim {cfg.head_dim} is not supported on cuda (needs a multiple of 8 up to {ops.MAX_HEAD_DIM}); use --backend numpy")
+    if cfg.rope_dim % 2 or cfg.rope_dim > cfg.head_dim:
+        raise UnsupportedModelError(f"rope dimension {cfg.rope_dim} does not fit head_dim {cfg.head_dim}; the file is inconsistent")
+
+
+def rope_inv_freq(cfg: ModelConfig, freq_factors: np.ndarray | None) -> np.ndarray:
+    """(rope_dim/2,) float64: rope_freq_base^(-2i/rope_dim), divided by rope_freqs[i] when given."""
+    inv = cfg.rope_freq_base ** (-np.arange(cfg.rope_dim // 2, dtype=np.float64) * 2.0 / cfg.rope_dim)
+    return inv if freq_factors is None else inv / freq_factors.astype(np.float64)
+
+
+class CudaBackend:
+    """The CUDA backend (protocol: runtime/backend.py).
+
+    mf: a validated ModelFile; n_ctx: KV cache positions; progress(done_bytes, total_bytes) is
+    called while weights upload. Raises BackendUnavailableError (no GPU/CuPy, model does not fit),
+    UnsupportedModelError (head shapes the kernels do not take).
+    """
+
+    name = "cuda"
+
+    def __init__(self, mf: ModelFile, n_ctx: int, progress: Callable[[int, int], None] | None = None):
+        require_cuda()
+        cfg = mf.config
+        assert cfg is not None
+        check_shapes(cfg)
+        self.config, self.n_ctx, self.trace = cfg, n_ctx, Trace()
+        self.tokens: list[int] = []
+        self.flags = Flags()
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.copy_stream = cp.cuda.Stream(non_blocking=True)
+        self.ops = ops.Ops(self.trace)
+        self.mem = memory.DeviceMemory(self.trace)
+        self.chunk = min(n_ctx, PREFILL_CHUNK)
+        self.n_split, self.split_len = ops.attention_split(n_ctx, self.flags.on("K4_SPLIT_ATTN"))
+        with self.trace.in_phase("load"), self.stream:
+            memory.check_fits(self._weight_bytes(mf), self._kv_bytes(), self._scratch_bytes(), n_ctx, memory.free_bytes())
+            self._load_weights(mf, progress)
+            self._alloc_buffers()
+            self.ops.compile_all()
+            self.graph = None
+            self._warm_up()
+            if self.flags.on("K4_CUDA_GRAPH"):
+                self._capture()
+            self.stream.synchronize()
+            self.trace.sync()
+
+    # ---- sizes ----------------------------------------------------------------------------------
+    def _weight_bytes(self, mf: ModelFile) -> int:
+        return sum(mf.tensor(n).n_bytes if len(s) == 2 else 4 * math.prod(s) for n, s in expected_shapes(self.config).items())
+
+    def _kv_bytes(self) -> int:
+        cfg = self.config
+        return 2 * cfg.n_layer * self.n_ctx * cfg.kv_dim * 2
+
+    def _scratch_bytes(self) -> int:
+        cfg, P = self.config, self.chunk
+        rows = 3 * cfg.n_embd + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.n_ff + cfg.n_vocab
+        part = cfg.n_head * self.n_split * (cfg.head_dim + 2) if self.n_split > 1 else 0
+        return 4 * (P * rows + part + self.n_ctx + RING_MIN + 2 * cfg.n_vocab)
+
+    # ---- weights --------------------------------------------------------------------------------
+    def _load_weights(self, mf: ModelFile, progress) -> None:
+        """Upload every tensor the forward pass reads, quantized matrices in their block layout
+        (repacked when K4_REPACK), vectors as f32."""
+        cfg = self.config
+        repack = self.flags.on("K4_REPACK")
+        up = memory.Uploader(self.trace, self.copy_stream, self._weight_bytes(mf), self.flags.on("K4_PINNED_UPLOAD"), progress)
+        dev: dict[str, object] = {}
+        for name, shape in expected_shapes(cfg).items():
+            t = mf.tensor(name)
+            if len(shape) == 2:
+                host = matmul.weight_layout(t, repack)  # (nbytes,) uint8
+                buf = self.mem.empty(host.nbytes, cp.uint8, "weights")
+                up.upload(buf, host)
+                dev[name] = matmul.make_weight(t, buf, repack)
+            else:
+                host = dequantize_tensor(t)  # (n,) f32
+                if name == "rope_freqs.weight":
+                    host = rope_inv_freq(cfg, host)  # (rope_dim/2,) f64
+                buf = self.mem.empty(host.shape, host.dtype, "weights")
+                up.upload(buf, host)
+                dev[name] = buf
+        if not cfg.has_rope_freqs:
+            host = rope_inv_freq(cfg, None)
+            dev["rope_freqs.weight"] = self.mem.empty(host.shape, host.dtype, "weights")
+            up.upload(dev["rope_freqs.weight"], host)
+        up.finish()
+        self.token_embd = dev["token_embd.weight"]
+        self.output = dev["token_embd.weight" if cfg.tied_embeddings else "output.weight"]
+        self.output_norm = dev["output_norm.weight"]
+        self.inv_freq = dev["rope_freqs.weight"]  # (rope_dim/2,) f64
+        self.layers = []
+        for i in range(cfg.n_layer):
+            g = lambda n: dev.get(f"blk.{i}.{n}")  # noqa: E731
+            self.layers.append(LayerWeights(
+                g("attn_norm.weight"), g("attn_q.weight"), g("attn_k.weight"), g("attn_v.weight"), g("attn_output.weight"),
+                g("ffn_norm.weight"), g("ffn_gate.weight"), g("ffn_up.weight"), g("ffn_down.weight"),
+                g("attn_q.bias"), g("attn_k.bias"), g("attn_v.bias"), g("attn_q_norm.weight"), g("attn_k_norm.weight"),
+            ))
+
+    # ---- buffers --------------------------------------------------------------------------------
+    def _alloc_buffers(self) -> None:
+        """Every buffer a token needs, allocated once: activations for `chunk` rows, the fp16 KV
+        cache, the decode state, sampler buffers, and pinned host staging."""
+        cfg, P, f32 = self.config, self.chunk, cp.float32
+        m = self.mem
+        self.x0 = m.empty((P, cfg.n_embd), f32, "scratch")  # residual stream
+        self.x1 = m.empty((P, cfg.n_embd), f32, "scratch")  # residual stream after attention
+        self.h = m.empty((P, cfg.n_embd), f32, "scratch")  # normalized input of a projection
+        self.q = m.empty((P, cfg.n_head, cfg.head_dim), f32, "scratch")
+        self.k = m.empty((P, cfg.n_head_kv, cfg.head_dim), f32, "scratch")
+        self.v = m.empty((P, cfg.n_head_kv, cfg.head_dim), f32, "scratch")
+        self.attn = m.empty((P, cfg.n_head, cfg.head_dim), f32, "scratch")
+        self.gate = m.empty((P, cfg.n_ff), f32, "scratch")
+        self.up = m.empty((P, cfg.n_ff), f32, "scratch")
+        self.logits = m.empty((P, cfg.n_vocab), f32, "scratch")
+        self.part = m.empty((1, cfg.n_head, self.n_split, cfg.head_dim + 2), f32, "scratch") if self.n_split > 1 else None
+        kv_shape = (cfg.n_layer, self.n_ctx, cfg.n_head_kv, cfg.head_dim)
+        self.k_cache = m.empty(kv_shape, cp.float16, "kv_cache")  # (n_layer, n_ctx, n_head_kv, head_dim)
+        self.v_cache = m.empty(kv_shape, cp.float16, "kv_cache")
+        self.ids = m.empty((self.n_ctx,), cp.int32, "scratch")  # token ids of one eval/prefill
+        self.state = m.zeros((ops.STATE_WORDS,), cp.int32, "scratch")  # [tok, pos, ring_count, draw]
+        self.tok_view = self.state[ops.ST_TOK : ops.ST_TOK + 1]
+        self.pos_view = self.state[ops.ST_POS : ops.ST_POS + 1]
+        self.params = m.zeros((ops.SAMPLER_PARAM_WORDS,), cp.uint64, "scratch")
+        self.seen = m.zeros((cfg.n_vocab,), cp.int32, "scratch")
+        n_part = ops.argmax_parts(cfg.n_vocab)
+        self.part_val = m.empty((n_part,), f32, "scratch")
+        self.part_idx = m.empty((n_part,), cp.int32, "scratch")
+        self.ring = m.zeros((RING_MIN,), cp.int32, "scratch")
+        weights = [self.token_embd, self.output] + [w for L in self.layers for w in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down)]
+        self.mm_scratch = m.empty((matmul.matmul_scratch_bytes(weights, P),), cp.uint8, "scratch")
+        self.staging = memory.PinnedBuffer(4 * (self.n_ctx + RING_MIN) + 8 * ops.SAMPLER_PARAM_WORDS)
+        self.slots = [memory.PinnedBuffer(4), memory.PinnedBuffer(4)]  # int32 readback slots, one event each
+        self.computed = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(2)]
+
+    def _grow_ring(self, n: int) -> None:
+        """Make the token ring hold at least n ids (a larger repeat_last_n); the decode graph is re-captured."""
+        size = 1 << (n - 1).bit_length()
+        self.ring = self.mem.zeros((size,), cp.int32, "scratch")
+        self.staging.wait()
+        self.staging = memory.PinnedBuffer(4 * (self.n_ctx + size) + 8 * ops.SAMPLER_PARAM_WORDS)
+        if self.graph is not None:
+            self._capture()
+
+    # ---- forward --------------------------------------------------------------------------------
+    def _linear(self, w, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None, bias=None) -> None:
+        """Y = X W^T (+ bias) (+ residual). X: (n, n_in), Y and residual: (n, n_out) f32 views.
+        One row: matmul.gemv; more: matmul.matmul (tensor cores unless K4_PREFILL_TC=0)."""
+        if X.shape[0] == 1:
+            matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, stream=self.stream,
+                        trace=self.ops.trace)
+        else:
+            matmul.matmul(w, X, Y, residual=residual, bias=bias, scratch=self.mm_scratch, stream=self.stream, trace=self.ops.trace)
+
+    def _forward(self, n: int, row_ids: cp.ndarray) -> cp.ndarray:
+        """Enqueue the layers for n tokens (ids row_ids (n,) int32 on the device) at positions
+        state[pos] .. state[pos] + n - 1, writing their keys/values into the cache.
+        Returns the residual stream (n, n_embd) f32 after the last layer."""
+        cfg, o = self.config, self.ops
+        x, x1, h = self.x0[:n], self.x1[:n], self.h[:n]  # (n, n_embd) each
+        q, k, v, attn = self.q[:n], self.k[:n], self.v[:n], self.attn[:n]  # (n, heads, head_dim)
+        gate, up = self.gate[:n], self.up[:n]  # (n, n_ff)
+        n_split = self.n_split if n == 1 else 1
+        matmul.dequant_rows(self.token_embd, row_ids, x, stream=self.stream, trace=o.trace)
+        for li, L in enumerate(self.layers):
+            # attention: norm, q/k/v projections (+bias), [q/k norm] + RoPE + cache store, attention, output + residual
+            o.rms_norm(x, L.attn_norm, h, cfg.rms_eps)
+            self._linear(L.wq, h, q.reshape(n, cfg.q_dim), bias=L.bq)
+            self._linear(L.wk, h, k.reshape(n, cfg.kv_dim), bias=L.bk)
+            self._linear(L.wv, h, v.reshape(n, cfg.kv_dim), bias=L.bv)
+            o.rope_qk_store(q, k, v, self.k_cache[li], self.v_cache[li], L.q_norm, L.k_norm, self.inv_freq, self.pos_view,
+                            cfg.rope_dim, cfg.rope_neox, cfg.rms_eps)
+            o.attention(q, self.k_cache[li], self.v_cache[li], attn, self.pos_view, n_split, self.split_len, self.part)
+            self._linear(L.wo, attn.reshape(n, cfg.q_dim), x1, residual=x)
+            # feed-forward: norm, gate and up, SwiGLU, down + residual
+            o.rms_norm(x1, L.ffn_norm, h, cfg.rms_eps)
+            self._linear(L.w_gate, h, gate)
+            self._linear(L.w_up, h, up)
+            o.swiglu(gate, up, gate)
+            self._linear(L.w_down, gate, x, residual=x1)
+        return x
+
+    def _output(self, x: cp.ndarray, logits: cp.ndarray) -> None:
+        """logits (n, n_vocab) = output · rmsnorm(x (n, n_embd)) * output_norm."""
+        h = self.h[: x.shape[0]]
+        self.ops.rms_norm(x, self.output_norm, h, self.config.rms_eps)
+        self._linear(self.output, h, logits)
+
+    def _upload(self, ids: list[int], window: list[int] | None = None, params: SamplingParams | None = None) -> None:
+        """Stage the token ids of one call (and, for generate, the repeat-penalty window and the
+        sampler parameters) in pinned memory, and enqueue their copies to the device."""
+        base, cap = 4 * self.n_ctx, self.ring.shape[0]
+        self.staging.wait()
+        self.staging.view(np.int32, len(ids))[:] = ids
+        memory.h2d(self.trace, self.ids.data.ptr, self.staging, 0, 4 * len(ids), self.stream)
+        if window:
+            self.staging.view(np.int32, len(window), base)[:] = window
+            memory.h2d(self.trace, self.ring.data.ptr, self.staging, base, 4 * len(window), self.stream)
+        if params is not None:
+            self.staging.view(np.uint64, ops.SAMPLER_PARAM_WORDS, base + 4 * cap)[:] = ops.pack_sampler_params(params)
+            memory.h2d(self.trace, self.params.data.ptr, self.staging, base + 4 * cap, 8 * ops.SAMPLER_PARAM_WORDS, self.stream)
+
+    def _prefill(self, n_total: int, logits_out: np.ndarray | None) -> None:
+        """Enqueue the n_total uploaded ids (after the cached tokens) in chunks of `chunk`
+        tokens. With logits_out (n_total, n_vocab) every position's logits are copied there;
+        otherwise the last position's logits are left in self.logits[0]."""
+        p0 = self.n_past
+        for c0 in range(0, n_total, self.chunk):
+            n = min(self.chunk, n_total - c0)
+            self.ops.set_i32(self.pos_view, p0 + c0)
+            x = self._forward(n, self.ids[c0 : c0 + n])
+            if logits_out is not None:
+                self._output(x, self.logits[:n])
+                memory.d2h_sync(self.trace, logits_out[c0 : c0 + n], self.logits[:n], self.stream)
+            elif c0 + n == n_total:
+                self._output(x[n - 1 :], self.logits[:1])
+        self.ops.set_i32(self.pos_view, p0 + n_total)
+
+    # ---- protocol -------------------------------------------------------------------------------
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.n_past:
+            raise ValueError(f"truncate({n}) outside 0..{self.n_past}")
+        del self.tokens[n:]
+
+    def _check_room(self, n: int) -> None:
+        if self.n_past + n > self.n_ctx:
+            raise ContextFullError(
+                f"{self.n_past + n} tokens do not fit in the context of {self.n_ctx}; raise --ctx-size or shorten the input"
+            )
+
+    def eval(self, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """See runtime/backend.py. Copies the logits to the host (for perplexity and tests)."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("eval() needs at least one token")
+        self._check_room(len(ids))
+        cfg = self.config
+        with self.trace.in_phase("prefill" if len(ids) > 1 else "decode") as c, self.stream:
+            self._upload(ids)
+            if all_logits:
+                out = np.empty((len(ids), cfg.n_vocab), dtype=np.float32)  # (T, n_vocab)
+                self._prefill(len(ids), out)
+            else:
+                out = np.empty(cfg.n_vocab, dtype=np.float32)  # (n_vocab,)
+                self._prefill(len(ids), None)
+                memory.d2h_sync(self.trace, out, self.logits[0], self.stream)
+            c.steps += 1
+        self.tokens.extend(ids)
+        return out
+
+    # ---- decode step ----------------------------------------------------------------------------
+    def _decode_body(self) -> None:
+        """One decode step on the current stream: evaluate state[tok] at state[pos], sample the
+        next token into state and the ring, advance pos. Reads nothing from the host."""
+        x = self._forward(1, self.tok_view)
+        self._output(x, self.logits[:1])
+        self.ops.sample(self.logits[0], self.params, self.state, self.ring, self.seen, self.part_val, self.part_idx, advance=True)
+
+    def _warm_up(self) -> None:
+        """Run one decode step on the zeroed state (greedy, position 0), so every kernel module,
+        ours and the matmul family's, is loaded before graph capture, which forbids loading.
+        What it writes (cache row 0, the state) is overwritten before any real use."""
+        self._decode_body()
+        self.stream.synchronize()
+        self.trace.sync()
+
+    def _capture(self) -> None:
+        """Capture _decode_body into a CUDA graph; ops count into a scratch Trace meanwhile, and
+        graph_launches keeps how many kernels one replay runs."""
+        counting, self.ops.trace = self.ops.trace, Trace()
+        try:
+            self.stream.begin_capture()
+            try:
+                self._decode_body()
+            finally:
+                graph = self.stream.end_capture()
+            self.graph_launches = self.ops.trace.get(self.ops.trace.phase).launches
+        finally:
+            self.ops.trace = counting
+        self.graph = graph
+
+    def _decode_step(self) -> None:
+        if self.graph is not None:
+            self.graph.launch(stream=self.stream)
+            self.trace.graph_replay()
+            self.trace.launch(self.graph_launches)
+        else:
+            self._decode_body()
+
+    def _start_readback(self, ring_count: int, slot: int, stream) -> None:
+        """Copy the token at ring[ring_count % ring_cap] into pinned slot `slot` on `stream`,
+        after the work enqueued so far on the compute stream."""
+        if stream is not self.stream:
+            self.computed[slot].record(self.stream)
+            stream.wait_event(self.computed[slot])
+        src = self.ring.data.ptr + 4 * (ring_count % self.ring.shape[0])
+        memory.d2h_async(self.trace, self.slots[slot], 0, src, 4, stream)
+
+    def _read_slot(self, slot: int) -> int:
+        self.slots[slot].wait()
+        return int(self.slots[slot].view(np.int32, 1)[0])
+
+    # ---- generation -----------------------------------------------------------------------------
+    def _start(self, ids: list[int], params: SamplingParams, history: Sequence[int]) -> int:
+        """Prefill ids and sample the first token on the device. Returns the ring count of that
+        token (its ring slot, before the modulo)."""
+        recent = list(history) + ids
+        window = recent[len(recent) - min(params.repeat_last_n, len(recent)) :]
+        if len(window) + 2 > self.ring.shape[0]:
+            self._grow_ring(len(window) + 2)
+        self._upload(ids, window, params)
+        self.ops.set_i32(self.state[ops.ST_RING : ops.ST_RING + 1], len(window))
+        self.ops.set_i32(self.state[ops.ST_DRAW : ops.ST_DRAW + 1], 0)
+        self._prefill(len(ids), None)
+        self.ops.sample(self.logits[0], self.params, self.state, self.ring, self.seen, self.part_val, self.part_idx, advance=False)
+        self.tokens.extend(ids)
+        return len(window)
+
+    def generate(self, token_ids: Sequence[int], params: SamplingParams, history: Sequence[int] = ()) -> Iterator[int]:
+        """See runtime/backend.py. With K4_PINGPONG the step evaluating token t (and sampling
+        t+1) is enqueued before t is read, from pinned slot t % 2; on close, that evaluation is
+        dropped from the cache. Without it, each token is copied and the stream synchronized."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("generate() needs at least one token")
+        params.validate()
+        self._check_room(len(ids))
+        pingpong = self.flags.on("K4_PINGPONG")
+        with self.trace.in_phase("prefill") as c, self.stream:
+            ring_count = self._start(ids, params, history)
+            if pingpong:
+                self._start_readback(ring_count, 0, self.copy_stream)
+            c.steps += 1
+        slot, ahead = 0, False
+        try:
+            while True:
+                with self.trace.in_phase("decode") as c, self.stream:
+                    if pingpong:
+                        room = self.n_past < self.n_ctx
+                        if room:
+                            self._decode_step()
+                            self._start_readback(ring_count + 1, slot ^ 1, self.copy_stream)
+                        tok = self._read_slot(slot)
+                        if room:
+                            self.tokens.append(tok)
+                            ahead = True
+                        slot ^= 1
+                    else:
+                        self._start_readback(ring_count, 0, self.stream)
+                        self.stream.synchronize()
+                        self.trace.sync()
+                        tok = self._read_slot(0)
+                    c.steps += 1
+                ring_count += 1
+                yield tok
+                ahead = False
+                if pingpong and not room:
+                    self._check_room(1)
+                if not pingpong:
+                    self._check_room(1)
+                    with self.trace.in_phase("decode"), self.stream:
+                        self._decode_step()
+                    self.tokens.append(tok)
+        finally:
+            if ahead:
+                self.tokens.pop()
+
+    def memory_report(self) -> dict[str, int]:
+        """Device bytes by kind: weights, kv_cache, scratch (activations, sampler, matmul scratch)."""
+        return dict(self.mem.bytes)

@@ -1,0 +1,196 @@
+"""Launchers of k4's non-matmul kernels (kernels_cu/norm.cu, rope.cu, attention.cu,
+elementwise.cu, sampling.cu): each checks shapes and dtypes on the host, picks the grid, and
+launches on the current CuPy stream through runtime.cuda.launch, counted in the trace.
+
+Arrays are CuPy arrays, C-contiguous; shapes are given per method. The kernels trust their
+inputs: everything they index is validated here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cupy as cp
+import numpy as np
+
+from ..sampling import MASK64, SamplingParams
+from ..trace import Trace
+from .compile import module
+from .launch import launch
+
+NULL = np.uint64(0)  # a null device pointer argument
+
+ATT_THREADS = 128  # attention.cu ATT_THREADS
+ATT_CHUNK = 128  # attention.cu ATT_CHUNK
+MAX_HEAD_DIM = 8 * ATT_THREADS
+ROPE_WARPS = 4  # rows per block of rope_qk_store
+SAMPLE_THREADS = 1024  # sampling.cu SAMPLE_THREADS
+SAMPLE_CAP = 1024  # sampling.cu SAMPLE_CAP: candidates kept after top-k
+SAMPLER_PARAM_WORDS = 8  # sampling.cu SamplerParams, 64 bytes
+STATE_WORDS = 4  # sampling.cu ST_TOK, ST_POS, ST_RING, ST_DRAW
+ST_TOK, ST_POS, ST_RING, ST_DRAW = range(STATE_WORDS)
+FNV_PRIME = 0x100000001B3  # the seed multiplier of runtime/sampling.py uniform()
+
+
+def _f32(a: cp.ndarray, *shape: int) -> None:
+    assert a.dtype == cp.float32 and a.flags.c_contiguous, (a.dtype, a.flags.c_contiguous)
+    assert a.shape == shape, (a.shape, shape)
+
+
+def attention_split(n_ctx: int, split: bool) -> tuple[int, int]:
+    """(n_split, split_len) for decode attention over a cache of n_ctx positions: at most 64
+    splits of at least 256 keys (a multiple of ATT_CHUNK); (1, n_ctx) when split is off."""
+    if not split:
+        return 1, n_ctx
+    split_len = max(256, -(-math.ceil(n_ctx / 64) // ATT_CHUNK) * ATT_CHUNK)
+    return -(-n_ctx // split_len), split_len
+
+
+def argmax_parts(n_vocab: int) -> int:
+    """Blocks of sample_argmax_partial for a vocabulary of n_vocab: one per 2048 logits, at most 1024."""
+    return min(SAMPLE_THREADS, -(-n_vocab // 2048))
+
+
+def pack_sampler_params(p: SamplingParams) -> np.ndarray:
+    """SamplingParams -> the 64-byte sampling.cu SamplerParams as (8,) uint64 words."""
+    words = np.zeros(SAMPLER_PARAM_WORDS, dtype=np.uint64)  # (8,)
+    words[:4].view(np.float64)[:] = (p.temperature, p.top_p, p.min_p, p.repeat_penalty)
+    words[4:6].view(np.int64)[:] = (p.top_k, p.repeat_last_n)
+    words[6] = (p.seed * FNV_PRIME) & MASK64
+    return words
+
+
+class Ops:
+    """The kernel launchers. `trace` receives one launch per kernel; the backend swaps it for a
+    scratch Trace while it captures a CUDA graph (see CudaBackend)."""
+
+    def __init__(self, trace: Trace):
+        self.trace = trace
+        self._functions: dict[tuple[str, str], object] = {}
+
+    def function(self, filename: str, name: str):
+        key = (filename, name)
+        if key not in self._functions:
+            self._functions[key] = module(filename).get_function(name)
+        return self._functions[key]
+
+    def compile_all(self) -> None:
+        """Compile and load every kernel now (compilation cannot happen inside graph capture)."""
+        for filename, names in (
+            ("norm.cu", ("rms_norm_f32",)),
+            ("rope.cu", ("rope_qk_store",)),
+            ("attention.cu", ("attn_f16kv", "attn_combine")),
+            ("elementwise.cu", ("swiglu_f32", "set_i32")),
+            ("sampling.cu", ("sample_penalty", "sample_argmax_partial", "sample_finish")),
+        ):
+            for name in names:
+                self.function(filename, name)
+
+    def _launch(self, filename: str, name: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+        launch(self.function(filename, name), grid, block, args, shared_mem, None, self.trace)
+
+    def rms_norm(self, x: cp.ndarray, w: cp.ndarray, y: cp.ndarray, eps: float) -> None:
+        """y = x / sqrt(mean(x^2, last axis) + eps) * w. x, y: (n_rows, n) f32 (y may be x); w: (n,) f32."""
+        n_rows, n = x.shape
+        _f32(x, n_rows, n)
+        _f32(y, n_rows, n)
+        _f32(w, n)
+        threads = 32 * min(32, max(1, -(-n // 256)))
+        self._launch("norm.cu", "rms_norm_f32", (n_rows,), (threads,), (x, w, y, np.int32(n), np.float32(eps)))
+
+    def rope_qk_store(self, q: cp.ndarray, k: cp.ndarray, v: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
+                      q_norm: cp.ndarray | None, k_norm: cp.ndarray | None, inv_freq: cp.ndarray, pos: cp.ndarray,
+                      rope_dim: int, neox: bool, eps: float) -> None:
+        """RoPE on q (in place) and k, optional per-head RMSNorm first, k and v stored in the cache.
+
+        q: (n_tok, n_head, D) f32; k, v: (n_tok, n_head_kv, D) f32; k_cache, v_cache: (n_ctx,
+        n_head_kv, D) fp16 (one layer); q_norm, k_norm: (D,) f32 or None; inv_freq: (rope_dim/2,)
+        f64; pos: (1,) int32 device scalar, the position of token 0. The caller guarantees
+        pos + n_tok <= n_ctx (the kernel writes cache rows pos .. pos + n_tok - 1).
+        """
+        n_tok, n_head, D = q.shape
+        n_head_kv = k.shape[1]
+        _f32(q, n_tok, n_head, D)
+        _f32(k, n_tok, n_head_kv, D)
+        _f32(v, n_tok, n_head_kv, D)
+        assert k_cache.dtype == v_cache.dtype == cp.float16 and k_cache.shape == v_cache.shape
+        assert k_cache.shape[1:] == (n_head_kv, D) and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous
+        assert inv_freq.dtype == cp.float64 and inv_freq.shape == (rope_dim // 2,) and rope_dim % 2 == 0 and rope_dim <= D
+        assert pos.dtype == cp.int32 and pos.size == 1
+        for w in (q_norm, k_norm):
+            if w is not None:
+                _f32(w, D)
+        rows = n_tok * (n_head + n_head_kv)
+        self._launch("rope.cu", "rope_qk_store", (-(-rows // ROPE_WARPS),), (32 * ROPE_WARPS,),
+                     (q, k, v, k_cache, v_cache, NULL if q_norm is None else q_norm, NULL if k_norm is None else k_norm,
+                      inv_freq, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv), np.int32(D),
+                      np.int32(rope_dim), np.int32(neox), np.float32(eps)))
+
+    def attention(self, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, out: cp.ndarray, pos: cp.ndarray,
+                  n_split: int = 1, split_len: int = 0, part: cp.ndarray | None = None) -> None:
+        """Causal attention of q over the fp16 cache; query t sits at position pos + t.
+
+        q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx, n_head_kv, D) fp16 (one layer);
+        pos: (1,) int32 device scalar. n_split > 1 splits each query's keys into blocks of
+        split_len (a multiple of ATT_CHUNK; n_split * split_len >= n_ctx) whose partials go to
+        part: (n_tok, n_head, n_split, D + 2) f32, merged by a second kernel.
+        """
+        n_tok, n_head, D = q.shape
+        n_ctx, n_head_kv, _ = k_cache.shape
+        _f32(q, n_tok, n_head, D)
+        _f32(out, n_tok, n_head, D)
+        assert k_cache.dtype == v_cache.dtype == cp.float16 and v_cache.shape == k_cache.shape == (n_ctx, n_head_kv, D)
+        assert D % 8 == 0 and D <= MAX_HEAD_DIM and n_head % n_head_kv == 0
+        assert pos.dtype == cp.int32 and pos.size == 1
+        if n_split == 1:
+            split_len = n_ctx
+        else:
+            assert split_len % ATT_CHUNK == 0 and n_split * split_len >= n_ctx
+            assert part is not None
+            _f32(part, n_tok, n_head, n_split, D + 2)
+        shared = 4 * (D + ATT_CHUNK + ATT_THREADS * 8)
+        scale = np.float32(1.0 / math.sqrt(D))
+        self._launch("attention.cu", "attn_f16kv", (n_head, n_tok, n_split), (ATT_THREADS,),
+                     (q, k_cache, v_cache, out, NULL if n_split == 1 else part, pos, np.int32(n_head),
+                      np.int32(n_head_kv), np.int32(D), np.int32(split_len), scale), shared_mem=shared)
+        if n_split > 1:
+            self._launch("attention.cu", "attn_combine", (n_head, n_tok), (min(ATT_THREADS, -(-D // 32) * 32),),
+                         (part, out, np.int32(n_head), np.int32(D), np.int32(n_split)))
+
+    def swiglu(self, gate: cp.ndarray, up: cp.ndarray, out: cp.ndarray) -> None:
+        """out = silu(gate) * up, element-wise; all (n_tok, n_ff) f32, out may be gate."""
+        _f32(gate, *gate.shape)
+        _f32(up, *gate.shape)
+        _f32(out, *gate.shape)
+        n = gate.size
+        blocks = min(-(-n // 256), 4096)
+        self._launch("elementwise.cu", "swiglu_f32", (blocks,), (256,), (gate, up, out, np.int64(n)))
+
+    def set_i32(self, dst: cp.ndarray, value: int) -> None:
+        """dst[0] = value on the stream (the value travels as a kernel argument). dst: (1,) int32."""
+        assert dst.dtype == cp.int32 and dst.size == 1
+        self._launch("elementwise.cu", "set_i32", (1,), (1,), (dst, np.int32(value)))
+
+    def sample(self, logits: cp.ndarray, params: cp.ndarray, state: cp.ndarray, ring: cp.ndarray, seen: cp.ndarray,
+               part_val: cp.ndarray, part_idx: cp.ndarray, advance: bool) -> None:
+        """Sample the next token on the device (sampling.cu) and update the decode state.
+
+        logits: (n_vocab,) f32, penalized in place; params: (8,) uint64 from pack_sampler_params;
+        state: (4,) int32 [tok, pos, ring_count, draw]; ring: (ring_cap,) int32 token history;
+        seen: (n_vocab,) int32 zeros; part_val, part_idx: (argmax_parts(n_vocab),) f32 / int32.
+        advance: also increment state[pos] (after a decode step).
+        """
+        n_vocab = logits.shape[0]
+        _f32(logits, n_vocab)
+        n_part = argmax_parts(n_vocab)
+        assert params.dtype == cp.uint64 and params.shape == (SAMPLER_PARAM_WORDS,)
+        assert state.dtype == ring.dtype == seen.dtype == part_idx.dtype == cp.int32
+        assert state.shape == (STATE_WORDS,) and seen.shape == (n_vocab,) and ring.ndim == 1
+        _f32(part_val, n_part)
+        assert part_idx.shape == (n_part,)
+        ring_cap = np.int32(ring.shape[0])
+        self._launch("sampling.cu", "sample_penalty", (1,), (SAMPLE_THREADS,), (logits, seen, ring, state, ring_cap, params))
+        self._launch("sampling.cu", "sample_argmax_partial", (n_part,), (256,), (logits, np.int32(n_vocab), part_val, part_idx))
+        self._launch("sampling.cu", "sample_finish", (1,), (SAMPLE_THREADS,),
+                     (logits, np.int32(n_vocab), part_val, part_idx, np.int32(n_part), state, ring, ring_cap, params,
+                      np.int32(advance)))

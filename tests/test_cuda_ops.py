@@ -1,0 +1,288 @@
+"""Each non-matmul CUDA kernel (runtime/cuda/ops.py) against numpy on fresh random inputs, at
+shapes that are and are not multiples of the block and tile sizes. Limits are relative L2
+errors: 1e-5 for float32 paths, 1e-3 where values pass through fp16. Outputs are poisoned
+(NaN) before each launch, so an element the kernel fails to write fails the test.
+The numpy side is runtime/reference.py (the oracle) and runtime/sampling.py."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from runtime import reference
+from runtime.sampling import SamplingParams, apply_repeat_penalty, sample
+from runtime.trace import Trace
+from tests.tiny import tiny_config
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.cuda
+
+
+def rel_l2(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from runtime.cuda.ops import Ops
+
+    return Ops(Trace())
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded by the test's name: fresh inputs per test, the same on every run."""
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+def nan_like(shape, dtype) -> "cp.ndarray":
+    return cp.full(shape, np.nan, dtype=dtype)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 64), (3, 4096), (5, 1000), (7, 8), (2, 5120)])
+def test_rms_norm(ops, rng, rows, n):
+    x = (3 * rng.standard_normal((rows, n))).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    want = reference.rms_norm(x.astype(np.float64), w.astype(np.float64), 1e-5)
+    y = nan_like((rows, n), cp.float32)
+    ops.rms_norm(cp.asarray(x), cp.asarray(w), y, 1e-5)
+    assert rel_l2(y.get(), want) < 1e-5
+    xd = cp.asarray(x)
+    ops.rms_norm(xd, cp.asarray(w), xd, 1e-5)  # in place
+    assert rel_l2(xd.get(), want) < 1e-5
+
+
+ROPE_CASES = [
+    # arch, head_dim, rope_dim, n_head, n_head_kv, n_tok, pos0, freq factors
+    ("llama", 128, 128, 8, 2, 3, 17, False),
+    ("qwen3", 64, 32, 6, 3, 5, 1000, False),
+    ("llama", 8, 8, 32, 16, 7, 0, True),
+    ("qwen2", 128, 128, 4, 4, 1, 40000, True),
+    ("qwen3", 96, 64, 5, 1, 33, 123, True),
+]
+
+
+@pytest.mark.parametrize("arch,D,rope_dim,n_head,n_head_kv,n_tok,pos0,factors", ROPE_CASES)
+def test_rope_qk_store(ops, rng, arch, D, rope_dim, n_head, n_head_kv, n_tok, pos0, factors):
+    from runtime.cuda.backend import rope_inv_freq
+
+    cfg = tiny_config(arch, head_dim=D, rope_dim=rope_dim, n_head=n_head, n_head_kv=n_head_kv, rope_freq_base=500000.0)
+    ff = (1.0 + 7.0 * rng.random(rope_dim // 2)).astype(np.float32) if factors else None
+    q = rng.standard_normal((n_tok, n_head, D)).astype(np.float32)
+    k = rng.standard_normal((n_tok, n_head_kv, D)).astype(np.float32)
+    v = rng.standard_normal((n_tok, n_head_kv, D)).astype(np.float32)
+    qn = (1 + 0.2 * rng.standard_normal(D)).astype(np.float32) if cfg.has_qk_norm else None
+    kn = (1 + 0.2 * rng.standard_normal(D)).astype(np.float32) if cfg.has_qk_norm else None
+    cos, sin = reference.rope_tables(cfg, np.arange(pos0, pos0 + n_tok), ff)
+    q_want, k_want = q, k
+    if cfg.has_qk_norm:
+        q_want, k_want = reference.rms_norm(q, qn, cfg.rms_eps), reference.rms_norm(k, kn, cfg.rms_eps)
+    q_want = reference.apply_rope(q_want, cos, sin, rope_dim, cfg.rope_neox)
+    k_want = reference.apply_rope(k_want, cos, sin, rope_dim, cfg.rope_neox)
+
+    n_ctx = pos0 + n_tok + 3
+    kc, vc = nan_like((n_ctx, n_head_kv, D), cp.float16), nan_like((n_ctx, n_head_kv, D), cp.float16)
+    qd = cp.asarray(q)
+    ops.rope_qk_store(qd, cp.asarray(k), cp.asarray(v), kc, vc, None if qn is None else cp.asarray(qn),
+                      None if kn is None else cp.asarray(kn), cp.asarray(rope_inv_freq(cfg, ff)),
+                      cp.asarray([pos0], dtype=cp.int32), rope_dim, cfg.rope_neox, cfg.rms_eps)
+    assert rel_l2(qd.get(), q_want) < 1e-5
+    kc, vc = kc.get(), vc.get()
+    assert rel_l2(kc[pos0 : pos0 + n_tok], k_want) < 1e-3
+    assert rel_l2(vc[pos0 : pos0 + n_tok], v) < 1e-3
+    assert np.isnan(kc[:pos0]).all() and np.isnan(kc[pos0 + n_tok :]).all()  # nothing else written
+    assert np.isnan(vc[:pos0]).all() and np.isnan(vc[pos0 + n_tok :]).all()
+
+
+def attention_reference(q, kc, vc, pos0):
+    """q (T, H, D); kc, vc (n_ctx, Hkv, D) -> (T, H, D) float64, query t at pos0 + t, causal."""
+    T, H, D = q.shape
+    g = H // kc.shape[1]
+    out = np.empty((T, H, D))
+    for t in range(T):
+        n = pos0 + t + 1
+        for h in range(H):
+            keys, vals = kc[:n, h // g].astype(np.float64), vc[:n, h // g].astype(np.float64)
+            s = keys @ q[t, h].astype(np.float64) / np.sqrt(D)
+            p = np.exp(s - s.max())
+            out[t, h] = p @ vals / p.sum()
+    return out
+
+
+ATTN_CASES = [
+    # n_tok, pos0, n_head, n_head_kv, head_dim, n_ctx, split
+    (1, 0, 4, 2, 64, 64, False),
+    (1, 99, 8, 8, 128, 512, True),
+    (1, 776, 32, 4, 8, 4096, True),
+    (1, 2047, 6, 2, 80, 2048, True),
+    (1, 300, 4, 1, 256, 1000, False),
+    (37, 50, 4, 2, 64, 100, False),
+    (130, 0, 8, 2, 128, 200, False),
+    (5, 300, 2, 1, 8, 400, False),
+]
+
+
+@pytest.mark.parametrize("n_tok,pos0,n_head,n_head_kv,D,n_ctx,split", ATTN_CASES)
+def test_attention(ops, rng, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split):
+    from runtime.cuda.ops import attention_split
+
+    q = rng.standard_normal((n_tok, n_head, D)).astype(np.float32)
+    n_kv = pos0 + n_tok
+    kc = np.full((n_ctx, n_head_kv, D), np.nan, np.float16)  # rows past the causal range must stay unread
+    vc = np.full((n_ctx, n_head_kv, D), np.nan, np.float16)
+    kc[:n_kv] = 2 * rng.standard_normal((n_kv, n_head_kv, D))
+    vc[:n_kv] = rng.standard_normal((n_kv, n_head_kv, D))
+    n_split, split_len = attention_split(n_ctx, split)
+    part = cp.empty((n_tok, n_head, n_split, D + 2), cp.float32) if n_split > 1 else None
+    out = nan_like((n_tok, n_head, D), cp.float32)
+    ops.attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, cp.asarray([pos0], dtype=cp.int32),
+                  n_split, split_len, part)
+    assert rel_l2(out.get(), attention_reference(q, kc, vc, pos0)) < 2e-5  # fp16 keys/values are exact on both sides
+
+
+def test_attention_split_covers_context():
+    from runtime.cuda.ops import ATT_CHUNK, attention_split
+
+    for n_ctx in (1, 255, 256, 257, 4096, 16385, 131072):
+        n_split, split_len = attention_split(n_ctx, True)
+        assert split_len % ATT_CHUNK == 0 and n_split * split_len >= n_ctx > (n_split - 1) * split_len and n_split <= 64
+    assert attention_split(4096, False) == (1, 4096)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1000), (5, 11008), (2, 96)])
+def test_swiglu(ops, rng, shape):
+    g = (4 * rng.standard_normal(shape)).astype(np.float32)
+    u = rng.standard_normal(shape).astype(np.float32)
+    out = nan_like(shape, cp.float32)
+    ops.swiglu(cp.asarray(g), cp.asarray(u), out)
+    assert rel_l2(out.get(), reference.silu(g.astype(np.float64)) * u) < 1e-5
+    gd = cp.asarray(g)
+    ops.swiglu(gd, cp.asarray(u), gd)  # in place
+    assert rel_l2(gd.get(), reference.silu(g.astype(np.float64)) * u) < 1e-5
+
+
+def test_set_i32(ops):
+    a = cp.zeros(3, cp.int32)
+    ops.set_i32(a[1:2], -123456)
+    assert a.get().tolist() == [0, -123456, 0]
+
+
+# ---- sampling --------------------------------------------------------------------------------
+
+class DeviceSampler:
+    """The buffers ops.sample works on, for one vocabulary size; draw() runs it on host data."""
+
+    def __init__(self, ops, n_vocab: int, ring_cap: int = 1024):
+        from runtime.cuda.ops import STATE_WORDS, argmax_parts
+
+        self.ops = ops
+        self.state = cp.zeros(STATE_WORDS, cp.int32)
+        self.ring = cp.zeros(ring_cap, cp.int32)
+        self.seen = cp.zeros(n_vocab, cp.int32)
+        self.part_val = cp.empty(argmax_parts(n_vocab), cp.float32)
+        self.part_idx = cp.empty(argmax_parts(n_vocab), cp.int32)
+
+    def draw(self, logits: np.ndarray, params: SamplingParams, history: list[int], step: int):
+        """-> (token, penalized logits) after one ops.sample on fresh buffers."""
+        from runtime.cuda.ops import ST_DRAW, ST_RING, ST_TOK, pack_sampler_params
+
+        window = history[len(history) - min(params.repeat_last_n, len(history)) :]
+        self.ring[: len(window)] = cp.asarray(window, dtype=cp.int32)
+        self.state[:] = 0
+        self.state[ST_RING] = len(window)
+        self.state[ST_DRAW] = step
+        d_logits = cp.asarray(logits)
+        self.ops.sample(d_logits, cp.asarray(pack_sampler_params(params)), self.state, self.ring, self.seen,
+                        self.part_val, self.part_idx, advance=False)
+        state = self.state.get()
+        assert state[ST_RING] == len(window) + 1 and state[ST_DRAW] == step + 1
+        assert self.ring[len(window) % self.ring.shape[0]].item() == state[ST_TOK]
+        assert not self.seen.any()  # the penalty's scratch is left clean
+        return int(state[ST_TOK]), d_logits.get()
+
+
+@pytest.mark.parametrize("n_vocab", [7, 512, 32000, 151936])
+def test_greedy_is_argmax_with_first_index_on_ties(ops, rng, n_vocab):
+    s = DeviceSampler(ops, n_vocab)
+    greedy = SamplingParams(temperature=0.0, repeat_penalty=1.0)
+    for trial in range(4):
+        logits = rng.standard_normal(n_vocab).astype(np.float32)
+        if trial % 2:  # the maximum twice
+            i, j = sorted(rng.choice(n_vocab, 2, replace=False))
+            logits[i] = logits[j] = logits.max() + 1
+        tok, _ = s.draw(logits, greedy, [], trial)
+        assert tok == int(np.argmax(logits))
+    logits = np.full(n_vocab, -np.inf, np.float32)  # nothing finite: the first id
+    assert s.draw(logits, greedy, [], 0)[0] == 0
+
+
+def test_repeat_penalty_matches_host_bit_for_bit(ops, rng):
+    n_vocab = 32000
+    s = DeviceSampler(ops, n_vocab)
+    logits = (3 * rng.standard_normal(n_vocab)).astype(np.float32)
+    history = rng.integers(0, 300, size=200).tolist()  # many repeats
+    for params in (SamplingParams(temperature=0.0, repeat_penalty=1.3, repeat_last_n=64),
+                   SamplingParams(temperature=0.0, repeat_penalty=0.7, repeat_last_n=1000)):
+        tok, penalized = s.draw(logits, params, history, 0)
+        want = apply_repeat_penalty(logits, history, params.repeat_penalty, params.repeat_last_n)
+        assert np.array_equal(penalized, want)
+        assert tok == sample(logits, params, history, 0)
+
+
+SAMPLER_CASES = [
+    # n_vocab, logit scale, params; every kept set here is within the device's 1024 candidates
+    (512, 3.0, SamplingParams()),
+    (32000, 3.0, SamplingParams()),
+    (151936, 4.0, SamplingParams(temperature=0.7, top_k=5, top_p=1.0, min_p=0.0)),
+    (32000, 3.0, SamplingParams(temperature=1.5, top_k=200, top_p=0.9, min_p=0.0, repeat_penalty=1.1)),
+    (32000, 3.0, SamplingParams(temperature=1.0, top_k=1024, top_p=1.0, min_p=0.0)),
+    (512, 1.0, SamplingParams(temperature=1.3, top_k=0, top_p=1.0, min_p=0.0)),
+    (32000, 6.0, SamplingParams(temperature=1.0, top_k=0, top_p=0.8, min_p=0.0)),
+    (32000, 3.0, SamplingParams(temperature=0.9, top_k=5000, top_p=0.95, min_p=0.2)),
+    (32000, 3.0, SamplingParams(temperature=1.2, top_k=100, top_p=0.5, min_p=0.02, seed=12345)),
+    (1000, 1.0, SamplingParams(temperature=2.0, top_k=10, top_p=1.0, min_p=0.0, seed=-7)),
+]
+
+
+def host_candidates(logits, params, history) -> set[int]:
+    """The ids numpy's sampler can draw from (after top-k, top-p, min-p)."""
+    lg = apply_repeat_penalty(logits, history, params.repeat_penalty, params.repeat_last_n)
+    order = np.argsort(-lg, kind="stable")[: params.top_k if params.top_k > 0 else None]
+    top = lg[order].astype(np.float64)
+    p = np.exp(top - top[0])
+    p /= p.sum()
+    keep = len(order)
+    if params.top_p < 1.0:
+        keep = min(keep, int(np.searchsorted(np.cumsum(p), params.top_p) + 1))
+    if params.min_p > 0.0:
+        keep = max(1, int(np.count_nonzero(p[:keep] >= params.min_p * p[0])))
+    return set(order[:keep].tolist())
+
+
+@pytest.mark.parametrize("case", range(len(SAMPLER_CASES)))
+def test_sampling_draws_match_host(ops, rng, case):
+    n_vocab, scale, params = SAMPLER_CASES[case]
+    s = DeviceSampler(ops, n_vocab)
+    for trial in range(3):
+        logits = (scale * rng.standard_normal(n_vocab)).astype(np.float32)
+        if trial == 2:  # integer logits: many ties at every cut
+            logits = np.round(logits).astype(np.float32)
+        history = rng.integers(0, n_vocab, size=40).tolist()
+        allowed = host_candidates(logits, params, history)
+        got = [s.draw(logits, params, history, step)[0] for step in range(40)]
+        want = [sample(logits, params, history, step) for step in range(40)]
+        assert set(got) <= allowed
+        assert got == want
+
+
+def test_same_seed_same_token(ops, rng):
+    s = DeviceSampler(ops, 32000)
+    logits = rng.standard_normal(32000).astype(np.float32)
+    params = SamplingParams(temperature=1.5, top_k=0, top_p=0.99, min_p=0.0, seed=99)
+    first = [s.draw(logits, params, [], step)[0] for step in range(20)]
+    again = [s.draw(logits, params, [], step)[0] for step in range(20)]
+    assert first == again
+    assert len(set(first)) > 5  # draws do move with the step
