@@ -45,12 +45,40 @@ def nearest_int(x: np.ndarray) -> np.ndarray:
     return (bits & 0x7FFFFF) - 0x400000
 
 
+_EXACT = f32(2**21)  # below this magnitude v + 1.5 * 2**23 rounds v to an integer exactly
+
+
+def _round_clip(v: np.ndarray, lo: int, hi: int, in_range: bool | None = None) -> np.ndarray:
+    """MAX(lo, MIN(hi, nearest_int(v))) as float32, computed in place in v (float32 array).
+
+    When every |v| < 2**21 (in_range; checked here when not given) the float additions
+    v + 1.5 * 2**23 - 1.5 * 2**23 round exactly as nearest_int does; otherwise (inf, nan, huge
+    values) the integer trick is run for bit-exact agreement.
+    """
+    if in_range is None:
+        in_range = bool(v.min() > -_EXACT and v.max() < _EXACT)  # false on nan
+    if in_range:
+        v += _MAGIC
+        np.clip(v, _MAGIC + f32(lo), _MAGIC + f32(hi), out=v)
+        v -= _MAGIC
+    else:
+        v[...] = np.clip(nearest_int(v), lo, hi)
+    return v
+
+
+def _bounded(*ends: np.ndarray) -> bool:
+    """True when every value is finite and below 2**21 in magnitude (see _round_clip)."""
+    return all(bool(np.all(np.abs(e) < _EXACT)) for e in ends)
+
+
 def _sum_seq(a: np.ndarray) -> np.ndarray:
-    """(n, N) float32 -> (N,): `s = 0; for i: s += a[i]` in float32, the C loops' order."""
-    s = a[0] + f32(0)
-    for row in a[1:]:
-        s += row
-    return s
+    """(n, N) float32 -> (N,): `s = a[0]; for i >= 1: s += a[i]` in float32, the C loops' order.
+
+    numpy reduces a C-contiguous array over axis 0 row by row into one accumulator row (its
+    pairwise summation applies only along the contiguous axis), which is this order;
+    tests/test_quantize.py checks it on data where the order shows.
+    """
+    return np.add.reduce(np.ascontiguousarray(a), axis=0)
 
 
 def _fp16(x: np.ndarray) -> np.ndarray:
@@ -74,39 +102,50 @@ def make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelt
     x, w: (n, N) float32 weights and their importance. Fits x ~ scale * L - the_min with
     L in [0, nmax], trying nstep + 1 candidate scales; a candidate is kept when its weighted
     squared error is lower, and later candidates start from the best min found so far, as in C.
-    Returns scale (N,) float32, the_min (N,) float32 (>= 0), L (n, N) int32.
+    Returns scale (N,) float32, the_min (N,) float32 (>= 0), L (n, N) float32 (integers).
     """
-    n, N = x.shape
-    mn0 = np.minimum(x.min(axis=0), f32(0))  # (N,) C: running min, then `if (min > 0) min = 0`
+    xmin = x.min(axis=0)  # (N,)
     mx = x.max(axis=0)  # (N,)
+    mn0 = np.where(xmin > 0, f32(0), xmin)  # C: running min, then `if (min > 0) min = 0`
     flat = mx == mn0  # (N,) all weights equal: L = 0, scale = 0
     sum_w = _sum_seq(w)  # (N,)
     sum_x = _sum_seq(w * x)  # (N,)
+    lf = np.empty_like(x)  # (n, N) candidate quants
+    tmp = np.empty_like(x)  # (n, N) scratch
+
+    def quants(iscale: np.ndarray, mn: np.ndarray) -> np.ndarray:
+        """lf = clamp(nearest_int(iscale * (x - mn)), 0, nmax)."""
+        np.multiply(np.subtract(x, mn, out=lf), iscale, out=lf)
+        return _round_clip(lf, 0, nmax, _bounded(iscale * (mx - mn), iscale * (xmin - mn)))
+
+    def error(scale: np.ndarray, mn: np.ndarray) -> np.ndarray:
+        """sum of w * (scale * lf + mn - x)^2, left to right."""
+        np.subtract(np.add(np.multiply(lf, scale, out=tmp), mn, out=tmp), x, out=tmp)
+        np.multiply(np.multiply(tmp, tmp, out=tmp), w, out=tmp)
+        return _sum_seq(tmp)
+
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        mn = mn0.copy()
+        mn = mn0
         iscale = f32(nmax) / (mx - mn)
         scale = f32(1) / iscale
-        L = np.clip(nearest_int(iscale * (x - mn)), 0, nmax)  # (n, N)
-        diff = scale * L.astype(f32) + mn - x
-        best_error = _sum_seq(w * (diff * diff))
+        L = quants(iscale, mn).copy()
+        best_error = error(scale, mn)
         for step in range(nstep + 1):
             iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / (mx - mn)
-            laux = np.clip(nearest_int(iscale * (x - mn)), 0, nmax)  # (n, N)
-            lf = laux.astype(f32)
+            quants(iscale, mn)
             wl = w * lf
             sum_l = _sum_seq(wl)
-            sum_l2 = _sum_seq(wl * lf)
-            sum_xl = _sum_seq(wl * x)
+            sum_l2 = _sum_seq(np.multiply(wl, lf, out=tmp))
+            sum_xl = _sum_seq(np.multiply(wl, x, out=tmp))
             D = sum_w * sum_l2 - sum_l * sum_l
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
             clamped = this_min > 0
             this_min = np.where(clamped, f32(0), this_min)
             this_scale = np.where(clamped, sum_xl / sum_l2, this_scale)
-            diff = this_scale * lf + this_min - x
-            cur_error = _sum_seq(w * (diff * diff))
+            cur_error = error(this_scale, this_min)
             better = (D > 0) & (cur_error < best_error)  # (N,)
-            L = np.where(better, laux, L)
+            np.copyto(L, lf, where=better)
             best_error = np.where(better, cur_error, best_error)
             scale = np.where(better, this_scale, scale)
             mn = np.where(better, this_min, mn)
@@ -122,7 +161,7 @@ def make_qx_quants(x: np.ndarray, nmax: int):
     x: (n, N) float32 sub-blocks. Fits x ~ scale * (L - nmax), L in [0, 2*nmax - 1], trying
     the scales -(nmax + 0.1*is)/max for is in -9..9 around the first guess. A sub-block whose
     max |x| is below GROUP_MAX_EPS gets L = 0, scale = 0.
-    Returns scale (N,) float32 (signed), L (n, N) int32.
+    Returns scale (N,) float32 (signed), L (n, N) float32 (integers).
     """
     n, N = x.shape
     cols = np.arange(N)
@@ -130,25 +169,32 @@ def make_qx_quants(x: np.ndarray, nmax: int):
     first = ax.argmax(axis=0)  # (N,) C keeps the first index of the largest |x|
     amax = ax[first, cols]
     mx = x[first, cols]  # (N,) the signed value of largest magnitude
+    xmin, xmax = x.min(axis=0), x.max(axis=0)
     zero = amax < GROUP_MAX_EPS
     w = x * x
     wx = w * x
+    lf = np.empty_like(x)  # (n, N) candidate quants, signed
+    tmp = np.empty_like(x)
 
     def fit(iscale):
-        l = np.clip(nearest_int(iscale * x), -nmax, nmax - 1)  # (n, N)
-        lf = l.astype(f32)
-        return l + nmax, _sum_seq(wx * lf), _sum_seq(w * lf * lf)
+        """lf = clamp(nearest_int(iscale * x), -nmax, nmax - 1); sums of w*x*l and w*l*l."""
+        np.multiply(x, iscale, out=lf)
+        _round_clip(lf, -nmax, nmax - 1, _bounded(iscale * xmin, iscale * xmax))
+        sumlx = _sum_seq(np.multiply(wx, lf, out=tmp))
+        np.multiply(w, lf, out=tmp)
+        return sumlx, _sum_seq(np.multiply(tmp, lf, out=tmp))
 
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        L, sumlx, suml2 = fit(f32(-nmax) / mx)
+        sumlx, suml2 = fit(f32(-nmax) / mx)
+        L = lf + f32(nmax)
         scale = np.where(suml2 != 0, sumlx / suml2, f32(0))
         best = scale * sumlx
         for step in range(-9, 10):
             if step == 0:
                 continue
-            laux, sumlx, suml2 = fit(-(f32(nmax) + f32(0.1) * f32(step)) / mx)
+            sumlx, suml2 = fit(-(f32(nmax) + f32(0.1) * f32(step)) / mx)
             better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-            L = np.where(better, laux, L)
+            np.copyto(L, lf + f32(nmax), where=better)
             scale = np.where(better, sumlx / suml2, scale)
             best = np.where(better, scale * sumlx, best)
     L[:, zero] = 0
@@ -196,9 +242,9 @@ def _quantize_kx(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: in
     dmin = _fp16(max_min / f32(63))
     d_sub = (d.astype(f32)[:, None] * ls.astype(f32)).reshape(-1)  # (N,)
     dm_sub = (dmin.astype(f32)[:, None] * lm.astype(f32)).reshape(-1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        requant = np.clip(nearest_int((xs + dm_sub) / d_sub), 0, nmax)
-    L = np.where(d_sub != 0, requant, L)  # a sub-block whose scale is 0 keeps its first fit
+    keep = d_sub == 0  # (N,) a sub-block whose scale is 0 keeps its first fit
+    requant = _round_clip((xs + dm_sub) / np.where(keep, f32(1), d_sub), 0, nmax)
+    L = np.where(keep, L, requant)
     return d, dmin, _pack_scales_k4(ls, lm), _rows(L, QK_K).astype(np.uint8)
 
 
@@ -254,8 +300,9 @@ def quantize_q6_K(x: np.ndarray) -> np.ndarray:
         d = _fp16(f32(1) / iscale)
         sc = np.minimum(nearest_int(iscale[:, None] * scales), 127).astype(np.int8)  # (nb, 16)
         d_sub = (d.astype(f32)[:, None] * sc.astype(f32)).reshape(-1)  # (N,)
-        requant = np.clip(nearest_int(xs / d_sub), -32, 31) + 32
-    L = _rows(np.where(d_sub != 0, requant, L), QK_K).astype(np.uint8)  # (nb, 256)
+    keep = d_sub == 0  # (N,) a sub-block whose scale is 0 keeps its first fit
+    requant = _round_clip(xs / np.where(keep, f32(1), d_sub), -32, 31) + f32(32)
+    L = _rows(np.where(keep, L, requant), QK_K).astype(np.uint8)  # (nb, 256)
     Lr = L.reshape(nb, 2, 4, 32)  # (nb, 128-half, quarter, l)
     ql = np.concatenate([(Lr[:, :, 0] & 0xF) | ((Lr[:, :, 2] & 0xF) << 4), (Lr[:, :, 1] & 0xF) | ((Lr[:, :, 3] & 0xF) << 4)], axis=2)
     qh = (Lr[:, :, 0] >> 4) | ((Lr[:, :, 1] >> 4) << 2) | ((Lr[:, :, 2] >> 4) << 4) | ((Lr[:, :, 3] >> 4) << 6)

@@ -66,7 +66,7 @@ MIXES = {
 }
 
 INPUT_TYPES = (T.F32, T.F16, T.BF16)  # what the Hugging Face converters write
-FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0, T.Q8_0: T.F16}
+FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 CHUNK_WEIGHTS = 1 << 20  # weights per unit of work on the thread pool and per progress step
 
 Progress = Callable[[int, int, str], None]  # (weights done, weights in all, tensor name)
@@ -162,11 +162,13 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
 def _fallback(ggml_type: GGMLQuantizationType, n_per_row: int) -> GGMLQuantizationType:
     """llama-quant.cpp tensor_type_fallback: a type whose block divides the row length.
 
-    Where llama.cpp gives up (Q8_0 on rows not a multiple of 32) this returns F16.
+    Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, and F16 when that still does not fit. Where
+    llama.cpp gives up (a Q8_0 target on rows not a multiple of 32) this returns F16 too.
     """
-    while n_per_row % GGML_QUANT_SIZES[ggml_type][0]:
-        ggml_type = FALLBACK[ggml_type]
-    return ggml_type
+    if n_per_row % GGML_QUANT_SIZES[ggml_type][0] == 0:
+        return ggml_type
+    ggml_type = FALLBACK.get(ggml_type, T.F16)
+    return ggml_type if n_per_row % GGML_QUANT_SIZES[ggml_type][0] == 0 else T.F16
 
 
 def choose_types(
