@@ -154,7 +154,9 @@ def test_logits_match_numpy_backend(tiny_model, case):
     prompt = rng.integers(3, mf.config.n_vocab, size=21).tolist()
     be, ref = cuda(mf, 64), NumpyBackend(mf, 64)
     assert rel_l2(be.eval(prompt, all_logits=True), ref.eval(prompt, all_logits=True)) < 1e-2  # prefill
-    assert rel_l2(be.eval([5]), ref.eval([5])) < 1e-2  # one-token decode
+    # one token: matmul.gemv quantizes activations to 8 bits (llama.cpp's q8_1 scheme, about 5e-3
+    # per product on random data), which compounds over the layers of a random model
+    assert rel_l2(be.eval([5]), ref.eval([5])) < 2e-2
     # the captured decode step: each greedy pick is the numpy argmax or within a near-tie of it
     be.reset()
     ref.reset()
