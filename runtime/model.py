@@ -11,7 +11,9 @@ names the file and says what is wrong.
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,11 +170,84 @@ def _open_reader(path: Path) -> GGUFReader:
         raise ModelFileError(f"{path}: cannot be read ({exc.strerror})") from None
     if magic != GGUF_MAGIC:
         raise ModelFileError(f"{path}: not a GGUF file (bad magic {magic!r}); convert the model to GGUF first")
+    _check_header(path)
     try:
         return GGUFReader(path, "r")
     except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on damage
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelFileError(f"{path}: damaged or truncated GGUF ({reason}); re-download the file") from None
+
+
+# GGUF value types (gguf.md): fixed sizes of the scalar types; 8 = string, 9 = array
+_SCALAR_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+class _Truncated(Exception):
+    pass
+
+
+def _check_header(path: Path) -> None:
+    """Walk the GGUF header and key/value section with bounds checks before the gguf reader
+    does: a count or length that the file cannot hold is refused at once, where the reader
+    would loop once per claimed element (hours for a count of 2**63 in a large file)."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size < 24:
+            raise ModelFileError(f"{path}: truncated GGUF ({size} bytes, the header alone is 24); re-download the file")
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            try:
+                _walk_kv(buf, size)
+            except _Truncated as exc:
+                raise ModelFileError(f"{path}: damaged or truncated GGUF ({exc}); re-download the file") from None
+
+
+def _walk_kv(buf, size: int) -> None:
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version not in (2, 3):
+        raise _Truncated(f"unsupported GGUF version {version}")
+    if n_tensors > size // 24 or n_kv > size // 12:
+        raise _Truncated(f"{n_tensors} tensors and {n_kv} keys cannot fit in {size} bytes")
+    off = 24
+
+    def need(n: int) -> None:
+        if n < 0 or off + n > size:
+            raise _Truncated(f"a field at byte {off} runs past the end")
+
+    def string() -> None:
+        nonlocal off
+        need(8)
+        (n,) = struct.unpack_from("<Q", buf, off)
+        off += 8
+        need(n)
+        off += n
+
+    def value(vtype: int, depth: int = 0) -> None:
+        nonlocal off
+        if vtype in _SCALAR_SIZE:
+            need(_SCALAR_SIZE[vtype])
+            off += _SCALAR_SIZE[vtype]
+        elif vtype == 8:
+            string()
+        elif vtype == 9 and depth < 2:
+            need(12)
+            itype, count = struct.unpack_from("<IQ", buf, off)
+            off += 12
+            if itype in _SCALAR_SIZE:
+                need(count * _SCALAR_SIZE[itype])
+                off += count * _SCALAR_SIZE[itype]
+                return
+            need(count * 8)  # every string or array element takes at least 8 bytes
+            for _ in range(count):
+                value(itype, depth + 1)
+        else:
+            raise _Truncated(f"unknown value type {vtype} at byte {off}")
+
+    for _ in range(n_kv):
+        string()
+        need(4)
+        (vtype,) = struct.unpack_from("<I", buf, off)
+        off += 4
+        value(vtype)
 
 
 def _tensor_table(path: Path, reader: GGUFReader) -> dict[str, Tensor]:
