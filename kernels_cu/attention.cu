@@ -11,6 +11,7 @@
 
 #define ATT_THREADS 128
 #define ATT_CHUNK 128
+#define ATT_KEYS 4  // keys whose loads one thread issues together
 
 // q: (n_tok, n_head, D) f32. k_cache, v_cache: (n_ctx, n_head_kv, D) fp16 (this layer).
 // out: (n_tok, n_head, D) f32, written when n_split == 1.
@@ -19,8 +20,9 @@
 // Grid: (n_head, n_tok, n_split); block: ATT_THREADS. Dynamic shared memory:
 //   (D + ATT_CHUNK + ATT_THREADS * 8) floats. Requires D % 8 == 0 and D <= 8 * ATT_THREADS.
 // Thread mapping: scores: groups of tpg lanes per key (tpg = largest power of two <= 32
-//   dividing D/8), each lane dotting 8-value slices; values: thread = (slice c, key lane kl),
-//   accumulating 8 output dims over keys kl, kl + n_kl, ...; key lanes are summed at the end.
+//   dividing D/8), each lane dotting 8-value slices of ATT_KEYS keys at a time; values: thread =
+//   (slice c, key lane kl), accumulating 8 output dims over keys kl, kl + n_kl, ...; key lanes
+//   are summed at the end.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
            float* __restrict__ out, float* __restrict__ part, const int* __restrict__ pos, int n_head,
@@ -60,21 +62,34 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
 
     for (int c0 = begin; c0 < end; c0 += ATT_CHUNK) {
         const int n = min(ATT_CHUNK, end - c0);
-        // Scores: the trip count is uniform per warp so the group shuffles see every lane.
-        for (int j0 = 0; j0 < n; j0 += n_grp) {
-            const int j = j0 + grp;
-            float d = 0.0f;
-            if (j < n) {
-                const u16* kr = kbase + (size_t)(c0 + j) * kv_stride;
-                for (int cc = gl; cc < G; cc += tpg) {
-                    float kv[8];
-                    k4ops::load_half8(kr + cc * 8, kv);
+        // Scores, ATT_KEYS keys per group per round with their loads issued together. The trip
+        // count is uniform per warp, so the group shuffles see every lane.
+        for (int j0 = 0; j0 < n; j0 += ATT_KEYS * n_grp) {
+            float d[ATT_KEYS];
 #pragma unroll
-                    for (int u = 0; u < 8; ++u) d += kv[u] * qs[cc * 8 + u];
+            for (int u = 0; u < ATT_KEYS; ++u) d[u] = 0.0f;
+            for (int cc = gl; cc < G; cc += tpg) {
+                uint4 raw[ATT_KEYS];
+#pragma unroll
+                for (int u = 0; u < ATT_KEYS; ++u) {
+                    const int j = j0 + grp + u * n_grp;
+                    raw[u] = j < n ? *reinterpret_cast<const uint4*>(kbase + (size_t)(c0 + j) * kv_stride + cc * 8)
+                                   : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+                for (int u = 0; u < ATT_KEYS; ++u) {
+                    float kv[8];
+                    k4ops::unpack_half8(raw[u], kv);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) d[u] += kv[e] * qs[cc * 8 + e];
                 }
             }
-            for (int off = tpg / 2; off > 0; off >>= 1) d += __shfl_xor_sync(k4ops::FULL_MASK, d, off);
-            if (j < n && gl == 0) sc[j] = d;
+#pragma unroll
+            for (int u = 0; u < ATT_KEYS; ++u) {
+                for (int off = tpg / 2; off > 0; off >>= 1) d[u] += __shfl_xor_sync(k4ops::FULL_MASK, d[u], off);
+                const int j = j0 + grp + u * n_grp;
+                if (j < n && gl == 0) sc[j] = d[u];
+            }
         }
         __syncthreads();
         float cm = -k4ops::inf_f32();
@@ -93,13 +108,24 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
         m = m_new;
 #pragma unroll
         for (int u = 0; u < 8; ++u) acc[u] *= corr;
-        if (v_active) {
-            for (int j = kl; j < n; j += n_kl) {
-                float vv[8];
-                k4ops::load_half8(vbase + (size_t)(c0 + j) * kv_stride + c * 8, vv);
-                const float p = sc[j];
+        if (v_active) {  // ATT_KEYS keys per round, loads first
+            for (int j0 = kl; j0 < n; j0 += ATT_KEYS * n_kl) {
+                uint4 raw[ATT_KEYS];
 #pragma unroll
-                for (int u = 0; u < 8; ++u) acc[u] += p * vv[u];
+                for (int u = 0; u < ATT_KEYS; ++u) {
+                    const int j = j0 + u * n_kl;
+                    raw[u] = j < n ? *reinterpret_cast<const uint4*>(vbase + (size_t)(c0 + j) * kv_stride + c * 8)
+                                   : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+                for (int u = 0; u < ATT_KEYS; ++u) {
+                    const int j = j0 + u * n_kl;
+                    const float p = j < n ? sc[j] : 0.0f;
+                    float vv[8];
+                    k4ops::unpack_half8(raw[u], vv);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[e] += p * vv[e];
+                }
             }
         }
         __syncthreads();  // sc is rewritten by the next chunk

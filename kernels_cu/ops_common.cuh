@@ -1,6 +1,6 @@
 // Helpers shared by the non-matmul kernels (norm, rope, attention, elementwise, sampling), on
 // top of common.cuh (integer types, fp16 conversion, float warp reductions): block reductions,
-// double and int warp reductions, an infinity constant (NVRTC has no <cmath>), 8-wide fp16 loads.
+// double and int warp reductions, an infinity constant (NVRTC has no <cmath>), 8-wide fp16 unpacking.
 //
 // Block reductions assume blockDim.x is a multiple of 32 and at most 1024. Every thread of
 // the block must call them (they contain __syncthreads) and every thread gets the result.
@@ -68,9 +68,8 @@ __device__ __forceinline__ int block_min(int v) {
     return warp_min(lane < n_warps ? part[lane] : 0x7fffffff);
 }
 
-// Eight fp16 values (one 16-byte load; p 16-byte aligned) widened to float.
-__device__ __forceinline__ void load_half8(const u16* __restrict__ p, float* out) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+// Eight fp16 values (the 16 bytes of one vector load) widened to float.
+__device__ __forceinline__ void unpack_half8(const uint4 raw, float* out) {
     const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int u = 0; u < 4; ++u) {

@@ -39,10 +39,10 @@ def _f32(a: cp.ndarray, *shape: int) -> None:
 
 def attention_split(n_ctx: int, split: bool) -> tuple[int, int]:
     """(n_split, split_len) for decode attention over a cache of n_ctx positions: at most 64
-    splits of at least 256 keys (a multiple of ATT_CHUNK); (1, n_ctx) when split is off."""
+    splits, each a multiple of ATT_CHUNK keys; (1, n_ctx) when split is off."""
     if not split:
         return 1, n_ctx
-    split_len = max(256, -(-math.ceil(n_ctx / 64) // ATT_CHUNK) * ATT_CHUNK)
+    split_len = -(-math.ceil(n_ctx / 64) // ATT_CHUNK) * ATT_CHUNK
     return -(-n_ctx // split_len), split_len
 
 
