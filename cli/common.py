@@ -70,14 +70,21 @@ class Session:
     load_ms: float
 
 
-def load_session(model: Optional[Path], backend: str, ctx_size: int, progress=None) -> Session:
-    """Open, validate and load a model on a backend. Raises K4Error subclasses on bad input."""
+PROGRESS_MIN_BYTES = 100 * 2**20  # models smaller than this load without a progress bar
+
+
+def load_session(model: Optional[Path], backend: str, ctx_size: int) -> Session:
+    """Open, validate and load a model on a backend (a progress bar on stderr for models over
+    100 MiB). Raises K4Error subclasses on bad input."""
     from runtime.backend import make_backend
     from runtime.model import open_model
     from runtime.tokenizer import Tokenizer
 
+    from .render import progress_bar
+
     t0 = time.perf_counter()
     mf = open_model(model_path(model))
     tok = Tokenizer.from_model(mf)
-    be = make_backend(mf, backend, ctx_size)
+    with progress_bar(f"loading {mf.path.name}", min_bytes=PROGRESS_MIN_BYTES) as update:
+        be = make_backend(mf, backend, ctx_size, progress=update)
     return Session(mf, tok, be, (time.perf_counter() - t0) * 1e3)

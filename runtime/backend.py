@@ -51,14 +51,15 @@ class Backend(Protocol):
         """
 
 
-def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0) -> Backend:
+def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=None) -> Backend:
     """Build the backend `kind` ("auto", "numpy", "cuda") for a loaded model.
 
     n_ctx = 0 means the model's training context, capped at DEFAULT_CTX tokens. "auto" picks cuda when a GPU and CuPy are
-    present, else numpy. Raises BackendUnavailableError (cuda asked for but not usable) or
+    present, else numpy. progress(done_bytes, total_bytes) is called while weights upload
+    (cuda). Raises BackendUnavailableError (cuda asked for but not usable) or
     UsageError (unknown kind).
     """
-    from .errors import BackendUnavailableError, UsageError
+    from .errors import UsageError
 
     if kind not in ("auto", "numpy", "cuda"):
         raise UsageError(f"--backend {kind!r} is unknown; use auto, numpy or cuda")
@@ -69,13 +70,9 @@ def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0) -> Backend:
     if kind == "auto":
         kind = "cuda" if cuda_available() else "numpy"
     if kind == "cuda":
-        if not cuda_available():
-            raise BackendUnavailableError(
-                "--backend cuda needs an NVIDIA GPU and CuPy (pip install -e '.[cuda13]'); use --backend numpy to run on the CPU"
-            )
-        from .cuda.backend import CudaBackend
+        from .cuda.backend import CudaBackend  # raises BackendUnavailableError without CuPy or a GPU
 
-        return CudaBackend(mf, n_ctx)
+        return CudaBackend(mf, n_ctx, progress=progress)
     from .reference import NumpyBackend
 
     return NumpyBackend(mf, n_ctx)
