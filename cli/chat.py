@@ -145,23 +145,26 @@ class Repl:
     def turn(self, text: str | None) -> None:
         """Send `text` (None: answer the last message again), stream the reply, report."""
         s = self.session
-        plan = s.plan(text)
-        if plan.dropped_turns:
-            err.print(f"context full: dropped the {plan.dropped_turns} oldest turn(s) so the conversation fits in "
-                      f"{s.n_ctx} tokens (the system prompt stays; /save still writes every message)", style="yellow", markup=False)
-        try:
-            with InterruptGuard(self.interactive) as guard, closing(s.run(plan)) as stream:
-                for piece in stream:
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
-                    if guard.hit:
-                        break
-        except KeyboardInterrupt:
-            if not self.interactive:
-                raise
+        previous = s.last
+        with InterruptGuard(self.interactive) as guard:
+            plan = s.plan(text)
+            if plan.dropped_turns:
+                err.print(f"context full: dropped the {plan.dropped_turns} oldest turn(s) so the conversation fits in "
+                          f"{s.n_ctx} tokens (the system prompt stays; /save still writes every message)", style="yellow", markup=False)
+            try:
+                with closing(s.run(plan)) as stream:
+                    for piece in stream:
+                        sys.stdout.write(piece)
+                        sys.stdout.flush()
+                        if guard.hit:
+                            break
+            except KeyboardInterrupt:
+                if not self.interactive:
+                    raise
         sys.stdout.write("\n")
         sys.stdout.flush()
-        self.report()
+        if s.last is not previous:
+            self.report()
 
     def report(self) -> None:
         s = self.session
@@ -275,8 +278,11 @@ class Repl:
                 continue
             except EOFError:
                 return
-            if not self.handle(line):
-                return
+            try:
+                if not self.handle(line):
+                    return
+            except KeyboardInterrupt:  # a second Ctrl-C that came after the reply had stopped
+                err.print("(interrupted)", style="dim", markup=False)
 
     def run_piped(self) -> None:
         for line in sys.stdin:

@@ -63,6 +63,13 @@ class Chat:
         return self.p.exitstatus
 
 
+def reply_start(n_ctx: int) -> str:
+    """The first line of the greedy reply to "Once upon a time" on the sample (no system prompt)."""
+    start = turn(make_session(SAMPLE_MODEL, n_ctx=n_ctx, n_predict=4), "Once upon a time").split("\n")[0]
+    assert start
+    return start
+
+
 def test_conversation_and_every_slash_command(tmp_path):
     chat = Chat(tmp_path, "--temp", "0", "-n", "10", "--system", "You tell stories.")
     assert "no chat template" in chat.banner and "fallback" in chat.banner
@@ -103,9 +110,7 @@ def test_conversation_and_every_slash_command(tmp_path):
 
 
 def test_ctrl_c_mid_reply_keeps_the_partial_reply_and_the_next_turn_is_correct(tmp_path):
-    probe = make_session(SAMPLE_MODEL, n_ctx=2048, n_predict=4)
-    start = turn(probe, "Once upon a time").split("\n")[0]
-    assert start
+    start = reply_start(2048)
     chat = Chat(tmp_path, "-c", "2048", "-n", "2000", "--temp", "0")
     chat.p.sendline("Once upon a time")
     chat.p.expect_exact(start)
@@ -121,6 +126,24 @@ def test_ctrl_c_mid_reply_keeps_the_partial_reply_and_the_next_turn_is_correct(t
     conv = json.loads(saved.read_text())
     assert conv[1]["role"] == "assistant" and conv[1]["content"].startswith(start)
     assert conv[3]["content"] == fresh_reply(SAMPLE_MODEL, conv[:3], 8, 2048).text
+
+
+def test_repeated_ctrl_c_during_a_reply_never_ends_the_session(tmp_path):
+    start = reply_start(2048)
+    chat = Chat(tmp_path, "-c", "2048", "-n", "2000", "--temp", "0")
+    for _ in range(3):
+        chat.p.sendline("Once upon a time")
+        chat.p.expect_exact(start)
+        for _ in range(3):
+            chat.p.sendintr()
+        chat.p.expect_exact("[interrupted: the partial reply is kept in the conversation;")
+        chat.reply()
+        chat.command("/clear", "new conversation")
+    chat.command("/set max_tokens 4", r"max_tokens = 4")
+    chat.say("Once upon a time")
+    assert chat.say("The end")[1] == 4
+    chat.command("/show", r"4 messages")
+    assert chat.leave_with_ctrl_d() == 0
 
 
 def test_real_template_on_a_synthetic_model(tmp_path, shared):
