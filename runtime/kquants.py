@@ -28,6 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 
 QK_K = 256  # weights per K-quant super-block (ggml-common.h)
+CACHE_WEIGHTS = 1 << 17  # weights quantized per pass: ~0.5 MiB float32 scratch arrays
 GROUP_MAX_EPS = np.float32(1e-15)  # ggml-quants.c: a group whose max |x| is below this is all zero
 _MAGIC = np.float32(12582912.0)  # 1.5 * 2**23, nearest_int's rounding constant
 
@@ -394,4 +395,5 @@ def quantize(x: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
         raise ValueError(f"{ggml_type.name} needs rows that are a multiple of {block}, got shape {x.shape}")
     if ggml_type not in QUANTIZERS:
         raise ValueError(f"no quantizer for {ggml_type.name}")
-    return QUANTIZERS[ggml_type](x)
+    step = max(1, CACHE_WEIGHTS // x.shape[1])  # rows per pass, so the scratch arrays stay in cache
+    return np.concatenate([QUANTIZERS[ggml_type](x[r : r + step]) for r in range(0, x.shape[0], step)])
