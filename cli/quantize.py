@@ -61,17 +61,19 @@ def quantize(
 
 
 def _quantize_with_progress(model: Path, target: Path, qtype: str, force: bool, threads: int):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TimeElapsedColumn, TimeRemainingColumn
+    """quantize_model with a rich progress bar on stderr (only when stderr is a terminal)."""
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from runtime.quantize import quantize_model
 
-    columns = ("[progress.description]{task.description}", BarColumn(), TaskProgressColumn(), MofNCompleteColumn(),
-               "weights", TimeElapsedColumn(), TimeRemainingColumn())
+    mix = qtype.upper()
+    columns = (TextColumn("{task.description}"), BarColumn(bar_width=24), TaskProgressColumn(),
+               TextColumn("{task.fields[weights]} weights"), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
-        task = bar.add_task(f"quantizing to {qtype.upper()}", total=None)
+        task = bar.add_task(f"{mix} reading", total=None, weights="")
 
         def update(done: int, total: int, name: str) -> None:
-            bar.update(task, completed=done, total=total, description=f"{qtype.upper()} {name}")
+            bar.update(task, completed=done, total=total, description=f"{mix} {name}", weights=f"{done / 1e6:,.1f}M/{total / 1e6:,.1f}M")
 
         return quantize_model(model, target, qtype, force=force, progress=update, threads=threads)
 

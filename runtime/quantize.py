@@ -24,6 +24,7 @@ rules are not reproduced.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections import deque
@@ -299,11 +300,35 @@ def _temp_path(out: Path) -> Path:
     return out.with_name(f".{out.name}.k4-partial-{os.getpid()}")
 
 
+def _encoded_tensors(mf: ModelFile, plan: QuantPlan, pool: ThreadPoolExecutor, progress: Progress | None):
+    """Yield each tensor's output bytes (rows, row bytes) uint8 in plan order, the next tensor's
+    chunks already queued on `pool` while this one finishes; report progress in weights."""
+    total, done = plan.n_elements, 0
+    upcoming = iter(plan.tensors)
+    queued = deque((tp, *_submit(mf, tp, pool)) for tp in itertools.islice(upcoming, 2))
+    while queued:
+        tp, data, jobs = queued.popleft()
+        nxt = next(upcoming, None)
+        if nxt is not None:
+            queued.append((nxt, *_submit(mf, nxt, pool)))
+        for rows, job in jobs:
+            encoded = job.result()
+            data[rows] = encoded
+            done += encoded.shape[0] * tp.shape[-1]
+            if progress:
+                progress(done, total, tp.name)
+        if not jobs:
+            done += tp.n_elements
+            if progress:
+                progress(done, total, tp.name)
+        yield data
+
+
 def write_quantized(mf: ModelFile, plan: QuantPlan, out: Path, progress: Progress | None = None, threads: int = 0) -> None:
     """Quantize `mf` by `plan` and write the GGUF to `out` (through a temporary file, renamed at
     the end; removed on any error or KeyboardInterrupt). threads = 0: one per CPU core.
 
-    Raises ModelFileError (NaN/inf weights), OSError subclasses for disk errors.
+    Raises ModelFileError (NaN/inf weights), OSError (the file system).
     """
     tmp = _temp_path(out)
     writer = GGUFWriter(tmp, mf.arch)
@@ -314,26 +339,12 @@ def write_quantized(mf: ModelFile, plan: QuantPlan, out: Path, progress: Progres
     for tp in plan.tensors:
         byte_shape = (*tp.shape[:-1], _n_bytes(tp.shape[-1:], tp.dst_type))  # the writer maps it back to tp.shape
         writer.add_tensor_info(tp.name, byte_shape, np.dtype(np.uint8), tp.dst_bytes, raw_dtype=tp.dst_type)
-    total, done = plan.n_elements, 0
     pool = ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1)
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        queued = deque([(tp, *_submit(mf, tp, pool)) for tp in plan.tensors[:2]])
-        for i in range(len(plan.tensors)):
-            tp, data, jobs = queued.popleft()
-            if i + 2 < len(plan.tensors):  # keep the next tensor's chunks queued while this one finishes
-                queued.append((plan.tensors[i + 2], *_submit(mf, plan.tensors[i + 2], pool)))
-            for rows, job in jobs:
-                data[rows] = job.result()
-                done += data[rows].shape[0] * tp.shape[-1]
-                if progress:
-                    progress(done, total, tp.name)
-            if not jobs:
-                done += tp.n_elements
-                if progress:
-                    progress(done, total, tp.name)
+        for data in _encoded_tensors(mf, plan, pool, progress):
             writer.write_tensor_data(data)
         writer.fout[0].flush()
         os.fsync(writer.fout[0].fileno())
@@ -357,18 +368,23 @@ def quantize_model(
 ) -> QuantPlan:
     """Quantize the GGUF at `src` to the mix `mix_name` and write it to `out`. Returns the plan.
 
-    Raises UsageError (unknown mix; `out` exists and force is false; `out` is `src`),
-    ModelFileError / UnsupportedModelError (bad input, not F32/F16/BF16), OSError (disk).
+    Raises UsageError (unknown mix; `out` exists and force is false, is `src`, is a folder, or
+    cannot be written), ModelFileError / UnsupportedModelError (bad input, not F32/F16/BF16).
     """
     mix = get_mix(mix_name)
     out = Path(out)
+    if out.is_dir():
+        raise UsageError(f"{out} is a folder; give a file name for the quantized model")
+    if not out.parent.is_dir():
+        raise UsageError(f"{out.parent} is not a folder; create it first or choose another output path")
     if Path(src).resolve() == out.resolve():
         raise UsageError(f"{out} is the input file; write the quantized model to another path")
     if out.exists() and not force:
         raise UsageError(f"{out} already exists; pass --force to overwrite it")
-    if out.is_dir():
-        raise UsageError(f"{out} is a directory; give a file name for the quantized model")
     mf = open_model(src)
     plan = plan_quantization(mf, mix)
-    write_quantized(mf, plan, out, progress, threads)
+    try:
+        write_quantized(mf, plan, out, progress, threads)
+    except OSError as exc:
+        raise UsageError(f"cannot write {out}: {exc.strerror or exc}; check the folder's permissions and free space") from None
     return plan

@@ -495,6 +495,11 @@ def test_usage_errors(shared, tmp_path):
         quantize_model(src, tmp_path / "o.gguf", "Q3_K_M")
     with pytest.raises(UsageError, match="is the input file"):
         quantize_model(src, src, "Q4_K_M", force=True)
+    with pytest.raises(UsageError, match="is a folder; give a file name"):
+        quantize_model(src, tmp_path, "Q4_K_M", force=True)
+    with pytest.raises(UsageError, match="is not a folder; create it first"):
+        quantize_model(src, tmp_path / "missing" / "o.gguf", "Q4_K_M")
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------------------------------------
