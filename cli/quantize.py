@@ -31,6 +31,16 @@ def _print_plan(plan) -> None:
     out.print(_summary(plan))
 
 
+def _warn_unrunnable(plan) -> None:
+    """Say so when the mix falls back to a tensor type k4's backends do not compute (llama.cpp's do)."""
+    from runtime.model import SUPPORTED_TYPES
+
+    missing = sorted({t.dst_type.name for t in plan.tensors if t.dst_type not in SUPPORTED_TYPES})
+    if missing:
+        err.print(f"warning: the output has {', '.join(missing)} tensors (llama.cpp's fallback for rows that are not "
+                  f"a multiple of 256), which k4 cannot run yet; llama.cpp can, or choose Q4_K_M", style="yellow")
+
+
 @errors_to_exit
 def quantize(
     model: Annotated[Path, typer.Argument(metavar="IN", help="Input GGUF with F32, F16 or BF16 weights.", show_default=False)],
@@ -48,7 +58,9 @@ def quantize(
     if dry_run:
         if qtype is not None:
             raise UsageError("--dry-run takes IN TYPE, not an output file: k4 quantize --dry-run IN TYPE")
-        _print_plan(plan_quantization(open_model(model), get_mix(out_or_type)))
+        plan = plan_quantization(open_model(model), get_mix(out_or_type))
+        _print_plan(plan)
+        _warn_unrunnable(plan)
         return
     if qtype is None:
         raise UsageError(f"missing TYPE: k4 quantize IN OUT TYPE, with TYPE one of {MIX_NAMES}")
@@ -57,6 +69,7 @@ def quantize(
     get_mix(qtype)
     plan = _quantize_with_progress(model, Path(out_or_type), qtype, force, threads)
     err.print(_summary(plan))
+    _warn_unrunnable(plan)
     err.print(f"wrote {out_or_type}")
 
 

@@ -12,10 +12,9 @@ name in ggml's ggml-quants.c, which `llama-quantize` runs when no importance mat
 
 Block layouts are ggml-common.h's block_q4_K, block_q5_K, block_q6_K, block_q5_0, block_q5_1,
 block_q8_0, all little-endian. The C code works in float32 and sums left to right; so does this
-module: every reduction over the elements of a (sub-)block is a loop over the element index
-(`_sum_seq`) applied to all sub-blocks at once, never numpy's pairwise sum. Sub-blocks are laid
-out as columns, x of shape (n, N) for N sub-blocks of n elements, so that element i of every
-sub-block is one contiguous row.
+module. Sub-blocks are laid out as columns, x of shape (n, N) for N sub-blocks of n elements,
+so that element i of every sub-block is one contiguous row and every sum over a sub-block is
+a sum over axis 0 in element order (`_sum_seq`), for all sub-blocks at once.
 
 Input everywhere: float32 array (n_rows, n_per_row) with n_per_row a multiple of the block size.
 Output: uint8 array (n_rows, n_per_row // block_size * type_size).
@@ -164,8 +163,7 @@ def make_qx_quants(x: np.ndarray, nmax: int):
     max |x| is below GROUP_MAX_EPS gets L = 0, scale = 0.
     Returns scale (N,) float32 (signed), L (n, N) float32 (integers).
     """
-    n, N = x.shape
-    cols = np.arange(N)
+    cols = np.arange(x.shape[1])
     ax = np.abs(x)
     first = ax.argmax(axis=0)  # (N,) C keeps the first index of the largest |x|
     amax = ax[first, cols]

@@ -7,7 +7,8 @@ Three steps, in execution order:
    their type; output.weight (token_embd.weight when the embeddings are tied) becomes Q6_K,
    Q8_0 if its rows are not a multiple of 256; attn_v / ffn_down of the layers that
    use_more_bits() picks become Q6_K in Q4_K_M and Q5_K_M; the first attn_v (4) and ffn_down
-   (n_layer / 8) become Q5_K in Q4_K_S; a type whose block does not divide the row length
+   (n_layer / 8) become Q5_K in Q4_K_S (and a Q4_K attn_v becomes Q5_K in 70B models);
+   a type whose block does not divide the row length
    falls back (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, then F16). Tensors are ordered as
    llama.cpp's loader orders them (by layer, then name), which also fixes the layer counters
    its rules use.

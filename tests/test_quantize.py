@@ -566,3 +566,11 @@ def test_cli_interrupt_leaves_no_output_and_no_temp_file(shared, tmp_path, monke
     assert res.exit_code == 130
     assert len(calls) >= 3
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_warns_when_the_fallback_type_is_one_k4_cannot_run(shared, tmp_path):
+    src = write_tiny(tmp_path / "t.gguf", shared / "models" / "stories260K.gguf", tiny_config("llama"), matrix_type=T.F32)
+    res = runner.invoke(app, ["quantize", "--dry-run", str(src), "Q5_K_M"])
+    assert res.exit_code == 0 and "warning: the output has Q5_1 tensors" in res.output
+    res = runner.invoke(app, ["quantize", "--dry-run", str(src), "Q4_K_M"])
+    assert res.exit_code == 0 and "Q5_0" in res.output and "warning" not in res.output
