@@ -62,6 +62,7 @@ static_assert(sizeof(block_q5_0) == 22, "block_q5_0 is 22 bytes");
 // block, stored contiguously over all nblk blocks, group after group, each group's plane padded
 // to 16 bytes. Planar makes every wide field 16-byte aligned whatever the block size (Q6_K's
 // 210-byte blocks, Q8_0's 34). runtime/cuda/matmul.py builds the same layout on the host.
+// Group boundaries are sums of field sizes: the size asserts above rule out padding.
 
 __host__ __device__ constexpr i64 round16(i64 n) { return (n + 15) & ~(i64)15; }
 
@@ -129,6 +130,13 @@ __device__ __forceinline__ void get_scale_min_k4(int p, u32 s0, u32 s1, u32 s2, 
     m1 = (m >> (sh + 8)) & 0xFF;
 }
 
+// ---- programmatic dependent launch (sm_90; both are no-ops in a kernel launched without it) ----
+// pdl_trigger: the next kernel in the stream may begin launching. pdl_wait: block until the
+// previous kernel has completed and its writes are visible. Before pdl_wait a kernel may read
+// only what no earlier kernel writes (weights). See runtime/cuda/launch.py.
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 // ---- warp reductions (all 32 lanes must take part) ---------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -195,7 +203,8 @@ __device__ __forceinline__ int nibble(const uint4& v, int i, int shift) { return
 // Each weight type T splits a row into chunks of T::chunk_elems weights, the work of one thread:
 //   chunk load<PLANAR>(w, nblk, blk, j)   issue the loads of chunk j of block blk (global index)
 //   float dot(chunk, ci, x)               sum over the chunk of w*x (ci: chunk index within the row)
-//   void dequant(chunk, ci, row)          write the chunk's weights into row[0..n_in) (float or fp16)
+//   void dequant(chunk, ci, r, row)       write run r (of chunk_elems/16 runs of 16 weights) of the
+//                                         chunk into row[0..n_in) (float or fp16)
 // Values written by dequant round exactly as the gguf package's numpy dequantize does.
 
 struct type_q4_K {
@@ -203,7 +212,7 @@ struct type_q4_K {
     static constexpr int raw_align = 16, x_swizzle = 1;
     // groups: d, dmin and scales (16 bytes) | qs
     __host__ __device__ static constexpr int cut(int g) {
-        return g == 0 ? 0 : g == 1 ? (int)__builtin_offsetof(block_q4_K, qs) : (int)sizeof(block_q4_K);
+        return g == 0 ? 0 : g == 1 ? (int)(sizeof(block_q4_K) - sizeof(block_q4_K::qs)) : (int)sizeof(block_q4_K);
     }
     struct chunk {
         uint4 meta;    // d, dmin (fp16), scales[12]
@@ -228,19 +237,19 @@ struct type_q4_K {
         return d * ((float)sc0 * dx.x * (float)s0 + (float)sc1 * dx.y * (float)s1) -
                dmin * ((float)m0 * (sx.x + sx.y) + (float)m1 * (sx.z + sx.w));
     }
+    // Run r (0..3) of chunk ci: weights 64ci+16r .. +15; r < 2: low nibbles of q0/q1 (sub-block
+    // 2j), else high nibbles (2j+1).
     template <class OUT>
-    __device__ static void dequant(const chunk& c, int ci, OUT* row) {
-        int sc[2], m[2];
-        get_scale_min_k4(ci & 3, c.meta.y, c.meta.z, c.meta.w, sc[0], sc[1], m[0], m[1]);
+    __device__ static void dequant(const chunk& c, int ci, int r, OUT* row) {
+        int sc0, sc1, m0, m1;
+        get_scale_min_k4(ci & 3, c.meta.y, c.meta.z, c.meta.w, sc0, sc1, m0, m1);
         const float d = f16_to_f32(c.meta.x & 0xFFFF), dmin = f16_to_f32(c.meta.x >> 16);
+        const float ds = __fmul_rn(d, (float)(r >> 1 ? sc1 : sc0)), dm = __fmul_rn(dmin, (float)(r >> 1 ? m1 : m0));
+        const uint4 q = r & 1 ? c.q1 : c.q0;
+        float v[16];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {  // runs of 16: (q0, q1) low nibbles, then high
-            const float ds = __fmul_rn(d, (float)sc[r >> 1]), dm = __fmul_rn(dmin, (float)m[r >> 1]);
-            float v[16];
-#pragma unroll
-            for (int i = 0; i < 16; ++i) v[i] = __fsub_rn(__fmul_rn(ds, (float)nibble(r & 1 ? c.q1 : c.q0, i, 4 * (r >> 1))), dm);
-            store16(row + 64 * ci + 16 * r, v);
-        }
+        for (int i = 0; i < 16; ++i) v[i] = __fsub_rn(__fmul_rn(ds, (float)nibble(q, i, 4 * (r >> 1))), dm);
+        store16(row + 64 * ci + 16 * r, v);
     }
 };
 
@@ -249,7 +258,7 @@ struct type_q5_K {
     static constexpr int raw_align = 16, x_swizzle = 1;
     // groups: d, dmin and scales (16 bytes) | qh | qs
     __host__ __device__ static constexpr int cut(int g) {
-        return g == 0 ? 0 : g == 1 ? (int)__builtin_offsetof(block_q5_K, qh) : g == 2 ? (int)__builtin_offsetof(block_q5_K, qs) : (int)sizeof(block_q5_K);
+        return g == 0 ? 0 : g == 1 ? (int)(sizeof(block_q5_K) - sizeof(block_q5_K::qh) - sizeof(block_q5_K::qs)) : g == 2 ? (int)(sizeof(block_q5_K) - sizeof(block_q5_K::qs)) : (int)sizeof(block_q5_K);
     }
     struct chunk {
         uint4 meta;
@@ -285,24 +294,21 @@ struct type_q5_K {
                dmin * ((float)m0 * (sx.x + sx.y) + (float)m1 * (sx.z + sx.w));
     }
     template <class OUT>
-    __device__ static void dequant(const chunk& c, int ci, OUT* row) {
+    __device__ static void dequant(const chunk& c, int ci, int r, OUT* row) {  // run r as in type_q4_K
         const int j = ci & 3;
-        int sc[2], m[2];
-        get_scale_min_k4(j, c.meta.y, c.meta.z, c.meta.w, sc[0], sc[1], m[0], m[1]);
+        int sc0, sc1, m0, m1;
+        get_scale_min_k4(j, c.meta.y, c.meta.z, c.meta.w, sc0, sc1, m0, m1);
         const float d = f16_to_f32(c.meta.x & 0xFFFF), dmin = f16_to_f32(c.meta.x >> 16);
+        const float ds = __fmul_rn(d, (float)(r >> 1 ? sc1 : sc0)), dm = __fmul_rn(dmin, (float)(r >> 1 ? m1 : m0));
+        const uint4 q = r & 1 ? c.q1 : c.q0;
+        const uint4 h = r & 1 ? c.h1 : c.h0;
+        float v[16];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const float ds = __fmul_rn(d, (float)sc[r >> 1]), dm = __fmul_rn(dmin, (float)m[r >> 1]);
-            const uint4& q = r & 1 ? c.q1 : c.q0;
-            const uint4& h = r & 1 ? c.h1 : c.h0;
-            float v[16];
-#pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                const int hb = (word(h, i >> 2) >> (8 * (i & 3) + 2 * j + (r >> 1))) & 1;
-                v[i] = __fsub_rn(__fmul_rn(ds, (float)(nibble(q, i, 4 * (r >> 1)) | (hb << 4))), dm);
-            }
-            store16(row + 64 * ci + 16 * r, v);
+        for (int i = 0; i < 16; ++i) {
+            const int hb = (word(h, i >> 2) >> (8 * (i & 3) + 2 * j + (r >> 1))) & 1;
+            v[i] = __fsub_rn(__fmul_rn(ds, (float)(nibble(q, i, 4 * (r >> 1)) | (hb << 4))), dm);
         }
+        store16(row + 64 * ci + 16 * r, v);
     }
 };
 
@@ -311,8 +317,8 @@ struct type_q6_K {
     static constexpr int raw_align = 2, x_swizzle = 2;
     // groups: ql | qh | scales | d
     __host__ __device__ static constexpr int cut(int g) {
-        return g == 0 ? 0 : g == 1 ? (int)__builtin_offsetof(block_q6_K, qh) : g == 2 ? (int)__builtin_offsetof(block_q6_K, scales)
-             : g == 3 ? (int)__builtin_offsetof(block_q6_K, d) : (int)sizeof(block_q6_K);
+        return g == 0 ? 0 : g == 1 ? (int)sizeof(block_q6_K::ql) : g == 2 ? (int)(sizeof(block_q6_K::ql) + sizeof(block_q6_K::qh))
+             : g == 3 ? (int)(sizeof(block_q6_K) - sizeof(block_q6_K::d)) : (int)sizeof(block_q6_K);
     }
     // Chunk j = 2h + lr covers weights 128h + 32m + 16lr + (0..15), m = 0..3.
     struct chunk {
@@ -356,18 +362,14 @@ struct type_q6_K {
         return f16_to_f32(c.d) * acc;
     }
     template <class OUT>
-    __device__ static void dequant(const chunk& c, int ci, OUT* row) {
+    __device__ static void dequant(const chunk& c, int ci, int m, OUT* row) {  // run m (0..3)
         const int j = ci & 3;
-        const float d = f16_to_f32(c.d);
+        const float ds = __fmul_rn(f16_to_f32(c.d), (float)scale(c, j, m));
+        const uint4 q = quants(c, m);
+        float v[16];
 #pragma unroll
-        for (int m = 0; m < 4; ++m) {
-            const float ds = __fmul_rn(d, (float)scale(c, j, m));
-            const uint4 q = quants(c, m);
-            float v[16];
-#pragma unroll
-            for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(ds, (float)((int)((word(q, i >> 2) >> (8 * (i & 3))) & 0xFF) - 32));
-            store16(row + 256 * (ci >> 2) + 128 * (j >> 1) + 32 * m + 16 * (j & 1), v);
-        }
+        for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(ds, (float)((int)((word(q, i >> 2) >> (8 * (i & 3))) & 0xFF) - 32));
+        store16(row + 256 * (ci >> 2) + 128 * (j >> 1) + 32 * m + 16 * (j & 1), v);
     }
 };
 
@@ -376,7 +378,7 @@ struct type_q8_0 {
     static constexpr int raw_align = 2, x_swizzle = 1;
     // groups: d | qs
     __host__ __device__ static constexpr int cut(int g) {
-        return g == 0 ? 0 : g == 1 ? (int)__builtin_offsetof(block_q8_0, qs) : (int)sizeof(block_q8_0);
+        return g == 0 ? 0 : g == 1 ? (int)(sizeof(block_q8_0) - sizeof(block_q8_0::qs)) : (int)sizeof(block_q8_0);
     }
     struct chunk {
         uint4 q0, q1;  // qs[0..31]
@@ -394,15 +396,13 @@ struct type_q8_0 {
         return f16_to_f32(c.d) * x.d[ci] * (float)s;
     }
     template <class OUT>
-    __device__ static void dequant(const chunk& c, int ci, OUT* row) {
+    __device__ static void dequant(const chunk& c, int ci, int r, OUT* row) {  // run r: weights 16r..16r+15
         const float d = f16_to_f32(c.d);
+        const uint4 q = r ? c.q1 : c.q0;
+        float v[16];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float v[16];
-#pragma unroll
-            for (int i = 0; i < 16; ++i) v[i] = __fmul_rn((float)(i8)(word(r ? c.q1 : c.q0, i >> 2) >> (8 * (i & 3))), d);
-            store16(row + 32 * ci + 16 * r, v);
-        }
+        for (int i = 0; i < 16; ++i) v[i] = __fmul_rn((float)(i8)(word(q, i >> 2) >> (8 * (i & 3))), d);
+        store16(row + 32 * ci + 16 * r, v);
     }
 };
 
@@ -411,7 +411,7 @@ struct type_q5_0 {
     static constexpr int raw_align = 2, x_swizzle = 1;
     // groups: d | qh | qs
     __host__ __device__ static constexpr int cut(int g) {
-        return g == 0 ? 0 : g == 1 ? (int)__builtin_offsetof(block_q5_0, qh) : g == 2 ? (int)__builtin_offsetof(block_q5_0, qs) : (int)sizeof(block_q5_0);
+        return g == 0 ? 0 : g == 1 ? (int)sizeof(block_q5_0::d) : g == 2 ? (int)(sizeof(block_q5_0) - sizeof(block_q5_0::qs)) : (int)sizeof(block_q5_0);
     }
     struct chunk {
         uint4 q;  // qs[16]: weights i (low nibble) and i+16 (high)
@@ -438,16 +438,13 @@ struct type_q5_0 {
         return f16_to_f32(c.d) * (x.d[ci] * (float)s - 16.f * (x.s[2 * ci] + x.s[2 * ci + 1]));
     }
     template <class OUT>
-    __device__ static void dequant(const chunk& c, int ci, OUT* row) {
+    __device__ static void dequant(const chunk& c, int ci, int r, OUT* row) {  // run r: weights 16r..16r+15
         const float d = f16_to_f32(c.d);
+        const uint4 q = quants(c, r);
+        float v[16];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const uint4 q = quants(c, r);
-            float v[16];
-#pragma unroll
-            for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(d, (float)((int)((word(q, i >> 2) >> (8 * (i & 3))) & 0xFF) - 16));
-            store16(row + 32 * ci + 16 * r, v);
-        }
+        for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(d, (float)((int)((word(q, i >> 2) >> (8 * (i & 3))) & 0xFF) - 16));
+        store16(row + 32 * ci + 16 * r, v);
     }
 };
 

@@ -4,9 +4,12 @@
 // gemv_q8 (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0): each thread block first quantizes x to 8 bits per 32
 // values in shared memory (the q8_1 idea of llama.cpp's mmvq), then every warp computes whole
 // rows with integer dot products (dp4a): lane l takes chunks l, l+32, ... of the row, U chunks in
-// flight at a time, 16-byte loads. The grid is one block per multiprocessor (WARPS warps each);
-// rows go round-robin to warps, so x is quantized once per multiprocessor. The first loads of
-// each warp are issued before the quantization, so they overlap it.
+// flight at a time, 16-byte loads. The grid is as many blocks (WARPS warps each) as are resident
+// at once, at most one per row; rows go round-robin to warps, so x is quantized once per block,
+// one or two blocks per multiprocessor. The first loads of
+// each warp are issued before the quantization (and, launched with programmatic dependent
+// launch, before waiting for the previous kernel), so they overlap it. The grid fits on the GPU
+// in one wave, so letting the next kernel launch early (pdl_trigger) cannot starve this one.
 // gemv_f (F32, F16, BF16): the same row-per-warp loop on float x from global memory (L1-cached).
 //
 // Thread mapping: warp w of block b starts at row b + gridDim.x * w and steps by
@@ -38,7 +41,7 @@ __device__ void quantize_x(const float* __restrict__ x, int n_in, u8* xq, float*
         }
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
         const float d = amax * (1.f / 127.f);
-        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        const float id = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;  // IEEE, as numpy rounds it
         u32 packed[4];
         int sum = 0;
 #pragma unroll
@@ -92,7 +95,9 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
             if (c < n_chunks) ch[k] = T::template load<PLANAR>(w, nblk, (i64)r * nblk_row + c / cpb, c % cpb);
         }
     };
-    if (row < n_out) load(row, lane);
+    pdl_trigger();
+    if (row < n_out) load(row, lane);  // weights only: before the wait
+    pdl_wait();
     quantize_x<T::x_swizzle>(x, n_in, xq, xd, xs);
     __syncthreads();
 
@@ -123,6 +128,8 @@ gemv_f(const u8* __restrict__ w,           // (n_out, n_in) of T; VEC: rows 16-b
        const float* __restrict__ x,        // (n_in,), 16-byte aligned when VEC
        float* y, const float* residual, const float* __restrict__ bias, int n_out, int n_in) {
     const int lane = threadIdx.x & 31;
+    pdl_trigger();
+    pdl_wait();
     for (int row = blockIdx.x + gridDim.x * (threadIdx.x >> 5); row < n_out; row += gridDim.x * WARPS) {
         const u8* wr = w + (i64)row * n_in * T::elem_bytes;
         float acc = 0.f;
@@ -158,12 +165,11 @@ gemv_f(const u8* __restrict__ w,           // (n_out, n_in) of T; VEC: rows 16-b
 #define K4_GEMV_Q8(T, W, U) \
     template __global__ void gemv_q8<T, false, W, U>(const u8*, const float*, float*, const float*, const float*, int, int); \
     template __global__ void gemv_q8<T, true, W, U>(const u8*, const float*, float*, const float*, const float*, int, int);
-K4_GEMV_Q8(type_q4_K, 32, 2)
 K4_GEMV_Q8(type_q4_K, 16, 2)
-K4_GEMV_Q8(type_q4_K, 32, 1)
+K4_GEMV_Q8(type_q4_K, 32, 2)
 K4_GEMV_Q8(type_q5_K, 32, 1)
-K4_GEMV_Q8(type_q6_K, 32, 2)
 K4_GEMV_Q8(type_q6_K, 32, 1)
+K4_GEMV_Q8(type_q6_K, 32, 2)
 K4_GEMV_Q8(type_q8_0, 32, 4)
 K4_GEMV_Q8(type_q5_0, 32, 4)
 

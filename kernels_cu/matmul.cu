@@ -1,13 +1,14 @@
 // Dequantization for prefill and embeddings, and the small kernels around the cuBLAS product.
 //
 // Prefill computes Y[n_tok, n_out] = X[n_tok, n_in] @ W^T on tensor cores: dequant_q / dequant_f
-// expand a range of W's rows to fp16 (into a scratch buffer that stays in L2), f32_to_f16
+// expand a range of W's rows to fp16 (into a scratch buffer that stays in L2), convert_f32_f16
 // converts X, cuBLAS multiplies (fp16 in, fp32 accumulate and out), add_rows applies the
 // epilogue. The same dequant kernels with float output and a row-id list are the embedding
 // lookup (token_embd.weight rows), exact to the gguf package's numpy dequantize.
 //
-// Thread mapping: dequant_q, one thread per chunk of T (common.cuh); dequant_f, one thread per
-// weight; f32_to_f16 and add_rows, one thread per element. The launcher validates everything.
+// Thread mapping: dequant_q, one thread per run of 16 weights (the threads of a chunk of T,
+// common.cuh, each load the chunk and write one run, so a warp's stores are contiguous);
+// dequant_f, one thread per weight; convert_f32_f16 and add_rows, one thread per element. The launcher validates everything.
 #include "common.cuh"
 
 // out[r, :] = dequantized row src(r) of W, r < n_rows, src(r) = row_ids ? row_ids[r] : row0 + r.
@@ -18,14 +19,14 @@ __global__ void dequant_q(const u8* __restrict__ w,       // (n_w_rows, n_in) in
                           const int* __restrict__ row_ids, // (n_rows,) or null
                           int row0, int n_rows,
                           OUT* __restrict__ out) {         // (n_rows, n_in), float or fp16 bits
-    constexpr int cpb = T::block_elems / T::chunk_elems;
-    const int n_chunks = n_in / T::chunk_elems;
+    constexpr int cpb = T::block_elems / T::chunk_elems, runs = T::chunk_elems / 16;
+    const int n_runs = n_in / 16;
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (i64)n_rows * n_chunks) return;
-    const int r = (int)(idx / n_chunks), c = (int)(idx % n_chunks);
+    if (idx >= (i64)n_rows * n_runs) return;
+    const int r = (int)(idx / n_runs), c = (int)(idx % n_runs) / runs;
     const int src = row_ids ? row_ids[r] : row0 + r;
     const typename T::chunk ch = T::template load<PLANAR>(w, nblk, (i64)src * (n_in / T::block_elems) + c / cpb, c % cpb);
-    T::dequant(ch, c, out + (i64)r * n_in);
+    T::dequant(ch, c, (int)(idx % runs), out + (i64)r * n_in);
 }
 
 __device__ __forceinline__ void put(float* p, float v) { *p = v; }
@@ -42,7 +43,7 @@ __global__ void dequant_f(const u8* __restrict__ w,         // (n_w_rows, n_in) 
     put(out + idx, T::get(w + (i64)src * n_in * T::elem_bytes, i));
 }
 
-extern "C" __global__ void f32_to_f16(const float* __restrict__ x, u16* __restrict__ y, i64 n) {  // y = fp16(x), (n,)
+extern "C" __global__ void convert_f32_f16(const float* __restrict__ x, u16* __restrict__ y, i64 n) {  // y = fp16(x), (n,)
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = f32_to_f16(x[i]);
 }

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is no
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
 def test_compiles_for_sm90(src, tmp_path):
     cmd = ["nvcc", "-arch=sm_90", *OPTIONS, "-Xptxas", "-v", "-c", str(src), "-o", str(tmp_path / "k.o")]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert r.returncode == 0, f"{src.name} does not compile:\n{r.stderr}"
     if src.name in NO_SPILL:
         spills = [line for line in r.stderr.splitlines() if re.search(r"[1-9]\d* bytes spill (stores|loads)", line)]

@@ -14,16 +14,25 @@ prefill, Y = X @ W^T: W is dequantized to fp16 a row range at a time (<= 32 MiB,
 L2) and multiplied by cuBLAS on tensor cores (fp16 inputs, fp32 accumulation and output); with
 K4_PREFILL_TC=0, or for a few tokens, it is one gemv per token instead.
 
+Measured on one H200 (copy 4.17 TB/s; gemv in CUDA graphs with PDL, weights streamed from
+memory): Q4_K 4096x4096 4.8 µs (1.97 TB/s), 11008x4096 9.0 µs (2.8 TB/s), 32000x4096 21.9 µs
+(3.38 TB/s, 80%); Q6_K 32000x4096 28.2 µs (3.82 TB/s, 91%). A fixed ~2.5 µs per launch (ramp
+up and drain) is what keeps small matrices lower; stack_rows fuses products that share x.
+Prefill Q4_K 512x4096x4096: 50 µs (345 TFLOP/s), 2048 tokens 510 TFLOP/s.
+
 Every entry point validates on the host (ValueError: these are programming errors of the
-caller, not user errors), allocates nothing, and never synchronizes, so it can be captured in
-a CUDA graph; launches go through runtime.cuda.launch and are counted in `trace` when given.
+caller, not user errors), allocates nothing and never synchronizes; launches go through
+runtime.cuda.launch and are counted in `trace` when given. gemv and dequant_rows can be
+captured in a CUDA graph; matmul's tensor-core path cannot (CuPy refuses cuBLAS calls during
+stream capture), its per-token gemv path can.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
+from itertools import pairwise
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
@@ -53,17 +62,19 @@ class QuantKernels:
 
 
 QUANT: dict[T, QuantKernels] = {
-    T.Q4_K: QuantKernels("type_q4_K", (0, 16, 144), (32, 2)),          # d dmin scales | qs
+    T.Q4_K: QuantKernels("type_q4_K", (0, 16, 144), (16, 2)),          # d dmin scales | qs
     T.Q5_K: QuantKernels("type_q5_K", (0, 16, 48, 176), (32, 1)),      # d dmin scales | qh | qs
-    T.Q6_K: QuantKernels("type_q6_K", (0, 128, 192, 208, 210), (32, 2)),  # ql | qh | scales | d
+    T.Q6_K: QuantKernels("type_q6_K", (0, 128, 192, 208, 210), (32, 1)),  # ql | qh | scales | d
     T.Q8_0: QuantKernels("type_q8_0", (0, 2, 34), (32, 4)),            # d | qs
     T.Q5_0: QuantKernels("type_q5_0", (0, 2, 6, 22), (32, 4)),         # d | qh | qs
 }
 # Unquantized types: C++ decoder and bytes per weight.
 FLOAT: dict[T, tuple[str, int]] = {T.F32: ("type_f32", 4), T.F16: ("type_f16", 2), T.BF16: ("type_bf16", 2)}
 
-# gemv_q8 variants compiled besides each type's default (measured by bench_gemv(variant=...)).
-EXTRA_GEMV_VARIANTS: dict[T, tuple[tuple[int, int], ...]] = {T.Q4_K: ((16, 2), (32, 1)), T.Q6_K: ((32, 1),)}
+# gemv_q8 variants compiled besides each type's default, for bench_gemv(variant=...). Measured on
+# the H200 (CUDA graph, PDL): Q4_K (16, 2) beats (32, 2), (32, 1) and (16, 4) at 4096x4096 to
+# 32000x4096 and 4096x11008/14336; Q6_K (32, 1) beats (32, 2) and (16, 2).
+EXTRA_GEMV_VARIANTS: dict[T, tuple[tuple[int, int], ...]] = {T.Q4_K: ((32, 2),), T.Q6_K: ((32, 2),)}
 FLOAT_GEMV = (8, 4)  # gemv_f: warps per block, 16-byte chunks in flight per lane
 
 GEMV_MAX_TOKENS = 4          # matmul of at most this many tokens runs as gemv per token
@@ -95,7 +106,7 @@ GEMV_NAMES = tuple(
 MATMUL_NAMES = tuple(
     [_dequant_name(t, p, out) for t in QUANT for p in (False, True) for out in ("float", "u16")]
     + [_dequant_name(t, False, out) for t in FLOAT for out in ("float", "u16")]
-    + ["f32_to_f16", "add_rows"]
+    + ["convert_f32_f16", "add_rows"]
 )
 
 
@@ -125,7 +136,7 @@ def _check_matrix(t: Tensor) -> tuple[int, int]:
 def planar_nbytes(ggml_type: T, nblk: int) -> int:
     """Bytes of the planar layout of `nblk` blocks of a quantized type: each plane padded to 16."""
     g = QUANT[ggml_type].groups
-    return sum(_round16(nblk * (b - a)) for a, b in zip(g, g[1:]))
+    return sum(_round16(nblk * (b - a)) for a, b in pairwise(g))
 
 
 def weight_layout(t: Tensor, repack: bool) -> np.ndarray:
@@ -144,10 +155,24 @@ def weight_layout(t: Tensor, repack: bool) -> np.ndarray:
     nblk = blocks.shape[0]
     out = np.zeros(planar_nbytes(t.ggml_type, nblk), np.uint8)
     off = 0
-    for a, b in zip(g, g[1:]):
+    for a, b in pairwise(g):
         out[off : off + nblk * (b - a)] = blocks[:, a:b].reshape(-1)
         off += _round16(nblk * (b - a))
     return out
+
+
+def stack_rows(tensors: Sequence[Tensor], name: str) -> Tensor:
+    """One matrix holding the rows of `tensors` in order, so products with the same x (attn_q,
+    attn_k, attn_v; ffn_gate, ffn_up) run as one gemv launch: shape (sum of n_out, n_in),
+    encoded bytes concatenated (a host copy). Raises ValueError unless all are matrices of one
+    ggml type and one n_in."""
+    first = tensors[0]
+    for t in tensors:
+        _check_matrix(t)
+        if t.ggml_type != first.ggml_type or t.shape[1] != first.shape[1]:
+            raise ValueError(f"cannot stack {t.name} ({t.type_name} {t.shape}) with {first.name} ({first.type_name} {first.shape})")
+    raw = np.concatenate([t.raw_bytes() for t in tensors], axis=0)  # (sum n_out, bytes_per_row)
+    return Tensor(name, first.ggml_type, (sum(t.shape[0] for t in tensors), first.shape[1]), raw)
 
 
 # ---- device weights ----------------------------------------------------------------------------
@@ -157,7 +182,8 @@ class DeviceWeight:
     """A weight matrix on the GPU in its quantized (raw or planar) layout.
 
     ggml_type: GGMLQuantizationType; shape: (n_out, n_in); data: cupy uint8 array (nbytes,);
-    planar: repacked layout; prefill_tc: matmul uses tensor cores (flag K4_PREFILL_TC).
+    planar: repacked layout; prefill_tc: matmul uses tensor cores (flag K4_PREFILL_TC);
+    pdl: gemv launches with programmatic dependent launch by default (flag K4_PDL).
     """
 
     ggml_type: T
@@ -165,6 +191,7 @@ class DeviceWeight:
     data: object
     planar: bool
     prefill_tc: bool = True
+    pdl: bool = True
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -190,7 +217,13 @@ def make_weight(t: Tensor, device_bytes, repack: bool) -> DeviceWeight:
     expect = planar_nbytes(t.ggml_type, nblk) if planar else nblk * size
     if device_bytes.dtype != np.uint8 or device_bytes.ndim != 1 or device_bytes.nbytes != expect:
         raise ValueError(f"{t.name}: device bytes must be uint8 of shape ({expect},), got {device_bytes.dtype} {device_bytes.shape}")
-    return DeviceWeight(t.ggml_type, (n_out, n_in), device_bytes, planar, flags.current().on("K4_PREFILL_TC"))
+    f = flags.current()
+    return DeviceWeight(t.ggml_type, (n_out, n_in), device_bytes, planar, f.on("K4_PREFILL_TC"), _pdl_flag(f))
+
+
+def _pdl_flag(f: flags.Flags) -> bool:
+    """K4_PDL (default on), read only where runtime.flags defines it."""
+    return f.on("K4_PDL") if "K4_PDL" in flags.FLAGS else True
 
 
 def _device_limits() -> tuple[int, int]:
@@ -254,14 +287,23 @@ def _check_array(name: str, a, shape: tuple[int, ...], dtype=np.float32, align16
 
 # ---- decode: matrix-vector ---------------------------------------------------------------------
 
+def _capturing(stream) -> bool:
+    import cupy as cp
+
+    return (stream or cp.cuda.get_current_stream()).is_capturing()
+
+
 def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, stream=None, trace: Trace | None = None,
-         variant: tuple[int, int] | None = None) -> None:
+         variant: tuple[int, int] | None = None, pdl: bool | None = None) -> None:
     """y = w @ x (+ bias) (+ residual), one kernel launch.
 
     x: (n_in,) float32, 16-byte aligned; y: (n_out,) float32; residual: (n_out,) float32 or
     None, may be y itself (in-place residual add); bias: (n_out,) float32 or None. All cupy
     arrays, contiguous. `variant` (WARPS, U) picks another compiled gemv_q8 instance (see
-    EXTRA_GEMV_VARIANTS). Quantized weights compute with x quantized to 8 bits per 32 values
+    EXTRA_GEMV_VARIANTS); `pdl` launches with programmatic dependent launch (runtime.cuda.launch;
+    default: w.pdl while the stream is being captured into a CUDA graph): the kernel then starts
+    while the previous one drains, prefetching its weights, and waits for it before reading x
+    or writing y. Quantized weights compute with x quantized to 8 bits per 32 values
     (relative error about 5e-3 on random data); float weights in float32.
     Raises ValueError on wrong shapes, dtypes or alignment.
     """
@@ -274,7 +316,9 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, stream=None, trace:
         _check_array("bias", bias, (n_out,))
     kernel, grid, block, smem = _gemv_plan(w, variant)
     args = (w.data, x, y, _null_or(residual), _null_or(bias), np.int32(n_out), np.int32(n_in))
-    launch(kernel, grid, block, args, smem, stream, trace)
+    if pdl is None:  # eagerly the driver-API launch costs more host time than it saves
+        pdl = w.pdl and _capturing(stream)
+    launch(kernel, grid, block, args, smem, stream, trace, pdl)
 
 
 # ---- embeddings: rows of a matrix ----------------------------------------------------------------
@@ -283,7 +327,7 @@ def _dequant_launch(w: DeviceWeight, row_ids, row0: int, n_rows: int, out, out_t
     n_in = w.shape[1]
     kernel = _kernel("matmul.cu", _dequant_name(w.ggml_type, w.planar, out_type))
     if w.ggml_type in QUANT:
-        per_row = n_in // (64 if w.ggml_type in (T.Q4_K, T.Q5_K, T.Q6_K) else 32)  # chunks per row
+        per_row = n_in // 16  # runs of 16 weights per row
         args = (w.data, np.int64(w.n_blocks), np.int32(n_in), _null_or(row_ids), np.int32(row0), np.int32(n_rows), out)
     else:
         per_row = n_in
@@ -386,7 +430,7 @@ def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, str
             b_ptr, b_type = X.data.ptr, cp.cuda.runtime.CUDA_R_32F
         else:
             xh = scratch[:x_bytes].view(np.float16)
-            launch(_kernel("matmul.cu", "f32_to_f16"), (math.ceil(n_tok * n_in / 256),), (256,),
+            launch(_kernel("matmul.cu", "convert_f32_f16"), (math.ceil(n_tok * n_in / 256),), (256,),
                    (X, xh, np.int64(n_tok * n_in)), 0, None, trace)
             b_ptr, b_type = xh.data.ptr, cp.cuda.runtime.CUDA_R_16F
         a_type = {T.F32: cp.cuda.runtime.CUDA_R_32F}.get(w.ggml_type, cp.cuda.runtime.CUDA_R_16F)
@@ -432,24 +476,42 @@ def _copies(t: Tensor, repack: bool, factor: float, cap: int) -> list[DeviceWeig
     return [make_weight(t, cp.asarray(host), repack) for _ in range(n)]
 
 
-def _time_graph(body, n_calls: int, iters: int) -> float:
-    """Median device time (µs) of one of the `n_calls` calls body(i) recorded in a CUDA graph."""
+def _time(body, n_calls: int, iters: int, graph: bool) -> float:
+    """Median device time (µs) of one of `n_calls` calls body(i), after a warm-up round.
+
+    graph: the calls are recorded in a CUDA graph and the replays timed with CUDA events.
+    Otherwise (cuBLAS cannot be captured through CuPy) they are enqueued behind memsets that
+    keep the GPU busy twice as long as the host took to issue the warm-up round, so the GPU
+    never waits for the host and the events time the GPU only.
+    """
+    import time
+
     import cupy as cp
 
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
+        t0 = time.perf_counter()
         for i in range(n_calls):  # compile, create handles, warm up
             body(i)
-        stream.begin_capture()
-        for i in range(n_calls):
-            body(i)
-        graph = stream.end_capture()
-        graph.launch()
+        host_us = (time.perf_counter() - t0) * 1e6
+        busy = None
+        if graph:
+            stream.begin_capture()
+            for i in range(n_calls):
+                body(i)
+            run = stream.end_capture().launch
+        else:
+            def run():
+                for i in range(n_calls):
+                    body(i)
+            busy = cp.empty(1 << 30, cp.uint8)  # one memset of it: ~250 µs
         start, end = cp.cuda.Event(), cp.cuda.Event()
         times = []
         for _ in range(max(5, iters // n_calls)):
+            for _ in range(0 if busy is None else math.ceil(2 * host_us / 250)):
+                cp.cuda.runtime.memsetAsync(busy.data.ptr, 0, busy.nbytes, stream.ptr)
             start.record()
-            graph.launch()
+            run()
             end.record()
             end.synchronize()
             times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / n_calls)
@@ -467,12 +529,12 @@ def _type(name: str) -> T:
 
 
 def bench_gemv(ggml_type: str, n_out: int, n_in: int, iters: int = 200, *, repack: bool | None = None,
-               variant: tuple[int, int] | None = None) -> dict:
+               variant: tuple[int, int] | None = None, pdl: bool | None = None) -> dict:
     """Time y = W @ x for a random (n_out, n_in) W of `ggml_type` (a ggml type name, e.g. "Q4_K").
 
     Launches are recorded in a CUDA graph (as decode runs them), rotating over copies of W that
     together exceed 4x the L2; warm-up first, then the median over CUDA-event timings of graph
-    replays. repack: layout (default: flag K4_REPACK); variant: see gemv.
+    replays. repack: layout (default: flag K4_REPACK); variant, pdl: see gemv.
     Returns {"us": µs per product, "gb_s": GB/s, "bytes": bytes read and written per product}.
     Raises ValueError for a type without kernels.
     """
@@ -485,7 +547,7 @@ def bench_gemv(ggml_type: str, n_out: int, n_in: int, iters: int = 200, *, repac
     x = cp.asarray(rng.standard_normal(n_in, dtype=np.float32))
     y = cp.empty(n_out, cp.float32)
     n_calls = len(weights) * math.ceil(20 / len(weights))
-    us = _time_graph(lambda i: gemv(weights[i % len(weights)], x, y, variant=variant), n_calls, iters)
+    us = _time(lambda i: gemv(weights[i % len(weights)], x, y, variant=variant, pdl=pdl), n_calls, iters, graph=True)
     nbytes = weights[0].nbytes + 4 * (n_in + n_out)
     return {"us": us, "gb_s": nbytes / us / 1e3, "bytes": nbytes}
 
@@ -494,8 +556,9 @@ def bench_matmul(ggml_type: str, n_tok: int, n_out: int, n_in: int, iters: int =
                  repack: bool | None = None) -> dict:
     """Time Y = X @ W^T (prefill) for n_tok tokens and a random (n_out, n_in) W of `ggml_type`.
 
-    tensor_cores=False times the per-token gemv path. Timed as bench_gemv does (CUDA graph,
-    copies of W exceeding 2x the L2, median). Returns {"us": µs per product, "tflop_s":
+    tensor_cores=False times the per-token gemv path. Timed with CUDA events, not in a graph
+    (CuPy refuses cuBLAS calls during capture), rotating over copies of W exceeding 2x the L2;
+    median. Returns {"us": µs per product, "tflop_s":
     2*n_tok*n_out*n_in / time in TFLOP/s, "tok_s": tokens per second}.
     Raises ValueError for a type without kernels.
     """
@@ -510,5 +573,5 @@ def bench_matmul(ggml_type: str, n_tok: int, n_out: int, n_in: int, iters: int =
     X = cp.asarray(rng.standard_normal((n_tok, n_in), dtype=np.float32))
     Y = cp.empty((n_tok, n_out), cp.float32)
     scratch = cp.empty(max(1, matmul_scratch_bytes(weights, n_tok)), cp.uint8)
-    us = _time_graph(lambda i: matmul(weights[i % len(weights)], X, Y, scratch=scratch), len(weights), iters)
+    us = _time(lambda i: matmul(weights[i % len(weights)], X, Y, scratch=scratch), len(weights), iters, graph=False)
     return {"us": us, "tflop_s": 2.0 * n_tok * n_out * n_in / us / 1e6, "tok_s": n_tok / us * 1e6}
