@@ -3,8 +3,8 @@
 Interactive (stdin is a terminal): prompt_toolkit line editing with a persistent history, a
 `\"\"\"` block or a paste for multi-line messages, streamed replies, slash commands (/help). Ctrl-C
 during a reply stops it at the next token and keeps the partial reply; a second Ctrl-C stops it at
-once and empties the KV cache (the next turn evaluates the whole conversation again). Ctrl-C at the
-prompt says how to leave; Ctrl-D or /bye leaves.
+once (when that lands inside a model step, the KV cache is emptied and the next turn evaluates the
+whole conversation again). Ctrl-C at the prompt says how to leave; Ctrl-D or /bye leaves.
 
 Piped (stdin not a terminal): each line is one user message (lines starting with / are slash
 commands), replies go to stdout one per line, notices and stats to stderr; an error ends the run.
