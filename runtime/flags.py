@@ -28,6 +28,7 @@ FLAGS: dict[str, Flag] = {
         Flag("K4_PINNED_UPLOAD", 1, "Upload weights through two pinned staging buffers on a copy stream."),
         Flag("K4_REPACK", 1, "Repack quantized weights at load into the layout the matrix-vector kernels read fastest."),
         Flag("K4_PREFILL_TC", 1, "Prefill matrix products on tensor cores (dequantize tiles to fp16); 0 uses matrix-vector per token."),
+        Flag("K4_PDL", 1, "Programmatic dependent launch of the matrix-vector kernels inside the decode graph (each starts while the previous drains)."),
         Flag("K4_SPLIT_ATTN", 1, "Decode attention split over the sequence (flash-decoding) for long contexts."),
     )
 }
