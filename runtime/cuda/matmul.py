@@ -218,12 +218,7 @@ def make_weight(t: Tensor, device_bytes, repack: bool) -> DeviceWeight:
     if device_bytes.dtype != np.uint8 or device_bytes.ndim != 1 or device_bytes.nbytes != expect:
         raise ValueError(f"{t.name}: device bytes must be uint8 of shape ({expect},), got {device_bytes.dtype} {device_bytes.shape}")
     f = flags.current()
-    return DeviceWeight(t.ggml_type, (n_out, n_in), device_bytes, planar, f.on("K4_PREFILL_TC"), _pdl_flag(f))
-
-
-def _pdl_flag(f: flags.Flags) -> bool:
-    """K4_PDL (default on), read only where runtime.flags defines it."""
-    return f.on("K4_PDL") if "K4_PDL" in flags.FLAGS else True
+    return DeviceWeight(t.ggml_type, (n_out, n_in), device_bytes, planar, f.on("K4_PREFILL_TC"), f.on("K4_PDL"))
 
 
 def _device_limits() -> tuple[int, int]:
