@@ -115,9 +115,10 @@ def _print(results, env, model_info, output: str) -> None:
         sys.stdout.write("".join(json.dumps(r) + "\n" for r in records))
     elif output == "csv":
         buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=list(records[0]))
+        flat = [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in records]  # phases/memory: json only
+        w = csv.DictWriter(buf, fieldnames=list(flat[0]))
         w.writeheader()
-        for r in records:
+        for r in flat:
             w.writerow({k: (" ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else v) for k, v in r.items()})
         sys.stdout.write(buf.getvalue())
     elif output == "md":

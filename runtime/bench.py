@@ -215,6 +215,7 @@ def result_record(res: BenchResult, env: dict, model_info: dict) -> dict:
         "test": t.name, "n_prompt": t.n_prompt, "n_gen": t.n_gen, "n_depth": t.depth, "flags": t.flags_text,
         "reps": len(res.samples), "avg_ts": res.mean, "stddev_ts": res.sd, "samples_ts": list(res.samples),
         "token_ms_p50": res.latency(0.5), "token_ms_p99": res.latency(0.99),
+        "phases": res.phases, "memory": res.memory,
     }
 
 

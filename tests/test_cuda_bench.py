@@ -1,0 +1,37 @@
+"""k4 bench end to end on the GPU: records, per-step copy traffic, kernel microbenchmarks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.app import app
+
+runner = CliRunner()
+pytestmark = pytest.mark.cuda
+
+
+def test_bench_synthetic_on_cuda():
+    r = runner.invoke(app, ["bench", "--backend", "cuda", "--synthetic", "test-tiny", "-p", "32", "-n", "16", "-d", "0,64",
+                            "-r", "2", "-o", "json", "--flags", "K4_CUDA_GRAPH=1", "--flags", "K4_CUDA_GRAPH=0"])
+    assert r.exit_code == 0, r.output
+    recs = json.loads(r.stdout)
+    assert [x["test"] for x in recs] == ["pp32", "tg16", "pp32@d64", "tg16@d64"] * 2
+    for x in recs:
+        assert x["backend"] == "cuda" and x["gpu"] and x["cupy"] and x["avg_ts"] > 0
+        if x["n_gen"]:
+            decode = x["phases"]["decode"]
+            assert decode["h2d_bytes"] == 0 and decode["syncs"] == 0
+            assert decode["d2h_bytes"] == 4 * decode["steps"]
+    assert recs[1]["phases"]["decode"]["graph_replays"] > 0 and recs[5]["phases"]["decode"]["graph_replays"] == 0
+    assert recs[0]["memory"]["kv_cache"] > 0
+
+
+def test_bench_kernels_reports_bandwidth():
+    r = runner.invoke(app, ["bench", "--kernels", "-o", "json"])
+    assert r.exit_code == 0, r.output
+    recs = json.loads(r.stdout)
+    assert {x["type"] for x in recs} >= {"Q4_K", "Q6_K"}
+    assert all(0 < x["gb_s"] < 5000 for x in recs)
