@@ -10,6 +10,7 @@ from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
+from .errors import ContextFullError
 from .model import ModelConfig, ModelFile
 from .sampling import SamplingParams
 from .trace import Trace
@@ -49,6 +50,33 @@ class Backend(Protocol):
         token_ids plus the tokens consumed except the last (which was never evaluated).
         Raises ContextFullError when the cache is full.
         """
+
+
+class TokenCache:
+    """The bookkeeping every backend shares: `tokens`, the ids whose keys/values are cached,
+    in order, within a context of `n_ctx` positions."""
+
+    n_ctx: int
+    tokens: list[int]
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.n_past:
+            raise ValueError(f"truncate({n}) outside 0..{self.n_past}")
+        del self.tokens[n:]
+
+    def _check_room(self, n: int) -> None:
+        """Raise ContextFullError when n more tokens do not fit."""
+        if self.n_past + n > self.n_ctx:
+            raise ContextFullError(
+                f"{self.n_past + n} tokens do not fit in the context of {self.n_ctx}; raise --ctx-size or shorten the input"
+            )
 
 
 def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=None) -> Backend:

@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 import numpy as np
 from gguf.quants import dequantize
 
-from .errors import ContextFullError
+from .backend import TokenCache
 from .model import ModelConfig, ModelFile, Tensor
 from .sampling import SamplingParams, sample
 from .trace import Trace
@@ -92,7 +92,7 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (np.float32(1.0) + np.exp(-x))
 
 
-class NumpyBackend:
+class NumpyBackend(TokenCache):
     """The reference backend (see runtime/backend.py for the protocol).
 
     Weights are dequantized to float32 at load; the KV cache is float32,
@@ -117,26 +117,11 @@ class NumpyBackend:
             self.v_cache = np.zeros(kv_shape, dtype=np.float32)  # (n_layer, n_ctx, n_head_kv, head_dim)
         self.tokens: list[int] = []
 
-    @property
-    def n_past(self) -> int:
-        return len(self.tokens)
-
-    def reset(self) -> None:
-        self.tokens = []
-
-    def truncate(self, n: int) -> None:
-        if not 0 <= n <= self.n_past:
-            raise ValueError(f"truncate({n}) outside 0..{self.n_past}")
-        del self.tokens[n:]
-
     def eval(self, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         ids = np.asarray(token_ids, dtype=np.int64)  # (T,)
         if ids.size == 0:
             raise ValueError("eval() needs at least one token")
-        if self.n_past + ids.size > self.n_ctx:
-            raise ContextFullError(
-                f"{self.n_past + ids.size} tokens do not fit in the context of {self.n_ctx}; raise --ctx-size or shorten the input"
-            )
+        self._check_room(ids.size)
         phase = "prefill" if ids.size > 1 else "decode"
         with self.trace.in_phase(phase) as c:
             logits = self._forward(ids, all_logits)

@@ -23,7 +23,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, ContextFullError, UnsupportedModelError
+from ..backend import TokenCache
+from ..errors import BackendUnavailableError, UnsupportedModelError
 from ..flags import Flags
 from ..model import ModelConfig, ModelFile, expected_shapes
 from ..reference import dequantize_tensor
@@ -92,7 +93,7 @@ def rope_inv_freq(cfg: ModelConfig, freq_factors: np.ndarray | None) -> np.ndarr
     return inv if freq_factors is None else inv / freq_factors.astype(np.float64)
 
 
-class CudaBackend:
+class CudaBackend(TokenCache):
     """The CUDA backend (protocol: runtime/backend.py).
 
     mf: a validated ModelFile; n_ctx: KV cache positions; progress(done_bytes, total_bytes) is
@@ -302,24 +303,6 @@ class CudaBackend:
         self.ops.set_i32(self.pos_view, p0 + n_total)
 
     # ---- protocol -------------------------------------------------------------------------------
-    @property
-    def n_past(self) -> int:
-        return len(self.tokens)
-
-    def reset(self) -> None:
-        self.tokens = []
-
-    def truncate(self, n: int) -> None:
-        if not 0 <= n <= self.n_past:
-            raise ValueError(f"truncate({n}) outside 0..{self.n_past}")
-        del self.tokens[n:]
-
-    def _check_room(self, n: int) -> None:
-        if self.n_past + n > self.n_ctx:
-            raise ContextFullError(
-                f"{self.n_past + n} tokens do not fit in the context of {self.n_ctx}; raise --ctx-size or shorten the input"
-            )
-
     def eval(self, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """See runtime/backend.py. Copies the logits to the host (for perplexity and tests)."""
         ids = [int(t) for t in token_ids]
