@@ -143,7 +143,7 @@ def write_synthetic(preset: str, out: Path, vocab: Path | None = None, seed: int
     types = q4_k_m_types(cfg)
     tmp = out.with_name(out.name + ".part")
     w = GGUFWriter(str(tmp), cfg.arch)
-    _write_metadata(w, cfg, v)
+    write_metadata(w, cfg, v)
     for name, shape in shapes.items():
         block, size = GGML_QUANT_SIZES[types[name]]
         nbytes = int(np.prod(shape)) // block * size
@@ -171,7 +171,9 @@ def write_synthetic(preset: str, out: Path, vocab: Path | None = None, seed: int
     return out
 
 
-def _write_metadata(w: GGUFWriter, cfg: ModelConfig, v: dict) -> None:
+def write_metadata(w: GGUFWriter, cfg: ModelConfig, v: dict) -> None:
+    """Write the hyper-parameters of `cfg` (llama.cpp's `{arch}.*` keys), general.file_type
+    Q4_K_M, and the tokenizer metadata `v` (as vocab_from returns it)."""
     a = cfg.arch
     w.add_name(cfg.name)
     w.add_uint32(f"{a}.context_length", cfg.n_ctx_train)

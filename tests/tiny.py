@@ -1,5 +1,5 @@
-"""Tiny GGUF models for tests: real tokenizer metadata (from stories260K.gguf), random weights,
-any architecture k4 runs. Matrices default to Q8_0 (quantized by the gguf package)."""
+"""Tiny GGUF models for tests: real tokenizer metadata (from stories260K.gguf), random float
+weights quantized by the gguf package (Q8_0 by default), any architecture k4 runs."""
 
 from __future__ import annotations
 
@@ -10,18 +10,8 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 from gguf.quants import quantize
 
-from runtime.model import ModelConfig, expected_shapes, open_model
-
-TOKENIZER_KEYS = (
-    "tokenizer.ggml.model",
-    "tokenizer.ggml.tokens",
-    "tokenizer.ggml.scores",
-    "tokenizer.ggml.token_type",
-    "tokenizer.ggml.bos_token_id",
-    "tokenizer.ggml.eos_token_id",
-    "tokenizer.ggml.unknown_token_id",
-)
-
+from runtime.model import ModelConfig, expected_shapes
+from runtime.synthetic import vocab_from, write_metadata
 
 def tiny_config(arch: str = "llama", **over) -> ModelConfig:
     base = dict(
@@ -38,25 +28,8 @@ def write_tiny(path: Path, vocab_gguf: Path, cfg: ModelConfig, matrix_type: T = 
     """Write a model of config `cfg` with random weights to `path`; tokenizer keys are copied
     from `vocab_gguf`. `skip` leaves tensors out; `extra` adds name -> (array, type) tensors."""
     rng = np.random.default_rng(seed)
-    src = open_model(vocab_gguf, require_weights=False)
     w = GGUFWriter(str(path), cfg.arch)
-    a = cfg.arch
-    w.add_uint32(f"{a}.embedding_length", cfg.n_embd)
-    w.add_uint32(f"{a}.block_count", cfg.n_layer)
-    w.add_uint32(f"{a}.feed_forward_length", cfg.n_ff)
-    w.add_uint32(f"{a}.attention.head_count", cfg.n_head)
-    w.add_uint32(f"{a}.attention.head_count_kv", cfg.n_head_kv)
-    w.add_uint32(f"{a}.attention.key_length", cfg.head_dim)
-    w.add_uint32(f"{a}.context_length", cfg.n_ctx_train)
-    w.add_uint32(f"{a}.rope.dimension_count", cfg.rope_dim)
-    w.add_float32(f"{a}.rope.freq_base", cfg.rope_freq_base)
-    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_eps)
-    w.add_string("tokenizer.ggml.model", src.meta("tokenizer.ggml.model"))
-    w.add_token_list(src.meta("tokenizer.ggml.tokens"))
-    w.add_token_scores(src.meta("tokenizer.ggml.scores"))
-    w.add_token_types(src.meta("tokenizer.ggml.token_type"))
-    w.add_bos_token_id(src.meta("tokenizer.ggml.bos_token_id"))
-    w.add_eos_token_id(src.meta("tokenizer.ggml.eos_token_id"))
+    write_metadata(w, cfg, vocab_from(vocab_gguf, cfg.n_vocab))
     for name, shape in expected_shapes(cfg).items():
         if name in skip:
             continue
