@@ -14,19 +14,19 @@ from .render import err, errors_to_exit, out, table
 MIX_NAMES = "Q4_K_M, Q4_K_S, Q5_K_M, Q6_K, Q8_0"
 
 
-def _mib(n_bytes: int) -> str:
+def _size(n_bytes: int) -> str:
     return f"{n_bytes / 2**10:,.1f} KiB" if n_bytes < 2**20 else f"{n_bytes / 2**20:,.2f} MiB"
 
 
 def _summary(plan) -> str:
     return (
         f"{plan.mix.name}: {len(plan.tensors)} tensors, {plan.n_elements:,} weights, "
-        f"{_mib(plan.src_bytes)} -> {_mib(plan.dst_bytes)} ({plan.bpw:.2f} bits per weight)"
+        f"{_size(plan.src_bytes)} -> {_size(plan.dst_bytes)} ({plan.bpw:.2f} bits per weight)"
     )
 
 
 def _print_plan(plan) -> None:
-    rows = [(t.name, " x ".join(str(d) for d in t.shape), t.src_type.name, t.dst_type.name, _mib(t.dst_bytes)) for t in plan.tensors]
+    rows = [(t.name, " x ".join(str(d) for d in t.shape), t.src_type.name, t.dst_type.name, _size(t.dst_bytes)) for t in plan.tensors]
     out.print(table(None, ("name", "shape", "from", "to", "size"), rows, right=(4,)))
     out.print(_summary(plan))
 
@@ -66,7 +66,6 @@ def quantize(
         raise UsageError(f"missing TYPE: k4 quantize IN OUT TYPE, with TYPE one of {MIX_NAMES}")
     if threads < 0:
         raise UsageError(f"--threads {threads} is negative; use 0 for one per core")
-    get_mix(qtype)
     plan = _quantize_with_progress(model, Path(out_or_type), qtype, force, threads)
     err.print(_summary(plan))
     _warn_unrunnable(plan)
