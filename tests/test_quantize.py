@@ -17,7 +17,7 @@ from runtime import kquants
 from runtime.errors import ModelFileError, UnsupportedModelError, UsageError
 from runtime.model import open_model
 from runtime.quantize import MIXES, choose_types, get_mix, llama_order, plan_quantization, quantize_model, use_more_bits
-from tiny import tiny_config, write_tiny
+from tests.tiny import tiny_config, write_tiny
 
 F = np.float32
 EPS = F(1e-15)
