@@ -24,6 +24,7 @@ import numpy as np
 
 from .errors import UsageError
 from .flags import FLAGS
+from .flags import current as current_flags
 from .sampling import SamplingParams
 
 
@@ -60,6 +61,7 @@ class BenchResult:
     phases: dict[str, dict] = field(default_factory=dict)  # trace counters of the last repetition
     memory: dict[str, int] = field(default_factory=dict)
     load: dict[str, dict] = field(default_factory=dict)  # the backend's load-phase counters (ms, bytes) when it was built
+    flag_values: dict[str, int] = field(default_factory=dict)  # every K4_* flag as the backend saw it
 
     @property
     def mean(self) -> float:
@@ -215,7 +217,7 @@ def result_record(res: BenchResult, env: dict, model_info: dict) -> dict:
         "test": t.name, "n_prompt": t.n_prompt, "n_gen": t.n_gen, "n_depth": t.depth, "flags": t.flags_text,
         "reps": len(res.samples), "avg_ts": res.mean, "stddev_ts": res.sd, "samples_ts": list(res.samples),
         "token_ms_p50": res.latency(0.5), "token_ms_p99": res.latency(0.99),
-        "phases": res.phases, "memory": res.memory,
+        "phases": res.phases, "memory": res.memory, "flag_values": res.flag_values,
     }
 
 
@@ -226,6 +228,9 @@ def iter_results(tests: Sequence[BenchTest], make_backend: Callable[[tuple], obj
         with flags_applied(flags):
             backend = make_backend(flags)
             load = {name: c.as_dict() for name, c in backend.trace.phases.items()}
+            values = dict(current_flags().values)
             for test in group:
-                yield run_test(backend, test, reps, n_vocab, on_rep=on_rep, load=load)
+                res = run_test(backend, test, reps, n_vocab, on_rep=on_rep, load=load)
+                res.flag_values = values
+                yield res
             del backend
