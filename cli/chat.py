@@ -345,8 +345,7 @@ def chat(
     for warning in current_flags().warnings():
         err.print(f"warning: {warning}", style="yellow", markup=False)
     params = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, c.resolve_seed(seed)).validate()
-    if n_predict < -1:
-        raise UsageError(f"-n {n_predict} is invalid; use a count >= 0, or -1 for no limit")
+    c.check_n_predict(n_predict)
     system_text = system_prompt(system, system_file)
     path = c.model_path(model)
     loaded = c.load_session(path, backend, ctx_size)

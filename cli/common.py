@@ -56,6 +56,12 @@ def read_text(text: Optional[str], file: Optional[Path], what: str = "prompt") -
     raise UsageError(f"no {what}: pass it as an argument, with -f FILE, or on stdin")
 
 
+def check_n_predict(n_predict: int) -> None:
+    """Raise UsageError for -n values below -1."""
+    if n_predict < -1:
+        raise UsageError(f"-n {n_predict} is invalid; use -1 (until end of text) or a number of tokens >= 0")
+
+
 def resolve_seed(seed: int) -> int:
     return int.from_bytes(os.urandom(4), "little") if seed < 0 else seed
 

@@ -42,6 +42,7 @@ def run(
     for warning in flags.warnings():
         err.print(f"warning: {warning}", style="yellow")
     params = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, c.resolve_seed(seed)).validate()
+    c.check_n_predict(n_predict)
     text = c.read_text(prompt, file)
     s = c.load_session(model, backend, ctx_size)
     ids = s.tokenizer.encode(text, add_bos=False if no_bos else None)

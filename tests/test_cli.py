@@ -69,7 +69,7 @@ def test_context_limits():
 @pytest.mark.parametrize("args, needle", [
     (("--temp", "-1"), "--temp"), (("--top-p", "0"), "(0, 1]"), (("--min-p", "3"), "--min-p"),
     (("--backend", "tpu"), "--backend 'tpu' is unknown"), (("-m", "/nonexistent.gguf"), "no such file"),
-    (("-f", "/nonexistent.txt"), "cannot read"),
+    (("-f", "/nonexistent.txt"), "cannot read"), (("-n", "-2"), "-n -2 is invalid"), (("-c", "-5"), "--ctx-size -5"),
 ])
 def test_run_invalid_options_one_line(args, needle):
     r = invoke("run", *args, "hello") if "-f" not in args else invoke("run", *args)
@@ -135,3 +135,18 @@ def test_readme_lists_every_flag_and_its_commands_work():
 def test_console_script_runs():
     r = subprocess.run([sys.executable, "-m", "cli", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "run" in r.stdout
+
+
+def test_ctrl_c_during_generation_exits_130(shared):
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "run", "-m", str(shared / "models" / "stories260K.gguf"),
+                             "--backend", "numpy", "-c", "2048", "-n", "-1", "--temp", "0", "Once upon a time"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.read(20)  # generation has started streaming
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
