@@ -27,5 +27,20 @@ for _name in COMMAND_MODULES:
     _module.register(app)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from runtime import __version__
+
+        typer.echo(f"k4 {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """Run GGUF K-quantized LLMs fast on one NVIDIA GPU (numpy reference backend on the CPU)."""
+
+
 def main() -> None:
     app()

@@ -135,6 +135,8 @@ def test_readme_lists_every_flag_and_its_commands_work():
 def test_console_script_runs():
     r = subprocess.run([sys.executable, "-m", "cli", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "run" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "cli", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("k4 0.")
 
 
 def test_ctrl_c_during_generation_exits_130(shared):
