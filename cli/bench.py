@@ -13,7 +13,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from . import common as c
-from .render import err, errors_to_exit, out, table
+from .render import err, errors_to_exit, memory_table, out, table
 
 FORMATS = ("table", "md", "csv", "json", "jsonl")
 
@@ -166,7 +166,7 @@ def _tables(results, records) -> None:
                     rows, right=range(2, 10)))
     mem = results[-1].memory
     if mem:
-        out.print(table("GPU memory", ("what", "bytes"), [(k, f"{v:,}") for k, v in mem.items()], right=(1,)))
+        out.print(memory_table(mem))
 
 
 def _kernels(output: str) -> None:

@@ -77,6 +77,11 @@ def trace_table(trace, title: str = "per-phase counters") -> Table:
     return table(title, ["phase"] + [h for _, h in COUNTER_COLUMNS], rows, right=range(1, len(COUNTER_COLUMNS) + 1))
 
 
+def memory_table(report: dict[str, int]) -> Table:
+    """GPU memory by kind (weights, kv_cache, scratch), bytes."""
+    return table("GPU memory", ("what", "bytes"), [(k, f"{v:,}") for k, v in report.items()], right=(1,))
+
+
 def stats_line(load_ms: float, result) -> str:
     """One line of generation stats (runtime.generate.GenerationResult)."""
     return (

@@ -12,7 +12,7 @@ from runtime.flags import current as current_flags
 from runtime.sampling import SamplingParams
 
 from . import common as c
-from .render import err, errors_to_exit, stats_line, table, trace_table
+from .render import err, errors_to_exit, memory_table, stats_line, trace_table
 
 
 @errors_to_exit
@@ -92,7 +92,7 @@ def run(
     if verbose or flags.on("K4_TRACE"):
         err.print(trace_table(s.backend.trace))
         if hasattr(s.backend, "memory_report"):
-            err.print(table("GPU memory", ("what", "bytes"), [(k, f"{v:,}") for k, v in s.backend.memory_report().items()], right=(1,)))
+            err.print(memory_table(s.backend.memory_report()))
 
 
 def register(app: typer.Typer) -> None:
