@@ -12,7 +12,15 @@
 // in one wave, so letting the next kernel launch early (pdl_trigger) cannot starve this one.
 // gemv_f (F32, F16, BF16): the same row-per-warp loop on float x from global memory (L1-cached).
 //
-// Thread mapping: warp w of block b starts at row b + gridDim.x * w and steps by
+// Two fusions, both optional per launch:
+//  - RMSNorm prologue (norm_w non-null): x is first normalized, x * rsqrt(mean(x^2) + eps) * norm_w
+//    (Zhang & Sennrich 2019, as llama.cpp's rms_norm then mul), each block computing the sum of
+//    squares itself while x sits in L2, so the separate norm kernel and its output vanish.
+//  - SwiGLU epilogue (GLU instances): W holds 2 * n_out rows interleaved, row 2i = ffn_gate row i,
+//    row 2i + 1 = ffn_up row i (runtime/cuda/matmul.py interleave_rows), one warp takes both rows
+//    of a pair as one row of 2 * n_in, and writes y[i] = silu(gate_i . x) * (up_i . x).
+//
+// Thread mapping: warp w of block b starts at output b + gridDim.x * w and steps by
 // gridDim.x * WARPS. The launcher (runtime/cuda/matmul.py) validates shapes and types.
 #include "common.cuh"
 
@@ -23,10 +31,32 @@ __device__ __forceinline__ void write_row(float* y, const float* residual, const
     y[row] = acc;
 }
 
+// silu(g) * u, rounded as elementwise.cu swiglu_f32 rounds it.
+__device__ __forceinline__ float swiglu(float g, float u) { return __fdiv_rn(g, 1.0f + __expf(-g)) * u; }
+
+// 1 / sqrt(mean(x^2) + eps) of x (n floats, n a multiple of 4, 16-byte aligned), in every thread
+// of the block (all must call it). rms_norm_f32 (norm.cu) computes the same, summed in another order.
+__device__ float rms_scale(const float* __restrict__ x, int n, float eps) {
+    __shared__ float part[32];
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n / 4; i += blockDim.x) {
+        const float4 f = __ldg(reinterpret_cast<const float4*>(x) + i);
+        ss += f.x * f.x + f.y * f.y + f.z * f.z + f.w * f.w;
+    }
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    ss = warp_sum((int)(threadIdx.x & 31) < (int)(blockDim.x >> 5) ? part[threadIdx.x & 31] : 0.f);
+    return rsqrtf(ss / (float)n + eps);
+}
+
 // Quantize x (n_in floats, n_in a multiple of 32, 16-byte aligned) into the q8x arrays in
-// shared memory. One thread per 16-value unit; the two units of a 32-group share a scale.
+// shared memory; with norm_w (n_in,) non-null, x * rms_scale(x) * norm_w instead. One thread
+// per 16-value unit; the two units of a 32-group share a scale.
 template <int SWZ>
-__device__ void quantize_x(const float* __restrict__ x, int n_in, u8* xq, float* xd, float* xs) {
+__device__ void quantize_x(const float* __restrict__ x, int n_in, const float* __restrict__ norm_w, float eps,
+                           u8* xq, float* xd, float* xs) {
+    const float scale = norm_w ? rms_scale(x, n_in, eps) : 1.f;
     const int n_units = n_in >> 4;
     for (int base = 0; base < n_units; base += blockDim.x) {  // warp-uniform trip count
         const int u = base + threadIdx.x;
@@ -35,7 +65,11 @@ __device__ void quantize_x(const float* __restrict__ x, int n_in, u8* xq, float*
         float amax = 0.f;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            const float4 f = ok ? __ldg(reinterpret_cast<const float4*>(x) + 4 * u + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+            float4 f = ok ? __ldg(reinterpret_cast<const float4*>(x) + 4 * u + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+            if (norm_w && ok) {
+                const float4 g = __ldg(reinterpret_cast<const float4*>(norm_w) + 4 * u + k);
+                f = make_float4(f.x * scale * g.x, f.y * scale * g.y, f.z * scale * g.z, f.w * scale * g.w);
+            }
             v[4 * k] = f.x; v[4 * k + 1] = f.y; v[4 * k + 2] = f.z; v[4 * k + 3] = f.w;
             amax = fmaxf(amax, fmaxf(fmaxf(fabsf(f.x), fabsf(f.y)), fmaxf(fabsf(f.z), fabsf(f.w))));
         }
@@ -65,13 +99,15 @@ __device__ void quantize_x(const float* __restrict__ x, int n_in, u8* xq, float*
 // Shared memory of gemv_q8 for n_in (bytes); the launcher computes the same.
 __device__ __forceinline__ int q8x_bytes_q(int n_in) { return ((n_in / 16 + 7) & ~7) * 16; }
 
-template <class T, bool PLANAR, int WARPS, int U>
+template <class T, bool PLANAR, int WARPS, int U, bool GLU>
 __global__ void __launch_bounds__(WARPS * 32, 1)
-gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw or planar
+gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw or planar; GLU: (2 n_out, n_in) interleaved
         const float* __restrict__ x,       // (n_in,)
         float* y,                          // (n_out,)
-        const float* residual,             // (n_out,) or null; may alias y
-        const float* __restrict__ bias,    // (n_out,) or null
+        const float* residual,             // (n_out,) or null; may alias y (not with GLU)
+        const float* __restrict__ bias,    // (n_out,) or null (not with GLU)
+        const float* __restrict__ norm_w,  // (n_in,) or null: RMSNorm prologue
+        float eps,
         int n_out, int n_in) {
     extern __shared__ uint4 smem[];
     u8* xq = reinterpret_cast<u8*>(smem);
@@ -80,40 +116,53 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     const q8x<T::x_swizzle> xv{xq, xd, xs};
 
     constexpr int cpb = T::block_elems / T::chunk_elems;  // chunks per block
+    constexpr int span = GLU ? 2 : 1;                      // weight rows per output
     const int lane = threadIdx.x & 31;
-    const int n_chunks = n_in / T::chunk_elems;
+    const int n_chunks = n_in / T::chunk_elems;            // per weight row
+    const int out_chunks = span * n_chunks;                // per output (both rows of a GLU pair)
     const int nblk_row = n_in / T::block_elems;
-    const i64 nblk = (i64)n_out * nblk_row;
+    const i64 nblk = (i64)span * n_out * nblk_row;
     const int row_step = gridDim.x * WARPS;
     int row = blockIdx.x + gridDim.x * (threadIdx.x >> 5);
 
     typename T::chunk ch[U];
-    auto load = [&](int r, int c0) {
+    auto load = [&](int r, int c0) {  // the rows of output r are consecutive: chunk c of the pair is block c / cpb
 #pragma unroll
         for (int k = 0; k < U; ++k) {
             const int c = c0 + 32 * k;
-            if (c < n_chunks) ch[k] = T::template load<PLANAR>(w, nblk, (i64)r * nblk_row + c / cpb, c % cpb);
+            if (c < out_chunks) ch[k] = T::template load<PLANAR>(w, nblk, (i64)r * span * nblk_row + c / cpb, c % cpb);
         }
     };
     pdl_trigger();
     if (row < n_out) load(row, lane);  // weights only: before the wait
     pdl_wait();
-    quantize_x<T::x_swizzle>(x, n_in, xq, xd, xs);
+    quantize_x<T::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs);
     __syncthreads();
 
-    float acc = 0.f;
+    float acc = 0.f, acc_up = 0.f;  // acc_up: the up row of a GLU pair
     int c0 = lane;
     while (row < n_out) {
 #pragma unroll
         for (int k = 0; k < U; ++k) {
             const int c = c0 + 32 * k;
-            if (c < n_chunks) acc += T::dot(ch[k], c, xv);
+            if (!GLU) {
+                if (c < n_chunks) acc += T::dot(ch[k], c, xv);
+            } else if (c < n_chunks) {
+                acc += T::dot(ch[k], c, xv);
+            } else if (c < out_chunks) {
+                acc_up += T::dot(ch[k], c - n_chunks, xv);
+            }
         }
         c0 += 32 * U;
-        if (c0 >= n_chunks) {  // row done
+        if (c0 >= out_chunks) {  // output done
             acc = warp_sum(acc);
-            if (lane == 0) write_row(y, residual, bias, row, acc);
-            acc = 0.f;
+            if (GLU) {
+                acc_up = warp_sum(acc_up);
+                if (lane == 0) y[row] = swiglu(acc, acc_up);
+            } else if (lane == 0) {
+                write_row(y, residual, bias, row, acc);
+            }
+            acc = acc_up = 0.f;
             c0 = lane;
             row += row_step;
             if (row >= n_out) break;
@@ -122,60 +171,95 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     }
 }
 
-template <class T, int WARPS, int U, bool VEC>
+// Sum over one weight row (n_in of T at wr) times x (global or shared memory, 16-byte aligned),
+// in every lane of the warp.
+template <class T, int U, bool VEC>
+__device__ __forceinline__ float row_dot_f(const u8* __restrict__ wr, const float* x, int n_in, int lane) {
+    float acc = 0.f;
+    if (VEC) {
+        const int n_chunks = n_in / T::per16;
+        for (int c0 = lane; c0 < n_chunks; c0 += 32 * U) {
+            uint4 v[U];
+#pragma unroll
+            for (int k = 0; k < U; ++k)
+                if (c0 + 32 * k < n_chunks) v[k] = __ldg(reinterpret_cast<const uint4*>(wr) + c0 + 32 * k);
+#pragma unroll
+            for (int k = 0; k < U; ++k) {
+                const int c = c0 + 32 * k;
+                if (c >= n_chunks) break;
+                float f[T::per16];
+                T::unpack(v[k], f);
+#pragma unroll
+                for (int e = 0; e < T::per16; e += 4) {
+                    const float4 xv = *reinterpret_cast<const float4*>(x + c * T::per16 + e);
+                    acc += f[e] * xv.x + f[e + 1] * xv.y + f[e + 2] * xv.z + f[e + 3] * xv.w;
+                }
+            }
+        }
+    } else {
+        for (int i = lane; i < n_in; i += 32) acc += T::get(wr, i) * x[i];
+    }
+    return warp_sum(acc);
+}
+
+// x (n_in,) into xn (n_in,) shared memory, normalized (x * rms_scale(x) * norm_w) when norm_w is
+// non-null; returns the vector the rows multiply (x itself, or xn). Every thread must call it.
+__device__ const float* normalized_x(const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int n_in, float* xn) {
+    if (!norm_w) return x;
+    const float scale = rms_scale(x, n_in, eps);
+    for (int i = threadIdx.x; i < n_in; i += blockDim.x) xn[i] = __ldg(x + i) * scale * __ldg(norm_w + i);
+    __syncthreads();
+    return xn;
+}
+
+// Dynamic shared memory: n_in floats when norm_w is non-null, else none.
+template <class T, int WARPS, int U, bool VEC, bool GLU>
 __global__ void __launch_bounds__(WARPS * 32)
-gemv_f(const u8* __restrict__ w,           // (n_out, n_in) of T; VEC: rows 16-byte aligned
-       const float* __restrict__ x,        // (n_in,), 16-byte aligned when VEC
-       float* y, const float* residual, const float* __restrict__ bias, int n_out, int n_in) {
+gemv_f(const u8* __restrict__ w,           // (n_out, n_in) of T, GLU: (2 n_out, n_in) interleaved; VEC: rows 16-byte aligned
+       const float* __restrict__ x,        // (n_in,), 16-byte aligned
+       float* y, const float* residual, const float* __restrict__ bias,
+       const float* __restrict__ norm_w, float eps, int n_out, int n_in) {
+    extern __shared__ float xn[];
     const int lane = threadIdx.x & 31;
     pdl_trigger();
     pdl_wait();
+    const float* xv = normalized_x(x, norm_w, eps, n_in, xn);
+    const i64 row_bytes = (i64)n_in * T::elem_bytes;
     for (int row = blockIdx.x + gridDim.x * (threadIdx.x >> 5); row < n_out; row += gridDim.x * WARPS) {
-        const u8* wr = w + (i64)row * n_in * T::elem_bytes;
-        float acc = 0.f;
-        if (VEC) {
-            const int n_chunks = n_in / T::per16;
-            for (int c0 = lane; c0 < n_chunks; c0 += 32 * U) {
-                uint4 v[U];
-#pragma unroll
-                for (int k = 0; k < U; ++k)
-                    if (c0 + 32 * k < n_chunks) v[k] = __ldg(reinterpret_cast<const uint4*>(wr) + c0 + 32 * k);
-#pragma unroll
-                for (int k = 0; k < U; ++k) {
-                    const int c = c0 + 32 * k;
-                    if (c >= n_chunks) break;
-                    float f[T::per16];
-                    T::unpack(v[k], f);
-#pragma unroll
-                    for (int e = 0; e < T::per16; e += 4) {
-                        const float4 xv = __ldg(reinterpret_cast<const float4*>(x + c * T::per16 + e));
-                        acc += f[e] * xv.x + f[e + 1] * xv.y + f[e + 2] * xv.z + f[e + 3] * xv.w;
-                    }
-                }
-            }
+        if (GLU) {
+            const float g = row_dot_f<T, U, VEC>(w + 2 * row * row_bytes, xv, n_in, lane);
+            const float u = row_dot_f<T, U, VEC>(w + (2 * row + 1) * row_bytes, xv, n_in, lane);
+            if (lane == 0) y[row] = swiglu(g, u);
         } else {
-            for (int i = lane; i < n_in; i += 32) acc += T::get(wr, i) * __ldg(x + i);
+            const float acc = row_dot_f<T, U, VEC>(w + row * row_bytes, xv, n_in, lane);
+            if (lane == 0) write_row(y, residual, bias, row, acc);
         }
-        acc = warp_sum(acc);
-        if (lane == 0) write_row(y, residual, bias, row, acc);
     }
 }
 
 // The instances runtime/cuda/matmul.py launches (and nvcc compile-checks).
-#define K4_GEMV_Q8(T, W, U) \
-    template __global__ void gemv_q8<T, false, W, U>(const u8*, const float*, float*, const float*, const float*, int, int); \
-    template __global__ void gemv_q8<T, true, W, U>(const u8*, const float*, float*, const float*, const float*, int, int);
-K4_GEMV_Q8(type_q4_K, 16, 2)
-K4_GEMV_Q8(type_q4_K, 32, 2)
-K4_GEMV_Q8(type_q5_K, 32, 1)
-K4_GEMV_Q8(type_q6_K, 32, 1)
-K4_GEMV_Q8(type_q6_K, 32, 2)
-K4_GEMV_Q8(type_q8_0, 32, 4)
-K4_GEMV_Q8(type_q5_0, 32, 4)
+#define K4_GEMV_Q8(T, W, U, GLU) \
+    template __global__ void gemv_q8<T, false, W, U, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int); \
+    template __global__ void gemv_q8<T, true, W, U, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int);
+K4_GEMV_Q8(type_q4_K, 16, 2, false)
+K4_GEMV_Q8(type_q4_K, 16, 2, true)
+K4_GEMV_Q8(type_q4_K, 32, 2, false)
+K4_GEMV_Q8(type_q5_K, 32, 1, false)
+K4_GEMV_Q8(type_q5_K, 32, 1, true)
+K4_GEMV_Q8(type_q6_K, 32, 1, false)
+K4_GEMV_Q8(type_q6_K, 32, 1, true)
+K4_GEMV_Q8(type_q6_K, 32, 2, false)
+K4_GEMV_Q8(type_q8_0, 32, 4, false)
+K4_GEMV_Q8(type_q8_0, 32, 2, true)
+K4_GEMV_Q8(type_q5_0, 32, 4, false)
+K4_GEMV_Q8(type_q5_0, 32, 4, true)
 
-#define K4_GEMV_F(T) \
-    template __global__ void gemv_f<T, 8, 4, true>(const u8*, const float*, float*, const float*, const float*, int, int); \
-    template __global__ void gemv_f<T, 8, 4, false>(const u8*, const float*, float*, const float*, const float*, int, int);
-K4_GEMV_F(type_f32)
-K4_GEMV_F(type_f16)
-K4_GEMV_F(type_bf16)
+#define K4_GEMV_F(T, GLU) \
+    template __global__ void gemv_f<T, 8, 4, true, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int); \
+    template __global__ void gemv_f<T, 8, 4, false, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int);
+K4_GEMV_F(type_f32, false)
+K4_GEMV_F(type_f32, true)
+K4_GEMV_F(type_f16, false)
+K4_GEMV_F(type_f16, true)
+K4_GEMV_F(type_bf16, false)
+K4_GEMV_F(type_bf16, true)

@@ -50,18 +50,23 @@ __device__ __forceinline__ void rope_row(const float* src, float* dst_f32, u16* 
     }
 }
 
-// q: (n_tok, n_head, D) f32, normalized (when q_norm) and rotated in place.
-// k, v: (n_tok, n_head_kv, D) f32, read only.
+// q_src: (n_tok, n_head, D) f32 with a row stride of ld_q floats per token (a view into the
+//   q | k | v product outputs); q_out: (n_tok, n_head, D) f32 contiguous, q normalized (when
+//   q_norm) and rotated; may be q_src itself (ld_q = n_head * D).
+// k_src, v_src: (n_tok, n_head_kv, D) f32, row strides ld_k, ld_v; read only.
 // k_cache, v_cache: (n_ctx, n_head_kv, D) fp16, this layer's slice; rows pos0 .. pos0+n_tok-1
 //   are written (k normalized and rotated, v as is).
 // q_norm, k_norm: (D,) f32 or null. inv_freq: (rope_dim/2,) f64. pos: (1,) int32, pos0 = *pos.
 // Thread mapping: one warp per row; grid.x = ceil(n_tok * (n_head + n_head_kv) / warps per block).
-extern "C" __global__ void rope_qk_store(float* q, const float* __restrict__ k, const float* __restrict__ v,
+extern "C" __global__ void rope_qk_store(const float* q_src, int ld_q, const float* __restrict__ k_src, int ld_k,
+                                         const float* __restrict__ v_src, int ld_v, float* q_out,
                                          u16* __restrict__ k_cache, u16* __restrict__ v_cache,
                                          const float* __restrict__ q_norm, const float* __restrict__ k_norm,
                                          const double* __restrict__ inv_freq, const int* __restrict__ pos,
                                          int n_tok, int n_head, int n_head_kv, int D, int rope_dim, int neox,
                                          float eps) {
+    pdl_trigger();
+    pdl_wait();
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int rows_per_tok = n_head + n_head_kv;
@@ -69,13 +74,14 @@ extern "C" __global__ void rope_qk_store(float* q, const float* __restrict__ k, 
     const int t = row / rows_per_tok, j = row % rows_per_tok;
     const int p = *pos + t;
     if (j < n_head) {
-        float* qr = q + ((size_t)t * n_head + j) * D;
-        rope_row(qr, qr, nullptr, q_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane);
+        rope_row(q_src + (size_t)t * ld_q + (size_t)j * D, q_out + ((size_t)t * n_head + j) * D, nullptr, q_norm, eps,
+                 inv_freq, (double)p, D, rope_dim, neox, lane);
         return;
     }
     const int hk = j - n_head;
-    const size_t src = ((size_t)t * n_head_kv + hk) * D;
     const size_t dst = ((size_t)p * n_head_kv + hk) * D;
-    rope_row(k + src, nullptr, k_cache + dst, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane);
-    for (int i = lane; i < D; i += 32) v_cache[dst + i] = f32_to_f16(v[src + i]);
+    rope_row(k_src + (size_t)t * ld_k + (size_t)hk * D, nullptr, k_cache + dst, k_norm, eps, inv_freq, (double)p, D,
+             rope_dim, neox, lane);
+    const float* vr = v_src + (size_t)t * ld_v + (size_t)hk * D;
+    for (int i = lane; i < D; i += 32) v_cache[dst + i] = f32_to_f16(vr[i]);
 }

@@ -171,6 +171,8 @@ __device__ Selected radix_select(const float* __restrict__ x, int n, int K, unsi
 extern "C" __global__ void sample_penalty(float* logits, int* seen, const int* __restrict__ ring,
                                           const int* __restrict__ state, int ring_cap,
                                           const SamplerParams* __restrict__ sp) {
+    pdl_trigger();
+    pdl_wait();
     const double penalty = sp->repeat_penalty;
     const int count = state[ST_RING];
     const int L = (int)min((long long)count, sp->repeat_last_n);
@@ -191,6 +193,8 @@ extern "C" __global__ void sample_penalty(float* logits, int* seen, const int* _
 // Thread mapping: grid-stride over the logits.
 extern "C" __global__ void sample_argmax_partial(const float* __restrict__ logits, int n, float* __restrict__ part_val,
                                                  int* __restrict__ part_idx) {
+    pdl_trigger();
+    pdl_wait();
     float best = -k4ops::inf_f32();
     int bi = NO_INDEX;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -335,6 +339,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_finish(const float* __restrict__ logits, int n, const float* __restrict__ part_val,
               const int* __restrict__ part_idx, int n_part, int* state, int* ring, int ring_cap,
               const SamplerParams* __restrict__ sp, int advance) {
+    pdl_trigger();
+    pdl_wait();
     const int tid = threadIdx.x;
     const int draw = state[ST_DRAW];
     int token;

@@ -28,8 +28,13 @@ FLAGS: dict[str, Flag] = {
         Flag("K4_PINNED_UPLOAD", 1, "Upload weights through two pinned staging buffers on a copy stream."),
         Flag("K4_REPACK", 1, "Repack quantized weights at load into the layout the matrix-vector kernels read fastest."),
         Flag("K4_PREFILL_TC", 1, "Prefill matrix products on tensor cores (dequantize tiles to fp16); 0 uses matrix-vector per token."),
-        Flag("K4_PDL", 1, "Programmatic dependent launch of the matrix-vector kernels inside the decode graph (each starts while the previous drains)."),
+        Flag("K4_PDL", 1, "Programmatic dependent launch of the kernels inside the decode graph (each starts while the previous drains)."),
         Flag("K4_SPLIT_ATTN", 1, "Decode attention split over the sequence (flash-decoding) for long contexts."),
+        Flag("K4_STACK", 1, "Stack attn_q/k/v (runs of one type) and ffn_gate/up into one matrix each at load: one product instead of several."),
+        Flag("K4_FUSE_NORM", 1, "Fold each RMSNorm into the prologue of the decode matrix-vector product that follows it."),
+        Flag("K4_FUSE_SWIGLU", 1, "Interleave ffn_gate/up rows at load and apply SwiGLU in the decode product's epilogue."),
+        Flag("K4_TILED_ATTN", 1, "Prefill attention in tiles of 32 queries x 64 keys staged in shared memory (keys read once per tile, not per query)."),
+        Flag("K4_PREFILL_F16_CACHE", 1, "Keep an fp16 copy of the weights for prefill when it takes under 25% of free GPU memory; 0 dequantizes per call."),
     )
 }
 

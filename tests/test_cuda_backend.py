@@ -24,7 +24,8 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.cuda
 
 GREEDY = SamplingParams(temperature=0.0)
-ALL_FLAGS = ("K4_CUDA_GRAPH", "K4_PINGPONG", "K4_PINNED_UPLOAD", "K4_REPACK", "K4_PREFILL_TC", "K4_SPLIT_ATTN")
+FUSIONS = ("K4_STACK", "K4_FUSE_NORM", "K4_FUSE_SWIGLU", "K4_PREFILL_F16_CACHE", "K4_PDL", "K4_TILED_ATTN")
+ALL_FLAGS = ("K4_CUDA_GRAPH", "K4_PINGPONG", "K4_PINNED_UPLOAD", "K4_REPACK", "K4_PREFILL_TC", "K4_SPLIT_ATTN") + FUSIONS
 
 
 def rel_l2(got, want) -> float:
@@ -127,6 +128,7 @@ ARCH_CASES = {
     "llama-q4_k": ("llama", T.Q4_K, K_CFG),
     "qwen3-q5_k": ("qwen3", T.Q5_K, K_CFG),
     "llama-q6_k-tied": ("llama", T.Q6_K, {**K_CFG, "tied_embeddings": True}),
+    "qwen2-q8_0-hd64": ("qwen2", T.Q8_0, {"n_embd": 128, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "rope_dim": 64}),
 }
 
 
@@ -262,6 +264,42 @@ def test_every_flag_off_gives_the_same_tokens(stories, monkeypatch):
     assert take(off.generate(prompt, GREEDY), 30) == want
     d = off.trace.get("decode")
     assert d.syncs == d.steps and d.graph_replays == 0 and d.h2d_bytes == 0
+
+
+# ---- each fusion switched off --------------------------------------------------------------------
+
+def step_kernels(mf, flag: str | None) -> int:
+    """Kernels of one decode step at n_ctx 256 (attention in 2 splits) with `flag` off: per
+    layer the q/k/v products (one per run of one type when stacked), RoPE + cache store,
+    attention and its combine, output, gate/up with SwiGLU, down; then the embedding, lm_head
+    (the final norm folded into both), and 3 sampling kernels. Each switch off adds its kernels."""
+    from runtime.cuda.backend import runs_of_one_type
+
+    n = mf.config.n_layer
+    qkv = sum(len(runs_of_one_type([mf.tensor(f"blk.{i}.attn_{p}.weight").ggml_type for p in "qkv"], flag != "K4_STACK"))
+              for i in range(n))
+    return qkv + 6 * n + 5 + (n if flag == "K4_FUSE_SWIGLU" else 0) + (2 * n + 1 if flag == "K4_FUSE_NORM" else 0)
+
+
+@pytest.mark.parametrize("flag", [None, *FUSIONS])
+def test_each_fusion_off_keeps_golden_tokens_and_numpy_logits(shared, tiny_model, monkeypatch, flag):
+    if flag:
+        monkeypatch.setenv(flag, "0")
+    mf = open_model(shared / "models" / "stories260K-pad-q4_k_m.gguf")
+    tok, be = Tokenizer.from_model(mf), cuda(mf, 256)
+    assert be.graph_launches == step_kernels(mf, flag)
+    assert (be.memory_report()["prefill_f16"] > 0) == (flag != "K4_PREFILL_F16_CACHE")
+    for case in greedy_cases(shared, "stories260K-pad-q4_k_m.gguf"):
+        be.reset()
+        ids = tok.encode(case["prompt"])
+        out = take(be.generate(ids, GREEDY), 16)
+        assert case["completion"].startswith(continuation(tok, ids, out)), case["prompt"]
+    for case in ("qwen2-q8_0-bias", "qwen3-q5_k", "llama-f16-tied", "qwen2-q8_0-hd64"):
+        small = tiny_model(case)
+        prompt = np.random.default_rng(4).integers(3, small.config.n_vocab, size=19).tolist()
+        got, ref = cuda(small, 64), NumpyBackend(small, 64)
+        assert rel_l2(got.eval(prompt, all_logits=True), ref.eval(prompt, all_logits=True)) < 1e-2, case
+        assert rel_l2(got.eval([7]), ref.eval([7])) < 2e-2, case
 
 
 # ---- loading ------------------------------------------------------------------------------------

@@ -109,6 +109,19 @@ def test_stack_rows_needs_one_type_and_width():
     assert np.array_equal(mm.weight_layout(s, False), np.concatenate([a.raw_bytes().reshape(-1)] * 2))
 
 
+def test_interleave_rows_alternates_gate_and_up():
+    rng = np.random.default_rng(0)
+    gate, up = mm.random_weight(T.Q4_K, 3, 512, rng), mm.random_weight(T.Q4_K, 3, 512, rng)
+    t = mm.interleave_rows(gate, up, "blk.0.ffn_gate.weight")
+    assert t.shape == (6, 512)
+    rows = t.raw_bytes()
+    assert np.array_equal(rows[0::2], gate.raw_bytes()) and np.array_equal(rows[1::2], up.raw_bytes())
+    with pytest.raises(ValueError, match="cannot interleave"):
+        mm.interleave_rows(gate, mm.random_weight(T.Q6_K, 3, 512, rng), "x")
+    with pytest.raises(ValueError, match="cannot interleave"):
+        mm.interleave_rows(gate, mm.random_weight(T.Q4_K, 4, 512, rng), "x")
+
+
 def test_weight_layout_rejects_partial_blocks():
     t = mm.random_weight(T.F32, 2, 8, np.random.default_rng(0))
     bad = Tensor("w", T.Q4_K, (2, 100), t.raw)
@@ -236,6 +249,67 @@ def test_gemv_epilogues(type_name):
     assert rel_err(y.get(), ref + b) < limit, f"bias (seed {seed})"
 
 
+def rms_normed(x: np.ndarray, norm_w: np.ndarray, eps: float) -> np.ndarray:
+    """x * rsqrt(mean(x^2) + eps) * norm_w in float64 (runtime/reference.py rms_norm)."""
+    x64 = x.astype(np.float64)
+    return x64 / np.sqrt(np.mean(x64 * x64) + eps) * norm_w.astype(np.float64)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "F32", "F16"])
+def test_gemv_fused_rms_norm(type_name):
+    """The RMSNorm prologue against the norm computed in float64: the kernel quantizes its own
+    normalized x, whose q8 rounding may differ in a few last bits from numpy's, so the float-x
+    limits apply (1e-2 quantized, float32 rounding otherwise)."""
+    import cupy as cp
+
+    rng, seed = fresh_rng()
+    for n_out, n_in in ((300, 512), (4133, 2048)):
+        w, ref_w = weight(type_name, n_out, n_in, rng, True)
+        x = (3 * rng.standard_normal(n_in) + 0.5).astype(np.float32)
+        norm_w = (1 + 0.3 * rng.standard_normal(n_in)).astype(np.float32)
+        r = rng.standard_normal(n_out).astype(np.float32)
+        y = cp.asarray(r)
+        mm.gemv(w, cp.asarray(x), y, residual=y, norm=(cp.asarray(norm_w), 1e-5))
+        ref = ref_w @ rms_normed(x, norm_w, 1e-5)
+        err = rel_err(y.get() - r, ref)
+        assert err < (LIMIT_Q8 if type_name in QUANTIZED else 1e-5), f"{type_name} {n_out}x{n_in}: {err:.2e} (seed {seed})"
+
+
+def silu(v: np.ndarray) -> np.ndarray:
+    return v / (1 + np.exp(-v))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("repack", [True, False], ids=["planar", "raw"])
+@pytest.mark.parametrize("type_name", QUANTIZED + FLOATS)
+def test_gemv_swiglu_epilogue(type_name, repack):
+    """A gate/up interleaved weight (glu): y = silu(gate x) * (up x) from one launch, with and
+    without the norm prologue."""
+    import cupy as cp
+
+    rng, seed = fresh_rng()
+    n_ff, n_in = shapes(type_name)[2]
+    gate, up = (mm.random_weight(T[type_name], n_ff, n_in, rng) for _ in range(2))
+    t = mm.interleave_rows(gate, up, "ffn_gate_up")
+    w = mm.make_weight(t, cp.asarray(mm.weight_layout(t, repack)), repack, glu=True)
+    ref_g, ref_u = (dequantize(p.raw_bytes(), p.ggml_type).astype(np.float64) for p in (gate, up))
+    x = rng.standard_normal(n_in).astype(np.float32)
+    y = nan_like(n_ff)
+    mm.gemv(w, cp.asarray(x), y)
+    (g, limit), (u, _) = gemv_ref(type_name, ref_g, x), gemv_ref(type_name, ref_u, x)
+    err = rel_err(y.get(), silu(g) * u)
+    assert err < 2 * limit, f"{type_name} {n_ff}x{n_in}: {err:.2e} (seed {seed})"
+    norm_w = (1 + 0.3 * rng.standard_normal(n_in)).astype(np.float32)
+    y = nan_like(n_ff)
+    mm.gemv(w, cp.asarray(x), y, norm=(cp.asarray(norm_w), 1e-6))
+    xn = rms_normed(x, norm_w, 1e-6)
+    err = rel_err(y.get(), silu(ref_g @ xn) * (ref_u @ xn))
+    assert err < (3 * LIMIT_Q8 if type_name in QUANTIZED else 2e-5), f"{type_name} with norm: {err:.2e} (seed {seed})"
+    with pytest.raises(ValueError, match="no residual"):
+        mm.gemv(w, cp.asarray(x), y, residual=y)
+
+
 @pytest.mark.cuda
 def test_gemv_rejects_bad_arguments():
     import cupy as cp
@@ -310,6 +384,50 @@ def test_matmul_gemv_path(n_tok, tensor_cores):
     mm.matmul(w, cp.asarray(X), Y, residual=Y)
     ref = np.stack([ref_w @ q8_rounded(row) for row in X]) + R
     assert rel_err(Y.get(), ref) < LIMIT_Q8_ROUNDED, f"seed {seed}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "BF16"])
+def test_matmul_fp16_input_and_fp16_weight_copy(type_name):
+    """X given in fp16, W from the fp16 copy made by make_half: the same products (and the
+    copy holds gguf's dequantized values, rounded to fp16)."""
+    import cupy as cp
+
+    rng, seed = fresh_rng()
+    n_tok, n_out, n_in = 37, 300, 512
+    w, ref_w = weight(type_name, n_out, n_in, rng, True)
+    X = rng.standard_normal((n_tok, n_in)).astype(np.float16)
+    ref = X.astype(np.float64) @ ref_w.T
+    scratch = cp.empty(mm.matmul_scratch_bytes([w], n_tok), cp.uint8)
+    assert mm.takes_half(w, n_tok) and not mm.takes_half(w, mm.GEMV_MAX_TOKENS)
+    Y = nan_like((n_tok, n_out))
+    mm.matmul(w, cp.asarray(X), Y, scratch=scratch)
+    assert rel_err(Y.get(), ref) < LIMIT_FP16, f"fp16 X (seed {seed})"
+    half = cp.full((n_out, n_in), cp.nan, cp.float16)
+    mm.make_half(w, half)
+    assert np.array_equal(half.get(), ref_w.astype(np.float16))
+    Y = nan_like((n_tok, n_out))
+    mm.matmul(w, cp.asarray(X), Y)  # no scratch needed any more
+    assert rel_err(Y.get(), ref) < LIMIT_FP16, f"fp16 copy (seed {seed})"
+    with pytest.raises(ValueError, match="takes float32 X"):
+        mm.matmul(w, cp.zeros((2, n_in), cp.float16), cp.zeros((2, n_out), cp.float32))
+
+
+@pytest.mark.cuda
+def test_matmul_of_a_glu_weight_gives_interleaved_products():
+    import cupy as cp
+
+    rng, seed = fresh_rng()
+    gate, up = (mm.random_weight(T.Q4_K, 300, 512, rng) for _ in range(2))
+    t = mm.interleave_rows(gate, up, "ffn_gate_up")
+    w = mm.make_weight(t, cp.asarray(mm.weight_layout(t, True)), True, glu=True)
+    X = rng.standard_normal((9, 512)).astype(np.float32)
+    Y = nan_like((9, 600))
+    mm.matmul(w, cp.asarray(X), Y, scratch=cp.empty(mm.matmul_scratch_bytes([w], 9), cp.uint8))
+    ref = X.astype(np.float64) @ dequantize(t.raw_bytes(), T.Q4_K).astype(np.float64).T
+    assert rel_err(Y.get(), ref) < LIMIT_FP16, f"seed {seed}"
+    with pytest.raises(ValueError, match="runs through gemv"):
+        mm.matmul(w, cp.asarray(X[:2]), Y[:2])
 
 
 @pytest.mark.cuda

@@ -55,6 +55,14 @@ def test_rms_norm(ops, rng, rows, n):
     assert rel_l2(xd.get(), want) < 1e-5
 
 
+def test_rms_norm_fp16_output(ops, rng):
+    x = (3 * rng.standard_normal((5, 2048))).astype(np.float32)
+    w = rng.standard_normal(2048).astype(np.float32)
+    y = cp.full((5, 2048), np.nan, cp.float16)
+    ops.rms_norm(cp.asarray(x), cp.asarray(w), y, 1e-6)
+    assert rel_l2(y.get(), reference.rms_norm(x.astype(np.float64), w.astype(np.float64), 1e-6)) < 1e-3
+
+
 ROPE_CASES = [
     # arch, head_dim, rope_dim, n_head, n_head_kv, n_tok, pos0, freq factors
     ("llama", 128, 128, 8, 2, 3, 17, False),
@@ -97,6 +105,28 @@ def test_rope_qk_store(ops, rng, arch, D, rope_dim, n_head, n_head_kv, n_tok, po
     assert np.isnan(vc[:pos0]).all() and np.isnan(vc[pos0 + n_tok :]).all()
 
 
+def test_rope_reads_stacked_product_columns(ops, rng):
+    """q, k, v as column views of one (n_tok, q_dim + 2 kv_dim) stacked product, q rotated into
+    its own buffer: the same results as from separate arrays."""
+    from runtime.cuda.backend import rope_inv_freq
+
+    n_tok, n_head, n_head_kv, D = 6, 4, 2, 64
+    cfg = tiny_config("llama", head_dim=D, rope_dim=D, n_head=n_head, n_head_kv=n_head_kv)
+    qkv = rng.standard_normal((n_tok, (n_head + 2 * n_head_kv) * D)).astype(np.float32)
+    q, k, v = np.split(qkv, [n_head * D, (n_head + n_head_kv) * D], axis=1)
+    args = (cp.asarray(rope_inv_freq(cfg, None)), cp.asarray([3], dtype=cp.int32), D, False, 1e-5)
+    want = cp.asarray(q.reshape(n_tok, n_head, D))
+    kc1, vc1 = cp.zeros((16, n_head_kv, D), cp.float16), cp.zeros((16, n_head_kv, D), cp.float16)
+    ops.rope_qk_store(want, cp.asarray(k), cp.asarray(v), kc1, vc1, None, None, *args)
+    d = cp.asarray(qkv)
+    q_out = nan_like((n_tok, n_head, D), cp.float32)
+    kc2, vc2 = cp.zeros_like(kc1), cp.zeros_like(vc1)
+    a, b = n_head * D, (n_head + n_head_kv) * D
+    ops.rope_qk_store(d[:, :a], d[:, a:b], d[:, b:], kc2, vc2, None, None, *args, q_out=q_out)
+    assert cp.array_equal(q_out, want) and cp.array_equal(kc2, kc1) and cp.array_equal(vc2, vc1)
+    assert cp.array_equal(d, cp.asarray(qkv))  # the product is only read
+
+
 def attention_reference(q, kc, vc, pos0):
     """q (T, H, D); kc, vc (n_ctx, Hkv, D) -> (T, H, D) float64, query t at pos0 + t, causal."""
     T, H, D = q.shape
@@ -122,6 +152,8 @@ ATTN_CASES = [
     (37, 50, 4, 2, 64, 100, False),
     (130, 0, 8, 2, 128, 200, False),
     (5, 300, 2, 1, 8, 400, False),
+    (70, 200, 4, 4, 256, 300, False),
+    (100, 900, 32, 4, 64, 1000, False),
 ]
 
 
@@ -137,10 +169,14 @@ def test_attention(ops, rng, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split):
     vc[:n_kv] = rng.standard_normal((n_kv, n_head_kv, D))
     n_split, split_len = attention_split(n_ctx, split)
     part = cp.empty((n_tok, n_head, n_split, D + 2), cp.float32) if n_split > 1 else None
-    out = nan_like((n_tok, n_head, D), cp.float32)
-    ops.attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, cp.asarray([pos0], dtype=cp.int32),
-                  n_split, split_len, part)
-    assert rel_l2(out.get(), attention_reference(q, kc, vc, pos0)) < 2e-5  # fp16 keys/values are exact on both sides
+    want = attention_reference(q, kc, vc, pos0)
+    for tiled in (True, False) if n_tok > 1 else (True,):  # attn_tiled for several queries, and the per-query kernel
+        ops.tiled = tiled
+        out = nan_like((n_tok, n_head, D), cp.float32)
+        ops.attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, cp.asarray([pos0], dtype=cp.int32),
+                      n_split, split_len, part)
+        assert rel_l2(out.get(), want) < 2e-5, f"tiled={tiled}"  # fp16 keys/values are exact on both sides
+    ops.tiled = True
 
 
 def test_attention_split_covers_context():
@@ -162,6 +198,21 @@ def test_swiglu(ops, rng, shape):
     gd = cp.asarray(g)
     ops.swiglu(gd, cp.asarray(u), gd)  # in place
     assert rel_l2(gd.get(), reference.silu(g.astype(np.float64)) * u) < 1e-5
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_swiglu_rows(ops, rng, interleaved):
+    n_tok, n_ff = 7, 1000
+    g = (4 * rng.standard_normal((n_tok, n_ff))).astype(np.float32)
+    u = rng.standard_normal((n_tok, n_ff)).astype(np.float32)
+    gu = np.stack([g, u], axis=2).reshape(n_tok, 2 * n_ff) if interleaved else np.concatenate([g, u], axis=1)
+    want = reference.silu(g.astype(np.float64)) * u
+    out = nan_like((n_tok, n_ff), cp.float32)
+    ops.swiglu_rows(cp.asarray(gu), out, interleaved)
+    assert rel_l2(out.get(), want) < 1e-5
+    out16 = cp.full((n_tok, n_ff), np.nan, cp.float16)
+    ops.swiglu_rows(cp.asarray(gu), out16, interleaved)
+    assert rel_l2(out16.get(), want) < 1e-3
 
 
 def test_set_i32(ops):

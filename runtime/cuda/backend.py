@@ -5,6 +5,14 @@ quantized block layout), buffers (all allocated at load), the forward pass (shar
 chunks and the decode step), the decode step (one CUDA graph, replayed every token), and the
 generation loop (on-device sampling, two-stream ping-pong readback).
 
+Fusions, each behind a flag (runtime/flags.py): attn_q/k/v rows stacked into one matrix per
+run of one ggml type, ffn_gate/up into one (K4_STACK); in decode, each RMSNorm folded into the
+matrix-vector product after it (K4_FUSE_NORM) and SwiGLU into the gate/up product, whose rows
+are interleaved for it (K4_FUSE_SWIGLU); programmatic dependent launch of every kernel of the
+decode graph (K4_PDL). A 7B decode step runs 6-7 kernels per layer. Prefill runs on fp16
+activations when every product takes them, from an fp16 copy of the weights when it fits
+(K4_PREFILL_F16_CACHE).
+
 Decode state lives on the device, (4,) int32 [tok, pos, ring_count, draw] (ops.ST_*): the token
 the next step evaluates, its position (= n_past), the tokens pushed into the repeat-penalty
 ring, and the draws made (the RNG step). The decode step reads and advances it itself, so the
@@ -59,24 +67,47 @@ def require_cuda() -> None:
 
 
 @dataclass
+class Projection:
+    """One matrix product of a layer whose weight stacks the rows of one or more GGUF tensors.
+
+    w: matmul.DeviceWeight (n_out, n_in); bias: (n_out,) f32 or None (qwen2's q/k/v biases,
+    concatenated); parts: (name, rows) of each stacked tensor in order ("q", "k", "v", "gate",
+    "up"; "gate_up" for a glu weight, interleaved); out: (P, n_out) f32 view of the scratch
+    buffer it writes; cols: per part name, the (P, rows) column view of out.
+    """
+
+    w: object
+    bias: object
+    parts: tuple[tuple[str, int], ...]
+    out: object = None
+    cols: dict = None
+
+
+@dataclass
 class LayerWeights:
     """One block's weights on the device. Matrices are matmul.DeviceWeight (n_out, n_in);
     vectors are f32 CuPy arrays."""
 
     attn_norm: object  # (n_embd,)
-    wq: object  # (q_dim, n_embd)
-    wk: object  # (kv_dim, n_embd)
-    wv: object  # (kv_dim, n_embd)
+    qkv: tuple  # Projections covering q (q_dim rows), k, v (kv_dim each), in that order
     wo: object  # (n_embd, q_dim)
     ffn_norm: object  # (n_embd,)
-    w_gate: object  # (n_ff, n_embd)
-    w_up: object  # (n_ff, n_embd)
+    gate_up: tuple  # Projections covering gate and up (n_ff rows each): one glu, one stacked, or two
     w_down: object  # (n_embd, n_ff)
-    bq: object = None  # (q_dim,) qwen2
-    bk: object = None  # (kv_dim,)
-    bv: object = None  # (kv_dim,)
     q_norm: object = None  # (head_dim,) qwen3
     k_norm: object = None  # (head_dim,)
+
+
+def runs_of_one_type(types: Sequence, stack: bool) -> list[list[int]]:
+    """Indices 0..len(types)-1 grouped into runs of consecutive equal types (each alone when not
+    `stack`): the matrices that can share one stacked weight."""
+    groups: list[list[int]] = []
+    for i, t in enumerate(types):
+        if stack and groups and types[groups[-1][-1]] == t:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def check_shapes(cfg: ModelConfig) -> None:
@@ -113,7 +144,8 @@ class CudaBackend(TokenCache):
         self.flags = Flags()
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.copy_stream = cp.cuda.Stream(non_blocking=True)
-        self.ops = ops.Ops(self.trace)
+        self.ops = ops.Ops(self.trace, self.flags.on("K4_PDL"), self.flags.on("K4_TILED_ATTN"))
+        self.fuse_norm = self.flags.on("K4_FUSE_NORM")
         self.mem = memory.DeviceMemory(self.trace)
         self.chunk = min(n_ctx, PREFILL_CHUNK)
         self.n_split, self.split_len = ops.attention_split(n_ctx, self.flags.on("K4_SPLIT_ATTN"))
@@ -121,6 +153,7 @@ class CudaBackend(TokenCache):
             memory.check_fits(self._weight_bytes(mf), self._kv_bytes(), self._scratch_bytes(), n_ctx, memory.free_bytes())
             self._load_weights(mf, progress)
             self._alloc_buffers()
+            self._half_weights()
             self.ops.compile_all()
             self.graph = None
             self._warm_up()
@@ -139,37 +172,63 @@ class CudaBackend(TokenCache):
 
     def _scratch_bytes(self) -> int:
         cfg, P = self.config, self.chunk
-        rows = 3 * cfg.n_embd + 2 * cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.n_ff + cfg.n_vocab
+        rows = 4 * cfg.n_embd + 3 * cfg.q_dim + 2 * cfg.kv_dim + 4 * cfg.n_ff + cfg.n_vocab
         part = cfg.n_head * self.n_split * (cfg.head_dim + 2) if self.n_split > 1 else 0
         return 4 * (P * rows + part + self.n_ctx + RING_MIN + 2 * cfg.n_vocab)
 
     # ---- weights --------------------------------------------------------------------------------
+    def _upload_matrix(self, up, t, repack: bool, glu: bool = False):
+        host = matmul.weight_layout(t, repack)  # (nbytes,) uint8
+        buf = self.mem.empty(host.nbytes, cp.uint8, "weights")
+        up.upload(buf, host)
+        return matmul.make_weight(t, buf, repack, glu)
+
+    def _upload_vector(self, up, host: np.ndarray):
+        buf = self.mem.empty(host.shape, host.dtype, "weights")
+        up.upload(buf, host)
+        return buf
+
+    def _projections(self, mf: ModelFile, up, repack: bool, names: Sequence[str], parts: Sequence[str],
+                     glu: bool) -> tuple:
+        """Upload GGUF matrices `names` (one layer's, in order) as Projections: each run of one
+        ggml type stacked when K4_STACK (glu: the two, gate and up, interleaved), with their
+        biases (name with .bias) concatenated."""
+        tensors = [mf.tensor(n) for n in names]
+        if glu:
+            t = matmul.interleave_rows(tensors[0], tensors[1], names[0])
+            return (Projection(self._upload_matrix(up, t, repack, glu=True), None, (("gate_up", t.shape[0]),)),)
+        out = []
+        for run in runs_of_one_type([t.ggml_type for t in tensors], self.flags.on("K4_STACK")):
+            group = [tensors[i] for i in run]
+            t = group[0] if len(group) == 1 else matmul.stack_rows(group, names[run[0]])
+            biases = [names[i].replace(".weight", ".bias") for i in run]
+            bias = None
+            if biases[0] in mf.tensors:
+                bias = self._upload_vector(up, np.concatenate([dequantize_tensor(mf.tensor(b)) for b in biases]))
+            out.append(Projection(self._upload_matrix(up, t, repack), bias, tuple((parts[i], tensors[i].shape[0]) for i in run)))
+        return tuple(out)
+
     def _load_weights(self, mf: ModelFile, progress) -> None:
         """Upload every tensor the forward pass reads, quantized matrices in their block layout
-        (repacked when K4_REPACK), vectors as f32."""
+        (repacked when K4_REPACK; q/k/v and gate/up stacked or interleaved, see _projections),
+        vectors as f32."""
         cfg = self.config
         repack = self.flags.on("K4_REPACK")
         up = memory.Uploader(self.trace, self.copy_stream, self._weight_bytes(mf), self.flags.on("K4_PINNED_UPLOAD"), progress)
         dev: dict[str, object] = {}
         for name, shape in expected_shapes(cfg).items():
+            if name.startswith("blk.") and name.split(".")[2] in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"):
+                continue  # uploaded as projections below
             t = mf.tensor(name)
             if len(shape) == 2:
-                host = matmul.weight_layout(t, repack)  # (nbytes,) uint8
-                buf = self.mem.empty(host.nbytes, cp.uint8, "weights")
-                up.upload(buf, host)
-                dev[name] = matmul.make_weight(t, buf, repack)
+                dev[name] = self._upload_matrix(up, t, repack)
             else:
                 host = dequantize_tensor(t)  # (n,) f32
                 if name == "rope_freqs.weight":
                     host = rope_inv_freq(cfg, host)  # (rope_dim/2,) f64
-                buf = self.mem.empty(host.shape, host.dtype, "weights")
-                up.upload(buf, host)
-                dev[name] = buf
+                dev[name] = self._upload_vector(up, host)
         if not cfg.has_rope_freqs:
-            host = rope_inv_freq(cfg, None)
-            dev["rope_freqs.weight"] = self.mem.empty(host.shape, host.dtype, "weights")
-            up.upload(dev["rope_freqs.weight"], host)
-        up.finish()
+            dev["rope_freqs.weight"] = self._upload_vector(up, rope_inv_freq(cfg, None))
         self.token_embd = dev["token_embd.weight"]
         self.output = dev["token_embd.weight" if cfg.tied_embeddings else "output.weight"]
         self.output_norm = dev["output_norm.weight"]
@@ -177,11 +236,26 @@ class CudaBackend(TokenCache):
         self.layers = []
         for i in range(cfg.n_layer):
             g = lambda n: dev.get(f"blk.{i}.{n}")  # noqa: E731
-            self.layers.append(LayerWeights(
-                g("attn_norm.weight"), g("attn_q.weight"), g("attn_k.weight"), g("attn_v.weight"), g("attn_output.weight"),
-                g("ffn_norm.weight"), g("ffn_gate.weight"), g("ffn_up.weight"), g("ffn_down.weight"),
-                g("attn_q.bias"), g("attn_k.bias"), g("attn_v.bias"), g("attn_q_norm.weight"), g("attn_k_norm.weight"),
-            ))
+            qkv = self._projections(mf, up, repack, [f"blk.{i}.attn_{p}.weight" for p in "qkv"], "qkv", glu=False)
+            ffn = [f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"]
+            glu = self.flags.on("K4_FUSE_SWIGLU") and mf.tensor(ffn[0]).ggml_type == mf.tensor(ffn[1]).ggml_type
+            gate_up = self._projections(mf, up, repack, ffn, ("gate", "up"), glu)
+            self.layers.append(LayerWeights(g("attn_norm.weight"), qkv, g("attn_output.weight"), g("ffn_norm.weight"), gate_up,
+                                            g("ffn_down.weight"), g("attn_q_norm.weight"), g("attn_k_norm.weight")))
+        up.finish()
+        self.matrices = [self.output] + [w for L in self.layers for w in (*(p.w for p in L.qkv + L.gate_up), L.wo, L.w_down)]
+
+    def _half_weights(self) -> None:
+        """With K4_PREFILL_F16_CACHE, keep an fp16 copy of every matrix prefill multiplies on
+        tensor cores (matmul.make_half) when all of them take under a quarter of the free GPU
+        memory, so prefill skips dequantization; otherwise leave them (no error)."""
+        todo = [w for w in self.matrices if matmul.half_bytes(w) and matmul.takes_half(w, self.chunk)]
+        need = sum(matmul.half_bytes(w) for w in {id(w): w for w in todo}.values())
+        if not (self.flags.on("K4_PREFILL_F16_CACHE") and todo and need < memory.free_bytes() // 4):
+            return
+        for w in todo:
+            if w.half is None:
+                matmul.make_half(w, self.mem.empty(w.shape, cp.float16, "prefill_f16"), self.stream, self.trace)
 
     # ---- buffers --------------------------------------------------------------------------------
     def _alloc_buffers(self) -> None:
@@ -192,12 +266,16 @@ class CudaBackend(TokenCache):
         self.x0 = m.empty((P, cfg.n_embd), f32, "scratch")  # residual stream
         self.x1 = m.empty((P, cfg.n_embd), f32, "scratch")  # residual stream after attention
         self.h = m.empty((P, cfg.n_embd), f32, "scratch")  # normalized input of a projection
-        self.q = m.empty((P, cfg.n_head, cfg.head_dim), f32, "scratch")
-        self.k = m.empty((P, cfg.n_head_kv, cfg.head_dim), f32, "scratch")
-        self.v = m.empty((P, cfg.n_head_kv, cfg.head_dim), f32, "scratch")
+        self.h16 = m.empty((P, cfg.n_embd), cp.float16, "scratch")  # the same in fp16 (prefill on tensor cores)
+        qkv = m.empty((P * (cfg.q_dim + 2 * cfg.kv_dim),), f32, "scratch")  # q, k, v products, packed per layer
+        gu = m.empty((P * 2 * cfg.n_ff,), f32, "scratch")  # gate and up products
+        for L in self.layers:
+            self._place(L.qkv, qkv)
+            self._place(L.gate_up, gu)
+        self.q = m.empty((P, cfg.n_head, cfg.head_dim), f32, "scratch")  # q after RoPE
         self.attn = m.empty((P, cfg.n_head, cfg.head_dim), f32, "scratch")
-        self.gate = m.empty((P, cfg.n_ff), f32, "scratch")
-        self.up = m.empty((P, cfg.n_ff), f32, "scratch")
+        self.ff = m.empty((P, cfg.n_ff), f32, "scratch")  # silu(gate) * up
+        self.ff16 = m.empty((P, cfg.n_ff), cp.float16, "scratch")
         self.logits = m.empty((P, cfg.n_vocab), f32, "scratch")
         self.part = m.empty((1, cfg.n_head, self.n_split, cfg.head_dim + 2), f32, "scratch") if self.n_split > 1 else None
         kv_shape = (cfg.n_layer, self.n_ctx, cfg.n_head_kv, cfg.head_dim)
@@ -213,11 +291,23 @@ class CudaBackend(TokenCache):
         self.part_val = m.empty((n_part,), f32, "scratch")
         self.part_idx = m.empty((n_part,), cp.int32, "scratch")
         self.ring = m.zeros((RING_MIN,), cp.int32, "scratch")
-        weights = [self.token_embd, self.output] + [w for L in self.layers for w in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down)]
-        self.mm_scratch = m.empty((matmul.matmul_scratch_bytes(weights, P),), cp.uint8, "scratch")
+        self.mm_scratch = m.empty((matmul.matmul_scratch_bytes(self.matrices, P),), cp.uint8, "scratch")
         self.staging = memory.PinnedBuffer(4 * (self.n_ctx + RING_MIN) + 8 * ops.SAMPLER_PARAM_WORDS)
         self.slots = [memory.PinnedBuffer(4), memory.PinnedBuffer(4)]  # int32 readback slots, one event each
         self.computed = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(2)]
+
+    def _place(self, projections: tuple, flat: cp.ndarray) -> None:
+        """Give each projection of one layer its output view: consecutive (P, n_out) blocks of
+        `flat`, and the column view of each part."""
+        P, off = self.chunk, 0
+        for p in projections:
+            n_out = p.w.shape[0]
+            p.out = flat[P * off : P * (off + n_out)].reshape(P, n_out)
+            p.cols, col = {}, 0
+            for name, rows in p.parts:
+                p.cols[name] = p.out[:, col : col + rows]
+                col += rows
+            off += n_out
 
     def _grow_ring(self, n: int) -> None:
         """Make the token ring hold at least n ids (a larger repeat_last_n); the decode graph is re-captured."""
@@ -229,48 +319,84 @@ class CudaBackend(TokenCache):
             self._capture()
 
     # ---- forward --------------------------------------------------------------------------------
-    def _linear(self, w, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None, bias=None) -> None:
-        """Y = X W^T (+ bias) (+ residual). X: (n, n_in), Y and residual: (n, n_out) f32 views.
-        One row: matmul.gemv; more: matmul.matmul (tensor cores unless K4_PREFILL_TC=0)."""
+    def _linear(self, w, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None, bias=None, norm=None) -> None:
+        """Y = X W^T (+ bias) (+ residual). X: (n, n_in) f32 (or fp16 on the tensor-core path),
+        Y and residual: (n, n_out) f32 views; a glu weight yields silu(gate) * up, (n, n_out / 2),
+        on one row. One row: matmul.gemv, with norm = (norm_w, eps) folded into it; more:
+        matmul.matmul (tensor cores unless K4_PREFILL_TC=0)."""
         if X.shape[0] == 1:
-            matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, stream=self.stream,
-                        trace=self.ops.trace)
+            matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, norm=norm,
+                        stream=self.stream, trace=self.ops.trace)
         else:
             matmul.matmul(w, X, Y, residual=residual, bias=bias, scratch=self.mm_scratch, stream=self.stream, trace=self.ops.trace)
+
+    def _normed(self, x: cp.ndarray, norm_w: cp.ndarray, half: bool):
+        """The input of the products after an RMSNorm of x (n, n_embd): (X, norm) for _linear.
+        One row with K4_FUSE_NORM: x itself, the norm folded into the product; otherwise the
+        norm kernel's output, fp16 when `half`."""
+        n = x.shape[0]
+        if n == 1 and self.fuse_norm:
+            return x, (norm_w, self.config.rms_eps)
+        h = (self.h16 if half else self.h)[:n]
+        self.ops.rms_norm(x, norm_w, h, self.config.rms_eps)
+        return h, None
+
+    def _half(self, n: int) -> bool:
+        """Whether a forward pass of n tokens runs on fp16 activations: every product of it takes
+        them (matmul.takes_half)."""
+        return all(matmul.takes_half(w, n) for w in self.matrices)
 
     def _forward(self, n: int, row_ids: cp.ndarray) -> cp.ndarray:
         """Enqueue the layers for n tokens (ids row_ids (n,) int32 on the device) at positions
         state[pos] .. state[pos] + n - 1, writing their keys/values into the cache.
         Returns the residual stream (n, n_embd) f32 after the last layer."""
         cfg, o = self.config, self.ops
-        x, x1, h = self.x0[:n], self.x1[:n], self.h[:n]  # (n, n_embd) each
-        q, k, v, attn = self.q[:n], self.k[:n], self.v[:n], self.attn[:n]  # (n, heads, head_dim)
-        gate, up = self.gate[:n], self.up[:n]  # (n, n_ff)
+        x, x1 = self.x0[:n], self.x1[:n]  # (n, n_embd) each
+        q, attn = self.q[:n], self.attn[:n]  # (n, n_head, head_dim)
+        half = n > 1 and self._half(n)
+        ff = (self.ff16 if half else self.ff)[:n]  # (n, n_ff)
         n_split = self.n_split if n == 1 else 1
         matmul.dequant_rows(self.token_embd, row_ids, x, stream=self.stream, trace=o.trace)
         for li, L in enumerate(self.layers):
             # attention: norm, q/k/v projections (+bias), [q/k norm] + RoPE + cache store, attention, output + residual
-            o.rms_norm(x, L.attn_norm, h, cfg.rms_eps)
-            self._linear(L.wq, h, q.reshape(n, cfg.q_dim), bias=L.bq)
-            self._linear(L.wk, h, k.reshape(n, cfg.kv_dim), bias=L.bk)
-            self._linear(L.wv, h, v.reshape(n, cfg.kv_dim), bias=L.bv)
-            o.rope_qk_store(q, k, v, self.k_cache[li], self.v_cache[li], L.q_norm, L.k_norm, self.inv_freq, self.pos_view,
-                            cfg.rope_dim, cfg.rope_neox, cfg.rms_eps)
+            h, norm = self._normed(x, L.attn_norm, half)
+            cols = {}
+            for p in L.qkv:
+                self._linear(p.w, h, p.out[:n], bias=p.bias, norm=norm)
+                cols.update({name: c[:n] for name, c in p.cols.items()})
+            o.rope_qk_store(cols["q"], cols["k"], cols["v"], self.k_cache[li], self.v_cache[li], L.q_norm, L.k_norm,
+                            self.inv_freq, self.pos_view, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps, q_out=q)
             o.attention(q, self.k_cache[li], self.v_cache[li], attn, self.pos_view, n_split, self.split_len, self.part)
             self._linear(L.wo, attn.reshape(n, cfg.q_dim), x1, residual=x)
-            # feed-forward: norm, gate and up, SwiGLU, down + residual
-            o.rms_norm(x1, L.ffn_norm, h, cfg.rms_eps)
-            self._linear(L.w_gate, h, gate)
-            self._linear(L.w_up, h, up)
-            o.swiglu(gate, up, gate)
-            self._linear(L.w_down, gate, x, residual=x1)
+            # feed-forward: norm, gate and up with SwiGLU, down + residual
+            self._gate_up(L, x1, ff, half)
+            self._linear(L.w_down, ff, x, residual=x1)
         return x
+
+    def _gate_up(self, L: LayerWeights, x1: cp.ndarray, ff: cp.ndarray, half: bool) -> None:
+        """ff (n, n_ff) = silu(gate) * up of rmsnorm(x1 (n, n_embd)) * ffn_norm: in the product's
+        epilogue for a glu weight on the matrix-vector path, else by the swiglu kernel."""
+        n = x1.shape[0]
+        h, norm = self._normed(x1, L.ffn_norm, half)
+        if len(L.gate_up) == 2:  # separate gate and up
+            g, u = (p.out[:n] for p in L.gate_up)
+            self._linear(L.gate_up[0].w, h, g, norm=norm)
+            self._linear(L.gate_up[1].w, h, u, norm=norm)
+            self.ops.swiglu(g, u, ff)
+            return
+        p = L.gate_up[0]
+        if p.w.glu and matmul.uses_gemv(p.w, n):
+            for i in range(n):  # the matrix-vector path: SwiGLU in the epilogue
+                self._linear(p.w, h[i : i + 1], ff[i : i + 1], norm=norm)
+            return
+        self._linear(p.w, h, p.out[:n], norm=norm)
+        self.ops.swiglu_rows(p.out[:n], ff, interleaved=p.w.glu)
 
     def _output(self, x: cp.ndarray, logits: cp.ndarray) -> None:
         """logits (n, n_vocab) = output · rmsnorm(x (n, n_embd)) * output_norm."""
-        h = self.h[: x.shape[0]]
-        self.ops.rms_norm(x, self.output_norm, h, self.config.rms_eps)
-        self._linear(self.output, h, logits)
+        n = x.shape[0]
+        h, norm = self._normed(x, self.output_norm, n > 1 and self._half(n))
+        self._linear(self.output, h, logits, norm=norm)
 
     def _upload(self, ids: list[int], window: list[int] | None = None, params: SamplingParams | None = None) -> None:
         """Stage the token ids of one call (and, for generate, the repeat-penalty window and the

@@ -10,9 +10,12 @@ and kernels_cu/matmul.cu, their per-type decoders in kernels_cu/common.cuh.
 
 decode, y = W @ x: one kernel. Quantized types quantize x to 8 bits per 32 values inside each
 thread block (llama.cpp's q8_1 idea) and use integer dot products; F32/F16/BF16 use float x.
+The kernel can fold the RMSNorm of x into its prologue (`norm=`) and, for a weight whose rows
+interleave ffn_gate and ffn_up (interleave_rows, DeviceWeight.glu), apply SwiGLU in its epilogue.
 prefill, Y = X @ W^T: W is dequantized to fp16 a row range at a time (<= 32 MiB, so it stays in
-L2) and multiplied by cuBLAS on tensor cores (fp16 inputs, fp32 accumulation and output); with
-K4_PREFILL_TC=0, or for a few tokens, it is one gemv per token instead.
+L2) and multiplied by cuBLAS on tensor cores (fp16 inputs, fp32 accumulation and output), or
+read from a whole fp16 copy made at load (make_half, DeviceWeight.half); X may come in fp16
+already. With K4_PREFILL_TC=0, or for a few tokens, it is one gemv per token instead.
 
 Measured on one H200 (copy 4.17 TB/s; gemv in CUDA graphs with PDL, weights streamed from
 memory): Q4_K 4096x4096 4.8 µs (1.97 TB/s), 11008x4096 9.0 µs (2.8 TB/s), 32000x4096 21.9 µs
@@ -54,19 +57,21 @@ class QuantKernels:
     groups:  byte offsets cutting a block into the planes of the planar layout (ggml-common.h
              field offsets; the last one is the block size).
     gemv:    (WARPS, U) of the gemv_q8 instance used: warps per block, chunks in flight per lane.
+    glu:     (WARPS, U) of the SwiGLU-epilogue instance (Q8_0 holds fewer chunks: more spill).
     """
 
     decoder: str
     groups: tuple[int, ...]
     gemv: tuple[int, int]
+    glu: tuple[int, int]
 
 
 QUANT: dict[T, QuantKernels] = {
-    T.Q4_K: QuantKernels("type_q4_K", (0, 16, 144), (16, 2)),          # d dmin scales | qs
-    T.Q5_K: QuantKernels("type_q5_K", (0, 16, 48, 176), (32, 1)),      # d dmin scales | qh | qs
-    T.Q6_K: QuantKernels("type_q6_K", (0, 128, 192, 208, 210), (32, 1)),  # ql | qh | scales | d
-    T.Q8_0: QuantKernels("type_q8_0", (0, 2, 34), (32, 4)),            # d | qs
-    T.Q5_0: QuantKernels("type_q5_0", (0, 2, 6, 22), (32, 4)),         # d | qh | qs
+    T.Q4_K: QuantKernels("type_q4_K", (0, 16, 144), (16, 2), (16, 2)),          # d dmin scales | qs
+    T.Q5_K: QuantKernels("type_q5_K", (0, 16, 48, 176), (32, 1), (32, 1)),      # d dmin scales | qh | qs
+    T.Q6_K: QuantKernels("type_q6_K", (0, 128, 192, 208, 210), (32, 1), (32, 1)),  # ql | qh | scales | d
+    T.Q8_0: QuantKernels("type_q8_0", (0, 2, 34), (32, 4), (32, 2)),            # d | qs
+    T.Q5_0: QuantKernels("type_q5_0", (0, 2, 6, 22), (32, 4), (32, 4)),         # d | qh | qs
 }
 # Unquantized types: C++ decoder and bytes per weight.
 FLOAT: dict[T, tuple[str, int]] = {T.F32: ("type_f32", 4), T.F16: ("type_f16", 2), T.BF16: ("type_bf16", 2)}
@@ -85,12 +90,12 @@ def _bool(b: bool) -> str:
     return "true" if b else "false"
 
 
-def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int]) -> str:
-    return f"gemv_q8<{QUANT[t].decoder}, {_bool(planar)}, {variant[0]}, {variant[1]}>"
+def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int], glu: bool = False) -> str:
+    return f"gemv_q8<{QUANT[t].decoder}, {_bool(planar)}, {variant[0]}, {variant[1]}, {_bool(glu)}>"
 
 
-def _gemv_f_name(t: T, vec: bool) -> str:
-    return f"gemv_f<{FLOAT[t][0]}, {FLOAT_GEMV[0]}, {FLOAT_GEMV[1]}, {_bool(vec)}>"
+def _gemv_f_name(t: T, vec: bool, glu: bool = False) -> str:
+    return f"gemv_f<{FLOAT[t][0]}, {FLOAT_GEMV[0]}, {FLOAT_GEMV[1]}, {_bool(vec)}, {_bool(glu)}>"
 
 
 def _dequant_name(t: T, planar: bool, out: str) -> str:
@@ -101,7 +106,8 @@ def _dequant_name(t: T, planar: bool, out: str) -> str:
 
 GEMV_NAMES = tuple(
     [_gemv_q8_name(t, p, v) for t, q in QUANT.items() for v in (q.gemv, *EXTRA_GEMV_VARIANTS.get(t, ())) for p in (False, True)]
-    + [_gemv_f_name(t, vec) for t in FLOAT for vec in (True, False)]
+    + [_gemv_q8_name(t, p, q.glu, True) for t, q in QUANT.items() for p in (False, True)]
+    + [_gemv_f_name(t, vec, glu) for t in FLOAT for vec in (True, False) for glu in (False, True)]
 )
 MATMUL_NAMES = tuple(
     [_dequant_name(t, p, out) for t in QUANT for p in (False, True) for out in ("float", "u16")]
@@ -175,15 +181,31 @@ def stack_rows(tensors: Sequence[Tensor], name: str) -> Tensor:
     return Tensor(name, first.ggml_type, (sum(t.shape[0] for t in tensors), first.shape[1]), raw)
 
 
+def interleave_rows(gate: Tensor, up: Tensor, name: str) -> Tensor:
+    """One matrix of shape (2 n_ff, n_in) whose row 2i is gate's row i and row 2i + 1 up's row i
+    (ffn_gate, ffn_up), the layout of a DeviceWeight with glu=True: the gemv SwiGLU epilogue
+    finds both rows of an output in one warp. Encoded bytes, a host copy. Raises ValueError
+    unless both are matrices of one ggml type and one shape."""
+    for t in (gate, up):
+        _check_matrix(t)
+    if gate.ggml_type != up.ggml_type or gate.shape != up.shape:
+        raise ValueError(f"cannot interleave {gate.name} ({gate.type_name} {gate.shape}) with {up.name} ({up.type_name} {up.shape})")
+    raw = np.stack([gate.raw_bytes(), up.raw_bytes()], axis=1)  # (n_ff, 2, bytes_per_row)
+    return Tensor(name, gate.ggml_type, (2 * gate.shape[0], gate.shape[1]), raw.reshape(2 * gate.shape[0], -1))
+
+
 # ---- device weights ----------------------------------------------------------------------------
 
 @dataclass(eq=False)
 class DeviceWeight:
     """A weight matrix on the GPU in its quantized (raw or planar) layout.
 
-    ggml_type: GGMLQuantizationType; shape: (n_out, n_in); data: cupy uint8 array (nbytes,);
-    planar: repacked layout; prefill_tc: matmul uses tensor cores (flag K4_PREFILL_TC);
-    pdl: gemv launches with programmatic dependent launch by default (flag K4_PDL).
+    ggml_type: GGMLQuantizationType; shape: (n_out, n_in) as stored; data: cupy uint8 array
+    (nbytes,); planar: repacked layout; prefill_tc: matmul uses tensor cores (flag
+    K4_PREFILL_TC); pdl: gemv launches with programmatic dependent launch by default (flag
+    K4_PDL); glu: the rows interleave ffn_gate and ffn_up (interleave_rows), so gemv yields
+    silu(gate) * up, (n_out / 2,), and matmul the interleaved (n_tok, n_out) products;
+    half: None or a cupy float16 (n_out, n_in) copy that matmul multiplies directly (make_half).
     """
 
     ggml_type: T
@@ -192,6 +214,8 @@ class DeviceWeight:
     planar: bool
     prefill_tc: bool = True
     pdl: bool = True
+    glu: bool = False
+    half: object = None
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -204,11 +228,12 @@ class DeviceWeight:
         return self.shape[0] * self.shape[1] // GGML_QUANT_SIZES[self.ggml_type][0]
 
 
-def make_weight(t: Tensor, device_bytes, repack: bool) -> DeviceWeight:
-    """Wrap `device_bytes` (cupy uint8, 1-D, the upload of weight_layout(t, repack)) as a DeviceWeight.
+def make_weight(t: Tensor, device_bytes, repack: bool, glu: bool = False) -> DeviceWeight:
+    """Wrap `device_bytes` (cupy uint8, 1-D, the upload of weight_layout(t, repack)) as a
+    DeviceWeight; glu: t comes from interleave_rows.
 
     Raises ValueError when the bytes do not match the layout's size or `t` is not a matrix k4
-    can multiply (see weight_layout).
+    can multiply (see weight_layout), or a glu matrix has an odd number of rows.
     """
     n_out, n_in = _check_matrix(t)
     planar = bool(repack and t.ggml_type in QUANT)
@@ -217,8 +242,30 @@ def make_weight(t: Tensor, device_bytes, repack: bool) -> DeviceWeight:
     expect = planar_nbytes(t.ggml_type, nblk) if planar else nblk * size
     if device_bytes.dtype != np.uint8 or device_bytes.ndim != 1 or device_bytes.nbytes != expect:
         raise ValueError(f"{t.name}: device bytes must be uint8 of shape ({expect},), got {device_bytes.dtype} {device_bytes.shape}")
+    if glu and n_out % 2:
+        raise ValueError(f"{t.name}: a gate/up interleaved matrix needs an even number of rows, got {n_out}")
     f = flags.current()
-    return DeviceWeight(t.ggml_type, (n_out, n_in), device_bytes, planar, f.on("K4_PREFILL_TC"), f.on("K4_PDL"))
+    return DeviceWeight(t.ggml_type, (n_out, n_in), device_bytes, planar, f.on("K4_PREFILL_TC"), f.on("K4_PDL"), glu)
+
+
+def half_bytes(w: DeviceWeight) -> int:
+    """Device bytes of an fp16 copy of w (make_half); 0 for types matmul reads directly (F32, F16)."""
+    return 0 if w.ggml_type in (T.F32, T.F16) else 2 * w.shape[0] * w.shape[1]
+
+
+def make_half(w: DeviceWeight, out, stream=None, trace: Trace | None = None) -> None:
+    """Dequantize all of w into `out` (cupy float16, (n_out, n_in), contiguous) and keep it as
+    w.half, so matmul (prefill) skips the per-call dequantization. Values round as gguf's numpy
+    dequantize followed by a cast to float16. Raises ValueError on a wrong `out` or a type
+    with no copy (half_bytes(w) == 0)."""
+    if half_bytes(w) == 0:
+        raise ValueError(f"{w.ggml_type.name} weights are multiplied as they are; they need no fp16 copy")
+    _check_array("out", out, w.shape, np.float16)
+    rows = _chunk_rows(w)
+    for r0 in range(0, w.shape[0], rows):
+        n = min(rows, w.shape[0] - r0)
+        _dequant_launch(w, None, r0, n, out[r0 : r0 + n], "u16", stream, trace)
+    w.half = out
 
 
 def _device_limits() -> tuple[int, int]:
@@ -241,26 +288,29 @@ def _blocks_per_sm(kernel, threads: int, smem: int) -> int:
     return max(1, min(2048 // threads, 65536 // (regs * threads), (228 << 10) // (smem + (1 << 10))))
 
 
-def _gemv_plan(w: DeviceWeight, variant: tuple[int, int] | None = None):
-    """(kernel, grid, block, shared_mem) for gemv on w, cached per variant. The grid is as many
-    blocks as fit on the GPU at once, but at most one per row."""
-    plan = w._plans.get(variant)
+def _gemv_plan(w: DeviceWeight, variant: tuple[int, int] | None = None, norm: bool = False):
+    """(kernel, grid, block, shared_mem) for gemv on w, cached per variant and norm prologue.
+    The grid is as many blocks as fit on the GPU at once, but at most one per output."""
+    plan = w._plans.get((variant, norm))
     if plan is not None:
         return plan
     n_out, n_in = w.shape
+    if w.glu:
+        n_out //= 2
     if w.ggml_type in QUANT:
-        warps, u = variant or QUANT[w.ggml_type].gemv
-        kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, (warps, u)))
+        q = QUANT[w.ggml_type]
+        warps, u = variant or (q.glu if w.glu else q.gemv)
+        kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, (warps, u), w.glu))
         smem = _q8x_smem(n_in)
-        if smem > 48 << 10:
-            kernel.max_dynamic_shared_size_bytes = smem
     else:
         warps = FLOAT_GEMV[0]
-        kernel = _kernel("gemv.cu", _gemv_f_name(w.ggml_type, (n_in * FLOAT[w.ggml_type][1]) % 16 == 0))
-        smem = 0
+        kernel = _kernel("gemv.cu", _gemv_f_name(w.ggml_type, (n_in * FLOAT[w.ggml_type][1]) % 16 == 0, w.glu))
+        smem = 4 * n_in if norm else 0
+    if smem > 48 << 10:
+        kernel.max_dynamic_shared_size_bytes = smem
     grid = min(_device_limits()[0] * _blocks_per_sm(kernel, 32 * warps, smem), n_out)
     plan = (kernel, (grid,), (32 * warps,), smem)
-    w._plans[variant] = plan
+    w._plans[(variant, norm)] = plan
     return plan
 
 
@@ -288,29 +338,40 @@ def _capturing(stream) -> bool:
     return (stream or cp.cuda.get_current_stream()).is_capturing()
 
 
-def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, stream=None, trace: Trace | None = None,
+def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=None, trace: Trace | None = None,
          variant: tuple[int, int] | None = None, pdl: bool | None = None) -> None:
-    """y = w @ x (+ bias) (+ residual), one kernel launch.
+    """y = w @ x (+ bias) (+ residual), one kernel launch; with w.glu, y = silu(gate @ x) * (up @ x).
 
-    x: (n_in,) float32, 16-byte aligned; y: (n_out,) float32; residual: (n_out,) float32 or
-    None, may be y itself (in-place residual add); bias: (n_out,) float32 or None. All cupy
-    arrays, contiguous. `variant` (WARPS, U) picks another compiled gemv_q8 instance (see
-    EXTRA_GEMV_VARIANTS); `pdl` launches with programmatic dependent launch (runtime.cuda.launch;
-    default: w.pdl while the stream is being captured into a CUDA graph): the kernel then starts
-    while the previous one drains, prefetching its weights, and waits for it before reading x
-    or writing y. Quantized weights compute with x quantized to 8 bits per 32 values
-    (relative error about 5e-3 on random data); float weights in float32.
+    x: (n_in,) float32, 16-byte aligned; y: (n_out,) float32, (n_out / 2,) for w.glu;
+    residual: like y or None, may be y itself (in-place residual add); bias: like y or None;
+    neither with w.glu. norm: None or (norm_w, eps), norm_w (n_in,) float32: x is replaced by
+    RMSNorm(x) * norm_w, computed in the kernel's prologue (the norm kernel folded in; n_in a
+    multiple of 4). All cupy arrays, contiguous. `variant` (WARPS, U) picks another compiled
+    gemv_q8 instance (see EXTRA_GEMV_VARIANTS); `pdl` launches with programmatic dependent launch
+    (runtime.cuda.launch; default: w.pdl while the stream is being captured into a CUDA graph):
+    the kernel then starts while the previous one drains, prefetching its weights, and waits
+    for it before reading x or writing y. Quantized weights compute with x quantized to 8 bits
+    per 32 values (relative error about 5e-3 on random data); float weights in float32.
     Raises ValueError on wrong shapes, dtypes or alignment.
     """
     n_out, n_in = w.shape
+    if w.glu:
+        n_out //= 2
+        if residual is not None or bias is not None:
+            raise ValueError("a gate/up (glu) product takes no residual and no bias")
     _check_array("x", x, (n_in,), align16=True)
     _check_array("y", y, (n_out,))
     if residual is not None:
         _check_array("residual", residual, (n_out,))
     if bias is not None:
         _check_array("bias", bias, (n_out,))
-    kernel, grid, block, smem = _gemv_plan(w, variant)
-    args = (w.data, x, y, _null_or(residual), _null_or(bias), np.int32(n_out), np.int32(n_in))
+    norm_w, eps = (None, 0.0) if norm is None else norm
+    if norm_w is not None:
+        if n_in % 4:
+            raise ValueError(f"the fused RMSNorm needs n_in a multiple of 4, got {n_in}")
+        _check_array("norm weight", norm_w, (n_in,), align16=True)
+    kernel, grid, block, smem = _gemv_plan(w, variant, norm_w is not None)
+    args = (w.data, x, y, _null_or(residual), _null_or(bias), _null_or(norm_w), np.float32(eps), np.int32(n_out), np.int32(n_in))
     if pdl is None:  # eagerly the driver-API launch costs more host time than it saves
         pdl = w.pdl and _capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl)
@@ -352,13 +413,21 @@ def _chunk_rows(w: DeviceWeight) -> int:
     return min(n_out, max(128, DEQUANT_CHUNK_BYTES // (2 * n_in) // 128 * 128))
 
 
-def _uses_gemv(w: DeviceWeight, n_tok: int) -> bool:
+def uses_gemv(w: DeviceWeight, n_tok: int) -> bool:
+    """Whether matmul of n_tok tokens on w runs as one gemv per token (K4_PREFILL_TC off, or
+    at most GEMV_MAX_TOKENS tokens)."""
     return not w.prefill_tc or n_tok <= GEMV_MAX_TOKENS
+
+
+def takes_half(w: DeviceWeight, n_tok: int) -> bool:
+    """Whether matmul of n_tok tokens on w accepts X in float16 (the tensor-core path of a type
+    other than F32), so the caller can produce it in fp16 and save the conversion."""
+    return not uses_gemv(w, n_tok) and w.ggml_type != T.F32
 
 
 def _scratch_parts(w: DeviceWeight, n_tok: int) -> tuple[int, int]:
     """(fp16 X bytes, fp16 W chunk bytes) that matmul of n_tok tokens needs in its scratch."""
-    if _uses_gemv(w, n_tok) or w.ggml_type == T.F32:
+    if uses_gemv(w, n_tok) or w.ggml_type == T.F32:
         return 0, 0
     x_bytes = (n_tok * w.shape[1] * 2 + 255) & ~255
     return x_bytes, 0 if w.ggml_type == T.F16 else _chunk_rows(w) * w.shape[1] * 2
@@ -394,46 +463,57 @@ def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, str
            trace: Trace | None = None) -> None:
     """Y = X @ w^T (+ bias) (+ residual) for a batch of tokens (prefill).
 
-    X: (n_tok, n_in) float32, 16-byte aligned; Y: (n_tok, n_out) float32; residual:
-    (n_tok, n_out) float32 or None, may be Y itself; bias: (n_out,) float32 or None; scratch:
-    cupy uint8 array of at least matmul_scratch_bytes([w, ...], n_tok) bytes (None only when
-    that is 0). Tensor-core path: X and W in fp16, fp32 accumulation (relative error about 1e-3);
-    F32 weights run in float32 through cuBLAS; gemv per token when the flag K4_PREFILL_TC is
-    off or n_tok <= GEMV_MAX_TOKENS. Raises ValueError on wrong shapes, dtypes or scratch size.
+    X: (n_tok, n_in) float32, or float16 when takes_half(w, n_tok), 16-byte aligned; Y: (n_tok,
+    n_out) float32 (a glu weight yields its interleaved gate/up products); residual: (n_tok,
+    n_out) float32 or None, may be Y itself; bias: (n_out,) float32 or None; scratch: cupy uint8
+    array of at least matmul_scratch_bytes([w, ...], n_tok) bytes (None only when that is 0).
+    Tensor-core path: X and W in fp16 (W from w.half when made), fp32 accumulation (relative
+    error about 1e-3); F32 weights run in float32 through cuBLAS; gemv per token when the flag
+    K4_PREFILL_TC is off or n_tok <= GEMV_MAX_TOKENS (not for a glu weight: call gemv, which
+    applies the SwiGLU). Raises ValueError on wrong shapes, dtypes or scratch size.
     """
     import cupy as cp
 
     n_out, n_in = w.shape
     n_tok = X.shape[0] if getattr(X, "ndim", 0) == 2 else -1
-    _check_array("X", X, (n_tok, n_in), align16=True)
+    half_x = getattr(X, "dtype", None) == np.float16
+    if half_x and not takes_half(w, n_tok):
+        raise ValueError(f"matmul of {n_tok} tokens on {w.ggml_type.name} takes float32 X, not float16")
+    if w.glu and uses_gemv(w, n_tok):
+        raise ValueError("a gate/up (glu) weight on the per-token path runs through gemv, which applies the SwiGLU")
+    _check_array("X", X, (n_tok, n_in), np.float16 if half_x else np.float32, align16=True)
     _check_array("Y", Y, (n_tok, n_out))
     if residual is not None:
         _check_array("residual", residual, (n_tok, n_out))
     if bias is not None:
         _check_array("bias", bias, (n_out,))
-    if _uses_gemv(w, n_tok):
+    if uses_gemv(w, n_tok):
         for i in range(n_tok):
             gemv(w, X[i], Y[i], residual=None if residual is None else residual[i], bias=bias, stream=stream, trace=trace)
         return
     x_bytes, w_bytes = _scratch_parts(w, n_tok)
+    x_bytes, w_bytes = 0 if half_x else x_bytes, 0 if w.half is not None else w_bytes
     if x_bytes + w_bytes and (scratch is None or scratch.dtype != np.uint8 or scratch.nbytes < x_bytes + w_bytes):
         raise ValueError(f"matmul of {n_tok} tokens on {w.ggml_type.name} {w.shape} needs a uint8 scratch of "
                          f"{x_bytes + w_bytes} bytes (matmul_scratch_bytes)")
     in_place = residual is not None and residual.data.ptr == Y.data.ptr
     with stream or cp.cuda.get_current_stream():
-        if w.ggml_type == T.F32:
-            b_ptr, b_type = X.data.ptr, cp.cuda.runtime.CUDA_R_32F
+        if w.ggml_type == T.F32 or half_x:
+            b_ptr, b_type = X.data.ptr, cp.cuda.runtime.CUDA_R_16F if half_x else cp.cuda.runtime.CUDA_R_32F
         else:
             xh = scratch[:x_bytes].view(np.float16)
             launch(_kernel("matmul.cu", "convert_f32_f16"), (math.ceil(n_tok * n_in / 256),), (256,),
                    (X, xh, np.int64(n_tok * n_in)), 0, None, trace)
             b_ptr, b_type = xh.data.ptr, cp.cuda.runtime.CUDA_R_16F
         a_type = {T.F32: cp.cuda.runtime.CUDA_R_32F}.get(w.ggml_type, cp.cuda.runtime.CUDA_R_16F)
-        rows = n_out if w.ggml_type in (T.F32, T.F16) else _chunk_rows(w)
-        wh = None if w_bytes == 0 else scratch[x_bytes : x_bytes + w_bytes].view(np.float16)
+        whole = w.ggml_type in (T.F32, T.F16) or w.half is not None
+        rows = n_out if whole else _chunk_rows(w)
+        wh = None if whole else scratch[x_bytes : x_bytes + w_bytes].view(np.float16)
         for r0 in range(0, n_out, rows):
             n = min(rows, n_out - r0)
-            if wh is None:
+            if w.half is not None:
+                a_ptr = w.half.data.ptr
+            elif wh is None:
                 a_ptr = w.data.data.ptr + r0 * n_in * (4 if w.ggml_type == T.F32 else 2)
             else:
                 _dequant_launch(w, None, r0, n, wh, "u16", None, trace)

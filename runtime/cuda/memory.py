@@ -31,14 +31,14 @@ def gib(n: int) -> str:
 
 class DeviceMemory:
     """Allocates device arrays through CuPy's pool, recording each in `trace` and summing bytes
-    by kind ("weights", "kv_cache", "scratch") for memory_report().
+    by kind ("weights", "kv_cache", "scratch", "prefill_f16": the fp16 weight copy) for memory_report().
 
     Raises BackendUnavailableError when the GPU runs out of memory.
     """
 
     def __init__(self, trace: Trace):
         self.trace = trace
-        self.bytes = {"weights": 0, "kv_cache": 0, "scratch": 0}
+        self.bytes = {"weights": 0, "kv_cache": 0, "scratch": 0, "prefill_f16": 0}
 
     def empty(self, shape, dtype, kind: str) -> cp.ndarray:
         try:

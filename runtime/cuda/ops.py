@@ -2,8 +2,12 @@
 elementwise.cu, sampling.cu): each checks shapes and dtypes on the host, picks the grid, and
 launches on the current CuPy stream through runtime.cuda.launch, counted in the trace.
 
-Arrays are CuPy arrays, C-contiguous; shapes are given per method. The kernels trust their
-inputs: everything they index is validated here.
+Arrays are CuPy arrays, C-contiguous unless a method says otherwise; shapes are given per
+method. The kernels trust their inputs: everything they index is validated here.
+
+Inside a CUDA graph capture, with `pdl` set (flag K4_PDL), the kernels that begin with
+griddepcontrol.wait (all but set_i32) launch with programmatic dependent launch
+(runtime/cuda/launch.py), so each one's launch overlaps the tail of the kernel before it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ NULL = np.uint64(0)  # a null device pointer argument
 ATT_THREADS = 128  # attention.cu ATT_THREADS
 ATT_CHUNK = 128  # attention.cu ATT_CHUNK
 MAX_HEAD_DIM = 8 * ATT_THREADS
+TILE_Q, TILE_K, TILE_THREADS = 32, 64, 128  # attention.cu attn_tiled
+TILED_HEAD_DIMS = (64, 128, 256)  # head_dim instances of attn_tiled
 ROPE_WARPS = 4  # rows per block of rope_qk_store
 SAMPLE_THREADS = 1024  # sampling.cu SAMPLE_THREADS
 SAMPLE_CAP = 1024  # sampling.cu SAMPLE_CAP: candidates kept after top-k
@@ -32,9 +38,38 @@ ST_TOK, ST_POS, ST_RING, ST_DRAW = range(STATE_WORDS)
 FNV_PRIME = 0x100000001B3  # the seed multiplier of runtime/sampling.py uniform()
 
 
+# name expressions of the kernels of each file (templates and extern "C" names alike)
+KERNELS = {
+    "norm.cu": ("rms_norm<float>", "rms_norm<u16>"),
+    "rope.cu": ("rope_qk_store",),
+    "attention.cu": ("attn_f16kv", "attn_combine", "attn_tiled<64>", "attn_tiled<128>", "attn_tiled<256>"),
+    "elementwise.cu": ("swiglu<float>", "swiglu<u16>", "set_i32"),
+    "sampling.cu": ("sample_penalty", "sample_argmax_partial", "sample_finish"),
+}
+OUT_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "u16"}  # output dtype -> kernel template argument
+
+
 def _f32(a: cp.ndarray, *shape: int) -> None:
     assert a.dtype == cp.float32 and a.flags.c_contiguous, (a.dtype, a.flags.c_contiguous)
     assert a.shape == shape, (a.shape, shape)
+
+
+def _out(a: cp.ndarray, *shape: int) -> str:
+    """Check a contiguous f32 or fp16 output of `shape`; its kernel template argument."""
+    assert a.dtype in OUT_TYPES and a.flags.c_contiguous and a.shape == shape, (a.dtype, a.shape, shape)
+    return OUT_TYPES[a.dtype]
+
+
+def _row_stride(a: cp.ndarray, n_tok: int, width: int) -> int:
+    """Floats between token rows of `a`: f32, either contiguous with n_tok rows of `width` values
+    (any shape (n_tok, ...)), or a 2-D (n_tok, width) view whose rows are contiguous (a column
+    slice of a wider product output)."""
+    assert a.dtype == cp.float32 and a.shape[0] == n_tok, (a.dtype, a.shape, n_tok)
+    if a.flags.c_contiguous:
+        assert a.size == n_tok * width, (a.shape, width)
+        return width
+    assert a.ndim == 2 and a.shape[1] == width and a.strides[1] == 4 and a.strides[0] % 4 == 0, (a.shape, a.strides)
+    return a.strides[0] // 4
 
 
 def attention_split(n_ctx: int, split: bool) -> tuple[int, int]:
@@ -62,57 +97,62 @@ def pack_sampler_params(p: SamplingParams) -> np.ndarray:
 
 class Ops:
     """The kernel launchers. `trace` receives one launch per kernel; the backend swaps it for a
-    scratch Trace while it captures a CUDA graph (see CudaBackend)."""
+    scratch Trace while it captures a CUDA graph (see CudaBackend). `pdl`: launch with
+    programmatic dependent launch while a graph is being captured (module docstring).
+    `tiled`: attention of several queries runs attn_tiled where head_dim has an instance."""
 
-    def __init__(self, trace: Trace):
+    def __init__(self, trace: Trace, pdl: bool = False, tiled: bool = True):
         self.trace = trace
+        self.pdl, self.tiled = pdl, tiled
         self._functions: dict[tuple[str, str], object] = {}
 
     def function(self, filename: str, name: str):
         key = (filename, name)
         if key not in self._functions:
-            self._functions[key] = module(filename).get_function(name)
+            self._functions[key] = module(filename, KERNELS[filename]).get_function(name)
         return self._functions[key]
 
     def compile_all(self) -> None:
         """Compile and load every kernel now (compilation cannot happen inside graph capture)."""
-        for filename, names in (
-            ("norm.cu", ("rms_norm_f32",)),
-            ("rope.cu", ("rope_qk_store",)),
-            ("attention.cu", ("attn_f16kv", "attn_combine")),
-            ("elementwise.cu", ("swiglu_f32", "set_i32")),
-            ("sampling.cu", ("sample_penalty", "sample_argmax_partial", "sample_finish")),
-        ):
+        for filename, names in KERNELS.items():
             for name in names:
                 self.function(filename, name)
 
-    def _launch(self, filename: str, name: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
-        launch(self.function(filename, name), grid, block, args, shared_mem, None, self.trace)
+    def _launch(self, filename: str, name: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
+                pdl: bool = True) -> None:
+        pdl = pdl and self.pdl and cp.cuda.get_current_stream().is_capturing()
+        launch(self.function(filename, name), grid, block, args, shared_mem, None, self.trace, pdl)
 
     def rms_norm(self, x: cp.ndarray, w: cp.ndarray, y: cp.ndarray, eps: float) -> None:
-        """y = x / sqrt(mean(x^2, last axis) + eps) * w. x, y: (n_rows, n) f32 (y may be x); w: (n,) f32."""
+        """y = x / sqrt(mean(x^2, last axis) + eps) * w. x: (n_rows, n) f32; y: (n_rows, n) f32
+        (may be x) or fp16 (a tensor-core input); w: (n,) f32."""
         n_rows, n = x.shape
         _f32(x, n_rows, n)
-        _f32(y, n_rows, n)
+        out = _out(y, n_rows, n)
         _f32(w, n)
         threads = 32 * min(32, max(1, -(-n // 256)))
-        self._launch("norm.cu", "rms_norm_f32", (n_rows,), (threads,), (x, w, y, np.int32(n), np.float32(eps)))
+        self._launch("norm.cu", f"rms_norm<{out}>", (n_rows,), (threads,), (x, w, y, np.int32(n), np.float32(eps)))
 
     def rope_qk_store(self, q: cp.ndarray, k: cp.ndarray, v: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
                       q_norm: cp.ndarray | None, k_norm: cp.ndarray | None, inv_freq: cp.ndarray, pos: cp.ndarray,
-                      rope_dim: int, neox: bool, eps: float) -> None:
-        """RoPE on q (in place) and k, optional per-head RMSNorm first, k and v stored in the cache.
+                      rope_dim: int, neox: bool, eps: float, q_out: cp.ndarray | None = None) -> None:
+        """RoPE on q and k, optional per-head RMSNorm first, k and v stored in the cache.
 
-        q: (n_tok, n_head, D) f32; k, v: (n_tok, n_head_kv, D) f32; k_cache, v_cache: (n_ctx,
-        n_head_kv, D) fp16 (one layer); q_norm, k_norm: (D,) f32 or None; inv_freq: (rope_dim/2,)
-        f64; pos: (1,) int32 device scalar, the position of token 0. The caller guarantees
-        pos + n_tok <= n_ctx (the kernel writes cache rows pos .. pos + n_tok - 1).
+        q_out: (n_tok, n_head, D) f32, receives q normalized and rotated; None: q itself (then
+        contiguous). q: (n_tok, n_head, D) f32, or a 2-D (n_tok, n_head * D) view with contiguous
+        rows (columns of a stacked q|k|v product); k, v: likewise (n_tok, n_head_kv, D) or
+        (n_tok, n_head_kv * D). k_cache, v_cache: (n_ctx, n_head_kv, D) fp16 (one layer); q_norm,
+        k_norm: (D,) f32 or None; inv_freq: (rope_dim/2,) f64; pos: (1,) int32 device scalar, the
+        position of token 0. The caller guarantees pos + n_tok <= n_ctx (the kernel writes cache
+        rows pos .. pos + n_tok - 1).
         """
-        n_tok, n_head, D = q.shape
-        n_head_kv = k.shape[1]
-        _f32(q, n_tok, n_head, D)
-        _f32(k, n_tok, n_head_kv, D)
-        _f32(v, n_tok, n_head_kv, D)
+        q_out = q if q_out is None else q_out
+        n_tok, n_head, D = q_out.shape
+        _f32(q_out, n_tok, n_head, D)
+        n_head_kv = k_cache.shape[1]
+        ld_q = _row_stride(q, n_tok, n_head * D)
+        ld_k = _row_stride(k, n_tok, n_head_kv * D)
+        ld_v = _row_stride(v, n_tok, n_head_kv * D)
         assert k_cache.dtype == v_cache.dtype == cp.float16 and k_cache.shape == v_cache.shape
         assert k_cache.shape[1:] == (n_head_kv, D) and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous
         assert inv_freq.dtype == cp.float64 and inv_freq.shape == (rope_dim // 2,) and rope_dim % 2 == 0 and rope_dim <= D
@@ -122,7 +162,8 @@ class Ops:
                 _f32(w, D)
         rows = n_tok * (n_head + n_head_kv)
         self._launch("rope.cu", "rope_qk_store", (-(-rows // ROPE_WARPS),), (32 * ROPE_WARPS,),
-                     (q, k, v, k_cache, v_cache, NULL if q_norm is None else q_norm, NULL if k_norm is None else k_norm,
+                     (q, np.int32(ld_q), k, np.int32(ld_k), v, np.int32(ld_v), q_out, k_cache, v_cache,
+                      NULL if q_norm is None else q_norm, NULL if k_norm is None else k_norm,
                       inv_freq, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv), np.int32(D),
                       np.int32(rope_dim), np.int32(neox), np.float32(eps)))
 
@@ -133,7 +174,8 @@ class Ops:
         q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx, n_head_kv, D) fp16 (one layer);
         pos: (1,) int32 device scalar. n_split > 1 splits each query's keys into blocks of
         split_len (a multiple of ATT_CHUNK; n_split * split_len >= n_ctx) whose partials go to
-        part: (n_tok, n_head, n_split, D + 2) f32, merged by a second kernel.
+        part: (n_tok, n_head, n_split, D + 2) f32, merged by a second kernel. Several queries
+        with `tiled` and D in TILED_HEAD_DIMS: attn_tiled (n_split must be 1).
         """
         n_tok, n_head, D = q.shape
         n_ctx, n_head_kv, _ = k_cache.shape
@@ -142,6 +184,16 @@ class Ops:
         assert k_cache.dtype == v_cache.dtype == cp.float16 and v_cache.shape == k_cache.shape == (n_ctx, n_head_kv, D)
         assert D % 8 == 0 and D <= MAX_HEAD_DIM and n_head % n_head_kv == 0
         assert pos.dtype == cp.int32 and pos.size == 1
+        if n_tok > 1 and self.tiled and D in TILED_HEAD_DIMS:
+            assert n_split == 1
+            kernel = self.function("attention.cu", f"attn_tiled<{D}>")
+            smem = 4 * (TILE_Q * (D + 4) + TILE_K * (D + 4) + TILE_K * D + TILE_Q * (TILE_K + 16))
+            if kernel.max_dynamic_shared_size_bytes < smem:
+                kernel.max_dynamic_shared_size_bytes = smem
+            self._launch("attention.cu", f"attn_tiled<{D}>", (n_head, -(-n_tok // TILE_Q)), (TILE_THREADS,),
+                         (q, k_cache, v_cache, out, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv),
+                          np.float32(1.0 / math.sqrt(D))), shared_mem=smem)
+            return
         if n_split == 1:
             split_len = n_ctx
         else:
@@ -157,19 +209,35 @@ class Ops:
             self._launch("attention.cu", "attn_combine", (n_head, n_tok), (min(ATT_THREADS, -(-D // 32) * 32),),
                          (part, out, np.int32(n_head), np.int32(D), np.int32(n_split)))
 
+    def _swiglu(self, gate: cp.ndarray, up: cp.ndarray, out: cp.ndarray, n_tok: int, n_ff: int, ld: int, step: int) -> None:
+        blocks = min(-(-(n_tok * n_ff) // 256), 4096)
+        self._launch("elementwise.cu", f"swiglu<{OUT_TYPES[out.dtype]}>", (blocks,), (256,),
+                     (gate, up, out, np.int32(n_tok), np.int32(n_ff), np.int32(ld), np.int32(step)))
+
     def swiglu(self, gate: cp.ndarray, up: cp.ndarray, out: cp.ndarray) -> None:
-        """out = silu(gate) * up, element-wise; all (n_tok, n_ff) f32, out may be gate."""
-        _f32(gate, *gate.shape)
-        _f32(up, *gate.shape)
-        _f32(out, *gate.shape)
-        n = gate.size
-        blocks = min(-(-n // 256), 4096)
-        self._launch("elementwise.cu", "swiglu_f32", (blocks,), (256,), (gate, up, out, np.int64(n)))
+        """out = silu(gate) * up, element-wise. gate, up: (n_tok, n_ff) f32; out: (n_tok, n_ff) f32
+        (may be gate) or fp16."""
+        n_tok, n_ff = gate.shape
+        _f32(gate, n_tok, n_ff)
+        _f32(up, n_tok, n_ff)
+        _out(out, n_tok, n_ff)
+        self._swiglu(gate, up, out, n_tok, n_ff, n_ff, 1)
+
+    def swiglu_rows(self, gu: cp.ndarray, out: cp.ndarray, interleaved: bool) -> None:
+        """out = silu(gate) * up from one gate/up product gu: (n_tok, 2 n_ff) f32, whose rows hold
+        gate | up (stacked weights) or, interleaved, gate_0 up_0 gate_1 up_1 ... (a glu weight,
+        matmul.interleave_rows). out: (n_tok, n_ff) f32 or fp16."""
+        n_tok, two_ff = gu.shape
+        n_ff = two_ff // 2
+        _f32(gu, n_tok, 2 * n_ff)
+        _out(out, n_tok, n_ff)
+        up = gu.reshape(-1)[1:] if interleaved else gu.reshape(-1)[n_ff:]
+        self._swiglu(gu, up, out, n_tok, n_ff, 2 * n_ff, 2 if interleaved else 1)
 
     def set_i32(self, dst: cp.ndarray, value: int) -> None:
         """dst[0] = value on the stream (the value travels as a kernel argument). dst: (1,) int32."""
         assert dst.dtype == cp.int32 and dst.size == 1
-        self._launch("elementwise.cu", "set_i32", (1,), (1,), (dst, np.int32(value)))
+        self._launch("elementwise.cu", "set_i32", (1,), (1,), (dst, np.int32(value)), pdl=False)
 
     def sample(self, logits: cp.ndarray, params: cp.ndarray, state: cp.ndarray, ring: cp.ndarray, seen: cp.ndarray,
                part_val: cp.ndarray, part_idx: cp.ndarray, advance: bool) -> None:
