@@ -252,8 +252,11 @@ def _walk_kv(buf, size: int) -> None:
 
 def _tensor_table(path: Path, reader: GGUFReader) -> dict[str, Tensor]:
     size = path.stat().st_size
+    align = int(reader.alignment)
     table: dict[str, Tensor] = {}
     for t in reader.tensors:
+        if (int(t.data_offset) - int(reader.data_offset)) % align:
+            raise ModelFileError(f"{path}: tensor {t.name!r} data is not aligned to {align} bytes; the file is corrupt")
         if t.name in table:
             raise ModelFileError(f"{path}: tensor {t.name!r} appears twice; the file is corrupt")
         if int(t.data_offset) + int(t.n_bytes) > size:

@@ -90,3 +90,40 @@ def test_sample_file_untouched_by_failed_load(tmp_path, shared):
     shutil.copy(src, copy)
     open_model(copy)
     assert copy.read_bytes() == src.read_bytes()
+
+
+def _tensor_info_offsets(path, name):
+    """Byte positions of one tensor-info record's fields (gguf.md: name, n_dims, dims, type, offset)."""
+    import gguf
+
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
+    base, n, nd = int(t.field.offset), len(name.encode()), int(t.field.parts[2][0])
+    dims = base + 8 + n + 4
+    return {"name": base + 8, "n_dims": dims - 4, "dims": dims, "type": dims + 8 * nd, "offset": dims + 8 * nd + 4}
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("name", b"blk.0.attn_q.weight", "duplicated tensor"),
+    ("offset", 10**12, "truncated GGUF"),
+    ("offset", "+1", "not aligned to 32 bytes"),
+    ("dims", 200, "not a multiple of Q4_K block size"),
+    ("type", 99, "not a valid GGMLQuantizationType"),
+    ("n_dims", 7, "damaged or truncated GGUF"),
+])
+def test_hostile_tensor_infos(tmp_path, shared, field, value, needle):
+    import struct
+
+    src = shared / "models" / "stories260K-pad-q4_k_m.gguf"
+    pos = _tensor_info_offsets(src, "blk.0.attn_k.weight")[field]
+    data = bytearray(src.read_bytes())
+    if isinstance(value, bytes):
+        data[pos : pos + len(value)] = value
+    elif value == "+1":
+        struct.pack_into("<Q", data, pos, struct.unpack_from("<Q", data, pos)[0] + 1)
+    else:
+        struct.pack_into("<I" if field in ("type", "n_dims") else "<Q", data, pos, value)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ModelFileError) as info:
+        open_model(bad)
+    assert needle in str(info.value) and "\n" not in str(info.value)
