@@ -36,13 +36,22 @@ def mutate(recipe: list) -> bytes:
 
 
 def load(path: Path) -> None:
+    """Open the file and build its tokenizer: success or our one-line error, and Python heap
+    use under 4x the file size (the weights stay memory-mapped)."""
+    import tracemalloc
+
     from runtime.tokenizer import Tokenizer
 
+    tracemalloc.start()
     try:
         mf = open_model(path)
         Tokenizer.from_model(mf)
     except K4Error as exc:
         assert "\n" not in str(exc) and str(exc)
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < 4 * len(DATA), f"peak heap {peak} bytes"
 
 
 ops = st.one_of(
