@@ -5,7 +5,8 @@
 // Each block walks its key range in chunks of ATT_CHUNK positions with the online softmax of
 // Milakov & Gimelshein 2018 (as in FlashAttention). With n_split > 1 the key range is split over
 // blocks (flash-decoding, Dao et al. 2023): each block writes its running max m, sum l and
-// unnormalized accumulator, and attn_combine merges them.
+// unnormalized accumulator, and the last block of a query head to finish (an atomic ticket,
+// the threadFenceReduction pattern of the CUDA samples) merges them, so no second kernel runs.
 // attn_tiled serves prefill (flag K4_TILED_ATTN): a block takes 32 queries of one head and walks
 // the keys in tiles of 64 staged in shared memory, so each key and value is read once per 32
 // queries instead of once per query (the tiling of FlashAttention-2, Dao 2023, on CUDA cores).
@@ -17,19 +18,31 @@
 #define ATT_KEYS 4  // keys whose loads one thread issues together
 
 // q: (n_tok, n_head, D) f32. k_cache, v_cache: (n_ctx, n_head_kv, D) fp16 (this layer).
-// out: (n_tok, n_head, D) f32, written when n_split == 1.
-// part: (n_tok, n_head, n_split, D + 2) f32 partials [m, l, acc[D]], written when n_split > 1.
-// pos: (1,) int32, the position of query 0. split_len: keys per split (multiple of ATT_CHUNK).
+// out: (n_tok, n_head, D) f32.
+// part: (n_tok, n_head, n_split, D + 2) f32 partials [m, l, acc[D]], written when n_split > 1
+//   by the splits that hold keys (the first ceil(n_kv / split_len)); ticket: (n_tok, n_head)
+//   int32, zero on entry and left zero, counts the splits done.
+// pos: (1,) int32, the position of query 0. split_len: keys per split.
+// fresh_q, fresh_k, fresh_v: null, or (decode, n_tok = 1, RoPE fused; q is then not read) the
+//   token's unrotated q (n_head, D), k and v (n_head_kv, D) f32 from the projections: each block
+//   rotates q itself (with q_norm, k_norm (D,) or null, inv_freq (rope_dim/2,) f64, rope_dim,
+//   neox, eps as rope.cu), the block whose split holds the token's position takes its key and
+//   value from registers rounded to fp16 (exactly what the cache would hold), and of those the
+//   block of the first query head of each KV head stores them into the cache rows through
+//   k_store, v_store (the cache again; that row is read by no block of this launch).
 // Grid: (n_head, n_tok, n_split); block: ATT_THREADS. Dynamic shared memory:
-//   (D + ATT_CHUNK + ATT_THREADS * 8) floats. Requires D % 8 == 0 and D <= 8 * ATT_THREADS.
+//   (D + ATT_CHUNK + ATT_THREADS * 8 + D) floats. Requires D % 8 == 0 and D <= 8 * ATT_THREADS.
 // Thread mapping: scores: groups of tpg lanes per key (tpg = largest power of two <= 32
 //   dividing D/8), each lane dotting 8-value slices of ATT_KEYS keys at a time; values: thread =
 //   (slice c, key lane kl), accumulating 8 output dims over keys kl, kl + n_kl, ...; key lanes
 //   are summed at the end.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
-           float* __restrict__ out, float* __restrict__ part, const int* __restrict__ pos, int n_head,
-           int n_head_kv, int D, int split_len, float scale) {
+           float* __restrict__ out, float* __restrict__ part, int* __restrict__ ticket, const int* __restrict__ pos,
+           int n_head, int n_head_kv, int D, int split_len, float scale,
+           const float* __restrict__ fresh_q, const float* __restrict__ fresh_k, const float* __restrict__ fresh_v,
+           u16* k_store, u16* v_store, const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+           const double* __restrict__ inv_freq, int rope_dim, int neox, float eps) {
     pdl_trigger();
     pdl_wait();
     const int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z;
@@ -37,6 +50,8 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
     const int tid = threadIdx.x;
     const int hk = h / (n_head / n_head_kv);
     const int n_kv = *pos + t + 1;
+    const int n_active = (n_kv + split_len - 1) / split_len;  // splits holding keys
+    if (s >= n_active) return;
     const int begin = s * split_len;
     const int end = min(n_kv, begin + split_len);
     const size_t kv_stride = (size_t)n_head_kv * D;
@@ -47,9 +62,31 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
     float* qs = smem;            // (D,) query, pre-scaled
     float* sc = qs + D;          // (ATT_CHUNK,) scores, then probabilities
     float* red = sc + ATT_CHUNK; // (n_kl, D) per-key-lane accumulators
+    u16* kcur = reinterpret_cast<u16*>(red + ATT_THREADS * 8);  // (D,) fp16 key of the fresh token
+    u16* vcur = kcur + D;                                         // (D,) its value
 
-    const float* qh = q + ((size_t)t * n_head + h) * D;
-    for (int i = tid; i < D; i += ATT_THREADS) qs[i] = qh[i] * scale;
+    const int p = n_kv - 1;  // this query's position
+    const int cur = fresh_q && end == n_kv ? p : -1;  // the key taken from kcur / vcur, if in this split
+    if (fresh_q) {
+        const int warp = tid >> 5, lane = tid & 31;
+        if (warp == 0) k4ops::rope_row(fresh_q + (size_t)h * D, qs, nullptr, q_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane);
+        if (cur >= 0 && warp == 1)
+            k4ops::rope_row(fresh_k + (size_t)hk * D, nullptr, kcur, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane);
+        if (cur >= 0 && warp == 2)
+            for (int i = lane; i < D; i += 32) vcur[i] = f32_to_f16(fresh_v[(size_t)hk * D + i]);
+        __syncthreads();
+        for (int i = tid; i < D; i += ATT_THREADS) qs[i] *= scale;
+        if (cur >= 0 && h % (n_head / n_head_kv) == 0) {
+            const size_t row = (size_t)p * kv_stride + (size_t)hk * D;
+            for (int i = tid; i < D; i += ATT_THREADS) {
+                k_store[row + i] = kcur[i];
+                v_store[row + i] = vcur[i];
+            }
+        }
+    } else {
+        const float* qh = q + ((size_t)t * n_head + h) * D;
+        for (int i = tid; i < D; i += ATT_THREADS) qs[i] = qh[i] * scale;
+    }
     __syncthreads();
 
     const int G = D / 8;  // 8-value slices per row
@@ -78,8 +115,9 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {
                     const int j = j0 + grp + u * n_grp;
-                    raw[u] = j < n ? *reinterpret_cast<const uint4*>(kbase + (size_t)(c0 + j) * kv_stride + cc * 8)
-                                   : make_uint4(0, 0, 0, 0);
+                    raw[u] = j >= n           ? make_uint4(0, 0, 0, 0)
+                             : c0 + j == cur ? *reinterpret_cast<const uint4*>(kcur + cc * 8)
+                                             : *reinterpret_cast<const uint4*>(kbase + (size_t)(c0 + j) * kv_stride + cc * 8);
                 }
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {
@@ -119,8 +157,9 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {
                     const int j = j0 + u * n_kl;
-                    raw[u] = j < n ? *reinterpret_cast<const uint4*>(vbase + (size_t)(c0 + j) * kv_stride + c * 8)
-                                   : make_uint4(0, 0, 0, 0);
+                    raw[u] = j >= n           ? make_uint4(0, 0, 0, 0)
+                             : c0 + j == cur ? *reinterpret_cast<const uint4*>(vcur + c * 8)
+                                             : *reinterpret_cast<const uint4*>(vbase + (size_t)(c0 + j) * kv_stride + c * 8);
                 }
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {
@@ -149,31 +188,34 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
         for (int r = 0; r < n_kl; ++r) a += red[r * D + i];
         dst[i] = a * inv_l;
     }
-    if (n_split > 1 && tid == 0) {
+    if (n_split == 1) return;
+    if (tid == 0) {
         dst[-2] = m;
         dst[-1] = l;
     }
-}
-
-// Merge the n_split partials of each (token, head): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
-// part: (n_tok, n_head, n_split, D + 2) f32; out: (n_tok, n_head, D) f32.
-// Grid: (n_head, n_tok); threads stride over D. Splits past the key range hold m = -inf, l = 0.
-extern "C" __global__ void attn_combine(const float* __restrict__ part, float* __restrict__ out, int n_head, int D,
-                                        int n_split) {
-    pdl_trigger();
-    pdl_wait();
-    const size_t row = (size_t)blockIdx.y * n_head + blockIdx.x;
+    // the last split of this (token, head) to finish merges the partials:
+    // out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
+    __shared__ int is_last;
+    __syncthreads();
+    if (tid == 0) {
+        __threadfence();
+        is_last = atomicAdd(ticket + row, 1) == n_active - 1;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
     const float* pr = part + row * n_split * (D + 2);
     float M = -k4ops::inf_f32();
-    for (int s = 0; s < n_split; ++s) M = fmaxf(M, pr[s * (D + 2)]);
+    for (int j = 0; j < n_active; ++j) M = fmaxf(M, __ldcg(pr + j * (D + 2)));
     float L = 0.0f;
-    for (int s = 0; s < n_split; ++s) L += pr[s * (D + 2) + 1] * __expf(pr[s * (D + 2)] - M);
+    for (int j = 0; j < n_active; ++j) L += __ldcg(pr + j * (D + 2) + 1) * __expf(__ldcg(pr + j * (D + 2)) - M);
     const float inv_L = 1.0f / L;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    for (int i = tid; i < D; i += ATT_THREADS) {
         float a = 0.0f;
-        for (int s = 0; s < n_split; ++s) a += pr[s * (D + 2) + 2 + i] * __expf(pr[s * (D + 2)] - M);
+        for (int j = 0; j < n_active; ++j) a += __ldcg(pr + j * (D + 2) + 2 + i) * __expf(__ldcg(pr + j * (D + 2)) - M);
         out[row * D + i] = a * inv_L;
     }
+    if (tid == 0) ticket[row] = 0;
 }
 
 #define TILE_Q 32       // queries per block of attn_tiled

@@ -4,10 +4,11 @@
 // gemv_q8 (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0): each thread block first quantizes x to 8 bits per 32
 // values in shared memory (the q8_1 idea of llama.cpp's mmvq), then every warp computes whole
 // rows with integer dot products (dp4a): lane l takes chunks l, l+32, ... of the row, U chunks in
-// flight at a time, 16-byte loads. The grid is as many blocks (WARPS warps each) as are resident
-// at once, at most one per row; rows go round-robin to warps, so x is quantized once per block,
-// one or two blocks per multiprocessor. The first loads of
-// each warp are issued before the quantization (and, launched with programmatic dependent
+// flight at a time, 16-byte loads; with PF the next U chunks (of this row or the next) are
+// loaded while the current ones are multiplied, which doubles the bytes in flight. The grid
+// is as many blocks (WARPS warps each) as are resident at once, at most one per row; rows go
+// round-robin to warps, so x is quantized once per block, one or two blocks per
+// multiprocessor. The first loads of each warp are issued before the quantization (and, launched with programmatic dependent
 // launch, before waiting for the previous kernel), so they overlap it. The grid fits on the GPU
 // in one wave, so letting the next kernel launch early (pdl_trigger) cannot starve this one.
 // gemv_f (F32, F16, BF16): the same row-per-warp loop on float x from global memory (L1-cached).
@@ -31,11 +32,11 @@ __device__ __forceinline__ void write_row(float* y, const float* residual, const
     y[row] = acc;
 }
 
-// silu(g) * u, rounded as elementwise.cu swiglu_f32 rounds it.
+// silu(g) * u, rounded as elementwise.cu swiglu rounds it.
 __device__ __forceinline__ float swiglu(float g, float u) { return __fdiv_rn(g, 1.0f + __expf(-g)) * u; }
 
 // 1 / sqrt(mean(x^2) + eps) of x (n floats, n a multiple of 4, 16-byte aligned), in every thread
-// of the block (all must call it). rms_norm_f32 (norm.cu) computes the same, summed in another order.
+// of the block (all must call it). rms_norm (norm.cu) computes the same, summed in another order.
 __device__ float rms_scale(const float* __restrict__ x, int n, float eps) {
     __shared__ float part[32];
     float ss = 0.f;
@@ -99,7 +100,7 @@ __device__ void quantize_x(const float* __restrict__ x, int n_in, const float* _
 // Shared memory of gemv_q8 for n_in (bytes); the launcher computes the same.
 __device__ __forceinline__ int q8x_bytes_q(int n_in) { return ((n_in / 16 + 7) & ~7) * 16; }
 
-template <class T, bool PLANAR, int WARPS, int U, bool GLU>
+template <class T, bool PLANAR, int WARPS, int U, bool PF, bool GLU>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw or planar; GLU: (2 n_out, n_in) interleaved
         const float* __restrict__ x,       // (n_in,)
@@ -125,16 +126,16 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     const int row_step = gridDim.x * WARPS;
     int row = blockIdx.x + gridDim.x * (threadIdx.x >> 5);
 
-    typename T::chunk ch[U];
-    auto load = [&](int r, int c0) {  // the rows of output r are consecutive: chunk c of the pair is block c / cpb
+    typename T::chunk ch[U], nx[U];  // nx: the next U chunks, in flight during the dots of ch (PF)
+    auto load = [&](typename T::chunk (&dst)[U], int r, int c0) {  // the rows of output r are consecutive: chunk c of the pair is block c / cpb
 #pragma unroll
         for (int k = 0; k < U; ++k) {
             const int c = c0 + 32 * k;
-            if (c < out_chunks) ch[k] = T::template load<PLANAR>(w, nblk, (i64)r * span * nblk_row + c / cpb, c % cpb);
+            if (c < out_chunks) dst[k] = T::template load<PLANAR>(w, nblk, (i64)r * span * nblk_row + c / cpb, c % cpb);
         }
     };
     pdl_trigger();
-    if (row < n_out) load(row, lane);  // weights only: before the wait
+    if (row < n_out) load(ch, row, lane);  // weights only: before the wait
     pdl_wait();
     quantize_x<T::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs);
     __syncthreads();
@@ -142,6 +143,12 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     float acc = 0.f, acc_up = 0.f;  // acc_up: the up row of a GLU pair
     int c0 = lane;
     while (row < n_out) {
+        int next_row = row, next_c0 = c0 + 32 * U;
+        if (next_c0 >= out_chunks) {
+            next_row += row_step;
+            next_c0 = lane;
+        }
+        if (PF && next_row < n_out) load(nx, next_row, next_c0);
 #pragma unroll
         for (int k = 0; k < U; ++k) {
             const int c = c0 + 32 * k;
@@ -153,8 +160,7 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
                 acc_up += T::dot(ch[k], c - n_chunks, xv);
             }
         }
-        c0 += 32 * U;
-        if (c0 >= out_chunks) {  // output done
+        if (next_row != row) {  // output done
             acc = warp_sum(acc);
             if (GLU) {
                 acc_up = warp_sum(acc_up);
@@ -163,11 +169,16 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
                 write_row(y, residual, bias, row, acc);
             }
             acc = acc_up = 0.f;
-            c0 = lane;
-            row += row_step;
-            if (row >= n_out) break;
         }
-        load(row, c0);
+        row = next_row;
+        c0 = next_c0;
+        if (row >= n_out) break;
+        if (PF) {
+#pragma unroll
+            for (int k = 0; k < U; ++k) ch[k] = nx[k];
+        } else {
+            load(ch, row, c0);
+        }
     }
 }
 
@@ -238,21 +249,26 @@ gemv_f(const u8* __restrict__ w,           // (n_out, n_in) of T, GLU: (2 n_out,
 }
 
 // The instances runtime/cuda/matmul.py launches (and nvcc compile-checks).
-#define K4_GEMV_Q8(T, W, U, GLU) \
-    template __global__ void gemv_q8<T, false, W, U, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int); \
-    template __global__ void gemv_q8<T, true, W, U, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int);
-K4_GEMV_Q8(type_q4_K, 16, 2, false)
-K4_GEMV_Q8(type_q4_K, 16, 2, true)
-K4_GEMV_Q8(type_q4_K, 32, 2, false)
-K4_GEMV_Q8(type_q5_K, 32, 1, false)
-K4_GEMV_Q8(type_q5_K, 32, 1, true)
-K4_GEMV_Q8(type_q6_K, 32, 1, false)
-K4_GEMV_Q8(type_q6_K, 32, 1, true)
-K4_GEMV_Q8(type_q6_K, 32, 2, false)
-K4_GEMV_Q8(type_q8_0, 32, 4, false)
-K4_GEMV_Q8(type_q8_0, 32, 2, true)
-K4_GEMV_Q8(type_q5_0, 32, 4, false)
-K4_GEMV_Q8(type_q5_0, 32, 4, true)
+#define K4_GEMV_Q8(T, W, U, PF, GLU) \
+    template __global__ void gemv_q8<T, false, W, U, PF, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int); \
+    template __global__ void gemv_q8<T, true, W, U, PF, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int);
+K4_GEMV_Q8(type_q4_K, 16, 2, false, false)
+K4_GEMV_Q8(type_q4_K, 16, 2, false, true)
+K4_GEMV_Q8(type_q4_K, 32, 2, false, false)
+K4_GEMV_Q8(type_q4_K, 16, 2, true, false)
+K4_GEMV_Q8(type_q4_K, 16, 2, true, true)
+K4_GEMV_Q8(type_q4_K, 16, 1, true, false)
+K4_GEMV_Q8(type_q5_K, 32, 1, false, false)
+K4_GEMV_Q8(type_q5_K, 32, 1, false, true)
+K4_GEMV_Q8(type_q6_K, 32, 1, false, false)
+K4_GEMV_Q8(type_q6_K, 32, 1, false, true)
+K4_GEMV_Q8(type_q6_K, 32, 2, false, false)
+K4_GEMV_Q8(type_q6_K, 16, 1, true, false)
+K4_GEMV_Q8(type_q6_K, 16, 2, true, false)
+K4_GEMV_Q8(type_q8_0, 32, 4, false, false)
+K4_GEMV_Q8(type_q8_0, 32, 2, false, true)
+K4_GEMV_Q8(type_q5_0, 32, 4, false, false)
+K4_GEMV_Q8(type_q5_0, 32, 4, false, true)
 
 #define K4_GEMV_F(T, GLU) \
     template __global__ void gemv_f<T, 8, 4, true, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int); \

@@ -1,6 +1,7 @@
 // Helpers shared by the non-matmul kernels (norm, rope, attention, elementwise, sampling), on
 // top of common.cuh (integer types, fp16 conversion, float warp reductions): block reductions,
-// double and int warp reductions, an infinity constant (NVRTC has no <cmath>), 8-wide fp16 unpacking.
+// double and int warp reductions, an infinity constant (NVRTC has no <cmath>), 8-wide fp16
+// unpacking, and the RoPE of one head row (rope.cu, attention.cu).
 //
 // Block reductions assume blockDim.x is a multiple of 32 and at most 1024. Every thread of
 // the block must call them (they contain __syncthreads) and every thread gets the result.
@@ -75,6 +76,48 @@ __device__ __forceinline__ void unpack_half8(const uint4 raw, float* out) {
     for (int u = 0; u < 4; ++u) {
         out[2 * u] = f16_to_f32((u16)(w[u] & 0xffffu));
         out[2 * u + 1] = f16_to_f32((u16)(w[u] >> 16));
+    }
+}
+
+// RoPE of one head row (D values) by one warp, as rope.cu describes (optional per-head RMSNorm
+// first, pairs (2i, 2i+1) or NeoX (i, i + rope_dim/2), angles in double): src may alias
+// dst_f32 (q is rotated in place); exactly one of dst_f32 / dst_f16 is non-null.
+__device__ __forceinline__ void rope_row(const float* src, float* dst_f32, u16* dst_f16,
+                                         const float* __restrict__ norm_w, float eps,
+                                         const double* __restrict__ inv_freq, double p, int D, int rope_dim,
+                                         int neox, int lane) {
+    float scale = 1.0f;
+    if (norm_w != nullptr) {
+        float ss = 0.0f;
+        for (int i = lane; i < D; i += 32) ss += src[i] * src[i];
+        ss = ::warp_sum(ss);
+        scale = rsqrtf(ss / (float)D + eps);
+    }
+    const int half_dim = rope_dim / 2;
+    for (int i = lane; i < half_dim; i += 32) {
+        const int a = neox ? i : 2 * i;
+        const int b = neox ? i + half_dim : 2 * i + 1;
+        float xa = src[a] * scale, xb = src[b] * scale;
+        if (norm_w != nullptr) {
+            xa *= norm_w[a];
+            xb *= norm_w[b];
+        }
+        double s, c;
+        sincos(p * inv_freq[i], &s, &c);
+        const float ya = xa * (float)c - xb * (float)s;
+        const float yb = xa * (float)s + xb * (float)c;
+        if (dst_f32 != nullptr) {
+            dst_f32[a] = ya;
+            dst_f32[b] = yb;
+        } else {
+            dst_f16[a] = f32_to_f16(ya);
+            dst_f16[b] = f32_to_f16(yb);
+        }
+    }
+    for (int i = rope_dim + lane; i < D; i += 32) {
+        const float x = src[i] * scale * (norm_w != nullptr ? norm_w[i] : 1.0f);
+        if (dst_f32 != nullptr) dst_f32[i] = x;
+        else dst_f16[i] = f32_to_f16(x);
     }
 }
 

@@ -6,49 +6,9 @@
 // past rope_dim pass through. The angle of pair i at position p is p * inv_freq[i], with
 // inv_freq[i] = rope_freq_base^(-2i/rope_dim) / rope_freqs[i] computed on the host in float64;
 // the angle and its sine/cosine are computed in double, so large positions stay exact.
-// Launched by runtime/cuda/ops.py (Ops.rope_qk_store).
+// Launched by runtime/cuda/ops.py (Ops.rope_qk_store). In decode the attention kernel applies
+// the same rotation itself (attention.cu, flag K4_FUSE_ROPE).
 #include "ops_common.cuh"
-
-// One head row (D values) handled by one warp: src may alias dst_f32 (q is rotated in place);
-// exactly one of dst_f32 / dst_f16 is non-null.
-__device__ __forceinline__ void rope_row(const float* src, float* dst_f32, u16* dst_f16,
-                                         const float* __restrict__ norm_w, float eps,
-                                         const double* __restrict__ inv_freq, double p, int D, int rope_dim,
-                                         int neox, int lane) {
-    float scale = 1.0f;
-    if (norm_w != nullptr) {
-        float ss = 0.0f;
-        for (int i = lane; i < D; i += 32) ss += src[i] * src[i];
-        ss = warp_sum(ss);
-        scale = rsqrtf(ss / (float)D + eps);
-    }
-    const int half_dim = rope_dim / 2;
-    for (int i = lane; i < half_dim; i += 32) {
-        const int a = neox ? i : 2 * i;
-        const int b = neox ? i + half_dim : 2 * i + 1;
-        float xa = src[a] * scale, xb = src[b] * scale;
-        if (norm_w != nullptr) {
-            xa *= norm_w[a];
-            xb *= norm_w[b];
-        }
-        double s, c;
-        sincos(p * inv_freq[i], &s, &c);
-        const float ya = xa * (float)c - xb * (float)s;
-        const float yb = xa * (float)s + xb * (float)c;
-        if (dst_f32 != nullptr) {
-            dst_f32[a] = ya;
-            dst_f32[b] = yb;
-        } else {
-            dst_f16[a] = f32_to_f16(ya);
-            dst_f16[b] = f32_to_f16(yb);
-        }
-    }
-    for (int i = rope_dim + lane; i < D; i += 32) {
-        const float x = src[i] * scale * (norm_w != nullptr ? norm_w[i] : 1.0f);
-        if (dst_f32 != nullptr) dst_f32[i] = x;
-        else dst_f16[i] = f32_to_f16(x);
-    }
-}
 
 // q_src: (n_tok, n_head, D) f32 with a row stride of ld_q floats per token (a view into the
 //   q | k | v product outputs); q_out: (n_tok, n_head, D) f32 contiguous, q normalized (when
@@ -74,13 +34,13 @@ extern "C" __global__ void rope_qk_store(const float* q_src, int ld_q, const flo
     const int t = row / rows_per_tok, j = row % rows_per_tok;
     const int p = *pos + t;
     if (j < n_head) {
-        rope_row(q_src + (size_t)t * ld_q + (size_t)j * D, q_out + ((size_t)t * n_head + j) * D, nullptr, q_norm, eps,
+        k4ops::rope_row(q_src + (size_t)t * ld_q + (size_t)j * D, q_out + ((size_t)t * n_head + j) * D, nullptr, q_norm, eps,
                  inv_freq, (double)p, D, rope_dim, neox, lane);
         return;
     }
     const int hk = j - n_head;
     const size_t dst = ((size_t)p * n_head_kv + hk) * D;
-    rope_row(k_src + (size_t)t * ld_k + (size_t)hk * D, nullptr, k_cache + dst, k_norm, eps, inv_freq, (double)p, D,
+    k4ops::rope_row(k_src + (size_t)t * ld_k + (size_t)hk * D, nullptr, k_cache + dst, k_norm, eps, inv_freq, (double)p, D,
              rope_dim, neox, lane);
     const float* vr = v_src + (size_t)t * ld_v + (size_t)hk * D;
     for (int i = lane; i < D; i += 32) v_cache[dst + i] = f32_to_f16(vr[i]);

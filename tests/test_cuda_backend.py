@@ -24,7 +24,7 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.cuda
 
 GREEDY = SamplingParams(temperature=0.0)
-FUSIONS = ("K4_STACK", "K4_FUSE_NORM", "K4_FUSE_SWIGLU", "K4_PREFILL_F16_CACHE", "K4_PDL", "K4_TILED_ATTN")
+FUSIONS = ("K4_STACK", "K4_FUSE_NORM", "K4_FUSE_SWIGLU", "K4_FUSE_ROPE", "K4_PREFILL_F16_CACHE", "K4_PDL", "K4_TILED_ATTN")
 ALL_FLAGS = ("K4_CUDA_GRAPH", "K4_PINGPONG", "K4_PINNED_UPLOAD", "K4_REPACK", "K4_PREFILL_TC", "K4_SPLIT_ATTN") + FUSIONS
 
 
@@ -269,16 +269,17 @@ def test_every_flag_off_gives_the_same_tokens(stories, monkeypatch):
 # ---- each fusion switched off --------------------------------------------------------------------
 
 def step_kernels(mf, flag: str | None) -> int:
-    """Kernels of one decode step at n_ctx 256 (attention in 2 splits) with `flag` off: per
-    layer the q/k/v products (one per run of one type when stacked), RoPE + cache store,
-    attention and its combine, output, gate/up with SwiGLU, down; then the embedding, lm_head
-    (the final norm folded into both), and 3 sampling kernels. Each switch off adds its kernels."""
+    """Kernels of one decode step with `flag` off: per layer the q/k/v products (one per run of
+    one type when stacked), attention (with RoPE and the cache store, its splits merged in the
+    kernel), output, gate/up with SwiGLU, down; then the embedding, lm_head (the final norm
+    folded into both), and 3 sampling kernels. Each switch off adds its kernels."""
     from runtime.cuda.backend import runs_of_one_type
 
     n = mf.config.n_layer
     qkv = sum(len(runs_of_one_type([mf.tensor(f"blk.{i}.attn_{p}.weight").ggml_type for p in "qkv"], flag != "K4_STACK"))
               for i in range(n))
-    return qkv + 6 * n + 5 + (n if flag == "K4_FUSE_SWIGLU" else 0) + (2 * n + 1 if flag == "K4_FUSE_NORM" else 0)
+    extra = {"K4_FUSE_SWIGLU": n, "K4_FUSE_ROPE": n, "K4_FUSE_NORM": 2 * n + 1}.get(flag, 0)
+    return qkv + 4 * n + 5 + extra
 
 
 @pytest.mark.parametrize("flag", [None, *FUSIONS])

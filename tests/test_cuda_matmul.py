@@ -264,7 +264,7 @@ def test_gemv_fused_rms_norm(type_name):
     import cupy as cp
 
     rng, seed = fresh_rng()
-    for n_out, n_in in ((300, 512), (4133, 2048)):
+    for n_out, n_in in ((300, 512), (4133, 2048), (40, 17408)):
         w, ref_w = weight(type_name, n_out, n_in, rng, True)
         x = (3 * rng.standard_normal(n_in) + 0.5).astype(np.float32)
         norm_w = (1 + 0.3 * rng.standard_normal(n_in)).astype(np.float32)
@@ -308,6 +308,22 @@ def test_gemv_swiglu_epilogue(type_name, repack):
     assert err < (3 * LIMIT_Q8 if type_name in QUANTIZED else 2e-5), f"{type_name} with norm: {err:.2e} (seed {seed})"
     with pytest.raises(ValueError, match="no residual"):
         mm.gemv(w, cp.asarray(x), y, residual=y)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("type_name,variant", [(t, v) for t, vs in mm.EXTRA_GLU_VARIANTS.items() for v in vs])
+def test_gemv_swiglu_variants_match_numpy(type_name, variant):
+    import cupy as cp
+
+    rng, seed = fresh_rng()
+    gate, up = (mm.random_weight(type_name, 777, 1536, rng) for _ in range(2))
+    t = mm.interleave_rows(gate, up, "ffn_gate_up")
+    w = mm.make_weight(t, cp.asarray(mm.weight_layout(t, True)), True, glu=True)
+    x = rng.standard_normal(1536).astype(np.float32)
+    y = nan_like(777)
+    mm.gemv(w, cp.asarray(x), y, variant=variant)
+    g, u = (dequantize(p.raw_bytes(), p.ggml_type).astype(np.float64) @ q8_rounded(x) for p in (gate, up))
+    assert rel_err(y.get(), silu(g) * u) < 2 * LIMIT_Q8_ROUNDED, f"seed {seed}"
 
 
 @pytest.mark.cuda

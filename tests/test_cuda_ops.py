@@ -169,22 +169,59 @@ def test_attention(ops, rng, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split):
     vc[:n_kv] = rng.standard_normal((n_kv, n_head_kv, D))
     n_split, split_len = attention_split(n_ctx, split)
     part = cp.empty((n_tok, n_head, n_split, D + 2), cp.float32) if n_split > 1 else None
+    ticket = cp.zeros(n_tok * n_head, cp.int32)
     want = attention_reference(q, kc, vc, pos0)
-    for tiled in (True, False) if n_tok > 1 else (True,):  # attn_tiled for several queries, and the per-query kernel
+    # attn_tiled for several queries, and the per-query kernel; split attention twice (the tickets reset)
+    for tiled in (True, False) if n_tok > 1 else (True, True):
         ops.tiled = tiled
         out = nan_like((n_tok, n_head, D), cp.float32)
         ops.attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, cp.asarray([pos0], dtype=cp.int32),
-                      n_split, split_len, part)
+                      n_split, split_len, part, ticket)
         assert rel_l2(out.get(), want) < 2e-5, f"tiled={tiled}"  # fp16 keys/values are exact on both sides
+        assert not ticket.any()
     ops.tiled = True
 
 
+@pytest.mark.parametrize("arch,n_head,n_head_kv,D,pos0,n_ctx", [("llama", 8, 2, 64, 77, 256), ("qwen3", 4, 4, 128, 5, 4096),
+                                                                  ("qwen2", 6, 3, 96, 300, 320)])
+def test_attention_with_fused_rope_equals_rope_then_attention(ops, rng, arch, n_head, n_head_kv, D, pos0, n_ctx):
+    """Decode: RoPE and the cache store inside the attention kernel give the same output and
+    the same cache as rope_qk_store followed by attention."""
+    from runtime.cuda.backend import rope_inv_freq
+    from runtime.cuda.ops import attention_split
+
+    cfg = tiny_config(arch, head_dim=D, rope_dim=D, n_head=n_head, n_head_kv=n_head_kv)
+    qkv = cp.asarray(rng.standard_normal((1, (n_head + 2 * n_head_kv) * D)).astype(np.float32))
+    a, b = n_head * D, (n_head + n_head_kv) * D
+    q_src, k_src, v_src = qkv[:, :a], qkv[:, a:b], qkv[:, b:]
+    norms = [cp.asarray((1 + 0.2 * rng.standard_normal(D)).astype(np.float32)) if cfg.has_qk_norm else None for _ in range(2)]
+    inv_freq, pos = cp.asarray(rope_inv_freq(cfg, None)), cp.asarray([pos0], dtype=cp.int32)
+    cache = [cp.asarray(rng.standard_normal((n_ctx, n_head_kv, D)).astype(np.float16)) for _ in range(2)]
+    n_split, split_len = attention_split(n_ctx, True)
+    part = cp.empty((1, n_head, n_split, D + 2), cp.float32) if n_split > 1 else None
+    ticket = cp.zeros(n_head, cp.int32)
+
+    kc1, vc1 = (c.copy() for c in cache)
+    q = nan_like((1, n_head, D), cp.float32)
+    ops.rope_qk_store(q_src, k_src, v_src, kc1, vc1, *norms, inv_freq, pos, D, cfg.rope_neox, cfg.rms_eps, q_out=q)
+    want = nan_like((1, n_head, D), cp.float32)
+    ops.attention(q, kc1, vc1, want, pos, n_split, split_len, part, ticket)
+
+    kc2, vc2 = (c.copy() for c in cache)
+    got = nan_like((1, n_head, D), cp.float32)
+    fresh = (q_src, k_src, v_src, *norms, inv_freq, D, cfg.rope_neox, cfg.rms_eps)
+    ops.attention(nan_like((1, n_head, D), cp.float32), kc2, vc2, got, pos, n_split, split_len, part, ticket, fresh)
+    assert rel_l2(got.get(), want.get()) < 1e-6
+    assert cp.array_equal(kc2, kc1) and cp.array_equal(vc2, vc1)
+    assert not ticket.any()
+
+
 def test_attention_split_covers_context():
-    from runtime.cuda.ops import ATT_CHUNK, attention_split
+    from runtime.cuda.ops import ATT_SPLIT_KEYS, attention_split
 
     for n_ctx in (1, 255, 256, 257, 4096, 16385, 131072):
         n_split, split_len = attention_split(n_ctx, True)
-        assert split_len % ATT_CHUNK == 0 and n_split * split_len >= n_ctx > (n_split - 1) * split_len and n_split <= 64
+        assert split_len % ATT_SPLIT_KEYS == 0 and n_split * split_len >= n_ctx > (n_split - 1) * split_len and n_split <= 64
     assert attention_split(4096, False) == (1, 4096)
 
 

@@ -7,11 +7,12 @@ generation loop (on-device sampling, two-stream ping-pong readback).
 
 Fusions, each behind a flag (runtime/flags.py): attn_q/k/v rows stacked into one matrix per
 run of one ggml type, ffn_gate/up into one (K4_STACK); in decode, each RMSNorm folded into the
-matrix-vector product after it (K4_FUSE_NORM) and SwiGLU into the gate/up product, whose rows
-are interleaved for it (K4_FUSE_SWIGLU); programmatic dependent launch of every kernel of the
-decode graph (K4_PDL). A 7B decode step runs 6-7 kernels per layer. Prefill runs on fp16
-activations when every product takes them, from an fp16 copy of the weights when it fits
-(K4_PREFILL_F16_CACHE).
+matrix-vector product after it (K4_FUSE_NORM), SwiGLU into the gate/up product, whose rows
+are interleaved for it (K4_FUSE_SWIGLU), and RoPE with the KV-cache store into the attention
+kernel, which also merges its own splits (K4_FUSE_ROPE); programmatic dependent launch of every
+kernel of the decode graph (K4_PDL). A 7B decode step runs 5-6 kernels per layer. Prefill runs
+on fp16 activations when every product takes them, from an fp16 copy of the weights when it
+fits (K4_PREFILL_F16_CACHE), with tiled attention (K4_TILED_ATTN).
 
 Decode state lives on the device, (4,) int32 [tok, pos, ring_count, draw] (ops.ST_*): the token
 the next step evaluates, its position (= n_past), the tokens pushed into the repeat-penalty
@@ -146,6 +147,7 @@ class CudaBackend(TokenCache):
         self.copy_stream = cp.cuda.Stream(non_blocking=True)
         self.ops = ops.Ops(self.trace, self.flags.on("K4_PDL"), self.flags.on("K4_TILED_ATTN"))
         self.fuse_norm = self.flags.on("K4_FUSE_NORM")
+        self.fuse_rope = self.flags.on("K4_FUSE_ROPE")
         self.mem = memory.DeviceMemory(self.trace)
         self.chunk = min(n_ctx, PREFILL_CHUNK)
         self.n_split, self.split_len = ops.attention_split(n_ctx, self.flags.on("K4_SPLIT_ATTN"))
@@ -278,6 +280,7 @@ class CudaBackend(TokenCache):
         self.ff16 = m.empty((P, cfg.n_ff), cp.float16, "scratch")
         self.logits = m.empty((P, cfg.n_vocab), f32, "scratch")
         self.part = m.empty((1, cfg.n_head, self.n_split, cfg.head_dim + 2), f32, "scratch") if self.n_split > 1 else None
+        self.ticket = m.zeros((cfg.n_head,), cp.int32, "scratch")  # splits of decode attention done, per head
         kv_shape = (cfg.n_layer, self.n_ctx, cfg.n_head_kv, cfg.head_dim)
         self.k_cache = m.empty(kv_shape, cp.float16, "kv_cache")  # (n_layer, n_ctx, n_head_kv, head_dim)
         self.v_cache = m.empty(kv_shape, cp.float16, "kv_cache")
@@ -364,9 +367,14 @@ class CudaBackend(TokenCache):
             for p in L.qkv:
                 self._linear(p.w, h, p.out[:n], bias=p.bias, norm=norm)
                 cols.update({name: c[:n] for name, c in p.cols.items()})
-            o.rope_qk_store(cols["q"], cols["k"], cols["v"], self.k_cache[li], self.v_cache[li], L.q_norm, L.k_norm,
-                            self.inv_freq, self.pos_view, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps, q_out=q)
-            o.attention(q, self.k_cache[li], self.v_cache[li], attn, self.pos_view, n_split, self.split_len, self.part)
+            fresh = None
+            if n == 1 and self.fuse_rope:  # RoPE and the cache store inside the attention kernel
+                fresh = (cols["q"], cols["k"], cols["v"], L.q_norm, L.k_norm, self.inv_freq, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps)
+            else:
+                o.rope_qk_store(cols["q"], cols["k"], cols["v"], self.k_cache[li], self.v_cache[li], L.q_norm, L.k_norm,
+                                self.inv_freq, self.pos_view, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps, q_out=q)
+            o.attention(q, self.k_cache[li], self.v_cache[li], attn, self.pos_view, n_split, self.split_len, self.part,
+                        self.ticket, fresh)
             self._linear(L.wo, attn.reshape(n, cfg.q_dim), x1, residual=x)
             # feed-forward: norm, gate and up with SwiGLU, down + residual
             self._gate_up(L, x1, ff, half)

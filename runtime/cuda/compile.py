@@ -1,7 +1,7 @@
 """Compile kernels_cu/*.cu once per process (CuPy RawModule; CuPy also caches the binaries on
 disk, so the second start is fast). A compile error names the .cu file.
 
-Usage: `module("norm.cu").get_function("rms_norm_f32")`, or with template instances
+Usage: `module("elementwise.cu").get_function("set_i32")`, or with template instances
 `module("gemv.cu", ("gemv<4>",)).get_function("gemv<4>")`.
 """
 

@@ -18,9 +18,10 @@ read from a whole fp16 copy made at load (make_half, DeviceWeight.half); X may c
 already. With K4_PREFILL_TC=0, or for a few tokens, it is one gemv per token instead.
 
 Measured on one H200 (copy 4.17 TB/s; gemv in CUDA graphs with PDL, weights streamed from
-memory): Q4_K 4096x4096 4.8 µs (1.97 TB/s), 11008x4096 9.0 µs (2.8 TB/s), 32000x4096 21.9 µs
-(3.38 TB/s, 80%); Q6_K 32000x4096 28.2 µs (3.82 TB/s, 91%). A fixed ~2.5 µs per launch (ramp
-up and drain) is what keeps small matrices lower; stack_rows fuses products that share x.
+memory, next chunks loaded during the products): Q4_K 4096x4096 4.6 µs (2.07 TB/s), 11008x4096
+8.3 µs (3.05 TB/s), 32000x4096 19.9 µs (3.71 TB/s, 88%); Q6_K 32000x4096 27.1 µs (3.97 TB/s,
+94%). A fixed ~2.5 µs per launch (ramp up and drain) is what keeps small matrices lower;
+stack_rows and interleave_rows fuse products that share x.
 Prefill Q4_K 512x4096x4096: 50 µs (345 TFLOP/s), 2048 tokens 510 TFLOP/s.
 
 Every entry point validates on the host (ValueError: these are programming errors of the
@@ -56,30 +57,38 @@ class QuantKernels:
     decoder: the C++ decoder struct in kernels_cu/common.cuh.
     groups:  byte offsets cutting a block into the planes of the planar layout (ggml-common.h
              field offsets; the last one is the block size).
-    gemv:    (WARPS, U) of the gemv_q8 instance used: warps per block, chunks in flight per lane.
-    glu:     (WARPS, U) of the SwiGLU-epilogue instance (Q8_0 holds fewer chunks: more spill).
+    gemv:    (WARPS, U, PF) of the gemv_q8 instance used: warps per block, chunks in flight per
+             lane, and whether the next U chunks load while the current ones are multiplied.
+    glu:     the same for the SwiGLU-epilogue instance (Q8_0 holds fewer chunks: more spill).
     """
 
     decoder: str
     groups: tuple[int, ...]
-    gemv: tuple[int, int]
-    glu: tuple[int, int]
+    gemv: tuple[int, int, int]
+    glu: tuple[int, int, int]
 
 
 QUANT: dict[T, QuantKernels] = {
-    T.Q4_K: QuantKernels("type_q4_K", (0, 16, 144), (16, 2), (16, 2)),          # d dmin scales | qs
-    T.Q5_K: QuantKernels("type_q5_K", (0, 16, 48, 176), (32, 1), (32, 1)),      # d dmin scales | qh | qs
-    T.Q6_K: QuantKernels("type_q6_K", (0, 128, 192, 208, 210), (32, 1), (32, 1)),  # ql | qh | scales | d
-    T.Q8_0: QuantKernels("type_q8_0", (0, 2, 34), (32, 4), (32, 2)),            # d | qs
-    T.Q5_0: QuantKernels("type_q5_0", (0, 2, 6, 22), (32, 4), (32, 4)),         # d | qh | qs
+    T.Q4_K: QuantKernels("type_q4_K", (0, 16, 144), (16, 2, 1), (16, 2, 1)),          # d dmin scales | qs
+    T.Q5_K: QuantKernels("type_q5_K", (0, 16, 48, 176), (32, 1, 0), (32, 1, 0)),      # d dmin scales | qh | qs
+    T.Q6_K: QuantKernels("type_q6_K", (0, 128, 192, 208, 210), (16, 2, 1), (32, 1, 0)),  # ql | qh | scales | d
+    T.Q8_0: QuantKernels("type_q8_0", (0, 2, 34), (32, 4, 0), (32, 2, 0)),            # d | qs
+    T.Q5_0: QuantKernels("type_q5_0", (0, 2, 6, 22), (32, 4, 0), (32, 4, 0)),         # d | qh | qs
 }
 # Unquantized types: C++ decoder and bytes per weight.
 FLOAT: dict[T, tuple[str, int]] = {T.F32: ("type_f32", 4), T.F16: ("type_f16", 2), T.BF16: ("type_bf16", 2)}
 
 # gemv_q8 variants compiled besides each type's default, for bench_gemv(variant=...). Measured on
-# the H200 (CUDA graph, PDL): Q4_K (16, 2) beats (32, 2), (32, 1) and (16, 4) at 4096x4096 to
-# 32000x4096 and 4096x11008/14336; Q6_K (32, 1) beats (32, 2) and (16, 2).
-EXTRA_GEMV_VARIANTS: dict[T, tuple[tuple[int, int], ...]] = {T.Q4_K: ((32, 2),), T.Q6_K: ((32, 2),)}
+# the H200 (CUDA graph, PDL, bench_gemv): with the next chunks loading during the products (PF),
+# Q4_K (16, 2, 1) beats (16, 2, 0), (32, 2, 0) and (16, 1, 1) from 4096x4096 (4.59 us, 2.07 TB/s)
+# to 22016x4096 (14.3 us, 3.56 TB/s) and 4096x11008 (9.18 us); Q6_K (16, 2, 1) beats (32, 1, 0),
+# (32, 2, 0) and (16, 1, 1) except at 4096x4096 (5.81 us vs 5.45 for (16, 1, 1)); 32000x4096 26.8 us,
+# 4.02 TB/s; Q4_K (16, 3, 1) is no faster than (16, 2, 1). Llama 2 7B tg128: 456 t/s without PF,
+# 550 with it (docs/PERF.md).
+EXTRA_GEMV_VARIANTS: dict[T, tuple[tuple[int, int, int], ...]] = {
+    T.Q4_K: ((16, 2, 0), (32, 2, 0), (16, 1, 1)), T.Q6_K: ((32, 1, 0), (32, 2, 0), (16, 1, 1))}
+# SwiGLU-epilogue variants compiled besides the default
+EXTRA_GLU_VARIANTS: dict[T, tuple[tuple[int, int, int], ...]] = {T.Q4_K: ((16, 2, 0),)}
 FLOAT_GEMV = (8, 4)  # gemv_f: warps per block, 16-byte chunks in flight per lane
 
 GEMV_MAX_TOKENS = 4          # matmul of at most this many tokens runs as gemv per token
@@ -90,8 +99,9 @@ def _bool(b: bool) -> str:
     return "true" if b else "false"
 
 
-def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int], glu: bool = False) -> str:
-    return f"gemv_q8<{QUANT[t].decoder}, {_bool(planar)}, {variant[0]}, {variant[1]}, {_bool(glu)}>"
+def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool = False) -> str:
+    warps, u, pf = variant
+    return f"gemv_q8<{QUANT[t].decoder}, {_bool(planar)}, {warps}, {u}, {_bool(pf)}, {_bool(glu)}>"
 
 
 def _gemv_f_name(t: T, vec: bool, glu: bool = False) -> str:
@@ -106,7 +116,7 @@ def _dequant_name(t: T, planar: bool, out: str) -> str:
 
 GEMV_NAMES = tuple(
     [_gemv_q8_name(t, p, v) for t, q in QUANT.items() for v in (q.gemv, *EXTRA_GEMV_VARIANTS.get(t, ())) for p in (False, True)]
-    + [_gemv_q8_name(t, p, q.glu, True) for t, q in QUANT.items() for p in (False, True)]
+    + [_gemv_q8_name(t, p, v, True) for t, q in QUANT.items() for v in (q.glu, *EXTRA_GLU_VARIANTS.get(t, ())) for p in (False, True)]
     + [_gemv_f_name(t, vec, glu) for t in FLOAT for vec in (True, False) for glu in (False, True)]
 )
 MATMUL_NAMES = tuple(
@@ -288,7 +298,7 @@ def _blocks_per_sm(kernel, threads: int, smem: int) -> int:
     return max(1, min(2048 // threads, 65536 // (regs * threads), (228 << 10) // (smem + (1 << 10))))
 
 
-def _gemv_plan(w: DeviceWeight, variant: tuple[int, int] | None = None, norm: bool = False):
+def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, norm: bool = False):
     """(kernel, grid, block, shared_mem) for gemv on w, cached per variant and norm prologue.
     The grid is as many blocks as fit on the GPU at once, but at most one per output."""
     plan = w._plans.get((variant, norm))
@@ -299,8 +309,9 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int] | None = None, norm: bo
         n_out //= 2
     if w.ggml_type in QUANT:
         q = QUANT[w.ggml_type]
-        warps, u = variant or (q.glu if w.glu else q.gemv)
-        kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, (warps, u), w.glu))
+        variant = variant or (q.glu if w.glu else q.gemv)
+        warps = variant[0]
+        kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu))
         smem = _q8x_smem(n_in)
     else:
         warps = FLOAT_GEMV[0]
@@ -339,14 +350,14 @@ def _capturing(stream) -> bool:
 
 
 def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=None, trace: Trace | None = None,
-         variant: tuple[int, int] | None = None, pdl: bool | None = None) -> None:
+         variant: tuple[int, int, int] | None = None, pdl: bool | None = None) -> None:
     """y = w @ x (+ bias) (+ residual), one kernel launch; with w.glu, y = silu(gate @ x) * (up @ x).
 
     x: (n_in,) float32, 16-byte aligned; y: (n_out,) float32, (n_out / 2,) for w.glu;
     residual: like y or None, may be y itself (in-place residual add); bias: like y or None;
     neither with w.glu. norm: None or (norm_w, eps), norm_w (n_in,) float32: x is replaced by
     RMSNorm(x) * norm_w, computed in the kernel's prologue (the norm kernel folded in; n_in a
-    multiple of 4). All cupy arrays, contiguous. `variant` (WARPS, U) picks another compiled
+    multiple of 4). All cupy arrays, contiguous. `variant` (WARPS, U, PF) picks another compiled
     gemv_q8 instance (see EXTRA_GEMV_VARIANTS); `pdl` launches with programmatic dependent launch
     (runtime.cuda.launch; default: w.pdl while the stream is being captured into a CUDA graph):
     the kernel then starts while the previous one drains, prefetching its weights, and waits
@@ -604,7 +615,7 @@ def _type(name: str) -> T:
 
 
 def bench_gemv(ggml_type: str, n_out: int, n_in: int, iters: int = 200, *, repack: bool | None = None,
-               variant: tuple[int, int] | None = None, pdl: bool | None = None) -> dict:
+               variant: tuple[int, int, int] | None = None, pdl: bool | None = None) -> dict:
     """Time y = W @ x for a random (n_out, n_in) W of `ggml_type` (a ggml type name, e.g. "Q4_K").
 
     Launches are recorded in a CUDA graph (as decode runs them), rotating over copies of W that

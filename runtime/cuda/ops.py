@@ -26,6 +26,7 @@ NULL = np.uint64(0)  # a null device pointer argument
 
 ATT_THREADS = 128  # attention.cu ATT_THREADS
 ATT_CHUNK = 128  # attention.cu ATT_CHUNK
+ATT_SPLIT_KEYS = 32  # decode attention splits are multiples of this many keys (one round of the kernel)
 MAX_HEAD_DIM = 8 * ATT_THREADS
 TILE_Q, TILE_K, TILE_THREADS = 32, 64, 128  # attention.cu attn_tiled
 TILED_HEAD_DIMS = (64, 128, 256)  # head_dim instances of attn_tiled
@@ -42,7 +43,7 @@ FNV_PRIME = 0x100000001B3  # the seed multiplier of runtime/sampling.py uniform(
 KERNELS = {
     "norm.cu": ("rms_norm<float>", "rms_norm<u16>"),
     "rope.cu": ("rope_qk_store",),
-    "attention.cu": ("attn_f16kv", "attn_combine", "attn_tiled<64>", "attn_tiled<128>", "attn_tiled<256>"),
+    "attention.cu": ("attn_f16kv", "attn_tiled<64>", "attn_tiled<128>", "attn_tiled<256>"),
     "elementwise.cu": ("swiglu<float>", "swiglu<u16>", "set_i32"),
     "sampling.cu": ("sample_penalty", "sample_argmax_partial", "sample_finish"),
 }
@@ -74,10 +75,11 @@ def _row_stride(a: cp.ndarray, n_tok: int, width: int) -> int:
 
 def attention_split(n_ctx: int, split: bool) -> tuple[int, int]:
     """(n_split, split_len) for decode attention over a cache of n_ctx positions: at most 64
-    splits, each a multiple of ATT_CHUNK keys; (1, n_ctx) when split is off."""
+    splits, each a multiple of ATT_SPLIT_KEYS keys; (1, n_ctx) when split is off. Splits past
+    the current position exit at once, so short contexts use few blocks of one round each."""
     if not split:
         return 1, n_ctx
-    split_len = -(-math.ceil(n_ctx / 64) // ATT_CHUNK) * ATT_CHUNK
+    split_len = -(-math.ceil(n_ctx / 64) // ATT_SPLIT_KEYS) * ATT_SPLIT_KEYS
     return -(-n_ctx // split_len), split_len
 
 
@@ -168,14 +170,22 @@ class Ops:
                       np.int32(rope_dim), np.int32(neox), np.float32(eps)))
 
     def attention(self, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, out: cp.ndarray, pos: cp.ndarray,
-                  n_split: int = 1, split_len: int = 0, part: cp.ndarray | None = None) -> None:
+                  n_split: int = 1, split_len: int = 0, part: cp.ndarray | None = None,
+                  ticket: cp.ndarray | None = None, fresh: tuple | None = None) -> None:
         """Causal attention of q over the fp16 cache; query t sits at position pos + t.
 
         q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx, n_head_kv, D) fp16 (one layer);
         pos: (1,) int32 device scalar. n_split > 1 splits each query's keys into blocks of
-        split_len (a multiple of ATT_CHUNK; n_split * split_len >= n_ctx) whose partials go to
-        part: (n_tok, n_head, n_split, D + 2) f32, merged by a second kernel. Several queries
+        split_len (n_split * split_len >= n_ctx) whose partials go to part: (n_tok, n_head,
+        n_split, D + 2) f32, merged by the last block of each head to finish, counted in ticket:
+        (n_tok * n_head,) int32, zeros (and left so). Several queries
         with `tiled` and D in TILED_HEAD_DIMS: attn_tiled (n_split must be 1).
+
+        fresh: None, or for one query (decode) the RoPE and cache store of rope_qk_store done
+        inside the kernel: (q_src, k_src, v_src, q_norm, k_norm, inv_freq, rope_dim, neox, eps)
+        with q_src (1, n_head * D), k_src and v_src (1, n_head_kv * D) f32 (the unrotated
+        products), the rest as rope_qk_store takes them; q is then not read, and the token's k
+        and v are written to cache row pos.
         """
         n_tok, n_head, D = q.shape
         n_ctx, n_head_kv, _ = k_cache.shape
@@ -197,17 +207,28 @@ class Ops:
         if n_split == 1:
             split_len = n_ctx
         else:
-            assert split_len % ATT_CHUNK == 0 and n_split * split_len >= n_ctx
-            assert part is not None
+            assert split_len > 0 and n_split * split_len >= n_ctx
+            assert part is not None and ticket is not None
             _f32(part, n_tok, n_head, n_split, D + 2)
-        shared = 4 * (D + ATT_CHUNK + ATT_THREADS * 8)
+            assert ticket.dtype == cp.int32 and ticket.size == n_tok * n_head and ticket.flags.c_contiguous
+        shared = 4 * (D + ATT_CHUNK + ATT_THREADS * 8 + D)
         scale = np.float32(1.0 / math.sqrt(D))
+        rope = (NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, np.int32(0), np.int32(0), np.float32(0))
+        if fresh is not None:
+            q_src, k_src, v_src, q_norm, k_norm, inv_freq, rope_dim, neox, eps = fresh
+            assert n_tok == 1
+            _row_stride(q_src, 1, n_head * D)
+            _row_stride(k_src, 1, n_head_kv * D)
+            _row_stride(v_src, 1, n_head_kv * D)
+            assert inv_freq.dtype == cp.float64 and inv_freq.shape == (rope_dim // 2,) and rope_dim % 2 == 0 and rope_dim <= D
+            for w in (q_norm, k_norm):
+                if w is not None:
+                    _f32(w, D)
+            rope = (q_src, k_src, v_src, k_cache, v_cache, NULL if q_norm is None else q_norm, NULL if k_norm is None else k_norm,
+                    inv_freq, np.int32(rope_dim), np.int32(neox), np.float32(eps))
         self._launch("attention.cu", "attn_f16kv", (n_head, n_tok, n_split), (ATT_THREADS,),
-                     (q, k_cache, v_cache, out, NULL if n_split == 1 else part, pos, np.int32(n_head),
-                      np.int32(n_head_kv), np.int32(D), np.int32(split_len), scale), shared_mem=shared)
-        if n_split > 1:
-            self._launch("attention.cu", "attn_combine", (n_head, n_tok), (min(ATT_THREADS, -(-D // 32) * 32),),
-                         (part, out, np.int32(n_head), np.int32(D), np.int32(n_split)))
+                     (q, k_cache, v_cache, out, NULL if n_split == 1 else part, NULL if n_split == 1 else ticket, pos,
+                      np.int32(n_head), np.int32(n_head_kv), np.int32(D), np.int32(split_len), scale, *rope), shared_mem=shared)
 
     def _swiglu(self, gate: cp.ndarray, up: cp.ndarray, out: cp.ndarray, n_tok: int, n_ff: int, ld: int, step: int) -> None:
         blocks = min(-(-(n_tok * n_ff) // 256), 4096)
