@@ -31,16 +31,6 @@ def _print_plan(plan) -> None:
     out.print(_summary(plan))
 
 
-def _warn_unrunnable(plan) -> None:
-    """Say so when the mix falls back to a tensor type k4's backends do not compute (llama.cpp's do)."""
-    from runtime.model import SUPPORTED_TYPES
-
-    missing = sorted({t.dst_type.name for t in plan.tensors if t.dst_type not in SUPPORTED_TYPES})
-    if missing:
-        err.print(f"warning: the output has {', '.join(missing)} tensors (llama.cpp's fallback for rows that are not "
-                  f"a multiple of 256), which k4 cannot run yet; llama.cpp can, or choose Q4_K_M", style="yellow")
-
-
 @errors_to_exit
 def quantize(
     model: Annotated[Path, typer.Argument(metavar="IN", help="Input GGUF with F32, F16 or BF16 weights.", show_default=False)],
@@ -60,7 +50,6 @@ def quantize(
             raise UsageError("--dry-run takes IN TYPE, not an output file: k4 quantize --dry-run IN TYPE")
         plan = plan_quantization(open_model(model), get_mix(out_or_type))
         _print_plan(plan)
-        _warn_unrunnable(plan)
         return
     if qtype is None:
         raise UsageError(f"missing TYPE: k4 quantize IN OUT TYPE, with TYPE one of {MIX_NAMES}")
@@ -68,7 +57,6 @@ def quantize(
         raise UsageError(f"--threads {threads} is negative; use 0 for one per core")
     plan = _quantize_with_progress(model, Path(out_or_type), qtype, force, threads)
     err.print(_summary(plan))
-    _warn_unrunnable(plan)
     err.print(f"wrote {out_or_type}")
 
 

@@ -1,7 +1,7 @@
 // Shared by every k4 kernel: integer types, ggml's quantized block layouts, the two device
 // layouts of a weight tensor (raw and planar), half/bf16 conversion and warp reductions.
 //
-// Block layouts: ggml-common.h (block_q4_K, block_q5_K, block_q6_K, block_q8_0, block_q5_0);
+// Block layouts: ggml-common.h (block_q4_K, block_q5_K, block_q6_K, block_q8_0, block_q5_0, block_q5_1);
 // the meaning of their bits: ggml-quants.c dequantize_row_*. This header compiles under NVRTC
 // (CuPy, the run-time compiler) and nvcc alike, so it includes no header at all.
 #pragma once
@@ -16,6 +16,7 @@ typedef long long i64;
 #define K_SCALE_SIZE 12
 #define QK8_0 32
 #define QK5_0 32
+#define QK5_1 32
 
 // fp16 numbers are stored as their bits (ggml_half is uint16_t).
 struct block_q4_K {  // 256 weights, 4.5 bits each: w = d*sc*q - dmin*m, q in 0..15
@@ -55,6 +56,14 @@ struct block_q5_0 {  // 32 weights: w = d*(q-16), q = low nibble | (bit i of qh)
     u8 qs[QK5_0 / 2];          // byte i holds weights i (low) and i+16 (high)
 };
 static_assert(sizeof(block_q5_0) == 22, "block_q5_0 is 22 bytes");
+
+struct block_q5_1 {  // 32 weights: w = d*q + m, q = low nibble | (bit i of qh) << 4
+    u16 d;
+    u16 m;
+    u8 qh[4];
+    u8 qs[QK5_1 / 2];          // byte i holds weights i (low) and i+16 (high)
+};
+static_assert(sizeof(block_q5_1) == 24, "block_q5_1 is 24 bytes");
 
 // ---- device layouts --------------------------------------------------------------------------
 // A quantized tensor of nblk blocks is either `raw` (ggml's array of structs, as in the file) or
@@ -444,6 +453,47 @@ struct type_q5_0 {
         float v[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(d, (float)((int)((word(q, i >> 2) >> (8 * (i & 3))) & 0xFF) - 16));
+        store16(row + 32 * ci + 16 * r, v);
+    }
+};
+
+struct type_q5_1 {
+    static constexpr int block_bytes = sizeof(block_q5_1), block_elems = QK5_1, chunk_elems = 32;
+    static constexpr int raw_align = 4, x_swizzle = 1;
+    // groups: d | m | qh | qs
+    __host__ __device__ static constexpr int cut(int g) {
+        return g == 0 ? 0 : g == 1 ? 2 : g == 2 ? 4 : g == 3 ? (int)(sizeof(block_q5_1) - sizeof(block_q5_1::qs)) : (int)sizeof(block_q5_1);
+    }
+    struct chunk {
+        uint4 q;  // qs[16]: weights i (low nibble) and i+16 (high)
+        u32 qh;   // bit i: 5th bit of weight i
+        u16 d, m;
+    };
+    template <bool PLANAR>
+    __device__ static chunk load(const u8* w, i64 nblk, i64 blk, int) {
+        constexpr int A = PLANAR ? 16 : raw_align;
+        return {load16<A>(group_at<type_q5_1, 3, PLANAR>(w, nblk, blk)), load4<A>(group_at<type_q5_1, 2, PLANAR>(w, nblk, blk)),
+                load2(group_at<type_q5_1, 0, PLANAR>(w, nblk, blk)), load2(group_at<type_q5_1, 1, PLANAR>(w, nblk, blk))};
+    }
+    // 5-bit quants (0..31) of half r (weights 16r..16r+15): the same bit layout as Q5_0
+    __device__ static uint4 quants(const chunk& c, int r) {
+        const uint4 l = map4(c.q, 4 * r, 0x0F0F0F0Fu);
+        const u32 h = c.qh >> (16 * r);
+        return make_uint4(l.x | type_q5_0::spread4(h & 0xF), l.y | type_q5_0::spread4((h >> 4) & 0xF),
+                          l.z | type_q5_0::spread4((h >> 8) & 0xF), l.w | type_q5_0::spread4((h >> 12) & 0xF));
+    }
+    template <int SWZ>
+    __device__ static float dot(const chunk& c, int ci, const q8x<SWZ>& x) {
+        const int s = dot16(quants(c, 1), x.unit(2 * ci + 1), dot16(quants(c, 0), x.unit(2 * ci), 0));
+        return f16_to_f32(c.d) * x.d[ci] * (float)s + f16_to_f32(c.m) * (x.s[2 * ci] + x.s[2 * ci + 1]);
+    }
+    template <class OUT>
+    __device__ static void dequant(const chunk& c, int ci, int r, OUT* row) {  // run r: weights 16r..16r+15
+        const float d = f16_to_f32(c.d), m = f16_to_f32(c.m);
+        const uint4 q = quants(c, r);
+        float v[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) v[i] = __fadd_rn(__fmul_rn((float)((word(q, i >> 2) >> (8 * (i & 3))) & 0xFF), d), m);
         store16(row + 32 * ci + 16 * r, v);
     }
 };

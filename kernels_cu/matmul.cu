@@ -71,6 +71,7 @@ K4_DEQUANT_Q(type_q5_K)
 K4_DEQUANT_Q(type_q6_K)
 K4_DEQUANT_Q(type_q8_0)
 K4_DEQUANT_Q(type_q5_0)
+K4_DEQUANT_Q(type_q5_1)
 
 #define K4_DEQUANT_F(T) \
     template __global__ void dequant_f<T, float>(const u8*, int, const int*, int, int, float*); \

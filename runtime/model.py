@@ -27,7 +27,7 @@ GGUF_MAGIC = b"GGUF"
 
 # Tensor types every backend computes with (ggml type names).
 SUPPORTED_TYPES = frozenset(
-    GGMLQuantizationType[n] for n in ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
+    GGMLQuantizationType[n] for n in ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 )
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")

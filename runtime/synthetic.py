@@ -100,6 +100,9 @@ def random_blocks(t: T, n_rows: int, n_cols: int, rng: np.random.Generator, scal
         put_f16(0, scale / 73.9 * jitter)
     elif t == T.Q5_0:  # d, qh[4], qs[16]: w = d*(q-16)
         put_f16(0, scale / 9.2 * jitter)
+    elif t == T.Q5_1:  # d, m, qh[4], qs[16]: w = d*q + m
+        put_f16(0, scale / 9.2 * jitter)
+        put_f16(2, -scale / 9.2 * 15.5 * jitter)
     else:
         raise ValueError(f"random_blocks: no generator for {t.name}")
     return raw.reshape(n_rows, -1)

@@ -94,7 +94,7 @@ def test_bench_synthetic():
     assert recs[0]["model_type"] == "llama synthetic test-tiny"
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q5_0])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q5_0, T.Q5_1])
 def test_random_blocks_are_sane(qtype):
     w = dequantize(random_blocks(qtype, 32, 512, np.random.default_rng(0), 0.05), qtype)
     assert w.shape == (32, 512) and np.isfinite(w).all()

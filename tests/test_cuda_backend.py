@@ -125,6 +125,7 @@ ARCH_CASES = {
     "llama-bf16": ("llama", T.BF16, {}),
     "llama-f32-rope-freqs": ("llama", T.F32, {"has_rope_freqs": True}),
     "qwen2-q5_0": ("qwen2", T.Q5_0, {}),
+    "llama-q5_1": ("llama", T.Q5_1, {}),
     "llama-q4_k": ("llama", T.Q4_K, K_CFG),
     "qwen3-q5_k": ("qwen3", T.Q5_K, K_CFG),
     "llama-q6_k-tied": ("llama", T.Q6_K, {**K_CFG, "tied_embeddings": True}),

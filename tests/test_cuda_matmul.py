@@ -23,7 +23,7 @@ from gguf.quants import dequantize
 from runtime.cuda import matmul as mm
 from runtime.model import Tensor
 
-QUANTIZED = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0"]
+QUANTIZED = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"]
 FLOATS = ["F16", "BF16", "F32"]
 LIMIT_Q8 = 1e-2
 LIMIT_Q8_ROUNDED = 1e-4

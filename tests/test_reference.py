@@ -13,7 +13,7 @@ from tiny import tiny_config, write_tiny
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("mtype", [T.Q8_0, T.F16, T.BF16, T.Q5_0, T.F32])
+@pytest.mark.parametrize("mtype", [T.Q8_0, T.F16, T.BF16, T.Q5_0, T.Q5_1, T.F32])
 def test_prefill_equals_token_by_token(tmp_path, shared, arch, mtype):
     p = write_tiny(tmp_path / "m.gguf", shared / "models" / "stories260K.gguf",
                    tiny_config(arch, tied_embeddings=arch == "qwen2"), matrix_type=mtype)

@@ -74,6 +74,7 @@ QUANT: dict[T, QuantKernels] = {
     T.Q6_K: QuantKernels("type_q6_K", (0, 128, 192, 208, 210), (16, 2, 1), (32, 1, 0)),  # ql | qh | scales | d
     T.Q8_0: QuantKernels("type_q8_0", (0, 2, 34), (32, 4, 0), (32, 2, 0)),            # d | qs
     T.Q5_0: QuantKernels("type_q5_0", (0, 2, 6, 22), (32, 4, 0), (32, 4, 0)),         # d | qh | qs
+    T.Q5_1: QuantKernels("type_q5_1", (0, 2, 4, 8, 24), (32, 4, 0), (32, 4, 0)),      # d | m | qh | qs
 }
 # Unquantized types: C++ decoder and bytes per weight.
 FLOAT: dict[T, tuple[str, int]] = {T.F32: ("type_f32", 4), T.F16: ("type_f16", 2), T.BF16: ("type_bf16", 2)}
