@@ -164,6 +164,11 @@ def _tables(results, records) -> None:
     out.print(table("copy traffic per phase (last run)",
                     ("test", "phase", "H2D bytes", "H2D #", "D2H bytes", "D2H #", "syncs", "launches", "graph replays", "D2H B/step"),
                     rows, right=range(2, 10)))
+    steps = {(r.test.flags_text or "-"): r.load_ms for r in results}
+    names = list(dict.fromkeys(k for v in steps.values() for k in v))
+    out.print(table("load steps (ms, once per configuration)", ("flags", *names, "total"),
+                    [(f, *(f"{v.get(n, 0):,.1f}" for n in names), f"{sum(v.values()):,.1f}") for f, v in steps.items()],
+                    right=range(1, len(names) + 2)))
     mem = results[-1].memory
     if mem:
         out.print(memory_table(mem))

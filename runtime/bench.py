@@ -62,6 +62,7 @@ class BenchResult:
     memory: dict[str, int] = field(default_factory=dict)
     load: dict[str, dict] = field(default_factory=dict)  # the backend's load-phase counters (ms, bytes) when it was built
     flag_values: dict[str, int] = field(default_factory=dict)  # every K4_* flag as the backend saw it
+    load_ms: dict[str, float] = field(default_factory=dict)  # the backend's load steps (ms) when it was built
 
     @property
     def mean(self) -> float:
@@ -217,7 +218,7 @@ def result_record(res: BenchResult, env: dict, model_info: dict) -> dict:
         "test": t.name, "n_prompt": t.n_prompt, "n_gen": t.n_gen, "n_depth": t.depth, "flags": t.flags_text,
         "reps": len(res.samples), "avg_ts": res.mean, "stddev_ts": res.sd, "samples_ts": list(res.samples),
         "token_ms_p50": res.latency(0.5), "token_ms_p99": res.latency(0.99),
-        "phases": res.phases, "memory": res.memory, "flag_values": res.flag_values,
+        "phases": res.phases, "memory": res.memory, "flag_values": res.flag_values, "load_ms": res.load_ms,
     }
 
 
@@ -231,6 +232,6 @@ def iter_results(tests: Sequence[BenchTest], make_backend: Callable[[tuple], obj
             values = dict(current_flags().values)
             for test in group:
                 res = run_test(backend, test, reps, n_vocab, on_rep=on_rep, load=load)
-                res.flag_values = values
+                res.flag_values, res.load_ms = values, dict(backend.load_ms)
                 yield res
             del backend

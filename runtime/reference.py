@@ -11,6 +11,7 @@ attention, SwiGLU feed-forward); weights dequantized by the gguf package (gguf.q
 
 from __future__ import annotations
 
+import time
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -105,6 +106,7 @@ class NumpyBackend(TokenCache):
         cfg = mf.config
         assert cfg is not None
         self.config, self.n_ctx, self.trace = cfg, n_ctx, Trace()
+        t0 = time.perf_counter()
         with self.trace.in_phase("load"):
             self.token_embd = dequantize_tensor(mf.tensor("token_embd.weight"))  # (n_vocab, n_embd)
             self.output_norm = dequantize_tensor(mf.tensor("output_norm.weight"))  # (n_embd,)
@@ -116,6 +118,7 @@ class NumpyBackend(TokenCache):
             self.k_cache = np.zeros(kv_shape, dtype=np.float32)  # (n_layer, n_ctx, n_head_kv, head_dim)
             self.v_cache = np.zeros(kv_shape, dtype=np.float32)  # (n_layer, n_ctx, n_head_kv, head_dim)
         self.tokens: list[int] = []
+        self.load_ms = {"read+dequantize": (time.perf_counter() - t0) * 1e3}  # wall time of each load step
 
     def eval(self, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         ids = np.asarray(token_ids, dtype=np.int64)  # (T,)

@@ -65,6 +65,7 @@ def test_bench_json_records():
         assert r["flags"] == "K4_CUDA_GRAPH=0" and r["backend"] == "numpy" and r["k4_version"]
         assert r["model_n_params"] > 0 and "gpu" in r and "cupy" in r
         assert r["flag_values"]["K4_CUDA_GRAPH"] == 0 and r["flag_values"]["K4_PINGPONG"] == 1
+        assert r["load_ms"]["read+dequantize"] > 0
 
 
 def test_bench_csv_and_jsonl_parse_back():

@@ -27,6 +27,8 @@ def test_bench_synthetic_on_cuda():
             assert decode["d2h_bytes"] == 4 * decode["steps"]
     assert recs[1]["phases"]["decode"]["graph_replays"] > 0 and recs[5]["phases"]["decode"]["graph_replays"] == 0
     assert recs[0]["memory"]["kv_cache"] > 0
+    assert {"read+upload", "compile", "warm-up", "graph capture"} <= set(recs[0]["load_ms"])
+    assert "graph capture" not in recs[4]["load_ms"]
 
 
 def test_bench_kernels_reports_bandwidth():

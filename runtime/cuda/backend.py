@@ -27,6 +27,7 @@ one 4-byte copy while the next step runs; that wait drains no stream and is not 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -151,18 +152,25 @@ class CudaBackend(TokenCache):
         self.mem = memory.DeviceMemory(self.trace)
         self.chunk = min(n_ctx, PREFILL_CHUNK)
         self.n_split, self.split_len = ops.attention_split(n_ctx, self.flags.on("K4_SPLIT_ATTN"))
+        self.load_ms: dict[str, float] = {}  # wall time of each load step (the stream synchronized after each)
         with self.trace.in_phase("load"), self.stream:
             memory.check_fits(self._weight_bytes(mf), self._kv_bytes(), self._scratch_bytes(), n_ctx, memory.free_bytes())
-            self._load_weights(mf, progress)
-            self._alloc_buffers()
-            self._half_weights()
-            self.ops.compile_all()
+            self._timed("read+upload", self._load_weights, mf, progress)
+            self._timed("buffers", self._alloc_buffers)
+            self._timed("prefill fp16 copy", self._half_weights)
+            self._timed("compile", self.ops.compile_all)
             self.graph = None
-            self._warm_up()
+            self._timed("warm-up", self._warm_up)
             if self.flags.on("K4_CUDA_GRAPH"):
-                self._capture()
-            self.stream.synchronize()
-            self.trace.sync()
+                self._timed("graph capture", self._capture)
+
+    def _timed(self, step: str, fn, *args) -> None:
+        """Run one load step and record its wall time (ms) in load_ms, after synchronizing."""
+        t0 = time.perf_counter()
+        fn(*args)
+        self.stream.synchronize()
+        self.trace.sync()
+        self.load_ms[step] = (time.perf_counter() - t0) * 1e3
 
     # ---- sizes ----------------------------------------------------------------------------------
     def _weight_bytes(self, mf: ModelFile) -> int:
