@@ -35,5 +35,18 @@ def test_bench_kernels_reports_bandwidth():
     r = runner.invoke(app, ["bench", "--kernels", "-o", "json"])
     assert r.exit_code == 0, r.output
     recs = json.loads(r.stdout)
-    assert {x["type"] for x in recs} >= {"Q4_K", "Q6_K"}
-    assert all(0 < x["gb_s"] < 5000 for x in recs)
+    gemv = [x for x in recs if x["kernel"] == "gemv"]
+    assert {x["type"] for x in gemv} >= {"Q4_K", "Q6_K", "Q5_1"}
+    assert all(0 < x["gb_s"] < 5000 for x in gemv)
+    attn = [x for x in recs if x["kernel"].startswith("attention")]
+    assert len(attn) == 4 and all(0 < x["tflop_s"] < 1000 and x["us"] > 0 for x in attn)
+
+
+def test_bench_attention_flop_count():
+    from runtime.cuda.ops import bench_attention
+
+    prefill = bench_attention(256, 256, n_head=4, n_head_kv=2, head_dim=64, iters=5)
+    decode = bench_attention(1, 256, n_head=4, n_head_kv=2, head_dim=64, iters=5)
+    # 256 queries see 256*257/2 (query, key) pairs; one decode query sees 256
+    assert prefill["tflop_s"] * prefill["us"] * 1e6 == pytest.approx(4 * 64 * 4 * 256 * 257 / 2)
+    assert decode["tflop_s"] * decode["us"] * 1e6 == pytest.approx(4 * 64 * 4 * 256)

@@ -563,7 +563,7 @@ def _copies(t: Tensor, repack: bool, factor: float, cap: int) -> list[DeviceWeig
     return [make_weight(t, cp.asarray(host), repack) for _ in range(n)]
 
 
-def _time(body, n_calls: int, iters: int, graph: bool) -> float:
+def device_time(body, n_calls: int, iters: int, graph: bool) -> float:
     """Median device time (µs) of one of `n_calls` calls body(i), after a warm-up round.
 
     graph: the calls are recorded in a CUDA graph and the replays timed with CUDA events.
@@ -634,7 +634,7 @@ def bench_gemv(ggml_type: str, n_out: int, n_in: int, iters: int = 200, *, repac
     x = cp.asarray(rng.standard_normal(n_in, dtype=np.float32))
     y = cp.empty(n_out, cp.float32)
     n_calls = len(weights) * math.ceil(20 / len(weights))
-    us = _time(lambda i: gemv(weights[i % len(weights)], x, y, variant=variant, pdl=pdl), n_calls, iters, graph=True)
+    us = device_time(lambda i: gemv(weights[i % len(weights)], x, y, variant=variant, pdl=pdl), n_calls, iters, graph=True)
     nbytes = weights[0].nbytes + 4 * (n_in + n_out)
     return {"us": us, "gb_s": nbytes / us / 1e3, "bytes": nbytes}
 
@@ -660,5 +660,5 @@ def bench_matmul(ggml_type: str, n_tok: int, n_out: int, n_in: int, iters: int =
     X = cp.asarray(rng.standard_normal((n_tok, n_in), dtype=np.float32))
     Y = cp.empty((n_tok, n_out), cp.float32)
     scratch = cp.empty(max(1, matmul_scratch_bytes(weights, n_tok)), cp.uint8)
-    us = _time(lambda i: matmul(weights[i % len(weights)], X, Y, scratch=scratch), len(weights), iters, graph=False)
+    us = device_time(lambda i: matmul(weights[i % len(weights)], X, Y, scratch=scratch), len(weights), iters, graph=False)
     return {"us": us, "tflop_s": 2.0 * n_tok * n_out * n_in / us / 1e6, "tok_s": n_tok / us * 1e6}

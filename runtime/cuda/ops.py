@@ -283,3 +283,35 @@ class Ops:
         self._launch("sampling.cu", "sample_finish", (1,), (SAMPLE_THREADS,),
                      (logits, np.int32(n_vocab), part_val, part_idx, np.int32(n_part), state, ring, ring_cap, params,
                       np.int32(advance)))
+
+
+def bench_attention(n_tok: int, n_ctx: int, n_head: int = 32, n_head_kv: int = 32, head_dim: int = 128,
+                    iters: int = 20, *, split: bool | None = None, tiled: bool | None = None) -> dict:
+    """Time causal attention of n_tok queries ending at position n_ctx - 1 over an fp16 KV cache
+    of n_ctx positions (one layer): n_tok == n_ctx is prefill from position 0, n_tok == 1 is a
+    decode step at depth n_ctx - 1. Random inputs; recorded in a CUDA graph, median of CUDA-event
+    timings (runtime.cuda.matmul.device_time). split/tiled: K4_SPLIT_ATTN/K4_TILED_ATTN (default:
+    the flags). Returns {"us": µs, "tflop_s": 4 * head_dim * n_head * (query, key) pairs / time,
+    "gb_s": KV cache bytes read / time}. FLOP count as FlashAttention's: causal halves the pairs.
+    """
+    from .. import flags
+    from .matmul import device_time
+
+    f = flags.current()
+    split = f.on("K4_SPLIT_ATTN") if split is None else split
+    tiled = f.on("K4_TILED_ATTN") if tiled is None else tiled
+    rng = np.random.default_rng(0)
+    q = cp.asarray(rng.standard_normal((n_tok, n_head, head_dim), dtype=np.float32))  # (n_tok, n_head, D)
+    k_cache = cp.asarray(rng.standard_normal((n_ctx, n_head_kv, head_dim)).astype(np.float16))  # (n_ctx, n_head_kv, D)
+    v_cache = cp.asarray(rng.standard_normal((n_ctx, n_head_kv, head_dim)).astype(np.float16))
+    out = cp.empty_like(q)
+    pos = cp.asarray(np.array([n_ctx - n_tok], dtype=np.int32))
+    n_split, split_len = attention_split(n_ctx, split) if n_tok == 1 else (1, n_ctx)
+    part = cp.empty((n_tok, n_head, n_split, head_dim + 2), cp.float32) if n_split > 1 else None
+    ticket = cp.zeros(n_tok * n_head, cp.int32) if n_split > 1 else None
+    ops = Ops(Trace(), pdl=False, tiled=tiled)
+    us = device_time(lambda i: ops.attention(q, k_cache, v_cache, out, pos, n_split, split_len, part, ticket), 1, iters, graph=True)
+    p0 = n_ctx - n_tok
+    pairs = n_tok * p0 + n_tok * (n_tok + 1) // 2
+    return {"us": us, "tflop_s": 4 * head_dim * n_head * pairs / us / 1e6, "gb_s": 2 * k_cache.nbytes / us / 1e3}
+
