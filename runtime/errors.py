@@ -1,7 +1,8 @@
 """Errors a user can cause. Each carries one sentence that says what is wrong and what to do.
 
 The CLI catches `K4Error` in one place (cli/render.py), prints the message on one line and
-exits with `exit_code`. Everything else is a bug and keeps its traceback.
+exits with `exit_code` (2 for errors in the user's input, 3 for a failure of the GPU, 130 for
+Ctrl-C). Everything else is a bug and keeps its traceback.
 """
 
 
@@ -33,6 +34,14 @@ class BackendUnavailableError(K4Error):
 
 class ContextFullError(K4Error):
     """The prompt or conversation does not fit in the context window (--ctx-size)."""
+
+
+class GpuError(K4Error):
+    """A CUDA call failed: a kernel launch was refused, or an error surfaced at a later
+    synchronization. The message names the kernel (or the last one launched) and the phase
+    (runtime.trace phases: load, prefill, decode); the CLI exits with 3."""
+
+    exit_code = 3
 
 
 class UsageError(K4Error):

@@ -47,6 +47,7 @@ except ModuleNotFoundError:  # require_cuda() says so
     cp = None
 else:
     from . import matmul, memory, ops
+    from .launch import GpuErrors, launch_graph
 
 PREFILL_CHUNK = 512  # tokens per prefill batch (rows of the activation buffers)
 RING_MIN = 1024  # slots of the device token ring (repeat penalty window and readback source)
@@ -131,7 +132,8 @@ class CudaBackend(TokenCache):
 
     mf: a validated ModelFile; n_ctx: KV cache positions; progress(done_bytes, total_bytes) is
     called while weights upload. Raises BackendUnavailableError (no GPU/CuPy, model does not fit),
-    UnsupportedModelError (head shapes the kernels do not take).
+    UnsupportedModelError (head shapes the kernels do not take); load, eval and generate raise
+    GpuError (runtime.cuda.launch) when a CUDA call fails, naming the phase and the kernel.
     """
 
     name = "cuda"
@@ -142,6 +144,7 @@ class CudaBackend(TokenCache):
         assert cfg is not None
         check_shapes(cfg)
         self.config, self.n_ctx, self.trace = cfg, n_ctx, Trace()
+        self.gpu_errors = GpuErrors(self.trace)  # CUDA errors -> GpuError naming the phase
         self.tokens: list[int] = []
         self.flags = Flags()
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -153,7 +156,7 @@ class CudaBackend(TokenCache):
         self.chunk = min(n_ctx, PREFILL_CHUNK)
         self.n_split, self.split_len = ops.attention_split(n_ctx, self.flags.on("K4_SPLIT_ATTN"))
         self.load_ms: dict[str, float] = {}  # wall time of each load step (the stream synchronized after each)
-        with self.trace.in_phase("load"), self.stream:
+        with self.trace.in_phase("load"), self.stream, self.gpu_errors:
             memory.check_fits(self._weight_bytes(mf), self._kv_bytes(), self._scratch_bytes(), n_ctx, memory.free_bytes())
             self._timed("read+upload", self._load_weights, mf, progress)
             self._timed("buffers", self._alloc_buffers)
@@ -452,7 +455,7 @@ class CudaBackend(TokenCache):
             raise ValueError("eval() needs at least one token")
         self._check_room(len(ids))
         cfg = self.config
-        with self.trace.in_phase("prefill" if len(ids) > 1 else "decode") as c, self.stream:
+        with self.trace.in_phase("prefill" if len(ids) > 1 else "decode") as c, self.stream, self.gpu_errors:
             self._upload(ids)
             if all_logits:
                 out = np.empty((len(ids), cfg.n_vocab), dtype=np.float32)  # (T, n_vocab)
@@ -484,7 +487,7 @@ class CudaBackend(TokenCache):
     def _capture(self) -> None:
         """Capture _decode_body into a CUDA graph; ops count into a scratch Trace meanwhile, and
         graph_launches keeps how many kernels one replay runs."""
-        counting, self.ops.trace = self.ops.trace, Trace()
+        counting, self.ops.trace = self.ops.trace, Trace(phase=self.trace.phase)
         try:
             self.stream.begin_capture()
             try:
@@ -498,9 +501,7 @@ class CudaBackend(TokenCache):
 
     def _decode_step(self) -> None:
         if self.graph is not None:
-            self.graph.launch(stream=self.stream)
-            self.trace.graph_replay()
-            self.trace.launch(self.graph_launches)
+            launch_graph(self.graph, self.stream, self.trace, self.graph_launches)
         else:
             self._decode_body()
 
@@ -543,7 +544,7 @@ class CudaBackend(TokenCache):
         params.validate()
         self._check_room(len(ids))
         pingpong = self.flags.on("K4_PINGPONG")
-        with self.trace.in_phase("prefill") as c, self.stream:
+        with self.trace.in_phase("prefill") as c, self.stream, self.gpu_errors:
             ring_count = self._start(ids, params, history)
             if pingpong:
                 self._start_readback(ring_count, 0, self.copy_stream)
@@ -551,7 +552,7 @@ class CudaBackend(TokenCache):
         slot, ahead = 0, False
         try:
             while True:
-                with self.trace.in_phase("decode") as c, self.stream:
+                with self.trace.in_phase("decode") as c, self.stream, self.gpu_errors:
                     if pingpong:
                         room = self.n_past < self.n_ctx
                         if room:
@@ -575,7 +576,7 @@ class CudaBackend(TokenCache):
                     self._check_room(1)
                 if not pingpong:
                     self._check_room(1)
-                    with self.trace.in_phase("decode"), self.stream:
+                    with self.trace.in_phase("decode"), self.stream, self.gpu_errors:
                         self._decode_step()
                     self.tokens.append(tok)
         finally:

@@ -8,6 +8,11 @@ CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, sm_90): the kernel may st
 the previous kernel in the stream is still running, so its launch latency and its first loads
 overlap that kernel's tail. Only kernels that execute `griddepcontrol.wait` (pdl_wait in
 kernels_cu/common.cuh) before touching anything an earlier kernel writes may be launched so.
+
+CUDA errors become runtime.errors.GpuError here. A launch the driver refuses names the kernel
+(its C++ name, demangled), the grid, the block and the trace phase. Most faults surface later,
+at whatever call next waits on the device: the backend wraps its phases in `GpuErrors`, whose
+message names the phase and the last kernel (or graph) launched in this process.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from functools import cache
 
 import numpy as np
 
+from runtime.errors import GpuError
 from runtime.trace import Trace
 
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
@@ -48,6 +54,7 @@ def _dim3(d: tuple[int, ...]):
 
 
 def _launch_pdl(kernel, grid, block, args, shared_mem: int, stream_ptr: int) -> None:
+    """cuLaunchKernelEx with the PDL attribute; raises cupy's CUDADriverError on a refusal."""
     import cupy as cp
 
     values = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cp.ndarray) else _C_SCALARS[a.dtype](a.item()) for a in args]
@@ -57,7 +64,78 @@ def _launch_pdl(kernel, grid, block, args, shared_mem: int, stream_ptr: int) -> 
     config = _LaunchConfig(_dim3(grid), _dim3(block), shared_mem, stream_ptr, ctypes.pointer(attr), 1)
     status = _cu_launch_kernel_ex()(ctypes.byref(config), kernel.kernel.ptr, params, None)
     if status != 0:
-        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")
+        raise cp.cuda.driver.CUDADriverError(status)
+
+
+@cache
+def cuda_error_types() -> tuple[type[BaseException], ...]:
+    """The exceptions CuPy raises for a failed CUDA call: CUDARuntimeError, CUDADriverError and
+    cuBLAS's CUBLASError; () when CuPy is not installed."""
+    try:
+        import cupy as cp
+        from cupy_backends.cuda.libs import cublas
+    except ImportError:
+        return ()
+    return (cp.cuda.runtime.CUDARuntimeError, cp.cuda.driver.CUDADriverError, cublas.CUBLASError)
+
+
+@cache
+def _demangler():
+    """libstdc++'s __cxa_demangle (Itanium C++ ABI) and libc's free, or None where absent."""
+    try:
+        cxx, libc = ctypes.CDLL("libstdc++.so.6"), ctypes.CDLL(None)
+    except OSError:
+        return None
+    demangle = cxx.__cxa_demangle
+    demangle.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    demangle.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    return demangle, libc.free
+
+
+def kernel_name(kernel) -> str:
+    """The readable name of a cupy.RawKernel (or of anything with a `name`): a template
+    instance's C++ name as written in kernels_cu, e.g. `rms_norm<float>` for the symbol
+    `_Z8rms_normIfEvPKfS1_PT_if`; extern "C" names as they are; the symbol itself when it cannot
+    be demangled."""
+    name = str(getattr(kernel, "name", kernel))
+    tools = _demangler() if name.startswith("_Z") else None
+    if tools is None:
+        return name
+    demangle, free = tools
+    status = ctypes.c_int()
+    ptr = demangle(name.encode(), None, None, ctypes.byref(status))
+    if not ptr:
+        return name
+    try:
+        full = ctypes.string_at(ptr).decode()  # e.g. "void rms_norm<float>(float const*, ...)"
+    finally:
+        free(ptr)
+    return full.split("(", 1)[0].removeprefix("void ")
+
+
+class _LastLaunch:
+    """The kernel object (or graph name) most recently launched in this process, named only when
+    an error message needs it, so a launch costs one assignment."""
+
+    what: object = None
+
+
+_last = _LastLaunch()
+
+REFUSED_ADVICE = "use --backend numpy, and report this line as a k4 bug"
+FAULT_ADVICE = "the GPU state is unknown: run again, or use --backend numpy; report this line if it repeats"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def last_launched() -> str:
+    """What was launched last through this module: "kernel rms_norm<float>", "the decode graph
+    (125 kernels)", or "" before any launch."""
+    what = _last.what
+    return "" if what is None else what if isinstance(what, str) else f"kernel {kernel_name(what)}"
 
 
 def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0,
@@ -68,15 +146,57 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
 
     Arguments: cupy arrays pass their device pointer, numpy scalars their value with their own
     C type (pass np.int32/np.int64/np.float32, and np.uint64(0) for a null pointer).
-    Raises RuntimeError if the driver refuses a pdl launch.
+    Raises GpuError naming the kernel, grid, block and trace phase when CUDA refuses the launch.
     """
-    import cupy as cp
+    if stream is None:
+        import cupy as cp
 
-    s = stream or cp.cuda.get_current_stream()
-    with s:
-        if pdl:
-            _launch_pdl(kernel, grid, block, args, shared_mem, s.ptr)
-        else:
-            kernel(grid, block, args, shared_mem=shared_mem)
+        stream = cp.cuda.get_current_stream()
+    _last.what = kernel
+    try:
+        with stream:
+            if pdl:
+                _launch_pdl(kernel, grid, block, args, shared_mem, stream.ptr)
+            else:
+                kernel(grid, block, args, shared_mem=shared_mem)
+    except cuda_error_types() as exc:
+        during = f" during {trace.phase}" if trace is not None else ""
+        raise GpuError(f"CUDA refused to launch kernel {kernel_name(kernel)} (grid {tuple(grid)}, block {tuple(block)}, "
+                       f"{shared_mem} bytes shared){during}: {_one_line(exc)}; {REFUSED_ADVICE}") from None
     if trace is not None:
         trace.launch()
+
+
+def launch_graph(graph, stream, trace: Trace, n_kernels: int, name: str = "decode graph") -> None:
+    """Replay `graph` (a cupy.cuda.Graph) on `stream`, counted in `trace` as one replay and
+    `n_kernels` launches; `name` is what error messages call it. Raises GpuError."""
+    _last.what = f"the {name} ({n_kernels} kernels)"
+    try:
+        graph.launch(stream=stream)
+    except cuda_error_types() as exc:
+        raise GpuError(f"CUDA refused to replay the {name} during {trace.phase}: {_one_line(exc)}; {FAULT_ADVICE}") from None
+    trace.graph_replay()
+    trace.launch(n_kernels)
+
+
+class GpuErrors:
+    """A reusable context manager (one per backend, no allocation per use): inside it, a CUDA
+    error (cuda_error_types) that surfaces anywhere, typically at a synchronization, a copy or an
+    allocation after an asynchronous fault, becomes a GpuError naming `trace.phase` as it is
+    when the error is raised, and the last kernel launched. Errors at a launch are GpuErrors
+    already and pass through, as does everything else."""
+
+    __slots__ = ("trace",)
+
+    def __init__(self, trace: Trace):
+        self.trace = trace
+
+    def __enter__(self) -> GpuErrors:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if kind is None or not issubclass(kind, cuda_error_types()):
+            return False
+        last = last_launched()
+        after = f"after {last} was launched" if last else "before any kernel was launched"
+        raise GpuError(f"CUDA error during {self.trace.phase}, {after}: {_one_line(exc)}; {FAULT_ADVICE}") from None
