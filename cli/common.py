@@ -12,8 +12,8 @@ from typing import Annotated, Optional
 import typer
 
 from runtime.errors import UsageError
+from runtime.model import SAMPLE_MODEL
 
-SAMPLE_MODEL = Path(__file__).resolve().parents[1] / "samples" / "stories260k-q4_k_m.gguf"
 
 ModelOpt = Annotated[Optional[Path], typer.Option("-m", "--model", help="GGUF model file (default: the bundled sample).", show_default=False)]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto (cuda when a GPU is present), numpy or cuda.")]

@@ -32,6 +32,9 @@ SUPPORTED_TYPES = frozenset(
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
+# The bundled sample model (samples/README.md): what commands run without -m.
+SAMPLE_MODEL = Path(__file__).resolve().parents[1] / "samples" / "stories260k-q4_k_m.gguf"
+
 
 @dataclass(frozen=True)
 class Tensor:

@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf import GGMLQuantizationType as T
 
 from .errors import UsageError
-from .model import ModelConfig, expected_shapes, open_model
+from .model import SAMPLE_MODEL, ModelConfig, expected_shapes, open_model
 
 
 
@@ -111,8 +111,6 @@ def random_blocks(t: T, n_rows: int, n_cols: int, rng: np.random.Generator, scal
 def vocab_from(path: Path | None, n_vocab: int) -> dict:
     """Tokenizer metadata of `path` (a GGUF with a vocabulary), or of the bundled sample model,
     padded with `<unused_N>` tokens to n_vocab when shorter, cut when longer."""
-    from cli.common import SAMPLE_MODEL
-
     src = open_model(path or SAMPLE_MODEL, require_weights=False)
     tokens = list(src.meta("tokenizer.ggml.tokens") or [])
     if not tokens:
