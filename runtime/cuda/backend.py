@@ -580,8 +580,11 @@ class CudaBackend(TokenCache):
                         self._decode_step()
                     self.tokens.append(tok)
         finally:
-            if ahead:
-                self.tokens.pop()
+            if ahead:  # the step evaluating the last token is still in flight: finish it, so that
+                self.tokens.pop()  # freeing or reusing buffers after close cannot race with it
+                with self.trace.in_phase("close"):
+                    self.stream.synchronize()
+                    self.trace.sync()
 
     def memory_report(self) -> dict[str, int]:
         """Device bytes by kind: weights, kv_cache, scratch (activations, sampler, matmul scratch)."""
