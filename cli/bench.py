@@ -88,19 +88,13 @@ def _run(path: Path, tests, reps: int, output: str, backend: str, ctx_size: int)
         try:
             for res in rb.iter_results(tests, lambda flags: make_backend(mf, backend, n_ctx), reps, cfg.n_vocab,
                                        on_rep=lambda: prog.advance(task)):
-                env = env or rb.environment(path, res_backend_name(res, backend))
+                env = env or rb.environment(path, res.backend)
                 results.append(res)
         except KeyboardInterrupt:
             err.print(f"interrupted: showing the {len(results)} finished test(s)")
             _print(results, env, model_info, output)
             raise typer.Exit(130)
     _print(results, env, model_info, output)
-
-
-def res_backend_name(res, requested: str) -> str:
-    from runtime.backend import cuda_available
-
-    return requested if requested != "auto" else ("cuda" if cuda_available() else "numpy")
 
 
 def _print(results, env, model_info, output: str) -> None:

@@ -62,6 +62,7 @@ class BenchResult:
     memory: dict[str, int] = field(default_factory=dict)
     load: dict[str, dict] = field(default_factory=dict)  # the backend's load-phase counters (ms, bytes) when it was built
     flag_values: dict[str, int] = field(default_factory=dict)  # every K4_* flag as the backend saw it
+    backend: str = ""  # the backend's name ("numpy", "cuda"): what "auto" picked
     load_ms: dict[str, float] = field(default_factory=dict)  # the backend's load steps (ms) when it was built
 
     @property
@@ -232,6 +233,6 @@ def iter_results(tests: Sequence[BenchTest], make_backend: Callable[[tuple], obj
             values = dict(current_flags().values)
             for test in group:
                 res = run_test(backend, test, reps, n_vocab, on_rep=on_rep, load=load)
-                res.flag_values, res.load_ms = values, dict(backend.load_ms)
+                res.flag_values, res.load_ms, res.backend = values, dict(backend.load_ms), backend.name
                 yield res
             del backend

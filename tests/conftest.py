@@ -7,20 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from runtime.backend import cuda_available
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("K4_SHARED", REPO.parent / "shared")).resolve()
 
 
-def _gpu_available() -> bool:
-    try:
-        import cupy as cp
-
-        return cp.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-HAS_GPU = _gpu_available()
+HAS_GPU = cuda_available()
 
 
 def pytest_collection_modifyitems(config, items):
