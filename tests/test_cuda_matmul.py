@@ -177,6 +177,7 @@ def test_gemv_chain_with_pdl_in_a_graph():
     w1, ref1 = weight("Q4_K", 512, 768, rng, True)
     w2, ref2 = weight("Q6_K", 300, 512, rng, True)
     x, y1, y2 = cp.zeros(768, cp.float32), nan_like(512), nan_like(300)
+    cp.cuda.Device().synchronize()  # the inputs were built on the default stream, which `stream` does not wait for
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()

@@ -575,6 +575,10 @@ def device_time(body, n_calls: int, iters: int, graph: bool) -> float:
 
     import cupy as cp
 
+    # The caller built the inputs on the default stream (H2D copies from pageable memory may
+    # still be landing, memsets still running); the timing stream does not order itself after
+    # that stream, so wait for the device before the first call reads them.
+    cp.cuda.Device().synchronize()
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         t0 = time.perf_counter()
