@@ -144,11 +144,20 @@ def _tables(results, records) -> None:
     rows = []
     for r in results:
         ph = r.phases
-        ms = lambda name: f"{ph[name]['ms']:,.1f}" if name in ph else "-"  # noqa: E731
-        rows.append((r.test.name, r.test.flags_text or "-", f"{r.load.get('load', {}).get('ms', 0):,.0f}", ms("prefill"), ms("decode"),
-                     ms("sample"), f"{r.latency(0.5):.3f}", f"{r.latency(0.99):.3f}"))
-    out.print(table("time per phase (ms, last run; load once per configuration)",
-                    ("test", "flags", "load", "prefill", "decode", "sample", "token p50", "token p99"), rows, right=range(2, 8)))
+
+        def ms(name: str, key: str = "ms") -> str:
+            return f"{ph[name][key]:,.1f}" if ph.get(name, {}).get(key) else "-"
+
+        def q(p: float, gpu: bool) -> str:
+            v = r.latency(p, gpu)
+            return "-" if v != v else f"{v:.3f}"
+
+        rows.append((r.test.name, r.test.flags_text or "-", f"{r.load.get('load', {}).get('ms', 0):,.0f}", ms("prefill"),
+                     ms("prefill", "gpu_ms"), ms("decode"), ms("decode", "gpu_ms"), ms("sample"),
+                     q(0.5, False), q(0.99, False), q(0.5, True), q(0.99, True)))
+    out.print(table("time per phase (ms, last run; load once per configuration; GPU: CUDA events around the device work)",
+                    ("test", "flags", "load", "prefill", "prefill GPU", "decode", "decode GPU", "sample",
+                     "token p50", "token p99", "token p50 GPU", "token p99 GPU"), rows, right=range(2, 12)))
     rows = []
     for r in results:
         for phase, cnt in r.phases.items():

@@ -55,6 +55,7 @@ def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[obj
 
 COUNTER_COLUMNS = (
     ("ms", "time ms"),
+    ("gpu_ms", "GPU ms"),
     ("steps", "steps"),
     ("h2d_bytes", "H2D bytes"),
     ("h2d_count", "H2D #"),
@@ -73,7 +74,7 @@ def trace_table(trace, title: str = "per-phase counters") -> Table:
     rows = []
     for phase, c in trace.phases.items():
         d = c.as_dict()
-        rows.append([phase] + [f"{d[k]:,.1f}" if k == "ms" else f"{d[k]:,}" for k, _ in COUNTER_COLUMNS])
+        rows.append([phase] + [f"{d[k]:,.1f}" if k in ("ms", "gpu_ms") else f"{d[k]:,}" for k, _ in COUNTER_COLUMNS])
     return table(title, ["phase"] + [h for _, h in COUNTER_COLUMNS], rows, right=range(1, len(COUNTER_COLUMNS) + 1))
 
 

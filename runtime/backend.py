@@ -51,6 +51,10 @@ class Backend(Protocol):
         Raises ContextFullError when the cache is full.
         """
 
+    def close(self) -> None:
+        """Finish the work in flight and stop using the device; call before dropping the
+        backend when another is built in the same process. Idempotent."""
+
 
 class TokenCache:
     """The bookkeeping every backend shares: `tokens`, the ids whose keys/values are cached,
@@ -70,6 +74,9 @@ class TokenCache:
         if not 0 <= n <= self.n_past:
             raise ValueError(f"truncate({n}) outside 0..{self.n_past}")
         del self.tokens[n:]
+
+    def close(self) -> None:
+        """Nothing in flight to finish (the numpy backend); CudaBackend overrides it."""
 
     def _check_room(self, n: int) -> None:
         """Raise ContextFullError when n more tokens do not fit."""

@@ -57,7 +57,8 @@ class BenchResult:
 
     test: BenchTest
     samples: list[float] = field(default_factory=list)
-    token_ms: list[float] = field(default_factory=list)  # per decoded token latencies of every repetition
+    token_ms: list[float] = field(default_factory=list)  # per decoded token latencies of every repetition (host clock)
+    token_gpu_ms: list[float] = field(default_factory=list)  # device time of each decode step (CUDA events), every repetition
     phases: dict[str, dict] = field(default_factory=dict)  # trace counters of the last repetition
     memory: dict[str, int] = field(default_factory=dict)
     load: dict[str, dict] = field(default_factory=dict)  # the backend's load-phase counters (ms, bytes) when it was built
@@ -73,9 +74,11 @@ class BenchResult:
     def sd(self) -> float:
         return statistics.stdev(self.samples) if len(self.samples) > 1 else 0.0
 
-    def latency(self, q: float) -> float:
-        """Per-token decode latency quantile q in [0, 1], ms (nan without decode samples)."""
-        return float(np.quantile(self.token_ms, q)) if self.token_ms else float("nan")
+    def latency(self, q: float, gpu: bool = False) -> float:
+        """Per-token decode latency quantile q in [0, 1], ms: host clock between tokens, or with
+        gpu the device time of each decode step from CUDA events. nan without samples."""
+        samples = self.token_gpu_ms if gpu else self.token_ms
+        return float(np.quantile(samples, q)) if samples else float("nan")
 
 
 def parse_list(text: str, what: str) -> list[int]:
@@ -175,6 +178,7 @@ def run_test(backend, test: BenchTest, reps: int, n_vocab: int, seed: int = 0,
         tps, token_ms = run_once(backend, test, n_vocab, seed)
         res.samples.append(tps)
         res.token_ms += token_ms
+        res.token_gpu_ms += backend.trace.gpu_steps.get("decode", [])
         if on_rep:
             on_rep()
     res.phases = {name: c.as_dict() for name, c in backend.trace.phases.items()}
@@ -219,6 +223,7 @@ def result_record(res: BenchResult, env: dict, model_info: dict) -> dict:
         "test": t.name, "n_prompt": t.n_prompt, "n_gen": t.n_gen, "n_depth": t.depth, "flags": t.flags_text,
         "reps": len(res.samples), "avg_ts": res.mean, "stddev_ts": res.sd, "samples_ts": list(res.samples),
         "token_ms_p50": res.latency(0.5), "token_ms_p99": res.latency(0.99),
+        "token_gpu_ms_p50": res.latency(0.5, gpu=True), "token_gpu_ms_p99": res.latency(0.99, gpu=True),
         "phases": res.phases, "memory": res.memory, "flag_values": res.flag_values, "load_ms": res.load_ms,
     }
 
@@ -235,4 +240,5 @@ def iter_results(tests: Sequence[BenchTest], make_backend: Callable[[tuple], obj
                 res = run_test(backend, test, reps, n_vocab, on_rep=on_rep, load=load)
                 res.flag_values, res.load_ms, res.backend = values, dict(backend.load_ms), backend.name
                 yield res
+            backend.close()
             del backend

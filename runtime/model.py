@@ -45,12 +45,14 @@ class Tensor:
     shape: numpy order, e.g. (n_out, n_in) for a matrix.
     raw:   uint8 view of the encoded bytes, memory-mapped, shape (n_rows, bytes_per_row)
            for quantized types, or the typed array for F32/F16 (as the gguf package gives it).
+    file_offset: byte offset of the data in its GGUF file (None for a tensor built in memory).
     """
 
     name: str
     ggml_type: GGMLQuantizationType
     shape: tuple[int, ...]
     raw: np.ndarray
+    file_offset: int | None = None
 
     @property
     def type_name(self) -> str:
@@ -265,7 +267,7 @@ def _tensor_table(path: Path, reader: GGUFReader) -> dict[str, Tensor]:
         if int(t.data_offset) + int(t.n_bytes) > size:
             raise ModelFileError(f"{path}: tensor {t.name!r} runs past the end of the file; the file is truncated, re-download it")
         shape = tuple(int(d) for d in reversed(list(t.shape)))
-        table[t.name] = Tensor(t.name, GGMLQuantizationType(int(t.tensor_type)), shape, t.data)
+        table[t.name] = Tensor(t.name, GGMLQuantizationType(int(t.tensor_type)), shape, t.data, int(t.data_offset))
     return table
 
 

@@ -3,7 +3,8 @@ and device allocation is recorded here, so `K4_TRACE=1` and `k4 bench` can show 
 bytes and the time go.
 
 Phases are free-form names; k4 uses "load", "prefill", "decode", "sample", "detokenize".
-Units: bytes, counts, milliseconds (host wall clock unless a backend records device time).
+Units: bytes, counts, milliseconds. `ms` is host wall clock; `gpu_ms` is device time from CUDA
+events (runtime/cuda/timer.py), 0 where a backend records none (numpy).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Counters:
     alloc_bytes: int = 0
     steps: int = 0
     ms: float = 0.0
+    gpu_ms: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -37,6 +39,7 @@ class Trace:
 
     phases: dict[str, Counters] = field(default_factory=dict)
     phase: str = "load"
+    gpu_steps: dict[str, list[float]] = field(default_factory=dict)  # per-step device ms, by phase
 
     def _c(self) -> Counters:
         return self.phases.setdefault(self.phase, Counters())
@@ -79,11 +82,19 @@ class Trace:
     def step(self) -> None:
         self._c().steps += 1
 
+    def gpu(self, phase: str, ms: float, step: bool = False) -> None:
+        """Add device time `ms` to `phase`; step=True also keeps it as one per-step sample."""
+        self.phases.setdefault(phase, Counters()).gpu_ms += ms
+        if step:
+            self.gpu_steps.setdefault(phase, []).append(ms)
+
     def get(self, phase: str) -> Counters:
         return self.phases.get(phase, Counters())
 
     def reset(self, phase: str | None = None) -> None:
         if phase is None:
             self.phases.clear()
+            self.gpu_steps.clear()
         else:
             self.phases.pop(phase, None)
+            self.gpu_steps.pop(phase, None)

@@ -48,14 +48,14 @@ RETURNED_TOLERANCE = 8 * MiB  # GPU memory a finished child may appear to keep
 SLOW_LOAD = """
 import sys, time
 from runtime.cuda import memory
-upload = memory.Uploader.upload
-def slow_upload(self, dst, src):
-    upload(self, dst, src)
+advance = memory.Uploader._advance
+def slow_advance(self, nbytes):
+    advance(self, nbytes)
     if self.done >= 256 << 20:
         sys.stderr.write("k4-test: uploading\\n")
         sys.stderr.flush()
         time.sleep(600)
-memory.Uploader.upload = slow_upload
+memory.Uploader._advance = slow_advance
 from cli.app import main
 main()
 """

@@ -122,6 +122,47 @@ def test_interleave_rows_alternates_gate_and_up():
         mm.interleave_rows(gate, mm.random_weight(T.Q4_K, 4, 512, rng), "x")
 
 
+def _device_layout_cases(xp):
+    """(host layout, device_layout's result on xp arrays) for stacked and gate/up-interleaved
+    matrices of every type, raw and planar."""
+    rng = np.random.default_rng(3)
+    for type_name in (*QUANTIZED, "F16", "F32"):
+        t = T[type_name]
+        a, b, c = (mm.random_weight(t, n, 2 * GGML_QUANT_SIZES[t][0], rng) for n in (5, 5, 3))
+        for repack in (False, True):
+            for tensors, glu in (([a, b, c], False), ([a, b], True), ([c], False)):
+                spec = mm.combined(tensors, "m", glu)
+                host = mm.weight_layout(mm.interleave_rows(a, b, "m") if glu else mm.stack_rows(tensors, "m"), repack)
+                src = xp.asarray(np.concatenate([x.raw_bytes().reshape(-1) for x in tensors]))
+                dst = xp.full(mm.layout_nbytes(spec, repack), 0xA5, xp.uint8)  # pads must be written too
+                mm.device_layout(dst, src, spec, repack, glu)
+                yield f"{type_name} repack={repack} glu={glu} n={len(tensors)}", host, dst
+
+
+def test_device_layout_equals_the_host_layout():
+    """The load path rearranges file bytes on the device; numpy arrays take the same code path."""
+    for case, host, got in _device_layout_cases(np):
+        assert np.array_equal(got, host), case
+
+
+@pytest.mark.cuda
+def test_device_layout_equals_the_host_layout_on_the_gpu():
+    import cupy as cp
+
+    for case, host, got in _device_layout_cases(cp):
+        assert np.array_equal(got.get(), host), case
+
+
+def test_combined_rejects_what_stack_and_interleave_reject():
+    rng = np.random.default_rng(0)
+    a, b = mm.random_weight(T.Q4_K, 4, 256, rng), mm.random_weight(T.Q6_K, 4, 256, rng)
+    with pytest.raises(ValueError, match="cannot stack"):
+        mm.combined([a, b], "ab")
+    with pytest.raises(ValueError, match="two matrices of one shape"):
+        mm.combined([a, mm.random_weight(T.Q4_K, 6, 256, rng)], "g", glu=True)
+    assert mm.combined([a, a], "aa").shape == (8, 256)
+
+
 def test_weight_layout_rejects_partial_blocks():
     t = mm.random_weight(T.F32, 2, 8, np.random.default_rng(0))
     bad = Tensor("w", T.Q4_K, (2, 100), t.raw)

@@ -48,6 +48,7 @@ except ModuleNotFoundError:  # require_cuda() says so
 else:
     from . import matmul, memory, ops
     from .launch import GpuErrors, launch_graph
+    from .timer import DeviceTimer
 
 PREFILL_CHUNK = 512  # tokens per prefill batch (rows of the activation buffers)
 RING_MIN = 1024  # slots of the device token ring (repeat penalty window and readback source)
@@ -149,6 +150,7 @@ class CudaBackend(TokenCache):
         self.flags = Flags()
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.copy_stream = cp.cuda.Stream(non_blocking=True)
+        self.timer = DeviceTimer(self.trace)  # device time of prefill and of each decode step
         self.ops = ops.Ops(self.trace, self.flags.on("K4_PDL"), self.flags.on("K4_TILED_ATTN"))
         self.fuse_norm = self.flags.on("K4_FUSE_NORM")
         self.fuse_rope = self.flags.on("K4_FUSE_ROPE")
@@ -190,58 +192,92 @@ class CudaBackend(TokenCache):
         return 4 * (P * rows + part + self.n_ctx + RING_MIN + 2 * cfg.n_vocab)
 
     # ---- weights --------------------------------------------------------------------------------
-    def _upload_matrix(self, up, t, repack: bool, glu: bool = False):
-        host = matmul.weight_layout(t, repack)  # (nbytes,) uint8
-        buf = self.mem.empty(host.nbytes, cp.uint8, "weights")
-        up.upload(buf, host)
-        return matmul.make_weight(t, buf, repack, glu)
+    def _upload_matrix(self, up, mf: ModelFile, tensors: Sequence, repack: bool, glu: bool = False):
+        """Upload the rows of `tensors` (one ggml type and n_in) as one DeviceWeight: stacked in
+        order, or with glu the two (ffn_gate, ffn_up) interleaved (matmul.combined). The file's
+        bytes go to the device as they are; when the layout differs (planar repack, interleave),
+        they land in self.load_tmp and matmul.device_layout rearranges them on the copy stream."""
+        spec = matmul.combined(tensors, tensors[0].name, glu)
+        buf = self.mem.empty(matmul.layout_nbytes(spec, repack), cp.uint8, "weights")
+        post = matmul.needs_device_layout(spec, repack, glu)
+        raw_bytes = sum(t.n_bytes for t in tensors)
+        target = self.load_tmp[:raw_bytes] if post else buf
+
+        def layout() -> None:
+            with self.copy_stream:
+                matmul.device_layout(buf, target, spec, repack, glu, self.trace)
+
+        at = 0
+        for i, t in enumerate(tensors):
+            then = layout if post and i == len(tensors) - 1 else None
+            if t.file_offset is None:
+                up.upload(target.data.ptr + at, t.raw_bytes(), then)
+            else:
+                up.upload_file(target.data.ptr + at, mf.path, t.file_offset, t.n_bytes, then)
+            at += t.n_bytes
+        return matmul.make_weight(spec, buf, repack, glu)
 
     def _upload_vector(self, up, host: np.ndarray):
         buf = self.mem.empty(host.shape, host.dtype, "weights")
-        up.upload(buf, host)
+        up.upload(buf.data.ptr, host)
         return buf
 
-    def _projections(self, mf: ModelFile, up, repack: bool, names: Sequence[str], parts: Sequence[str],
-                     glu: bool) -> tuple:
-        """Upload GGUF matrices `names` (one layer's, in order) as Projections: each run of one
-        ggml type stacked when K4_STACK (glu: the two, gate and up, interleaved), with their
-        biases (name with .bias) concatenated."""
-        tensors = [mf.tensor(n) for n in names]
-        if glu:
-            t = matmul.interleave_rows(tensors[0], tensors[1], names[0])
-            return (Projection(self._upload_matrix(up, t, repack, glu=True), None, (("gate_up", t.shape[0]),)),)
-        out = []
-        for run in runs_of_one_type([t.ggml_type for t in tensors], self.flags.on("K4_STACK")):
-            group = [tensors[i] for i in run]
-            t = group[0] if len(group) == 1 else matmul.stack_rows(group, names[run[0]])
-            biases = [names[i].replace(".weight", ".bias") for i in run]
-            bias = None
-            if biases[0] in mf.tensors:
-                bias = self._upload_vector(up, np.concatenate([dequantize_tensor(mf.tensor(b)) for b in biases]))
-            out.append(Projection(self._upload_matrix(up, t, repack), bias, tuple((parts[i], tensors[i].shape[0]) for i in run)))
-        return tuple(out)
+    def _matrix_plan(self, mf: ModelFile) -> list[tuple]:
+        """The matrices to upload, in order: (key, tensor names, glu), key a tensor name or
+        (layer, "qkv" or "gate_up", index of the run of one type); glu: gate/up interleaved."""
+        cfg, plan = self.config, []
+        for name, shape in expected_shapes(cfg).items():
+            if len(shape) == 2 and not (name.startswith("blk.") and name.split(".")[2] in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")):
+                plan.append((name, [name], False))
+        for i in range(cfg.n_layer):
+            for part, names in (("qkv", [f"blk.{i}.attn_{p}.weight" for p in "qkv"]), ("gate_up", [f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"])):
+                types = [mf.tensor(n).ggml_type for n in names]
+                if part == "gate_up" and self.flags.on("K4_FUSE_SWIGLU") and types[0] == types[1]:
+                    plan.append(((i, part, 0), names, True))
+                    continue
+                for j, run in enumerate(runs_of_one_type(types, self.flags.on("K4_STACK"))):
+                    plan.append(((i, part, j), [names[k] for k in run], False))
+        return plan
 
     def _load_weights(self, mf: ModelFile, progress) -> None:
         """Upload every tensor the forward pass reads, quantized matrices in their block layout
-        (repacked when K4_REPACK; q/k/v and gate/up stacked or interleaved, see _projections),
-        vectors as f32."""
+        (repacked when K4_REPACK; q/k/v and gate/up stacked or interleaved), biases of a stacked
+        run concatenated, vectors as f32. Reading the file overlaps the copies (memory.Uploader)."""
         cfg = self.config
         repack = self.flags.on("K4_REPACK")
+        plan = self._matrix_plan(mf)
+        tmp = max([sum(mf.tensor(n).n_bytes for n in names) for _, names, glu in plan
+                   if matmul.needs_device_layout(mf.tensor(names[0]), repack, glu)] or [0])
+        self.load_tmp = self.mem.empty(max(tmp, 1), cp.uint8, "scratch")  # file bytes awaiting device_layout
         up = memory.Uploader(self.trace, self.copy_stream, self._weight_bytes(mf), self.flags.on("K4_PINNED_UPLOAD"), progress)
-        dev: dict[str, object] = {}
-        for name, shape in expected_shapes(cfg).items():
-            if name.startswith("blk.") and name.split(".")[2] in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"):
-                continue  # uploaded as projections below
-            t = mf.tensor(name)
-            if len(shape) == 2:
-                dev[name] = self._upload_matrix(up, t, repack)
-            else:
-                host = dequantize_tensor(t)  # (n,) f32
-                if name == "rope_freqs.weight":
-                    host = rope_inv_freq(cfg, host)  # (rope_dim/2,) f64
-                dev[name] = self._upload_vector(up, host)
-        if not cfg.has_rope_freqs:
-            dev["rope_freqs.weight"] = self._upload_vector(up, rope_inv_freq(cfg, None))
+        try:
+            dev: dict[object, object] = {}
+            for key, names, glu in plan:
+                dev[key] = self._upload_matrix(up, mf, [mf.tensor(n) for n in names], repack, glu)
+            for name, shape in expected_shapes(cfg).items():
+                if len(shape) == 1:
+                    host = dequantize_tensor(mf.tensor(name))  # (n,) f32
+                    dev[name] = self._upload_vector(up, rope_inv_freq(cfg, host) if name == "rope_freqs.weight" else host)
+            if not cfg.has_rope_freqs:
+                dev["rope_freqs.weight"] = self._upload_vector(up, rope_inv_freq(cfg, None))  # (rope_dim/2,) f64
+            biases = {}
+            for key, names, glu in plan:
+                b = [n.replace(".weight", ".bias") for n in names]
+                if not glu and isinstance(key, tuple) and b[0] in mf.tensors:
+                    biases[key] = self._upload_vector(up, np.concatenate([dequantize_tensor(mf.tensor(n)) for n in b]))
+            up.finish()
+        finally:
+            up.close()
+        self.mem.release(self.load_tmp, "scratch")
+        del self.load_tmp
+        qkv_parts, ffn_parts = dict(zip((f"attn_{p}" for p in "qkv"), "qkv")), {"ffn_gate": "gate", "ffn_up": "up"}
+        projections: dict[tuple[int, str], list] = {}
+        for key, names, glu in plan:
+            if isinstance(key, tuple):
+                i, part, _ = key
+                short = qkv_parts if part == "qkv" else ffn_parts
+                parts = (("gate_up", dev[key].shape[0]),) if glu else tuple((short[n.split(".")[2]], mf.tensor(n).shape[0]) for n in names)
+                projections.setdefault((i, part), []).append(Projection(dev[key], biases.get(key), parts))
         self.token_embd = dev["token_embd.weight"]
         self.output = dev["token_embd.weight" if cfg.tied_embeddings else "output.weight"]
         self.output_norm = dev["output_norm.weight"]
@@ -249,13 +285,9 @@ class CudaBackend(TokenCache):
         self.layers = []
         for i in range(cfg.n_layer):
             g = lambda n: dev.get(f"blk.{i}.{n}")  # noqa: E731
-            qkv = self._projections(mf, up, repack, [f"blk.{i}.attn_{p}.weight" for p in "qkv"], "qkv", glu=False)
-            ffn = [f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"]
-            glu = self.flags.on("K4_FUSE_SWIGLU") and mf.tensor(ffn[0]).ggml_type == mf.tensor(ffn[1]).ggml_type
-            gate_up = self._projections(mf, up, repack, ffn, ("gate", "up"), glu)
-            self.layers.append(LayerWeights(g("attn_norm.weight"), qkv, g("attn_output.weight"), g("ffn_norm.weight"), gate_up,
-                                            g("ffn_down.weight"), g("attn_q_norm.weight"), g("attn_k_norm.weight")))
-        up.finish()
+            self.layers.append(LayerWeights(g("attn_norm.weight"), tuple(projections[i, "qkv"]), g("attn_output.weight"),
+                                            g("ffn_norm.weight"), tuple(projections[i, "gate_up"]), g("ffn_down.weight"),
+                                            g("attn_q_norm.weight"), g("attn_k_norm.weight")))
         self.matrices = [self.output] + [w for L in self.layers for w in (*(p.w for p in L.qkv + L.gate_up), L.wo, L.w_down)]
 
     def _half_weights(self) -> None:
@@ -456,14 +488,18 @@ class CudaBackend(TokenCache):
         self._check_room(len(ids))
         cfg = self.config
         with self.trace.in_phase("prefill" if len(ids) > 1 else "decode") as c, self.stream, self.gpu_errors:
-            self._upload(ids)
             if all_logits:
                 out = np.empty((len(ids), cfg.n_vocab), dtype=np.float32)  # (T, n_vocab)
-                self._prefill(len(ids), out)
+                with self.timer.span(self.stream, step=True):
+                    self._upload(ids)
+                    self._prefill(len(ids), out)
             else:
                 out = np.empty(cfg.n_vocab, dtype=np.float32)  # (n_vocab,)
-                self._prefill(len(ids), None)
+                with self.timer.span(self.stream, step=True):
+                    self._upload(ids)
+                    self._prefill(len(ids), None)
                 memory.d2h_sync(self.trace, out, self.logits[0], self.stream)
+            self.timer.collect()
             c.steps += 1
         self.tokens.extend(ids)
         return out
@@ -545,7 +581,8 @@ class CudaBackend(TokenCache):
         self._check_room(len(ids))
         pingpong = self.flags.on("K4_PINGPONG")
         with self.trace.in_phase("prefill") as c, self.stream, self.gpu_errors:
-            ring_count = self._start(ids, params, history)
+            with self.timer.span(self.stream, step=True):
+                ring_count = self._start(ids, params, history)
             if pingpong:
                 self._start_readback(ring_count, 0, self.copy_stream)
             c.steps += 1
@@ -556,9 +593,11 @@ class CudaBackend(TokenCache):
                     if pingpong:
                         room = self.n_past < self.n_ctx
                         if room:
-                            self._decode_step()
+                            with self.timer.span(self.stream, step=True):
+                                self._decode_step()
                             self._start_readback(ring_count + 1, slot ^ 1, self.copy_stream)
                         tok = self._read_slot(slot)
+                        self.timer.collect()
                         if room:
                             self.tokens.append(tok)
                             ahead = True
@@ -568,6 +607,7 @@ class CudaBackend(TokenCache):
                         self.stream.synchronize()
                         self.trace.sync()
                         tok = self._read_slot(0)
+                        self.timer.collect()
                     c.steps += 1
                 ring_count += 1
                 yield tok
@@ -577,7 +617,8 @@ class CudaBackend(TokenCache):
                 if not pingpong:
                     self._check_room(1)
                     with self.trace.in_phase("decode"), self.stream, self.gpu_errors:
-                        self._decode_step()
+                        with self.timer.span(self.stream, step=True):
+                            self._decode_step()
                     self.tokens.append(tok)
         finally:
             if ahead:  # the step evaluating the last token is still in flight: finish it, so that
@@ -585,6 +626,16 @@ class CudaBackend(TokenCache):
                 with self.trace.in_phase("close"):
                     self.stream.synchronize()
                     self.trace.sync()
+            self.timer.collect()
+
+    def close(self) -> None:
+        """Finish all work on both streams and drop the decode graph, so the memory this backend
+        frees afterwards cannot be in use by the GPU. Idempotent; the backend is unusable after."""
+        with self.gpu_errors:
+            self.stream.synchronize()
+            self.copy_stream.synchronize()
+        self.timer.collect()
+        self.graph = None
 
     def memory_report(self) -> dict[str, int]:
         """Device bytes by kind: weights, kv_cache, scratch (activations, sampler, matmul scratch)."""

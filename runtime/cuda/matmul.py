@@ -138,7 +138,7 @@ def _round16(n: int) -> int:
     return (n + 15) & ~15
 
 
-def _check_matrix(t: Tensor) -> tuple[int, int]:
+def _check_matrix(t: Tensor | MatrixSpec) -> tuple[int, int]:
     if len(t.shape) != 2:
         raise ValueError(f"{t.name}: a weight matrix must be 2-D, got shape {t.shape}")
     if t.ggml_type not in QUANT and t.ggml_type not in FLOAT:
@@ -205,6 +205,89 @@ def interleave_rows(gate: Tensor, up: Tensor, name: str) -> Tensor:
     return Tensor(name, gate.ggml_type, (2 * gate.shape[0], gate.shape[1]), raw.reshape(2 * gate.shape[0], -1))
 
 
+# ---- device layout (the load path: file bytes uploaded as they are, rearranged on the GPU) ------
+
+@dataclass(frozen=True)
+class MatrixSpec:
+    """The name, ggml type and (n_out, n_in) shape of a weight matrix whose bytes are elsewhere
+    (combined(): the rows of several file tensors, laid out on the device by device_layout)."""
+
+    name: str
+    ggml_type: T
+    shape: tuple[int, int]
+
+    @property
+    def type_name(self) -> str:
+        return self.ggml_type.name
+
+
+def combined(tensors: Sequence[Tensor], name: str, glu: bool = False) -> MatrixSpec:
+    """The matrix stack_rows (glu: interleave_rows of the two) would build from `tensors`,
+    without building it. Raises ValueError as those do."""
+    for t in tensors:
+        _check_matrix(t)
+    first = tensors[0]
+    if glu and (len(tensors) != 2 or tensors[1].shape != first.shape):
+        raise ValueError(f"{name}: gate/up interleaving takes two matrices of one shape")
+    for t in tensors:
+        if t.ggml_type != first.ggml_type or t.shape[1] != first.shape[1]:
+            raise ValueError(f"cannot stack {t.name} ({t.type_name} {t.shape}) with {first.name} ({first.type_name} {first.shape})")
+    return MatrixSpec(name, first.ggml_type, (sum(t.shape[0] for t in tensors), first.shape[1]))
+
+
+def layout_nbytes(spec: MatrixSpec | Tensor, repack: bool) -> int:
+    """Device bytes of weight_layout(spec, repack) (what make_weight expects)."""
+    n_out, n_in = _check_matrix(spec)
+    block, size = GGML_QUANT_SIZES[spec.ggml_type]
+    nblk = n_out * n_in // block
+    return planar_nbytes(spec.ggml_type, nblk) if repack and spec.ggml_type in QUANT else nblk * size
+
+
+def needs_device_layout(spec: MatrixSpec | Tensor, repack: bool, glu: bool) -> bool:
+    """Whether the uploaded file bytes must be rearranged (device_layout) rather than used as they are."""
+    return glu or (repack and spec.ggml_type in QUANT)
+
+
+def device_layout(dst, src, spec: MatrixSpec | Tensor, repack: bool, glu: bool, trace: Trace | None = None) -> None:
+    """Write into `dst` the bytes weight_layout gives for matrix `spec`, from `src`, its rows as
+    the file holds them (with glu: ffn_gate's rows, then ffn_up's; interleaved here as
+    interleave_rows does). dst: cupy uint8 (layout_nbytes(spec, repack),); src: cupy uint8
+    (n_out * bytes per row,). CuPy copies on the current stream (a launch per plane and pad,
+    counted in `trace`); allocates nothing. numpy arrays work the same (the tests compare it
+    with weight_layout on the host). Raises ValueError on sizes that do not match."""
+    n_out, n_in = _check_matrix(spec)
+    block, size = GGML_QUANT_SIZES[spec.ggml_type]
+    row_bytes = n_in // block * size
+    if src.nbytes != n_out * row_bytes or dst.nbytes != layout_nbytes(spec, repack) or (glu and n_out % 2):
+        raise ValueError(f"{spec.name}: device_layout got {src.nbytes} source and {dst.nbytes} destination bytes")
+    lead = (n_out // 2, 2) if glu else (n_out,)  # row index, as the layout orders rows
+
+    def rows(a, last: tuple[int, ...]):
+        # a viewed as (*lead, *last) in layout order; src holds gate's rows before up's
+        if glu:
+            return a.reshape(2, n_out // 2, *last).swapaxes(0, 1)
+        return a.reshape(*lead, *last)
+
+    if not (repack and spec.ggml_type in QUANT):
+        dst.reshape(*lead, row_bytes)[...] = rows(src, (row_bytes,))
+        if trace:
+            trace.launch()
+        return
+    groups = QUANT[spec.ggml_type].groups
+    per_row = n_in // block
+    blocks = rows(src, (per_row, size))  # (*lead, per_row, block bytes)
+    nblk, off = n_out * per_row, 0
+    for a, b in pairwise(groups):
+        plane = dst[off : off + nblk * (b - a)]
+        plane.reshape(*lead, per_row, b - a)[...] = blocks[..., a:b]
+        pad = _round16(nblk * (b - a)) - nblk * (b - a)
+        if pad:
+            dst[off + nblk * (b - a) : off + nblk * (b - a) + pad] = 0
+        off += nblk * (b - a) + pad
+        if trace:
+            trace.launch(1 + bool(pad))
+
+
 # ---- device weights ----------------------------------------------------------------------------
 
 @dataclass(eq=False)
@@ -239,18 +322,16 @@ class DeviceWeight:
         return self.shape[0] * self.shape[1] // GGML_QUANT_SIZES[self.ggml_type][0]
 
 
-def make_weight(t: Tensor, device_bytes, repack: bool, glu: bool = False) -> DeviceWeight:
-    """Wrap `device_bytes` (cupy uint8, 1-D, the upload of weight_layout(t, repack)) as a
-    DeviceWeight; glu: t comes from interleave_rows.
+def make_weight(t: Tensor | MatrixSpec, device_bytes, repack: bool, glu: bool = False) -> DeviceWeight:
+    """Wrap `device_bytes` (cupy uint8, 1-D, the upload of weight_layout(t, repack), or what
+    device_layout wrote) as a DeviceWeight; glu: t comes from interleave_rows.
 
     Raises ValueError when the bytes do not match the layout's size or `t` is not a matrix k4
     can multiply (see weight_layout), or a glu matrix has an odd number of rows.
     """
     n_out, n_in = _check_matrix(t)
     planar = bool(repack and t.ggml_type in QUANT)
-    block, size = GGML_QUANT_SIZES[t.ggml_type]
-    nblk = n_out * n_in // block
-    expect = planar_nbytes(t.ggml_type, nblk) if planar else nblk * size
+    expect = layout_nbytes(t, repack)
     if device_bytes.dtype != np.uint8 or device_bytes.ndim != 1 or device_bytes.nbytes != expect:
         raise ValueError(f"{t.name}: device bytes must be uint8 of shape ({expect},), got {device_bytes.dtype} {device_bytes.shape}")
     if glu and n_out % 2:

@@ -8,17 +8,20 @@ backend allocates device memory or copies between host and device.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import cupy as cp
 import numpy as np
 
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, ModelFileError
 from ..trace import Trace
 
 GiB = 1 << 30
 MiB = 1 << 20
-STAGING_BYTES = 64 * MiB  # each of the two pinned upload buffers
+STAGING_BYTES = 16 * MiB  # the largest piece of a weight upload (the size of each pinned staging buffer)
+READ_THREADS = max(1, min(8, os.cpu_count() or 1))  # threads reading the model file during the upload
 RESERVED_BYTES = 512 * MiB  # left free for the CUDA context, library workspaces and graphs
 
 H2D = cp.cuda.runtime.memcpyHostToDevice
@@ -51,6 +54,10 @@ class DeviceMemory:
         self.trace.alloc(a.nbytes)
         self.bytes[kind] += a.nbytes
         return a
+
+    def release(self, a: cp.ndarray, kind: str) -> None:
+        """Stop counting `a` (allocated by empty/zeros as `kind`); the caller drops its last reference."""
+        self.bytes[kind] -= a.nbytes
 
     def zeros(self, shape, dtype, kind: str) -> cp.ndarray:
         a = self.empty(shape, dtype, kind)
@@ -141,39 +148,101 @@ def d2h_sync(trace: Trace, dst: np.ndarray, src: cp.ndarray, stream: cp.cuda.Str
     trace.d2h(src.nbytes)
 
 
-class Uploader:
-    """Weight upload: the host copies each piece of a tensor (reading the memory-mapped file) into
-    one of two pinned staging buffers while the copy stream moves the other to the device.
+class _Slot:
+    """One pinned staging buffer and the piece being read into it (see Uploader)."""
 
-    With pinned=False (K4_PINNED_UPLOAD=0) every tensor is copied synchronously from pageable
-    memory instead. `progress(done_bytes, total_bytes)` is called after each piece.
+    def __init__(self, nbytes: int):
+        self.buf = PinnedBuffer(nbytes)
+        self.future: Future | None = None
+        self.dst_ptr, self.nbytes, self.then = 0, 0, None
+
+
+def _pread_into(fd: int, view: np.ndarray, offset: int) -> None:
+    """Fill uint8 `view` with the file's bytes from `offset` (os.preadv: the kernel copies from
+    the page cache straight into the buffer, no page faults on a memory map, GIL released).
+    Raises ModelFileError if the file ends first."""
+    mv, done = memoryview(view), 0
+    while done < view.nbytes:
+        n = os.preadv(fd, [mv[done:]], offset + done)
+        if n <= 0:
+            raise ModelFileError("the model file ended while its weights were being read; it was truncated or changed during the load")
+        done += n
+
+
+class Uploader:
+    """Weight upload, a pipeline: `threads` threads read pieces of at most STAGING_BYTES (from the
+    model file with preadv, or from host arrays) into a ring of pinned staging buffers, while the
+    main thread moves finished pieces to the device on `stream`, in the order they were asked
+    for. A buffer is refilled only after the device has read it (its event).
+
+    `then`, given with a tensor's last piece, runs on the main thread right after that piece's
+    copy is enqueued, so what it enqueues on `stream` (a layout change on the device) follows
+    every piece of the tensor. With pinned=False (K4_PINNED_UPLOAD=0) each piece is read on the
+    main thread and copied from pageable memory on `stream`. `progress(done_bytes, total_bytes)`
+    is called after each piece. Nothing is on the device for certain until finish(); call
+    close() on every path (it stops the readers).
     """
 
     def __init__(self, trace: Trace, stream: cp.cuda.Stream, total: int, pinned: bool,
-                 progress: Callable[[int, int], None] | None = None):
+                 progress: Callable[[int, int], None] | None = None, threads: int = READ_THREADS):
         self.trace, self.stream, self.total, self.pinned, self.progress = trace, stream, total, pinned, progress
         self.done = 0
-        size = min(STAGING_BYTES, max(total, 1))
-        self.buffers = [PinnedBuffer(size), PinnedBuffer(size)] if pinned else []
+        self.piece = max(1 << 20, min(STAGING_BYTES, -(-max(total, 1) // threads)))
+        self.slots = [_Slot(self.piece) for _ in range(threads + 2)] if pinned else []
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="k4-read") if pinned else None
         self.turn = 0
+        self.fds: dict[str, int] = {}
 
-    def upload(self, dst: cp.ndarray, src: np.ndarray) -> None:
-        """Copy host `src` (any dtype, C-contiguous, same byte size as `dst`) into device `dst`."""
+    def upload(self, dst_ptr: int, src: np.ndarray, then: Callable[[], None] | None = None) -> None:
+        """Copy host `src` (any dtype; its bytes in C order) to device address `dst_ptr`. `src`
+        must not change until finish()."""
         data = np.ascontiguousarray(src).reshape(-1).view(np.uint8)  # (nbytes,)
-        assert data.nbytes == dst.nbytes, (data.nbytes, dst.nbytes)
-        if not self.pinned:
-            cp.cuda.runtime.memcpy(dst.data.ptr, data.ctypes.data, data.nbytes, H2D)
-            self.trace.h2d(data.nbytes)
-            self._advance(data.nbytes)
+        self._pieces(dst_ptr, data.nbytes, lambda view, at: np.copyto(view, data[at : at + view.nbytes]), then)
+
+    def upload_file(self, dst_ptr: int, path: os.PathLike, offset: int, nbytes: int,
+                    then: Callable[[], None] | None = None) -> None:
+        """Copy `nbytes` of the file at byte `offset` to device address `dst_ptr`."""
+        key = os.fspath(path)
+        if key not in self.fds:
+            self.fds[key] = os.open(key, os.O_RDONLY)
+        fd = self.fds[key]
+        self._pieces(dst_ptr, nbytes, lambda view, at: _pread_into(fd, view, offset + at), then)
+
+    def _pieces(self, dst_ptr: int, nbytes: int, fill: Callable[[np.ndarray, int], None], then) -> None:
+        starts = range(0, nbytes, self.piece)
+        for start in starts:
+            n = min(self.piece, nbytes - start)
+            last = start == starts[-1]
+            if not self.pinned:
+                host = np.empty(n, np.uint8)
+                fill(host, start)
+                cp.cuda.runtime.memcpyAsync(dst_ptr + start, host.ctypes.data, n, H2D, self.stream.ptr)  # staged before it returns
+                self.trace.h2d(n)
+                self._advance(n)
+                if last and then:
+                    then()
+                continue
+            slot = self.slots[self.turn]
+            self.turn = (self.turn + 1) % len(self.slots)
+            self._drain(slot)
+            slot.dst_ptr, slot.nbytes, slot.then = dst_ptr + start, n, then if last else None
+            slot.future = self.pool.submit(self._fill, slot.buf, fill, n, start)
+
+    @staticmethod
+    def _fill(buf: PinnedBuffer, fill, n: int, at: int) -> None:
+        buf.wait()  # its previous piece has reached the device
+        fill(buf.host[:n], at)
+
+    def _drain(self, slot: _Slot) -> None:
+        """Finish the slot's read (re-raising its error) and enqueue its copy, then its `then`."""
+        if slot.future is None:
             return
-        for start in range(0, data.nbytes, self.buffers[0].nbytes):
-            piece = data[start : start + self.buffers[0].nbytes]
-            buf = self.buffers[self.turn]
-            self.turn ^= 1
-            buf.wait()
-            buf.host[: piece.nbytes] = piece
-            h2d(self.trace, dst.data.ptr + start, buf, 0, piece.nbytes, self.stream)
-            self._advance(piece.nbytes)
+        future, slot.future = slot.future, None
+        future.result()
+        h2d(self.trace, slot.dst_ptr, slot.buf, 0, slot.nbytes, self.stream)
+        self._advance(slot.nbytes)
+        if slot.then:
+            slot.then()
 
     def _advance(self, nbytes: int) -> None:
         self.done += nbytes
@@ -181,7 +250,19 @@ class Uploader:
             self.progress(min(self.done, self.total), self.total)
 
     def finish(self) -> None:
-        """Wait for the last transfers (one counted stream sync) and release the staging buffers."""
+        """Enqueue the pieces still in the ring, wait for every transfer (one counted stream
+        sync), and release the readers and staging buffers."""
+        for k in range(len(self.slots)):
+            self._drain(self.slots[(self.turn + k) % len(self.slots)])
         self.stream.synchronize()
         self.trace.sync()
-        self.buffers = []
+        self.close()
+
+    def close(self) -> None:
+        """Stop the readers (those running finish their piece) and close the files. Idempotent."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
