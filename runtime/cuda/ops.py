@@ -17,6 +17,7 @@ import math
 import cupy as cp
 import numpy as np
 
+from .. import flags
 from ..sampling import MASK64, SamplingParams
 from ..trace import Trace
 from .compile import module
@@ -30,6 +31,8 @@ ATT_SPLIT_KEYS = 32  # decode attention splits are multiples of this many keys (
 MAX_HEAD_DIM = 8 * ATT_THREADS
 TILE_Q, TILE_K, TILE_THREADS = 32, 64, 128  # attention.cu attn_tiled
 TILED_HEAD_DIMS = (64, 128, 256)  # head_dim instances of attn_tiled
+MMA_BQ, MMA_THREADS = 64, 128  # attention.cu attn_mma: queries and threads per block
+MMA_TILE_KEYS = {64: 64, 128: 64, 256: 32}  # head_dim -> keys per shared-memory tile of its attn_mma instance
 ROPE_WARPS = 4  # rows per block of rope_qk_store
 SAMPLE_THREADS = 1024  # sampling.cu SAMPLE_THREADS
 SAMPLE_CAP = 1024  # sampling.cu SAMPLE_CAP: candidates kept after top-k
@@ -43,7 +46,8 @@ FNV_PRIME = 0x100000001B3  # the seed multiplier of runtime/sampling.py uniform(
 KERNELS = {
     "norm.cu": ("rms_norm<float>", "rms_norm<u16>"),
     "rope.cu": ("rope_qk_store",),
-    "attention.cu": ("attn_f16kv", "attn_tiled<64>", "attn_tiled<128>", "attn_tiled<256>"),
+    "attention.cu": ("attn_f16kv", "attn_tiled<64>", "attn_tiled<128>", "attn_tiled<256>",
+                     *(f"attn_mma<{d}, {bk}>" for d, bk in MMA_TILE_KEYS.items())),
     "elementwise.cu": ("swiglu<float>", "swiglu<u16>", "set_i32"),
     "sampling.cu": ("sample_penalty", "sample_argmax_partial", "sample_finish"),
 }
@@ -71,6 +75,12 @@ def _row_stride(a: cp.ndarray, n_tok: int, width: int) -> int:
         return width
     assert a.ndim == 2 and a.shape[1] == width and a.strides[1] == 4 and a.strides[0] % 4 == 0, (a.shape, a.strides)
     return a.strides[0] // 4
+
+
+def mma_smem(D: int) -> int:
+    """Dynamic shared memory (bytes) of the attn_mma instance for head_dim D (attention.cu
+    mma_smem: the fp16 Q tile for D > 128, two K and two V tiles, rows of D + 8 halves)."""
+    return 2 * (D + 8) * ((0 if D <= 128 else MMA_BQ) + 4 * MMA_TILE_KEYS[D])
 
 
 def attention_split(n_ctx: int, split: bool) -> tuple[int, int]:
@@ -101,11 +111,14 @@ class Ops:
     """The kernel launchers. `trace` receives one launch per kernel; the backend swaps it for a
     scratch Trace while it captures a CUDA graph (see CudaBackend). `pdl`: launch with
     programmatic dependent launch while a graph is being captured (module docstring).
-    `tiled`: attention of several queries runs attn_tiled where head_dim has an instance."""
+    Attention of several queries (prefill) runs, where head_dim has an instance: attn_mma with
+    `mma` (flag K4_MMA_ATTN; None reads the flag now), else attn_tiled with `tiled`, else
+    attn_f16kv."""
 
-    def __init__(self, trace: Trace, pdl: bool = False, tiled: bool = True):
+    def __init__(self, trace: Trace, pdl: bool = False, tiled: bool = True, mma: bool | None = None):
         self.trace = trace
         self.pdl, self.tiled = pdl, tiled
+        self.mma = flags.current().on("K4_MMA_ATTN") if mma is None else mma
         self._functions: dict[tuple[str, str], object] = {}
 
     def function(self, filename: str, name: str):
@@ -178,8 +191,9 @@ class Ops:
         pos: (1,) int32 device scalar. n_split > 1 splits each query's keys into blocks of
         split_len (n_split * split_len >= n_ctx) whose partials go to part: (n_tok, n_head,
         n_split, D + 2) f32, merged by the last block of each head to finish, counted in ticket:
-        (n_tok * n_head,) int32, zeros (and left so). Several queries
-        with `tiled` and D in TILED_HEAD_DIMS: attn_tiled (n_split must be 1).
+        (n_tok * n_head,) int32, zeros (and left so). Several queries (n_split must be 1): with
+        `mma` and D in MMA_TILE_KEYS, attn_mma (tensor cores: Q and P rounded to fp16, f32
+        accumulation); else with `tiled` and D in TILED_HEAD_DIMS, attn_tiled.
 
         fresh: None, or for one query (decode) the RoPE and cache store of rope_qk_store done
         inside the kernel: (q_src, k_src, v_src, q_norm, k_norm, inv_freq, rope_dim, neox, eps)
@@ -194,6 +208,16 @@ class Ops:
         assert k_cache.dtype == v_cache.dtype == cp.float16 and v_cache.shape == k_cache.shape == (n_ctx, n_head_kv, D)
         assert D % 8 == 0 and D <= MAX_HEAD_DIM and n_head % n_head_kv == 0
         assert pos.dtype == cp.int32 and pos.size == 1
+        if n_tok > 1 and self.mma and D in MMA_TILE_KEYS:
+            assert n_split == 1
+            name = f"attn_mma<{D}, {MMA_TILE_KEYS[D]}>"
+            kernel, smem = self.function("attention.cu", name), mma_smem(D)
+            if kernel.max_dynamic_shared_size_bytes < smem:
+                kernel.max_dynamic_shared_size_bytes = smem
+            self._launch("attention.cu", name, (n_head, -(-n_tok // MMA_BQ)), (MMA_THREADS,),
+                         (q, k_cache, v_cache, out, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv),
+                          np.float32(1.0 / math.sqrt(D))), shared_mem=smem)
+            return
         if n_tok > 1 and self.tiled and D in TILED_HEAD_DIMS:
             assert n_split == 1
             kernel = self.function("attention.cu", f"attn_tiled<{D}>")
@@ -286,20 +310,22 @@ class Ops:
 
 
 def bench_attention(n_tok: int, n_ctx: int, n_head: int = 32, n_head_kv: int = 32, head_dim: int = 128,
-                    iters: int = 20, *, split: bool | None = None, tiled: bool | None = None) -> dict:
+                    iters: int = 20, *, split: bool | None = None, tiled: bool | None = None,
+                    mma: bool | None = None) -> dict:
     """Time causal attention of n_tok queries ending at position n_ctx - 1 over an fp16 KV cache
     of n_ctx positions (one layer): n_tok == n_ctx is prefill from position 0, n_tok == 1 is a
     decode step at depth n_ctx - 1. Random inputs; recorded in a CUDA graph, median of CUDA-event
-    timings (runtime.cuda.matmul.device_time). split/tiled: K4_SPLIT_ATTN/K4_TILED_ATTN (default:
-    the flags). Returns {"us": µs, "tflop_s": 4 * head_dim * n_head * (query, key) pairs / time,
-    "gb_s": KV cache bytes read / time}. FLOP count as FlashAttention's: causal halves the pairs.
+    timings (runtime.cuda.matmul.device_time). split/tiled/mma: K4_SPLIT_ATTN/K4_TILED_ATTN/
+    K4_MMA_ATTN (default: the flags; mma=False with tiled=True times attn_tiled). Returns
+    {"us": µs, "tflop_s": 4 * head_dim * n_head * (query, key) pairs / time, "gb_s": KV cache
+    bytes read / time}. FLOP count as FlashAttention's: causal halves the pairs.
     """
-    from .. import flags
     from .matmul import device_time
 
     f = flags.current()
     split = f.on("K4_SPLIT_ATTN") if split is None else split
     tiled = f.on("K4_TILED_ATTN") if tiled is None else tiled
+    mma = f.on("K4_MMA_ATTN") if mma is None else mma
     rng = np.random.default_rng(0)
     q = cp.asarray(rng.standard_normal((n_tok, n_head, head_dim), dtype=np.float32))  # (n_tok, n_head, D)
     k_cache = cp.asarray(rng.standard_normal((n_ctx, n_head_kv, head_dim)).astype(np.float16))  # (n_ctx, n_head_kv, D)
@@ -309,7 +335,7 @@ def bench_attention(n_tok: int, n_ctx: int, n_head: int = 32, n_head_kv: int = 3
     n_split, split_len = attention_split(n_ctx, split) if n_tok == 1 else (1, n_ctx)
     part = cp.empty((n_tok, n_head, n_split, head_dim + 2), cp.float32) if n_split > 1 else None
     ticket = cp.zeros(n_tok * n_head, cp.int32) if n_split > 1 else None
-    ops = Ops(Trace(), pdl=False, tiled=tiled)
+    ops = Ops(Trace(), pdl=False, tiled=tiled, mma=mma)
     us = device_time(lambda i: ops.attention(q, k_cache, v_cache, out, pos, n_split, split_len, part, ticket), 1, iters, graph=True)
     p0 = n_ctx - n_tok
     pairs = n_tok * p0 + n_tok * (n_tok + 1) // 2
