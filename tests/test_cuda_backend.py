@@ -24,7 +24,8 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.cuda
 
 GREEDY = SamplingParams(temperature=0.0)
-FUSIONS = ("K4_STACK", "K4_FUSE_NORM", "K4_FUSE_SWIGLU", "K4_FUSE_ROPE", "K4_PREFILL_F16_CACHE", "K4_PDL", "K4_TILED_ATTN")
+FUSIONS = ("K4_STACK", "K4_FUSE_NORM", "K4_FUSE_SWIGLU", "K4_FUSE_ROPE", "K4_PREFILL_F16_CACHE", "K4_PDL", "K4_TILED_ATTN",
+           "K4_MMA_ATTN")
 ALL_FLAGS = ("K4_CUDA_GRAPH", "K4_PINGPONG", "K4_PINNED_UPLOAD", "K4_REPACK", "K4_PREFILL_TC", "K4_SPLIT_ATTN") + FUSIONS
 
 

@@ -12,7 +12,8 @@ are interleaved for it (K4_FUSE_SWIGLU), and RoPE with the KV-cache store into t
 kernel, which also merges its own splits (K4_FUSE_ROPE); programmatic dependent launch of every
 kernel of the decode graph (K4_PDL). A 7B decode step runs 5-6 kernels per layer. Prefill runs
 on fp16 activations when every product takes them, from an fp16 copy of the weights when it
-fits (K4_PREFILL_F16_CACHE), with tiled attention (K4_TILED_ATTN).
+fits (K4_PREFILL_F16_CACHE), with attention on tensor cores (K4_MMA_ATTN; else tiled on CUDA
+cores, K4_TILED_ATTN).
 
 Decode state lives on the device, (4,) int32 [tok, pos, ring_count, draw] (ops.ST_*): the token
 the next step evaluates, its position (= n_past), the tokens pushed into the repeat-penalty
@@ -151,7 +152,7 @@ class CudaBackend(TokenCache):
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.copy_stream = cp.cuda.Stream(non_blocking=True)
         self.timer = DeviceTimer(self.trace)  # device time of prefill and of each decode step
-        self.ops = ops.Ops(self.trace, self.flags.on("K4_PDL"), self.flags.on("K4_TILED_ATTN"))
+        self.ops = ops.Ops(self.trace, self.flags.on("K4_PDL"), self.flags.on("K4_TILED_ATTN"), self.flags.on("K4_MMA_ATTN"))
         self.fuse_norm = self.flags.on("K4_FUSE_NORM")
         self.fuse_rope = self.flags.on("K4_FUSE_ROPE")
         self.mem = memory.DeviceMemory(self.trace)
