@@ -241,6 +241,21 @@ def test_sampled_tokens_equal_numpy_backend(stories):
     assert take(be.generate(prompt, params, history), 24) == take(NumpyBackend(mf, 256).generate(prompt, params, history), 24)
 
 
+def test_one_token_start_replays_the_decode_graph(stories):
+    """A one-id prompt starts with a graph replay instead of the eager prefill: same tokens as
+    the numpy backend, sampled and with a history, and the cache continues correctly after."""
+    mf, tok, be = stories
+    params = SamplingParams(temperature=0.8, seed=5, repeat_penalty=1.1, repeat_last_n=16)
+    ref = NumpyBackend(mf, 256)
+    be.reset()
+    be.trace.reset()
+    assert take(be.generate([1], params, [4, 5]), 12) == take(ref.generate([1], params, [4, 5]), 12)
+    assert be.trace.get("prefill").graph_replays == 1
+    # continue the cached text by one id, as a chat turn can
+    assert take(be.generate([7], GREEDY), 8) == take(ref.generate([7], GREEDY), 8)
+    assert be.tokens == ref.tokens
+
+
 def test_closing_generate_keeps_consumed_tokens_but_the_last(stories):
     _, tok, be = stories
     prompt = tok.encode("One day, a big bird")

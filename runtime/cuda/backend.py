@@ -558,7 +558,8 @@ class CudaBackend(TokenCache):
     # ---- generation -----------------------------------------------------------------------------
     def _start(self, ids: list[int], params: SamplingParams, history: Sequence[int]) -> int:
         """Prefill ids and sample the first token on the device. Returns the ring count of that
-        token (its ring slot, before the modulo)."""
+        token (its ring slot, before the modulo). One id (a decode-only start, as tgN runs it)
+        is a replay of the decode graph, not ~5 kernels per layer launched from Python."""
         recent = list(history) + ids
         window = recent[len(recent) - min(params.repeat_last_n, len(recent)) :]
         if len(window) + 2 > self.ring.shape[0]:
@@ -566,8 +567,13 @@ class CudaBackend(TokenCache):
         self._upload(ids, window, params)
         self.ops.set_i32(self.state[ops.ST_RING : ops.ST_RING + 1], len(window))
         self.ops.set_i32(self.state[ops.ST_DRAW : ops.ST_DRAW + 1], 0)
-        self._prefill(len(ids), None)
-        self.ops.sample(self.logits[0], self.params, self.state, self.ring, self.seen, self.part_val, self.part_idx, advance=False)
+        if len(ids) == 1 and self.graph is not None:
+            self.ops.set_i32(self.tok_view, ids[0])
+            self.ops.set_i32(self.pos_view, self.n_past)
+            self._decode_step()  # evaluates state[tok] at state[pos], samples, advances pos
+        else:
+            self._prefill(len(ids), None)
+            self.ops.sample(self.logits[0], self.params, self.state, self.ring, self.seen, self.part_val, self.part_idx, advance=False)
         self.tokens.extend(ids)
         return len(window)
 
