@@ -37,7 +37,7 @@
 //   dividing D/8), each lane dotting 8-value slices of ATT_KEYS keys at a time; values: thread =
 //   (slice c, key lane kl), accumulating 8 output dims over keys kl, kl + n_kl, ...; key lanes
 //   are summed at the end.
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 5)  // 96 registers: the prefetch fits without spills
 attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
            float* __restrict__ out, float* __restrict__ part, int* __restrict__ ticket, const int* __restrict__ pos,
            int n_head, int n_head_kv, int D, int split_len, float scale,
@@ -45,12 +45,16 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
            u16* k_store, u16* v_store, const float* __restrict__ q_norm, const float* __restrict__ k_norm,
            const double* __restrict__ inv_freq, int rope_dim, int neox, float eps) {
     pdl_trigger();
-    pdl_wait();
+    // Before waiting for the previous kernel: *pos and the cache rows below it were written
+    // before this launch's predecessor started (by earlier steps or launches; rows from *pos on
+    // are this launch's queries, stored by the predecessor or by this kernel), so the block
+    // reads them now and its first round of key and value loads overlaps the predecessor.
     const int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z;
     const int n_split = gridDim.z;
     const int tid = threadIdx.x;
     const int hk = h / (n_head / n_head_kv);
-    const int n_kv = *pos + t + 1;
+    const int pos0 = *pos;
+    const int n_kv = pos0 + t + 1;
     const int n_active = (n_kv + split_len - 1) / split_len;  // splits holding keys
     if (s >= n_active) return;
     const int begin = s * split_len;
@@ -58,6 +62,28 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
     const size_t kv_stride = (size_t)n_head_kv * D;
     const u16* kbase = k_cache + (size_t)hk * D;
     const u16* vbase = v_cache + (size_t)hk * D;
+
+    const int G = D / 8;  // 8-value slices per row
+    int tpg = 1;
+    while (tpg < 32 && G % (tpg * 2) == 0) tpg *= 2;
+    const int grp = tid / tpg, gl = tid % tpg, n_grp = ATT_THREADS / tpg;
+    const int n_kl = ATT_THREADS / G;  // key lanes for the value pass
+    const int c = tid % G, kl = tid / G;
+    const bool v_active = kl < n_kl;
+    // The first round of the first chunk, prefetched (rows below pos0 only) when one slice per
+    // lane covers a row (tpg == G: D = 64, 128, 256), so the round's loads are exactly these.
+    const bool pre = tpg == G;
+    const int n_first = min(ATT_CHUNK, end - begin);
+    uint4 kpre[ATT_KEYS], vpre[ATT_KEYS];
+#pragma unroll
+    for (int u = 0; u < ATT_KEYS; ++u) {
+        const int jk = grp + u * n_grp, jv = kl + u * n_kl;
+        kpre[u] = pre && jk < n_first && begin + jk < pos0
+                      ? *reinterpret_cast<const uint4*>(kbase + (size_t)(begin + jk) * kv_stride + gl * 8) : make_uint4(0, 0, 0, 0);
+        vpre[u] = pre && v_active && jv < n_first && begin + jv < pos0
+                      ? *reinterpret_cast<const uint4*>(vbase + (size_t)(begin + jv) * kv_stride + c * 8) : make_uint4(0, 0, 0, 0);
+    }
+    pdl_wait();
 
     extern __shared__ float smem[];
     float* qs = smem;            // (D,) query, pre-scaled
@@ -90,14 +116,6 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
     }
     __syncthreads();
 
-    const int G = D / 8;  // 8-value slices per row
-    int tpg = 1;
-    while (tpg < 32 && G % (tpg * 2) == 0) tpg *= 2;
-    const int grp = tid / tpg, gl = tid % tpg, n_grp = ATT_THREADS / tpg;
-    const int n_kl = ATT_THREADS / G;  // key lanes for the value pass
-    const int c = tid % G, kl = tid / G;
-    const bool v_active = kl < n_kl;
-
     float m = -k4ops::inf_f32(), l = 0.0f;
     float acc[8];
 #pragma unroll
@@ -116,9 +134,10 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {
                     const int j = j0 + grp + u * n_grp;
-                    raw[u] = j >= n           ? make_uint4(0, 0, 0, 0)
-                             : c0 + j == cur ? *reinterpret_cast<const uint4*>(kcur + cc * 8)
-                                             : *reinterpret_cast<const uint4*>(kbase + (size_t)(c0 + j) * kv_stride + cc * 8);
+                    raw[u] = j >= n                                    ? make_uint4(0, 0, 0, 0)
+                             : c0 + j == cur                          ? *reinterpret_cast<const uint4*>(kcur + cc * 8)
+                             : pre && c0 == begin && j0 == 0 && c0 + j < pos0 ? kpre[u]
+                                                                      : *reinterpret_cast<const uint4*>(kbase + (size_t)(c0 + j) * kv_stride + cc * 8);
                 }
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {
@@ -158,9 +177,10 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {
                     const int j = j0 + u * n_kl;
-                    raw[u] = j >= n           ? make_uint4(0, 0, 0, 0)
-                             : c0 + j == cur ? *reinterpret_cast<const uint4*>(vcur + c * 8)
-                                             : *reinterpret_cast<const uint4*>(vbase + (size_t)(c0 + j) * kv_stride + c * 8);
+                    raw[u] = j >= n                                     ? make_uint4(0, 0, 0, 0)
+                             : c0 + j == cur                           ? *reinterpret_cast<const uint4*>(vcur + c * 8)
+                             : pre && c0 == begin && j0 == kl && c0 + j < pos0 ? vpre[u]
+                                                                       : *reinterpret_cast<const uint4*>(vbase + (size_t)(c0 + j) * kv_stride + c * 8);
                 }
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {
