@@ -162,8 +162,13 @@ def run_once(backend, test: BenchTest, n_vocab: int, seed: int) -> tuple[float, 
                 if i or not prompt:  # the first token of pp+tg also carries the prefill
                     token_ms.append((t - t_prev) * 1e3)
                 t_prev = t
+            # the clock stops when the n-th token reaches the host: a backend computing one
+            # step ahead (ping-pong) has then evaluated n_gen tokens, as llama-bench's tgN
+            # does; the step in flight that close() finishes and discards is not counted
+            elapsed = time.perf_counter() - t0
         finally:
             gen.close()
+        return test.n_tokens / elapsed, token_ms
     elapsed = time.perf_counter() - t0
     return test.n_tokens / elapsed, token_ms
 
