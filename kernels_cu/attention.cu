@@ -18,25 +18,6 @@
 #define ATT_CHUNK 128
 #define ATT_KEYS 4  // keys whose loads one thread issues together
 
-namespace k4mma {  // asynchronous copies (sm_80+), used by attn_f16kv's prefetch and attn_mma
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// 16 bytes global -> shared, asynchronously; valid = false writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-
-}  // namespace k4mma
-
 // q: (n_tok, n_head, D) f32. k_cache, v_cache: (n_ctx, n_head_kv, D) fp16 (this layer).
 // out: (n_tok, n_head, D) f32.
 // part: (n_tok, n_head, n_split, D + 2) f32 partials [m, l, acc[D]], written when n_split > 1
@@ -56,7 +37,7 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 //   dividing D/8), each lane dotting 8-value slices of ATT_KEYS keys at a time; values: thread =
 //   (slice c, key lane kl), accumulating 8 output dims over keys kl, kl + n_kl, ...; key lanes
 //   are summed at the end.
-extern "C" __global__ void __launch_bounds__(ATT_THREADS, 7)  // 72 registers, as before the prefetch
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
            float* __restrict__ out, float* __restrict__ part, int* __restrict__ ticket, const int* __restrict__ pos,
            int n_head, int n_head_kv, int D, int split_len, float scale,
@@ -64,16 +45,12 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
            u16* k_store, u16* v_store, const float* __restrict__ q_norm, const float* __restrict__ k_norm,
            const double* __restrict__ inv_freq, int rope_dim, int neox, float eps) {
     pdl_trigger();
-    // Before waiting for the previous kernel: *pos and the cache rows below it were written
-    // before this launch's predecessor started (by earlier steps or launches; rows from *pos on
-    // are this launch's queries, stored by the predecessor or by this kernel), so the block
-    // reads them now and its first round of key and value loads overlaps the predecessor.
+    pdl_wait();
     const int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z;
     const int n_split = gridDim.z;
     const int tid = threadIdx.x;
     const int hk = h / (n_head / n_head_kv);
-    const int pos0 = *pos;
-    const int n_kv = pos0 + t + 1;
+    const int n_kv = *pos + t + 1;
     const int n_active = (n_kv + split_len - 1) / split_len;  // splits holding keys
     if (s >= n_active) return;
     const int begin = s * split_len;
@@ -81,33 +58,6 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
     const size_t kv_stride = (size_t)n_head_kv * D;
     const u16* kbase = k_cache + (size_t)hk * D;
     const u16* vbase = v_cache + (size_t)hk * D;
-
-    const int G = D / 8;  // 8-value slices per row
-    int tpg = 1;
-    while (tpg < 32 && G % (tpg * 2) == 0) tpg *= 2;
-    const int grp = tid / tpg, gl = tid % tpg, n_grp = ATT_THREADS / tpg;
-    const int n_kl = ATT_THREADS / G;  // key lanes for the value pass
-    const int c = tid % G, kl = tid / G;
-    const bool v_active = kl < n_kl;
-    // The first round of the first chunk, copied to shared memory by cp.async (no registers held,
-    // so occupancy is unchanged) for rows below pos0, when one slice per lane covers a row
-    // (tpg == G: D = 64, 128, 256) so the round's loads are exactly these. Each thread reads back
-    // only its own copies (no barrier; cp.async.wait_group before the first use).
-    __shared__ uint4 kpre[ATT_KEYS * ATT_THREADS], vpre[ATT_KEYS * ATT_THREADS];
-    const bool pre = tpg == G;
-    const int n_first = min(ATT_CHUNK, end - begin);
-    if (pre) {
-#pragma unroll
-        for (int u = 0; u < ATT_KEYS; ++u) {
-            const int jk = grp + u * n_grp, jv = kl + u * n_kl;
-            if (jk < n_first && begin + jk < pos0)
-                k4mma::cp_async16(k4mma::smem_u32(kpre + u * ATT_THREADS + tid), kbase + (size_t)(begin + jk) * kv_stride + gl * 8, true);
-            if (v_active && jv < n_first && begin + jv < pos0)
-                k4mma::cp_async16(k4mma::smem_u32(vpre + u * ATT_THREADS + tid), vbase + (size_t)(begin + jv) * kv_stride + c * 8, true);
-        }
-        k4mma::cp_async_commit();
-    }
-    pdl_wait();
 
     extern __shared__ float smem[];
     float* qs = smem;            // (D,) query, pre-scaled
@@ -139,7 +89,14 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
         for (int i = tid; i < D; i += ATT_THREADS) qs[i] = qh[i] * scale;
     }
     __syncthreads();
-    if (pre) k4mma::cp_async_wait_all();
+
+    const int G = D / 8;  // 8-value slices per row
+    int tpg = 1;
+    while (tpg < 32 && G % (tpg * 2) == 0) tpg *= 2;
+    const int grp = tid / tpg, gl = tid % tpg, n_grp = ATT_THREADS / tpg;
+    const int n_kl = ATT_THREADS / G;  // key lanes for the value pass
+    const int c = tid % G, kl = tid / G;
+    const bool v_active = kl < n_kl;
 
     float m = -k4ops::inf_f32(), l = 0.0f;
     float acc[8];
@@ -159,10 +116,9 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {
                     const int j = j0 + grp + u * n_grp;
-                    raw[u] = j >= n                                    ? make_uint4(0, 0, 0, 0)
-                             : c0 + j == cur                          ? *reinterpret_cast<const uint4*>(kcur + cc * 8)
-                             : pre && c0 == begin && j0 == 0 && c0 + j < pos0 ? kpre[u * ATT_THREADS + tid]
-                                                                      : *reinterpret_cast<const uint4*>(kbase + (size_t)(c0 + j) * kv_stride + cc * 8);
+                    raw[u] = j >= n           ? make_uint4(0, 0, 0, 0)
+                             : c0 + j == cur ? *reinterpret_cast<const uint4*>(kcur + cc * 8)
+                                             : *reinterpret_cast<const uint4*>(kbase + (size_t)(c0 + j) * kv_stride + cc * 8);
                 }
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {
@@ -202,10 +158,9 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {
                     const int j = j0 + u * n_kl;
-                    raw[u] = j >= n                                     ? make_uint4(0, 0, 0, 0)
-                             : c0 + j == cur                           ? *reinterpret_cast<const uint4*>(vcur + c * 8)
-                             : pre && c0 == begin && j0 == kl && c0 + j < pos0 ? vpre[u * ATT_THREADS + tid]
-                                                                       : *reinterpret_cast<const uint4*>(vbase + (size_t)(c0 + j) * kv_stride + c * 8);
+                    raw[u] = j >= n           ? make_uint4(0, 0, 0, 0)
+                             : c0 + j == cur ? *reinterpret_cast<const uint4*>(vcur + c * 8)
+                                             : *reinterpret_cast<const uint4*>(vbase + (size_t)(c0 + j) * kv_stride + c * 8);
                 }
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {
@@ -450,6 +405,21 @@ template __global__ void attn_tiled<256>(const float*, const u16*, const u16*, f
 #define MMA_BQ (16 * MMA_WARPS)
 
 namespace k4mma {
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes global -> shared, asynchronously; valid = false writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
 // Four 8x8 fp16 matrices; lane i gives the row address of matrix i / 8, row i % 8.
 __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
