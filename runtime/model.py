@@ -163,6 +163,18 @@ class ModelFile:
         return sum(t.n_elements for t in self.tensors.values())
 
 
+class _Reader(GGUFReader):
+    """gguf's GGUFReader on a plain ndarray view of its memory map (the map stays open through
+    the view's base). The reader slices its buffer once per metadata value; on np.memmap each
+    slice pays memmap's bookkeeping, which made opening a file with a 32,000-token vocabulary
+    take 0.8 s instead of 0.3 s. The parse and every field and tensor are unchanged."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        if type(self.data) is not np.ndarray:
+            self.data = self.data.view(np.ndarray)
+        return super()._get(offset, dtype, count, override_order)
+
+
 def _open_reader(path: Path) -> GGUFReader:
     if not path.exists():
         raise ModelFileError(f"{path}: no such file; pass an existing .gguf with -m")
@@ -177,7 +189,7 @@ def _open_reader(path: Path) -> GGUFReader:
         raise ModelFileError(f"{path}: not a GGUF file (bad magic {magic!r}); convert the model to GGUF first")
     _check_header(path)
     try:
-        return GGUFReader(path, "r")
+        return _Reader(path, "r")
     except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on damage
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelFileError(f"{path}: damaged or truncated GGUF ({reason}); re-download the file") from None
