@@ -145,19 +145,19 @@ def _tables(results, records) -> None:
     for r in results:
         ph = r.phases
 
-        def ms(name: str, key: str = "ms") -> str:
-            return f"{ph[name][key]:,.1f}" if ph.get(name, {}).get(key) else "-"
+        def ms(name: str, fmt: str = ",.1f") -> str:
+            """host ms / GPU ms of a phase ("-" for what was not recorded)."""
+            host, gpu = ph.get(name, {}).get("ms"), ph.get(name, {}).get("gpu_ms")
+            return "-" if not host else f"{host:{fmt}}" + (f" / {gpu:{fmt}}" if gpu else "")
 
-        def q(p: float, gpu: bool) -> str:
-            v = r.latency(p, gpu)
-            return "-" if v != v else f"{v:.3f}"
+        def q(p: float) -> str:
+            host, gpu = r.latency(p), r.latency(p, gpu=True)
+            return "-" if host != host else f"{host:.3f}" + ("" if gpu != gpu else f" / {gpu:.3f}")
 
         rows.append((r.test.name, r.test.flags_text or "-", f"{r.load.get('load', {}).get('ms', 0):,.0f}", ms("prefill"),
-                     ms("prefill", "gpu_ms"), ms("decode"), ms("decode", "gpu_ms"), ms("sample"),
-                     q(0.5, False), q(0.99, False), q(0.5, True), q(0.99, True)))
-    out.print(table("time per phase (ms, last run; load once per configuration; GPU: CUDA events around the device work)",
-                    ("test", "flags", "load", "prefill", "prefill GPU", "decode", "decode GPU", "sample",
-                     "token p50", "token p99", "token p50 GPU", "token p99 GPU"), rows, right=range(2, 12)))
+                     ms("decode"), ms("sample"), q(0.5), q(0.99)))
+    out.print(table("time per phase, ms: host clock / GPU time from CUDA events (last run; load once per configuration)",
+                    ("test", "flags", "load", "prefill", "decode", "sample", "token p50", "token p99"), rows, right=range(2, 8)))
     rows = []
     for r in results:
         for phase, cnt in r.phases.items():
