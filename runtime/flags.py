@@ -25,7 +25,7 @@ FLAGS: dict[str, Flag] = {
         Flag("K4_TRACE", 0, "1 prints the per-phase copy/sync/launch counters after `k4 run`."),
         Flag("K4_CUDA_GRAPH", 1, "Capture one decode step in a CUDA graph and replay it every token."),
         Flag("K4_PINGPONG", 1, "Two-stream ping-pong readback: enqueue step t+1 before reading token t."),
-        Flag("K4_PINNED_UPLOAD", 1, "Upload weights through a ring of pinned staging buffers filled by reader threads, drained by a copy stream."),
+        Flag("K4_PINNED_UPLOAD", 1, "Upload weights through two pinned staging buffers on a copy stream."),
         Flag("K4_REPACK", 1, "Repack quantized weights at load into the layout the matrix-vector kernels read fastest."),
         Flag("K4_PREFILL_TC", 1, "Prefill matrix products on tensor cores (dequantize tiles to fp16); 0 uses matrix-vector per token."),
         Flag("K4_PDL", 1, "Programmatic dependent launch of the kernels inside the decode graph (each starts while the previous drains)."),
@@ -36,7 +36,6 @@ FLAGS: dict[str, Flag] = {
         Flag("K4_FUSE_ROPE", 1, "Apply RoPE and store the token's key/value inside the decode attention kernel (no separate RoPE kernel)."),
         Flag("K4_MMA_ATTN", 1, "Prefill attention on tensor cores (mma.sync fp16, f32 accumulate); 0 uses the CUDA-core tiles of K4_TILED_ATTN."),
         Flag("K4_TILED_ATTN", 1, "Prefill attention in tiles of 32 queries x 64 keys staged in shared memory (keys read once per tile, not per query)."),
-        Flag("K4_PIN_THREAD", 1, "Pin the thread that launches GPU work to its CPU once the model is loaded (prefill is launch-bound; migrations slow it)."),
         Flag("K4_PREFILL_F16_CACHE", 1, "Keep an fp16 copy of the weights for prefill when it takes under 25% of free GPU memory; 0 dequantizes per call."),
     )
 }

@@ -48,7 +48,7 @@ except ModuleNotFoundError:  # require_cuda() says so
     cp = None
 else:
     from . import matmul, memory, ops
-    from .launch import GpuErrors, launch_graph, pin_to_current_cpu, unpin
+    from .launch import GpuErrors, launch_graph
     from .timer import DeviceTimer
 
 PREFILL_CHUNK = 512  # tokens per prefill batch (rows of the activation buffers)
@@ -169,7 +169,6 @@ class CudaBackend(TokenCache):
             self._timed("warm-up", self._warm_up)
             if self.flags.on("K4_CUDA_GRAPH"):
                 self._timed("graph capture", self._capture)
-        self.affinity = pin_to_current_cpu() if self.flags.on("K4_PIN_THREAD") else None  # restored by close()
 
     def _timed(self, step: str, fn, *args) -> None:
         """Run one load step and record its wall time (ms) in load_ms, after synchronizing."""
@@ -644,8 +643,6 @@ class CudaBackend(TokenCache):
             self.copy_stream.synchronize()
         self.timer.collect()
         self.graph = None
-        unpin(self.affinity)
-        self.affinity = None
 
     def memory_report(self) -> dict[str, int]:
         """Device bytes by kind: weights, kv_cache, scratch (activations, sampler, matmul scratch)."""

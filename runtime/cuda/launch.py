@@ -18,9 +18,7 @@ message names the phase and the last kernel (or graph) launched in this process.
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import cache
-from pathlib import Path
 
 import numpy as np
 
@@ -179,36 +177,6 @@ def launch_graph(graph, stream, trace: Trace, n_kernels: int, name: str = "decod
         raise GpuError(f"CUDA refused to replay the {name} during {trace.phase}: {_one_line(exc)}; {FAULT_ADVICE}") from None
     trace.graph_replay()
     trace.launch(n_kernels)
-
-
-def pin_to_current_cpu() -> set[int] | None:
-    """Restrict the calling thread to the CPU it is running on now, and return the CPU set it
-    had (None, and nothing changed, where the OS has no thread affinity or /proc: not Linux).
-
-    Why: a prefill chunk is ~250 launches from Python, so its speed is the host's; measured on a
-    16-vCPU H200 host, an unpinned launch thread took 7.4-11.5 ms per 512-token TinyLlama chunk
-    across processes, a pinned one 7.4-8.2 (docs/PERF.md). The CPU number is field 39
-    ("processor") of /proc/thread-self/stat (proc(5)).
-    """
-    if not hasattr(os, "sched_setaffinity"):
-        return None
-    try:
-        stat = Path("/proc/thread-self/stat").read_text()
-        cpu = int(stat.rsplit(")", 1)[1].split()[36])
-        previous = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {cpu})
-    except (OSError, ValueError, IndexError):
-        return None
-    return previous
-
-
-def unpin(previous: set[int] | None) -> None:
-    """Give the calling thread back the CPU set pin_to_current_cpu returned (no-op for None)."""
-    if previous is not None:
-        try:
-            os.sched_setaffinity(0, previous)
-        except OSError:
-            pass
 
 
 class GpuErrors:
