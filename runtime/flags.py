@@ -25,7 +25,7 @@ FLAGS: dict[str, Flag] = {
         Flag("K4_TRACE", 0, "1 prints the per-phase copy/sync/launch counters after `k4 run`."),
         Flag("K4_CUDA_GRAPH", 1, "Capture one decode step in a CUDA graph and replay it every token."),
         Flag("K4_PINGPONG", 1, "Two-stream ping-pong readback: enqueue step t+1 before reading token t."),
-        Flag("K4_PINNED_UPLOAD", 1, "Upload weights through two pinned staging buffers on a copy stream."),
+        Flag("K4_PINNED_UPLOAD", 1, "Upload weights through a ring of pinned staging buffers filled by reader threads, drained by a copy stream."),
         Flag("K4_REPACK", 1, "Repack quantized weights at load into the layout the matrix-vector kernels read fastest."),
         Flag("K4_PREFILL_TC", 1, "Prefill matrix products on tensor cores (dequantize tiles to fp16); 0 uses matrix-vector per token."),
         Flag("K4_PDL", 1, "Programmatic dependent launch of the kernels inside the decode graph (each starts while the previous drains)."),
