@@ -148,16 +148,19 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
     C type (pass np.int32/np.int64/np.float32, and np.uint64(0) for a null pointer).
     Raises GpuError naming the kernel, grid, block and trace phase when CUDA refuses the launch.
     """
-    if stream is None:
-        import cupy as cp
+    import cupy as cp
 
-        stream = cp.cuda.get_current_stream()
+    current = cp.cuda.get_current_stream()
+    if stream is None:
+        stream = current
     _last.what = kernel
     try:
-        with stream:
-            if pdl:
-                _launch_pdl(kernel, grid, block, args, shared_mem, stream.ptr)
-            else:
+        if pdl:
+            _launch_pdl(kernel, grid, block, args, shared_mem, stream.ptr)
+        elif stream.ptr == current.ptr:  # the common case: no stream switch (prefill is launch-bound)
+            kernel(grid, block, args, shared_mem=shared_mem)
+        else:
+            with stream:
                 kernel(grid, block, args, shared_mem=shared_mem)
     except cuda_error_types() as exc:
         during = f" during {trace.phase}" if trace is not None else ""

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from itertools import pairwise
 
 import numpy as np
@@ -127,6 +128,7 @@ MATMUL_NAMES = tuple(
 )
 
 
+@cache  # a RawModule lookup per launch showed in the prefill profile (host-bound)
 def _kernel(filename: str, name: str):
     names = GEMV_NAMES if filename == "gemv.cu" else MATMUL_NAMES
     return module(filename, names).get_function(name)
