@@ -148,17 +148,16 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
     C type (pass np.int32/np.int64/np.float32, and np.uint64(0) for a null pointer).
     Raises GpuError naming the kernel, grid, block and trace phase when CUDA refuses the launch.
     """
-    import cupy as cp
-
-    current = cp.cuda.get_current_stream()
-    if stream is None:
-        stream = current
     _last.what = kernel
     try:
-        if pdl:
-            _launch_pdl(kernel, grid, block, args, shared_mem, stream.ptr)
-        elif stream.ptr == current.ptr:  # the common case: no stream switch (prefill is launch-bound)
+        if stream is None and not pdl:  # on the current stream: no context switch (prefill is launch-bound)
             kernel(grid, block, args, shared_mem=shared_mem)
+        elif pdl:
+            if stream is None:
+                import cupy as cp
+
+                stream = cp.cuda.get_current_stream()
+            _launch_pdl(kernel, grid, block, args, shared_mem, stream.ptr)
         else:
             with stream:
                 kernel(grid, block, args, shared_mem=shared_mem)
