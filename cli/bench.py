@@ -172,6 +172,10 @@ def _tables(results, records) -> None:
     out.print(table("load steps (ms, once per configuration)", ("flags", *names, "total"),
                     [(f, *(f"{v.get(n, 0):,.1f}" for n in names), f"{sum(v.values()):,.1f}") for f, v in steps.items()],
                     right=range(1, len(names) + 2)))
+    for r in {(r.test.flags_text or "-"): r for r in results}.values():
+        if r.load_detail_ms:  # read and copy overlap inside read+upload
+            out.print(f"[dim]{r.test.flags_text or 'default'}: read+upload = "
+                      + "; ".join(f"{k} {v:,.1f} ms" for k, v in r.load_detail_ms.items()) + "[/]")
     mem = results[-1].memory
     if mem:
         out.print(memory_table(mem))

@@ -65,6 +65,7 @@ class BenchResult:
     flag_values: dict[str, int] = field(default_factory=dict)  # every K4_* flag as the backend saw it
     backend: str = ""  # the backend's name ("numpy", "cuda"): what "auto" picked
     load_ms: dict[str, float] = field(default_factory=dict)  # the backend's load steps (ms) when it was built
+    load_detail_ms: dict[str, float] = field(default_factory=dict)  # inside read+upload (CUDA backend): read and copy times
 
     @property
     def mean(self) -> float:
@@ -230,6 +231,7 @@ def result_record(res: BenchResult, env: dict, model_info: dict) -> dict:
         "token_ms_p50": res.latency(0.5), "token_ms_p99": res.latency(0.99),
         "token_gpu_ms_p50": res.latency(0.5, gpu=True), "token_gpu_ms_p99": res.latency(0.99, gpu=True),
         "phases": res.phases, "memory": res.memory, "flag_values": res.flag_values, "load_ms": res.load_ms,
+        "load_detail_ms": res.load_detail_ms,
     }
 
 
@@ -244,6 +246,7 @@ def iter_results(tests: Sequence[BenchTest], make_backend: Callable[[tuple], obj
             for test in group:
                 res = run_test(backend, test, reps, n_vocab, on_rep=on_rep, load=load)
                 res.flag_values, res.load_ms, res.backend = values, dict(backend.load_ms), backend.name
+                res.load_detail_ms = dict(getattr(backend, "load_detail_ms", {}))
                 yield res
             backend.close()
             del backend

@@ -350,6 +350,8 @@ def test_load_progress_and_memory_report(shared):
     load = be.trace.get("load")
     assert load.h2d_bytes >= sum(t.n_bytes for t in mf.tensors.values() if len(t.shape) == 2) and load.allocs > 0
     assert not hasattr(be, "load_tmp")  # the file bytes awaiting their device layout are freed after the load
+    assert be.load_detail_ms["file read (summed over reader threads)"] > 0
+    assert be.load_detail_ms["copy stream busy (CUDA events)"] > 0
 
 
 def test_model_that_does_not_fit_is_refused_with_sizes(shared, monkeypatch):

@@ -159,6 +159,7 @@ class CudaBackend(TokenCache):
         self.chunk = min(n_ctx, PREFILL_CHUNK)
         self.n_split, self.split_len = ops.attention_split(n_ctx, self.flags.on("K4_SPLIT_ATTN"))
         self.load_ms: dict[str, float] = {}  # wall time of each load step (the stream synchronized after each)
+        self.load_detail_ms: dict[str, float] = {}  # inside read+upload, which overlap: see memory.Uploader
         with self.trace.in_phase("load"), self.stream, self.gpu_errors:
             memory.check_fits(self._weight_bytes(mf), self._kv_bytes(), self._scratch_bytes(), n_ctx, memory.free_bytes())
             self._timed("read+upload", self._load_weights, mf, progress)
@@ -267,6 +268,8 @@ class CudaBackend(TokenCache):
                 if not glu and isinstance(key, tuple) and b[0] in mf.tensors:
                     biases[key] = self._upload_vector(up, np.concatenate([dequantize_tensor(mf.tensor(n)) for n in b]))
             up.finish()
+            self.load_detail_ms = {"file read (summed over reader threads)": up.read_ms,
+                                   "copy stream busy (CUDA events)": up.copy_ms}
         finally:
             up.close()
         self.mem.release(self.load_tmp, "scratch")

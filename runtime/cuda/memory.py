@@ -9,6 +9,7 @@ backend allocates device memory or copies between host and device.
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -181,6 +182,10 @@ class Uploader:
     main thread and copied from pageable memory on `stream`. `progress(done_bytes, total_bytes)`
     is called after each piece. Nothing is on the device for certain until finish(); call
     close() on every path (it stops the readers).
+
+    After finish(): read_ms, the time spent filling staging buffers (reading the file or
+    copying host arrays), summed over the readers; copy_ms, the copy stream's span from the
+    first copy to the last (CUDA events; it includes what `then` enqueued and any wait for data).
     """
 
     def __init__(self, trace: Trace, stream: cp.cuda.Stream, total: int, pinned: bool,
@@ -192,6 +197,8 @@ class Uploader:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="k4-read") if pinned else None
         self.turn = 0
         self.fds: dict[str, int] = {}
+        self.read_ms = self.copy_ms = 0.0
+        self.first_copy: cp.cuda.Event | None = None
 
     def upload(self, dst_ptr: int, src: np.ndarray, then: Callable[[], None] | None = None) -> None:
         """Copy host `src` (any dtype; its bytes in C order) to device address `dst_ptr`. `src`
@@ -215,7 +222,8 @@ class Uploader:
             last = start == starts[-1]
             if not self.pinned:
                 host = np.empty(n, np.uint8)
-                fill(host, start)
+                self.read_ms += 1e3 * self._fill(None, fill, host, start)
+                self._mark_first()
                 cp.cuda.runtime.memcpyAsync(dst_ptr + start, host.ctypes.data, n, H2D, self.stream.ptr)  # staged before it returns
                 self.trace.h2d(n)
                 self._advance(n)
@@ -226,19 +234,30 @@ class Uploader:
             self.turn = (self.turn + 1) % len(self.slots)
             self._drain(slot)
             slot.dst_ptr, slot.nbytes, slot.then = dst_ptr + start, n, then if last else None
-            slot.future = self.pool.submit(self._fill, slot.buf, fill, n, start)
+            slot.future = self.pool.submit(self._fill, slot.buf, fill, slot.buf.host[:n], start)
 
     @staticmethod
-    def _fill(buf: PinnedBuffer, fill, n: int, at: int) -> None:
-        buf.wait()  # its previous piece has reached the device
-        fill(buf.host[:n], at)
+    def _fill(buf: PinnedBuffer | None, fill, view: np.ndarray, at: int) -> float:
+        """Fill `view` (the first bytes of buf) once buf's previous piece has reached the
+        device; returns the seconds the filling took."""
+        if buf is not None:
+            buf.wait()
+        t0 = time.perf_counter()
+        fill(view, at)
+        return time.perf_counter() - t0
+
+    def _mark_first(self) -> None:
+        if self.first_copy is None:
+            self.first_copy = cp.cuda.Event()
+            self.first_copy.record(self.stream)
 
     def _drain(self, slot: _Slot) -> None:
         """Finish the slot's read (re-raising its error) and enqueue its copy, then its `then`."""
         if slot.future is None:
             return
         future, slot.future = slot.future, None
-        future.result()
+        self.read_ms += 1e3 * future.result()
+        self._mark_first()
         h2d(self.trace, slot.dst_ptr, slot.buf, 0, slot.nbytes, self.stream)
         self._advance(slot.nbytes)
         if slot.then:
@@ -254,8 +273,12 @@ class Uploader:
         sync), and release the readers and staging buffers."""
         for k in range(len(self.slots)):
             self._drain(self.slots[(self.turn + k) % len(self.slots)])
+        last = cp.cuda.Event()
+        last.record(self.stream)
         self.stream.synchronize()
         self.trace.sync()
+        if self.first_copy is not None:
+            self.copy_ms = cp.cuda.get_elapsed_time(self.first_copy, last)
         self.close()
 
     def close(self) -> None:
