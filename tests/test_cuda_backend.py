@@ -25,7 +25,7 @@ pytestmark = pytest.mark.cuda
 
 GREEDY = SamplingParams(temperature=0.0)
 FUSIONS = ("K4_STACK", "K4_FUSE_NORM", "K4_FUSE_SWIGLU", "K4_FUSE_ROPE", "K4_PREFILL_F16_CACHE", "K4_PDL", "K4_TILED_ATTN",
-           "K4_MMA_ATTN")
+           "K4_MMA_ATTN", "K4_PREFILL_GRAPH")
 ALL_FLAGS = ("K4_CUDA_GRAPH", "K4_PINGPONG", "K4_PINNED_UPLOAD", "K4_REPACK", "K4_PREFILL_TC", "K4_SPLIT_ATTN") + FUSIONS
 
 
@@ -239,6 +239,27 @@ def test_sampled_tokens_equal_numpy_backend(stories):
     be.reset()
     history = [1, 2, 3]
     assert take(be.generate(prompt, params, history), 24) == take(NumpyBackend(mf, 256).generate(prompt, params, history), 24)
+
+
+def test_prefill_graphs_give_the_logits_and_cache_of_launched_chunks(shared, monkeypatch):
+    """Full 512-token chunks replay captured graphs (one ending in the logits, one not): the
+    last logits, and the tokens generated from the cache they filled, equal the launched path."""
+    mf = open_model(shared / "models" / "stories260K-pad-q4_k_m.gguf")
+    prompt = np.random.default_rng(8).integers(3, mf.config.n_vocab, size=1024 + 77).tolist()
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("K4_PREFILL_GRAPH", flag)
+        be = cuda(mf, 1200)
+        assert be.chunk == 512
+        be.trace.reset()
+        last = [be.eval(prompt[:1024]), be.eval(prompt[1024:])]  # chunks 512 + 512 (last), then 77 launched
+        runs[flag] = (last, take(be.generate([5], GREEDY), 8), be.trace.get("prefill").graph_replays)
+        be.close()
+    (got, toks, replays), (want, want_toks, none) = runs["1"], runs["0"]
+    assert (replays, none) == (2, 0)
+    for g, w in zip(got, want):
+        assert rel_l2(g, w) < 1e-5
+    assert toks == want_toks
 
 
 def test_one_token_start_replays_the_decode_graph(stories):

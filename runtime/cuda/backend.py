@@ -47,7 +47,7 @@ try:
 except ModuleNotFoundError:  # require_cuda() says so
     cp = None
 else:
-    from . import matmul, memory, ops
+    from . import blas, matmul, memory, ops
     from .launch import GpuErrors, launch_graph
     from .timer import DeviceTimer
 
@@ -160,12 +160,16 @@ class CudaBackend(TokenCache):
         self.n_split, self.split_len = ops.attention_split(n_ctx, self.flags.on("K4_SPLIT_ATTN"))
         self.load_ms: dict[str, float] = {}  # wall time of each load step (the stream synchronized after each)
         self.load_detail_ms: dict[str, float] = {}  # inside read+upload, which overlap: see memory.Uploader
+        self.blas = None  # cuBLAS through a handle of our own: prefill chunks replay as CUDA graphs (K4_PREFILL_GRAPH)
+        self.prefill_graphs: dict[bool, tuple] = {}  # last chunk or not -> (graph, kernels per replay)
         with self.trace.in_phase("load"), self.stream, self.gpu_errors:
             memory.check_fits(self._weight_bytes(mf), self._kv_bytes(), self._scratch_bytes(), n_ctx, memory.free_bytes())
             self._timed("read+upload", self._load_weights, mf, progress)
             self._timed("buffers", self._alloc_buffers)
             self._timed("prefill fp16 copy", self._half_weights)
             self._timed("compile", self.ops.compile_all)
+            if self.flags.on("K4_PREFILL_GRAPH"):
+                self.blas = blas.Blas.open(self.mem.empty((blas.WORKSPACE_BYTES,), cp.uint8, "scratch"))
             self.graph = None
             self._timed("warm-up", self._warm_up)
             if self.flags.on("K4_CUDA_GRAPH"):
@@ -191,7 +195,8 @@ class CudaBackend(TokenCache):
         cfg, P = self.config, self.chunk
         rows = 4 * cfg.n_embd + 3 * cfg.q_dim + 2 * cfg.kv_dim + 4 * cfg.n_ff + cfg.n_vocab
         part = cfg.n_head * self.n_split * (cfg.head_dim + 2) if self.n_split > 1 else 0
-        return 4 * (P * rows + part + self.n_ctx + RING_MIN + 2 * cfg.n_vocab)
+        workspace = blas.WORKSPACE_BYTES if self.flags.on("K4_PREFILL_GRAPH") else 0
+        return 4 * (P * rows + part + self.n_ctx + RING_MIN + 2 * cfg.n_vocab) + workspace
 
     # ---- weights --------------------------------------------------------------------------------
     def _upload_matrix(self, up, mf: ModelFile, tensors: Sequence, repack: bool, glu: bool = False):
@@ -378,7 +383,8 @@ class CudaBackend(TokenCache):
             matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, norm=norm,
                         stream=self.stream, trace=self.ops.trace)
         else:
-            matmul.matmul(w, X, Y, residual=residual, bias=bias, scratch=self.mm_scratch, stream=self.stream, trace=self.ops.trace)
+            matmul.matmul(w, X, Y, residual=residual, bias=bias, scratch=self.mm_scratch, stream=self.stream, trace=self.ops.trace,
+                          blas=self.blas)
 
     def _normed(self, x: cp.ndarray, norm_w: cp.ndarray, half: bool):
         """The input of the products after an RMSNorm of x (n, n_embd): (X, norm) for _linear.
@@ -470,11 +476,20 @@ class CudaBackend(TokenCache):
     def _prefill(self, n_total: int, logits_out: np.ndarray | None) -> None:
         """Enqueue the n_total uploaded ids (after the cached tokens) in chunks of `chunk`
         tokens. With logits_out (n_total, n_vocab) every position's logits are copied there;
-        otherwise the last position's logits are left in self.logits[0]."""
+        otherwise the last position's logits are left in self.logits[0]. Without logits_out,
+        full chunks replay a captured CUDA graph (K4_PREFILL_GRAPH): a chunk is ~10 launches per
+        layer from Python, slower to issue than the GPU runs them on small models."""
         p0 = self.n_past
         for c0 in range(0, n_total, self.chunk):
             n = min(self.chunk, n_total - c0)
             self.ops.set_i32(self.pos_view, p0 + c0)
+            if logits_out is None and self.blas is not None and n == self.chunk:
+                if c0:  # the graph reads its ids from the start of the buffer
+                    cp.cuda.runtime.memcpyAsync(self.ids.data.ptr, self.ids.data.ptr + 4 * c0, 4 * n,
+                                                cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+                    self.trace.launch()
+                self._prefill_chunk_graph(c0 + n == n_total)
+                continue
             x = self._forward(n, self.ids[c0 : c0 + n])
             if logits_out is not None:
                 self._output(x, self.logits[:n])
@@ -538,6 +553,27 @@ class CudaBackend(TokenCache):
         finally:
             self.ops.trace = counting
         self.graph = graph
+
+    def _prefill_chunk_graph(self, last: bool) -> None:
+        """Replay the graph of one full chunk (ids from self.ids[:chunk], positions from
+        state[pos]; with `last`, the last row's logits into self.logits[0]), capturing it on
+        first use. Its launches count into a scratch Trace while it is captured."""
+        if last not in self.prefill_graphs:
+            P = self.chunk
+            counting, self.ops.trace = self.ops.trace, Trace(phase=self.trace.phase)
+            try:
+                self.stream.begin_capture()
+                try:
+                    x = self._forward(P, self.ids[:P])
+                    if last:
+                        self._output(x[P - 1 :], self.logits[:1])
+                finally:
+                    graph = self.stream.end_capture()
+                self.prefill_graphs[last] = (graph, self.ops.trace.get(self.ops.trace.phase).launches)
+            finally:
+                self.ops.trace = counting
+        graph, n_kernels = self.prefill_graphs[last]
+        launch_graph(graph, self.stream, self.trace, n_kernels, "prefill graph")
 
     def _decode_step(self) -> None:
         if self.graph is not None:
@@ -646,6 +682,10 @@ class CudaBackend(TokenCache):
             self.copy_stream.synchronize()
         self.timer.collect()
         self.graph = None
+        self.prefill_graphs.clear()
+        if self.blas is not None:
+            self.blas.close()
+            self.blas = None
 
     def memory_report(self) -> dict[str, int]:
         """Device bytes by kind: weights, kv_cache, scratch (activations, sampler, matmul scratch)."""

@@ -27,8 +27,8 @@ Prefill Q4_K 512x4096x4096: 50 µs (345 TFLOP/s), 2048 tokens 510 TFLOP/s.
 Every entry point validates on the host (ValueError: these are programming errors of the
 caller, not user errors), allocates nothing and never synchronizes; launches go through
 runtime.cuda.launch and are counted in `trace` when given. gemv and dequant_rows can be
-captured in a CUDA graph; matmul's tensor-core path cannot (CuPy refuses cuBLAS calls during
-stream capture), its per-token gemv path can.
+captured in a CUDA graph; matmul's tensor-core path can be when given a runtime.cuda.blas.Blas
+(CuPy's own cuBLAS calls refuse stream capture), its per-token gemv path always can.
 """
 
 from __future__ import annotations
@@ -541,21 +541,26 @@ _ONE = np.ones(1, np.float32)
 _ZERO = np.zeros(1, np.float32)
 
 
-def _gemm(m: int, n: int, k: int, a_ptr: int, a_type: int, b_ptr: int, b_type: int, c_ptr: int, ldc: int, beta_one: bool) -> None:
-    """C (col-major m x n, ldc; float32) = A^T @ B (+ C): A col-major k x m, B col-major k x n."""
+def _gemm(m: int, n: int, k: int, a_ptr: int, a_type: int, b_ptr: int, b_type: int, c_ptr: int, ldc: int, beta_one: bool,
+          blas=None) -> None:
+    """C (col-major m x n, ldc; float32) = A^T @ B (+ C): A col-major k x m, B col-major k x n.
+    On the current stream, through `blas` (runtime.cuda.blas.Blas: capturable) or CuPy's handle."""
     import cupy as cp
     from cupy_backends.cuda.libs import cublas
 
+    beta = _ONE if beta_one else _ZERO
+    args = (cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m, n, k, _ONE.ctypes.data, a_ptr, a_type, k, b_ptr, b_type, k,
+            beta.ctypes.data, c_ptr, cp.cuda.runtime.CUDA_R_32F, ldc, cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+    if blas is not None:
+        blas.gemm_ex(cp.cuda.get_current_stream().ptr, *args)
+        return
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
-    beta = _ONE if beta_one else _ZERO
-    cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m, n, k, _ONE.ctypes.data, a_ptr, a_type, k,
-                  b_ptr, b_type, k, beta.ctypes.data, c_ptr, cp.cuda.runtime.CUDA_R_32F, ldc,
-                  cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+    cublas.gemmEx(handle, *args)
 
 
 def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, stream=None,
-           trace: Trace | None = None) -> None:
+           trace: Trace | None = None, blas=None) -> None:
     """Y = X @ w^T (+ bias) (+ residual) for a batch of tokens (prefill).
 
     X: (n_tok, n_in) float32, or float16 when takes_half(w, n_tok), 16-byte aligned; Y: (n_tok,
@@ -565,7 +570,9 @@ def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, str
     Tensor-core path: X and W in fp16 (W from w.half when made), fp32 accumulation (relative
     error about 1e-3); F32 weights run in float32 through cuBLAS; gemv per token when the flag
     K4_PREFILL_TC is off or n_tok <= GEMV_MAX_TOKENS (not for a glu weight: call gemv, which
-    applies the SwiGLU). Raises ValueError on wrong shapes, dtypes or scratch size.
+    applies the SwiGLU). blas: a runtime.cuda.blas.Blas for the cuBLAS calls, so they can be
+    captured in a CUDA graph (None: CuPy's handle, which refuses capture). Raises ValueError on
+    wrong shapes, dtypes or scratch size.
     """
     import cupy as cp
 
@@ -613,7 +620,7 @@ def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, str
             else:
                 _dequant_launch(w, None, r0, n, wh, "u16", None, trace)
                 a_ptr = wh.data.ptr
-            _gemm(n, n_tok, n_in, a_ptr, a_type, b_ptr, b_type, Y.data.ptr + 4 * r0, n_out, in_place)
+            _gemm(n, n_tok, n_in, a_ptr, a_type, b_ptr, b_type, Y.data.ptr + 4 * r0, n_out, in_place, blas)
             if trace is not None:
                 trace.launch()
         if (residual is not None and not in_place) or bias is not None:
