@@ -1,5 +1,5 @@
 """Device memory of the CUDA backend: counted allocations, counted host<->device copies, pinned
-staging (the ping-pong weight uploader, small per-call uploads, the 4-byte token readback), and
+staging (the threaded weight uploader, small per-call uploads, the 4-byte token readback), and
 the up-front check that a model fits in free GPU memory.
 
 Every allocation and copy here is recorded in a runtime.trace.Trace; nothing else in the CUDA
