@@ -127,3 +127,24 @@ def test_hostile_tensor_infos(tmp_path, shared, field, value, needle):
     with pytest.raises(ModelFileError) as info:
         open_model(bad)
     assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_reader_on_a_plain_view_parses_what_gguf_parses(shared):
+    """open_model's reader (GGUFReader on an ndarray view of the memory map, for speed) gives the
+    same metadata, tensor infos, offsets and bytes as gguf's GGUFReader on the same file."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    path = shared / "models" / "stories260K-pad-q4_k_m.gguf"
+    mf, ref = open_model(path), GGUFReader(path, "r")
+    assert type(mf.reader.data) is np.ndarray
+    assert list(mf.reader.fields) == list(ref.fields)
+    for name, field in ref.fields.items():
+        if not name.startswith("GGUF."):
+            assert mf.meta(name) == field.contents(), name
+    assert [(t.name, int(t.data_offset), t.shape.tolist()) for t in mf.reader.tensors] == \
+           [(t.name, int(t.data_offset), t.shape.tolist()) for t in ref.tensors]
+    for t in ref.tensors:
+        mine = mf.tensors[t.name]
+        assert mine.file_offset == int(t.data_offset)
+        assert np.array_equal(mine.raw_bytes().reshape(-1), np.asarray(t.data).reshape(-1).view(np.uint8))
