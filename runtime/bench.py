@@ -149,6 +149,7 @@ def run_once(backend, test: BenchTest, n_vocab: int, seed: int) -> tuple[float, 
     token_ms: list[float] = []
     if not test.n_gen:
         backend.eval(prompt)
+        elapsed = time.perf_counter() - t0
     else:
         feed = prompt
         if not prompt:  # decode only: the first step re-evaluates the last cached token (or BOS)
@@ -169,8 +170,6 @@ def run_once(backend, test: BenchTest, n_vocab: int, seed: int) -> tuple[float, 
             elapsed = time.perf_counter() - t0
         finally:
             gen.close()
-        return test.n_tokens / elapsed, token_ms
-    elapsed = time.perf_counter() - t0
     return test.n_tokens / elapsed, token_ms
 
 
