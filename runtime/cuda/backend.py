@@ -169,7 +169,11 @@ class CudaBackend(TokenCache):
             self._timed("prefill fp16 copy", self._half_weights)
             self._timed("compile", self.ops.compile_all)
             if self.flags.on("K4_PREFILL_GRAPH"):
-                self.blas = blas.Blas.open(self.mem.empty((blas.WORKSPACE_BYTES,), cp.uint8, "scratch"))
+                workspace = self.mem.empty((blas.WORKSPACE_BYTES,), cp.uint8, "scratch")
+                self.blas = blas.Blas.open(workspace)
+                if self.blas is None:  # no libcublas by name: prefill keeps CuPy's launched path
+                    self.mem.release(workspace, "scratch")
+                del workspace
             self.graph = None
             self._timed("warm-up", self._warm_up)
             if self.flags.on("K4_CUDA_GRAPH"):
@@ -507,16 +511,12 @@ class CudaBackend(TokenCache):
         self._check_room(len(ids))
         cfg = self.config
         with self.trace.in_phase("prefill" if len(ids) > 1 else "decode") as c, self.stream, self.gpu_errors:
-            if all_logits:
-                out = np.empty((len(ids), cfg.n_vocab), dtype=np.float32)  # (T, n_vocab)
-                with self.timer.span(self.stream, step=True):
-                    self._upload(ids)
-                    self._prefill(len(ids), out)
-            else:
-                out = np.empty(cfg.n_vocab, dtype=np.float32)  # (n_vocab,)
-                with self.timer.span(self.stream, step=True):
-                    self._upload(ids)
-                    self._prefill(len(ids), None)
+            # all logits: (T, n_vocab), copied by _prefill; else the last token's (n_vocab,)
+            out = np.empty((len(ids), cfg.n_vocab) if all_logits else cfg.n_vocab, dtype=np.float32)
+            with self.timer.span(self.stream, step=True):
+                self._upload(ids)
+                self._prefill(len(ids), out if all_logits else None)
+            if not all_logits:
                 memory.d2h_sync(self.trace, out, self.logits[0], self.stream)
             self.timer.collect()
             c.steps += 1

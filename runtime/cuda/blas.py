@@ -65,7 +65,10 @@ class Blas:
         set_ws = lib.cublasSetWorkspace_v2
         set_ws.argtypes = [_PTR, _PTR, ctypes.c_size_t]
         set_ws.restype = _INT
-        _check(set_ws(handle, _PTR(workspace.data.ptr), ctypes.c_size_t(workspace.nbytes)), "cublasSetWorkspace")
+        status = set_ws(handle, _PTR(workspace.data.ptr), ctypes.c_size_t(workspace.nbytes))
+        if status != 0:
+            lib.cublasDestroy_v2(handle)  # not left behind by the refusal
+        _check(status, "cublasSetWorkspace")
         return cls(lib, handle, workspace)
 
     def gemm_ex(self, stream_ptr: int, transa: int, transb: int, m: int, n: int, k: int, alpha_ptr: int, a_ptr: int,

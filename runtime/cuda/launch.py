@@ -150,14 +150,14 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
     """
     _last.what = kernel
     try:
-        if stream is None and not pdl:  # on the current stream: no context switch (prefill is launch-bound)
-            kernel(grid, block, args, shared_mem=shared_mem)
-        elif pdl:
+        if pdl:
             if stream is None:
                 import cupy as cp
 
                 stream = cp.cuda.get_current_stream()
             _launch_pdl(kernel, grid, block, args, shared_mem, stream.ptr)
+        elif stream is None:  # on the current stream: no context switch (prefill is launch-bound)
+            kernel(grid, block, args, shared_mem=shared_mem)
         else:
             with stream:
                 kernel(grid, block, args, shared_mem=shared_mem)
