@@ -248,6 +248,27 @@ gemv_f(const u8* __restrict__ w,           // (n_out, n_in) of T, GLU: (2 n_out,
     }
 }
 
+// The ceiling the products are measured against (runtime/cuda/matmul.py bench_read): read n16
+// 16-byte words at p once, grid-stride with four loads in flight per thread, launched as the
+// products are (one wave of 512-thread blocks, PDL: trigger first, wait last). Nothing is
+// written unless the xor of all words is one chosen value (so the loads cannot be dropped).
+extern "C" __global__ void __launch_bounds__(512, 1) read_stream(const uint4* __restrict__ p, i64 n16, u32* out) {
+    pdl_trigger();
+    const i64 step = (i64)gridDim.x * blockDim.x;
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    u32 a = 0;
+    for (; i + 3 * step < n16; i += 4 * step) {
+        const uint4 v0 = __ldg(p + i), v1 = __ldg(p + i + step), v2 = __ldg(p + i + 2 * step), v3 = __ldg(p + i + 3 * step);
+        a ^= v0.x ^ v0.y ^ v0.z ^ v0.w ^ v1.x ^ v1.y ^ v1.z ^ v1.w ^ v2.x ^ v2.y ^ v2.z ^ v2.w ^ v3.x ^ v3.y ^ v3.z ^ v3.w;
+    }
+    for (; i < n16; i += step) {
+        const uint4 v = __ldg(p + i);
+        a ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    pdl_wait();
+    if (a == 0x9E3779B9u) out[0] = a;
+}
+
 // The instances runtime/cuda/matmul.py launches (and nvcc compile-checks).
 #define K4_GEMV_Q8(T, W, U, PF, GLU) \
     template __global__ void gemv_q8<T, false, W, U, PF, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int); \

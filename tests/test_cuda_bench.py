@@ -38,8 +38,18 @@ def test_bench_kernels_reports_bandwidth():
     gemv = [x for x in recs if x["kernel"] == "gemv"]
     assert {x["type"] for x in gemv} >= {"Q4_K", "Q6_K", "Q5_1"}
     assert all(0 < x["gb_s"] < 5000 for x in gemv)
+    assert all(0 < x["read_us"] and 0 < x["fraction_of_read"] < 1.2 for x in gemv)
     attn = [x for x in recs if x["kernel"].startswith("attention")]
     assert len(attn) == 4 and all(0 < x["tflop_s"] < 1000 and x["us"] > 0 for x in attn)
+
+
+def test_bench_read_streams_the_bytes():
+    """The read ceiling grows with the bytes and stays under what HBM3e can deliver."""
+    from runtime.cuda.matmul import bench_read
+
+    small, large = bench_read(8 << 20, iters=20), bench_read(64 << 20, iters=20)
+    assert 0 < small["us"] < large["us"]
+    assert 100 < large["gb_s"] < 6000
 
 
 def test_bench_attention_flop_count():

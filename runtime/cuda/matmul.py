@@ -733,6 +733,29 @@ def bench_gemv(ggml_type: str, n_out: int, n_in: int, iters: int = 200, *, repac
     return {"us": us, "gb_s": nbytes / us / 1e3, "bytes": nbytes}
 
 
+def bench_read(nbytes: int, iters: int = 200) -> dict:
+    """Time one streaming read of `nbytes` (rounded down to 16) of random bytes: the ceiling a
+    matrix-vector product of that many weight bytes is measured against, timed as bench_gemv
+    times one (CUDA graph of PDL launches, one wave of 512-thread blocks, copies rotated beyond
+    4x the L2, median). Random, because the GPU reads zero-filled memory faster than its
+    bandwidth allows (measured: 5.25 TB/s for 400 MB of zeros on the H200).
+    Returns {"us": µs per read, "gb_s": GB/s}.
+    """
+    import cupy as cp
+
+    n16 = nbytes // 16
+    n = max(2, min(64, math.ceil(4.0 * _device_limits()[1] / (16 * n16))))
+    rng = cp.random.RandomState(0)
+    bufs = [rng.randint(0, 2**31, 4 * n16, dtype=cp.uint32) for _ in range(n)]
+    out = cp.zeros(1, cp.uint32)
+    kernel = _kernel("gemv.cu", "read_stream")
+    grid = _device_limits()[0]
+    n_calls = n * math.ceil(20 / n)
+    us = device_time(lambda i: launch(kernel, (grid,), (512,), (bufs[i % n], np.int64(n16), out), 0, None, None, True),
+                     n_calls, iters, graph=True)
+    return {"us": us, "gb_s": 16 * n16 / us / 1e3}
+
+
 def bench_matmul(ggml_type: str, n_tok: int, n_out: int, n_in: int, iters: int = 50, *, tensor_cores: bool = True,
                  repack: bool | None = None) -> dict:
     """Time Y = X @ W^T (prefill) for n_tok tokens and a random (n_out, n_in) W of `ggml_type`.
