@@ -649,8 +649,12 @@ def _copies(t: Tensor, repack: bool, factor: float, cap: int) -> list[DeviceWeig
     import cupy as cp
 
     host = weight_layout(t, repack)
-    n = max(2, min(cap, math.ceil(factor * _device_limits()[1] / host.nbytes)))
-    return [make_weight(t, cp.asarray(host), repack) for _ in range(n)]
+    return [make_weight(t, cp.asarray(host), repack) for _ in range(_n_copies(host.nbytes, factor, cap))]
+
+
+def _n_copies(nbytes: int, factor: float, cap: int) -> int:
+    """How many buffers of nbytes exceed `factor` times the L2 (at least 2, at most cap)."""
+    return max(2, min(cap, math.ceil(factor * _device_limits()[1] / nbytes)))
 
 
 def device_time(body, n_calls: int, iters: int, graph: bool) -> float:
@@ -734,17 +738,15 @@ def bench_gemv(ggml_type: str, n_out: int, n_in: int, iters: int = 200, *, repac
 
 
 def bench_read(nbytes: int, iters: int = 200) -> dict:
-    """Time one streaming read of `nbytes` (rounded down to 16) of random bytes: the ceiling a
-    matrix-vector product of that many weight bytes is measured against, timed as bench_gemv
-    times one (CUDA graph of PDL launches, one wave of 512-thread blocks, copies rotated beyond
-    4x the L2, median). Random, because the GPU reads zero-filled memory faster than its
-    bandwidth allows (measured: 5.25 TB/s for 400 MB of zeros on the H200).
-    Returns {"us": µs per read, "gb_s": GB/s}.
+    """Time one streaming read of `nbytes` (rounded down to 16) of random bytes, as weights are:
+    the ceiling a matrix-vector product of that many weight bytes is measured against, timed as
+    bench_gemv times one (CUDA graph of PDL launches, one wave of 512-thread blocks, copies
+    rotated beyond 4x the L2, median). Returns {"us": µs per read, "gb_s": GB/s}.
     """
     import cupy as cp
 
     n16 = nbytes // 16
-    n = max(2, min(64, math.ceil(4.0 * _device_limits()[1] / (16 * n16))))
+    n = _n_copies(16 * n16, 4.0, 64)
     rng = cp.random.RandomState(0)
     bufs = [rng.randint(0, 2**31, 4 * n16, dtype=cp.uint32) for _ in range(n)]
     out = cp.zeros(1, cp.uint32)
