@@ -19,7 +19,6 @@ import os
 import shlex
 import signal
 import sys
-from contextlib import closing
 from pathlib import Path
 from typing import Annotated, List, Optional
 
@@ -79,18 +78,27 @@ def in_open_block(text: str) -> bool:
 
 
 class InterruptGuard:
-    """SIGINT handling during a reply: the first Ctrl-C sets `hit` (the reply loop stops at the
-    next token, between backend steps); a second raises KeyboardInterrupt at once. With
-    enabled False (piped input) Ctrl-C keeps its default effect."""
+    """SIGINT handling during a reply. The first Ctrl-C sets `hit`: the reply loop stops at the
+    next token, between backend steps. The second raises KeyboardInterrupt at once, to cut a long
+    step short, but only while the guard is armed, and only once; any later Ctrl-C is ignored.
+    Repl.turn disarms the guard before it closes the reply stream, so the stream's cleanup, which
+    records the partial reply, never takes an exception halfway. With enabled False (piped input)
+    Ctrl-C keeps its default effect."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self.hit = False
+        self.armed = True
 
     def _handle(self, signum, frame):
-        if self.hit:
+        if self.hit and self.armed:
+            self.armed = False
             raise KeyboardInterrupt
         self.hit = True
+
+    def disarm(self) -> None:
+        """From now on Ctrl-C only sets `hit`."""
+        self.armed = False
 
     def __enter__(self) -> "InterruptGuard":
         if self.enabled:
@@ -151,20 +159,23 @@ class Repl:
             if plan.dropped_turns:
                 err.print(f"context full: dropped the {plan.dropped_turns} oldest turn(s) so the conversation fits in "
                           f"{s.n_ctx} tokens (the system prompt stays; /save still writes every message)", style="yellow", markup=False)
+            stream = s.run(plan)
             try:
-                with closing(s.run(plan)) as stream:
-                    for piece in stream:
-                        sys.stdout.write(piece)
-                        sys.stdout.flush()
-                        if guard.hit:
-                            break
+                for piece in stream:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+                    if guard.hit:
+                        break
             except KeyboardInterrupt:
                 if not self.interactive:
                     raise
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        if s.last is not previous:
-            self.report()
+            finally:
+                guard.disarm()
+                stream.close()
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            if s.last is not previous:
+                self.report()
 
     def report(self) -> None:
         s = self.session

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pexpect
 from typer.testing import CliRunner
 
 from cli.app import app
+from cli.chat import InterruptGuard
 from cli.common import SAMPLE_MODEL
 from tests.test_chat import fresh_reply, make_session, turn, write_templated_tiny
 
@@ -143,6 +145,27 @@ def test_repeated_ctrl_c_during_a_reply_never_ends_the_session(tmp_path):
     assert chat.say("The end")[1] == 4
     chat.command("/show", r"4 messages")
     assert chat.leave_with_ctrl_d() == 0
+
+
+def ctrl_c() -> bool:
+    """Deliver SIGINT to this process (its handler runs before raise_signal returns); True when
+    that raised KeyboardInterrupt."""
+    try:
+        signal.raise_signal(signal.SIGINT)
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+def test_interrupt_guard_raises_once_and_never_after_disarm():
+    with InterruptGuard() as guard:
+        assert [ctrl_c(), guard.hit] == [False, True]
+        assert [ctrl_c(), ctrl_c(), ctrl_c()] == [True, False, False]
+    with InterruptGuard() as guard:
+        guard.disarm()
+        assert [ctrl_c(), ctrl_c(), guard.hit] == [False, False, True]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert ctrl_c()
 
 
 def test_real_template_on_a_synthetic_model(tmp_path, shared):
