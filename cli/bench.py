@@ -190,14 +190,16 @@ def _kernels(output: str) -> None:
     from runtime.cuda.matmul import bench_gemv, bench_read
     from runtime.cuda.ops import bench_attention
 
-    shapes = [("Q4_K", 4096, 4096), ("Q4_K", 11008, 4096), ("Q4_K", 4096, 11008), ("Q4_K", 32000, 4096),
-              ("Q6_K", 4096, 4096), ("Q6_K", 32000, 4096), ("Q5_K", 4096, 4096), ("Q8_0", 4096, 4096),
-              ("Q5_0", 4096, 4096), ("Q5_1", 4096, 4096), ("F16", 4096, 4096)]
+    # x "q8": x comes quantized, as the down product (4096x11008) gets it in decode with K4_FUSE_QUANT=1
+    shapes = [("Q4_K", 4096, 4096, "f32"), ("Q4_K", 11008, 4096, "f32"), ("Q4_K", 4096, 11008, "f32"), ("Q4_K", 4096, 11008, "q8"),
+              ("Q4_K", 32000, 4096, "f32"), ("Q6_K", 4096, 4096, "f32"), ("Q6_K", 4096, 11008, "q8"), ("Q6_K", 32000, 4096, "f32"),
+              ("Q5_K", 4096, 4096, "f32"), ("Q8_0", 4096, 4096, "f32"), ("Q5_0", 4096, 4096, "f32"), ("Q5_1", 4096, 4096, "f32"),
+              ("F16", 4096, 4096, "f32")]
     gemv = []
-    for qtype, n_out, n_in in shapes:
-        r = bench_gemv(qtype, n_out, n_in)
+    for qtype, n_out, n_in, x in shapes:
+        r = bench_gemv(qtype, n_out, n_in, x_q8=x == "q8")
         read = bench_read(r["bytes"])  # the same bytes read by a kernel that only streams them
-        gemv.append({"kernel": "gemv", "type": qtype, "n_out": n_out, "n_in": n_in, "us": r["us"], "gb_s": r["gb_s"],
+        gemv.append({"kernel": "gemv", "type": qtype, "n_out": n_out, "n_in": n_in, "x": x, "us": r["us"], "gb_s": r["gb_s"],
                      "fraction_of_4.2TB/s": r["gb_s"] / 4200.0, "read_us": read["us"], "fraction_of_read": read["us"] / r["us"]})
     # prefill (causal, from position 0) and decode (one query at a depth); 32 heads of 128 as Llama 2 7B
     attn = []
@@ -210,9 +212,9 @@ def _kernels(output: str) -> None:
         sys.stdout.write(json.dumps(records, indent=2) + "\n" if output == "json" else "".join(json.dumps(r) + "\n" for r in records))
         return
     out.print(table("matrix-vector kernels (median of CUDA-event timings; read: a kernel that only streams the same bytes)",
-                    ("type", "n_out x n_in", "µs", "GB/s", "of 4.2 TB/s", "read µs", "of read"),
-                    [(r["type"], f"{r['n_out']}x{r['n_in']}", f"{r['us']:.2f}", f"{r['gb_s']:,.0f}", f"{r['fraction_of_4.2TB/s']:.0%}",
-                      f"{r['read_us']:.2f}", f"{r['fraction_of_read']:.0%}") for r in gemv], right=(2, 3, 4, 5, 6)))
+                    ("type", "n_out x n_in", "x", "µs", "GB/s", "of 4.2 TB/s", "read µs", "of read"),
+                    [(r["type"], f"{r['n_out']}x{r['n_in']}", r["x"], f"{r['us']:.2f}", f"{r['gb_s']:,.0f}", f"{r['fraction_of_4.2TB/s']:.0%}",
+                      f"{r['read_us']:.2f}", f"{r['fraction_of_read']:.0%}") for r in gemv], right=(3, 4, 5, 6, 7)))
     out.print(table("attention, fp16 KV, 32 heads of 128 (causal; TFLOP/s counts the causal half)",
                     ("kernel", "queries", "keys", "µs", "TFLOP/s", "KV GB/s"),
                     [(r["kernel"], r["n_tok"], r["n_ctx"], f"{r['us']:,.1f}", f"{r['tflop_s']:,.1f}", f"{r['gb_s']:,.0f}") for r in attn],

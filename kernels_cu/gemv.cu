@@ -13,16 +13,22 @@
 // in one wave, so letting the next kernel launch early (pdl_trigger) cannot starve this one.
 // gemv_f (F32, F16, BF16): the same row-per-warp loop on float x from global memory (L1-cached).
 //
-// Two fusions, both optional per launch:
+// Three fusions, each optional per launch:
 //  - RMSNorm prologue (norm_w non-null): x is first normalized, x * rsqrt(mean(x^2) + eps) * norm_w
 //    (Zhang & Sennrich 2019, as llama.cpp's rms_norm then mul), each block computing the sum of
 //    squares itself while x sits in L2, so the separate norm kernel and its output vanish.
 //  - SwiGLU epilogue (GLU instances): W holds 2 * n_out rows interleaved, row 2i = ffn_gate row i,
 //    row 2i + 1 = ffn_up row i (runtime/cuda/matmul.py interleave_rows), one warp takes both rows
 //    of a pair as one row of 2 * n_in, and writes y[i] = silu(gate_i . x) * (up_i . x).
+//  - q8 handoff: a SwiGLU product given y_q8 also writes y quantized, in the layout the next
+//    product keeps in shared memory (each block quantizes the 32-output groups it computed), and
+//    the down product given that as x_q8 copies its ~15 KB (n_in 11008) instead of reading 44 KB
+//    of floats and quantizing them in every block: on the H200 its 4096x11008 Q4_K product takes
+//    7.9 instead of 9.2 µs (docs/PERF.md).
 //
 // Thread mapping: warp w of block b starts at output b + gridDim.x * w and steps by
-// gridDim.x * WARPS. The launcher (runtime/cuda/matmul.py) validates shapes and types.
+// gridDim.x * WARPS (with y_q8: see gemv_q8). The launcher (runtime/cuda/matmul.py) validates
+// shapes and types.
 #include "common.cuh"
 
 // y[row] = acc (+ bias[row]) (+ residual[row]); residual may alias y.
@@ -51,9 +57,39 @@ __device__ float rms_scale(const float* __restrict__ x, int n, float eps) {
     return rsqrtf(ss / (float)n + eps);
 }
 
+// Quantize 16 values v of unit u (elements 16u..16u+15) into q8 x arrays (shared or global
+// memory): the int8 quants at unit slot x_unit_slot(u, swz) of xq, d at xd[u / 2] (written by the
+// even unit), d * sum of the quants at xs[u]. Units 2i and 2i+1 share one scale, so they must sit
+// in adjacent lanes of one warp, every lane of which calls this (ok false: a lane with no unit).
+__device__ __forceinline__ void q8_unit(const float (&v)[16], bool ok, int u, int swz, u8* xq, float* xd, float* xs) {
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    const float d = amax * (1.f / 127.f);
+    const float id = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;  // IEEE, as numpy rounds it
+    u32 packed[4];
+    int sum = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        packed[k] = 0;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const int q = __float2int_rn(v[4 * k + b] * id);
+            sum += q;
+            packed[k] |= (u32)(q & 0xFF) << (8 * b);
+        }
+    }
+    if (ok) {
+        *reinterpret_cast<uint4*>(xq + 16 * x_unit_slot(u, swz)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        xs[u] = d * (float)sum;
+        if (!(u & 1)) xd[u >> 1] = d;
+    }
+}
+
 // Quantize x (n_in floats, n_in a multiple of 32, 16-byte aligned) into the q8x arrays in
 // shared memory; with norm_w (n_in,) non-null, x * rms_scale(x) * norm_w instead. One thread
-// per 16-value unit; the two units of a 32-group share a scale.
+// per 16-value unit.
 template <int SWZ>
 __device__ void quantize_x(const float* __restrict__ x, int n_in, const float* __restrict__ norm_w, float eps,
                            u8* xq, float* xd, float* xs) {
@@ -63,7 +99,6 @@ __device__ void quantize_x(const float* __restrict__ x, int n_in, const float* _
         const int u = base + threadIdx.x;
         const bool ok = u < n_units;
         float v[16];
-        float amax = 0.f;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             float4 f = ok ? __ldg(reinterpret_cast<const float4*>(x) + 4 * u + k) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -72,33 +107,59 @@ __device__ void quantize_x(const float* __restrict__ x, int n_in, const float* _
                 f = make_float4(f.x * scale * g.x, f.y * scale * g.y, f.z * scale * g.z, f.w * scale * g.w);
             }
             v[4 * k] = f.x; v[4 * k + 1] = f.y; v[4 * k + 2] = f.z; v[4 * k + 3] = f.w;
-            amax = fmaxf(amax, fmaxf(fmaxf(fabsf(f.x), fabsf(f.y)), fmaxf(fabsf(f.z), fabsf(f.w))));
         }
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        const float d = amax * (1.f / 127.f);
-        const float id = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;  // IEEE, as numpy rounds it
-        u32 packed[4];
-        int sum = 0;
+        q8_unit(v, ok, u, SWZ, xq, xd, xs);
+    }
+}
+
+// Copy a q8 x made by another kernel (n16 16-byte words, the layout quantize_x leaves in shared
+// memory) into shared memory: up to four loads per thread in flight before the first store.
+__device__ __forceinline__ void copy_q8x(const uint4* __restrict__ src, int n16, uint4* dst) {
+    for (int base = 0; base < n16; base += 4 * blockDim.x) {
+        uint4 v[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            packed[k] = 0;
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                const int q = __float2int_rn(v[4 * k + b] * id);
-                sum += q;
-                packed[k] |= (u32)(q & 0xFF) << (8 * b);
-            }
+            const int i = base + threadIdx.x + k * blockDim.x;
+            if (i < n16) v[k] = __ldg(src + i);
         }
-        if (ok) {
-            *reinterpret_cast<uint4*>(xq + 16 * x_unit_slot(u, SWZ)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-            xs[u] = d * (float)sum;
-            if (!(u & 1)) xd[u >> 1] = d;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int i = base + threadIdx.x + k * blockDim.x;
+            if (i < n16) dst[i] = v[k];
         }
     }
 }
 
-// Shared memory of gemv_q8 for n_in (bytes); the launcher computes the same.
+// The q8 x of n_in values (bytes): int8 units padded to 128 bytes, then d (n_in / 32 floats,
+// padded to 16 bytes), then s (n_in / 16 floats); the whole padded to 16 bytes. gemv_q8 keeps it
+// at the start of its shared memory; the launcher (runtime/cuda/matmul.py) computes the same.
 __device__ __forceinline__ int q8x_bytes_q(int n_in) { return ((n_in / 16 + 7) & ~7) * 16; }
+__device__ __forceinline__ int q8x_d_floats(int n_in) { return (n_in / 32 + 3) & ~3; }
+__device__ __forceinline__ int q8x_bytes(int n_in) { return (q8x_bytes_q(n_in) + 4 * q8x_d_floats(n_in) + 4 * (n_in / 16) + 15) & ~15; }
+
+// Quantize units u0 .. u0 + n_units - 1 of a q8 y (q8x_bytes(n_out) at y_q8) from their values
+// yo[0 .. 16 n_units) in shared memory: the SwiGLU epilogue's handoff to the down product.
+// Every thread of the block calls it.
+__device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_units, int n_out, int swz, u8* y_q8) {
+    float* yd = reinterpret_cast<float*>(y_q8 + q8x_bytes_q(n_out));
+    for (int base = 0; base < n_units; base += blockDim.x) {  // warp-uniform trip count
+        const int t = base + threadIdx.x;
+        const bool ok = t < n_units;
+        float v[16];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float4 f = ok ? reinterpret_cast<const float4*>(yo)[4 * t + k] : make_float4(0.f, 0.f, 0.f, 0.f);
+            v[4 * k] = f.x; v[4 * k + 1] = f.y; v[4 * k + 2] = f.z; v[4 * k + 3] = f.w;
+        }
+        q8_unit(v, ok, u0 + t, swz, y_q8, yd, yd + q8x_d_floats(n_out));
+    }
+}
+
+// Which GLU instances can hand a q8 y on (y_q8): not the legacy 5-bit types, whose 1024-thread
+// instances would spill registers for it (runtime/cuda/matmul.py HANDOFF lists the same).
+template <class T> struct q8_handoff { static constexpr bool value = true; };
+template <> struct q8_handoff<type_q5_0> { static constexpr bool value = false; };
+template <> struct q8_handoff<type_q5_1> { static constexpr bool value = false; };
 
 template <class T, bool PLANAR, int WARPS, int U, bool PF, bool GLU>
 __global__ void __launch_bounds__(WARPS * 32, 1)
@@ -109,11 +170,14 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         const float* __restrict__ bias,    // (n_out,) or null (not with GLU)
         const float* __restrict__ norm_w,  // (n_in,) or null: RMSNorm prologue
         float eps,
-        int n_out, int n_in) {
+        int n_out, int n_in,
+        const u8* __restrict__ x_q8,       // q8x_bytes(n_in) or null: x already quantized (then not read; no norm_w)
+        u8* __restrict__ y_q8,             // GLU only: q8x_bytes(n_out) or null: y also quantized, for a product of swizzle y_swz
+        int y_swz) {
     extern __shared__ uint4 smem[];
     u8* xq = reinterpret_cast<u8*>(smem);
     float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
-    float* xs = xd + ((n_in / 32 + 3) & ~3);
+    float* xs = xd + q8x_d_floats(n_in);
     const q8x<T::x_swizzle> xv{xq, xd, xs};
 
     constexpr int cpb = T::block_elems / T::chunk_elems;  // chunks per block
@@ -123,8 +187,24 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     const int out_chunks = span * n_chunks;                // per output (both rows of a GLU pair)
     const int nblk_row = n_in / T::block_elems;
     const i64 nblk = (i64)span * n_out * nblk_row;
-    const int row_step = gridDim.x * WARPS;
-    int row = blockIdx.x + gridDim.x * (threadIdx.x >> 5);
+    // first group of 32 outputs of block b, and the block's outputs in shared memory after x
+    // (with y_q8); both recomputed where used: 1024-thread instances have 64 registers and no more
+    auto group = [&](int b) { return (int)((i64)b * ((n_out + 31) / 32) / gridDim.x); };
+    auto y_smem = [&]() { return reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in)); };
+    constexpr bool HANDOFF = GLU && q8_handoff<T>::value;
+    // Rows go round-robin over all warps; with y_q8 each block takes a run of whole 32-output
+    // groups instead (balanced over the grid), so it can quantize its own outputs. That costs
+    // balance: 344 groups (n_ff 11008) over 132 blocks is 3 groups on some, 2 on others.
+    int row, row_end, row_step;
+    if (HANDOFF && y_q8) {
+        row = 32 * group(blockIdx.x) + (threadIdx.x >> 5);
+        row_end = min(n_out, 32 * group(blockIdx.x + 1));
+        row_step = WARPS;
+    } else {
+        row = blockIdx.x + gridDim.x * (threadIdx.x >> 5);
+        row_end = n_out;
+        row_step = gridDim.x * WARPS;
+    }
 
     typename T::chunk ch[U], nx[U];  // nx: the next U chunks, in flight during the dots of ch (PF)
     auto load = [&](typename T::chunk (&dst)[U], int r, int c0) {  // the rows of output r are consecutive: chunk c of the pair is block c / cpb
@@ -135,20 +215,24 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         }
     };
     pdl_trigger();
-    if (row < n_out) load(ch, row, lane);  // weights only: before the wait
+    if (row < row_end) load(ch, row, lane);  // weights only: before the wait
     pdl_wait();
-    quantize_x<T::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs);
+    if (x_q8) {
+        copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);
+    } else {
+        quantize_x<T::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs);
+    }
     __syncthreads();
 
     float acc = 0.f, acc_up = 0.f;  // acc_up: the up row of a GLU pair
     int c0 = lane;
-    while (row < n_out) {
+    while (row < row_end) {
         int next_row = row, next_c0 = c0 + 32 * U;
         if (next_c0 >= out_chunks) {
             next_row += row_step;
             next_c0 = lane;
         }
-        if (PF && next_row < n_out) load(nx, next_row, next_c0);
+        if (PF && next_row < row_end) load(nx, next_row, next_c0);
 #pragma unroll
         for (int k = 0; k < U; ++k) {
             const int c = c0 + 32 * k;
@@ -164,7 +248,11 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
             acc = warp_sum(acc);
             if (GLU) {
                 acc_up = warp_sum(acc_up);
-                if (lane == 0) y[row] = swiglu(acc, acc_up);
+                if (lane == 0) {
+                    const float v = swiglu(acc, acc_up);
+                    y[row] = v;
+                    if (HANDOFF && y_q8) y_smem()[row - 32 * group(blockIdx.x)] = v;
+                }
             } else if (lane == 0) {
                 write_row(y, residual, bias, row, acc);
             }
@@ -172,13 +260,18 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         }
         row = next_row;
         c0 = next_c0;
-        if (row >= n_out) break;
+        if (row >= row_end) break;
         if (PF) {
 #pragma unroll
             for (int k = 0; k < U; ++k) ch[k] = nx[k];
         } else {
             load(ch, row, c0);
         }
+    }
+    if (HANDOFF && y_q8) {  // quantize this block's outputs (n_out a multiple of 32)
+        __syncthreads();
+        const int g0 = group(blockIdx.x);
+        quantize_outputs(y_smem(), 2 * g0, 2 * (group(blockIdx.x + 1) - g0), n_out, y_swz, y_q8);
     }
 }
 
@@ -271,8 +364,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) read_stream(const uint4* __
 
 // The instances runtime/cuda/matmul.py launches (and nvcc compile-checks).
 #define K4_GEMV_Q8(T, W, U, PF, GLU) \
-    template __global__ void gemv_q8<T, false, W, U, PF, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int); \
-    template __global__ void gemv_q8<T, true, W, U, PF, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int);
+    template __global__ void gemv_q8<T, false, W, U, PF, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int, const u8*, u8*, int); \
+    template __global__ void gemv_q8<T, true, W, U, PF, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int, const u8*, u8*, int);
 K4_GEMV_Q8(type_q4_K, 16, 2, false, false)
 K4_GEMV_Q8(type_q4_K, 16, 2, false, true)
 K4_GEMV_Q8(type_q4_K, 32, 2, false, false)

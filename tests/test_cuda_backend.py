@@ -358,6 +358,21 @@ def test_each_fusion_off_keeps_golden_tokens_and_numpy_logits(shared, tiny_model
         assert rel_l2(got.eval([7]), ref.eval([7])) < 2e-2, case
 
 
+def test_q8_handoff_changes_no_bit_of_the_decode_logits(shared, monkeypatch):
+    """K4_FUSE_QUANT: the down product copies the SwiGLU output that the gate/up epilogue
+    quantized instead of quantizing it in every block; the bytes are the same, so are the logits."""
+    mf = open_model(shared / "models" / "stories260K-pad-q4_k_m.gguf")
+    prompt = Tokenizer.from_model(mf).encode("Once upon a time")
+    logits = {}
+    for on in (True, False):
+        monkeypatch.setenv("K4_FUSE_QUANT", str(int(on)))
+        be = cuda(mf, 64)
+        assert all((L.ff_q8 is not None) == on for L in be.layers)
+        be.eval(prompt)
+        logits[on] = [be.eval([t]) for t in (7, 8, 9)]
+    assert all(np.array_equal(a, b) for a, b in zip(logits[True], logits[False]))
+
+
 # ---- loading ------------------------------------------------------------------------------------
 
 def test_load_progress_and_memory_report(shared):

@@ -37,6 +37,7 @@ def test_bench_kernels_reports_bandwidth():
     recs = json.loads(r.stdout)
     gemv = [x for x in recs if x["kernel"] == "gemv"]
     assert {x["type"] for x in gemv} >= {"Q4_K", "Q6_K", "Q5_1"}
+    assert {(x["type"], x["n_in"]) for x in gemv if x["x"] == "q8"} == {("Q4_K", 11008), ("Q6_K", 11008)}
     assert all(0 < x["gb_s"] < 5000 for x in gemv)
     assert all(0 < x["read_us"] and 0 < x["fraction_of_read"] < 1.2 for x in gemv)
     attn = [x for x in recs if x["kernel"].startswith("attention")]

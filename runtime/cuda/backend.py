@@ -10,10 +10,11 @@ run of one ggml type, ffn_gate/up into one (K4_STACK); in decode, each RMSNorm f
 matrix-vector product after it (K4_FUSE_NORM), SwiGLU into the gate/up product, whose rows
 are interleaved for it (K4_FUSE_SWIGLU), and RoPE with the KV-cache store into the attention
 kernel, which also merges its own splits (K4_FUSE_ROPE); programmatic dependent launch of every
-kernel of the decode graph (K4_PDL). A 7B decode step runs 5-6 kernels per layer. Prefill runs
-on fp16 activations when every product takes them, from an fp16 copy of the weights when it
-fits (K4_PREFILL_F16_CACHE), with attention on tensor cores (K4_MMA_ATTN; else tiled on CUDA
-cores, K4_TILED_ATTN).
+kernel of the decode graph (K4_PDL). Off by default: the SwiGLU output quantized to 8 bits once,
+in that epilogue, for the down product (K4_FUSE_QUANT=1). A 7B decode step runs 5-6 kernels
+per layer. Prefill runs on fp16 activations when every product takes them, from an fp16 copy of
+the weights when it fits (K4_PREFILL_F16_CACHE), with attention on tensor cores (K4_MMA_ATTN;
+else tiled on CUDA cores, K4_TILED_ATTN).
 
 Decode state lives on the device, (4,) int32 [tok, pos, ring_count, draw] (ops.ST_*): the token
 the next step evaluates, its position (= n_past), the tokens pushed into the repeat-penalty
@@ -101,6 +102,7 @@ class LayerWeights:
     w_down: object  # (n_embd, n_ff)
     q_norm: object = None  # (head_dim,) qwen3
     k_norm: object = None  # (head_dim,)
+    ff_q8: object = None  # matmul.Q8Vector: decode's SwiGLU output quantized for w_down (K4_FUSE_QUANT)
 
 
 def runs_of_one_type(types: Sequence, stack: bool) -> list[list[int]]:
@@ -334,6 +336,11 @@ class CudaBackend(TokenCache):
         self.attn = m.empty((P, cfg.n_head, cfg.head_dim), f32, "scratch")
         self.ff = m.empty((P, cfg.n_ff), f32, "scratch")  # silu(gate) * up
         self.ff16 = m.empty((P, cfg.n_ff), cp.float16, "scratch")
+        handoff = [L for L in self.layers if self.flags.on("K4_FUSE_QUANT") and matmul.can_hand_off(L.gate_up[0].w, L.w_down)]
+        if handoff:  # one buffer: the layers use it one after another
+            ff_q8 = m.empty((matmul.q8x_bytes(cfg.n_ff),), cp.uint8, "scratch")
+            for L in handoff:
+                L.ff_q8 = matmul.Q8Vector.for_weight(L.w_down, ff_q8)
         self.logits = m.empty((P, cfg.n_vocab), f32, "scratch")
         self.part = m.empty((1, cfg.n_head, self.n_split, cfg.head_dim + 2), f32, "scratch") if self.n_split > 1 else None
         self.ticket = m.zeros((cfg.n_head,), cp.int32, "scratch")  # splits of decode attention done, per head
@@ -378,14 +385,16 @@ class CudaBackend(TokenCache):
             self._capture()
 
     # ---- forward --------------------------------------------------------------------------------
-    def _linear(self, w, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None, bias=None, norm=None) -> None:
+    def _linear(self, w, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None, bias=None, norm=None,
+                x_q8=None, y_q8=None) -> None:
         """Y = X W^T (+ bias) (+ residual). X: (n, n_in) f32 (or fp16 on the tensor-core path),
         Y and residual: (n, n_out) f32 views; a glu weight yields silu(gate) * up, (n, n_out / 2),
-        on one row. One row: matmul.gemv, with norm = (norm_w, eps) folded into it; more:
-        matmul.matmul (tensor cores unless K4_PREFILL_TC=0)."""
+        on one row. One row: matmul.gemv, with norm = (norm_w, eps) folded into it and the q8
+        handoff x_q8, y_q8 (matmul.Q8Vector); more: matmul.matmul (tensor cores unless
+        K4_PREFILL_TC=0)."""
         if X.shape[0] == 1:
             matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, norm=norm,
-                        stream=self.stream, trace=self.ops.trace)
+                        stream=self.stream, trace=self.ops.trace, x_q8=x_q8, y_q8=y_q8)
         else:
             matmul.matmul(w, X, Y, residual=residual, bias=bias, scratch=self.mm_scratch, stream=self.stream, trace=self.ops.trace,
                           blas=self.blas)
@@ -434,13 +443,14 @@ class CudaBackend(TokenCache):
                         self.ticket, fresh)
             self._linear(L.wo, attn.reshape(n, cfg.q_dim), x1, residual=x)
             # feed-forward: norm, gate and up with SwiGLU, down + residual
-            self._gate_up(L, x1, ff, half)
-            self._linear(L.w_down, ff, x, residual=x1)
+            ff_q8 = self._gate_up(L, x1, ff, half)
+            self._linear(L.w_down, ff, x, residual=x1, x_q8=ff_q8)
         return x
 
-    def _gate_up(self, L: LayerWeights, x1: cp.ndarray, ff: cp.ndarray, half: bool) -> None:
+    def _gate_up(self, L: LayerWeights, x1: cp.ndarray, ff: cp.ndarray, half: bool):
         """ff (n, n_ff) = silu(gate) * up of rmsnorm(x1 (n, n_embd)) * ffn_norm: in the product's
-        epilogue for a glu weight on the matrix-vector path, else by the swiglu kernel."""
+        epilogue for a glu weight on the matrix-vector path, else by the swiglu kernel. Returns
+        L.ff_q8 when the epilogue also wrote ff quantized into it for w_down (one token), else None."""
         n = x1.shape[0]
         h, norm = self._normed(x1, L.ffn_norm, half)
         if len(L.gate_up) == 2:  # separate gate and up
@@ -448,14 +458,16 @@ class CudaBackend(TokenCache):
             self._linear(L.gate_up[0].w, h, g, norm=norm)
             self._linear(L.gate_up[1].w, h, u, norm=norm)
             self.ops.swiglu(g, u, ff)
-            return
+            return None
         p = L.gate_up[0]
         if p.w.glu and matmul.uses_gemv(p.w, n):
+            q8 = L.ff_q8 if n == 1 else None
             for i in range(n):  # the matrix-vector path: SwiGLU in the epilogue
-                self._linear(p.w, h[i : i + 1], ff[i : i + 1], norm=norm)
-            return
+                self._linear(p.w, h[i : i + 1], ff[i : i + 1], norm=norm, y_q8=q8)
+            return q8
         self._linear(p.w, h, p.out[:n], norm=norm)
         self.ops.swiglu_rows(p.out[:n], ff, interleaved=p.w.glu)
+        return None
 
     def _output(self, x: cp.ndarray, logits: cp.ndarray) -> None:
         """logits (n, n_vocab) = output · rmsnorm(x (n, n_embd)) * output_norm."""

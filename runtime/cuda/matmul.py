@@ -61,21 +61,25 @@ class QuantKernels:
     gemv:    (WARPS, U, PF) of the gemv_q8 instance used: warps per block, chunks in flight per
              lane, and whether the next U chunks load while the current ones are multiplied.
     glu:     the same for the SwiGLU-epilogue instance (Q8_0 holds fewer chunks: more spill).
+    x_swizzle: the decoder's x_swizzle, the layout of its q8 x (Q8Vector).
+    handoff: its SwiGLU instance can also write its output as a Q8Vector (gemv y_q8).
     """
 
     decoder: str
     groups: tuple[int, ...]
     gemv: tuple[int, int, int]
     glu: tuple[int, int, int]
+    x_swizzle: int = 1
+    handoff: bool = True
 
 
 QUANT: dict[T, QuantKernels] = {
     T.Q4_K: QuantKernels("type_q4_K", (0, 16, 144), (16, 2, 1), (16, 2, 1)),          # d dmin scales | qs
     T.Q5_K: QuantKernels("type_q5_K", (0, 16, 48, 176), (32, 1, 0), (32, 1, 0)),      # d dmin scales | qh | qs
-    T.Q6_K: QuantKernels("type_q6_K", (0, 128, 192, 208, 210), (16, 2, 1), (32, 1, 0)),  # ql | qh | scales | d
+    T.Q6_K: QuantKernels("type_q6_K", (0, 128, 192, 208, 210), (16, 2, 1), (32, 1, 0), x_swizzle=2),  # ql | qh | scales | d
     T.Q8_0: QuantKernels("type_q8_0", (0, 2, 34), (32, 4, 0), (32, 2, 0)),            # d | qs
-    T.Q5_0: QuantKernels("type_q5_0", (0, 2, 6, 22), (32, 4, 0), (32, 4, 0)),         # d | qh | qs
-    T.Q5_1: QuantKernels("type_q5_1", (0, 2, 4, 8, 24), (32, 4, 0), (32, 4, 0)),      # d | m | qh | qs
+    T.Q5_0: QuantKernels("type_q5_0", (0, 2, 6, 22), (32, 4, 0), (32, 4, 0), handoff=False),     # d | qh | qs
+    T.Q5_1: QuantKernels("type_q5_1", (0, 2, 4, 8, 24), (32, 4, 0), (32, 4, 0), handoff=False),  # d | m | qh | qs
 }
 # Unquantized types: C++ decoder and bytes per weight.
 FLOAT: dict[T, tuple[str, int]] = {T.F32: ("type_f32", 4), T.F16: ("type_f16", 2), T.BF16: ("type_bf16", 2)}
@@ -370,9 +374,36 @@ def _device_limits() -> tuple[int, int]:
     return attrs["MultiProcessorCount"], attrs["L2CacheSize"]
 
 
-def _q8x_smem(n_in: int) -> int:
-    """Shared memory of gemv_q8 (bytes): int8 units padded to 128 bytes, d per 32, s per 16."""
-    return ((n_in // 16 + 7) & ~7) * 16 + _round16(n_in // 32 * 4) + n_in // 16 * 4
+def q8x_bytes(n: int) -> int:
+    """Bytes of n values quantized as gemv_q8 multiplies them (kernels_cu/gemv.cu q8x_bytes):
+    int8 units of 16 padded to 128 bytes, then d per 32 values, then d * sum per 16, all float32;
+    the whole padded to 16 bytes. gemv_q8 keeps it at the start of its shared memory."""
+    return _round16(((n // 16 + 7) & ~7) * 16 + _round16(n // 32 * 4) + n // 16 * 4)
+
+
+@dataclass
+class Q8Vector:
+    """A vector of n float32 values quantized to 8 bits per 32 (q8x_bytes(n) bytes in `data`, a
+    cupy uint8 array), laid out for the gemv_q8 instances of x_swizzle `swizzle`
+    (QuantKernels.x_swizzle): what a SwiGLU product hands the down product (gemv y_q8, x_q8), so
+    that it is quantized once instead of in every thread block of the next kernel. The scheme is
+    llama.cpp's q8_1 (ggml-quants.c quantize_row_q8_1): d = max|v| / 127, q = round(v / d)."""
+
+    data: object
+    n: int
+    swizzle: int
+
+    @staticmethod
+    def for_weight(w: "DeviceWeight", data) -> "Q8Vector":
+        """The q8 x of w's gemv_q8 kernel, (n_in,) values, in `data` (at least q8x_bytes(n_in)
+        bytes, may be shared with Q8Vectors used at other times). Raises ValueError for a float
+        weight type or a buffer that is too small."""
+        if w.ggml_type not in QUANT:
+            raise ValueError(f"{w.ggml_type.name} products take float x, not a q8 vector")
+        n = w.shape[1]
+        if data.dtype != np.uint8 or data.nbytes < q8x_bytes(n):
+            raise ValueError(f"a q8 vector of {n} values needs {q8x_bytes(n)} uint8 bytes, got {data.dtype} ({data.nbytes} bytes)")
+        return Q8Vector(data, n, QUANT[w.ggml_type].x_swizzle)
 
 
 def _blocks_per_sm(kernel, threads: int, smem: int) -> int:
@@ -396,7 +427,10 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         variant = variant or (q.glu if w.glu else q.gemv)
         warps = variant[0]
         kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu))
-        smem = _q8x_smem(n_in)
+        smem = q8x_bytes(n_in)
+        if w.glu and QUANT[w.ggml_type].handoff:  # room for one block's outputs (y_q8): its 32-output groups
+            groups = -(-n_out // 32)
+            smem += 4 * 32 * -(-groups // min(_device_limits()[0], n_out))  # the grid has at least this many blocks
     else:
         warps = FLOAT_GEMV[0]
         kernel = _kernel("gemv.cu", _gemv_f_name(w.ggml_type, (n_in * FLOAT[w.ggml_type][1]) % 16 == 0, w.glu))
@@ -434,7 +468,8 @@ def _capturing(stream) -> bool:
 
 
 def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=None, trace: Trace | None = None,
-         variant: tuple[int, int, int] | None = None, pdl: bool | None = None) -> None:
+         variant: tuple[int, int, int] | None = None, pdl: bool | None = None, x_q8: Q8Vector | None = None,
+         y_q8: Q8Vector | None = None) -> None:
     """y = w @ x (+ bias) (+ residual), one kernel launch; with w.glu, y = silu(gate @ x) * (up @ x).
 
     x: (n_in,) float32, 16-byte aligned; y: (n_out,) float32, (n_out / 2,) for w.glu;
@@ -447,7 +482,12 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     the kernel then starts while the previous one drains, prefetching its weights, and waits
     for it before reading x or writing y. Quantized weights compute with x quantized to 8 bits
     per 32 values (relative error about 5e-3 on random data); float weights in float32.
-    Raises ValueError on wrong shapes, dtypes or alignment.
+    x_q8: x already quantized (by the previous product, see y_q8) for w's type (Q8Vector.for_weight
+    of w): the kernel copies it instead of quantizing x, which it then does not read; not with
+    norm. y_q8: w.glu only, a type with QuantKernels.handoff, n_out a multiple of 32: y is also
+    written quantized into y_q8 (made for the weight of the product that will read it), the same
+    bytes that product would compute from y itself.
+    Raises ValueError on wrong shapes, dtypes or alignment, and for x_q8 or y_q8 where they do not apply.
     """
     n_out, n_in = w.shape
     if w.glu:
@@ -465,11 +505,61 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
         if n_in % 4:
             raise ValueError(f"the fused RMSNorm needs n_in a multiple of 4, got {n_in}")
         _check_array("norm weight", norm_w, (n_in,), align16=True)
+    _check_q8(w, x_q8, y_q8, n_in, n_out, norm_w is not None)
     kernel, grid, block, smem = _gemv_plan(w, variant, norm_w is not None)
     args = (w.data, x, y, _null_or(residual), _null_or(bias), _null_or(norm_w), np.float32(eps), np.int32(n_out), np.int32(n_in))
+    if w.ggml_type in QUANT:
+        args += (_null_or(x_q8 and x_q8.data), _null_or(y_q8 and y_q8.data), np.int32(y_q8.swizzle if y_q8 else 0))
     if pdl is None:  # eagerly the driver-API launch costs more host time than it saves
         pdl = w.pdl and _capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl)
+
+
+def q8x_host(x: np.ndarray, swizzle: int) -> np.ndarray:
+    """x (n,) float32, n a multiple of 32, quantized as the gemv_q8 kernels quantize it: the
+    (q8x_bytes(n),) uint8 bytes of a Q8Vector of that swizzle, padding zero. The reference the
+    kernels' handoff is tested against, and bench_gemv's pre-quantized x."""
+    x = np.asarray(x, np.float32)
+    n = x.shape[0]
+    g = x.reshape(-1, 32)
+    amax = np.abs(g).max(axis=1)
+    d = amax * np.float32(1 / 127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    units = np.rint(g * inv[:, None]).astype(np.int8).reshape(-1, 16)
+    s = np.repeat(d, 2) * units.sum(axis=1, dtype=np.int32).astype(np.float32)
+    out = np.zeros(q8x_bytes(n), np.uint8)
+    u = np.arange(units.shape[0])
+    slot = (u & ~7) | ((u + swizzle * (u >> 3)) & 7)
+    out[16 * slot[:, None] + np.arange(16)] = units.view(np.uint8)
+    off = ((n // 16 + 7) & ~7) * 16
+    out[off : off + 4 * d.size] = d.view(np.uint8)
+    off += _round16(4 * d.size)
+    out[off : off + 4 * s.size] = s.astype(np.float32).view(np.uint8)
+    return out
+
+
+def can_hand_off(glu: DeviceWeight, down: DeviceWeight) -> bool:
+    """Whether gemv on the gate/up weight `glu` can write its output quantized (y_q8) for gemv on
+    `down` to read (x_q8): both quantized, glu's type with a handoff, n_ff a multiple of 32."""
+    n_ff = down.shape[1]
+    return (glu.glu and glu.ggml_type in QUANT and QUANT[glu.ggml_type].handoff and down.ggml_type in QUANT
+            and n_ff % 32 == 0 and glu.shape[0] == 2 * n_ff)
+
+
+def _check_q8(w: DeviceWeight, x_q8: Q8Vector | None, y_q8: Q8Vector | None, n_in: int, n_out: int, norm: bool) -> None:
+    """gemv's checks of its q8 handoff arguments (ValueError)."""
+    q = QUANT.get(w.ggml_type)
+    if x_q8 is not None:
+        if q is None or norm:
+            raise ValueError("x_q8 needs a quantized weight and no fused norm")
+        if (x_q8.n, x_q8.swizzle) != (n_in, q.x_swizzle):
+            raise ValueError(f"x_q8 holds {x_q8.n} values for swizzle {x_q8.swizzle}; this product needs {n_in} for {q.x_swizzle}")
+    if y_q8 is not None:
+        if q is None or not (w.glu and q.handoff) or n_out % 32:
+            raise ValueError("y_q8 needs a gate/up (glu) weight of a type with a handoff and n_out a multiple of 32")
+        if y_q8.n != n_out:
+            raise ValueError(f"y_q8 holds {y_q8.n} values; this product writes {n_out}")
 
 
 # ---- embeddings: rows of a matrix ----------------------------------------------------------------
@@ -714,14 +804,16 @@ def _type(name: str) -> T:
 
 
 def bench_gemv(ggml_type: str, n_out: int, n_in: int, iters: int = 200, *, repack: bool | None = None,
-               variant: tuple[int, int, int] | None = None, pdl: bool | None = None) -> dict:
+               variant: tuple[int, int, int] | None = None, pdl: bool | None = None, x_q8: bool = False) -> dict:
     """Time y = W @ x for a random (n_out, n_in) W of `ggml_type` (a ggml type name, e.g. "Q4_K").
 
     Launches are recorded in a CUDA graph (as decode runs them), rotating over copies of W that
     together exceed 4x the L2; warm-up first, then the median over CUDA-event timings of graph
-    replays. repack: layout (default: flag K4_REPACK); variant, pdl: see gemv.
-    Returns {"us": µs per product, "gb_s": GB/s, "bytes": bytes read and written per product}.
-    Raises ValueError for a type without kernels.
+    replays. repack: layout (default: flag K4_REPACK); variant, pdl: see gemv; x_q8: x comes
+    quantized (gemv x_q8, as the down product gets it from the SwiGLU epilogue; quantized types).
+    Returns {"us": µs per product, "gb_s": GB/s, "bytes": bytes read and written per product
+    (x counted as q8x_bytes(n_in) with x_q8, else as n_in floats)}.
+    Raises ValueError for a type without kernels, or x_q8 on a float type.
     """
     import cupy as cp
 
@@ -729,11 +821,16 @@ def bench_gemv(ggml_type: str, n_out: int, n_in: int, iters: int = 200, *, repac
     repack = flags.current().on("K4_REPACK") if repack is None else repack
     rng = np.random.default_rng(0)
     weights = _copies(random_weight(t, n_out, n_in, rng), repack, 4.0, 64)
-    x = cp.asarray(rng.standard_normal(n_in, dtype=np.float32))
+    x_host = rng.standard_normal(n_in, dtype=np.float32)
+    x = cp.asarray(x_host)
+    q8 = None
+    if x_q8:
+        q8 = Q8Vector.for_weight(weights[0], cp.empty(q8x_bytes(n_in), cp.uint8))
+        q8.data.set(q8x_host(x_host, q8.swizzle))
     y = cp.empty(n_out, cp.float32)
     n_calls = len(weights) * math.ceil(20 / len(weights))
-    us = device_time(lambda i: gemv(weights[i % len(weights)], x, y, variant=variant, pdl=pdl), n_calls, iters, graph=True)
-    nbytes = weights[0].nbytes + 4 * (n_in + n_out)
+    us = device_time(lambda i: gemv(weights[i % len(weights)], x, y, variant=variant, pdl=pdl, x_q8=q8), n_calls, iters, graph=True)
+    nbytes = weights[0].nbytes + (q8x_bytes(n_in) if x_q8 else 4 * n_in) + 4 * n_out
     return {"us": us, "gb_s": nbytes / us / 1e3, "bytes": nbytes}
 
 
