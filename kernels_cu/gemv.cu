@@ -24,7 +24,8 @@
 //    product keeps in shared memory (each block quantizes the 32-output groups it computed), and
 //    the down product given that as x_q8 copies its ~15 KB (n_in 11008) instead of reading 44 KB
 //    of floats and quantizing them in every block: on the H200 its 4096x11008 Q4_K product takes
-//    7.9 instead of 9.2 µs (docs/PERF.md).
+//    7.9 instead of 9.2 µs, but the SwiGLU product loses as much to its group mapping, so decode
+//    leaves it off by default (K4_FUSE_QUANT, docs/PERF.md).
 //
 // Thread mapping: warp w of block b starts at output b + gridDim.x * w and steps by
 // gridDim.x * WARPS (with y_q8: see gemv_q8). The launcher (runtime/cuda/matmul.py) validates
@@ -156,7 +157,7 @@ __device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_
 }
 
 // Which GLU instances can hand a q8 y on (y_q8): not the legacy 5-bit types, whose 1024-thread
-// instances would spill registers for it (runtime/cuda/matmul.py HANDOFF lists the same).
+// instances would spill registers for it (QuantKernels.handoff in runtime/cuda/matmul.py says the same).
 template <class T> struct q8_handoff { static constexpr bool value = true; };
 template <> struct q8_handoff<type_q5_0> { static constexpr bool value = false; };
 template <> struct q8_handoff<type_q5_1> { static constexpr bool value = false; };
