@@ -16,8 +16,9 @@ OPTIONS = ("-std=c++17", f"-I{SOURCE_DIR}", "--use_fast_math")
 
 
 @lru_cache(maxsize=None)
-def module(filename: str, name_expressions: tuple[str, ...] | None = None):
-    """The compiled cupy.RawModule for kernels_cu/`filename` (compiled on first use).
+def module(filename: str, name_expressions: tuple[str, ...] | None = None, defines: tuple[str, ...] = ()):
+    """The compiled cupy.RawModule for kernels_cu/`filename` (compiled on first use, once per
+    set of `defines`, preprocessor definitions such as "K4_WEIGHT_EVICT_FIRST=0").
 
     Raises BackendUnavailableError naming the file when CuPy or NVRTC rejects it.
     """
@@ -26,7 +27,8 @@ def module(filename: str, name_expressions: tuple[str, ...] | None = None):
     path = SOURCE_DIR / filename
     source = path.read_text()
     try:
-        mod = cp.RawModule(code=source, options=OPTIONS, name_expressions=name_expressions)
+        options = OPTIONS + tuple(f"-D{d}" for d in defines)
+        mod = cp.RawModule(code=source, options=options, name_expressions=name_expressions)
         mod.compile()
     except cp.cuda.compiler.CompileException as exc:
         first = str(exc).strip().splitlines()

@@ -133,9 +133,11 @@ MATMUL_NAMES = tuple(
 
 
 @cache  # a RawModule lookup per launch showed in the prefill profile (host-bound)
-def _kernel(filename: str, name: str):
+def _kernel(filename: str, name: str, evict_first: bool = True):
+    """Kernel `name` of kernels_cu/`filename`; evict_first: its weight loads carry the L1
+    evict-first hint (common.cuh load16, flag K4_EVICT_FIRST)."""
     names = GEMV_NAMES if filename == "gemv.cu" else MATMUL_NAMES
-    return module(filename, names).get_function(name)
+    return module(filename, names, () if evict_first else ("K4_WEIGHT_EVICT_FIRST=0",)).get_function(name)
 
 
 # ---- host layout -------------------------------------------------------------------------------
@@ -303,7 +305,8 @@ class DeviceWeight:
     ggml_type: GGMLQuantizationType; shape: (n_out, n_in) as stored; data: cupy uint8 array
     (nbytes,); planar: repacked layout; prefill_tc: matmul uses tensor cores (flag
     K4_PREFILL_TC); pdl: gemv launches with programmatic dependent launch by default (flag
-    K4_PDL); glu: the rows interleave ffn_gate and ffn_up (interleave_rows), so gemv yields
+    K4_PDL); evict_first: its kernels load it with the L1 evict-first hint (flag K4_EVICT_FIRST);
+    glu: the rows interleave ffn_gate and ffn_up (interleave_rows), so gemv yields
     silu(gate) * up, (n_out / 2,), and matmul the interleaved (n_tok, n_out) products;
     half: None or a cupy float16 (n_out, n_in) copy that matmul multiplies directly (make_half).
     """
@@ -315,6 +318,7 @@ class DeviceWeight:
     prefill_tc: bool = True
     pdl: bool = True
     glu: bool = False
+    evict_first: bool = True
     half: object = None
     _plans: dict = field(default_factory=dict, repr=False)
 
@@ -343,7 +347,8 @@ def make_weight(t: Tensor | MatrixSpec, device_bytes, repack: bool, glu: bool = 
     if glu and n_out % 2:
         raise ValueError(f"{t.name}: a gate/up interleaved matrix needs an even number of rows, got {n_out}")
     f = flags.current()
-    return DeviceWeight(t.ggml_type, (n_out, n_in), device_bytes, planar, f.on("K4_PREFILL_TC"), f.on("K4_PDL"), glu)
+    return DeviceWeight(t.ggml_type, (n_out, n_in), device_bytes, planar, f.on("K4_PREFILL_TC"), f.on("K4_PDL"), glu,
+                        evict_first=f.on("K4_EVICT_FIRST"))
 
 
 def half_bytes(w: DeviceWeight) -> int:
@@ -426,7 +431,7 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         q = QUANT[w.ggml_type]
         variant = variant or (q.glu if w.glu else q.gemv)
         warps = variant[0]
-        kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu))
+        kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu), w.evict_first)
         smem = q8x_bytes(n_in)
         if w.glu and QUANT[w.ggml_type].handoff:  # room for one block's outputs (y_q8): its 32-output groups
             groups = -(-n_out // 32)
@@ -566,7 +571,7 @@ def _check_q8(w: DeviceWeight, x_q8: Q8Vector | None, y_q8: Q8Vector | None, n_i
 
 def _dequant_launch(w: DeviceWeight, row_ids, row0: int, n_rows: int, out, out_type: str, stream, trace) -> None:
     n_in = w.shape[1]
-    kernel = _kernel("matmul.cu", _dequant_name(w.ggml_type, w.planar, out_type))
+    kernel = _kernel("matmul.cu", _dequant_name(w.ggml_type, w.planar, out_type), w.evict_first)
     if w.ggml_type in QUANT:
         per_row = n_in // 16  # runs of 16 weights per row
         args = (w.data, np.int64(w.n_blocks), np.int32(n_in), _null_or(row_ids), np.int32(row0), np.int32(n_rows), out)
