@@ -118,7 +118,7 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
                     const int j = j0 + grp + u * n_grp;
                     raw[u] = j >= n           ? make_uint4(0, 0, 0, 0)
                              : c0 + j == cur ? *reinterpret_cast<const uint4*>(kcur + cc * 8)
-                                             : *reinterpret_cast<const uint4*>(kbase + (size_t)(c0 + j) * kv_stride + cc * 8);
+                                             : ld_once16(kbase + (size_t)(c0 + j) * kv_stride + cc * 8);
                 }
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {
@@ -160,7 +160,7 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
                     const int j = j0 + u * n_kl;
                     raw[u] = j >= n           ? make_uint4(0, 0, 0, 0)
                              : c0 + j == cur ? *reinterpret_cast<const uint4*>(vcur + c * 8)
-                                             : *reinterpret_cast<const uint4*>(vbase + (size_t)(c0 + j) * kv_stride + c * 8);
+                                             : ld_once16(vbase + (size_t)(c0 + j) * kv_stride + c * 8);
                 }
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {

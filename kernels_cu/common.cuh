@@ -87,23 +87,37 @@ __device__ __forceinline__ const u8* group_at(const u8* w, i64 nblk, i64 blk) {
     return w + blk * T::block_bytes + T::cut(G);
 }
 
-// Weight loads (load16 with ALIGN 16) carry the L1::evict_first cache hint unless compiled with
-// K4_WEIGHT_EVICT_FIRST=0 (runtime/cuda/compile.py sets it from flag K4_EVICT_FIRST). Weights are
-// read once per token. Measured on the H200 (docs/PERF.md): Q4_K 22016x4096 14.4 -> 13.9 µs,
-// Q6_K 4096x11008 12.2 -> 11.7 µs, Llama 2 7B tg128 +2.3%; the small products are unchanged.
-#ifndef K4_WEIGHT_EVICT_FIRST
-#define K4_WEIGHT_EVICT_FIRST 1
+// Data read once per token, weights (load16 with ALIGN 16) and the decode attention's keys and
+// values (ld_once16), is loaded with the L1::evict_first cache hint, unless compiled with
+// K4_EVICT_FIRST=0 (runtime/cuda/matmul.py and ops.py do so when flag K4_EVICT_FIRST is 0).
+// Measured on the H200 (docs/PERF.md): Q4_K 22016x4096 14.4 -> 13.9 µs, Q6_K 4096x11008
+// 12.2 -> 11.7 µs, Llama 2 7B tg128 +2.3%, tg64@d16384 +2.9%; the small products are unchanged.
+#ifndef K4_EVICT_FIRST
+#define K4_EVICT_FIRST 1
 #endif
+
+// 16 bytes from p (16-byte aligned, not written while the kernel runs) with the evict-first hint.
+__device__ __forceinline__ uint4 ld_evict_first16(const void* p) {
+    uint4 v;  // not volatile: the compiler may schedule it like any load of read-only data
+    asm("ld.global.nc.L1::evict_first.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// 16 bytes of the KV cache (16-byte aligned; rows this kernel writes are not read through it).
+__device__ __forceinline__ uint4 ld_once16(const void* p) {
+#if K4_EVICT_FIRST
+    return ld_evict_first16(p);
+#else
+    return *reinterpret_cast<const uint4*>(p);
+#endif
+}
 
 // 16 bytes from p, which is ALIGN-byte aligned (16: one vector load; 2: eight 16-bit loads).
 template <int ALIGN>
 __device__ __forceinline__ uint4 load16(const u8* p) {
     if (ALIGN >= 16) {
-#if K4_WEIGHT_EVICT_FIRST
-        uint4 v;  // not volatile: the compiler may schedule it like any load of read-only data
-        asm("ld.global.nc.L1::evict_first.v4.u32 {%0, %1, %2, %3}, [%4];"
-            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-        return v;
+#if K4_EVICT_FIRST
+        return ld_evict_first16(p);
 #else
         return __ldg(reinterpret_cast<const uint4*>(p));
 #endif

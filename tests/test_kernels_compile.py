@@ -33,16 +33,16 @@ def test_every_kernel_file_is_checked():
     assert {"gemv.cu", "matmul.cu"} <= {p.name for p in SOURCES}
 
 
+@pytest.mark.parametrize("src", ["gemv.cu", "attention.cu"])
 @pytest.mark.parametrize("evict_first", [True, False])
-def test_weight_loads_carry_the_evict_first_hint_unless_switched_off(evict_first, tmp_path):
-    """K4_EVICT_FIRST: gemv.cu's weight loads are ld.global.nc.L1::evict_first, and plain
-    ld.global.nc when compiled with K4_WEIGHT_EVICT_FIRST=0 (as runtime/cuda/matmul.py does with the flag off)."""
-    define = [] if evict_first else ["-DK4_WEIGHT_EVICT_FIRST=0"]
-    ptx = tmp_path / "gemv.ptx"
-    cmd = ["nvcc", "-arch=sm_90", *OPTIONS, *define, "-ptx", str(SOURCE_DIR / "gemv.cu"), "-o", str(ptx)]
+def test_once_read_loads_carry_the_evict_first_hint_unless_switched_off(src, evict_first, tmp_path):
+    """K4_EVICT_FIRST: the weight loads of gemv.cu and the KV loads of attention.cu are
+    ld.global.nc.L1::evict_first, and none is when compiled with K4_EVICT_FIRST=0 (as
+    runtime/cuda/matmul.py and ops.py compile them with the flag off)."""
+    define = [] if evict_first else ["-DK4_EVICT_FIRST=0"]
+    ptx = tmp_path / "k.ptx"
+    cmd = ["nvcc", "-arch=sm_90", *OPTIONS, *define, "-ptx", str(SOURCE_DIR / src), "-o", str(ptx)]
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr
-    text = ptx.read_text()
-    hinted = len(re.findall(r"ld\.global\.nc\.L1::evict_first\.v4\.u32", text))
-    plain = len(re.findall(r"ld\.global\.nc\.v4\.u32", text))
-    assert (hinted > 0) == evict_first and plain > 0  # read_stream's loads stay plain either way
+    hinted = len(re.findall(r"ld\.global\.nc\.L1::evict_first\.v4\.u32", ptx.read_text()))
+    assert (hinted > 0) == evict_first, f"{src}: {hinted} hinted loads"

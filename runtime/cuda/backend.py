@@ -154,7 +154,8 @@ class CudaBackend(TokenCache):
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.copy_stream = cp.cuda.Stream(non_blocking=True)
         self.timer = DeviceTimer(self.trace)  # device time of prefill and of each decode step
-        self.ops = ops.Ops(self.trace, self.flags.on("K4_PDL"), self.flags.on("K4_TILED_ATTN"), self.flags.on("K4_MMA_ATTN"))
+        self.ops = ops.Ops(self.trace, self.flags.on("K4_PDL"), self.flags.on("K4_TILED_ATTN"), self.flags.on("K4_MMA_ATTN"),
+                           self.flags.on("K4_EVICT_FIRST"))
         self.fuse_norm = self.flags.on("K4_FUSE_NORM")
         self.fuse_rope = self.flags.on("K4_FUSE_ROPE")
         self.mem = memory.DeviceMemory(self.trace)

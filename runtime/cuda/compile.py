@@ -18,7 +18,7 @@ OPTIONS = ("-std=c++17", f"-I{SOURCE_DIR}", "--use_fast_math")
 @lru_cache(maxsize=None)
 def module(filename: str, name_expressions: tuple[str, ...] | None = None, defines: tuple[str, ...] = ()):
     """The compiled cupy.RawModule for kernels_cu/`filename` (compiled on first use, once per
-    set of `defines`, preprocessor definitions such as "K4_WEIGHT_EVICT_FIRST=0").
+    set of `defines`, preprocessor definitions such as "K4_EVICT_FIRST=0").
 
     Raises BackendUnavailableError naming the file when CuPy or NVRTC rejects it.
     """

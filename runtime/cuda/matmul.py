@@ -137,7 +137,7 @@ def _kernel(filename: str, name: str, evict_first: bool = True):
     """Kernel `name` of kernels_cu/`filename`; evict_first: its weight loads carry the L1
     evict-first hint (common.cuh load16, flag K4_EVICT_FIRST)."""
     names = GEMV_NAMES if filename == "gemv.cu" else MATMUL_NAMES
-    return module(filename, names, () if evict_first else ("K4_WEIGHT_EVICT_FIRST=0",)).get_function(name)
+    return module(filename, names, () if evict_first else ("K4_EVICT_FIRST=0",)).get_function(name)
 
 
 # ---- host layout -------------------------------------------------------------------------------

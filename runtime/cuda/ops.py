@@ -113,18 +113,23 @@ class Ops:
     programmatic dependent launch while a graph is being captured (module docstring).
     Attention of several queries (prefill) runs, where head_dim has an instance: attn_mma with
     `mma` (flag K4_MMA_ATTN; None reads the flag now), else attn_tiled with `tiled`, else
-    attn_f16kv."""
+    attn_f16kv. `evict_first`: decode attention reads the KV cache with the L1 evict-first hint
+    (flag K4_EVICT_FIRST; None reads the flag now)."""
 
-    def __init__(self, trace: Trace, pdl: bool = False, tiled: bool = True, mma: bool | None = None):
+    def __init__(self, trace: Trace, pdl: bool = False, tiled: bool = True, mma: bool | None = None,
+                 evict_first: bool | None = None):
         self.trace = trace
         self.pdl, self.tiled = pdl, tiled
-        self.mma = flags.current().on("K4_MMA_ATTN") if mma is None else mma
+        f = flags.current()
+        self.mma = f.on("K4_MMA_ATTN") if mma is None else mma
+        self.evict_first = f.on("K4_EVICT_FIRST") if evict_first is None else evict_first
         self._functions: dict[tuple[str, str], object] = {}
 
     def function(self, filename: str, name: str):
         key = (filename, name)
         if key not in self._functions:
-            self._functions[key] = module(filename, KERNELS[filename]).get_function(name)
+            defines = () if self.evict_first else ("K4_EVICT_FIRST=0",)
+            self._functions[key] = module(filename, KERNELS[filename], defines).get_function(name)
         return self._functions[key]
 
     def compile_all(self) -> None:
