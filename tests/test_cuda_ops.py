@@ -239,6 +239,19 @@ def test_attention_split_covers_context():
     assert attention_split(4096, False) == (1, 4096)
 
 
+def test_split_buckets_double_from_512_and_end_at_the_context():
+    from runtime.cuda.ops import attention_split, split_buckets
+
+    assert split_buckets(4096, True) == [(512, 16, 32), (1024, 32, 32), (2048, 64, 32), (4096, 64, 64)]
+    assert split_buckets(640, True) == [(512, 16, 32), (640, 20, 32)]
+    assert split_buckets(512, True) == [(512, 16, 32)] and split_buckets(100, True) == [(100, 4, 32)]
+    assert split_buckets(4096, False) == [(4096, 1, 4096)]
+    for n_ctx in (1, 511, 513, 5000, 131072):
+        buckets = split_buckets(n_ctx, True)
+        assert buckets[-1] == (n_ctx, *attention_split(n_ctx, True))
+        assert all(n * length >= limit for limit, n, length in buckets)
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1000), (5, 11008), (2, 96)])
 def test_swiglu(ops, rng, shape):
     g = (4 * rng.standard_normal(shape)).astype(np.float32)

@@ -2,7 +2,8 @@
 
 Reads top to bottom in execution order: availability check, weights (uploaded once in their
 quantized block layout), buffers (all allocated at load), the forward pass (shared by prefill
-chunks and the decode step), the decode step (one CUDA graph, replayed every token), and the
+chunks and the decode step), the decode step (a CUDA graph replayed every token, one per range
+of context lengths so that short contexts launch only the attention splits they need), and the
 generation loop (on-device sampling, two-stream ping-pong readback).
 
 Fusions, each behind a flag (runtime/flags.py): attn_q/k/v rows stacked into one matrix per
@@ -160,7 +161,11 @@ class CudaBackend(TokenCache):
         self.fuse_rope = self.flags.on("K4_FUSE_ROPE")
         self.mem = memory.DeviceMemory(self.trace)
         self.chunk = min(n_ctx, PREFILL_CHUNK)
-        self.n_split, self.split_len = ops.attention_split(n_ctx, self.flags.on("K4_SPLIT_ATTN"))
+        # decode attention: one configuration per range of context lengths (ops.split_buckets) and a
+        # decode graph for each range, captured on first use; eager steps take the last (any position)
+        self.splits = ops.split_buckets(n_ctx, self.flags.on("K4_SPLIT_ATTN"))
+        self.n_split = max(n for _, n, _ in self.splits)  # the most splits of any range: the partials buffer
+        self.decode_graphs: dict[int, tuple] = {}  # limit -> (graph, kernels per replay)
         self.load_ms: dict[str, float] = {}  # wall time of each load step (the stream synchronized after each)
         self.load_detail_ms: dict[str, float] = {}  # inside read+upload, which overlap: see memory.Uploader
         self.blas = None  # cuBLAS through a handle of our own: prefill chunks replay as CUDA graphs (K4_PREFILL_GRAPH)
@@ -343,7 +348,8 @@ class CudaBackend(TokenCache):
             for L in handoff:
                 L.ff_q8 = matmul.Q8Vector.for_weight(L.w_down, ff_q8)
         self.logits = m.empty((P, cfg.n_vocab), f32, "scratch")
-        self.part = m.empty((1, cfg.n_head, self.n_split, cfg.head_dim + 2), f32, "scratch") if self.n_split > 1 else None
+        # partials of split decode attention: (1, n_head, n_split, head_dim + 2) of the range in use
+        self.part = m.empty((cfg.n_head * self.n_split * (cfg.head_dim + 2),), f32, "scratch") if self.n_split > 1 else None
         self.ticket = m.zeros((cfg.n_head,), cp.int32, "scratch")  # splits of decode attention done, per head
         kv_shape = (cfg.n_layer, self.n_ctx, cfg.n_head_kv, cfg.head_dim)
         self.k_cache = m.empty(kv_shape, cp.float16, "kv_cache")  # (n_layer, n_ctx, n_head_kv, head_dim)
@@ -382,8 +388,9 @@ class CudaBackend(TokenCache):
         self.ring = self.mem.zeros((size,), cp.int32, "scratch")
         self.staging.wait()
         self.staging = memory.PinnedBuffer(4 * (self.n_ctx + size) + 8 * ops.SAMPLER_PARAM_WORDS)
-        if self.graph is not None:
-            self._capture()
+        if self.graph is not None:  # every decode graph reads the old ring
+            self.decode_graphs.clear()
+            self._capture(self.n_past + 1)
 
     # ---- forward --------------------------------------------------------------------------------
     def _linear(self, w, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None, bias=None, norm=None,
@@ -416,16 +423,21 @@ class CudaBackend(TokenCache):
         them (matmul.takes_half)."""
         return all(matmul.takes_half(w, n) for w in self.matrices)
 
-    def _forward(self, n: int, row_ids: cp.ndarray) -> cp.ndarray:
+    def _forward(self, n: int, row_ids: cp.ndarray, split: tuple[int, int, int] | None = None) -> cp.ndarray:
         """Enqueue the layers for n tokens (ids row_ids (n,) int32 on the device) at positions
-        state[pos] .. state[pos] + n - 1, writing their keys/values into the cache.
+        state[pos] .. state[pos] + n - 1, writing their keys/values into the cache. split: for one
+        token, the decode attention configuration (limit, n_split, split_len) of self.splits
+        (default the last, valid at any position); the position must be below its limit.
         Returns the residual stream (n, n_embd) f32 after the last layer."""
         cfg, o = self.config, self.ops
         x, x1 = self.x0[:n], self.x1[:n]  # (n, n_embd) each
         q, attn = self.q[:n], self.attn[:n]  # (n, n_head, head_dim)
         half = n > 1 and self._half(n)
         ff = (self.ff16 if half else self.ff)[:n]  # (n, n_ff)
-        n_split = self.n_split if n == 1 else 1
+        limit, n_split, split_len = (split or self.splits[-1]) if n == 1 else (self.n_ctx, 1, self.n_ctx)
+        part = None
+        if n_split > 1:
+            part = self.part[: cfg.n_head * n_split * (cfg.head_dim + 2)].reshape(1, cfg.n_head, n_split, cfg.head_dim + 2)
         matmul.dequant_rows(self.token_embd, row_ids, x, stream=self.stream, trace=o.trace)
         for li, L in enumerate(self.layers):
             # attention: norm, q/k/v projections (+bias), [q/k norm] + RoPE + cache store, attention, output + residual
@@ -440,7 +452,7 @@ class CudaBackend(TokenCache):
             else:
                 o.rope_qk_store(cols["q"], cols["k"], cols["v"], self.k_cache[li], self.v_cache[li], L.q_norm, L.k_norm,
                                 self.inv_freq, self.pos_view, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps, q_out=q)
-            o.attention(q, self.k_cache[li], self.v_cache[li], attn, self.pos_view, n_split, self.split_len, self.part,
+            o.attention(q, self.k_cache[li, :limit], self.v_cache[li, :limit], attn, self.pos_view, n_split, split_len, part,
                         self.ticket, fresh)
             self._linear(L.wo, attn.reshape(n, cfg.q_dim), x1, residual=x)
             # feed-forward: norm, gate and up with SwiGLU, down + residual
@@ -507,7 +519,7 @@ class CudaBackend(TokenCache):
                     self.trace.launch()
                 self._prefill_chunk_graph(c0 + n == n_total)
                 continue
-            x = self._forward(n, self.ids[c0 : c0 + n])
+            x = self._forward(n, self.ids[c0 : c0 + n], self._split_for(p0 + c0 + 1) if n == 1 else None)
             if logits_out is not None:
                 self._output(x, self.logits[:n])
                 memory.d2h_sync(self.trace, logits_out[c0 : c0 + n], self.logits[:n], self.stream)
@@ -537,10 +549,11 @@ class CudaBackend(TokenCache):
         return out
 
     # ---- decode step ----------------------------------------------------------------------------
-    def _decode_body(self) -> None:
+    def _decode_body(self, split: tuple[int, int, int] | None = None) -> None:
         """One decode step on the current stream: evaluate state[tok] at state[pos], sample the
-        next token into state and the ring, advance pos. Reads nothing from the host."""
-        x = self._forward(1, self.tok_view)
+        next token into state and the ring, advance pos. Reads nothing from the host. split: the
+        attention configuration (see _forward)."""
+        x = self._forward(1, self.tok_view, split)
         self._output(x, self.logits[:1])
         self.ops.sample(self.logits[0], self.params, self.state, self.ring, self.seen, self.part_val, self.part_idx, advance=True)
 
@@ -548,24 +561,28 @@ class CudaBackend(TokenCache):
         """Run one decode step on the zeroed state (greedy, position 0), so every kernel module,
         ours and the matmul family's, is loaded before graph capture, which forbids loading.
         What it writes (cache row 0, the state) is overwritten before any real use."""
-        self._decode_body()
+        self._decode_body(self._split_for(1))
         self.stream.synchronize()
         self.trace.sync()
 
-    def _capture(self) -> None:
-        """Capture _decode_body into a CUDA graph; ops count into a scratch Trace meanwhile, and
-        graph_launches keeps how many kernels one replay runs."""
-        counting, self.ops.trace = self.ops.trace, Trace(phase=self.trace.phase)
-        try:
-            self.stream.begin_capture()
+    def _capture(self, n_kv: int = 1) -> None:
+        """Make self.graph the decode graph for a step attending n_kv keys (position n_kv - 1):
+        the graph of the first range of self.splits that holds n_kv, captured from _decode_body
+        on first use (ops count into a scratch Trace meanwhile); graph_launches keeps how many
+        kernels one replay runs."""
+        split = self._split_for(n_kv)
+        if split[0] not in self.decode_graphs:
+            counting, self.ops.trace = self.ops.trace, Trace(phase=self.trace.phase)
             try:
-                self._decode_body()
+                self.stream.begin_capture()
+                try:
+                    self._decode_body(split)
+                finally:
+                    graph = self.stream.end_capture()
+                self.decode_graphs[split[0]] = (graph, self.ops.trace.get(self.ops.trace.phase).launches)
             finally:
-                graph = self.stream.end_capture()
-            self.graph_launches = self.ops.trace.get(self.ops.trace.phase).launches
-        finally:
-            self.ops.trace = counting
-        self.graph = graph
+                self.ops.trace = counting
+        self.graph, self.graph_launches = self.decode_graphs[split[0]]
 
     def _prefill_chunk_graph(self, last: bool) -> None:
         """Replay the graph of one full chunk (ids from self.ids[:chunk], positions from
@@ -588,11 +605,19 @@ class CudaBackend(TokenCache):
         graph, n_kernels = self.prefill_graphs[last]
         launch_graph(graph, self.stream, self.trace, n_kernels, "prefill graph")
 
+    def _split_for(self, n_kv: int) -> tuple[int, int, int]:
+        """The decode attention configuration of a step attending n_kv keys: the first range of
+        self.splits that holds n_kv. Graph replays and eager steps alike use it, so the result
+        of a step depends on its position only."""
+        return next(sp for sp in self.splits if n_kv <= sp[0])
+
     def _decode_step(self) -> None:
+        """Enqueue the decode step that evaluates position n_past (a graph replay with graphs on)."""
         if self.graph is not None:
+            self._capture(self.n_past + 1)
             launch_graph(self.graph, self.stream, self.trace, self.graph_launches)
         else:
-            self._decode_body()
+            self._decode_body(self._split_for(self.n_past + 1))
 
     def _start_readback(self, ring_count: int, slot: int, stream) -> None:
         """Copy the token at ring[ring_count % ring_cap] into pinned slot `slot` on `stream`,
@@ -695,6 +720,7 @@ class CudaBackend(TokenCache):
             self.copy_stream.synchronize()
         self.timer.collect()
         self.graph = None
+        self.decode_graphs.clear()
         self.prefill_graphs.clear()
         if self.blas is not None:
             self.blas.close()

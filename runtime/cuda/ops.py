@@ -93,6 +93,20 @@ def attention_split(n_ctx: int, split: bool) -> tuple[int, int]:
     return -(-n_ctx // split_len), split_len
 
 
+def split_buckets(n_ctx: int, split: bool) -> list[tuple[int, int, int]]:
+    """The decode attention configurations of a cache of n_ctx positions, one per range of
+    context lengths: [(limit, n_split, split_len)], limits ascending (512, 1024, ... doubling,
+    then n_ctx), each configuration attention_split(limit) and valid while the keys attended
+    (position + 1) are at most its limit. A step at a short context then launches the few
+    splits its length needs, as it would with a small n_ctx. One entry when split is off."""
+    limits = []
+    limit = 512
+    while split and limit < n_ctx:
+        limits.append(limit)
+        limit *= 2
+    return [(L, *attention_split(L, split)) for L in (*limits, n_ctx)]
+
+
 def argmax_parts(n_vocab: int) -> int:
     """Blocks of sample_argmax_partial for a vocabulary of n_vocab: one per 2048 logits, at most 1024."""
     return min(SAMPLE_THREADS, -(-n_vocab // 2048))
