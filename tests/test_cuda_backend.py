@@ -308,14 +308,14 @@ def test_context_full_after_the_same_tokens_as_numpy(stories):
 
 
 def test_decode_attention_per_context_range_matches_eager_steps_and_numpy(shared, monkeypatch):
-    """A step attending n keys uses the first range of ops.split_buckets that holds n (512,
+    """A step attending n keys uses the first range of ops.split_buckets that holds n (512, 768,
     1024, then n_ctx 1100), graph replays (a graph per range, captured on first use) and eager
-    steps alike: decoding across the 512 and 1024 boundaries gives the same sampled tokens both
-    ways, and one-token evals past each boundary give numpy's logits."""
+    steps alike: decoding across the range boundaries gives the same sampled tokens both ways,
+    and one-token evals in two ranges give numpy's logits."""
     mf = open_model(shared / "models" / "stories260K.gguf")
     ids = np.random.default_rng(5).integers(3, mf.config.n_vocab, size=500).tolist()
     be = cuda(mf, 1100)
-    assert be.splits == [(512, 16, 32), (1024, 32, 32), (1100, 35, 32)] and be.n_split == 35
+    assert [sp[0] for sp in be.splits] == [512, 768, 1024, 1100] and be.n_split == max(sp[1] for sp in be.splits)
     assert sorted(be.decode_graphs) == [512]  # captured at load
     params = SamplingParams(temperature=0.8, seed=11)
 
@@ -323,17 +323,19 @@ def test_decode_attention_per_context_range_matches_eager_steps_and_numpy(shared
         b.reset()
         out = take(b.generate(ids, params), 40)  # positions 500-540: crosses 512
         b.reset()
+        out += take(b.generate(ids + ids[:250], params), 40)  # 750-790: crosses 768
+        b.reset()
         return out + take(b.generate(ids * 2, params), 70)  # 1000-1070: crosses 1024
 
     got = draws(be)
-    assert sorted(be.decode_graphs) == [512, 1024, 1100]
+    assert sorted(be.decode_graphs) == [512, 768, 1024, 1100]
     monkeypatch.setenv("K4_CUDA_GRAPH", "0")
     eager = cuda(mf, 1100)
     assert eager.graph is None and draws(eager) == got
     ref = NumpyBackend(mf, 1100)
     for b in (be, ref):
         b.reset()
-    for chunk in (ids, ids[:20], [7], ids, ids[:10], [8]):  # one-token evals at positions 520 (range 1024) and 1031 (1100)
+    for chunk in (ids, ids[:20], [7], ids, ids[:10], [8]):  # one-token evals at positions 520 (range 768) and 1031 (1100)
         want = ref.eval(chunk)
         assert rel_l2(be.eval(chunk), want) < 2e-2, len(be.tokens)
 

@@ -233,23 +233,28 @@ def test_attention_with_fused_rope_equals_rope_then_attention(ops, rng, arch, n_
 def test_attention_split_covers_context():
     from runtime.cuda.ops import ATT_SPLIT_KEYS, attention_split
 
-    for n_ctx in (1, 255, 256, 257, 4096, 16385, 131072):
-        n_split, split_len = attention_split(n_ctx, True)
-        assert split_len % ATT_SPLIT_KEYS == 0 and n_split * split_len >= n_ctx > (n_split - 1) * split_len and n_split <= 64
+    for max_split in (1, 28, 64, 500):
+        for n_ctx in (1, 255, 256, 257, 4096, 16385, 131072):
+            n_split, split_len = attention_split(n_ctx, True, max_split)
+            assert split_len % ATT_SPLIT_KEYS == 0
+            assert n_split * split_len >= n_ctx > (n_split - 1) * split_len and n_split <= min(max_split, 64)
     assert attention_split(4096, False) == (1, 4096)
+    assert attention_split(16448, True, 28) == (28, 608) and attention_split(1100, True, 28) == (18, 64)
 
 
-def test_split_buckets_double_from_512_and_end_at_the_context():
+def test_split_buckets_grow_by_half_and_a_third_and_end_at_the_context():
     from runtime.cuda.ops import attention_split, split_buckets
 
-    assert split_buckets(4096, True) == [(512, 16, 32), (1024, 32, 32), (2048, 64, 32), (4096, 64, 64)]
+    assert split_buckets(4096, True, 28) == [(512, 16, 32), (768, 24, 32), (1024, 16, 64), (1536, 24, 64), (2048, 22, 96),
+                                             (3072, 24, 128), (4096, 26, 160)]
     assert split_buckets(640, True) == [(512, 16, 32), (640, 20, 32)]
     assert split_buckets(512, True) == [(512, 16, 32)] and split_buckets(100, True) == [(100, 4, 32)]
     assert split_buckets(4096, False) == [(4096, 1, 4096)]
     for n_ctx in (1, 511, 513, 5000, 131072):
-        buckets = split_buckets(n_ctx, True)
-        assert buckets[-1] == (n_ctx, *attention_split(n_ctx, True))
+        buckets = split_buckets(n_ctx, True, 30)
+        assert buckets[-1] == (n_ctx, *attention_split(n_ctx, True, 30))
         assert all(n * length >= limit for limit, n, length in buckets)
+        assert [b[0] for b in buckets] == sorted({b[0] for b in buckets})
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1000), (5, 11008), (2, 96)])

@@ -163,7 +163,8 @@ class CudaBackend(TokenCache):
         self.chunk = min(n_ctx, PREFILL_CHUNK)
         # decode attention: one configuration per range of context lengths (ops.split_buckets) and a
         # decode graph for each range, captured on first use; eager steps take the last (any position)
-        self.splits = ops.split_buckets(n_ctx, self.flags.on("K4_SPLIT_ATTN"))
+        max_split = self.ops.attention_capacity(self.config.head_dim) // self.config.n_head
+        self.splits = ops.split_buckets(n_ctx, self.flags.on("K4_SPLIT_ATTN"), max_split)
         self.n_split = max(n for _, n, _ in self.splits)  # the most splits of any range: the partials buffer
         self.decode_graphs: dict[int, tuple] = {}  # limit -> (graph, kernels per replay)
         self.load_ms: dict[str, float] = {}  # wall time of each load step (the stream synchronized after each)
