@@ -94,7 +94,7 @@ def attention_split(n_ctx: int, split: bool, max_split: int = 64) -> tuple[int, 
     is off. Splits past the current position exit at once. Measured on the H200 (32 heads of
     128, one query): the best split is about the shortest whose blocks all fit on the GPU at
     once (max_split = resident blocks / n_head, Ops.attention_capacity): 1,100 keys 11.9 µs
-    (18 x 64) against 16.3 (35 x 32); 4,160 keys 26.8 (26 x 160) against 33.7 (65 x 64); 16,448
+    (18 x 64) against 16.3 (35 x 32); 4,160 keys 26.8 (26 x 160) against 30.9 (44 x 96); 16,448
     keys 73.7 (28 x 608) against 77.9 (58 x 288) and 104.4 (31 x 544, 992 blocks: two rounds)."""
     if not split:
         return 1, n_ctx
