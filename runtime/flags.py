@@ -23,7 +23,7 @@ FLAGS: dict[str, Flag] = {
     f.name: f
     for f in (
         Flag("K4_TRACE", 0, "1 prints the per-phase copy/sync/launch counters after `k4 run`."),
-        Flag("K4_CUDA_GRAPH", 1, "Capture one decode step in a CUDA graph and replay it every token."),
+        Flag("K4_CUDA_GRAPH", 1, "Capture the decode step in a CUDA graph (one per range of context lengths, on first use) and replay it every token."),
         Flag("K4_PINGPONG", 1, "Two-stream ping-pong readback: enqueue step t+1 before reading token t."),
         Flag("K4_PINNED_UPLOAD", 1, "Upload weights through a ring of pinned staging buffers filled by reader threads, drained by a copy stream."),
         Flag("K4_REPACK", 1, "Repack quantized weights at load into the layout the matrix-vector kernels read fastest."),
