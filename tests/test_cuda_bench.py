@@ -40,6 +40,7 @@ def test_bench_kernels_reports_bandwidth():
     assert {(x["type"], x["n_in"]) for x in gemv if x["x"] == "q8"} == {("Q4_K", 11008), ("Q6_K", 11008)}
     assert all(0 < x["gb_s"] < 5000 for x in gemv)
     assert all(0 < x["read_us"] and 0 < x["fraction_of_read"] < 1.2 for x in gemv)
+    assert all(0 < x["dependent_read_us"] and 0 < x["fraction_of_dependent_read"] < 1.5 for x in gemv)
     attn = [x for x in recs if x["kernel"].startswith("attention")]
     assert len(attn) == 4 and all(0 < x["tflop_s"] < 1000 and x["us"] > 0 for x in attn)
 
@@ -51,6 +52,8 @@ def test_bench_read_streams_the_bytes():
     small, large = bench_read(8 << 20, iters=20), bench_read(64 << 20, iters=20)
     assert 0 < small["us"] < large["us"]
     assert 100 < large["gb_s"] < 6000
+    dep = bench_read(64 << 20, iters=20, dependent=True)
+    assert 100 < dep["gb_s"] < 6000
 
 
 def test_bench_attention_flop_count():

@@ -839,11 +839,14 @@ def bench_gemv(ggml_type: str, n_out: int, n_in: int, iters: int = 200, *, repac
     return {"us": us, "gb_s": nbytes / us / 1e3, "bytes": nbytes}
 
 
-def bench_read(nbytes: int, iters: int = 200) -> dict:
+def bench_read(nbytes: int, iters: int = 200, dependent: bool = False) -> dict:
     """Time one streaming read of `nbytes` (rounded down to 16) of random bytes, as weights are:
     the ceiling a matrix-vector product of that many weight bytes is measured against, timed as
     bench_gemv times one (CUDA graph of PDL launches, one wave of 512-thread blocks, copies
-    rotated beyond 4x the L2, median). Returns {"us": µs per read, "gb_s": GB/s}.
+    rotated beyond 4x the L2, median). dependent: each launch waits for the previous one after
+    its first batch of loads, as a product waits for its x (kernels_cu/gemv.cu
+    read_stream_dependent), so the memory pipeline drains and refills at every launch; else
+    launches overlap freely. Returns {"us": µs per read, "gb_s": GB/s}.
     """
     import cupy as cp
 
@@ -852,7 +855,7 @@ def bench_read(nbytes: int, iters: int = 200) -> dict:
     rng = cp.random.RandomState(0)
     bufs = [rng.randint(0, 2**31, 4 * n16, dtype=cp.uint32) for _ in range(n)]
     out = cp.zeros(1, cp.uint32)
-    kernel = _kernel("gemv.cu", "read_stream")
+    kernel = _kernel("gemv.cu", "read_stream_dependent" if dependent else "read_stream")
     grid = _device_limits()[0]
     n_calls = n * math.ceil(20 / n)
     us = device_time(lambda i: launch(kernel, (grid,), (512,), (bufs[i % n], np.int64(n16), out), 0, None, None, True),
