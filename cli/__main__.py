@@ -1,5 +1,5 @@
-"""`python -m cli` runs the k4 app (same as the `k4` console script)."""
+"""`python -m k4.cli` runs the k4 app (same as the `k4` console script)."""
 
-from cli.app import main
+from k4.cli.app import main
 
 main()

@@ -19,9 +19,9 @@ COMMAND_MODULES = ("run", "chat", "tokenize", "prompt", "info", "perplexity", "q
 
 for _name in COMMAND_MODULES:
     try:
-        _module = importlib.import_module(f"cli.{_name}")
+        _module = importlib.import_module(f"k4.cli.{_name}")
     except ModuleNotFoundError as exc:  # a command whose module is not written yet
-        if exc.name != f"cli.{_name}":
+        if exc.name != f"k4.cli.{_name}":
             raise
         continue
     _module.register(app)
@@ -29,7 +29,7 @@ for _name in COMMAND_MODULES:
 
 def _version(value: bool) -> None:
     if value:
-        from runtime import __version__
+        from k4.runtime import __version__
 
         typer.echo(f"k4 {__version__}")
         raise typer.Exit()

@@ -34,10 +34,10 @@ def bench(
     kernels: Annotated[bool, typer.Option("--kernels", help="Microbenchmark the matrix-vector and attention kernels instead (GPU).")] = False,
 ) -> None:
     """Measure prompt processing (ppN) and generation (tgN) speed, llama-bench style."""
-    from runtime import bench as rb
-    from runtime.errors import UsageError
+    from k4.runtime import bench as rb
+    from k4.runtime.errors import UsageError
 
-    from runtime.flags import current as current_flags
+    from k4.runtime.flags import current as current_flags
 
     for warning in current_flags().warnings():
         err.print(f"warning: {warning}", style="yellow")
@@ -62,7 +62,7 @@ def bench(
 
 
 def _synthetic(preset: str, folder: Path) -> Path:
-    from runtime.synthetic import write_synthetic
+    from k4.runtime.synthetic import write_synthetic
 
     from .render import progress_bar
 
@@ -73,9 +73,9 @@ def _synthetic(preset: str, folder: Path) -> Path:
 def _run(path: Path, tests, reps: int, output: str, backend: str, ctx_size: int) -> None:
     from rich.progress import Progress
 
-    from runtime import bench as rb
-    from runtime.backend import make_backend
-    from runtime.model import open_model
+    from k4.runtime import bench as rb
+    from k4.runtime.backend import make_backend
+    from k4.runtime.model import open_model
 
     mf = open_model(path)
     cfg = mf.config
@@ -98,7 +98,7 @@ def _run(path: Path, tests, reps: int, output: str, backend: str, ctx_size: int)
 
 
 def _print(results, env, model_info, output: str) -> None:
-    from runtime.bench import result_record
+    from k4.runtime.bench import result_record
 
     if not results:
         return
@@ -182,13 +182,13 @@ def _tables(results, records) -> None:
 
 
 def _kernels(output: str) -> None:
-    from runtime.backend import cuda_available
-    from runtime.errors import BackendUnavailableError
+    from k4.runtime.backend import cuda_available
+    from k4.runtime.errors import BackendUnavailableError
 
     if not cuda_available():
         raise BackendUnavailableError("--kernels needs an NVIDIA GPU and CuPy; install k4 with the cuda13 or cuda12 extra")
-    from runtime.cuda.matmul import bench_gemv, bench_read
-    from runtime.cuda.ops import bench_attention
+    from k4.runtime.cuda.matmul import bench_gemv, bench_read
+    from k4.runtime.cuda.ops import bench_attention
 
     # x "q8": x comes quantized, as the down product (4096x11008) gets it in decode with K4_FUSE_QUANT=1
     shapes = [("Q4_K", 4096, 4096, "f32"), ("Q4_K", 11008, 4096, "f32"), ("Q4_K", 4096, 11008, "f32"), ("Q4_K", 4096, 11008, "q8"),

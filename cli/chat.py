@@ -24,9 +24,9 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from runtime.errors import K4Error, UsageError
-from runtime.flags import current as current_flags
-from runtime.sampling import SamplingParams
+from k4.runtime.errors import K4Error, UsageError
+from k4.runtime.flags import current as current_flags
+from k4.runtime.sampling import SamplingParams
 
 from . import common as c
 from .render import err, errors_to_exit, out, table, trace_table
@@ -350,8 +350,8 @@ def chat(
     backend: c.BackendOpt = "auto",
 ) -> None:
     """Chat with a GGUF model: line editing, history, slash commands (/help); or one message per line from a pipe."""
-    from runtime.chat import ChatSession
-    from runtime.chat_template import ChatTemplate
+    from k4.runtime.chat import ChatSession
+    from k4.runtime.chat_template import ChatTemplate
 
     for warning in current_flags().warnings():
         err.print(f"warning: {warning}", style="yellow", markup=False)

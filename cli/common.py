@@ -11,8 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from runtime.errors import UsageError
-from runtime.model import SAMPLE_MODEL
+from k4.runtime.errors import UsageError
+from k4.runtime.model import SAMPLE_MODEL
 
 
 ModelOpt = Annotated[Optional[Path], typer.Option("-m", "--model", help="GGUF model file (default: the bundled sample).", show_default=False)]
@@ -82,9 +82,9 @@ PROGRESS_MIN_BYTES = 100 * 2**20  # models smaller than this load without a prog
 def load_session(model: Optional[Path], backend: str, ctx_size: int) -> Session:
     """Open, validate and load a model on a backend (a progress bar on stderr for models over
     100 MiB). Raises K4Error subclasses on bad input."""
-    from runtime.backend import make_backend
-    from runtime.model import open_model
-    from runtime.tokenizer import Tokenizer
+    from k4.runtime.backend import make_backend
+    from k4.runtime.model import open_model
+    from k4.runtime.tokenizer import Tokenizer
 
     from .render import progress_bar
 

@@ -13,7 +13,7 @@ from .render import errors_to_exit, out, table
 @errors_to_exit
 def info(model: c.ModelOpt = None) -> None:
     """Describe a GGUF model: architecture, sizes, context, vocabulary, tensor types."""
-    from runtime.model import open_model
+    from k4.runtime.model import open_model
 
     mf = open_model(c.model_path(model))
     cfg = mf.config

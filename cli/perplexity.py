@@ -16,8 +16,8 @@ def perplexity(
     backend: c.BackendOpt = "auto",
 ) -> None:
     """Perplexity of the text in -f FILE, in chunks of -c tokens (llama-perplexity's protocol)."""
-    from runtime.errors import UsageError
-    from runtime.perplexity import perplexity as run_ppl
+    from k4.runtime.errors import UsageError
+    from k4.runtime.perplexity import perplexity as run_ppl
 
     if file is None:
         raise UsageError("perplexity needs a text file: pass -f FILE")

@@ -21,9 +21,9 @@ def prompt(
     """Print the text the chat template produces for MESSAGES, so template problems can be seen."""
     import sys
 
-    from runtime.chat_template import ChatTemplate, load_messages
-    from runtime.model import open_model
-    from runtime.tokenizer import Tokenizer
+    from k4.runtime.chat_template import ChatTemplate, load_messages
+    from k4.runtime.model import open_model
+    from k4.runtime.tokenizer import Tokenizer
 
     msgs = load_messages(messages)
     mf = open_model(c.model_path(model), require_weights=False)

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from runtime.errors import UsageError
+from k4.runtime.errors import UsageError
 
 from .render import err, errors_to_exit, out, table
 
@@ -42,8 +42,8 @@ def quantize(
 ) -> None:
     """Quantize IN to TYPE as llama-quantize does (no importance matrix): `k4 quantize IN OUT TYPE`,
     or `k4 quantize --dry-run IN TYPE` to see the plan."""
-    from runtime.model import open_model
-    from runtime.quantize import get_mix, plan_quantization
+    from k4.runtime.model import open_model
+    from k4.runtime.quantize import get_mix, plan_quantization
 
     if dry_run:
         if qtype is not None:
@@ -64,7 +64,7 @@ def _quantize_with_progress(model: Path, target: Path, qtype: str, force: bool, 
     """quantize_model with a rich progress bar on stderr (only when stderr is a terminal)."""
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from runtime.quantize import quantize_model
+    from k4.runtime.quantize import quantize_model
 
     mix = qtype.upper()
     columns = (TextColumn("{task.description}"), BarColumn(bar_width=24), TaskProgressColumn(),

@@ -8,8 +8,8 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from runtime.flags import current as current_flags
-from runtime.sampling import SamplingParams
+from k4.runtime.flags import current as current_flags
+from k4.runtime.sampling import SamplingParams
 
 from . import common as c
 from .render import err, errors_to_exit, memory_table, stats_line, trace_table
@@ -36,7 +36,7 @@ def run(
     verbose: c.VerboseOpt = False,
 ) -> None:
     """Generate text from PROMPT with a GGUF model."""
-    from runtime.generate import Generator
+    from k4.runtime.generate import Generator
 
     flags = current_flags()
     for warning in flags.warnings():
@@ -49,7 +49,7 @@ def run(
     if not ids:
         ids = [s.tokenizer.bos_id] if s.tokenizer.bos_id is not None else []
     if not ids:
-        from runtime.errors import UsageError
+        from k4.runtime.errors import UsageError
 
         raise UsageError("the prompt is empty; give some text")
     gen = Generator(s.backend, s.tokenizer)

@@ -19,8 +19,8 @@ def synth(
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
 ) -> None:
     """Write a model with the exact shape and Q4_K_M tensor types of PRESET, random weights."""
-    from runtime.errors import UsageError
-    from runtime.synthetic import write_synthetic
+    from k4.runtime.errors import UsageError
+    from k4.runtime.synthetic import write_synthetic
 
     if out.exists() and not force:
         raise UsageError(f"{out} exists; pass --force to overwrite it")

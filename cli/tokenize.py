@@ -20,8 +20,8 @@ def tokenize(
     parse_special: Annotated[bool, typer.Option("--parse-special", help="Map special-token text (e.g. <|im_end|>) to its id.")] = False,
 ) -> None:
     """Print the tokens of TEXT: one `id -> 'piece'` line each, or the id list with --ids."""
-    from runtime.model import open_model
-    from runtime.tokenizer import Tokenizer
+    from k4.runtime.model import open_model
+    from k4.runtime.tokenizer import Tokenizer
 
     body = c.read_text(text, file, "text")
     tok = Tokenizer.from_model(open_model(c.model_path(model), require_weights=False))

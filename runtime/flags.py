@@ -59,7 +59,7 @@ class Flags:
     def __init__(self, env: Mapping[str, str] | None = None):
         env = os.environ if env is None else env
         self.values = {n: _parse(n, env[n]) if n in env else f.default for n, f in FLAGS.items()}
-        self.unknown = sorted(k for k in env if k.startswith("K4_") and k not in FLAGS and k != "K4_SHARED")
+        self.unknown = sorted(k for k in env if k.startswith("K4_") and k not in FLAGS)
 
     def __getitem__(self, name: str) -> int:
         return self.values[name]

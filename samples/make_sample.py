@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -35,11 +33,8 @@ import numpy as np
 from gguf import GGUFWriter
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from runtime.model import expected_shapes, open_model  # noqa: E402
-from runtime.quantize import copy_metadata, quantize_model  # noqa: E402
+from k4.runtime.model import expected_shapes, open_model
+from k4.runtime.quantize import copy_metadata, quantize_model
 
 SAMPLE = REPO / "samples" / "stories260k-q4_k_m.gguf"
 PADDED = dict(n_embd=256, n_head=32, n_head_kv=16, n_ff=256)  # every row a multiple of QK_K = 256
@@ -49,9 +44,8 @@ NAME = "stories260K (zero-padded to 256)"
 
 
 def default_source() -> Path:
-    """stories260K.gguf in the shared data folder ($K4_SHARED, else ../shared next to the repo)."""
-    shared = Path(os.environ.get("K4_SHARED", REPO.parent / "shared"))
-    return shared / "models" / "stories260K.gguf"
+    """stories260K.gguf as the tests keep it (tests/data/models, provenance in tests/data/README.md)."""
+    return REPO / "tests" / "data" / "models" / "stories260K.gguf"
 
 
 def pad_model(src: Path, dst: Path) -> None:

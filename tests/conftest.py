@@ -1,16 +1,15 @@
-"""Shared test setup: where ../shared is (K4_SHARED), and the `cuda` marker's skip rule."""
+"""Shared test setup: the test data folder (tests/data, provenance in its README) and the
+`cuda` marker's skip rule."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-from runtime.backend import cuda_available
+from k4.runtime.backend import cuda_available
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("K4_SHARED", REPO.parent / "shared")).resolve()
+DATA = Path(__file__).resolve().parent / "data"
 
 
 HAS_GPU = cuda_available()
@@ -26,7 +25,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def shared() -> Path:
-    if not SHARED.is_dir():
-        pytest.fail(f"shared data not found at {SHARED}; set K4_SHARED")
-    return SHARED
+def data() -> Path:
+    """tests/data: models, llama.cpp goldens, vocab suites and chat templates."""
+    return DATA

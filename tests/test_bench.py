@@ -12,12 +12,12 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 from typer.testing import CliRunner
 
-from cli.app import app
-from runtime.bench import BenchTest, expand, parse_flags, parse_list
-from runtime.errors import UsageError
-from runtime.model import expected_shapes, open_model
-from runtime.reference import NumpyBackend
-from runtime.synthetic import PRESETS, q4_k_m_types, random_blocks
+from k4.cli.app import app
+from k4.runtime.bench import BenchTest, expand, parse_flags, parse_list
+from k4.runtime.errors import UsageError
+from k4.runtime.model import expected_shapes, open_model
+from k4.runtime.reference import NumpyBackend
+from k4.runtime.synthetic import PRESETS, q4_k_m_types, random_blocks
 
 runner = CliRunner()
 
@@ -102,8 +102,8 @@ def test_random_blocks_are_sane(qtype):
     assert 0.02 < w.std() < 0.1 and abs(w.mean()) < 0.01
 
 
-def test_q4_k_m_plan_matches_llama_cpp_file(shared):
-    mf = open_model(shared / "models" / "stories260K-pad-q4_k_m.gguf")
+def test_q4_k_m_plan_matches_llama_cpp_file(data):
+    mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
     plan = q4_k_m_types(mf.config)
     assert plan == {name: t.ggml_type for name, t in mf.tensors.items()}
 

@@ -1,6 +1,6 @@
 """runtime/chat.py: conversation state, KV-cache reuse between turns, interrupts, context
 overflow, /set, save/load. On the bundled sample (no template: ChatML fallback) and on a tiny
-random model carrying a real template from shared/templates."""
+random model carrying a real template from tests/data/templates."""
 
 from __future__ import annotations
 
@@ -11,25 +11,25 @@ import gguf
 import pytest
 from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
 
-from cli.common import SAMPLE_MODEL
-from runtime.backend import make_backend
-from runtime.chat import ChatSession, load_conversation, save_conversation
-from runtime.chat_template import ChatTemplate
-from runtime.errors import ContextFullError, UsageError
-from runtime.generate import common_prefix
-from runtime.model import open_model
-from runtime.sampling import SamplingParams
-from runtime.tokenizer import Tokenizer
+from k4.cli.common import SAMPLE_MODEL
+from k4.runtime.backend import make_backend
+from k4.runtime.chat import ChatSession, load_conversation, save_conversation
+from k4.runtime.chat_template import ChatTemplate
+from k4.runtime.errors import ContextFullError, UsageError
+from k4.runtime.generate import common_prefix
+from k4.runtime.model import open_model
+from k4.runtime.sampling import SamplingParams
+from k4.runtime.tokenizer import Tokenizer
 from tests.tiny import tiny_config, write_tiny
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def write_templated_tiny(path: Path, shared: Path, template_name: str) -> Path:
+def write_templated_tiny(path: Path, data: Path, template_name: str) -> Path:
     """A tiny random llama model (stories260K vocabulary) whose GGUF carries
-    `tokenizer.chat_template` = shared/templates/<template_name>."""
-    plain = write_tiny(path.with_suffix(".plain.gguf"), shared / "models" / "stories260K.gguf", tiny_config(n_ctx_train=512))
-    source = (shared / "templates" / template_name).read_text(encoding="utf-8")
+    `tokenizer.chat_template` = tests/data/templates/<template_name>."""
+    plain = write_tiny(path.with_suffix(".plain.gguf"), data / "models" / "stories260K.gguf", tiny_config(n_ctx_train=512))
+    source = (data / "templates" / template_name).read_text(encoding="utf-8")
     writer = gguf.GGUFWriter(str(path), "llama")
     copy_with_new_metadata(gguf.GGUFReader(str(plain)), writer,
                            {"tokenizer.chat_template": MetadataDetails(gguf.GGUFValueType.STRING, source)}, [])
@@ -47,8 +47,8 @@ def turn(session: ChatSession, text: str | None) -> str:
 
 
 @pytest.fixture(scope="module")
-def qwen_model(tmp_path_factory, shared) -> Path:
-    return write_templated_tiny(tmp_path_factory.mktemp("chat") / "tiny-qwen.gguf", shared, "Qwen-Qwen2.5-7B-Instruct.jinja")
+def qwen_model(tmp_path_factory, data) -> Path:
+    return write_templated_tiny(tmp_path_factory.mktemp("chat") / "tiny-qwen.gguf", data, "Qwen-Qwen2.5-7B-Instruct.jinja")
 
 
 def test_second_turn_prefills_only_the_new_tokens():
@@ -92,8 +92,8 @@ def test_real_template_multi_turn_on_a_synthetic_model(qwen_model):
     assert "load" not in s.last.trace.phases and s.last.trace.get("prefill").steps == 1
 
 
-def test_bos_not_doubled_when_the_template_writes_it(tmp_path, shared):
-    model = write_templated_tiny(tmp_path / "tiny-llama3.gguf", shared, "meta-llama-Llama-3.1-8B-Instruct.jinja")
+def test_bos_not_doubled_when_the_template_writes_it(tmp_path, data):
+    model = write_templated_tiny(tmp_path / "tiny-llama3.gguf", data, "meta-llama-Llama-3.1-8B-Instruct.jinja")
     s = make_session(model, n_predict=2)
     ids = s.plan("Hello").prompt_ids
     assert s.template.render([{"role": "user", "content": "Hello"}]).startswith(s.tokenizer.bos_text)

@@ -15,9 +15,9 @@ from pathlib import Path
 import pexpect
 from typer.testing import CliRunner
 
-from cli.app import app
-from cli.chat import InterruptGuard
-from cli.common import SAMPLE_MODEL
+from k4.cli.app import app
+from k4.cli.chat import InterruptGuard
+from k4.cli.common import SAMPLE_MODEL
 from tests.test_chat import fresh_reply, make_session, turn, write_templated_tiny
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,8 +168,8 @@ def test_interrupt_guard_raises_once_and_never_after_disarm():
     assert ctrl_c()
 
 
-def test_real_template_on_a_synthetic_model(tmp_path, shared):
-    model = write_templated_tiny(tmp_path / "tiny-qwen.gguf", shared, "Qwen-Qwen2.5-7B-Instruct.jinja")
+def test_real_template_on_a_synthetic_model(tmp_path, data):
+    model = write_templated_tiny(tmp_path / "tiny-qwen.gguf", data, "Qwen-Qwen2.5-7B-Instruct.jinja")
     chat = Chat(tmp_path, "-m", str(model), "--temp", "0", "-n", "6")
     assert "no chat template" not in chat.banner
     chat.say("Hi there")
@@ -184,8 +184,8 @@ def test_real_template_on_a_synthetic_model(tmp_path, shared):
     assert [m["content"] for m in conv[::2]] == ["Hi there", "How are you?"]
 
 
-def test_chat_template_option_overrides_the_fallback(tmp_path, shared):
-    template = shared / "templates" / "mistralai-Mistral-Nemo-Instruct-2407.jinja"
+def test_chat_template_option_overrides_the_fallback(tmp_path, data):
+    template = data / "templates" / "mistralai-Mistral-Nemo-Instruct-2407.jinja"
     chat = Chat(tmp_path, "--chat-template", str(template), "--temp", "0", "-n", "4")
     assert "no chat template" not in chat.banner
     chat.command("/show template", r"\[INST\]")

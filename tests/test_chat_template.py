@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from runtime.chat_template import FALLBACK_TEMPLATE, ChatTemplate, load_messages
-from runtime.errors import TemplateError, UsageError
-from runtime.model import open_model
-from runtime.tokenizer import Tokenizer
+from k4.runtime.chat_template import FALLBACK_TEMPLATE, ChatTemplate, load_messages
+from k4.runtime.errors import TemplateError, UsageError
+from k4.runtime.model import open_model
+from k4.runtime.tokenizer import Tokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -74,16 +74,16 @@ def specials(bos: str = "<s>", eos: str = "</s>") -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_real_templates_render_exactly(shared, name):
+def test_real_templates_render_exactly(data, name):
     bos, eos, with_prompt, without_prompt = EXPECTED[name]
-    template = ChatTemplate.from_file(shared / "templates" / name, specials(bos, eos))
+    template = ChatTemplate.from_file(data / "templates" / name, specials(bos, eos))
     assert not template.is_fallback
     assert template.render(CONVERSATION) == with_prompt
     assert template.render(CONVERSATION, add_generation_prompt=False) == without_prompt
 
 
-def test_template_raise_exception_is_template_error(shared):
-    template = ChatTemplate.from_file(shared / "templates" / "mistralai-Mistral-Nemo-Instruct-2407.jinja", specials())
+def test_template_raise_exception_is_template_error(data):
+    template = ChatTemplate.from_file(data / "templates" / "mistralai-Mistral-Nemo-Instruct-2407.jinja", specials())
     with pytest.raises(TemplateError, match="conversation roles must alternate user/assistant"):
         template.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
 
@@ -147,8 +147,8 @@ def test_variables_and_loopcontrols():
     assert ChatTemplate(source, "t.jinja", "<B>", "<E>").render(CONVERSATION) == "<B>system;user;TrueTrue<E>"
 
 
-def test_fallback_is_chatml_for_a_model_without_template(shared):
-    mf = open_model(shared / "models" / "stories260K.gguf", require_weights=False)
+def test_fallback_is_chatml_for_a_model_without_template(data):
+    mf = open_model(data / "models" / "stories260K.gguf", require_weights=False)
     template = ChatTemplate.from_model(mf, Tokenizer.from_model(mf))
     assert template.is_fallback and template.source == FALLBACK_TEMPLATE
     assert template.render(CONVERSATION[1:2]) == "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"

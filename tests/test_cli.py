@@ -10,8 +10,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
-from runtime.flags import FLAGS
+from k4.cli.app import app
+from k4.runtime.flags import FLAGS
 
 runner = CliRunner()
 
@@ -84,27 +84,27 @@ def test_info_of_sample():
         assert needle in r.stdout
 
 
-def test_tokenize_ids_and_pieces(shared):
-    r = invoke("tokenize", "-m", str(shared / "models" / "stories260K.gguf"), "--ids", "Once upon a time")
+def test_tokenize_ids_and_pieces(data):
+    r = invoke("tokenize", "-m", str(data / "models" / "stories260K.gguf"), "--ids", "Once upon a time")
     ids = json.loads(r.stdout)
     assert ids[0] == 1 and len(ids) > 2
-    r = invoke("tokenize", "-m", str(shared / "models" / "stories260K.gguf"), "--no-bos", "Once")
+    r = invoke("tokenize", "-m", str(data / "models" / "stories260K.gguf"), "--no-bos", "Once")
     assert "->" in r.stdout and "1 ->" not in r.stdout.split("\n")[0][:8]
 
 
-def test_tokenize_vocab_only_gguf(shared):
-    r = invoke("tokenize", "-m", str(shared / "vocab" / "ggml-vocab-gpt-2.gguf"), "--ids", "--no-bos", "Hello world")
+def test_tokenize_vocab_only_gguf(data):
+    r = invoke("tokenize", "-m", str(data / "vocab" / "ggml-vocab-gpt-2.gguf"), "--ids", "--no-bos", "Hello world")
     assert r.exit_code == 0 and json.loads(r.stdout) == [15496, 995]
 
 
-def test_prompt_renders_template(tmp_path, shared):
+def test_prompt_renders_template(tmp_path, data):
     msgs = tmp_path / "m.json"
     msgs.write_text(json.dumps([{"role": "user", "content": "Hi"}]))
-    tmpl = shared / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
-    r = invoke("prompt", "-m", str(shared / "vocab" / "ggml-vocab-gpt-2.gguf"), "--messages", str(msgs), "--template", str(tmpl))
+    tmpl = data / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+    r = invoke("prompt", "-m", str(data / "vocab" / "ggml-vocab-gpt-2.gguf"), "--messages", str(msgs), "--template", str(tmpl))
     assert r.exit_code == 0, r.output
     assert r.stdout.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
-    r = invoke("prompt", "-m", str(shared / "vocab" / "ggml-vocab-gpt-2.gguf"), "--messages", str(msgs), "--template", str(tmpl),
+    r = invoke("prompt", "-m", str(data / "vocab" / "ggml-vocab-gpt-2.gguf"), "--messages", str(msgs), "--template", str(tmpl),
                "--no-generation-prompt")
     assert r.stdout.endswith("<|im_start|>user\nHi<|im_end|>\n")
 
@@ -133,17 +133,17 @@ def test_readme_lists_every_flag_and_its_commands_work():
 
 
 def test_console_script_runs():
-    r = subprocess.run([sys.executable, "-m", "cli", "--help"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "k4.cli", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "run" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "cli", "--version"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "k4.cli", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("k4 0.")
 
 
-def test_ctrl_c_during_generation_exits_130(shared):
+def test_ctrl_c_during_generation_exits_130(data):
     import signal
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "run", "-m", str(shared / "models" / "stories260K.gguf"),
+    proc = subprocess.Popen([sys.executable, "-m", "k4.cli", "run", "-m", str(data / "models" / "stories260K.gguf"),
                              "--backend", "numpy", "-c", "2048", "-n", "-1", "--temp", "0", "Once upon a time"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.read(20)  # generation has started streaming

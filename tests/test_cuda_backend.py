@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from runtime.errors import BackendUnavailableError, ContextFullError
-from runtime.model import open_model
-from runtime.perplexity import perplexity
-from runtime.reference import NumpyBackend
-from runtime.sampling import SamplingParams
-from runtime.tokenizer import Tokenizer
+from k4.runtime.errors import BackendUnavailableError, ContextFullError
+from k4.runtime.model import open_model
+from k4.runtime.perplexity import perplexity
+from k4.runtime.reference import NumpyBackend
+from k4.runtime.sampling import SamplingParams
+from k4.runtime.tokenizer import Tokenizer
 from tests import tiny
 
 cp = pytest.importorskip("cupy")
@@ -41,7 +41,7 @@ def take(gen, n: int) -> list[int]:
 
 
 def cuda(mf, n_ctx: int, **kw):
-    from runtime.cuda.backend import CudaBackend
+    from k4.runtime.cuda.backend import CudaBackend
 
     return CudaBackend(mf, n_ctx, **kw)
 
@@ -53,28 +53,28 @@ def default_flags(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def stories(shared):
-    mf = open_model(shared / "models" / "stories260K.gguf")
+def stories(data):
+    mf = open_model(data / "models" / "stories260K.gguf")
     return mf, Tokenizer.from_model(mf), cuda(mf, 256)
 
 
 @pytest.fixture(scope="module")
-def stories_q4(shared):
-    mf = open_model(shared / "models" / "stories260K-pad-q4_k_m.gguf")
+def stories_q4(data):
+    mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
     return mf, Tokenizer.from_model(mf), cuda(mf, 256)
 
 
-def greedy_cases(shared, model: str) -> list[dict]:
-    return [c for c in json.loads((shared / "golden" / "greedy.json").read_text())["cases"] if c["model"] == model]
+def greedy_cases(data, model: str) -> list[dict]:
+    return [c for c in json.loads((data / "golden" / "greedy.json").read_text())["cases"] if c["model"] == model]
 
 
 def continuation(tok: Tokenizer, prompt_ids: list[int], ids: list[int]) -> str:
     return tok.decode(prompt_ids + ids)[len(tok.decode(prompt_ids)) :]
 
 
-def test_f32_greedy_matches_llama_cpp_exactly(shared, stories):
+def test_f32_greedy_matches_llama_cpp_exactly(data, stories):
     _, tok, be = stories
-    cases = greedy_cases(shared, "stories260K.gguf")
+    cases = greedy_cases(data, "stories260K.gguf")
     assert len(cases) >= 4
     for case in cases:
         be.reset()
@@ -83,9 +83,9 @@ def test_f32_greedy_matches_llama_cpp_exactly(shared, stories):
         assert continuation(tok, ids, out) == case["completion"], case["prompt"]
 
 
-def test_q4_k_m_greedy_first_16_tokens(shared, stories_q4):
+def test_q4_k_m_greedy_first_16_tokens(data, stories_q4):
     _, tok, be = stories_q4
-    cases = greedy_cases(shared, "stories260K-pad-q4_k_m.gguf")
+    cases = greedy_cases(data, "stories260K-pad-q4_k_m.gguf")
     assert cases
     for case in cases:
         be.reset()
@@ -99,17 +99,17 @@ def running_ppl(be, tok: Tokenizer, text: str, n_ctx: int) -> list[float]:
     return [r.ppl for r in perplexity(be, tok.encode(text), n_ctx, bos)]
 
 
-def test_f32_perplexity_matches_llama_cpp(shared, stories):
+def test_f32_perplexity_matches_llama_cpp(data, stories):
     _, tok, be = stories
-    for case in json.loads((shared / "golden" / "perplexity.json").read_text())["cases"]:
+    for case in json.loads((data / "golden" / "perplexity.json").read_text())["cases"]:
         assert case["model"] == "stories260K.gguf"
-        ours = running_ppl(be, tok, (shared / "golden" / case["text_file"]).read_text(), case["n_ctx"])
+        ours = running_ppl(be, tok, (data / "golden" / case["text_file"]).read_text(), case["n_ctx"])
         assert ours == pytest.approx(case["chunks"], rel=5e-4)
 
 
-def test_q4_k_m_perplexity_matches_numpy(shared, stories_q4):
+def test_q4_k_m_perplexity_matches_numpy(data, stories_q4):
     mf, tok, be = stories_q4
-    text = (shared / "golden" / "story.txt").read_text()
+    text = (data / "golden" / "story.txt").read_text()
     ours = running_ppl(be, tok, text, 128)
     theirs = running_ppl(NumpyBackend(mf, 128), tok, text, 128)
     assert ours == pytest.approx(theirs, rel=5e-3)
@@ -135,9 +135,9 @@ ARCH_CASES = {
 
 
 @pytest.fixture
-def tiny_model(shared, tmp_path, monkeypatch):
+def tiny_model(data, tmp_path, monkeypatch):
     """Write a tiny random model of one ARCH_CASES entry (K-quants by runtime.kquants)."""
-    from runtime import kquants
+    from k4.runtime import kquants
 
     gguf_quantize = tiny.quantize
     monkeypatch.setattr(tiny, "quantize", lambda m, t: (kquants.quantize if t in (T.Q4_K, T.Q5_K, T.Q6_K) else gguf_quantize)(m, t))
@@ -145,7 +145,7 @@ def tiny_model(shared, tmp_path, monkeypatch):
     def make(case: str):
         arch, ttype, over = ARCH_CASES[case]
         cfg = tiny.tiny_config(arch, **over)
-        path = tiny.write_tiny(tmp_path / f"{case}.gguf", shared / "models" / "stories260K.gguf", cfg, ttype, seed=7)
+        path = tiny.write_tiny(tmp_path / f"{case}.gguf", data / "models" / "stories260K.gguf", cfg, ttype, seed=7)
         return open_model(path)
 
     return make
@@ -173,8 +173,8 @@ def test_logits_match_numpy_backend(tiny_model, case):
     gen.close()
 
 
-def test_long_context_split_attention_matches_numpy(shared):
-    mf = open_model(shared / "models" / "stories260K.gguf")
+def test_long_context_split_attention_matches_numpy(data):
+    mf = open_model(data / "models" / "stories260K.gguf")
     prompt = np.random.default_rng(5).integers(3, mf.config.n_vocab, size=700).tolist()
     be, ref = cuda(mf, 2048), NumpyBackend(mf, 2048)
     assert be.n_split > 1
@@ -241,10 +241,10 @@ def test_sampled_tokens_equal_numpy_backend(stories):
     assert take(be.generate(prompt, params, history), 24) == take(NumpyBackend(mf, 256).generate(prompt, params, history), 24)
 
 
-def test_prefill_graphs_give_the_logits_and_cache_of_launched_chunks(shared, monkeypatch):
+def test_prefill_graphs_give_the_logits_and_cache_of_launched_chunks(data, monkeypatch):
     """Full 512-token chunks replay captured graphs (one ending in the logits, one not): the
     last logits, and the tokens generated from the cache they filled, equal the launched path."""
-    mf = open_model(shared / "models" / "stories260K-pad-q4_k_m.gguf")
+    mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
     prompt = np.random.default_rng(8).integers(3, mf.config.n_vocab, size=1024 + 77).tolist()
     runs = {}
     for flag in ("1", "0"):
@@ -307,12 +307,12 @@ def test_context_full_after_the_same_tokens_as_numpy(stories):
     assert n == 7 and n == count(NumpyBackend(mf, len(prompt) + 6))
 
 
-def test_decode_attention_per_context_range_matches_eager_steps_and_numpy(shared, monkeypatch):
+def test_decode_attention_per_context_range_matches_eager_steps_and_numpy(data, monkeypatch):
     """A step attending n keys uses the first range of ops.split_buckets that holds n (512, 768,
     1024, then n_ctx 1100), graph replays (a graph per range, captured on first use) and eager
     steps alike: decoding across the range boundaries gives the same sampled tokens both ways,
     and one-token evals in two ranges give numpy's logits."""
-    mf = open_model(shared / "models" / "stories260K.gguf")
+    mf = open_model(data / "models" / "stories260K.gguf")
     ids = np.random.default_rng(5).integers(3, mf.config.n_vocab, size=500).tolist()
     be = cuda(mf, 1100)
     assert [sp[0] for sp in be.splits] == [512, 768, 1024, 1100] and be.n_split == max(sp[1] for sp in be.splits)
@@ -361,7 +361,7 @@ def step_kernels(mf, flag: str | None) -> int:
     one type when stacked), attention (with RoPE and the cache store, its splits merged in the
     kernel), output, gate/up with SwiGLU, down; then the embedding, lm_head (the final norm
     folded into both), and 3 sampling kernels. Each switch off adds its kernels."""
-    from runtime.cuda.backend import runs_of_one_type
+    from k4.runtime.cuda.backend import runs_of_one_type
 
     n = mf.config.n_layer
     qkv = sum(len(runs_of_one_type([mf.tensor(f"blk.{i}.attn_{p}.weight").ggml_type for p in "qkv"], flag != "K4_STACK"))
@@ -371,14 +371,14 @@ def step_kernels(mf, flag: str | None) -> int:
 
 
 @pytest.mark.parametrize("flag", [None, *FUSIONS])
-def test_each_fusion_off_keeps_golden_tokens_and_numpy_logits(shared, tiny_model, monkeypatch, flag):
+def test_each_fusion_off_keeps_golden_tokens_and_numpy_logits(data, tiny_model, monkeypatch, flag):
     if flag:
         monkeypatch.setenv(flag, "0")
-    mf = open_model(shared / "models" / "stories260K-pad-q4_k_m.gguf")
+    mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
     tok, be = Tokenizer.from_model(mf), cuda(mf, 256)
     assert be.graph_launches == step_kernels(mf, flag)
     assert (be.memory_report()["prefill_f16"] > 0) == (flag != "K4_PREFILL_F16_CACHE")
-    for case in greedy_cases(shared, "stories260K-pad-q4_k_m.gguf"):
+    for case in greedy_cases(data, "stories260K-pad-q4_k_m.gguf"):
         be.reset()
         ids = tok.encode(case["prompt"])
         out = take(be.generate(ids, GREEDY), 16)
@@ -391,10 +391,10 @@ def test_each_fusion_off_keeps_golden_tokens_and_numpy_logits(shared, tiny_model
         assert rel_l2(got.eval([7]), ref.eval([7])) < 2e-2, case
 
 
-def test_q8_handoff_changes_no_bit_of_the_decode_logits(shared, monkeypatch):
+def test_q8_handoff_changes_no_bit_of_the_decode_logits(data, monkeypatch):
     """K4_FUSE_QUANT: the down product copies the SwiGLU output that the gate/up epilogue
     quantized instead of quantizing it in every block; the bytes are the same, so are the logits."""
-    mf = open_model(shared / "models" / "stories260K-pad-q4_k_m.gguf")
+    mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
     prompt = Tokenizer.from_model(mf).encode("Once upon a time")
     logits = {}
     for on in (True, False):
@@ -408,8 +408,8 @@ def test_q8_handoff_changes_no_bit_of_the_decode_logits(shared, monkeypatch):
 
 # ---- loading ------------------------------------------------------------------------------------
 
-def test_load_progress_and_memory_report(shared):
-    mf = open_model(shared / "models" / "stories260K-pad-q4_k_m.gguf")
+def test_load_progress_and_memory_report(data):
+    mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
     calls = []
     be = cuda(mf, 100, progress=lambda done, total: calls.append((done, total)))
     assert calls and calls[-1][0] == calls[-1][1] and all(a[0] <= b[0] for a, b in zip(calls, calls[1:]))
@@ -424,10 +424,10 @@ def test_load_progress_and_memory_report(shared):
     assert be.load_detail_ms["copy stream busy (CUDA events)"] > 0
 
 
-def test_model_that_does_not_fit_is_refused_with_sizes(shared, monkeypatch):
-    from runtime.cuda import memory
+def test_model_that_does_not_fit_is_refused_with_sizes(data, monkeypatch):
+    from k4.runtime.cuda import memory
 
-    mf = open_model(shared / "models" / "stories260K.gguf")
+    mf = open_model(data / "models" / "stories260K.gguf")
     monkeypatch.setattr(memory, "free_bytes", lambda: memory.RESERVED_BYTES + 64 * memory.MiB)  # buffers ~40 MiB fit
     with pytest.raises(BackendUnavailableError, match=r"KV cache for --ctx-size 200000 .* use --ctx-size \d+ or less"):
         cuda(mf, 200000)

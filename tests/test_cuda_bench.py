@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
+from k4.cli.app import app
 
 runner = CliRunner()
 pytestmark = pytest.mark.cuda
@@ -47,7 +47,7 @@ def test_bench_kernels_reports_bandwidth():
 
 def test_bench_read_streams_the_bytes():
     """The read ceiling grows with the bytes, and its bandwidth is a plausible HBM figure (GB/s)."""
-    from runtime.cuda.matmul import bench_read
+    from k4.runtime.cuda.matmul import bench_read
 
     small, large = bench_read(8 << 20, iters=20), bench_read(64 << 20, iters=20)
     assert 0 < small["us"] < large["us"]
@@ -57,7 +57,7 @@ def test_bench_read_streams_the_bytes():
 
 
 def test_bench_attention_flop_count():
-    from runtime.cuda.ops import bench_attention
+    from k4.runtime.cuda.ops import bench_attention
 
     prefill = bench_attention(256, 256, n_head=4, n_head_kv=2, head_dim=64, iters=5)
     decode = bench_attention(1, 256, n_head=4, n_head_kv=2, head_dim=64, iters=5)

@@ -4,7 +4,7 @@ grow neither GPU nor host memory (runtime/soak.py); the same seed gives the same
 backends, reset(), the CUDA graph switch and processes.
 
 The long runs use the synthetic TinyLlama 1.1B (exact shape and Q4_K_M layout, Llama 2's
-32,000-token vocabulary from shared/vocab, so random ids decode to text), written once per session."""
+32,000-token vocabulary from tests/data/vocab, so random ids decode to text), written once per session."""
 
 from __future__ import annotations
 
@@ -21,16 +21,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.chat import ChatSession
-from runtime.chat_template import ChatTemplate
-from runtime.errors import GpuError
-from runtime.flags import FLAGS
-from runtime.model import open_model
-from runtime.sampling import SamplingParams
-from runtime.soak import soak_chat, soak_decode
-from runtime.synthetic import write_synthetic
-from runtime.tokenizer import Tokenizer
-from runtime.trace import Trace
+from k4.runtime.chat import ChatSession
+from k4.runtime.chat_template import ChatTemplate
+from k4.runtime.errors import GpuError
+from k4.runtime.flags import FLAGS
+from k4.runtime.model import open_model
+from k4.runtime.sampling import SamplingParams
+from k4.runtime.soak import soak_chat, soak_decode
+from k4.runtime.synthetic import write_synthetic
+from k4.runtime.tokenizer import Tokenizer
+from k4.runtime.trace import Trace
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.cuda
@@ -47,7 +47,7 @@ RETURNED_TOLERANCE = 8 * MiB  # GPU memory a finished child may appear to keep
 # and sleep: a SIGINT sent after the marker lands inside CudaBackend.__init__, every time.
 SLOW_LOAD = """
 import sys, time
-from runtime.cuda import memory
+from k4.runtime.cuda import memory
 advance = memory.Uploader._advance
 def slow_advance(self, nbytes):
     advance(self, nbytes)
@@ -56,7 +56,7 @@ def slow_advance(self, nbytes):
         sys.stderr.flush()
         time.sleep(600)
 memory.Uploader._advance = slow_advance
-from cli.app import main
+from k4.cli.app import main
 main()
 """
 
@@ -68,13 +68,13 @@ def default_flags(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def tinyllama(tmp_path_factory, shared) -> Path:
+def tinyllama(tmp_path_factory, data) -> Path:
     out = tmp_path_factory.mktemp("tinyllama") / "tinyllama-1.1b.gguf"
-    return write_synthetic("tinyllama-1.1b", out, vocab=shared / "vocab" / "ggml-vocab-llama-spm.gguf")
+    return write_synthetic("tinyllama-1.1b", out, vocab=data / "vocab" / "ggml-vocab-llama-spm.gguf")
 
 
 def cuda(mf, n_ctx: int):
-    from runtime.cuda.backend import CudaBackend
+    from k4.runtime.cuda.backend import CudaBackend
 
     return CudaBackend(mf, n_ctx)
 
@@ -92,8 +92,8 @@ def free_bytes() -> int:
 # ---- CUDA errors --------------------------------------------------------------------------------
 
 def test_refused_launch_names_the_kernel_and_the_phase():
-    from runtime.cuda import ops
-    from runtime.cuda.launch import launch
+    from k4.runtime.cuda import ops
+    from k4.runtime.cuda.launch import launch
 
     o = ops.Ops(Trace())
     set_i32 = o.function("elementwise.cu", "set_i32")
@@ -110,10 +110,10 @@ def test_refused_launch_names_the_kernel_and_the_phase():
     assert int(dst.get()[0]) == 7
 
 
-def test_errors_at_a_later_sync_name_the_phase_and_the_last_launch(shared, monkeypatch):
-    from runtime.cuda import memory
+def test_errors_at_a_later_sync_name_the_phase_and_the_last_launch(data, monkeypatch):
+    from k4.runtime.cuda import memory
 
-    mf = open_model(shared / "models" / "stories260K-pad-q4_k_m.gguf")
+    mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
     be = cuda(mf, 256)
     want = take(be.generate([1, 400, 50], GREEDY), 8)
     be.reset()
@@ -176,7 +176,7 @@ def wait_for_free(before: int, seconds: float = 20.0) -> int:
 
 def test_ctrl_c_during_generation_exits_130_and_frees_gpu_memory(tinyllama):
     before = free_bytes()
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "run", "--backend", "cuda", "-m", str(tinyllama), "-n", "-1",
+    proc = subprocess.Popen([sys.executable, "-m", "k4.cli", "run", "--backend", "cuda", "-m", str(tinyllama), "-n", "-1",
                              "-c", "4096", "--temp", "0", PROMPT], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out = read_until(proc, proc.stdout, lambda d: len(d) >= len(PROMPT) + 16)
     during = free_bytes()
@@ -250,10 +250,10 @@ def test_same_seed_same_tokens_across_backends_reset_and_graph_switch(tinyllama,
     assert no_graph.graph is None and draw(no_graph) == want
 
 
-def test_same_seed_same_tokens_in_two_cuda_processes(shared):
+def test_same_seed_same_tokens_in_two_cuda_processes(data):
     def run() -> dict:
-        r = subprocess.run([sys.executable, "-m", "cli", "run", "--json", "--backend", "cuda", "-m",
-                            str(shared / "models" / "stories260K-pad-q4_k_m.gguf"), "--seed", "1234", "--temp", "0.8",
+        r = subprocess.run([sys.executable, "-m", "k4.cli", "run", "--json", "--backend", "cuda", "-m",
+                            str(data / "models" / "stories260K-pad-q4_k_m.gguf"), "--seed", "1234", "--temp", "0.8",
                             "--top-k", "40", "--top-p", "0.95", "-n", "64", PROMPT],
                            check=False, cwd=REPO, capture_output=True, text=True, timeout=180)
         assert r.returncode == 0, r.stderr

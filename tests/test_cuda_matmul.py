@@ -20,8 +20,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from runtime.cuda import matmul as mm
-from runtime.model import Tensor
+from k4.runtime.cuda import matmul as mm
+from k4.runtime.model import Tensor
 
 QUANTIZED = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"]
 FLOATS = ["F16", "BF16", "F32"]

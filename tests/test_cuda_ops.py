@@ -12,9 +12,9 @@ import zlib
 import numpy as np
 import pytest
 
-from runtime import reference
-from runtime.sampling import SamplingParams, apply_repeat_penalty, sample
-from runtime.trace import Trace
+from k4.runtime import reference
+from k4.runtime.sampling import SamplingParams, apply_repeat_penalty, sample
+from k4.runtime.trace import Trace
 from tests.tiny import tiny_config
 
 cp = pytest.importorskip("cupy")
@@ -28,7 +28,7 @@ def rel_l2(got, want) -> float:
 
 @pytest.fixture(scope="module")
 def ops():
-    from runtime.cuda.ops import Ops
+    from k4.runtime.cuda.ops import Ops
 
     return Ops(Trace(), mma=True)
 
@@ -76,7 +76,7 @@ ROPE_CASES = [
 
 @pytest.mark.parametrize("arch,D,rope_dim,n_head,n_head_kv,n_tok,pos0,factors", ROPE_CASES)
 def test_rope_qk_store(ops, rng, arch, D, rope_dim, n_head, n_head_kv, n_tok, pos0, factors):
-    from runtime.cuda.backend import rope_inv_freq
+    from k4.runtime.cuda.backend import rope_inv_freq
 
     cfg = tiny_config(arch, head_dim=D, rope_dim=rope_dim, n_head=n_head, n_head_kv=n_head_kv, rope_freq_base=500000.0)
     ff = (1.0 + 7.0 * rng.random(rope_dim // 2)).astype(np.float32) if factors else None
@@ -109,7 +109,7 @@ def test_rope_qk_store(ops, rng, arch, D, rope_dim, n_head, n_head_kv, n_tok, po
 def test_rope_reads_stacked_product_columns(ops, rng):
     """q, k, v as column views of one (n_tok, q_dim + 2 kv_dim) stacked product, q rotated into
     its own buffer: the same results as from separate arrays."""
-    from runtime.cuda.backend import rope_inv_freq
+    from k4.runtime.cuda.backend import rope_inv_freq
 
     n_tok, n_head, n_head_kv, D = 6, 4, 2, 64
     cfg = tiny_config("llama", head_dim=D, rope_dim=D, n_head=n_head, n_head_kv=n_head_kv)
@@ -169,7 +169,7 @@ MMA_ATTN_REL_L2 = 2e-3
 
 @pytest.mark.parametrize("n_tok,pos0,n_head,n_head_kv,D,n_ctx,split", ATTN_CASES)
 def test_attention(ops, rng, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split):
-    from runtime.cuda.ops import MMA_TILE_KEYS, attention_split
+    from k4.runtime.cuda.ops import MMA_TILE_KEYS, attention_split
 
     q = rng.standard_normal((n_tok, n_head, D)).astype(np.float32)
     n_kv = pos0 + n_tok
@@ -201,8 +201,8 @@ def test_attention(ops, rng, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split):
 def test_attention_with_fused_rope_equals_rope_then_attention(ops, rng, arch, n_head, n_head_kv, D, pos0, n_ctx):
     """Decode: RoPE and the cache store inside the attention kernel give the same output and
     the same cache as rope_qk_store followed by attention."""
-    from runtime.cuda.backend import rope_inv_freq
-    from runtime.cuda.ops import attention_split
+    from k4.runtime.cuda.backend import rope_inv_freq
+    from k4.runtime.cuda.ops import attention_split
 
     cfg = tiny_config(arch, head_dim=D, rope_dim=D, n_head=n_head, n_head_kv=n_head_kv)
     qkv = cp.asarray(rng.standard_normal((1, (n_head + 2 * n_head_kv) * D)).astype(np.float32))
@@ -231,7 +231,7 @@ def test_attention_with_fused_rope_equals_rope_then_attention(ops, rng, arch, n_
 
 
 def test_attention_split_covers_context():
-    from runtime.cuda.ops import ATT_SPLIT_KEYS, attention_split
+    from k4.runtime.cuda.ops import ATT_SPLIT_KEYS, attention_split
 
     for max_split in (1, 28, 64, 500):
         for n_ctx in (1, 255, 256, 257, 4096, 16385, 131072):
@@ -243,7 +243,7 @@ def test_attention_split_covers_context():
 
 
 def test_split_buckets_grow_by_half_and_a_third_and_end_at_the_context():
-    from runtime.cuda.ops import attention_split, split_buckets
+    from k4.runtime.cuda.ops import attention_split, split_buckets
 
     assert split_buckets(4096, True, 28) == [(512, 16, 32), (768, 24, 32), (1024, 16, 64), (1536, 24, 64), (2048, 22, 96),
                                              (3072, 24, 128), (4096, 26, 160)]
@@ -296,7 +296,7 @@ class DeviceSampler:
     """The buffers ops.sample works on, for one vocabulary size; draw() runs it on host data."""
 
     def __init__(self, ops, n_vocab: int, ring_cap: int = 1024):
-        from runtime.cuda.ops import STATE_WORDS, argmax_parts
+        from k4.runtime.cuda.ops import STATE_WORDS, argmax_parts
 
         self.ops = ops
         self.state = cp.zeros(STATE_WORDS, cp.int32)
@@ -307,7 +307,7 @@ class DeviceSampler:
 
     def draw(self, logits: np.ndarray, params: SamplingParams, history: list[int], step: int):
         """-> (token, penalized logits) after one ops.sample on fresh buffers."""
-        from runtime.cuda.ops import ST_DRAW, ST_RING, ST_TOK, pack_sampler_params
+        from k4.runtime.cuda.ops import ST_DRAW, ST_RING, ST_TOK, pack_sampler_params
 
         window = history[len(history) - min(params.repeat_last_n, len(history)) :]
         self.ring[: len(window)] = cp.asarray(window, dtype=cp.int32)

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.errors import K4Error
-from runtime.model import open_model
+from k4.runtime.errors import K4Error
+from k4.runtime.model import open_model
 
 SAMPLE = Path(__file__).resolve().parents[1] / "samples" / "stories260k-q4_k_m.gguf"
 CORPUS = Path(__file__).resolve().parent / "fuzz_corpus"
@@ -40,7 +40,7 @@ def load(path: Path) -> None:
     use under 4x the file size (the weights stay memory-mapped)."""
     import tracemalloc
 
-    from runtime.tokenizer import Tokenizer
+    from k4.runtime.tokenizer import Tokenizer
 
     tracemalloc.start()
     try:

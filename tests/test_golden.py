@@ -1,4 +1,4 @@
-"""End to end against llama.cpp's golden outputs (shared/golden), through the real CLI,
+"""End to end against llama.cpp's golden outputs (tests/data/golden), through the real CLI,
 on the numpy backend: greedy text and perplexity."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
+from k4.cli.app import app
 
 runner = CliRunner()
 
 
-def greedy_cases(shared, model):
-    cases = json.loads((shared / "golden" / "greedy.json").read_text())["cases"]
+def greedy_cases(data, model):
+    cases = json.loads((data / "golden" / "greedy.json").read_text())["cases"]
     return [c for c in cases if c["model"] == model]
 
 
@@ -25,22 +25,22 @@ def k4_run_json(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
-def test_f32_greedy_matches_llama_cpp_exactly(shared):
-    cases = greedy_cases(shared, "stories260K.gguf")
+def test_f32_greedy_matches_llama_cpp_exactly(data):
+    cases = greedy_cases(data, "stories260K.gguf")
     assert len(cases) >= 4
     for case in cases:
-        out = k4_run_json("-m", str(shared / "models" / case["model"]), "-n", str(case["n_predict"]), case["prompt"])
+        out = k4_run_json("-m", str(data / "models" / case["model"]), "-n", str(case["n_predict"]), case["prompt"])
         assert out["generated_tokens"] == case["n_predict"]
         assert out["text"] == case["completion"], case["prompt"]
 
 
-def test_q4_k_m_greedy_first_16_tokens(shared):
-    from runtime.model import open_model
-    from runtime.tokenizer import Tokenizer
+def test_q4_k_m_greedy_first_16_tokens(data):
+    from k4.runtime.model import open_model
+    from k4.runtime.tokenizer import Tokenizer
 
-    model = shared / "models" / "stories260K-pad-q4_k_m.gguf"
+    model = data / "models" / "stories260K-pad-q4_k_m.gguf"
     tok = Tokenizer.from_model(open_model(model, require_weights=False))
-    cases = greedy_cases(shared, "stories260K-pad-q4_k_m.gguf")
+    cases = greedy_cases(data, "stories260K-pad-q4_k_m.gguf")
     assert cases
     full = 0
     for case in cases:
@@ -52,11 +52,11 @@ def test_q4_k_m_greedy_first_16_tokens(shared):
     assert full >= len(cases) // 2  # most prompts reproduce all 48 tokens (see the golden file's note)
 
 
-def test_perplexity_matches_llama_cpp(shared):
-    golden = json.loads((shared / "golden" / "perplexity.json").read_text())["cases"]
+def test_perplexity_matches_llama_cpp(data):
+    golden = json.loads((data / "golden" / "perplexity.json").read_text())["cases"]
     for case in golden:
-        result = runner.invoke(app, ["perplexity", "--backend", "numpy", "-m", str(shared / "models" / case["model"]),
-                                     "-f", str(shared / "golden" / case["text_file"]), "-c", str(case["n_ctx"])])
+        result = runner.invoke(app, ["perplexity", "--backend", "numpy", "-m", str(data / "models" / case["model"]),
+                                     "-f", str(data / "golden" / case["text_file"]), "-c", str(case["n_ctx"])])
         assert result.exit_code == 0, result.output
         running = [float(x) for x in re.findall(r"^\[\d+\]([\d.]+)$", result.stdout, re.M)]
         assert len(running) == len(case["chunks"])

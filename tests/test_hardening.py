@@ -12,18 +12,18 @@ import sys
 import pytest
 import typer
 
-from cli.common import SAMPLE_MODEL
-from cli.render import errors_to_exit
-from runtime.backend import make_backend
-from runtime.chat import ChatSession
-from runtime.chat_template import ChatTemplate
-from runtime.cuda import launch as launching
-from runtime.errors import GpuError, K4Error, UsageError
-from runtime.model import open_model
-from runtime.sampling import SamplingParams
-from runtime.soak import MEMORY_KEYS, soak_chat, soak_decode
-from runtime.tokenizer import Tokenizer
-from runtime.trace import Trace
+from k4.cli.common import SAMPLE_MODEL
+from k4.cli.render import errors_to_exit
+from k4.runtime.backend import make_backend
+from k4.runtime.chat import ChatSession
+from k4.runtime.chat_template import ChatTemplate
+from k4.runtime.cuda import launch as launching
+from k4.runtime.errors import GpuError, K4Error, UsageError
+from k4.runtime.model import open_model
+from k4.runtime.sampling import SamplingParams
+from k4.runtime.soak import MEMORY_KEYS, soak_chat, soak_decode
+from k4.runtime.tokenizer import Tokenizer
+from k4.runtime.trace import Trace
 
 MiB = 1 << 20
 RMS_NORM_SYMBOL = "_Z8rms_normIfEvPKfS1_PT_if"  # what NVRTC names rms_norm<float> (kernels_cu/norm.cu)
@@ -125,14 +125,14 @@ def test_cli_exits_3_with_one_line_for_a_gpu_error(capsys):
 
 
 def run_json(model, *args: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "cli", "run", "-m", str(model), "--json", *args],
+    r = subprocess.run([sys.executable, "-m", "k4.cli", "run", "-m", str(model), "--json", *args],
                        check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
 
-def test_same_seed_same_tokens_in_two_processes_numpy(shared):
-    model = shared / "models" / "stories260K.gguf"
+def test_same_seed_same_tokens_in_two_processes_numpy(data):
+    model = data / "models" / "stories260K.gguf"
     args = ("--backend", "numpy", "--temp", "0.8", "--top-k", "40", "--top-p", "0.95", "-n", "64", "Once upon a time")
     first = run_json(model, "--seed", "1234", *args)
     second = run_json(model, "--seed", "1234", *args)
@@ -142,8 +142,8 @@ def test_same_seed_same_tokens_in_two_processes_numpy(shared):
     assert other["token_ids"] != first["token_ids"]
 
 
-def test_soak_decode_on_numpy_measures_windows_and_memory(shared):
-    mf = open_model(shared / "models" / "stories260K.gguf")
+def test_soak_decode_on_numpy_measures_windows_and_memory(data):
+    mf = open_model(data / "models" / "stories260K.gguf")
     tok = Tokenizer.from_model(mf)
     be = make_backend(mf, "numpy", 512)
     prompt = tok.encode("Once upon a time")

@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-from kernels_cu import SOURCE_DIR
-from runtime.cuda.compile import OPTIONS
+from k4.kernels_cu import SOURCE_DIR
+from k4.runtime.cuda.compile import OPTIONS
 
 SOURCES = sorted(SOURCE_DIR.glob("*.cu"))
 NO_SPILL = {"gemv.cu", "matmul.cu"}

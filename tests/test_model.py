@@ -8,28 +8,28 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from typer.testing import CliRunner
 
-from cli.app import app
-from runtime.errors import ModelFileError, UnsupportedModelError
-from runtime.model import open_model
+from k4.cli.app import app
+from k4.runtime.errors import ModelFileError, UnsupportedModelError
+from k4.runtime.model import open_model
 from tiny import tiny_config, write_tiny
 
 runner = CliRunner()
 
 
-def test_config_of_real_models(shared):
-    cfg = open_model(shared / "models" / "stories260K.gguf").config
+def test_config_of_real_models(data):
+    cfg = open_model(data / "models" / "stories260K.gguf").config
     assert (cfg.arch, cfg.n_vocab, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff) == (
         "llama", 512, 64, 5, 8, 4, 8, 172)
     assert not cfg.rope_neox and not cfg.tied_embeddings and cfg.n_gqa == 2
-    pad = open_model(shared / "models" / "stories260K-pad-q4_k_m.gguf")
+    pad = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
     assert (pad.config.n_embd, pad.config.n_head, pad.config.n_head_kv, pad.config.head_dim) == (256, 32, 16, 8)
     types = sorted({t.type_name for t in pad.tensors.values()})
     assert types == ["F32", "Q4_K", "Q6_K"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_config_flags_per_arch(tmp_path, shared, arch):
-    p = write_tiny(tmp_path / "m.gguf", shared / "models" / "stories260K.gguf", tiny_config(arch, tied_embeddings=arch == "qwen3"))
+def test_config_flags_per_arch(tmp_path, data, arch):
+    p = write_tiny(tmp_path / "m.gguf", data / "models" / "stories260K.gguf", tiny_config(arch, tied_embeddings=arch == "qwen3"))
     cfg = open_model(p).config
     assert cfg.rope_neox == (arch != "llama")
     assert cfg.has_qkv_bias == (arch == "qwen2")
@@ -37,9 +37,9 @@ def test_config_flags_per_arch(tmp_path, shared, arch):
     assert cfg.tied_embeddings == (arch == "qwen3")
 
 
-def _bad_files(tmp_path, shared):
-    vocab = shared / "models" / "stories260K.gguf"
-    sample = shared / "models" / "stories260K-pad-q4_k_m.gguf"
+def _bad_files(tmp_path, data):
+    vocab = data / "models" / "stories260K.gguf"
+    sample = data / "models" / "stories260K-pad-q4_k_m.gguf"
     text = tmp_path / "notes.gguf"
     text.write_text("hello, I am not a model\n")
     truncated = tmp_path / "truncated.gguf"
@@ -64,8 +64,8 @@ CASES = ["absent", "not_gguf", "truncated", "header_cut", "arch", "qtype", "miss
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_file_raises_our_error(tmp_path, shared, case):
-    path, message = _bad_files(tmp_path, shared)[case]
+def test_bad_file_raises_our_error(tmp_path, data, case):
+    path, message = _bad_files(tmp_path, data)[case]
     with pytest.raises((ModelFileError, UnsupportedModelError)) as info:
         open_model(path)
     assert message in str(info.value)
@@ -74,8 +74,8 @@ def test_bad_file_raises_our_error(tmp_path, shared, case):
 
 @pytest.mark.parametrize("command", ["info", "run"])
 @pytest.mark.parametrize("case", CASES)
-def test_bad_file_cli_one_line_exit_2(tmp_path, shared, case, command):
-    path, message = _bad_files(tmp_path, shared)[case]
+def test_bad_file_cli_one_line_exit_2(tmp_path, data, case, command):
+    path, message = _bad_files(tmp_path, data)[case]
     args = [command, "-m", str(path)] + (["hi", "--backend", "numpy"] if command == "run" else [])
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
@@ -84,8 +84,8 @@ def test_bad_file_cli_one_line_exit_2(tmp_path, shared, case, command):
     assert "Traceback" not in result.output
 
 
-def test_sample_file_untouched_by_failed_load(tmp_path, shared):
-    src = shared / "models" / "stories260K-pad-q4_k_m.gguf"
+def test_sample_file_untouched_by_failed_load(tmp_path, data):
+    src = data / "models" / "stories260K-pad-q4_k_m.gguf"
     copy = tmp_path / "m.gguf"
     shutil.copy(src, copy)
     open_model(copy)
@@ -110,10 +110,10 @@ def _tensor_info_offsets(path, name):
     ("type", 99, "not a valid GGMLQuantizationType"),
     ("n_dims", 7, "damaged or truncated GGUF"),
 ])
-def test_hostile_tensor_infos(tmp_path, shared, field, value, needle):
+def test_hostile_tensor_infos(tmp_path, data, field, value, needle):
     import struct
 
-    src = shared / "models" / "stories260K-pad-q4_k_m.gguf"
+    src = data / "models" / "stories260K-pad-q4_k_m.gguf"
     pos = _tensor_info_offsets(src, "blk.0.attn_k.weight")[field]
     data = bytearray(src.read_bytes())
     if isinstance(value, bytes):
@@ -129,13 +129,13 @@ def test_hostile_tensor_infos(tmp_path, shared, field, value, needle):
     assert needle in str(info.value) and "\n" not in str(info.value)
 
 
-def test_reader_on_a_plain_view_parses_what_gguf_parses(shared):
+def test_reader_on_a_plain_view_parses_what_gguf_parses(data):
     """open_model's reader (GGUFReader on an ndarray view of the memory map, for speed) gives the
     same metadata, tensor infos, offsets and bytes as gguf's GGUFReader on the same file."""
     import numpy as np
     from gguf import GGUFReader
 
-    path = shared / "models" / "stories260K-pad-q4_k_m.gguf"
+    path = data / "models" / "stories260K-pad-q4_k_m.gguf"
     mf, ref = open_model(path), GGUFReader(path, "r")
     assert type(mf.reader.data) is np.ndarray
     assert list(mf.reader.fields) == list(ref.fields)

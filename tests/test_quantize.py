@@ -12,11 +12,11 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from typer.testing import CliRunner
 
-from cli.app import app
-from runtime import kquants
-from runtime.errors import ModelFileError, UnsupportedModelError, UsageError
-from runtime.model import open_model
-from runtime.quantize import MIXES, choose_types, get_mix, llama_order, plan_quantization, quantize_model, use_more_bits
+from k4.cli.app import app
+from k4.runtime import kquants
+from k4.runtime.errors import ModelFileError, UnsupportedModelError, UsageError
+from k4.runtime.model import open_model
+from k4.runtime.quantize import MIXES, choose_types, get_mix, llama_order, plan_quantization, quantize_model, use_more_bits
 from tests.tiny import tiny_config, write_tiny
 
 F = np.float32
@@ -350,10 +350,10 @@ def test_quantize_rejects_rows_that_do_not_fit_the_block():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_q4_k_m_is_byte_identical_to_llama_quantize(tmp_path, shared, threads):
-    ref_path = shared / "models" / "stories260K-pad-q4_k_m.gguf"
+def test_q4_k_m_is_byte_identical_to_llama_quantize(tmp_path, data, threads):
+    ref_path = data / "models" / "stories260K-pad-q4_k_m.gguf"
     out = tmp_path / "q.gguf"
-    quantize_model(shared / "models" / "stories260K-pad-f32.gguf", out, "Q4_K_M", threads=threads)
+    quantize_model(data / "models" / "stories260K-pad-f32.gguf", out, "Q4_K_M", threads=threads)
     ours, ref = GGUFReader(out), GGUFReader(ref_path)
     assert len(ref.tensors) == 48
     assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
@@ -363,13 +363,13 @@ def test_q4_k_m_is_byte_identical_to_llama_quantize(tmp_path, shared, threads):
     assert out.read_bytes() == ref_path.read_bytes()  # metadata and layout too
 
 
-def test_plan_of_the_5_layer_model_matches_llama_cpp(shared):
-    ref = {t.name: t.tensor_type for t in GGUFReader(shared / "models" / "stories260K-pad-q4_k_m.gguf").tensors}
-    plan = plan_quantization(open_model(shared / "models" / "stories260K-pad-f32.gguf"), get_mix("q4_k_m"))
+def test_plan_of_the_5_layer_model_matches_llama_cpp(data):
+    ref = {t.name: t.tensor_type for t in GGUFReader(data / "models" / "stories260K-pad-q4_k_m.gguf").tensors}
+    plan = plan_quantization(open_model(data / "models" / "stories260K-pad-f32.gguf"), get_mix("q4_k_m"))
     assert {t.name: t.dst_type for t in plan.tensors} == ref
     q6 = sorted(t.name for t in plan.tensors if t.dst_type == T.Q6_K)
     assert q6 == ["blk.2.attn_v.weight", "blk.2.ffn_down.weight", "blk.4.attn_v.weight", "blk.4.ffn_down.weight", "output.weight"]
-    assert plan.dst_bytes == sum(t.n_bytes for t in GGUFReader(shared / "models" / "stories260K-pad-q4_k_m.gguf").tensors)
+    assert plan.dst_bytes == sum(t.n_bytes for t in GGUFReader(data / "models" / "stories260K-pad-q4_k_m.gguf").tensors)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,9 +453,9 @@ def test_70b_attn_v_rule():
 
 
 @pytest.mark.parametrize("src_type", [T.F16, T.BF16])
-def test_f16_and_bf16_inputs_quantize_their_exact_values(tmp_path, shared, src_type):
+def test_f16_and_bf16_inputs_quantize_their_exact_values(tmp_path, data, src_type):
     cfg = tiny_config("qwen2", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, tied_embeddings=True)
-    src = write_tiny(tmp_path / "in.gguf", shared / "models" / "stories260K.gguf", cfg, matrix_type=src_type)
+    src = write_tiny(tmp_path / "in.gguf", data / "models" / "stories260K.gguf", cfg, matrix_type=src_type)
     out = tmp_path / "out.gguf"
     plan = quantize_model(src, out, "Q4_K_M")
     mf_in, mf_out = open_model(src), open_model(out)
@@ -471,14 +471,14 @@ def test_f16_and_bf16_inputs_quantize_their_exact_values(tmp_path, shared, src_t
         assert np.array_equal(t_out.raw_bytes(), expected), tp.name
 
 
-def test_quantized_input_is_refused(shared, tmp_path):
+def test_quantized_input_is_refused(data, tmp_path):
     with pytest.raises(UnsupportedModelError, match="already Q6_K; k4 quantize reads F32, F16 or BF16"):
-        quantize_model(shared / "models" / "stories260K-pad-q4_k_m.gguf", tmp_path / "o.gguf", "Q8_0")
+        quantize_model(data / "models" / "stories260K-pad-q4_k_m.gguf", tmp_path / "o.gguf", "Q8_0")
     assert list(tmp_path.iterdir()) == []
 
 
-def test_nan_weights_are_reported_and_leave_nothing(shared, tmp_path):
-    src = shared / "models" / "stories260K-pad-f32.gguf"
+def test_nan_weights_are_reported_and_leave_nothing(data, tmp_path):
+    src = data / "models" / "stories260K-pad-f32.gguf"
     data = bytearray(src.read_bytes())
     t = next(t for t in GGUFReader(src).tensors if t.name == "blk.3.ffn_up.weight")
     data[t.data_offset + 400: t.data_offset + 404] = np.float32(np.nan).tobytes()
@@ -489,8 +489,8 @@ def test_nan_weights_are_reported_and_leave_nothing(shared, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
 
 
-def test_usage_errors(shared, tmp_path):
-    src = shared / "models" / "stories260K-pad-f32.gguf"
+def test_usage_errors(data, tmp_path):
+    src = data / "models" / "stories260K-pad-f32.gguf"
     with pytest.raises(UsageError, match="unknown quantization type 'Q3_K_M'; use one of Q4_K_M, Q4_K_S, Q5_K_M, Q6_K, Q8_0"):
         quantize_model(src, tmp_path / "o.gguf", "Q3_K_M")
     with pytest.raises(UsageError, match="is the input file"):
@@ -509,8 +509,8 @@ def test_usage_errors(shared, tmp_path):
 runner = CliRunner()
 
 
-def test_cli_dry_run_prints_the_plan_and_size(shared, tmp_path):
-    res = runner.invoke(app, ["quantize", "--dry-run", str(shared / "models" / "stories260K-pad-f32.gguf"), "q4_k_m"])
+def test_cli_dry_run_prints_the_plan_and_size(data, tmp_path):
+    res = runner.invoke(app, ["quantize", "--dry-run", str(data / "models" / "stories260K-pad-f32.gguf"), "q4_k_m"])
     assert res.exit_code == 0, res.output
     lines = res.output.splitlines()
     assert any("blk.2.attn_v.weight" in l and "128 x 256" in l and "F32" in l and "Q6_K" in l for l in lines)
@@ -519,8 +519,8 @@ def test_cli_dry_run_prints_the_plan_and_size(shared, tmp_path):
     assert "Q4_K_M: 48 tensors, 2,231,040 weights, 8.51 MiB -> 1.29 MiB (4.84 bits per weight)" in res.output
 
 
-def test_cli_writes_refuses_to_overwrite_and_forces(shared, tmp_path):
-    src = str(shared / "models" / "stories260K-pad-f32.gguf")
+def test_cli_writes_refuses_to_overwrite_and_forces(data, tmp_path):
+    src = str(data / "models" / "stories260K-pad-f32.gguf")
     out = tmp_path / "m.gguf"
     res = runner.invoke(app, ["quantize", src, str(out), "Q8_0"])
     assert res.exit_code == 0, res.output
@@ -543,15 +543,15 @@ def test_cli_writes_refuses_to_overwrite_and_forces(shared, tmp_path):
         (["--dry-run", "OUT", "Q4_K_M"], "--dry-run takes IN TYPE"),
     ],
 )
-def test_cli_usage_errors_exit_2_with_one_line(shared, tmp_path, args, message):
+def test_cli_usage_errors_exit_2_with_one_line(data, tmp_path, args, message):
     args = [str(tmp_path / "o.gguf") if a == "OUT" else a for a in args]
-    res = runner.invoke(app, ["quantize", str(shared / "models" / "stories260K-pad-f32.gguf"), *args])
+    res = runner.invoke(app, ["quantize", str(data / "models" / "stories260K-pad-f32.gguf"), *args])
     assert res.exit_code == 2
     assert message in res.output and "Traceback" not in res.output
     assert list(tmp_path.iterdir()) == []
 
 
-def test_cli_interrupt_leaves_no_output_and_no_temp_file(shared, tmp_path, monkeypatch):
+def test_cli_interrupt_leaves_no_output_and_no_temp_file(data, tmp_path, monkeypatch):
     calls = []
     real = kquants.quantize
 
@@ -562,17 +562,17 @@ def test_cli_interrupt_leaves_no_output_and_no_temp_file(shared, tmp_path, monke
         return real(x, qtype)
 
     monkeypatch.setattr(kquants, "quantize", interrupted)
-    res = runner.invoke(app, ["quantize", str(shared / "models" / "stories260K-pad-f32.gguf"), str(tmp_path / "o.gguf"), "Q4_K_M", "-t", "1"])
+    res = runner.invoke(app, ["quantize", str(data / "models" / "stories260K-pad-f32.gguf"), str(tmp_path / "o.gguf"), "Q4_K_M", "-t", "1"])
     assert res.exit_code == 130
     assert len(calls) >= 3
     assert list(tmp_path.iterdir()) == []
 
 
-def test_q5_1_fallback_output_runs(shared, tmp_path):
+def test_q5_1_fallback_output_runs(data, tmp_path):
     """Q5_K_M on rows that are not a multiple of 256 falls back to Q5_1, which k4 runs."""
-    from runtime.reference import NumpyBackend
+    from k4.runtime.reference import NumpyBackend
 
-    src = write_tiny(tmp_path / "t.gguf", shared / "models" / "stories260K.gguf", tiny_config("llama"), matrix_type=T.F32)
+    src = write_tiny(tmp_path / "t.gguf", data / "models" / "stories260K.gguf", tiny_config("llama"), matrix_type=T.F32)
     dst = tmp_path / "q5km.gguf"
     res = runner.invoke(app, ["quantize", str(src), str(dst), "Q5_K_M"])
     assert res.exit_code == 0 and "warning" not in res.output

@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from runtime.errors import ContextFullError
-from runtime.model import open_model
-from runtime.reference import NumpyBackend, apply_rope, rope_tables
+from k4.runtime.errors import ContextFullError
+from k4.runtime.model import open_model
+from k4.runtime.reference import NumpyBackend, apply_rope, rope_tables
 from tiny import tiny_config, write_tiny
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("mtype", [T.Q8_0, T.F16, T.BF16, T.Q5_0, T.Q5_1, T.F32])
-def test_prefill_equals_token_by_token(tmp_path, shared, arch, mtype):
-    p = write_tiny(tmp_path / "m.gguf", shared / "models" / "stories260K.gguf",
+def test_prefill_equals_token_by_token(tmp_path, data, arch, mtype):
+    p = write_tiny(tmp_path / "m.gguf", data / "models" / "stories260K.gguf",
                    tiny_config(arch, tied_embeddings=arch == "qwen2"), matrix_type=mtype)
     be = NumpyBackend(open_model(p), 32)
     ids = [1, 400, 37, 90, 5, 300]
@@ -28,8 +28,8 @@ def test_prefill_equals_token_by_token(tmp_path, shared, arch, mtype):
     np.testing.assert_allclose(be.eval(ids[3:]), full[-1], rtol=0, atol=1e-4)
 
 
-def test_context_full_is_clear(shared):
-    be = NumpyBackend(open_model(shared / "models" / "stories260K.gguf"), 4)
+def test_context_full_is_clear(data):
+    be = NumpyBackend(open_model(data / "models" / "stories260K.gguf"), 4)
     be.eval([1, 2, 3])
     with pytest.raises(ContextFullError, match="do not fit in the context of 4"):
         be.eval([4, 5])
@@ -65,8 +65,8 @@ def test_rope_freqs_divide_theta():
     np.testing.assert_allclose(s1[0], np.sin(5 * inv), rtol=1e-6)
 
 
-def test_padded_f32_model_computes_the_same_function(shared):
-    small = NumpyBackend(open_model(shared / "models" / "stories260K.gguf"), 64)
-    padded = NumpyBackend(open_model(shared / "models" / "stories260K-pad-f32.gguf"), 64)
+def test_padded_f32_model_computes_the_same_function(data):
+    small = NumpyBackend(open_model(data / "models" / "stories260K.gguf"), 64)
+    padded = NumpyBackend(open_model(data / "models" / "stories260K-pad-f32.gguf"), 64)
     ids = [1, 403, 407, 261, 378, 12, 88]
     np.testing.assert_allclose(padded.eval(ids, all_logits=True), small.eval(ids, all_logits=True), rtol=0, atol=2e-3)

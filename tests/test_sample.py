@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from runtime.model import open_model
-from runtime.reference import NumpyBackend
+from k4.runtime.model import open_model
+from k4.runtime.reference import NumpyBackend
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "samples" / "stories260k-q4_k_m.gguf"
@@ -26,9 +26,9 @@ def make_sample():
 
 
 @pytest.fixture(scope="module")
-def padded(make_sample, shared, tmp_path_factory):
+def padded(make_sample, data, tmp_path_factory):
     path = tmp_path_factory.mktemp("pad") / "pad.gguf"
-    make_sample.pad_model(shared / "models" / "stories260K.gguf", path)
+    make_sample.pad_model(data / "models" / "stories260K.gguf", path)
     return path
 
 
@@ -43,22 +43,22 @@ def test_padded_model_shape_and_metadata(padded):
     assert all(t.shape[-1] % 256 == 0 for t in open_model(padded).tensors.values())
 
 
-def test_padded_model_computes_the_same_function(padded, shared):
+def test_padded_model_computes_the_same_function(padded, data):
     ids = [1, 403, 29, 260, 19, 5, 330, 97, 14, 421, 2]
-    small = NumpyBackend(open_model(shared / "models" / "stories260K.gguf"), 32).eval(ids, all_logits=True)
+    small = NumpyBackend(open_model(data / "models" / "stories260K.gguf"), 32).eval(ids, all_logits=True)
     big = NumpyBackend(open_model(padded), 32).eval(ids, all_logits=True)
     assert big.shape == small.shape == (len(ids), 512)
     np.testing.assert_allclose(big, small, rtol=0, atol=2e-3)
     assert (big.argmax(axis=1) == small.argmax(axis=1)).all()
 
 
-def test_padding_matches_the_shared_padded_model(padded, shared):
-    assert tensors(padded) == tensors(shared / "models" / "stories260K-pad-f32.gguf")
+def test_padding_matches_the_shared_padded_model(padded, data):
+    assert tensors(padded) == tensors(data / "models" / "stories260K-pad-f32.gguf")
 
 
-def test_script_reproduces_the_committed_sample(make_sample, shared, tmp_path):
+def test_script_reproduces_the_committed_sample(make_sample, data, tmp_path):
     out = tmp_path / "sample.gguf"
-    make_sample.make_sample(shared / "models" / "stories260K.gguf", out)
+    make_sample.make_sample(data / "models" / "stories260K.gguf", out)
     assert tensors(out) == tensors(SAMPLE)
     assert out.read_bytes() == SAMPLE.read_bytes()
-    assert out.read_bytes() == (shared / "models" / "stories260K-pad-q4_k_m.gguf").read_bytes()
+    assert out.read_bytes() == (data / "models" / "stories260K-pad-q4_k_m.gguf").read_bytes()

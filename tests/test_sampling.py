@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.errors import UsageError
-from runtime.sampling import SamplingParams, apply_repeat_penalty, sample, splitmix64, uniform
+from k4.runtime.errors import UsageError
+from k4.runtime.sampling import SamplingParams, apply_repeat_penalty, sample, splitmix64, uniform
 
 
 def test_splitmix64_known_values():

@@ -7,21 +7,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.errors import TokenizerError
-from runtime.model import open_model
-from runtime.tokenizer import Tokenizer
+from k4.runtime.errors import TokenizerError
+from k4.runtime.model import open_model
+from k4.runtime.tokenizer import Tokenizer
 
 VOCABS = ("llama-spm", "gpt-2", "falcon", "deepseek-llm")
 
 @pytest.fixture(scope="module")
-def vocab(shared):
-    """name -> Tokenizer for shared/vocab/ggml-vocab-{name}.gguf, "stories" for stories260K (opened once)."""
+def vocab(data):
+    """name -> Tokenizer for tests/data/vocab/ggml-vocab-{name}.gguf, "stories" for stories260K (opened once)."""
 
     cache: dict[str, Tokenizer] = {}
 
     def get(name: str) -> Tokenizer:
         if name not in cache:
-            path = shared / "models" / "stories260K.gguf" if name == "stories" else shared / "vocab" / f"ggml-vocab-{name}.gguf"
+            path = data / "models" / "stories260K.gguf" if name == "stories" else data / "vocab" / f"ggml-vocab-{name}.gguf"
             cache[name] = Tokenizer.from_model(open_model(path, require_weights=False))
         return cache[name]
 
@@ -29,7 +29,7 @@ def vocab(shared):
 
 
 def read_suite(path):
-    """(text, expected ids) pairs of a llama.cpp vocab test (.inp/.out, format in shared/README.md)."""
+    """(text, expected ids) pairs of a llama.cpp vocab test (.inp/.out, format in tests/data/README.md)."""
     texts = path.with_suffix(".gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
     assert texts[-1] == ""
     lines = path.with_suffix(".gguf.out").read_text(encoding="utf-8").split("\n")
@@ -62,9 +62,9 @@ def write_vocab(path, tokens, types, model="gpt2", pre="gpt-2", merges=(), score
 
 
 @pytest.mark.parametrize("name", VOCABS)
-def test_vocab_suite_matches_llama_cpp(vocab, shared, name):
+def test_vocab_suite_matches_llama_cpp(vocab, data, name):
     tok = vocab(name)
-    cases = read_suite(shared / "vocab" / f"ggml-vocab-{name}.gguf")
+    cases = read_suite(data / "vocab" / f"ggml-vocab-{name}.gguf")
     assert len(cases) == 46
     wrong = [(text, got, ids) for text, ids in cases if (got := tok.encode(text, add_bos=False)) != ids]
     assert wrong == []

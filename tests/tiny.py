@@ -10,8 +10,8 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 from gguf.quants import quantize
 
-from runtime.model import ModelConfig, expected_shapes
-from runtime.synthetic import vocab_from, write_metadata
+from k4.runtime.model import ModelConfig, expected_shapes
+from k4.runtime.synthetic import vocab_from, write_metadata
 
 def tiny_config(arch: str = "llama", **over) -> ModelConfig:
     base = dict(

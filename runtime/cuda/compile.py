@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from kernels_cu import SOURCE_DIR
-from runtime.errors import BackendUnavailableError
+from k4.kernels_cu import SOURCE_DIR
+from k4.runtime.errors import BackendUnavailableError
 
 OPTIONS = ("-std=c++17", f"-I{SOURCE_DIR}", "--use_fast_math")
 

@@ -22,8 +22,8 @@ from functools import cache
 
 import numpy as np
 
-from runtime.errors import GpuError
-from runtime.trace import Trace
+from k4.runtime.errors import GpuError
+from k4.runtime.trace import Trace
 
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 

@@ -43,9 +43,9 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from runtime import flags
-from runtime.model import Tensor
-from runtime.trace import Trace
+from k4.runtime import flags
+from k4.runtime.model import Tensor
+from k4.runtime.trace import Trace
 
 from .compile import module
 from .launch import launch
@@ -728,7 +728,7 @@ def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, str
 def random_weight(ggml_type: T, n_out: int, n_in: int, rng: np.random.Generator) -> Tensor:
     """A random (n_out, n_in) weight matrix of `ggml_type` with valid blocks (finite fp16 scales,
     random quants; runtime.synthetic.random_blocks) and weights of standard deviation ~1/sqrt(n_in)."""
-    from runtime.synthetic import random_blocks
+    from k4.runtime.synthetic import random_blocks
 
     scale = 1.0 / math.sqrt(n_in)
     if ggml_type in QUANT:
