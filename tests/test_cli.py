@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import gguf
 import pytest
 from typer.testing import CliRunner
 
@@ -84,12 +85,38 @@ def test_info_of_sample():
         assert needle in r.stdout
 
 
+def vocab_case(data, name: str, index: int) -> tuple[str, list[int]]:
+    """Test string number `index` of tests/data/vocab/<name>.inp and its expected ids (.out,
+    from the Hugging Face tokenizer, no BOS); format in tests/data/README.md."""
+    texts = (data / "vocab" / f"{name}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    ids = (data / "vocab" / f"{name}.out").read_text(encoding="utf-8").split("\n")
+    return texts[index], [int(x) for x in ids[index].split()]
+
+
+def vocab_tokens(path) -> list[str]:
+    """tokenizer.ggml.tokens of a GGUF, read with the gguf package alone."""
+    field = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.tokens"]
+    return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+
+
 def test_tokenize_ids_and_pieces(data):
-    r = invoke("tokenize", "-m", str(data / "models" / "stories260K.gguf"), "--ids", "Once upon a time")
-    ids = json.loads(r.stdout)
-    assert ids[0] == 1 and len(ids) > 2
-    r = invoke("tokenize", "-m", str(data / "models" / "stories260K.gguf"), "--no-bos", "Once")
-    assert "->" in r.stdout and "1 ->" not in r.stdout.split("\n")[0][:8]
+    model = data / "vocab" / "ggml-vocab-llama-spm.gguf"
+    tokens = vocab_tokens(model)
+    text, expected = vocab_case(data, "ggml-vocab-llama-spm.gguf", 18)
+    assert text == " this is 🦙.cpp"  # a byte-fallback case: the llama emoji is 4 <0x..> tokens
+    r = invoke("tokenize", "-m", str(model), text)
+    assert r.exit_code == 0, r.output
+    bos = 1  # tokenizer.ggml.bos_token_id; llama-spm adds BOS
+    assert r.stdout.splitlines() == [f"{t:6d} -> {tokens[t]!r}" for t in [bos, *expected]]
+    assert r.stdout.splitlines()[:3] == ["     1 -> '<s>'", " 29871 -> '▁'", "   445 -> '▁this'"]
+    text, expected = vocab_case(data, "ggml-vocab-llama-spm.gguf", 16)
+    r = invoke("tokenize", "-m", str(model), "--ids", "--no-bos", text)
+    assert text == "Hello, world!" and r.stdout == "[15043, 29892, 3186, 29991]\n" and expected == [15043, 29892, 3186, 29991]
+    # stories260K: each word of the prompt is one token of its 512-token vocabulary
+    story = data / "models" / "stories260K.gguf"
+    words = [vocab_tokens(story).index(w) for w in ("▁Once", "▁upon", "▁a", "▁time")]
+    r = invoke("tokenize", "-m", str(story), "--ids", "Once upon a time")
+    assert r.stdout == f"{[1, *words]}\n" and words == [403, 407, 261, 378]
 
 
 def test_tokenize_vocab_only_gguf(data):
