@@ -103,7 +103,14 @@ def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=Non
     if n_ctx < 1:
         raise UsageError(f"--ctx-size {n_ctx} is invalid; use a positive number of tokens")
     if kind == "auto":
-        kind = "cuda" if cuda_available() else "numpy"
+        try:
+            kind = "cuda" if cuda_available() else "numpy"
+        except Exception as exc:
+            from .errors import BackendUnavailableError
+
+            raise BackendUnavailableError(f"CuPy is installed but the GPU cannot be used ({type(exc).__name__}: "
+                                          f"{str(exc).splitlines()[0] if str(exc) else ''}); fix the CUDA setup "
+                                          "or use --backend numpy") from None
     if kind == "cuda":
         from .cuda.backend import CudaBackend  # raises BackendUnavailableError without CuPy or a GPU
 
@@ -114,10 +121,23 @@ def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=Non
 
 
 def cuda_available() -> bool:
-    """True when CuPy imports and sees at least one CUDA device."""
+    """True when CuPy imports and sees at least one CUDA device.
+
+    False only for the two ordinary reasons a machine has no GPU backend: CuPy is not installed,
+    or the CUDA runtime reports no device (or no driver). Anything else (a broken CuPy, a
+    failing driver call) propagates, so it is seen rather than silently turned into "no GPU".
+    """
     try:
         import cupy as cp
-
-        return cp.cuda.runtime.getDeviceCount() > 0
-    except Exception:
+    except ImportError:
         return False
+    try:
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except cp.cuda.runtime.CUDARuntimeError as exc:
+        if _NO_DEVICE.intersection(str(exc).split()):
+            return False
+        raise
+
+
+# CUDA runtime errors that mean "no GPU here" rather than "something is broken"
+_NO_DEVICE = {"cudaErrorNoDevice:", "cudaErrorInsufficientDriver:", "cudaErrorNoDevice", "cudaErrorInsufficientDriver"}

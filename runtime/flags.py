@@ -53,13 +53,15 @@ def _parse(name: str, raw: str) -> int:
         raise UsageError(f"environment variable {name}={raw!r} is not an integer; use 0 or 1") from None
 
 
+NOT_FLAGS = frozenset({"K4_REQUIRE_GPU"})  # K4_* variables of the test harness (tests/conftest.py), not switches
+
 class Flags:
     """Flag values from an environment mapping (default: os.environ), read once."""
 
     def __init__(self, env: Mapping[str, str] | None = None):
         env = os.environ if env is None else env
         self.values = {n: _parse(n, env[n]) if n in env else f.default for n, f in FLAGS.items()}
-        self.unknown = sorted(k for k in env if k.startswith("K4_") and k not in FLAGS)
+        self.unknown = sorted(k for k in env if k.startswith("K4_") and k not in FLAGS and k not in NOT_FLAGS)
 
     def __getitem__(self, name: str) -> int:
         return self.values[name]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
+from tests.gpu import cupy_or_skip
 from k4.runtime.errors import BackendUnavailableError, ContextFullError
 from k4.runtime.model import open_model
 from k4.runtime.perplexity import perplexity
@@ -20,7 +21,7 @@ from k4.runtime.sampling import SamplingParams
 from k4.runtime.tokenizer import Tokenizer
 from tests import tiny
 
-cp = pytest.importorskip("cupy")
+cp = cupy_or_skip()
 pytestmark = pytest.mark.cuda
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.gpu import cupy_or_skip
 from k4.runtime.chat import ChatSession
 from k4.runtime.chat_template import ChatTemplate
 from k4.runtime.errors import GpuError
@@ -32,7 +33,7 @@ from k4.runtime.synthetic import write_synthetic
 from k4.runtime.tokenizer import Tokenizer
 from k4.runtime.trace import Trace
 
-cp = pytest.importorskip("cupy")
+cp = cupy_or_skip()
 pytestmark = pytest.mark.cuda
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,12 +12,13 @@ import zlib
 import numpy as np
 import pytest
 
+from tests.gpu import cupy_or_skip
 from k4.runtime import reference
 from k4.runtime.sampling import SamplingParams, apply_repeat_penalty, sample
 from k4.runtime.trace import Trace
 from tests.tiny import tiny_config
 
-cp = pytest.importorskip("cupy")
+cp = cupy_or_skip()
 pytestmark = pytest.mark.cuda
 
 
