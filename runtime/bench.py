@@ -137,19 +137,21 @@ def _prompt(n: int, n_vocab: int, seed: int) -> list[int]:
     return rng.integers(3, n_vocab, size=n).tolist()
 
 
-def run_once(backend, test: BenchTest, n_vocab: int, seed: int) -> tuple[float, list[float]]:
-    """One repetition: returns (tokens/s over the test's tokens, per-token decode ms)."""
+def run_once(backend, test: BenchTest, n_vocab: int, seed: int,
+             clock: Callable[[], float] = time.perf_counter) -> tuple[float, list[float]]:
+    """One repetition: returns (tokens/s over the test's tokens, per-token decode ms). `clock`
+    reads seconds (time.perf_counter; tests pass a fake one)."""
     backend.reset()
     if test.depth:
         if test.depth + test.n_tokens > backend.n_ctx:
             raise UsageError(f"{test.name} needs {test.depth + test.n_tokens} tokens of context; raise --ctx-size")
         backend.eval(_prompt(test.depth, n_vocab, seed + 1))
     prompt = _prompt(test.n_prompt, n_vocab, seed)
-    t0 = time.perf_counter()
+    t0 = clock()
     token_ms: list[float] = []
     if not test.n_gen:
         backend.eval(prompt)
-        elapsed = time.perf_counter() - t0
+        elapsed = clock() - t0
     else:
         feed = prompt
         if not prompt:  # decode only: the first step re-evaluates the last cached token (or BOS)
@@ -157,30 +159,31 @@ def run_once(backend, test: BenchTest, n_vocab: int, seed: int) -> tuple[float, 
             backend.truncate(max(backend.n_past - 1, 0))
         gen = backend.generate(feed, SamplingParams(temperature=0.0))
         try:
-            t_prev = time.perf_counter()
+            t_prev = clock()
             for i in range(test.n_gen):
                 next(gen)
-                t = time.perf_counter()
+                t = clock()
                 if i or not prompt:  # the first token of pp+tg also carries the prefill
                     token_ms.append((t - t_prev) * 1e3)
                 t_prev = t
             # the clock stops when the n-th token reaches the host: a backend computing one
             # step ahead (ping-pong) has then evaluated n_gen tokens, as llama-bench's tgN
             # does; the step in flight that close() finishes and discards is not counted
-            elapsed = time.perf_counter() - t0
+            elapsed = clock() - t0
         finally:
             gen.close()
     return test.n_tokens / elapsed, token_ms
 
 
 def run_test(backend, test: BenchTest, reps: int, n_vocab: int, seed: int = 0,
-             on_rep: Callable[[], None] | None = None, load: dict | None = None) -> BenchResult:
-    """One warm-up run, then `reps` measured runs of `test` on `backend`."""
+             on_rep: Callable[[], None] | None = None, load: dict | None = None,
+             clock: Callable[[], float] = time.perf_counter) -> BenchResult:
+    """One warm-up run, then `reps` measured runs of `test` on `backend` (clock: see run_once)."""
     res = BenchResult(test, load=load or {})
-    run_once(backend, test, n_vocab, seed)
+    run_once(backend, test, n_vocab, seed, clock)
     for r in range(reps):
         backend.trace.reset()
-        tps, token_ms = run_once(backend, test, n_vocab, seed)
+        tps, token_ms = run_once(backend, test, n_vocab, seed, clock)
         res.samples.append(tps)
         res.token_ms += token_ms
         res.token_gpu_ms += backend.trace.gpu_steps.get("decode", [])
@@ -235,15 +238,16 @@ def result_record(res: BenchResult, env: dict, model_info: dict) -> dict:
 
 
 def iter_results(tests: Sequence[BenchTest], make_backend: Callable[[tuple], object], reps: int, n_vocab: int,
-                 on_rep: Callable[[], None] | None = None) -> Iterator[BenchResult]:
-    """Run every test, building one backend per flag set (flags apply while it is built and used)."""
+                 on_rep: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter) -> Iterator[BenchResult]:
+    """Run every test, building one backend per flag set (flags apply while it is built and used);
+    clock: see run_once."""
     for flags, group in itertools.groupby(tests, key=lambda t: t.flags):
         with flags_applied(flags):
             backend = make_backend(flags)
             load = {name: c.as_dict() for name, c in backend.trace.phases.items()}
             values = dict(current_flags().values)
             for test in group:
-                res = run_test(backend, test, reps, n_vocab, on_rep=on_rep, load=load)
+                res = run_test(backend, test, reps, n_vocab, on_rep=on_rep, load=load, clock=clock)
                 res.flag_values, res.load_ms, res.backend = values, dict(backend.load_ms), backend.name
                 res.load_detail_ms = dict(getattr(backend, "load_detail_ms", {}))
                 yield res
