@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from . import common as c
-from .render import err, errors_to_exit, memory_table, out, table
+from .render import err, errors_to_exit, json_text, memory_table, out, rate_text, table
 
 FORMATS = ("table", "md", "csv", "json", "jsonl")
 
@@ -30,7 +29,7 @@ def bench(
     flags: Annotated[Optional[List[str]], typer.Option("--flags", help="A flag configuration \"K4_X=0;K4_Y=1\" (repeatable).")] = None,
     output: Annotated[str, typer.Option("-o", "--output", help="table, md, csv, json or jsonl.")] = "table",
     backend: c.BackendOpt = "auto",
-    ctx_size: c.CtxOpt = 0,
+    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = what the longest test needs).")] = 0,
     kernels: Annotated[bool, typer.Option("--kernels", help="Microbenchmark the matrix-vector and attention kernels instead (GPU).")] = False,
 ) -> None:
     """Measure prompt processing (ppN) and generation (tgN) speed, llama-bench style."""
@@ -45,6 +44,7 @@ def bench(
         raise UsageError(f"-o {output!r} is unknown; use one of {', '.join(FORMATS)}")
     if reps < 1:
         raise UsageError(f"-r {reps} is invalid; use at least 1")
+    c.check_ctx_size(ctx_size)
     if kernels:
         return _kernels(output)
     pairs = [tuple(rb.parse_list(x, "--pg")) for x in (pg or [])]
@@ -81,6 +81,9 @@ def _run(path: Path, tests, reps: int, output: str, backend: str, ctx_size: int)
     cfg = mf.config
     need = max(t.depth + t.n_tokens for t in tests)
     n_ctx = ctx_size or max(need, 16)
+    warning = c.ctx_warning(n_ctx, cfg.n_ctx_train)
+    if warning:
+        err.print(warning, style="yellow", markup=False)
     model_info = {"model_type": f"{cfg.arch} {cfg.name}", "model_size": mf.file_size, "model_n_params": mf.n_params}
     results, env = [], None
     with Progress(console=err, transient=True, disable=not err.is_terminal) as prog:
@@ -103,10 +106,8 @@ def _print(results, env, model_info, output: str) -> None:
     if not results:
         return
     records = [result_record(r, env, model_info) for r in results]
-    if output == "json":
-        sys.stdout.write(json.dumps(records, indent=2) + "\n")
-    elif output == "jsonl":
-        sys.stdout.write("".join(json.dumps(r) + "\n" for r in records))
+    if output in ("json", "jsonl"):
+        _print_json(records, output)
     elif output == "csv":
         buf = io.StringIO()
         flat = [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in records]  # phases/memory: json only
@@ -121,10 +122,18 @@ def _print(results, env, model_info, output: str) -> None:
         _tables(results, records)
 
 
+def _print_json(records: list[dict], output: str) -> None:
+    """-o json: one indented array; -o jsonl: one record per line. Strict JSON (null for NaN)."""
+    if output == "json":
+        sys.stdout.write(json_text(records, indent=2) + "\n")
+    else:
+        sys.stdout.write("".join(json_text(r) + "\n" for r in records))
+
+
 def _summary_rows(records):
     for r in records:
         yield (Path(r["model"]).name, f"{r['model_size'] / 2**20:,.2f} MiB", f"{r['model_n_params'] / 1e6:,.2f} M",
-               r["backend"], r["flags"] or "-", r["test"], f"{r['avg_ts']:,.2f} ± {r['stddev_ts']:,.2f}")
+               r["backend"], r["flags"] or "-", r["test"], f"{rate_text(r['avg_ts'], ',.2f')} ± {rate_text(r['stddev_ts'], ',.2f')}")
 
 
 SUMMARY_COLUMNS = ("model", "size", "params", "backend", "flags", "test", "t/s")
@@ -161,9 +170,9 @@ def _tables(results, records) -> None:
     rows = []
     for r in results:
         for phase, cnt in r.phases.items():
-            steps = max(cnt.get("steps", 0), 1)
+            steps = cnt.get("steps", 0)
             rows.append((r.test.name, phase, f"{cnt['h2d_bytes']:,}", cnt["h2d_count"], f"{cnt['d2h_bytes']:,}", cnt["d2h_count"],
-                         cnt["syncs"], cnt["launches"], cnt["graph_replays"], f"{cnt['d2h_bytes'] / steps:,.1f}"))
+                         cnt["syncs"], cnt["launches"], cnt["graph_replays"], rate_text(cnt["d2h_bytes"] / steps if steps else None)))
     out.print(table("copy traffic per phase (last run)",
                     ("test", "phase", "H2D bytes", "H2D #", "D2H bytes", "D2H #", "syncs", "launches", "graph replays", "D2H B/step"),
                     rows, right=range(2, 10)))
@@ -211,7 +220,7 @@ def _kernels(output: str) -> None:
                      "us": r["us"], "tflop_s": r["tflop_s"], "gb_s": r["gb_s"]})
     records = gemv + attn
     if output in ("json", "jsonl"):
-        sys.stdout.write(json.dumps(records, indent=2) + "\n" if output == "json" else "".join(json.dumps(r) + "\n" for r in records))
+        _print_json(records, output)
         return
     out.print(table("matrix-vector kernels (median of CUDA-event timings; read: a kernel that only streams the same bytes; "
                     "dep. read: the same, waiting for the previous launch as a product waits for its x)",

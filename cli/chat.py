@@ -29,7 +29,7 @@ from k4.runtime.flags import current as current_flags
 from k4.runtime.sampling import SamplingParams
 
 from . import common as c
-from .render import err, errors_to_exit, out, table, trace_table
+from .render import err, errors_to_exit, generation_rates, out, rate_text, table, trace_table
 
 PROMPT, CONTINUATION = ">>> ", "... "
 BLOCK = '"""'
@@ -56,9 +56,11 @@ def default_history() -> Path:
 
 
 def reply_stats(result) -> str:
-    """The line after each reply: evaluated prompt tokens and reply tokens with their rates (t/s)."""
-    return (f"[ prompt {result.prefill_tokens:,} tok {result.prompt_tps:,.0f} t/s | "
-            f"reply {len(result.token_ids):,} tok {result.gen_tps:,.0f} t/s ]")
+    """The line after each reply: evaluated prompt tokens and reply tokens with their rates (t/s,
+    "-" for an empty phase)."""
+    prompt_tps, gen_tps = generation_rates(result)
+    return (f"[ prompt {result.prefill_tokens:,} tok {rate_text(prompt_tps, ',.0f')} t/s | "
+            f"reply {len(result.token_ids):,} tok {rate_text(gen_tps, ',.0f')} t/s ]")
 
 
 def message_text(line: str) -> str:
@@ -268,10 +270,11 @@ class Repl:
             out.print("no reply yet", markup=False)
             return
         r = last.result
+        prompt_tps, gen_tps = generation_rates(r)
         rows = [
             ("prompt", f"{r.prompt_tokens:,} tok", f"{r.prompt_tokens - r.prefill_tokens:,} from the cache, {r.prefill_tokens:,} evaluated",
-             f"{r.prompt_ms:,.1f} ms", f"{r.prompt_tps:,.1f} t/s"),
-            ("reply", f"{len(r.token_ids):,} tok", f"stop: {r.stop_reason}", f"{r.gen_ms:,.1f} ms", f"{r.gen_tps:,.1f} t/s"),
+             f"{r.prompt_ms:,.1f} ms", f"{rate_text(prompt_tps)} t/s"),
+            ("reply", f"{len(r.token_ids):,} tok", f"stop: {r.stop_reason}", f"{r.gen_ms:,.1f} ms", f"{rate_text(gen_tps)} t/s"),
         ]
         out.print(table("last reply", ["phase", "tokens", "", "time", "rate"], rows, right=(1, 3, 4)))
         out.print(trace_table(last.trace, "per-phase counters (last reply)"))
@@ -279,8 +282,8 @@ class Repl:
     def run_interactive(self, history: Path) -> None:
         prompt = make_prompt(history)
         cfg = self.loaded.mf.config
-        err.print(f"k4 chat: {cfg.name} on {self.loaded.backend.name}, context {self.session.n_ctx:,} tokens. "
-                  "/help for commands, Ctrl-D or /bye to leave.", style="dim", markup=False)
+        err.print(f"k4 chat: {cfg.name} on {self.loaded.backend.name}, context {self.session.n_ctx:,} tokens, "
+                  f"seed {self.session.params.seed}. /help for commands, Ctrl-D or /bye to leave.", style="dim", markup=False)
         while True:
             try:
                 line = prompt.prompt(PROMPT)
@@ -296,6 +299,8 @@ class Repl:
                 err.print("(interrupted)", style="dim", markup=False)
 
     def run_piped(self) -> None:
+        if self.stats:
+            err.print(f"seed {self.session.params.seed}", style="dim", markup=False)
         for line in sys.stdin:
             if not self.handle(line.rstrip("\r\n")):
                 return
@@ -337,7 +342,7 @@ def chat(
     history: Annotated[Optional[Path], typer.Option("--history", help="Input history file (default: $XDG_STATE_HOME/k4/history or ~/.local/state/k4/history).", show_default=False)] = None,
     no_stats: Annotated[bool, typer.Option("--no-stats", help="Do not print the token counts and rates after each reply.")] = False,
     n_predict: c.NPredictOpt = -1,
-    ctx_size: c.CtxOpt = 0,
+    ctx_size: c.GenCtxOpt = None,
     temp: c.TempOpt = 0.8,
     top_k: c.TopKOpt = 40,
     top_p: c.TopPOpt = 0.95,

@@ -11,13 +11,17 @@ from typing import Annotated, Optional
 
 import typer
 
+from k4.runtime.backend import DEFAULT_CTX
 from k4.runtime.errors import UsageError
 from k4.runtime.model import SAMPLE_MODEL
 
 
 ModelOpt = Annotated[Optional[Path], typer.Option("-m", "--model", help="GGUF model file (default: the bundled sample).", show_default=False)]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto (cuda when a GPU is present), numpy or cuda.")]
-CtxOpt = Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = the model's training context, at most 4096).")]
+CtxOpt = Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = the model's training context, n_ctx_train).")]
+GenCtxOpt = Annotated[Optional[int], typer.Option(
+    "-c", "--ctx-size", show_default=False,
+    help=f"Context size in tokens (default: the model's training context, at most {DEFAULT_CTX}; 0 = all of the training context, n_ctx_train).")]
 NPredictOpt = Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate (-1 = until end of text or a full context).")]
 TempOpt = Annotated[float, typer.Option("--temp", help="Temperature (0 = greedy).")]
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Top-k sampling (0 = off).")]
@@ -25,7 +29,7 @@ TopPOpt = Annotated[float, typer.Option("--top-p", help="Top-p (nucleus) samplin
 MinPOpt = Annotated[float, typer.Option("--min-p", help="Min-p sampling, in [0, 1] (0 = off).")]
 RepeatPenaltyOpt = Annotated[float, typer.Option("--repeat-penalty", help="Penalty for repeated tokens (1 = off).")]
 RepeatLastNOpt = Annotated[int, typer.Option("--repeat-last-n", help="How many recent tokens the repeat penalty looks at.")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed (-1 = pick one).")]
+SeedOpt = Annotated[int, typer.Option("-s", "--seed", help="Random seed (-1 = pick one; the seed used is printed).")]
 NoBosOpt = Annotated[bool, typer.Option("--no-bos", help="Do not add the BOS token even if the model asks for it.")]
 FileOpt = Annotated[Optional[Path], typer.Option("-f", "--file", help="Read the text from this file.", show_default=False)]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Print per-phase timing and copy-traffic tables.")]
@@ -56,6 +60,15 @@ def read_text(text: Optional[str], file: Optional[Path], what: str = "prompt") -
     raise UsageError(f"no {what}: pass it as an argument, with -f FILE, or on stdin")
 
 
+def read_prompt(positional: Optional[str], option: Optional[str], file: Optional[Path]) -> str:
+    """The prompt from exactly one of: the PROMPT argument, -p TEXT, -f FILE (else piped stdin).
+    Raises UsageError when two are given, none is, or the file cannot be read."""
+    given = [name for name, value in (("as an argument", positional), ("with -p", option), ("with -f", file)) if value is not None]
+    if len(given) > 1:
+        raise UsageError(f"the prompt was given {' and '.join(given)}; give it once: PROMPT, -p TEXT or -f FILE")
+    return read_text(option if option is not None else positional, file)
+
+
 def check_n_predict(n_predict: int) -> None:
     """Raise UsageError for -n values below -1."""
     if n_predict < -1:
@@ -63,6 +76,7 @@ def check_n_predict(n_predict: int) -> None:
 
 
 def resolve_seed(seed: int) -> int:
+    """The seed to use: `seed` itself when >= 0, else a random one (32 bits from os.urandom)."""
     return int.from_bytes(os.urandom(4), "little") if seed < 0 else seed
 
 
@@ -79,18 +93,48 @@ class Session:
 PROGRESS_MIN_BYTES = 100 * 2**20  # models smaller than this load without a progress bar
 
 
-def load_session(model: Optional[Path], backend: str, ctx_size: int) -> Session:
-    """Open, validate and load a model on a backend (a progress bar on stderr for models over
-    100 MiB). Raises K4Error subclasses on bad input."""
+def check_ctx_size(ctx_size: Optional[int]) -> None:
+    """Raise UsageError for a negative -c."""
+    if ctx_size is not None and ctx_size < 0:
+        raise UsageError(f"--ctx-size {ctx_size} is invalid; use a positive number of tokens, or 0 for the model's training context")
+
+
+def resolve_ctx(ctx_size: Optional[int], n_ctx_train: int) -> int:
+    """The context size (tokens) for -c: None -> the training context capped at DEFAULT_CTX,
+    0 -> the training context n_ctx_train (llama.cpp's "0 = loaded from model"), else -c itself.
+    Raises UsageError for a negative -c."""
+    check_ctx_size(ctx_size)
+    if ctx_size is None:
+        return min(n_ctx_train, DEFAULT_CTX)
+    return ctx_size or n_ctx_train
+
+
+def ctx_warning(n_ctx: int, n_ctx_train: int) -> Optional[str]:
+    """The one-line warning when a context of n_ctx tokens exceeds the training context, else None."""
+    if n_ctx <= n_ctx_train:
+        return None
+    return (f"warning: --ctx-size {n_ctx} exceeds the model's training context of {n_ctx_train} tokens; "
+            "output past it may degrade")
+
+
+def load_session(model: Optional[Path], backend: str, ctx_size: Optional[int]) -> Session:
+    """Open, validate and load a model on a backend with the context resolve_ctx gives for -c
+    (a warning on stderr when it exceeds the training context; a progress bar on stderr for
+    models over 100 MiB). Raises K4Error subclasses on bad input."""
     from k4.runtime.backend import make_backend
     from k4.runtime.model import open_model
     from k4.runtime.tokenizer import Tokenizer
 
-    from .render import progress_bar
+    from .render import err, progress_bar
 
+    check_ctx_size(ctx_size)
     t0 = time.perf_counter()
     mf = open_model(model_path(model))
+    n_ctx = resolve_ctx(ctx_size, mf.config.n_ctx_train)
+    warning = ctx_warning(n_ctx, mf.config.n_ctx_train)
+    if warning:
+        err.print(warning, style="yellow", markup=False)
     tok = Tokenizer.from_model(mf)
     with progress_bar(f"loading {mf.path.name}", min_bytes=PROGRESS_MIN_BYTES) as update:
-        be = make_backend(mf, backend, ctx_size, progress=update)
+        be = make_backend(mf, backend, n_ctx, progress=update)
     return Session(mf, tok, be, (time.perf_counter() - t0) * 1e3)

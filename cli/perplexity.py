@@ -22,9 +22,8 @@ def perplexity(
     if file is None:
         raise UsageError("perplexity needs a text file: pass -f FILE")
     text = c.read_text(None, file, "text")
-    if ctx_size <= 0:
-        raise UsageError(f"--ctx-size {ctx_size} is invalid; use a positive number of tokens")
     s = c.load_session(model, backend, ctx_size)
+    ctx_size = s.backend.n_ctx  # -c 0: the model's training context
     tokens = s.tokenizer.encode(text)
     add_bos = s.tokenizer.add_bos and s.tokenizer.bos_id is not None
     err.print(f"{len(tokens)} tokens, {len(tokens) // ctx_size} chunks of {ctx_size}", style="dim")

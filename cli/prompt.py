@@ -15,16 +15,22 @@ from .render import err, errors_to_exit
 def prompt(
     messages: Annotated[Path, typer.Option("--messages", help="JSON file: a list of {\"role\", \"content\"} objects.")],
     model: c.ModelOpt = None,
-    template: Annotated[Optional[Path], typer.Option("--template", help="Use this Jinja chat template instead of the model's.")] = None,
+    chat_template: Annotated[Optional[Path], typer.Option("--chat-template", help="Jinja chat template file to use instead of the model's.",
+                                                          show_default=False)] = None,
+    template: Annotated[Optional[Path], typer.Option("--template", hidden=True, help="Old spelling of --chat-template.")] = None,
     no_generation_prompt: Annotated[bool, typer.Option("--no-generation-prompt", help="Do not open an assistant turn at the end.")] = False,
 ) -> None:
     """Print the text the chat template produces for MESSAGES, so template problems can be seen."""
     import sys
 
     from k4.runtime.chat_template import ChatTemplate, load_messages
+    from k4.runtime.errors import UsageError
     from k4.runtime.model import open_model
     from k4.runtime.tokenizer import Tokenizer
 
+    if chat_template is not None and template is not None:
+        raise UsageError("give the chat template once, with --chat-template")
+    template = chat_template if chat_template is not None else template
     msgs = load_messages(messages)
     mf = open_model(c.model_path(model), require_weights=False)
     tok = Tokenizer.from_model(mf)

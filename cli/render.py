@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import math
 import sys
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import typer
 from rich.console import Console
@@ -83,11 +85,46 @@ def memory_table(report: dict[str, int]) -> Table:
     return table("GPU memory", ("what", "bytes"), [(k, f"{v:,}") for k, v in report.items()], right=(1,))
 
 
-def stats_line(load_ms: float, result) -> str:
-    """One line of generation stats (runtime.generate.GenerationResult)."""
+def finite(value):
+    """`value` with every NaN or infinite float (in dicts, lists and tuples, at any depth) made None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def json_text(value, indent: Optional[int] = None) -> str:
+    """The JSON text k4 prints (no trailing newline): strict JSON (RFC 8259), so NaN and
+    Infinity become null rather than the bare tokens Python's json module writes by default."""
+    return json.dumps(finite(value), ensure_ascii=False, indent=indent, allow_nan=False)
+
+
+def rate_text(value: Optional[float], fmt: str = ",.1f") -> str:
+    """A rate (tokens/s) formatted with `fmt`, or "-" where it is undefined (None, NaN)."""
+    return "-" if value is None or value != value else f"{value:{fmt}}"
+
+
+def generation_rates(result) -> tuple[Optional[float], Optional[float]]:
+    """(prompt t/s, generation t/s) of a runtime.generate.GenerationResult, each None when its
+    phase is empty: no prompt evaluation (-n 0), or fewer than two generated tokens (the first is
+    timed with the prompt), or a zero duration."""
+    evaluated = bool(result.token_ids) or result.stop_reason == "eog"
+    prompt = result.prefill_tokens / (result.prompt_ms / 1e3) if evaluated and result.prompt_ms > 0 else None
+    n_gen = len(result.token_ids) - 1
+    gen = n_gen / (result.gen_ms / 1e3) if n_gen > 0 and result.gen_ms > 0 else None
+    return prompt, gen
+
+
+def stats_line(load_ms: float, result, seed: int) -> str:
+    """One line of generation stats (runtime.generate.GenerationResult) and the sampling seed."""
+    prompt_tps, gen_tps = generation_rates(result)
     return (
         f"load {load_ms:,.0f} ms | prompt {result.prompt_tokens} tok ({result.prefill_tokens} evaluated), "
-        f"{result.prompt_tps:,.1f} t/s | generated {len(result.token_ids)} tok, {result.gen_tps:,.1f} t/s | stop: {result.stop_reason}"
+        f"{rate_text(prompt_tps)} t/s | generated {len(result.token_ids)} tok, {rate_text(gen_tps)} t/s | "
+        f"stop: {result.stop_reason} | seed {seed}"
     )
 
 

@@ -223,15 +223,21 @@ def _git_commit() -> str | None:
         return None
 
 
+def _measured(value: float) -> float | None:
+    """None for NaN (nothing measured), so records hold no NaN: csv writes an empty cell, JSON null."""
+    return None if value != value else value
+
+
 def result_record(res: BenchResult, env: dict, model_info: dict) -> dict:
-    """A flat dict for the machine-readable printers (csv/json/jsonl)."""
+    """A flat dict for the machine-readable printers (csv/json/jsonl); a figure with no samples
+    behind it (the decode latencies of a ppN test) is None."""
     t = res.test
     return {
         **env, **model_info,
         "test": t.name, "n_prompt": t.n_prompt, "n_gen": t.n_gen, "n_depth": t.depth, "flags": t.flags_text,
-        "reps": len(res.samples), "avg_ts": res.mean, "stddev_ts": res.sd, "samples_ts": list(res.samples),
-        "token_ms_p50": res.latency(0.5), "token_ms_p99": res.latency(0.99),
-        "token_gpu_ms_p50": res.latency(0.5, gpu=True), "token_gpu_ms_p99": res.latency(0.99, gpu=True),
+        "reps": len(res.samples), "avg_ts": _measured(res.mean), "stddev_ts": res.sd, "samples_ts": list(res.samples),
+        "token_ms_p50": _measured(res.latency(0.5)), "token_ms_p99": _measured(res.latency(0.99)),
+        "token_gpu_ms_p50": _measured(res.latency(0.5, gpu=True)), "token_gpu_ms_p99": _measured(res.latency(0.99, gpu=True)),
         "phases": res.phases, "memory": res.memory, "flag_values": res.flag_values, "load_ms": res.load_ms,
         "load_detail_ms": res.load_detail_ms,
     }

@@ -377,3 +377,25 @@ def check_weights(mf: ModelFile) -> None:
 def open_model(path: str | os.PathLike, require_weights: bool = True) -> ModelFile:
     """Open and validate a GGUF file; see ModelFile."""
     return ModelFile(path, require_weights=require_weights)
+
+
+def inspect_model(path: str | os.PathLike) -> tuple[ModelFile, ModelFileError | UnsupportedModelError | None]:
+    """Open any readable GGUF to describe it (`k4 info`), whether or not k4 can run it.
+
+    Returns (mf, None) for a model k4 runs, with `mf.config` set and every weight checked, or
+    (mf, problem) with `mf.config` None, its tensors and metadata still readable, where problem
+    is the error open_model would raise: no tensors (a vocabulary-only file), an architecture
+    other than ARCHITECTURES, a missing key or tensor, an unsupported tensor type. Raises
+    ModelFileError only when the file cannot be read as GGUF at all (missing, bad magic,
+    truncated, corrupt tensor table).
+    """
+    mf = ModelFile(path, require_weights=False)
+    if not mf.tensors:
+        return mf, ModelFileError(f"{mf.path}: the file holds no tensors (a vocabulary-only file); it has no weights to run")
+    try:
+        mf.config = _config_from(mf)
+        check_weights(mf)
+    except (ModelFileError, UnsupportedModelError) as exc:
+        mf.config = None
+        return mf, exc
+    return mf, None
