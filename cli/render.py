@@ -27,7 +27,8 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def errors_to_exit(fn: Callable) -> Callable:
-    """Decorator for commands: K4Error -> one line on stderr + its exit code; Ctrl-C -> 130."""
+    """Decorator for commands: K4Error -> one line on stderr + its exit code; MemoryError -> one
+    line, exit 2; Ctrl-C -> 130."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -35,6 +36,8 @@ def errors_to_exit(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         except K4Error as exc:
             fail(str(exc).replace("[", r"\["), exc.exit_code)
+        except MemoryError:
+            fail("ran out of memory (RAM); free memory, lower --ctx-size or use a smaller model", 2)
         except KeyboardInterrupt:
             err.print("interrupted")
             raise typer.Exit(130)

@@ -91,8 +91,8 @@ def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=Non
 
     n_ctx = 0 means the model's training context, capped at DEFAULT_CTX tokens. "auto" picks cuda when a GPU and CuPy are
     present, else numpy. progress(done_bytes, total_bytes) is called while weights upload
-    (cuda). Raises BackendUnavailableError (cuda asked for but not usable) or
-    UsageError (unknown kind).
+    (cuda) or are read (numpy). Raises BackendUnavailableError (cuda asked for but not usable),
+    OutOfMemoryError (numpy: the model does not fit in RAM) or UsageError (unknown kind).
     """
     from .errors import UsageError
 
@@ -117,7 +117,7 @@ def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=Non
         return CudaBackend(mf, n_ctx, progress=progress)
     from .reference import NumpyBackend
 
-    return NumpyBackend(mf, n_ctx)
+    return NumpyBackend(mf, n_ctx, progress=progress)
 
 
 def cuda_available() -> bool:

@@ -52,3 +52,7 @@ class Interrupted(K4Error):
     """The user pressed Ctrl-C; the CLI exits with 130."""
 
     exit_code = 130
+
+
+class OutOfMemoryError(K4Error):
+    """The model does not fit in RAM (refused before loading), or RAM ran out while it ran."""

@@ -6,48 +6,51 @@ weights -> KV cache -> forward (embedding, layers, output) -> generation loop.
 
 Algorithms: the llama architecture as implemented by llama.cpp (RMSNorm, RoPE "normal"
 (interleaved pairs) for llama GGUFs and "NeoX" (halves) for qwen2/qwen3, grouped-query
-attention, SwiGLU feed-forward); weights dequantized by the gguf package (gguf.quants).
+attention, SwiGLU feed-forward); weights dequantized by the gguf package (gguf.quants), one
+matrix at a time as the forward reaches it (runtime/weights.py).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
-from gguf.quants import dequantize
 
+from . import hostmem
 from .backend import TokenCache
-from .model import ModelConfig, ModelFile, Tensor
+from .model import ModelConfig, ModelFile, Tensor, expected_shapes
 from .sampling import SamplingParams, sample
 from .trace import Trace
+from .weights import DEQUANT_PIECE_BYTES, Matrix, dequantize_tensor, read_pages
 
-
-def dequantize_tensor(t: Tensor) -> np.ndarray:
-    """A GGUF tensor decoded to float32, numpy shape t.shape (gguf.quants is the oracle)."""
-    return np.ascontiguousarray(dequantize(t.raw, t.ggml_type), dtype=np.float32).reshape(t.shape)
+DEFAULT_CACHE_BYTES = 64 * 2**20  # keep every dequantized matrix when all of them fit in this
 
 
 class Layer:
-    """One transformer block's weights, float32. Matrices are (n_out, n_in)."""
+    """One transformer block's weights: matrices (n_out, n_in) in their GGUF types, vectors float32."""
 
-    def __init__(self, mf: ModelFile, i: int):
+    def __init__(self, mf: ModelFile, i: int, block_bytes: int):
         cfg = mf.config
-        get = lambda name: dequantize_tensor(mf.tensor(f"blk.{i}.{name}"))  # noqa: E731
-        self.attn_norm = get("attn_norm.weight")  # (n_embd,)
-        self.wq = get("attn_q.weight")  # (n_head * head_dim, n_embd)
-        self.wk = get("attn_k.weight")  # (n_head_kv * head_dim, n_embd)
-        self.wv = get("attn_v.weight")  # (n_head_kv * head_dim, n_embd)
-        self.wo = get("attn_output.weight")  # (n_embd, n_head * head_dim)
-        self.ffn_norm = get("ffn_norm.weight")  # (n_embd,)
-        self.w_gate = get("ffn_gate.weight")  # (n_ff, n_embd)
-        self.w_up = get("ffn_up.weight")  # (n_ff, n_embd)
-        self.w_down = get("ffn_down.weight")  # (n_embd, n_ff)
-        self.bq = get("attn_q.bias") if cfg.has_qkv_bias else None  # (n_head * head_dim,)
-        self.bk = get("attn_k.bias") if cfg.has_qkv_bias else None  # (n_head_kv * head_dim,)
-        self.bv = get("attn_v.bias") if cfg.has_qkv_bias else None  # (n_head_kv * head_dim,)
-        self.q_norm = get("attn_q_norm.weight") if cfg.has_qk_norm else None  # (head_dim,)
-        self.k_norm = get("attn_k_norm.weight") if cfg.has_qk_norm else None  # (head_dim,)
+        mat = lambda name: Matrix(mf.tensor(f"blk.{i}.{name}"), block_bytes)  # noqa: E731
+        vec = lambda name: dequantize_tensor(mf.tensor(f"blk.{i}.{name}"))  # noqa: E731
+        self.attn_norm = vec("attn_norm.weight")  # (n_embd,)
+        self.wq = mat("attn_q.weight")  # (n_head * head_dim, n_embd)
+        self.wk = mat("attn_k.weight")  # (n_head_kv * head_dim, n_embd)
+        self.wv = mat("attn_v.weight")  # (n_head_kv * head_dim, n_embd)
+        self.wo = mat("attn_output.weight")  # (n_embd, n_head * head_dim)
+        self.ffn_norm = vec("ffn_norm.weight")  # (n_embd,)
+        self.w_gate = mat("ffn_gate.weight")  # (n_ff, n_embd)
+        self.w_up = mat("ffn_up.weight")  # (n_ff, n_embd)
+        self.w_down = mat("ffn_down.weight")  # (n_embd, n_ff)
+        self.bq = vec("attn_q.bias") if cfg.has_qkv_bias else None  # (n_head * head_dim,)
+        self.bk = vec("attn_k.bias") if cfg.has_qkv_bias else None  # (n_head_kv * head_dim,)
+        self.bv = vec("attn_v.bias") if cfg.has_qkv_bias else None  # (n_head_kv * head_dim,)
+        self.q_norm = vec("attn_q_norm.weight") if cfg.has_qk_norm else None  # (head_dim,)
+        self.k_norm = vec("attn_k_norm.weight") if cfg.has_qk_norm else None  # (head_dim,)
+
+    def matrices(self) -> list[Matrix]:
+        return [self.wq, self.wk, self.wv, self.wo, self.w_gate, self.w_up, self.w_down]
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -96,29 +99,75 @@ def silu(x: np.ndarray) -> np.ndarray:
 class NumpyBackend(TokenCache):
     """The reference backend (see runtime/backend.py for the protocol).
 
-    Weights are dequantized to float32 at load; the KV cache is float32,
-    (n_layer, n_ctx, n_head_kv, head_dim) for keys and values each.
+    Weights stay memory-mapped in their GGUF types; each matrix is dequantized to float32 when
+    the forward reaches it (runtime/weights.py: whole, or in blocks of rows of at most
+    block_bytes of float32), unless all dequantized matrices fit in cache_bytes: then they are
+    dequantized once at load and kept (small models, where dequantizing costs more than the
+    product). The KV cache is float32, (n_layer, n_ctx, n_head_kv, head_dim) for keys and values
+    each. Peak RAM: the file's bytes + the kept matrices or one block + the KV cache.
+
+    progress(done_bytes, total_bytes) is called after each tensor is read at load.
+    mem_available: bytes of RAM free for the model (default: hostmem.available_ram()).
+    block_bytes: default max(DEQUANT_PIECE_BYTES, file bytes // 8).
+    Raises OutOfMemoryError up front when the weights, what is dequantized and the KV cache need
+    more than mem_available.
     """
 
     name = "numpy"
 
-    def __init__(self, mf: ModelFile, n_ctx: int):
+    def __init__(self, mf: ModelFile, n_ctx: int, progress: Callable[[int, int], None] | None = None,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, block_bytes: int | None = None, mem_available: int | None = None):
         cfg = mf.config
         assert cfg is not None
         self.config, self.n_ctx, self.trace = cfg, n_ctx, Trace()
         t0 = time.perf_counter()
         with self.trace.in_phase("load"):
-            self.token_embd = dequantize_tensor(mf.tensor("token_embd.weight"))  # (n_vocab, n_embd)
+            tensors = [mf.tensor(name) for name in expected_shapes(cfg)]  # every tensor the forward reads
+            file_bytes = sum(t.n_bytes for t in tensors)
+            block_bytes = block_bytes or max(DEQUANT_PIECE_BYTES, file_bytes // 8)
+            self.token_embd = Matrix(mf.tensor("token_embd.weight"), block_bytes)  # (n_vocab, n_embd)
             self.output_norm = dequantize_tensor(mf.tensor("output_norm.weight"))  # (n_embd,)
-            out_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-            self.output = self.token_embd if cfg.tied_embeddings else dequantize_tensor(mf.tensor(out_name))  # (n_vocab, n_embd)
+            self.output = self.token_embd if cfg.tied_embeddings else Matrix(mf.tensor("output.weight"), block_bytes)  # (n_vocab, n_embd)
             self.rope_freqs = dequantize_tensor(mf.tensor("rope_freqs.weight")) if cfg.has_rope_freqs else None  # (rope_dim/2,)
-            self.layers = [Layer(mf, i) for i in range(cfg.n_layer)]
+            self.layers = [Layer(mf, i, block_bytes) for i in range(cfg.n_layer)]
             kv_shape = (cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim)
+            self.cached = self._check_ram(mf, file_bytes, 2 * 4 * int(np.prod(kv_shape)), cache_bytes, mem_available)
+            self._read(tensors, progress)
             self.k_cache = np.zeros(kv_shape, dtype=np.float32)  # (n_layer, n_ctx, n_head_kv, head_dim)
             self.v_cache = np.zeros(kv_shape, dtype=np.float32)  # (n_layer, n_ctx, n_head_kv, head_dim)
         self.tokens: list[int] = []
         self.load_ms = {"read+dequantize": (time.perf_counter() - t0) * 1e3}  # wall time of each load step
+
+    def matrices(self) -> list[Matrix]:
+        """Every weight matrix the forward multiplies by, each once (tied embeddings are one)."""
+        found = [self.token_embd, self.output] + [m for L in self.layers for m in L.matrices()]
+        return list({id(m): m for m in found}.values())
+
+    def _check_ram(self, mf: ModelFile, file_bytes: int, kv_bytes: int, cache_bytes: int, mem_available: int | None) -> bool:
+        """Whether to keep every dequantized matrix (they fit in cache_bytes); raises
+        OutOfMemoryError when the file's bytes, the dequantized bytes (all kept, or the largest
+        product's) and the KV cache do not fit in mem_available."""
+        matrices = self.matrices()
+        dequantized = sum(m.f32_bytes for m in matrices)
+        keep = dequantized <= cache_bytes
+        largest = max(min(m.f32_bytes, 4 * m.block_rows * m.shape[1]) for m in matrices)
+        parts = {"weights": file_bytes, "dequantized": dequantized if keep else largest, "KV cache": kv_bytes}
+        hostmem.require_ram(f"{mf.path.name} on the numpy backend", parts,
+                            hostmem.available_ram() if mem_available is None else mem_available)
+        return keep
+
+    def _read(self, tensors: list[Tensor], progress: Callable[[int, int], None] | None) -> None:
+        """Dequantize the kept matrices and read every other tensor's pages from disk, reporting
+        progress(done_bytes, total_bytes) in bytes of the file after each tensor."""
+        kept = {id(m.tensor): m for m in self.matrices()} if self.cached else {}
+        total, done = sum(t.n_bytes for t in tensors), 0
+        for t in tensors:
+            if id(t) in kept:
+                kept[id(t)].keep()
+            read_pages(t)
+            done += t.n_bytes
+            if progress is not None:
+                progress(done, total)
 
     def eval(self, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         ids = np.asarray(token_ids, dtype=np.int64)  # (T,)
@@ -142,13 +191,13 @@ class NumpyBackend(TokenCache):
         mask = np.arange(p0 + T)[None, :] > positions[:, None]  # (T, p0 + T) bool
         scale = np.float32(1.0 / np.sqrt(hd))
 
-        x = self.token_embd[ids]  # (T, n_embd) the residual stream
+        x = self.token_embd.rows(ids)  # (T, n_embd) the residual stream: only these rows are dequantized
         for li, L in enumerate(self.layers):
             # attention: norm, projections, rope, cache write, grouped-query attention, output
             h = rms_norm(x, L.attn_norm, cfg.rms_eps)  # (T, n_embd)
-            q = h @ L.wq.T  # (T, nh * hd)
-            k = h @ L.wk.T  # (T, nkv * hd)
-            v = h @ L.wv.T  # (T, nkv * hd)
+            q = L.wq.product(h)  # (T, nh * hd)
+            k = L.wk.product(h)  # (T, nkv * hd)
+            v = L.wv.product(h)  # (T, nkv * hd)
             if L.bq is not None:
                 q, k, v = q + L.bq, k + L.bk, v + L.bv
             q = q.reshape(T, nh, hd)  # (T, nh, hd)
@@ -168,16 +217,16 @@ class NumpyBackend(TokenCache):
             scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
             probs = scores / scores.sum(axis=-1, keepdims=True)  # (nkv, gqa, T, S)
             attn = np.einsum("kgts,skd->tkgd", probs, vals).reshape(T, nh * hd)  # (T, nh * hd)
-            x = x + attn @ L.wo.T  # (T, n_embd)
+            x = x + L.wo.product(attn)  # (T, n_embd)
             # feed-forward: norm, SwiGLU, down projection
             h = rms_norm(x, L.ffn_norm, cfg.rms_eps)  # (T, n_embd)
-            ff = silu(h @ L.w_gate.T) * (h @ L.w_up.T)  # (T, n_ff)
-            x = x + ff @ L.w_down.T  # (T, n_embd)
+            ff = silu(L.w_gate.product(h)) * L.w_up.product(h)  # (T, n_ff)
+            x = x + L.w_down.product(ff)  # (T, n_embd)
 
         if not all_logits:
             x = x[-1:]
         h = rms_norm(x, self.output_norm, cfg.rms_eps)  # (T or 1, n_embd)
-        logits = (h @ self.output.T).astype(np.float32)  # (T or 1, n_vocab)
+        logits = self.output.product(h).astype(np.float32)  # (T or 1, n_vocab)
         return logits if all_logits else logits[0]
 
     def generate(self, token_ids: Sequence[int], params: SamplingParams, history: Sequence[int] = ()) -> Iterator[int]:
