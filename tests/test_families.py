@@ -57,7 +57,7 @@ def run_perplexity(backend: str, model: str) -> tuple[list[float], float]:
     result = runner.invoke(app, ["perplexity", "--backend", backend, "-m", str(GOLDEN / "families" / model),
                                  "-f", str(GOLDEN / "story.txt"), "-c", str(N_CTX)])
     assert result.exit_code == 0, result.output
-    running = [float(x) for x in re.findall(r"^\[\d+\]([\d.]+)$", result.stdout, re.M)]
+    running = [float(x) for x in re.findall(r"\[\d+\](\d+\.\d+)", result.stdout)]  # [1]x then [2]y, one a line or comma-separated
     final = float(re.search(r"PPL = ([\d.]+)", result.stdout).group(1))
     return running, final
 
