@@ -375,9 +375,6 @@ attn_tiled(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
     }
 }
 
-template __global__ void attn_tiled<64>(const float*, const u16*, const u16*, float*, const int*, int, int, int, float);
-template __global__ void attn_tiled<128>(const float*, const u16*, const u16*, float*, const int*, int, int, int, float);
-template __global__ void attn_tiled<256>(const float*, const u16*, const u16*, float*, const int*, int, int, int, float);
 
 // ---- attn_mma: prefill attention on tensor cores ----------------------------------------------
 // FlashAttention-2 (Dao 2023) with mma.sync.m16n8k16 (fp16 inputs, f32 accumulators; operand and
@@ -642,6 +639,3 @@ attn_mma(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16
     }
 }
 
-template __global__ void attn_mma<64, 64>(const float*, const u16*, const u16*, float*, const int*, int, int, int, float);
-template __global__ void attn_mma<128, 64>(const float*, const u16*, const u16*, float*, const int*, int, int, int, float);
-template __global__ void attn_mma<256, 32>(const float*, const u16*, const u16*, float*, const int*, int, int, int, float);

@@ -24,8 +24,6 @@ __global__ void swiglu(const float* gate, const float* up, OUT* out, int n_tok, 
     }
 }
 
-template __global__ void swiglu<float>(const float*, const float*, float*, int, int, int, int);
-template __global__ void swiglu<u16>(const float*, const float*, u16*, int, int, int, int);
 
 // dst[0] = value. One thread.
 extern "C" __global__ void set_i32(int* dst, int value) { *dst = value; }

@@ -382,37 +382,3 @@ extern "C" __global__ void __launch_bounds__(512, 1) read_stream(const uint4* __
 extern "C" __global__ void __launch_bounds__(512, 1) read_stream_dependent(const uint4* __restrict__ p, i64 n16, u32* out) {
     read_once<true>(p, n16, out);
 }
-
-// The instances runtime/cuda/matmul.py launches (and nvcc compile-checks).
-#define K4_GEMV_Q8(T, W, U, PF, GLU) \
-    template __global__ void gemv_q8<T, false, W, U, PF, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int, const u8*, u8*, int); \
-    template __global__ void gemv_q8<T, true, W, U, PF, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int, const u8*, u8*, int);
-K4_GEMV_Q8(type_q4_K, 16, 2, false, false)
-K4_GEMV_Q8(type_q4_K, 16, 2, false, true)
-K4_GEMV_Q8(type_q4_K, 32, 2, false, false)
-K4_GEMV_Q8(type_q4_K, 16, 2, true, false)
-K4_GEMV_Q8(type_q4_K, 16, 2, true, true)
-K4_GEMV_Q8(type_q4_K, 16, 1, true, false)
-K4_GEMV_Q8(type_q5_K, 32, 1, false, false)
-K4_GEMV_Q8(type_q5_K, 32, 1, false, true)
-K4_GEMV_Q8(type_q6_K, 32, 1, false, false)
-K4_GEMV_Q8(type_q6_K, 32, 1, false, true)
-K4_GEMV_Q8(type_q6_K, 32, 2, false, false)
-K4_GEMV_Q8(type_q6_K, 16, 1, true, false)
-K4_GEMV_Q8(type_q6_K, 16, 2, true, false)
-K4_GEMV_Q8(type_q8_0, 32, 4, false, false)
-K4_GEMV_Q8(type_q8_0, 32, 2, false, true)
-K4_GEMV_Q8(type_q5_0, 32, 4, false, false)
-K4_GEMV_Q8(type_q5_0, 32, 4, false, true)
-K4_GEMV_Q8(type_q5_1, 32, 4, false, false)
-K4_GEMV_Q8(type_q5_1, 32, 4, false, true)
-
-#define K4_GEMV_F(T, GLU) \
-    template __global__ void gemv_f<T, 8, 4, true, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int); \
-    template __global__ void gemv_f<T, 8, 4, false, GLU>(const u8*, const float*, float*, const float*, const float*, const float*, float, int, int);
-K4_GEMV_F(type_f32, false)
-K4_GEMV_F(type_f32, true)
-K4_GEMV_F(type_f16, false)
-K4_GEMV_F(type_f16, true)
-K4_GEMV_F(type_bf16, false)
-K4_GEMV_F(type_bf16, true)

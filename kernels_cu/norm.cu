@@ -27,5 +27,3 @@ __global__ void rms_norm(const float* x, const float* __restrict__ w, OUT* y, in
     for (int i = threadIdx.x; i < n; i += blockDim.x) put(yr + i, xr[i] * scale * w[i]);
 }
 
-template __global__ void rms_norm<float>(const float*, const float*, float*, int, float);
-template __global__ void rms_norm<u16>(const float*, const float*, u16*, int, float);

@@ -50,6 +50,7 @@ except ModuleNotFoundError:  # require_cuda() says so
     cp = None
 else:
     from . import blas, matmul, memory, ops
+    from .compile import compile_async
     from .launch import GpuErrors, launch_graph
     from .timer import DeviceTimer
 
@@ -157,6 +158,10 @@ class CudaBackend(TokenCache):
         self.timer = DeviceTimer(self.trace)  # device time of prefill and of each decode step
         self.ops = ops.Ops(self.trace, self.flags.on("K4_PDL"), self.flags.on("K4_TILED_ATTN"), self.flags.on("K4_MMA_ATTN"),
                            self.flags.on("K4_EVICT_FIRST"))
+        # kernels compile on threads while the weights upload; the "compile" step waits for them
+        matrix_types = {t.ggml_type for t in mf.tensors.values() if len(t.shape) == 2}
+        self._compiling = compile_async(matmul.compile_jobs(matrix_types, self.flags.on("K4_EVICT_FIRST"))
+                                        + self.ops.compile_jobs(cfg.head_dim))
         self.fuse_norm = self.flags.on("K4_FUSE_NORM")
         self.fuse_rope = self.flags.on("K4_FUSE_ROPE")
         self.mem = memory.DeviceMemory(self.trace)
@@ -176,7 +181,7 @@ class CudaBackend(TokenCache):
             self._timed("read+upload", self._load_weights, mf, progress)
             self._timed("buffers", self._alloc_buffers)
             self._timed("prefill fp16 copy", self._half_weights)
-            self._timed("compile", self.ops.compile_all)
+            self._timed("compile", self._finish_compile)
             if self.flags.on("K4_PREFILL_GRAPH"):
                 workspace = self.mem.empty((blas.WORKSPACE_BYTES,), cp.uint8, "scratch")
                 self.blas = blas.Blas.open(workspace)
@@ -187,6 +192,13 @@ class CudaBackend(TokenCache):
             self._timed("warm-up", self._warm_up)
             if self.flags.on("K4_CUDA_GRAPH"):
                 self._timed("graph capture", self._capture)
+
+    def _finish_compile(self) -> None:
+        """Wait for the modules compiling since __init__ (raising the first compile error), then
+        load every kernel the model launches."""
+        for fut in self._compiling:
+            fut.result()
+        self.ops.compile_all(self.config.head_dim)
 
     def _timed(self, step: str, fn, *args) -> None:
         """Run one load step and record its wall time (ms) in load_ms, after synchronizing."""

@@ -34,7 +34,7 @@ captured in a CUDA graph; matmul's tensor-core path can be when given a runtime.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from itertools import pairwise
@@ -120,24 +120,56 @@ def _dequant_name(t: T, planar: bool, out: str) -> str:
     return f"dequant_f<{FLOAT[t][0]}, {out}>"
 
 
-GEMV_NAMES = tuple(
-    [_gemv_q8_name(t, p, v) for t, q in QUANT.items() for v in (q.gemv, *EXTRA_GEMV_VARIANTS.get(t, ())) for p in (False, True)]
-    + [_gemv_q8_name(t, p, v, True) for t, q in QUANT.items() for v in (q.glu, *EXTRA_GLU_VARIANTS.get(t, ())) for p in (False, True)]
-    + [_gemv_f_name(t, vec, glu) for t in FLOAT for vec in (True, False) for glu in (False, True)]
-)
-MATMUL_NAMES = tuple(
-    [_dequant_name(t, p, out) for t in QUANT for p in (False, True) for out in ("float", "u16")]
-    + [_dequant_name(t, False, out) for t in FLOAT for out in ("float", "u16")]
-    + ["convert_f32_f16", "add_rows"]
-)
+def _gemv_names(t: T) -> tuple[str, ...]:
+    """The gemv.cu instances a matrix of type t uses (both layouts, with and without SwiGLU)."""
+    if t in QUANT:
+        return tuple(_gemv_q8_name(t, p, v, glu) for glu, v in ((False, QUANT[t].gemv), (True, QUANT[t].glu))
+                     for p in (False, True))
+    return tuple(_gemv_f_name(t, vec, glu) for vec in (True, False) for glu in (False, True))
+
+
+def _matmul_names(t: T) -> tuple[str, ...]:
+    """The matmul.cu dequantization instances of type t (both output types, both layouts)."""
+    layouts = (False, True) if t in QUANT else (False,)
+    return tuple(_dequant_name(t, p, out) for p in layouts for out in ("float", "u16"))
+
+
+# Compile groups: one module per (file, group), so a model compiles only its types' instances.
+# "bench" holds the gemv_q8 variants only bench_gemv(variant=...) uses; read_stream* are extern
+# "C" (no name expressions).
+GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
+    "gemv.cu": {
+        **{t.name: _gemv_names(t) for t in (*QUANT, *FLOAT)},
+        "bench": tuple(_gemv_q8_name(t, p, v, glu) for glu, extra in ((False, EXTRA_GEMV_VARIANTS), (True, EXTRA_GLU_VARIANTS))
+                       for t, vs in extra.items() for v in vs for p in (False, True)),
+    },
+    "matmul.cu": {**{t.name: _matmul_names(t) for t in (*QUANT, *FLOAT)}, "common": ("convert_f32_f16", "add_rows")},
+}
+_GROUP_OF = {(f, name): names for f, groups in GROUPS.items() for names in groups.values() for name in names}
+
+
+def _defines(evict_first: bool) -> tuple[str, ...]:
+    return () if evict_first else ("K4_EVICT_FIRST=0",)
+
+
+def compile_jobs(types: Iterable[T], evict_first: bool = True) -> list:
+    """compile.module() arguments for the matrix kernels of weights of `types` (ggml types with
+    CUDA kernels; others are skipped): their gemv and dequantization instances, and matmul.cu's
+    conversions. For compile.compile_async at load."""
+    present = [t for t in dict.fromkeys(types) if t in QUANT or t in FLOAT]
+    jobs = [("matmul.cu", GROUPS["matmul.cu"]["common"], ())]
+    for t in present:
+        jobs += [("gemv.cu", GROUPS["gemv.cu"][t.name], _defines(evict_first)),
+                 ("matmul.cu", GROUPS["matmul.cu"][t.name], _defines(evict_first))]
+    return jobs
 
 
 @cache  # a RawModule lookup per launch showed in the prefill profile (host-bound)
 def _kernel(filename: str, name: str, evict_first: bool = True):
-    """Kernel `name` of kernels_cu/`filename`; evict_first: its weight loads carry the L1
-    evict-first hint (common.cuh load16, flag K4_EVICT_FIRST)."""
-    names = GEMV_NAMES if filename == "gemv.cu" else MATMUL_NAMES
-    return module(filename, names, () if evict_first else ("K4_EVICT_FIRST=0",)).get_function(name)
+    """Kernel `name` of kernels_cu/`filename`, from the module of its compile group; evict_first:
+    its weight loads carry the L1 evict-first hint (common.cuh load16, flag K4_EVICT_FIRST)."""
+    group = _GROUP_OF.get((filename, name))  # None: an extern "C" kernel
+    return module(filename, group, _defines(evict_first) if group else ()).get_function(name)
 
 
 # ---- host layout -------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from .. import flags
 from ..sampling import MASK64, SamplingParams
 from ..trace import Trace
 from .compile import module
+from .kernel_names import GROUP_OF, KERNELS, MMA_TILE_KEYS, TILED_HEAD_DIMS
 from .launch import launch
 
 NULL = np.uint64(0)  # a null device pointer argument
@@ -30,9 +31,7 @@ ATT_CHUNK = 128  # attention.cu ATT_CHUNK
 ATT_SPLIT_KEYS = 32  # decode attention splits are multiples of this many keys (one round of the kernel)
 MAX_HEAD_DIM = 8 * ATT_THREADS
 TILE_Q, TILE_K, TILE_THREADS = 32, 64, 128  # attention.cu attn_tiled
-TILED_HEAD_DIMS = (64, 128, 256)  # head_dim instances of attn_tiled
 MMA_BQ, MMA_THREADS = 64, 128  # attention.cu attn_mma: queries and threads per block
-MMA_TILE_KEYS = {64: 64, 128: 64, 256: 32}  # head_dim -> keys per shared-memory tile of its attn_mma instance
 ROPE_WARPS = 4  # rows per block of rope_qk_store
 SAMPLE_THREADS = 1024  # sampling.cu SAMPLE_THREADS
 SAMPLE_CAP = 1024  # sampling.cu SAMPLE_CAP: candidates kept after top-k
@@ -42,15 +41,6 @@ ST_TOK, ST_POS, ST_RING, ST_DRAW = range(STATE_WORDS)
 FNV_PRIME = 0x100000001B3  # the seed multiplier of runtime/sampling.py uniform()
 
 
-# name expressions of the kernels of each file (templates and extern "C" names alike)
-KERNELS = {
-    "norm.cu": ("rms_norm<float>", "rms_norm<u16>"),
-    "rope.cu": ("rope_qk_store",),
-    "attention.cu": ("attn_f16kv", "attn_tiled<64>", "attn_tiled<128>", "attn_tiled<256>",
-                     *(f"attn_mma<{d}, {bk}>" for d, bk in MMA_TILE_KEYS.items())),
-    "elementwise.cu": ("swiglu<float>", "swiglu<u16>", "set_i32"),
-    "sampling.cu": ("sample_penalty", "sample_argmax_partial", "sample_finish"),
-}
 OUT_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "u16"}  # output dtype -> kernel template argument
 
 
@@ -152,9 +142,27 @@ class Ops:
     def function(self, filename: str, name: str):
         key = (filename, name)
         if key not in self._functions:
-            defines = () if self.evict_first else ("K4_EVICT_FIRST=0",)
-            self._functions[key] = module(filename, KERNELS[filename], defines).get_function(name)
+            self._functions[key] = module(filename, GROUP_OF[key], self._defines()).get_function(name)
         return self._functions[key]
+
+    def _defines(self) -> tuple[str, ...]:
+        return () if self.evict_first else ("K4_EVICT_FIRST=0",)
+
+    def kernels_for(self, head_dim: int) -> list[tuple[str, str]]:
+        """(file, kernel) of every kernel a model of head_dim launches: the small files' kernels,
+        decode attention, and the prefill attention kernel that attention() picks for head_dim."""
+        out = [(f, n) for f, names in KERNELS.items() if f != "attention.cu" for n in names]
+        out.append(("attention.cu", "attn_f16kv"))
+        if self.mma and head_dim in MMA_TILE_KEYS:
+            out.append(("attention.cu", f"attn_mma<{head_dim}, {MMA_TILE_KEYS[head_dim]}>"))
+        elif self.tiled and head_dim in TILED_HEAD_DIMS:
+            out.append(("attention.cu", f"attn_tiled<{head_dim}>"))
+        return out
+
+    def compile_jobs(self, head_dim: int) -> list:
+        """compile.module() arguments of the modules kernels_for(head_dim) live in (for
+        compile.compile_async at load)."""
+        return list(dict.fromkeys((f, GROUP_OF[(f, n)], self._defines()) for f, n in self.kernels_for(head_dim)))
 
     def attention_capacity(self, head_dim: int) -> int:
         """Blocks of the decode attention kernel (attn_f16kv) resident on the GPU at once for
@@ -164,11 +172,11 @@ class Ops:
 
         return _device_limits()[0] * _blocks_per_sm(self.function("attention.cu", "attn_f16kv"), ATT_THREADS, att_smem(head_dim))
 
-    def compile_all(self) -> None:
-        """Compile and load every kernel now (compilation cannot happen inside graph capture)."""
-        for filename, names in KERNELS.items():
-            for name in names:
-                self.function(filename, name)
+    def compile_all(self, head_dim: int) -> None:
+        """Compile and load every kernel a model of head_dim launches, now (compilation cannot
+        happen inside graph capture)."""
+        for filename, name in self.kernels_for(head_dim):
+            self.function(filename, name)
 
     def _launch(self, filename: str, name: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
                 pdl: bool = True) -> None:

@@ -1,0 +1,25 @@
+"""The kernels of kernels_cu's non-matmul files that runtime/cuda/ops.py launches, by name as
+written in the .cu sources (template instances and extern "C" names alike), and the compile
+groups they build in. Importable without CuPy: the nvcc compile check (tests) instantiates
+exactly these names, so the .cu files keep no list of their own.
+"""
+
+from __future__ import annotations
+
+TILED_HEAD_DIMS = (64, 128, 256)  # head_dim instances of attn_tiled
+MMA_TILE_KEYS = {64: 64, 128: 64, 256: 32}  # head_dim -> keys per shared-memory tile of its attn_mma instance
+
+# name expressions of the kernels of each file (templates and extern "C" names alike)
+KERNELS = {
+    "norm.cu": ("rms_norm<float>", "rms_norm<u16>"),
+    "rope.cu": ("rope_qk_store",),
+    "attention.cu": ("attn_f16kv", "attn_tiled<64>", "attn_tiled<128>", "attn_tiled<256>",
+                     *(f"attn_mma<{d}, {bk}>" for d, bk in MMA_TILE_KEYS.items())),
+    "elementwise.cu": ("swiglu<float>", "swiglu<u16>", "set_i32"),
+    "sampling.cu": ("sample_penalty", "sample_argmax_partial", "sample_finish"),
+}
+# Compile groups: one module per group, so a model compiles only the attention kernels of its
+# head_dim; the small files are one group each.
+GROUPS: dict[str, tuple[tuple[str, ...], ...]] = {
+    f: tuple((n,) for n in names) if f == "attention.cu" else (names,) for f, names in KERNELS.items()}
+GROUP_OF = {(f, name): group for f, groups in GROUPS.items() for group in groups for name in group}
