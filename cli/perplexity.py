@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+from typing import Annotated
+
 import typer
 
 from . import common as c
-from .render import err, errors_to_exit, out
+from .render import err, errors_to_exit, json_text
 
 
 @errors_to_exit
@@ -14,8 +17,12 @@ def perplexity(
     model: c.ModelOpt = None,
     ctx_size: c.CtxOpt = 512,
     backend: c.BackendOpt = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (running perplexity per chunk, PPL, its error) at the end.")] = False,
 ) -> None:
-    """Perplexity of the text in -f FILE, in chunks of -c tokens (llama-perplexity's protocol)."""
+    """Perplexity of the text in -f FILE, in chunks of -c tokens (llama-perplexity's protocol).
+
+    Prints llama-perplexity's lines: `[1]12.3456,[2]11.9876,...` as each chunk completes, then
+    `Final estimate: PPL = x +/- err` (err: runtime.perplexity.ppl_estimate)."""
     from k4.runtime.errors import UsageError
     from k4.runtime.perplexity import perplexity as run_ppl
 
@@ -27,11 +34,36 @@ def perplexity(
     tokens = s.tokenizer.encode(text)
     add_bos = s.tokenizer.add_bos and s.tokenizer.bos_id is not None
     err.print(f"{len(tokens)} tokens, {len(tokens) // ctx_size} chunks of {ctx_size}", style="dim")
-    last = None
+    results = []
     for r in run_ppl(s.backend, tokens, ctx_size, s.tokenizer.bos_id if add_bos else None):
-        out.print(f"[{r.index + 1}]{r.ppl:.4f}", markup=False)
-        last = r
-    out.print(f"Final estimate: PPL = {last.ppl:.4f}", markup=False)
+        results.append(r)
+        if not as_json:
+            sys.stdout.write(f"[{r.index + 1}]{r.ppl:.4f},")
+            sys.stdout.flush()
+    last = results[-1]
+    if as_json:
+        sys.stdout.write(json_text(_record(c.model_path(model), s, len(tokens), results)) + "\n")
+    elif last.ppl_error is None:
+        sys.stdout.write(f"\nFinal estimate: PPL = {last.ppl:.4f}\n")
+    else:
+        sys.stdout.write(f"\nFinal estimate: PPL = {last.ppl:.4f} +/- {last.ppl_error:.5f}\n")
+
+
+def _record(path, s: c.Session, n_tokens: int, results: list) -> dict:
+    """The --json object: the running perplexity after each chunk, the final one and its
+    standard error (null where undefined), and the token counts."""
+    last = results[-1]
+    return {
+        "model": str(path),
+        "backend": s.backend.name,
+        "n_ctx": s.backend.n_ctx,
+        "n_tokens": n_tokens,
+        "n_chunks": len(results),
+        "n_scored": sum(r.n_scored for r in results),
+        "chunks": [r.ppl for r in results],
+        "ppl": last.ppl,
+        "ppl_error": last.ppl_error,
+    }
 
 
 def register(app: typer.Typer) -> None:

@@ -5,10 +5,15 @@ tokens; the last partial chunk is dropped. Each chunk is evaluated from an empty
 its first token replaced by BOS; only the second half is scored: the logits at positions
 n_ctx/2 .. n_ctx-2 predict the tokens after them. The running perplexity after each chunk is
 exp(total negative log-likelihood / tokens scored so far).
+
+Its uncertainty is llama-perplexity's: the standard error of the mean negative log-likelihood
+over the N tokens scored, sqrt((mean(nll^2) - mean(nll)^2) / (N - 1)), carried to the
+perplexity by its derivative (d exp(m) = exp(m) dm): ppl_error = ppl * that standard error.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -23,7 +28,9 @@ class ChunkResult:
     index: int  # 0-based chunk number
     n_chunks: int
     ppl: float  # running perplexity after this chunk
+    ppl_error: float | None  # its standard error (ppl_estimate); None while it is undefined
     nll: float  # this chunk's summed negative log-likelihood (nats)
+    nll2: float  # this chunk's summed squared negative log-likelihood (nats^2)
     n_scored: int  # tokens scored in this chunk
 
 
@@ -33,6 +40,19 @@ def log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     m = z.max(axis=1, keepdims=True)
     lse = np.log(np.exp(z - m).sum(axis=1)) + m[:, 0]  # (n,)
     return lse - z[np.arange(len(targets)), targets]
+
+
+def ppl_estimate(nll: float, nll2: float, n: int) -> tuple[float, float | None]:
+    """(perplexity, its standard error) from the sums over n scored tokens of the negative
+    log-likelihood (nll, nats) and of its square (nll2). The error is None where llama.cpp prints
+    none: fewer than 2 tokens, or a variance that rounds to zero or below.
+    Source: llama.cpp tools/perplexity/perplexity.cpp, the "Final estimate" lines."""
+    mean = nll / n
+    ppl = math.exp(mean)
+    var = nll2 / n - mean * mean  # variance of the per-token nll
+    if n < 2 or var <= 0:
+        return ppl, None
+    return ppl, ppl * math.sqrt(var / (n - 1))
 
 
 def perplexity(backend: Backend, tokens: Sequence[int], n_ctx: int, bos_id: int | None) -> Iterator[ChunkResult]:
@@ -47,7 +67,7 @@ def perplexity(backend: Backend, tokens: Sequence[int], n_ctx: int, bos_id: int 
     if len(tokens) < 2 * n_ctx:
         raise UsageError(f"the text has {len(tokens)} tokens; perplexity with -c {n_ctx} needs at least {2 * n_ctx}")
     first = n_ctx // 2
-    total_nll, total_n = 0.0, 0
+    total_nll, total_nll2, total_n = 0.0, 0.0, 0
     for i in range(n_chunks):
         chunk = list(tokens[i * n_ctx : (i + 1) * n_ctx])  # (n_ctx,)
         if bos_id is not None:
@@ -55,7 +75,8 @@ def perplexity(backend: Backend, tokens: Sequence[int], n_ctx: int, bos_id: int 
         backend.reset()
         logits = backend.eval(chunk, all_logits=True)  # (n_ctx, n_vocab)
         targets = np.asarray(tokens[i * n_ctx + first + 1 : (i + 1) * n_ctx])  # (n_ctx - first - 1,)
-        nll = float(log_softmax_nll(logits[first : n_ctx - 1], targets).sum())
-        total_nll += nll
-        total_n += len(targets)
-        yield ChunkResult(i, n_chunks, float(np.exp(total_nll / total_n)), nll, len(targets))
+        per_token = log_softmax_nll(logits[first : n_ctx - 1], targets)  # (n_ctx - first - 1,) nats
+        nll, nll2 = float(per_token.sum()), float((per_token * per_token).sum())
+        total_nll, total_nll2, total_n = total_nll + nll, total_nll2 + nll2, total_n + len(targets)
+        ppl, err = ppl_estimate(total_nll, total_nll2, total_n)
+        yield ChunkResult(i, n_chunks, ppl, err, nll, nll2, len(targets))
