@@ -38,7 +38,7 @@ def quantize(
     qtype: Annotated[Optional[str], typer.Argument(metavar="TYPE", help=f"One of {MIX_NAMES}.", show_default=False)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the per-tensor plan and the resulting size; write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
-    threads: Annotated[int, typer.Option("-t", "--threads", help="Worker threads (0 = one per CPU core).")] = 0,
+    threads: Annotated[int, typer.Option("-t", "--threads", help="Worker processes, as llama-quantize's nthread (0 = one per CPU core, 1 = no workers).")] = 0,
 ) -> None:
     """Quantize IN to TYPE as llama-quantize does (no importance matrix): `k4 quantize IN OUT TYPE`,
     or `k4 quantize --dry-run IN TYPE` to see the plan."""

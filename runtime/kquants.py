@@ -51,34 +51,32 @@ _EXACT = f32(2**21)  # below this magnitude v + 1.5 * 2**23 rounds v to an integ
 def _round_clip(v: np.ndarray, lo: int, hi: int, in_range: bool | None = None) -> np.ndarray:
     """MAX(lo, MIN(hi, nearest_int(v))) as float32, computed in place in v (float32 array).
 
-    When every |v| < 2**21 (in_range; checked here when not given) the float additions
-    v + 1.5 * 2**23 - 1.5 * 2**23 round exactly as nearest_int does; otherwise (inf, nan, huge
-    values) the integer trick is run for bit-exact agreement.
+    When every |v| < 2**21 (in_range; checked here when not given) nearest_int is numpy's
+    round-half-to-even, and clamping to integer bounds commutes with it, so v is clipped and
+    then rounded (two passes); otherwise (inf, nan, huge values) the integer trick is run for
+    bit-exact agreement.
     """
     if in_range is None:
         in_range = bool(v.min() > -_EXACT and v.max() < _EXACT)  # false on nan
     if in_range:
-        v += _MAGIC
-        np.clip(v, _MAGIC + f32(lo), _MAGIC + f32(hi), out=v)
-        v -= _MAGIC
+        v.clip(lo, hi, out=v)  # the method: np.clip's wrapper costs more than the pass
+        np.rint(v, out=v)
     else:
         v[...] = np.clip(nearest_int(v), lo, hi)
     return v
 
 
-def _bounded(*ends: np.ndarray) -> bool:
-    """True when every value is finite and below 2**21 in magnitude (see _round_clip)."""
-    return all(bool(np.all(np.abs(e) < _EXACT)) for e in ends)
+def _sum_seq(a: np.ndarray, axis: int = 0) -> np.ndarray:
+    """Sum float32 `a` over `axis` as `s = a[0]; for i >= 1: s += a[i]`, the C loops' order.
 
-
-def _sum_seq(a: np.ndarray) -> np.ndarray:
-    """(n, N) float32 -> (N,): `s = a[0]; for i >= 1: s += a[i]` in float32, the C loops' order.
-
-    numpy reduces a C-contiguous array over axis 0 row by row into one accumulator row (its
-    pairwise summation applies only along the contiguous axis), which is this order;
-    tests/test_quantize.py checks it on data where the order shows.
+    numpy reduces a C-contiguous array over an axis that is not the last one slice by slice
+    into one accumulator (its pairwise summation applies only along the contiguous axis), which
+    is this order; tests/test_quantize.py checks it on data where the order shows.
     """
-    return np.add.reduce(np.ascontiguousarray(a), axis=0)
+    return np.add.reduce(np.ascontiguousarray(a), axis=axis)
+
+
+add_seq = np.add.reduce  # _sum_seq for arrays known to be C-contiguous (the hot loops' scratch)
 
 
 def _fp16(x: np.ndarray) -> np.ndarray:
@@ -96,108 +94,132 @@ def _rows(cols: np.ndarray, block: int) -> np.ndarray:
     return np.ascontiguousarray(cols.T).reshape(-1, block)
 
 
+def _bounded(*ends: np.ndarray) -> bool:
+    """True when every value is finite and below 2**21 in magnitude (see _round_clip)."""
+    return all(bool(np.all(np.abs(e) < _EXACT)) for e in ends)
+
+
 def make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
     """ggml-quants.c make_qkx2_quants (use_mad = false) for N sub-blocks at once.
 
-    x, w: (n, N) float32 weights and their importance. Fits x ~ scale * L - the_min with
-    L in [0, nmax], trying nstep + 1 candidate scales; a candidate is kept when its weighted
-    squared error is lower, and later candidates start from the best min found so far, as in C.
-    Returns scale (N,) float32, the_min (N,) float32 (>= 0), L (n, N) float32 (integers).
+    x, w: (n, N) float32 weights (finite) and their importance. Fits x ~ scale * L - the_min
+    with L in [0, nmax], trying nstep + 1 candidate scales; a candidate is kept when its
+    weighted squared error is lower, and later candidates start from the best min found so
+    far, as in C. Returns scale (N,), the_min (N,) (>= 0) and the pair (iscale, mn) (N,) from
+    which the kept L = clamp(nearest_int(iscale * (x - mn)), 0, nmax) (iscale 0 for a flat
+    sub-block, whose L is 0); all float32. L itself is not formed: the K-quant callers
+    re-quantize every sub-block but those whose 6-bit scale is 0.
     """
     xmin = x.min(axis=0)  # (N,)
     mx = x.max(axis=0)  # (N,)
     mn0 = np.where(xmin > 0, f32(0), xmin)  # C: running min, then `if (min > 0) min = 0`
-    flat = mx == mn0  # (N,) all weights equal: L = 0, scale = 0
+    flat = mx == mn0  # (N,) C returns early; here their span is made 1 and the result reset
+    mx = np.where(flat, f32(1), mx)  # flat means mx = mn0 <= 0
     sum_w = _sum_seq(w)  # (N,)
     sum_x = _sum_seq(w * x)  # (N,)
     lf = np.empty_like(x)  # (n, N) candidate quants
-    tmp = np.empty_like(x)  # (n, N) scratch
+    wl, prod = np.empty_like(x), np.empty_like(x)  # (n, N) w*l, and w*l*l or w*l*x
+    err = np.empty_like(x)  # (n, N) error terms
 
-    def quants(iscale: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    def in_range(mn: np.ndarray, span: np.ndarray) -> bool:
+        """Whether every iscale * (x - mn) is provably below 2**21 (so _round_clip may round in
+        float): span = max - mn neither tiny nor huge, and min - mn at most 1e4 spans."""
+        a = np.abs(span)
+        return bool(np.all((a > f32(1e-30)) & (a < f32(1e30)) & (np.abs(xmin - mn) <= f32(1e4) * a)))
+
+    def quants(iscale: np.ndarray, mn: np.ndarray, fast: bool) -> None:
         """lf = clamp(nearest_int(iscale * (x - mn)), 0, nmax)."""
         np.multiply(np.subtract(x, mn, out=lf), iscale, out=lf)
-        return _round_clip(lf, 0, nmax, _bounded(iscale * (mx - mn), iscale * (xmin - mn)))
+        _round_clip(lf, 0, nmax, fast)
 
     def error(scale: np.ndarray, mn: np.ndarray) -> np.ndarray:
         """sum of w * (scale * lf + mn - x)^2, left to right."""
-        np.subtract(np.add(np.multiply(lf, scale, out=tmp), mn, out=tmp), x, out=tmp)
-        np.multiply(np.multiply(tmp, tmp, out=tmp), w, out=tmp)
-        return _sum_seq(tmp)
+        np.subtract(np.add(np.multiply(lf, scale, out=err), mn, out=err), x, out=err)
+        np.multiply(np.square(err, out=err), w, out=err)
+        return add_seq(err, axis=0)
 
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         mn = mn0
-        iscale = f32(nmax) / (mx - mn)
+        span = mx - mn
+        fast = in_range(mn, span)
+        iscale = f32(nmax) / span
         scale = f32(1) / iscale
-        L = quants(iscale, mn).copy()
+        quants(iscale, mn, fast)
         best_error = error(scale, mn)
+        q_iscale, q_min = iscale, mn0
         for step in range(nstep + 1):
-            iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / (mx - mn)
-            quants(iscale, mn)
-            wl = w * lf
-            sum_l = _sum_seq(wl)
-            sum_l2 = _sum_seq(np.multiply(wl, lf, out=tmp))
-            sum_xl = _sum_seq(np.multiply(wl, x, out=tmp))
+            iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / span
+            quants(iscale, mn, fast)
+            sum_l = add_seq(np.multiply(w, lf, out=wl), axis=0)
+            sum_l2 = add_seq(np.multiply(wl, lf, out=prod), axis=0)
+            sum_xl = add_seq(np.multiply(wl, x, out=prod), axis=0)
             D = sum_w * sum_l2 - sum_l * sum_l
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
             clamped = this_min > 0
-            this_min = np.where(clamped, f32(0), this_min)
-            this_scale = np.where(clamped, sum_xl / sum_l2, this_scale)
+            np.copyto(this_min, f32(0), where=clamped)
+            np.copyto(this_scale, sum_xl / sum_l2, where=clamped)
             cur_error = error(this_scale, this_min)
             better = (D > 0) & (cur_error < best_error)  # (N,)
-            np.copyto(L, lf, where=better)
-            best_error = np.where(better, cur_error, best_error)
-            scale = np.where(better, this_scale, scale)
-            mn = np.where(better, this_min, mn)
-    L[:, flat] = 0
+            if better.any():
+                best_error = np.where(better, cur_error, best_error)
+                scale = np.where(better, this_scale, scale)
+                q_iscale = np.where(better, iscale, q_iscale)
+                q_min = np.where(better, mn, q_min)
+                mn = np.where(better, this_min, mn)
+                span = mx - mn
+                fast = in_range(mn, span)
     scale = np.where(flat, f32(0), scale)
     mn = np.where(flat, mn0, mn)
-    return scale, -mn, L
+    return scale, -mn, (np.where(flat, f32(0), q_iscale), q_min)
 
 
 def make_qx_quants(x: np.ndarray, nmax: int):
     """ggml-quants.c make_qx_quants with rmse_type = 1 and no quant weights (w = x*x).
 
-    x: (n, N) float32 sub-blocks. Fits x ~ scale * (L - nmax), L in [0, 2*nmax - 1], trying
-    the scales -(nmax + 0.1*is)/max for is in -9..9 around the first guess. A sub-block whose
-    max |x| is below GROUP_MAX_EPS gets L = 0, scale = 0.
-    Returns scale (N,) float32 (signed), L (n, N) float32 (integers).
+    x: (n, N) float32 sub-blocks (finite). Fits x ~ scale * (L - nmax), L in [0, 2*nmax - 1],
+    trying the scales -(nmax + 0.1*is)/max for is in -9..9 around the first guess. Returns
+    scale (N,) float32 (signed), iscale (N,) float32 from which the kept
+    L = clamp(nearest_int(iscale * x), -nmax, nmax - 1) + nmax, and zero (N,) bool: sub-blocks
+    whose max |x| is below GROUP_MAX_EPS, with scale 0 and L = 0. L itself is not formed:
+    quantize_q6_K re-quantizes every sub-block but those whose int8 scale is 0.
     """
-    cols = np.arange(x.shape[1])
-    ax = np.abs(x)
-    first = ax.argmax(axis=0)  # (N,) C keeps the first index of the largest |x|
-    amax = ax[first, cols]
-    mx = x[first, cols]  # (N,) the signed value of largest magnitude
-    xmin, xmax = x.min(axis=0), x.max(axis=0)
+    hi, lo = x.max(axis=0), x.min(axis=0)  # (N,)
+    amax = np.maximum(hi, -lo)
+    mx = np.where(hi >= -lo, hi, lo)  # (N,) the signed value of largest magnitude
+    tie = (hi == -lo) & (hi != 0)  # C keeps the first of +a and -a: look it up
+    if tie.any():
+        cols = np.flatnonzero(tie)
+        mx[cols] = x[np.abs(x[:, cols]).argmax(axis=0), cols]
     zero = amax < GROUP_MAX_EPS
+    mx = np.where(zero, f32(1), mx)  # their result is reset; 1 keeps iscale finite
     w = x * x
     wx = w * x
-    lf = np.empty_like(x)  # (n, N) candidate quants, signed
-    tmp = np.empty_like(x)
+    lf, prod = np.empty_like(x), np.empty_like(x)  # (n, N) candidate quants (signed), products
 
     def fit(iscale):
-        """lf = clamp(nearest_int(iscale * x), -nmax, nmax - 1); sums of w*x*l and w*l*l."""
-        np.multiply(x, iscale, out=lf)
-        _round_clip(lf, -nmax, nmax - 1, _bounded(iscale * xmin, iscale * xmax))
-        sumlx = _sum_seq(np.multiply(wx, lf, out=tmp))
-        np.multiply(w, lf, out=tmp)
-        return sumlx, _sum_seq(np.multiply(tmp, lf, out=tmp))
+        """lf = clamp(nearest_int(iscale * x), -nmax, nmax - 1); sums of w*x*l and w*l*l.
+        |iscale * x| <= |iscale * max| < nmax + 1, so the float path is exact."""
+        _round_clip(np.multiply(x, iscale, out=lf), -nmax, nmax - 1, True)
+        sumlx = add_seq(np.multiply(wx, lf, out=prod), axis=0)
+        return sumlx, add_seq(np.multiply(np.multiply(w, lf, out=prod), lf, out=prod), axis=0)
 
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        sumlx, suml2 = fit(f32(-nmax) / mx)
-        L = lf + f32(nmax)
+        q_iscale = f32(-nmax) / mx
+        sumlx, suml2 = fit(q_iscale)
         scale = np.where(suml2 != 0, sumlx / suml2, f32(0))
         best = scale * sumlx
         for step in range(-9, 10):
             if step == 0:
                 continue
-            sumlx, suml2 = fit(-(f32(nmax) + f32(0.1) * f32(step)) / mx)
+            iscale = -(f32(nmax) + f32(0.1) * f32(step)) / mx
+            sumlx, suml2 = fit(iscale)
             better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-            np.copyto(L, lf + f32(nmax), where=better)
-            scale = np.where(better, sumlx / suml2, scale)
-            best = np.where(better, scale * sumlx, best)
-    L[:, zero] = 0
-    return np.where(zero, f32(0), scale), L
+            if better.any():
+                scale = np.where(better, sumlx / suml2, scale)
+                best = np.where(better, scale * sumlx, best)
+                q_iscale = np.where(better, iscale, q_iscale)
+    return np.where(zero, f32(0), scale), q_iscale, zero
 
 
 def _pack_scales_k4(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
@@ -224,7 +246,7 @@ def _quantize_kx(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: in
     nb = xs.shape[1] // 8
     av_x = np.sqrt(_sum_seq(xs * xs) / f32(32))  # (N,)
     weights = av_x + np.abs(xs)  # (32, N)
-    scales, mins, L = make_qkx2_quants(xs, weights, nmax, rmin, rdelta, nstep)
+    scales, mins, (q_iscale, q_min) = make_qkx2_quants(xs, weights, nmax, rmin, rdelta, nstep)
     scales = scales.reshape(nb, 8)
     mins = mins.reshape(nb, 8)
     max_scale = scales.max(axis=1)
@@ -242,8 +264,11 @@ def _quantize_kx(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: in
     d_sub = (d.astype(f32)[:, None] * ls.astype(f32)).reshape(-1)  # (N,)
     dm_sub = (dmin.astype(f32)[:, None] * lm.astype(f32)).reshape(-1)
     keep = d_sub == 0  # (N,) a sub-block whose scale is 0 keeps its first fit
-    requant = _round_clip((xs + dm_sub) / np.where(keep, f32(1), d_sub), 0, nmax)
-    L = np.where(keep, L, requant)
+    L = np.add(xs, dm_sub)  # (32, N)
+    _round_clip(np.divide(L, np.where(keep, f32(1), d_sub), out=L), 0, nmax)
+    if keep.any():
+        c = np.flatnonzero(keep)
+        L[:, c] = _round_clip((xs[:, c] - q_min[c]) * q_iscale[c], 0, nmax)
     return d, dmin, _pack_scales_k4(ls, lm), _rows(L, QK_K).astype(np.uint8)
 
 
@@ -287,7 +312,7 @@ def quantize_q6_K(x: np.ndarray) -> np.ndarray:
     n_rows = x.shape[0]
     xs = _columns(x, 16)  # (16, N) N = 16 sub-blocks per super-block
     nb = xs.shape[1] // 16
-    scales, L = make_qx_quants(xs, 32)
+    scales, q_iscale, zero_sub = make_qx_quants(xs, 32)
     scales = scales.reshape(nb, 16)
     abs_scales = np.abs(scales)
     first = abs_scales.argmax(axis=1)  # (nb,) C keeps the first largest |scale|
@@ -300,8 +325,12 @@ def quantize_q6_K(x: np.ndarray) -> np.ndarray:
         sc = np.minimum(nearest_int(iscale[:, None] * scales), 127).astype(np.int8)  # (nb, 16)
         d_sub = (d.astype(f32)[:, None] * sc.astype(f32)).reshape(-1)  # (N,)
     keep = d_sub == 0  # (N,) a sub-block whose scale is 0 keeps its first fit
-    requant = _round_clip(xs / np.where(keep, f32(1), d_sub), -32, 31) + f32(32)
-    L = _rows(np.where(keep, L, requant), QK_K).astype(np.uint8)  # (nb, 256)
+    L = np.divide(xs, np.where(keep, f32(1), d_sub))  # (16, N)
+    _round_clip(L, -32, 31)
+    if keep.any():
+        c = np.flatnonzero(keep)
+        L[:, c] = np.where(zero_sub[c], f32(-32), _round_clip(xs[:, c] * q_iscale[c], -32, 31))
+    L = _rows(L + f32(32), QK_K).astype(np.uint8)  # (nb, 256)
     Lr = L.reshape(nb, 2, 4, 32)  # (nb, 128-half, quarter, l)
     ql = np.concatenate([(Lr[:, :, 0] & 0xF) | ((Lr[:, :, 2] & 0xF) << 4), (Lr[:, :, 1] & 0xF) | ((Lr[:, :, 3] & 0xF) << 4)], axis=2)
     qh = (Lr[:, :, 0] >> 4) | ((Lr[:, :, 1] >> 4) << 2) | ((Lr[:, :, 2] >> 4) << 4) | ((Lr[:, :, 3] >> 4) << 6)

@@ -12,8 +12,9 @@ Three steps, in execution order:
    falls back (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, then F16). Tensors are ordered as
    llama.cpp's loader orders them (by layer, then name), which also fixes the layer counters
    its rules use.
-2. quantize: row chunks of every tensor through runtime/kquants.py on a thread pool (numpy
-   releases the GIL), reporting progress in weights.
+2. quantize: row chunks of every tensor through runtime/kquants.py on a pool of worker
+   processes (threads would serialize on the GIL between numpy's many small operations), each
+   reading its rows from the memory-mapped input; progress is reported in weights.
 3. write: gguf.GGUFWriter, every metadata key of the input in its order (after
    general.architecture, which the writer puts first), then general.quantization_version = 2
    and general.file_type (LLAMA_FTYPE), the input's alignment; into a temporary file next to
@@ -25,11 +26,12 @@ rules are not reproduced.
 
 from __future__ import annotations
 
-import itertools
+import multiprocessing
 import os
 import re
+import signal
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -69,7 +71,7 @@ MIXES = {
 
 INPUT_TYPES = (T.F32, T.F16, T.BF16)  # what the Hugging Face converters write
 FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
-CHUNK_WEIGHTS = 1 << 20  # weights per unit of work on the thread pool and per progress step
+CHUNK_WEIGHTS = 1 << 20  # weights per unit of work on the worker pool and per progress step
 
 Progress = Callable[[int, int, str], None]  # (weights done, weights in all, tensor name)
 
@@ -253,17 +255,51 @@ def _encode_rows(raw: np.ndarray, src: GGMLQuantizationType, dst: GGMLQuantizati
     return kquants.quantize(x, dst)
 
 
-def _submit(mf: ModelFile, tp: TensorPlan, pool: ThreadPoolExecutor):
-    """Queue the row chunks of one tensor. Returns (output array (rows, row bytes) uint8, list of
-    (row slice, future of the encoded rows)); a tensor kept as it is has its input bytes and no futures."""
-    raw = mf.tensors[tp.name].raw_bytes()  # (rows, row bytes) memory-mapped
-    if tp.dst_type == tp.src_type:
-        return raw, []
-    n_rows, n_per_row = raw.shape[0], tp.shape[-1]
-    out = np.empty((n_rows, _n_bytes((n_per_row,), tp.dst_type)), dtype=np.uint8)
-    step = max(1, CHUNK_WEIGHTS // n_per_row)
-    jobs = [(slice(r, r + step), pool.submit(_encode_rows, raw[r : r + step], tp.src_type, tp.dst_type, tp.name)) for r in range(0, n_rows, step)]
-    return out, jobs
+_MAPS: dict[str, np.memmap] = {}  # a worker process's map of the input file, made on its first chunk
+
+
+def _encode_chunk(path: str, offset: int, shape: tuple[int, int], src: GGMLQuantizationType, dst: GGMLQuantizationType, name: str) -> np.ndarray:
+    """A worker process's unit of work: rows of `shape` (rows, input row bytes) at byte `offset`
+    of the file at `path`, encoded as _encode_rows does (the input is read from the page cache,
+    never sent through a pipe)."""
+    mm = _MAPS.get(path)
+    if mm is None:
+        mm = _MAPS[path] = np.memmap(path, dtype=np.uint8, mode="r")
+    return _encode_rows(mm[offset : offset + shape[0] * shape[1]].reshape(shape), src, dst, name)
+
+
+def _ignore_sigint() -> None:
+    """Worker initializer: Ctrl-C reaches the whole process group; only the parent handles it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _chunks(plan: QuantPlan):
+    """(tensor plan, first row, end row) of every unit of work, in output order (tensors kept as
+    they are have none)."""
+    for tp in plan.tensors:
+        if tp.dst_type != tp.src_type:
+            n_rows = int(np.prod(tp.shape[:-1]))
+            step = max(1, CHUNK_WEIGHTS // tp.shape[-1])
+            yield from ((tp, r, min(r + step, n_rows)) for r in range(0, n_rows, step))
+
+
+def _chunk_results(mf: ModelFile, plan: QuantPlan, pool: ProcessPoolExecutor | None, depth: int):
+    """The encoded rows of every _chunks unit, in order: computed here when pool is None, else
+    by the pool with up to `depth` units in flight."""
+    if pool is None:
+        for tp, r0, r1 in _chunks(plan):
+            yield _encode_rows(mf.tensors[tp.name].raw_bytes()[r0:r1], tp.src_type, tp.dst_type, tp.name)
+        return
+    path = str(Path(mf.path).resolve())
+    in_flight: deque = deque()
+    for tp, r0, r1 in _chunks(plan):
+        t = mf.tensors[tp.name]
+        row_bytes = t.n_bytes // int(np.prod(tp.shape[:-1]))
+        in_flight.append(pool.submit(_encode_chunk, path, t.file_offset + r0 * row_bytes, (r1 - r0, row_bytes), tp.src_type, tp.dst_type, tp.name))
+        if len(in_flight) >= depth:
+            yield in_flight.popleft().result()
+    while in_flight:
+        yield in_flight.popleft().result()
 
 
 def copy_metadata(mf: ModelFile, writer: GGUFWriter, skip: set[str] = frozenset(), replace: dict[str, object] | None = None) -> None:
@@ -301,33 +337,52 @@ def _temp_path(out: Path) -> Path:
     return out.with_name(f".{out.name}.k4-partial-{os.getpid()}")
 
 
-def _encoded_tensors(mf: ModelFile, plan: QuantPlan, pool: ThreadPoolExecutor, progress: Progress | None):
-    """Yield each tensor's output bytes (rows, row bytes) uint8 in plan order, the next tensor's
-    chunks already queued on `pool` while this one finishes; report progress in weights."""
+def _encoded_tensors(mf: ModelFile, plan: QuantPlan, pool: ProcessPoolExecutor | None, depth: int, progress: Progress | None):
+    """Yield each tensor's output bytes (rows, row bytes) uint8 in plan order; report progress in weights."""
     total, done = plan.n_elements, 0
-    upcoming = iter(plan.tensors)
-    queued = deque((tp, *_submit(mf, tp, pool)) for tp in itertools.islice(upcoming, 2))
-    while queued:
-        tp, data, jobs = queued.popleft()
-        nxt = next(upcoming, None)
-        if nxt is not None:
-            queued.append((nxt, *_submit(mf, nxt, pool)))
-        for rows, job in jobs:
-            encoded = job.result()
-            data[rows] = encoded
-            done += encoded.shape[0] * tp.shape[-1]
+    results = _chunk_results(mf, plan, pool, depth)
+    for tp in plan.tensors:
+        raw = mf.tensors[tp.name].raw_bytes()  # (rows, row bytes) memory-mapped
+        if tp.dst_type == tp.src_type:
+            done += tp.n_elements
             if progress:
                 progress(done, total, tp.name)
-        if not jobs:
-            done += tp.n_elements
+            yield raw
+            continue
+        data = np.empty((raw.shape[0], _n_bytes(tp.shape[-1:], tp.dst_type)), dtype=np.uint8)
+        row = 0
+        while row < raw.shape[0]:
+            encoded = next(results)
+            data[row : row + encoded.shape[0]] = encoded
+            row += encoded.shape[0]
+            done += encoded.shape[0] * tp.shape[-1]
             if progress:
                 progress(done, total, tp.name)
         yield data
 
 
+def worker_count(threads: int) -> int:
+    """Worker processes for `threads` (0: one per CPU core this process may run on)."""
+    return threads or len(os.sched_getaffinity(0))
+
+
+def _start_pool(workers: int) -> ProcessPoolExecutor | None:
+    """A process pool of `workers` (None for 1: the work runs in this process). Workers come from
+    a forkserver with numpy and the quantizers imported, so each starts in milliseconds and none
+    inherits this process's threads."""
+    if workers <= 1:
+        return None
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_ignore_sigint)
+
+
 def write_quantized(mf: ModelFile, plan: QuantPlan, out: Path, progress: Progress | None = None, threads: int = 0) -> None:
     """Quantize `mf` by `plan` and write the GGUF to `out` (through a temporary file, renamed at
-    the end; removed on any error or KeyboardInterrupt). threads = 0: one per CPU core.
+    the end; removed on any error or KeyboardInterrupt). threads: worker processes, as
+    llama-quantize's nthread (0: one per CPU core; 1: all in this process). Workers start from
+    a forkserver, so a script that calls this with threads != 1 needs the
+    `if __name__ == "__main__":` guard that multiprocessing asks for.
 
     Raises ModelFileError (NaN/inf weights), OSError (the file system).
     """
@@ -340,23 +395,26 @@ def write_quantized(mf: ModelFile, plan: QuantPlan, out: Path, progress: Progres
     for tp in plan.tensors:
         byte_shape = (*tp.shape[:-1], _n_bytes(tp.shape[-1:], tp.dst_type))  # the writer maps it back to tp.shape
         writer.add_tensor_info(tp.name, byte_shape, np.dtype(np.uint8), tp.dst_bytes, raw_dtype=tp.dst_type)
-    pool = ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1)
+    workers = worker_count(threads)
+    pool = _start_pool(workers)
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for data in _encoded_tensors(mf, plan, pool, progress):
+        for data in _encoded_tensors(mf, plan, pool, 4 * workers, progress):
             writer.write_tensor_data(data)
         writer.fout[0].flush()
         os.fsync(writer.fout[0].fileno())
         writer.close()
         os.replace(tmp, out)
     except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
+        if pool:
+            pool.shutdown(wait=False, cancel_futures=True)
         writer.close()
         tmp.unlink(missing_ok=True)
         raise
-    pool.shutdown()
+    if pool:
+        pool.shutdown()
 
 
 def quantize_model(
