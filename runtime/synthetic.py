@@ -73,10 +73,13 @@ def q4_k_m_types(cfg: ModelConfig) -> dict[str, T]:
     return {n: t or T.F32 for n, t in zip(names, types)}
 
 
-def random_blocks(t: T, n_rows: int, n_cols: int, rng: np.random.Generator, scale: float) -> np.ndarray:
+def random_blocks(t: T, n_rows: int, n_cols: int, rng: np.random.Generator, scale: float,
+                  full_range: bool = False) -> np.ndarray:
     """Random valid blocks of type t for an (n_rows, n_cols) matrix whose weights have standard
     deviation about `scale`: uint8 (n_rows, n_cols / block * type_size). Scales are finite fp16;
-    quants are random bytes."""
+    quants are random bytes. Sub-block scales stay in a narrow band (similar magnitudes, as in
+    synthetic models) unless `full_range`: then they take every value their field can hold
+    (Q6_K int8 -128..127, K-quant 6-bit codes 0..63), as real files' do, for kernel tests."""
     block, size = GGML_QUANT_SIZES[t]
     nb = n_rows * (n_cols // block)
     raw = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)  # (nb, size)
@@ -88,14 +91,20 @@ def random_blocks(t: T, n_rows: int, n_cols: int, rng: np.random.Generator, scal
     if t == T.Q4_K:  # d, dmin, scales[12] (6-bit), qs[128]: w = d*sc*q - dmin*m, q in 0..15
         put_f16(0, scale / (48 * 4.6) * jitter)
         put_f16(2, scale / (48 * 4.6) * 7.5 * jitter)
-        raw[:, 4:16] |= 0x20  # scale and min codes in 32..63 (low 6 bits; high bits of scales[8:] hold 4-bit halves)
+        if not full_range:
+            raw[:, 4:16] |= 0x20  # scale and min codes in 32..63 (low 6 bits; high bits of scales[8:] hold 4-bit halves)
     elif t == T.Q5_K:  # d, dmin, scales[12], qh[32], qs[128]: q in 0..31
         put_f16(0, scale / (48 * 9.2) * jitter)
         put_f16(2, scale / (48 * 9.2) * 15.5 * jitter)
-        raw[:, 4:16] |= 0x20
+        if not full_range:
+            raw[:, 4:16] |= 0x20
     elif t == T.Q6_K:  # ql[128], qh[64], int8 scales[16], d: w = d*sc*(q-32)
-        raw[:, 192:208] = rng.integers(8, 24, size=(nb, 16), dtype=np.uint8)
-        put_f16(208, scale / (16 * 18.5) * jitter)
+        if full_range:  # int8 -128..127: rms about 74
+            raw[:, 192:208] = rng.integers(-128, 128, size=(nb, 16)).astype(np.int8).view(np.uint8)
+            put_f16(208, scale / (74 * 18.5) * jitter)
+        else:
+            raw[:, 192:208] = rng.integers(8, 24, size=(nb, 16), dtype=np.uint8)
+            put_f16(208, scale / (16 * 18.5) * jitter)
     elif t == T.Q8_0:  # d, int8 qs[32]
         put_f16(0, scale / 73.9 * jitter)
     elif t == T.Q5_0:  # d, qh[4], qs[16]: w = d*(q-16)

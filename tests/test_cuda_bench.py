@@ -1,4 +1,8 @@
-"""k4 bench end to end on the GPU: records, per-step copy traffic, kernel microbenchmarks."""
+"""k4 bench end to end on the GPU: records, per-step copy traffic, kernel microbenchmarks.
+
+No timing bounds here (how fast a kernel runs is what `k4 bench --kernels` reports and
+docs/PERF.md records): the checks are the records' fields and how they relate (rates from the
+same timings, the bytes and FLOPs counted)."""
 
 from __future__ import annotations
 
@@ -38,22 +42,22 @@ def test_bench_kernels_reports_bandwidth():
     gemv = [x for x in recs if x["kernel"] == "gemv"]
     assert {x["type"] for x in gemv} >= {"Q4_K", "Q6_K", "Q5_1"}
     assert {(x["type"], x["n_in"]) for x in gemv if x["x"] == "q8"} == {("Q4_K", 11008), ("Q6_K", 11008)}
-    assert all(0 < x["gb_s"] < 5000 for x in gemv)
-    assert all(0 < x["read_us"] and 0 < x["fraction_of_read"] < 1.2 for x in gemv)
-    assert all(0 < x["dependent_read_us"] and 0 < x["fraction_of_dependent_read"] < 1.5 for x in gemv)
+    for x in gemv:
+        assert x["us"] > 0 and x["read_us"] > 0 and x["dependent_read_us"] > 0
+        assert x["fraction_of_read"] == pytest.approx(x["read_us"] / x["us"])
+        assert x["fraction_of_dependent_read"] == pytest.approx(x["dependent_read_us"] / x["us"])
+        assert x["fraction_of_4.2TB/s"] == pytest.approx(x["gb_s"] / 4200)
     attn = [x for x in recs if x["kernel"].startswith("attention")]
-    assert len(attn) == 4 and all(0 < x["tflop_s"] < 1000 and x["us"] > 0 for x in attn)
+    assert len(attn) == 4 and all(x["tflop_s"] > 0 and x["us"] > 0 for x in attn)
 
 
 def test_bench_read_streams_the_bytes():
-    """The read ceiling grows with the bytes, and its bandwidth is a plausible HBM figure (GB/s)."""
+    """The read ceiling's rate is the bytes it reads over its time (GB/s = bytes / us / 1e3)."""
     from k4.runtime.cuda.matmul import bench_read
 
-    small, large = bench_read(8 << 20, iters=20), bench_read(64 << 20, iters=20)
-    assert 0 < small["us"] < large["us"]
-    assert 100 < large["gb_s"] < 6000
-    dep = bench_read(64 << 20, iters=20, dependent=True)
-    assert 100 < dep["gb_s"] < 6000
+    for dependent in (False, True):
+        r = bench_read(64 << 20, iters=20, dependent=dependent)
+        assert r["us"] > 0 and r["gb_s"] == pytest.approx((64 << 20) / r["us"] / 1e3, rel=1e-3)
 
 
 def test_bench_attention_flop_count():

@@ -185,16 +185,18 @@ def test_attention(ops, rng, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split):
     # attn_mma (where D has an instance) and attn_tiled for several queries, and the per-query
     # kernel; split attention twice (the tickets reset)
     kernels = [(True, True), (False, True), (False, False)] if n_tok > 1 else [(False, True), (False, True)]
-    for mma, tiled in kernels:
-        ops.mma, ops.tiled = mma, tiled
-        out = nan_like((n_tok, n_head, D), cp.float32)
-        ops.attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, cp.asarray([pos0], dtype=cp.int32),
-                      n_split, split_len, part, ticket)
-        # fp16 keys/values are exact on both sides; only attn_mma rounds q and p
-        limit = MMA_ATTN_REL_L2 if mma and D in MMA_TILE_KEYS else 2e-5
-        assert rel_l2(out.get(), want) < limit, f"mma={mma} tiled={tiled}"
-        assert not ticket.any()
-    ops.mma, ops.tiled = True, True
+    try:
+        for mma, tiled in kernels:
+            ops.mma, ops.tiled = mma, tiled
+            out = nan_like((n_tok, n_head, D), cp.float32)
+            ops.attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, cp.asarray([pos0], dtype=cp.int32),
+                          n_split, split_len, part, ticket)
+            # fp16 keys/values are exact on both sides; only attn_mma rounds q and p
+            limit = MMA_ATTN_REL_L2 if mma and D in MMA_TILE_KEYS else 2e-5
+            assert rel_l2(out.get(), want) < limit, f"mma={mma} tiled={tiled}"
+            assert not ticket.any()
+    finally:  # the fixture's kernel choice, whatever failed
+        ops.mma, ops.tiled = True, True
 
 
 @pytest.mark.parametrize("arch,n_head,n_head_kv,D,pos0,n_ctx", [("llama", 8, 2, 64, 77, 256), ("qwen3", 4, 4, 128, 5, 4096),

@@ -759,12 +759,13 @@ def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, str
 
 def random_weight(ggml_type: T, n_out: int, n_in: int, rng: np.random.Generator) -> Tensor:
     """A random (n_out, n_in) weight matrix of `ggml_type` with valid blocks (finite fp16 scales,
-    random quants; runtime.synthetic.random_blocks) and weights of standard deviation ~1/sqrt(n_in)."""
+    sub-block scales over their fields' full ranges, random quants; runtime.synthetic.random_blocks)
+    and weights of standard deviation ~1/sqrt(n_in)."""
     from k4.runtime.synthetic import random_blocks
 
     scale = 1.0 / math.sqrt(n_in)
     if ggml_type in QUANT:
-        raw = random_blocks(ggml_type, n_out, n_in, rng, scale)
+        raw = random_blocks(ggml_type, n_out, n_in, rng, scale, full_range=True)
     else:
         f = (rng.standard_normal((n_out, n_in)) * scale).astype(np.float32)
         raw = {T.F32: f, T.F16: f.astype(np.float16), T.BF16: (f.view(np.uint32) >> 16).astype(np.uint16)}[ggml_type]
