@@ -136,5 +136,5 @@ def load_session(model: Optional[Path], backend: str, ctx_size: Optional[int]) -
         err.print(warning, style="yellow", markup=False)
     tok = Tokenizer.from_model(mf)
     with progress_bar(f"loading {mf.path.name}", min_bytes=PROGRESS_MIN_BYTES) as update:
-        be = make_backend(mf, backend, n_ctx, progress=update)
+        be = make_backend(mf, backend, n_ctx, progress=update, status=lambda text: err.print(text, style="dim", markup=False))
     return Session(mf, tok, be, (time.perf_counter() - t0) * 1e3)

@@ -86,12 +86,13 @@ class TokenCache:
             )
 
 
-def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=None) -> Backend:
+def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=None, status=None) -> Backend:
     """Build the backend `kind` ("auto", "numpy", "cuda") for a loaded model.
 
     n_ctx = 0 means the model's training context, capped at DEFAULT_CTX tokens. "auto" picks cuda when a GPU and CuPy are
     present, else numpy. progress(done_bytes, total_bytes) is called while weights upload
-    (cuda) or are read (numpy). Raises BackendUnavailableError (cuda asked for but not usable),
+    (cuda) or are read (numpy); status(text) says what a slow step is doing (cuda: kernels still
+    compiling after the upload). Raises BackendUnavailableError (cuda asked for but not usable),
     OutOfMemoryError (numpy: the model does not fit in RAM) or UsageError (unknown kind).
     """
     from .errors import UsageError
@@ -114,7 +115,7 @@ def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=Non
     if kind == "cuda":
         from .cuda.backend import CudaBackend  # raises BackendUnavailableError without CuPy or a GPU
 
-        return CudaBackend(mf, n_ctx, progress=progress)
+        return CudaBackend(mf, n_ctx, progress=progress, status=status)
     from .reference import NumpyBackend
 
     return NumpyBackend(mf, n_ctx, progress=progress)

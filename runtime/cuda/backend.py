@@ -137,14 +137,16 @@ class CudaBackend(TokenCache):
     """The CUDA backend (protocol: runtime/backend.py).
 
     mf: a validated ModelFile; n_ctx: KV cache positions; progress(done_bytes, total_bytes) is
-    called while weights upload. Raises BackendUnavailableError (no GPU/CuPy, model does not fit),
+    called while weights upload; status(text) once, if the kernels are still compiling when the
+    upload ends (a first run on this GPU and k4 version: CuPy caches them on disk). Raises BackendUnavailableError (no GPU/CuPy, model does not fit),
     UnsupportedModelError (head shapes the kernels do not take); load, eval and generate raise
     GpuError (runtime.cuda.launch) when a CUDA call fails, naming the phase and the kernel.
     """
 
     name = "cuda"
 
-    def __init__(self, mf: ModelFile, n_ctx: int, progress: Callable[[int, int], None] | None = None):
+    def __init__(self, mf: ModelFile, n_ctx: int, progress: Callable[[int, int], None] | None = None,
+                 status: Callable[[str], None] | None = None):
         require_cuda()
         cfg = mf.config
         assert cfg is not None
@@ -160,6 +162,7 @@ class CudaBackend(TokenCache):
                            self.flags.on("K4_EVICT_FIRST"))
         # kernels compile on threads while the weights upload; the "compile" step waits for them
         matrix_types = {t.ggml_type for t in mf.tensors.values() if len(t.shape) == 2}
+        self._status = status
         self._compiling = compile_async(matmul.compile_jobs(matrix_types, self.flags.on("K4_EVICT_FIRST"))
                                         + self.ops.compile_jobs(cfg.head_dim))
         self.fuse_norm = self.flags.on("K4_FUSE_NORM")
@@ -196,6 +199,10 @@ class CudaBackend(TokenCache):
     def _finish_compile(self) -> None:
         """Wait for the modules compiling since __init__ (raising the first compile error), then
         load every kernel the model launches."""
+        pending = sum(not fut.done() for fut in self._compiling)
+        if pending and self._status is not None:
+            self._status(f"compiling CUDA kernels ({pending} of {len(self._compiling)} modules left; "
+                         "first run on this GPU and k4 version, cached afterwards)")
         for fut in self._compiling:
             fut.result()
         self.ops.compile_all(self.config.head_dim)
