@@ -107,6 +107,7 @@ class NumpyBackend(TokenCache):
     each. Peak RAM: the file's bytes + the kept matrices or one block + the KV cache.
 
     progress(done_bytes, total_bytes) is called after each tensor is read at load.
+    cached: whether the dequantized matrices are kept (they fit in cache_bytes).
     mem_available: bytes of RAM free for the model (default: hostmem.available_ram()).
     block_bytes: default max(DEQUANT_PIECE_BYTES, file bytes // 8).
     Raises OutOfMemoryError up front when the weights, what is dequantized and the KV cache need
