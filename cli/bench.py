@@ -196,8 +196,7 @@ def _kernels(output: str) -> None:
 
     if not cuda_available():
         raise BackendUnavailableError("--kernels needs an NVIDIA GPU and CuPy; install k4 with the cuda13 or cuda12 extra")
-    from k4.runtime.cuda.matmul import bench_gemv, bench_read
-    from k4.runtime.cuda.ops import bench_attention
+    from k4.runtime.cuda.microbench import bench_attention, bench_gemv, bench_read
 
     # x "q8": x comes quantized, as the down product (4096x11008) gets it in decode with K4_FUSE_QUANT=1
     shapes = [("Q4_K", 4096, 4096, "f32"), ("Q4_K", 11008, 4096, "f32"), ("Q4_K", 4096, 11008, "f32"), ("Q4_K", 4096, 11008, "q8"),

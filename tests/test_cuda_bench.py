@@ -53,7 +53,7 @@ def test_bench_kernels_reports_bandwidth():
 
 def test_bench_read_streams_the_bytes():
     """The read ceiling's rate is the bytes it reads over its time (GB/s = bytes / us / 1e3)."""
-    from k4.runtime.cuda.matmul import bench_read
+    from k4.runtime.cuda.microbench import bench_read
 
     for dependent in (False, True):
         r = bench_read(64 << 20, iters=20, dependent=dependent)
@@ -61,7 +61,7 @@ def test_bench_read_streams_the_bytes():
 
 
 def test_bench_attention_flop_count():
-    from k4.runtime.cuda.ops import bench_attention
+    from k4.runtime.cuda.microbench import bench_attention
 
     prefill = bench_attention(256, 256, n_head=4, n_head_kv=2, head_dim=64, iters=5)
     decode = bench_attention(1, 256, n_head=4, n_head_kv=2, head_dim=64, iters=5)

@@ -1,6 +1,6 @@
 """Hardening on the GPU: CUDA errors name the kernel and the phase; Ctrl-C during load or
 generation exits with 130 and gives the GPU memory back; 20,000 decoded tokens and 50 chat turns
-grow neither GPU nor host memory (runtime/soak.py); the same seed gives the same tokens across
+grow neither GPU nor host memory (tests/soak.py); the same seed gives the same tokens across
 backends, reset(), the CUDA graph switch and processes.
 
 The long runs use the synthetic TinyLlama 1.1B (exact shape and Q4_K_M layout, Llama 2's
@@ -28,10 +28,10 @@ from k4.runtime.errors import GpuError
 from k4.runtime.flags import FLAGS
 from k4.runtime.model import open_model
 from k4.runtime.sampling import SamplingParams
-from k4.runtime.soak import soak_chat, soak_decode
 from k4.runtime.synthetic import write_synthetic
 from k4.runtime.tokenizer import Tokenizer
 from k4.runtime.trace import Trace
+from tests.soak import soak_chat, soak_decode
 
 cp = cupy_or_skip()
 pytestmark = pytest.mark.cuda

@@ -25,7 +25,9 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from k4.runtime.cuda import matmul as mm
+from k4.runtime.cuda.microbench import bench_gemv, bench_matmul, random_weight
 from k4.runtime.model import Tensor
+from tests.helpers_matmul import interleave_rows, stack_rows
 
 QUANTIZED = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"]
 FLOATS = ["F16", "BF16", "F32"]
@@ -74,7 +76,7 @@ def weight(type_name: str, n_out: int, n_in: int, rng, repack: bool):
     """(device weight, float64 reference matrix (n_out, n_in))."""
     import cupy as cp
 
-    t = mm.random_weight(T[type_name], n_out, n_in, rng)
+    t = random_weight(T[type_name], n_out, n_in, rng)
     w = mm.make_weight(t, cp.asarray(mm.weight_layout(t, repack)), repack)
     return w, dequantize(t.raw_bytes(), t.ggml_type).astype(np.float64)
 
@@ -90,7 +92,7 @@ def nan_like(shape):
 @pytest.mark.parametrize("type_name", QUANTIZED)
 def test_planar_layout_holds_every_group_contiguously(type_name):
     rng = np.random.default_rng(1)
-    t = mm.random_weight(T[type_name], 3, 2 * GGML_QUANT_SIZES[T[type_name]][0], rng)
+    t = random_weight(T[type_name], 3, 2 * GGML_QUANT_SIZES[T[type_name]][0], rng)
     raw = t.raw_bytes().reshape(-1)
     groups = mm.QUANT[t.ggml_type].groups
     blocks = raw.reshape(-1, groups[-1])
@@ -107,24 +109,24 @@ def test_planar_layout_holds_every_group_contiguously(type_name):
 
 def test_stack_rows_needs_one_type_and_width():
     rng = np.random.default_rng(0)
-    a, b = mm.random_weight(T.Q4_K, 4, 256, rng), mm.random_weight(T.Q6_K, 4, 256, rng)
+    a, b = random_weight(T.Q4_K, 4, 256, rng), random_weight(T.Q6_K, 4, 256, rng)
     with pytest.raises(ValueError, match="cannot stack"):
-        mm.stack_rows([a, b], "ab")
-    s = mm.stack_rows([a, a], "aa")
+        stack_rows([a, b], "ab")
+    s = stack_rows([a, a], "aa")
     assert np.array_equal(mm.weight_layout(s, False), np.concatenate([a.raw_bytes().reshape(-1)] * 2))
 
 
 def test_interleave_rows_alternates_gate_and_up():
     rng = np.random.default_rng(0)
-    gate, up = mm.random_weight(T.Q4_K, 3, 512, rng), mm.random_weight(T.Q4_K, 3, 512, rng)
-    t = mm.interleave_rows(gate, up, "blk.0.ffn_gate.weight")
+    gate, up = random_weight(T.Q4_K, 3, 512, rng), random_weight(T.Q4_K, 3, 512, rng)
+    t = interleave_rows(gate, up, "blk.0.ffn_gate.weight")
     assert t.shape == (6, 512)
     rows = t.raw_bytes()
     assert np.array_equal(rows[0::2], gate.raw_bytes()) and np.array_equal(rows[1::2], up.raw_bytes())
-    with pytest.raises(ValueError, match="cannot interleave"):
-        mm.interleave_rows(gate, mm.random_weight(T.Q6_K, 3, 512, rng), "x")
-    with pytest.raises(ValueError, match="cannot interleave"):
-        mm.interleave_rows(gate, mm.random_weight(T.Q4_K, 4, 512, rng), "x")
+    with pytest.raises(ValueError, match="cannot stack"):
+        interleave_rows(gate, random_weight(T.Q6_K, 3, 512, rng), "x")
+    with pytest.raises(ValueError, match="two matrices of one shape"):
+        interleave_rows(gate, random_weight(T.Q4_K, 4, 512, rng), "x")
 
 
 def _device_layout_cases(xp):
@@ -133,11 +135,11 @@ def _device_layout_cases(xp):
     rng = np.random.default_rng(3)
     for type_name in (*QUANTIZED, "F16", "F32"):
         t = T[type_name]
-        a, b, c = (mm.random_weight(t, n, 2 * GGML_QUANT_SIZES[t][0], rng) for n in (5, 5, 3))
+        a, b, c = (random_weight(t, n, 2 * GGML_QUANT_SIZES[t][0], rng) for n in (5, 5, 3))
         for repack in (False, True):
             for tensors, glu in (([a, b, c], False), ([a, b], True), ([c], False)):
                 spec = mm.combined(tensors, "m", glu)
-                host = mm.weight_layout(mm.interleave_rows(a, b, "m") if glu else mm.stack_rows(tensors, "m"), repack)
+                host = mm.weight_layout(interleave_rows(a, b, "m") if glu else stack_rows(tensors, "m"), repack)
                 src = xp.asarray(np.concatenate([x.raw_bytes().reshape(-1) for x in tensors]))
                 dst = xp.full(mm.layout_nbytes(spec, repack), 0xA5, xp.uint8)  # pads must be written too
                 mm.device_layout(dst, src, spec, repack, glu)
@@ -160,16 +162,16 @@ def test_device_layout_equals_the_host_layout_on_the_gpu():
 
 def test_combined_rejects_what_stack_and_interleave_reject():
     rng = np.random.default_rng(0)
-    a, b = mm.random_weight(T.Q4_K, 4, 256, rng), mm.random_weight(T.Q6_K, 4, 256, rng)
+    a, b = random_weight(T.Q4_K, 4, 256, rng), random_weight(T.Q6_K, 4, 256, rng)
     with pytest.raises(ValueError, match="cannot stack"):
         mm.combined([a, b], "ab")
     with pytest.raises(ValueError, match="two matrices of one shape"):
-        mm.combined([a, mm.random_weight(T.Q4_K, 6, 256, rng)], "g", glu=True)
+        mm.combined([a, random_weight(T.Q4_K, 6, 256, rng)], "g", glu=True)
     assert mm.combined([a, a], "aa").shape == (8, 256)
 
 
 def test_weight_layout_rejects_partial_blocks():
-    t = mm.random_weight(T.F32, 2, 8, np.random.default_rng(0))
+    t = random_weight(T.F32, 2, 8, np.random.default_rng(0))
     bad = Tensor("w", T.Q4_K, (2, 100), t.raw)
     with pytest.raises(ValueError, match="multiple of the Q4_K block"):
         mm.weight_layout(bad, repack=True)
@@ -245,8 +247,8 @@ def test_stacked_rows_multiply_as_one_matrix():
     import cupy as cp
 
     rng, seed = fresh_rng()
-    parts = [mm.random_weight(T.Q4_K, n, 512, rng) for n in (256, 64, 64)]
-    t = mm.stack_rows(parts, "blk.0.attn_qkv.weight")
+    parts = [random_weight(T.Q4_K, n, 512, rng) for n in (256, 64, 64)]
+    t = stack_rows(parts, "blk.0.attn_qkv.weight")
     assert t.shape == (384, 512)
     w = mm.make_weight(t, cp.asarray(mm.weight_layout(t, True)), True)
     x = rng.standard_normal(512).astype(np.float32)
@@ -337,8 +339,8 @@ def test_gemv_swiglu_epilogue(type_name, repack):
 
     rng, seed = fresh_rng()
     n_ff, n_in = shapes(type_name)[2]
-    gate, up = (mm.random_weight(T[type_name], n_ff, n_in, rng) for _ in range(2))
-    t = mm.interleave_rows(gate, up, "ffn_gate_up")
+    gate, up = (random_weight(T[type_name], n_ff, n_in, rng) for _ in range(2))
+    t = interleave_rows(gate, up, "ffn_gate_up")
     w = mm.make_weight(t, cp.asarray(mm.weight_layout(t, repack)), repack, glu=True)
     ref_g, ref_u = (dequantize(p.raw_bytes(), p.ggml_type).astype(np.float64) for p in (gate, up))
     x = rng.standard_normal(n_in).astype(np.float32)
@@ -363,8 +365,8 @@ def test_gemv_swiglu_variants_match_numpy(type_name, variant):
     import cupy as cp
 
     rng, seed = fresh_rng()
-    gate, up = (mm.random_weight(type_name, 777, 1536, rng) for _ in range(2))
-    t = mm.interleave_rows(gate, up, "ffn_gate_up")
+    gate, up = (random_weight(type_name, 777, 1536, rng) for _ in range(2))
+    t = interleave_rows(gate, up, "ffn_gate_up")
     w = mm.make_weight(t, cp.asarray(mm.weight_layout(t, True)), True, glu=True)
     x = rng.standard_normal(1536).astype(np.float32)
     y = nan_like(777)
@@ -404,8 +406,8 @@ def test_gemv_q8_handoff_is_the_quantization_of_y(glu_type, down_type):
     rng, seed = fresh_rng()
     for n_ff in (256, 4352):
         n_in = 512
-        gate, up = (mm.random_weight(T[glu_type], n_ff, n_in, rng) for _ in range(2))
-        t = mm.interleave_rows(gate, up, "ffn_gate_up")
+        gate, up = (random_weight(T[glu_type], n_ff, n_in, rng) for _ in range(2))
+        t = interleave_rows(gate, up, "ffn_gate_up")
         glu = mm.make_weight(t, cp.asarray(mm.weight_layout(t, True)), True, glu=True)
         down, _ = weight(down_type, 300, n_ff, rng, True)
         assert mm.can_hand_off(glu, down)
@@ -442,8 +444,8 @@ def test_gemv_q8_handoff_rejects_what_does_not_fit():
     f32, _ = weight("F32", 64, 256, rng, True)
     with pytest.raises(ValueError, match="float x"):
         mm.Q8Vector.for_weight(f32, buf)
-    gate, up = (mm.random_weight(T.Q5_0, 64, 256, rng) for _ in range(2))
-    t = mm.interleave_rows(gate, up, "ffn_gate_up")
+    gate, up = (random_weight(T.Q5_0, 64, 256, rng) for _ in range(2))
+    t = interleave_rows(gate, up, "ffn_gate_up")
     glu = mm.make_weight(t, cp.asarray(mm.weight_layout(t, True)), True, glu=True)
     assert not mm.can_hand_off(glu, w6)
     with pytest.raises(ValueError, match="handoff"):
@@ -558,8 +560,8 @@ def test_matmul_of_a_glu_weight_gives_interleaved_products():
     import cupy as cp
 
     rng, seed = fresh_rng()
-    gate, up = (mm.random_weight(T.Q4_K, 300, 512, rng) for _ in range(2))
-    t = mm.interleave_rows(gate, up, "ffn_gate_up")
+    gate, up = (random_weight(T.Q4_K, 300, 512, rng) for _ in range(2))
+    t = interleave_rows(gate, up, "ffn_gate_up")
     w = mm.make_weight(t, cp.asarray(mm.weight_layout(t, True)), True, glu=True)
     X = rng.standard_normal((9, 512)).astype(np.float32)
     Y = nan_like((9, 600))
@@ -605,14 +607,14 @@ def test_dequant_rows_is_exact(type_name, repack):
 
 @pytest.mark.cuda
 def test_bench_gemv_and_matmul_report_rates():
-    r = mm.bench_gemv("Q4_K", 512, 1024, iters=20)
+    r = bench_gemv("Q4_K", 512, 1024, iters=20)
     assert r["bytes"] == 512 * 1024 // 256 * 144 + 4 * (512 + 1024)
     assert r["us"] > 0 and r["gb_s"] == pytest.approx(r["bytes"] / r["us"] / 1e3)
-    q = mm.bench_gemv("Q6_K", 512, 1024, iters=20, x_q8=True)
+    q = bench_gemv("Q6_K", 512, 1024, iters=20, x_q8=True)
     assert q["bytes"] == 512 * 1024 // 256 * 210 + mm.q8x_bytes(1024) + 4 * 512 and q["us"] > 0
     with pytest.raises(ValueError, match="float x"):
-        mm.bench_gemv("F16", 64, 256, x_q8=True)
-    m = mm.bench_matmul("Q4_K", 64, 512, 1024, iters=5)
+        bench_gemv("F16", 64, 256, x_q8=True)
+    m = bench_matmul("Q4_K", 64, 512, 1024, iters=5)
     assert m["us"] > 0 and m["tok_s"] == pytest.approx(64 / m["us"] * 1e6)
     with pytest.raises(ValueError, match="no CUDA kernels"):
-        mm.bench_gemv("Q2_K", 256, 256)
+        bench_gemv("Q2_K", 256, 256)

@@ -19,8 +19,10 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from k4.runtime.cuda import matmul as mm
+from k4.runtime.cuda.microbench import random_weight
 from k4.runtime.reference import apply_rope, rope_tables
 from k4.runtime.trace import Trace
+from tests.helpers_matmul import interleave_rows
 from tests.norm_inputs import RATIOS, eps_outside_sqrt64, eps_rows, norm_weight, rms_norm64, row_errors
 from tests.test_cuda_matmul import q8_rounded
 from tests.tiny import tiny_config
@@ -115,8 +117,8 @@ def test_gemv_norm_prologue_where_eps_matters(type_name, n_in, eps, repack, glu)
 
     rng = np.random.default_rng([16, n_in, int(1 / eps), int(repack), int(glu), zlib.crc32(type_name.encode())])
     n_out = 300
-    parts = [mm.random_weight(T[type_name], n_out, n_in, rng) for _ in range(2 if glu else 1)]
-    t = mm.interleave_rows(*parts, "ffn_gate_up") if glu else parts[0]
+    parts = [random_weight(T[type_name], n_out, n_in, rng) for _ in range(2 if glu else 1)]
+    t = interleave_rows(*parts, "ffn_gate_up") if glu else parts[0]
     w = mm.make_weight(t, cp.asarray(mm.weight_layout(t, repack)), repack, glu=glu)
     mats = [dequantize(p.raw_bytes(), p.ggml_type).astype(np.float64) for p in parts]  # (n_out, n_in) each
     quantized = T[type_name] in mm.QUANT

@@ -1,7 +1,7 @@
 """Hardening on the CPU: CUDA errors become one-line GpuErrors naming the kernel and the phase
 (runtime/cuda/launch.py, driven with fake kernels, streams and graphs), the CLI's exit code for
 them, the same tokens from the same seed in two processes (numpy), and the long-run measurements
-of runtime/soak.py on the numpy backend."""
+of tests/soak.py on the numpy backend."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from k4.runtime.cuda import launch as launching
 from k4.runtime.errors import GpuError, K4Error, UsageError
 from k4.runtime.model import open_model
 from k4.runtime.sampling import SamplingParams
-from k4.runtime.soak import MEMORY_KEYS, soak_chat, soak_decode
 from k4.runtime.tokenizer import Tokenizer
 from k4.runtime.trace import Trace
+from tests.soak import MEMORY_KEYS, soak_chat, soak_decode
 
 MiB = 1 << 20
 RMS_NORM_SYMBOL = "_Z8rms_normIfEvPKfS1_PT_if"  # what NVRTC names rms_norm<float> (kernels_cu/norm.cu)

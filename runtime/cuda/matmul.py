@@ -1,5 +1,6 @@
 """The dequant-matmul family on the GPU: matrix-vector products for decode (gemv), matrix-matrix
-products for prefill (matmul), the embedding lookup (dequant_rows), and their microbenchmarks.
+products for prefill (matmul), the embedding lookup (dequant_rows); their microbenchmarks are in
+runtime/cuda/microbench.py.
 
 Weights stay in their ggml encoding on the device (Q4_K keeps 144 bytes per 256 weights). With
 repacking on (flag K4_REPACK) a quantized tensor is stored *planar*: each byte range of the
@@ -11,7 +12,7 @@ and kernels_cu/matmul.cu, their per-type decoders in kernels_cu/common.cuh.
 decode, y = W @ x: one kernel. Quantized types quantize x to 8 bits per 32 values inside each
 thread block (llama.cpp's q8_1 idea) and use integer dot products; F32/F16/BF16 use float x.
 The kernel can fold the RMSNorm of x into its prologue (`norm=`) and, for a weight whose rows
-interleave ffn_gate and ffn_up (interleave_rows, DeviceWeight.glu), apply SwiGLU in its epilogue.
+interleave ffn_gate and ffn_up (combined(glu=True), DeviceWeight.glu), apply SwiGLU in its epilogue.
 prefill, Y = X @ W^T: W is dequantized to fp16 a row range at a time (<= 32 MiB, so it stays in
 L2) and multiplied by cuBLAS on tensor cores (fp16 inputs, fp32 accumulation and output), or
 read from a whole fp16 copy made at load (make_half, DeviceWeight.half); X may come in fp16
@@ -21,7 +22,7 @@ Measured on one H200 (copy 4.17 TB/s; gemv in CUDA graphs with PDL, weights stre
 memory, next chunks loaded during the products): Q4_K 4096x4096 4.6 µs (2.07 TB/s), 11008x4096
 8.3 µs (3.05 TB/s), 32000x4096 19.9 µs (3.71 TB/s, 88%); Q6_K 32000x4096 27.1 µs (3.97 TB/s,
 94%). A fixed ~2.5 µs per launch (ramp up and drain) is what keeps small matrices lower;
-stack_rows and interleave_rows fuse products that share x.
+combined matrices (stacked or interleaved rows) fuse products that share x.
 Prefill Q4_K 512x4096x4096: 50 µs (345 TFLOP/s), 2048 tokens 510 TFLOP/s.
 
 Every entry point validates on the host (ValueError: these are programming errors of the
@@ -43,7 +44,6 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from k4.runtime import flags
 from k4.runtime.model import Tensor
 from k4.runtime.trace import Trace
 
@@ -218,33 +218,6 @@ def weight_layout(t: Tensor, repack: bool) -> np.ndarray:
     return out
 
 
-def stack_rows(tensors: Sequence[Tensor], name: str) -> Tensor:
-    """One matrix holding the rows of `tensors` in order, so products with the same x (attn_q,
-    attn_k, attn_v; ffn_gate, ffn_up) run as one gemv launch: shape (sum of n_out, n_in),
-    encoded bytes concatenated (a host copy). Raises ValueError unless all are matrices of one
-    ggml type and one n_in."""
-    first = tensors[0]
-    for t in tensors:
-        _check_matrix(t)
-        if t.ggml_type != first.ggml_type or t.shape[1] != first.shape[1]:
-            raise ValueError(f"cannot stack {t.name} ({t.type_name} {t.shape}) with {first.name} ({first.type_name} {first.shape})")
-    raw = np.concatenate([t.raw_bytes() for t in tensors], axis=0)  # (sum n_out, bytes_per_row)
-    return Tensor(name, first.ggml_type, (sum(t.shape[0] for t in tensors), first.shape[1]), raw)
-
-
-def interleave_rows(gate: Tensor, up: Tensor, name: str) -> Tensor:
-    """One matrix of shape (2 n_ff, n_in) whose row 2i is gate's row i and row 2i + 1 up's row i
-    (ffn_gate, ffn_up), the layout of a DeviceWeight with glu=True: the gemv SwiGLU epilogue
-    finds both rows of an output in one warp. Encoded bytes, a host copy. Raises ValueError
-    unless both are matrices of one ggml type and one shape."""
-    for t in (gate, up):
-        _check_matrix(t)
-    if gate.ggml_type != up.ggml_type or gate.shape != up.shape:
-        raise ValueError(f"cannot interleave {gate.name} ({gate.type_name} {gate.shape}) with {up.name} ({up.type_name} {up.shape})")
-    raw = np.stack([gate.raw_bytes(), up.raw_bytes()], axis=1)  # (n_ff, 2, bytes_per_row)
-    return Tensor(name, gate.ggml_type, (2 * gate.shape[0], gate.shape[1]), raw.reshape(2 * gate.shape[0], -1))
-
-
 # ---- device layout (the load path: file bytes uploaded as they are, rearranged on the GPU) ------
 
 @dataclass(frozen=True)
@@ -262,8 +235,12 @@ class MatrixSpec:
 
 
 def combined(tensors: Sequence[Tensor], name: str, glu: bool = False) -> MatrixSpec:
-    """The matrix stack_rows (glu: interleave_rows of the two) would build from `tensors`,
-    without building it. Raises ValueError as those do."""
+    """The matrix holding the rows of `tensors` in order (attn_q, attn_k, attn_v; ffn_gate,
+    ffn_up), so products with the same x run as one gemv launch: shape (sum of n_out, n_in).
+    glu: the two matrices gate and up with their rows interleaved (row 2i gate's row i, row
+    2i + 1 up's row i), so the gemv SwiGLU epilogue finds both rows of an output in one warp.
+    Only the description: device_layout builds the bytes. Raises ValueError unless all are
+    matrices of one ggml type and one n_in (glu: two of one shape)."""
     for t in tensors:
         _check_matrix(t)
     first = tensors[0]
@@ -291,7 +268,7 @@ def needs_device_layout(spec: MatrixSpec | Tensor, repack: bool, glu: bool) -> b
 def device_layout(dst, src, spec: MatrixSpec | Tensor, repack: bool, glu: bool, trace: Trace | None = None) -> None:
     """Write into `dst` the bytes weight_layout gives for matrix `spec`, from `src`, its rows as
     the file holds them (with glu: ffn_gate's rows, then ffn_up's; interleaved here as
-    interleave_rows does). dst: cupy uint8 (layout_nbytes(spec, repack),); src: cupy uint8
+    combined(glu=True) describes). dst: cupy uint8 (layout_nbytes(spec, repack),); src: cupy uint8
     (n_out * bytes per row,). CuPy copies on the current stream (a launch per plane and pad,
     counted in `trace`); allocates nothing. numpy arrays work the same (the tests compare it
     with weight_layout on the host). Raises ValueError on sizes that do not match."""
@@ -338,7 +315,7 @@ class DeviceWeight:
     (nbytes,); planar: repacked layout; prefill_tc: matmul uses tensor cores (flag
     K4_PREFILL_TC); pdl: gemv launches with programmatic dependent launch by default (flag
     K4_PDL); evict_first: its kernels load it with the L1 evict-first hint (flag K4_EVICT_FIRST);
-    glu: the rows interleave ffn_gate and ffn_up (interleave_rows), so gemv yields
+    glu: the rows interleave ffn_gate and ffn_up (combined(glu=True)), so gemv yields
     silu(gate) * up, (n_out / 2,), and matmul the interleaved (n_tok, n_out) products;
     half: None or a cupy float16 (n_out, n_in) copy that matmul multiplies directly (make_half).
     """
@@ -364,9 +341,19 @@ class DeviceWeight:
         return self.shape[0] * self.shape[1] // GGML_QUANT_SIZES[self.ggml_type][0]
 
 
-def make_weight(t: Tensor | MatrixSpec, device_bytes, repack: bool, glu: bool = False) -> DeviceWeight:
+@dataclass(frozen=True)
+class WeightOptions:
+    """How the products of a weight run (each a K4_* flag, runtime/flags.py)."""
+
+    tensor_cores: bool = True  # K4_PREFILL_TC: prefill products on tensor cores
+    pdl: bool = True  # K4_PDL: programmatic dependent launch inside graph capture
+    evict_first: bool = True  # K4_EVICT_FIRST: weight loads with the L1 evict-first hint
+
+
+def make_weight(t: Tensor | MatrixSpec, device_bytes, repack: bool, glu: bool = False,
+                opts: WeightOptions = WeightOptions()) -> DeviceWeight:
     """Wrap `device_bytes` (cupy uint8, 1-D, the upload of weight_layout(t, repack), or what
-    device_layout wrote) as a DeviceWeight; glu: t comes from interleave_rows.
+    device_layout wrote) as a DeviceWeight; glu: t holds gate and up rows interleaved.
 
     Raises ValueError when the bytes do not match the layout's size or `t` is not a matrix k4
     can multiply (see weight_layout), or a glu matrix has an odd number of rows.
@@ -378,9 +365,8 @@ def make_weight(t: Tensor | MatrixSpec, device_bytes, repack: bool, glu: bool = 
         raise ValueError(f"{t.name}: device bytes must be uint8 of shape ({expect},), got {device_bytes.dtype} {device_bytes.shape}")
     if glu and n_out % 2:
         raise ValueError(f"{t.name}: a gate/up interleaved matrix needs an even number of rows, got {n_out}")
-    f = flags.current()
-    return DeviceWeight(t.ggml_type, (n_out, n_in), device_bytes, planar, f.on("K4_PREFILL_TC"), f.on("K4_PDL"), glu,
-                        evict_first=f.on("K4_EVICT_FIRST"))
+    return DeviceWeight(t.ggml_type, (n_out, n_in), device_bytes, planar, opts.tensor_cores, opts.pdl, glu,
+                        evict_first=opts.evict_first)
 
 
 def half_bytes(w: DeviceWeight) -> int:
@@ -403,7 +389,7 @@ def make_half(w: DeviceWeight, out, stream=None, trace: Trace | None = None) -> 
     w.half = out
 
 
-def _device_limits() -> tuple[int, int]:
+def device_limits() -> tuple[int, int]:
     """(multiprocessors, L2 bytes) of the current device."""
     import cupy as cp
 
@@ -443,7 +429,7 @@ class Q8Vector:
         return Q8Vector(data, n, QUANT[w.ggml_type].x_swizzle)
 
 
-def _blocks_per_sm(kernel, threads: int, smem: int) -> int:
+def blocks_per_sm(kernel, threads: int, smem: int) -> int:
     """Resident blocks per multiprocessor (sm_90: 2048 threads, 64K registers allocated per warp
     in units of 256, 228 KB shared memory with 1 KB reserved per block)."""
     regs = max(1, -(-kernel.num_regs // 8) * 8)
@@ -467,14 +453,14 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         smem = q8x_bytes(n_in)
         if w.glu and QUANT[w.ggml_type].handoff:  # room for one block's outputs (y_q8): its 32-output groups
             groups = -(-n_out // 32)
-            smem += 4 * 32 * -(-groups // min(_device_limits()[0], n_out))  # the grid has at least this many blocks
+            smem += 4 * 32 * -(-groups // min(device_limits()[0], n_out))  # the grid has at least this many blocks
     else:
         warps = FLOAT_GEMV[0]
         kernel = _kernel("gemv.cu", _gemv_f_name(w.ggml_type, (n_in * FLOAT[w.ggml_type][1]) % 16 == 0, w.glu))
         smem = 4 * n_in if norm else 0
     if smem > 48 << 10:
         kernel.max_dynamic_shared_size_bytes = smem
-    grid = min(_device_limits()[0] * _blocks_per_sm(kernel, 32 * warps, smem), n_out)
+    grid = min(device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem), n_out)
     plan = (kernel, (grid,), (32 * warps,), smem)
     w._plans[(variant, norm)] = plan
     return plan
@@ -754,168 +740,3 @@ def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, str
             launch(_kernel("matmul.cu", "add_rows"), (math.ceil(n_tok * n_out / 256),), (256,),
                    (Y, _null_or(None if in_place else residual), _null_or(bias), np.int32(n_tok), np.int32(n_out)), 0, None, trace)
 
-
-# ---- microbenchmarks ---------------------------------------------------------------------------
-
-def random_weight(ggml_type: T, n_out: int, n_in: int, rng: np.random.Generator) -> Tensor:
-    """A random (n_out, n_in) weight matrix of `ggml_type` with valid blocks (finite fp16 scales,
-    sub-block scales over their fields' full ranges, random quants; runtime.synthetic.random_blocks)
-    and weights of standard deviation ~1/sqrt(n_in)."""
-    from k4.runtime.synthetic import random_blocks
-
-    scale = 1.0 / math.sqrt(n_in)
-    if ggml_type in QUANT:
-        raw = random_blocks(ggml_type, n_out, n_in, rng, scale, full_range=True)
-    else:
-        f = (rng.standard_normal((n_out, n_in)) * scale).astype(np.float32)
-        raw = {T.F32: f, T.F16: f.astype(np.float16), T.BF16: (f.view(np.uint32) >> 16).astype(np.uint16)}[ggml_type]
-    return Tensor("random", ggml_type, (n_out, n_in), raw)
-
-
-def _copies(t: Tensor, repack: bool, factor: float, cap: int) -> list[DeviceWeight]:
-    """Enough device copies of t to exceed `factor` times the L2, so timings stream from memory."""
-    import cupy as cp
-
-    host = weight_layout(t, repack)
-    return [make_weight(t, cp.asarray(host), repack) for _ in range(_n_copies(host.nbytes, factor, cap))]
-
-
-def _n_copies(nbytes: int, factor: float, cap: int) -> int:
-    """How many buffers of nbytes exceed `factor` times the L2 (at least 2, at most cap)."""
-    return max(2, min(cap, math.ceil(factor * _device_limits()[1] / nbytes)))
-
-
-def device_time(body, n_calls: int, iters: int, graph: bool) -> float:
-    """Median device time (µs) of one of `n_calls` calls body(i), after a warm-up round.
-
-    graph: the calls are recorded in a CUDA graph and the replays timed with CUDA events.
-    Otherwise (cuBLAS cannot be captured through CuPy) they are enqueued behind memsets that
-    keep the GPU busy twice as long as the host took to issue the warm-up round, so the GPU
-    never waits for the host and the events time the GPU only.
-    """
-    import time
-
-    import cupy as cp
-
-    # The caller built the inputs on the default stream (H2D copies from pageable memory may
-    # still be landing, memsets still running); the timing stream does not order itself after
-    # that stream, so wait for the device before the first call reads them.
-    cp.cuda.Device().synchronize()
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        t0 = time.perf_counter()
-        for i in range(n_calls):  # compile, create handles, warm up
-            body(i)
-        host_us = (time.perf_counter() - t0) * 1e6
-        busy = None
-        if graph:
-            stream.begin_capture()
-            for i in range(n_calls):
-                body(i)
-            run = stream.end_capture().launch
-        else:
-            def run():
-                for i in range(n_calls):
-                    body(i)
-            busy = cp.empty(1 << 30, cp.uint8)  # one memset of it: ~250 µs
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        times = []
-        for _ in range(max(5, iters // n_calls)):
-            for _ in range(0 if busy is None else math.ceil(2 * host_us / 250)):
-                cp.cuda.runtime.memsetAsync(busy.data.ptr, 0, busy.nbytes, stream.ptr)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / n_calls)
-    return float(np.median(times))
-
-
-def _type(name: str) -> T:
-    try:
-        t = T[name]
-    except KeyError:
-        t = None
-    if t not in QUANT and t not in FLOAT:
-        raise ValueError(f"no CUDA kernels for type {name!r}; use one of {', '.join(x.name for x in (*QUANT, *FLOAT))}")
-    return t
-
-
-def bench_gemv(ggml_type: str, n_out: int, n_in: int, iters: int = 200, *, repack: bool | None = None,
-               variant: tuple[int, int, int] | None = None, pdl: bool | None = None, x_q8: bool = False) -> dict:
-    """Time y = W @ x for a random (n_out, n_in) W of `ggml_type` (a ggml type name, e.g. "Q4_K").
-
-    Launches are recorded in a CUDA graph (as decode runs them), rotating over copies of W that
-    together exceed 4x the L2; warm-up first, then the median over CUDA-event timings of graph
-    replays. repack: layout (default: flag K4_REPACK); variant, pdl: see gemv; x_q8: x comes
-    quantized (gemv x_q8, as the down product gets it from the SwiGLU epilogue; quantized types).
-    Returns {"us": µs per product, "gb_s": GB/s, "bytes": bytes read and written per product
-    (x counted as q8x_bytes(n_in) with x_q8, else as n_in floats)}.
-    Raises ValueError for a type without kernels, or x_q8 on a float type.
-    """
-    import cupy as cp
-
-    t = _type(ggml_type)
-    repack = flags.current().on("K4_REPACK") if repack is None else repack
-    rng = np.random.default_rng(0)
-    weights = _copies(random_weight(t, n_out, n_in, rng), repack, 4.0, 64)
-    x_host = rng.standard_normal(n_in, dtype=np.float32)
-    x = cp.asarray(x_host)
-    q8 = None
-    if x_q8:
-        q8 = Q8Vector.for_weight(weights[0], cp.empty(q8x_bytes(n_in), cp.uint8))
-        q8.data.set(q8x_host(x_host, q8.swizzle))
-    y = cp.empty(n_out, cp.float32)
-    n_calls = len(weights) * math.ceil(20 / len(weights))
-    us = device_time(lambda i: gemv(weights[i % len(weights)], x, y, variant=variant, pdl=pdl, x_q8=q8), n_calls, iters, graph=True)
-    nbytes = weights[0].nbytes + (q8x_bytes(n_in) if x_q8 else 4 * n_in) + 4 * n_out
-    return {"us": us, "gb_s": nbytes / us / 1e3, "bytes": nbytes}
-
-
-def bench_read(nbytes: int, iters: int = 200, dependent: bool = False) -> dict:
-    """Time one streaming read of `nbytes` (rounded down to 16) of random bytes, as weights are:
-    the ceiling a matrix-vector product of that many weight bytes is measured against, timed as
-    bench_gemv times one (CUDA graph of PDL launches, one wave of 512-thread blocks, copies
-    rotated beyond 4x the L2, median). dependent: each launch waits for the previous one after
-    its first batch of loads, as a product waits for its x (kernels_cu/gemv.cu
-    read_stream_dependent), so the memory pipeline drains and refills at every launch; else
-    launches overlap freely. Returns {"us": µs per read, "gb_s": GB/s}.
-    """
-    import cupy as cp
-
-    n16 = nbytes // 16
-    n = _n_copies(16 * n16, 4.0, 64)
-    rng = cp.random.RandomState(0)
-    bufs = [rng.randint(0, 2**31, 4 * n16, dtype=cp.uint32) for _ in range(n)]
-    out = cp.zeros(1, cp.uint32)
-    kernel = _kernel("gemv.cu", "read_stream_dependent" if dependent else "read_stream")
-    grid = _device_limits()[0]
-    n_calls = n * math.ceil(20 / n)
-    us = device_time(lambda i: launch(kernel, (grid,), (512,), (bufs[i % n], np.int64(n16), out), 0, None, None, True),
-                     n_calls, iters, graph=True)
-    return {"us": us, "gb_s": 16 * n16 / us / 1e3}
-
-
-def bench_matmul(ggml_type: str, n_tok: int, n_out: int, n_in: int, iters: int = 50, *, tensor_cores: bool = True,
-                 repack: bool | None = None) -> dict:
-    """Time Y = X @ W^T (prefill) for n_tok tokens and a random (n_out, n_in) W of `ggml_type`.
-
-    tensor_cores=False times the per-token gemv path. Timed with CUDA events, not in a graph
-    (CuPy refuses cuBLAS calls during capture), rotating over copies of W exceeding 2x the L2;
-    median. Returns {"us": µs per product, "tflop_s":
-    2*n_tok*n_out*n_in / time in TFLOP/s, "tok_s": tokens per second}.
-    Raises ValueError for a type without kernels.
-    """
-    import cupy as cp
-
-    t = _type(ggml_type)
-    repack = flags.current().on("K4_REPACK") if repack is None else repack
-    rng = np.random.default_rng(0)
-    weights = _copies(random_weight(t, n_out, n_in, rng), repack, 2.0, 8)
-    for w in weights:
-        w.prefill_tc = tensor_cores
-    X = cp.asarray(rng.standard_normal((n_tok, n_in), dtype=np.float32))
-    Y = cp.empty((n_tok, n_out), cp.float32)
-    scratch = cp.empty(max(1, matmul_scratch_bytes(weights, n_tok)), cp.uint8)
-    us = device_time(lambda i: matmul(weights[i % len(weights)], X, Y, scratch=scratch), len(weights), iters, graph=False)
-    return {"us": us, "tflop_s": 2.0 * n_tok * n_out * n_in / us / 1e6, "tok_s": n_tok / us * 1e6}

@@ -23,6 +23,7 @@ from ..trace import Trace
 from .compile import module
 from .kernel_names import GROUP_OF, KERNELS, MMA_TILE_KEYS, TILED_HEAD_DIMS
 from .launch import launch
+from .matmul import blocks_per_sm, device_limits
 
 NULL = np.uint64(0)  # a null device pointer argument
 
@@ -168,9 +169,7 @@ class Ops:
         """Blocks of the decode attention kernel (attn_f16kv) resident on the GPU at once for
         head_dim: what one round of split decode attention can run (attention_split max_split
         = this / n_head)."""
-        from .matmul import _blocks_per_sm, _device_limits
-
-        return _device_limits()[0] * _blocks_per_sm(self.function("attention.cu", "attn_f16kv"), ATT_THREADS, att_smem(head_dim))
+        return device_limits()[0] * blocks_per_sm(self.function("attention.cu", "attn_f16kv"), ATT_THREADS, att_smem(head_dim))
 
     def compile_all(self, head_dim: int) -> None:
         """Compile and load every kernel a model of head_dim launches, now (compilation cannot
@@ -316,7 +315,7 @@ class Ops:
     def swiglu_rows(self, gu: cp.ndarray, out: cp.ndarray, interleaved: bool) -> None:
         """out = silu(gate) * up from one gate/up product gu: (n_tok, 2 n_ff) f32, whose rows hold
         gate | up (stacked weights) or, interleaved, gate_0 up_0 gate_1 up_1 ... (a glu weight,
-        matmul.interleave_rows). out: (n_tok, n_ff) f32 or fp16."""
+        matmul.combined(glu=True)). out: (n_tok, n_ff) f32 or fp16."""
         n_tok, two_ff = gu.shape
         n_ff = two_ff // 2
         _f32(gu, n_tok, 2 * n_ff)
@@ -352,37 +351,4 @@ class Ops:
         self._launch("sampling.cu", "sample_finish", (1,), (SAMPLE_THREADS,),
                      (logits, np.int32(n_vocab), part_val, part_idx, np.int32(n_part), state, ring, ring_cap, params,
                       np.int32(advance)))
-
-
-def bench_attention(n_tok: int, n_ctx: int, n_head: int = 32, n_head_kv: int = 32, head_dim: int = 128,
-                    iters: int = 20, *, split: bool | None = None, tiled: bool | None = None,
-                    mma: bool | None = None) -> dict:
-    """Time causal attention of n_tok queries ending at position n_ctx - 1 over an fp16 KV cache
-    of n_ctx positions (one layer): n_tok == n_ctx is prefill from position 0, n_tok == 1 is a
-    decode step at depth n_ctx - 1. Random inputs; recorded in a CUDA graph, median of CUDA-event
-    timings (runtime.cuda.matmul.device_time). split/tiled/mma: K4_SPLIT_ATTN/K4_TILED_ATTN/
-    K4_MMA_ATTN (default: the flags; mma=False with tiled=True times attn_tiled). Returns
-    {"us": µs, "tflop_s": 4 * head_dim * n_head * (query, key) pairs / time, "gb_s": KV cache
-    bytes read / time}. FLOP count as FlashAttention's: causal halves the pairs.
-    """
-    from .matmul import device_time
-
-    f = flags.current()
-    split = f.on("K4_SPLIT_ATTN") if split is None else split
-    tiled = f.on("K4_TILED_ATTN") if tiled is None else tiled
-    mma = f.on("K4_MMA_ATTN") if mma is None else mma
-    rng = np.random.default_rng(0)
-    q = cp.asarray(rng.standard_normal((n_tok, n_head, head_dim), dtype=np.float32))  # (n_tok, n_head, D)
-    k_cache = cp.asarray(rng.standard_normal((n_ctx, n_head_kv, head_dim)).astype(np.float16))  # (n_ctx, n_head_kv, D)
-    v_cache = cp.asarray(rng.standard_normal((n_ctx, n_head_kv, head_dim)).astype(np.float16))
-    out = cp.empty_like(q)
-    pos = cp.asarray(np.array([n_ctx - n_tok], dtype=np.int32))
-    ops = Ops(Trace(), pdl=False, tiled=tiled, mma=mma)
-    n_split, split_len = attention_split(n_ctx, split, ops.attention_capacity(head_dim) // n_head) if n_tok == 1 else (1, n_ctx)
-    part = cp.empty((n_tok, n_head, n_split, head_dim + 2), cp.float32) if n_split > 1 else None
-    ticket = cp.zeros(n_tok * n_head, cp.int32) if n_split > 1 else None
-    us = device_time(lambda i: ops.attention(q, k_cache, v_cache, out, pos, n_split, split_len, part, ticket), 1, iters, graph=True)
-    p0 = n_ctx - n_tok
-    pairs = n_tok * p0 + n_tok * (n_tok + 1) // 2
-    return {"us": us, "tflop_s": 4 * head_dim * n_head * pairs / us / 1e6, "gb_s": 2 * k_cache.nbytes / us / 1e3}
 

@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from itertools import islice
 
-from .backend import Backend
-from .sampling import SamplingParams
+from k4.runtime.backend import Backend
+from k4.runtime.sampling import SamplingParams
 
 MEMORY_KEYS = ("host_rss", "pool_used", "pool_held", "device_free")
 

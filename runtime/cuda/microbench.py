@@ -1,0 +1,221 @@
+"""Microbenchmarks of single kernels on the GPU (`k4 bench --kernels`, tests/test_cuda_bench.py):
+matrix-vector products (bench_gemv) against a kernel that only streams the same bytes
+(bench_read), prefill products (bench_matmul) and attention (bench_attention), all timed on the
+device by device_time. Inputs are random; weights are rotated over copies that exceed the L2, so
+timings stream from memory as decode does. Importable without CuPy (tests take random_weight
+from here on machines without a GPU); the timing functions import it when called.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from k4.runtime import flags
+from k4.runtime.model import Tensor
+from k4.runtime.trace import Trace
+
+from .compile import module
+from .launch import launch
+from .matmul import (FLOAT, QUANT, DeviceWeight, Q8Vector, device_limits, gemv, make_weight, matmul, matmul_scratch_bytes,
+                     q8x_bytes, q8x_host, weight_layout)
+
+
+def random_weight(ggml_type: T, n_out: int, n_in: int, rng: np.random.Generator) -> Tensor:
+    """A random (n_out, n_in) weight matrix of `ggml_type` with valid blocks (finite fp16 scales,
+    sub-block scales over their fields' full ranges, random quants; runtime.synthetic.random_blocks)
+    and weights of standard deviation ~1/sqrt(n_in)."""
+    from k4.runtime.synthetic import random_blocks
+
+    scale = 1.0 / math.sqrt(n_in)
+    if ggml_type in QUANT:
+        raw = random_blocks(ggml_type, n_out, n_in, rng, scale, full_range=True)
+    else:
+        f = (rng.standard_normal((n_out, n_in)) * scale).astype(np.float32)
+        raw = {T.F32: f, T.F16: f.astype(np.float16), T.BF16: (f.view(np.uint32) >> 16).astype(np.uint16)}[ggml_type]
+    return Tensor("random", ggml_type, (n_out, n_in), raw)
+
+
+def _copies(t: Tensor, repack: bool, factor: float, cap: int) -> list[DeviceWeight]:
+    """Enough device copies of t to exceed `factor` times the L2, so timings stream from memory."""
+    import cupy as cp
+
+    host = weight_layout(t, repack)
+    return [make_weight(t, cp.asarray(host), repack) for _ in range(_n_copies(host.nbytes, factor, cap))]
+
+
+def _n_copies(nbytes: int, factor: float, cap: int) -> int:
+    """How many buffers of nbytes exceed `factor` times the L2 (at least 2, at most cap)."""
+    return max(2, min(cap, math.ceil(factor * device_limits()[1] / nbytes)))
+
+
+def device_time(body, n_calls: int, iters: int, graph: bool) -> float:
+    """Median device time (µs) of one of `n_calls` calls body(i), after a warm-up round.
+
+    graph: the calls are recorded in a CUDA graph and the replays timed with CUDA events.
+    Otherwise (cuBLAS cannot be captured through CuPy) they are enqueued behind memsets that
+    keep the GPU busy twice as long as the host took to issue the warm-up round, so the GPU
+    never waits for the host and the events time the GPU only.
+    """
+    import cupy as cp
+
+    # The caller built the inputs on the default stream (H2D copies from pageable memory may
+    # still be landing, memsets still running); the timing stream does not order itself after
+    # that stream, so wait for the device before the first call reads them.
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        t0 = time.perf_counter()
+        for i in range(n_calls):  # compile, create handles, warm up
+            body(i)
+        host_us = (time.perf_counter() - t0) * 1e6
+        busy = None
+        if graph:
+            stream.begin_capture()
+            for i in range(n_calls):
+                body(i)
+            run = stream.end_capture().launch
+        else:
+            def run():
+                for i in range(n_calls):
+                    body(i)
+            busy = cp.empty(1 << 30, cp.uint8)  # one memset of it: ~250 µs
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        times = []
+        for _ in range(max(5, iters // n_calls)):
+            for _ in range(0 if busy is None else math.ceil(2 * host_us / 250)):
+                cp.cuda.runtime.memsetAsync(busy.data.ptr, 0, busy.nbytes, stream.ptr)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / n_calls)
+    return float(np.median(times))
+
+
+def _type(name: str) -> T:
+    try:
+        t = T[name]
+    except KeyError:
+        t = None
+    if t not in QUANT and t not in FLOAT:
+        raise ValueError(f"no CUDA kernels for type {name!r}; use one of {', '.join(x.name for x in (*QUANT, *FLOAT))}")
+    return t
+
+
+def bench_gemv(ggml_type: str, n_out: int, n_in: int, iters: int = 200, *, repack: bool | None = None,
+               variant: tuple[int, int, int] | None = None, pdl: bool | None = None, x_q8: bool = False) -> dict:
+    """Time y = W @ x for a random (n_out, n_in) W of `ggml_type` (a ggml type name, e.g. "Q4_K").
+
+    Launches are recorded in a CUDA graph (as decode runs them), rotating over copies of W that
+    together exceed 4x the L2; warm-up first, then the median over CUDA-event timings of graph
+    replays. repack: layout (default: flag K4_REPACK); variant, pdl: see matmul.gemv; x_q8: x
+    comes quantized (gemv x_q8, as the down product gets it from the SwiGLU epilogue; quantized
+    types). Returns {"us": µs per product, "gb_s": GB/s, "bytes": bytes read and written per
+    product (x counted as q8x_bytes(n_in) with x_q8, else as n_in floats)}.
+    Raises ValueError for a type without kernels, or x_q8 on a float type.
+    """
+    import cupy as cp
+
+    t = _type(ggml_type)
+    repack = flags.current().on("K4_REPACK") if repack is None else repack
+    rng = np.random.default_rng(0)
+    weights = _copies(random_weight(t, n_out, n_in, rng), repack, 4.0, 64)
+    x_host = rng.standard_normal(n_in, dtype=np.float32)
+    x = cp.asarray(x_host)
+    q8 = None
+    if x_q8:
+        q8 = Q8Vector.for_weight(weights[0], cp.empty(q8x_bytes(n_in), cp.uint8))
+        q8.data.set(q8x_host(x_host, q8.swizzle))
+    y = cp.empty(n_out, cp.float32)
+    n_calls = len(weights) * math.ceil(20 / len(weights))
+    us = device_time(lambda i: gemv(weights[i % len(weights)], x, y, variant=variant, pdl=pdl, x_q8=q8), n_calls, iters, graph=True)
+    nbytes = weights[0].nbytes + (q8x_bytes(n_in) if x_q8 else 4 * n_in) + 4 * n_out
+    return {"us": us, "gb_s": nbytes / us / 1e3, "bytes": nbytes}
+
+
+def bench_read(nbytes: int, iters: int = 200, dependent: bool = False) -> dict:
+    """Time one streaming read of `nbytes` (rounded down to 16) of random bytes, as weights are:
+    the ceiling a matrix-vector product of that many weight bytes is measured against, timed as
+    bench_gemv times one (CUDA graph of PDL launches, one wave of 512-thread blocks, copies
+    rotated beyond 4x the L2, median). dependent: each launch waits for the previous one after
+    its first batch of loads, as a product waits for its x (kernels_cu/gemv.cu
+    read_stream_dependent), so the memory pipeline drains and refills at every launch; else
+    launches overlap freely. Returns {"us": µs per read, "gb_s": GB/s}.
+    """
+    import cupy as cp
+
+    n16 = nbytes // 16
+    n = _n_copies(16 * n16, 4.0, 64)
+    rng = cp.random.RandomState(0)
+    bufs = [rng.randint(0, 2**31, 4 * n16, dtype=cp.uint32) for _ in range(n)]
+    out = cp.zeros(1, cp.uint32)
+    kernel = module("gemv.cu").get_function("read_stream_dependent" if dependent else "read_stream")  # extern "C"
+    grid = device_limits()[0]
+    n_calls = n * math.ceil(20 / n)
+    us = device_time(lambda i: launch(kernel, (grid,), (512,), (bufs[i % n], np.int64(n16), out), 0, None, None, True),
+                     n_calls, iters, graph=True)
+    return {"us": us, "gb_s": 16 * n16 / us / 1e3}
+
+
+def bench_matmul(ggml_type: str, n_tok: int, n_out: int, n_in: int, iters: int = 50, *, tensor_cores: bool = True,
+                 repack: bool | None = None) -> dict:
+    """Time Y = X @ W^T (prefill) for n_tok tokens and a random (n_out, n_in) W of `ggml_type`.
+
+    tensor_cores=False times the per-token gemv path. Timed with CUDA events, not in a graph
+    (CuPy refuses cuBLAS calls during capture), rotating over copies of W exceeding 2x the L2;
+    median. Returns {"us": µs per product, "tflop_s":
+    2*n_tok*n_out*n_in / time in TFLOP/s, "tok_s": tokens per second}.
+    Raises ValueError for a type without kernels.
+    """
+    import cupy as cp
+
+    t = _type(ggml_type)
+    repack = flags.current().on("K4_REPACK") if repack is None else repack
+    rng = np.random.default_rng(0)
+    weights = _copies(random_weight(t, n_out, n_in, rng), repack, 2.0, 8)
+    for w in weights:
+        w.prefill_tc = tensor_cores
+    X = cp.asarray(rng.standard_normal((n_tok, n_in), dtype=np.float32))
+    Y = cp.empty((n_tok, n_out), cp.float32)
+    scratch = cp.empty(max(1, matmul_scratch_bytes(weights, n_tok)), cp.uint8)
+    us = device_time(lambda i: matmul(weights[i % len(weights)], X, Y, scratch=scratch), len(weights), iters, graph=False)
+    return {"us": us, "tflop_s": 2.0 * n_tok * n_out * n_in / us / 1e6, "tok_s": n_tok / us * 1e6}
+
+
+def bench_attention(n_tok: int, n_ctx: int, n_head: int = 32, n_head_kv: int = 32, head_dim: int = 128,
+                    iters: int = 20, *, split: bool | None = None, tiled: bool | None = None,
+                    mma: bool | None = None) -> dict:
+    """Time causal attention of n_tok queries ending at position n_ctx - 1 over an fp16 KV cache
+    of n_ctx positions (one layer): n_tok == n_ctx is prefill from position 0, n_tok == 1 is a
+    decode step at depth n_ctx - 1. Random inputs; recorded in a CUDA graph, median of CUDA-event
+    timings (device_time). split/tiled/mma: K4_SPLIT_ATTN/K4_TILED_ATTN/K4_MMA_ATTN (default:
+    the flags; mma=False with tiled=True times attn_tiled). Returns {"us": µs, "tflop_s": 4 *
+    head_dim * n_head * (query, key) pairs / time, "gb_s": KV cache bytes read / time}. FLOP
+    count as FlashAttention's: causal halves the pairs.
+    """
+    import cupy as cp
+
+    from .ops import Ops, attention_split
+
+    f = flags.current()
+    split = f.on("K4_SPLIT_ATTN") if split is None else split
+    tiled = f.on("K4_TILED_ATTN") if tiled is None else tiled
+    mma = f.on("K4_MMA_ATTN") if mma is None else mma
+    rng = np.random.default_rng(0)
+    q = cp.asarray(rng.standard_normal((n_tok, n_head, head_dim), dtype=np.float32))  # (n_tok, n_head, D)
+    k_cache = cp.asarray(rng.standard_normal((n_ctx, n_head_kv, head_dim)).astype(np.float16))  # (n_ctx, n_head_kv, D)
+    v_cache = cp.asarray(rng.standard_normal((n_ctx, n_head_kv, head_dim)).astype(np.float16))
+    out = cp.empty_like(q)
+    pos = cp.asarray(np.array([n_ctx - n_tok], dtype=np.int32))
+    ops = Ops(Trace(), pdl=False, tiled=tiled, mma=mma)
+    n_split, split_len = attention_split(n_ctx, split, ops.attention_capacity(head_dim) // n_head) if n_tok == 1 else (1, n_ctx)
+    part = cp.empty((n_tok, n_head, n_split, head_dim + 2), cp.float32) if n_split > 1 else None
+    ticket = cp.zeros(n_tok * n_head, cp.int32) if n_split > 1 else None
+    us = device_time(lambda i: ops.attention(q, k_cache, v_cache, out, pos, n_split, split_len, part, ticket), 1, iters, graph=True)
+    p0 = n_ctx - n_tok
+    pairs = n_tok * p0 + n_tok * (n_tok + 1) // 2
+    return {"us": us, "tflop_s": 4 * head_dim * n_head * pairs / us / 1e6, "gb_s": 2 * k_cache.nbytes / us / 1e3}
