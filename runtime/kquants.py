@@ -16,8 +16,16 @@ module. Sub-blocks are laid out as columns, x of shape (n, N) for N sub-blocks o
 so that element i of every sub-block is one contiguous row and every sum over a sub-block is
 a sum over axis 0 in element order (`_sum_seq`), for all sub-blocks at once.
 
-Input everywhere: float32 array (n_rows, n_per_row) with n_per_row a multiple of the block size.
+Input everywhere: finite float32 array (n_rows, n_per_row) with n_per_row a multiple of the
+block size (runtime/quantize.py refuses NaN and inf weights before they get here).
 Output: uint8 array (n_rows, n_per_row // block_size * type_size).
+
+Speed: numpy cannot fuse the C loops, so every candidate scale of make_qkx2_quants costs about
+16 passes over the (n, N) arrays (5 of them for the error alone); rows are quantized in passes
+of CACHE_WEIGHTS so that the scratch arrays stay in the L2 cache, results are rounded with
+np.rint after clipping (exact below 2**21, proven per pass), and the search keeps only the
+(iscale, min) of its best candidate, since every sub-block but those whose final scale is 0
+is quantized again. docs/PERF.md has the rates (about 11 M weights/s per core for Q4_K).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 
 QK_K = 256  # weights per K-quant super-block (ggml-common.h)
-CACHE_WEIGHTS = 1 << 17  # weights quantized per pass: ~0.5 MiB float32 scratch arrays
+CACHE_WEIGHTS = 1 << 16  # weights quantized per pass: 256 KiB float32 scratch arrays, in L2 cache
 GROUP_MAX_EPS = np.float32(1e-15)  # ggml-quants.c: a group whose max |x| is below this is all zero
 _MAGIC = np.float32(12582912.0)  # 1.5 * 2**23, nearest_int's rounding constant
 
@@ -66,14 +74,14 @@ def _round_clip(v: np.ndarray, lo: int, hi: int, in_range: bool | None = None) -
     return v
 
 
-def _sum_seq(a: np.ndarray, axis: int = 0) -> np.ndarray:
-    """Sum float32 `a` over `axis` as `s = a[0]; for i >= 1: s += a[i]`, the C loops' order.
+def _sum_seq(a: np.ndarray) -> np.ndarray:
+    """(n, N) float32 -> (N,): `s = a[0]; for i >= 1: s += a[i]` in float32, the C loops' order.
 
-    numpy reduces a C-contiguous array over an axis that is not the last one slice by slice
-    into one accumulator (its pairwise summation applies only along the contiguous axis), which
-    is this order; tests/test_quantize.py checks it on data where the order shows.
+    numpy reduces a C-contiguous array over axis 0 row by row into one accumulator row (its
+    pairwise summation applies only along the contiguous axis), which is this order;
+    tests/test_quantize.py checks it on data where the order shows.
     """
-    return np.add.reduce(np.ascontiguousarray(a), axis=axis)
+    return np.add.reduce(np.ascontiguousarray(a), axis=0)
 
 
 add_seq = np.add.reduce  # _sum_seq for arrays known to be C-contiguous (the hot loops' scratch)
@@ -92,11 +100,6 @@ def _columns(x: np.ndarray, n: int) -> np.ndarray:
 def _rows(cols: np.ndarray, block: int) -> np.ndarray:
     """Inverse of _columns: (n, N) -> (n_blocks, block), weights back in file order."""
     return np.ascontiguousarray(cols.T).reshape(-1, block)
-
-
-def _bounded(*ends: np.ndarray) -> bool:
-    """True when every value is finite and below 2**21 in magnitude (see _round_clip)."""
-    return all(bool(np.all(np.abs(e) < _EXACT)) for e in ends)
 
 
 def make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):

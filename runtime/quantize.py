@@ -12,9 +12,8 @@ Three steps, in execution order:
    falls back (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, then F16). Tensors are ordered as
    llama.cpp's loader orders them (by layer, then name), which also fixes the layer counters
    its rules use.
-2. quantize: row chunks of every tensor through runtime/kquants.py on a pool of worker
-   processes (threads would serialize on the GIL between numpy's many small operations), each
-   reading its rows from the memory-mapped input; progress is reported in weights.
+2. quantize: row chunks of every tensor through runtime/kquants.py on worker processes
+   (runtime/quantize_pool.py), reporting progress in weights.
 3. write: gguf.GGUFWriter, every metadata key of the input in its order (after
    general.architecture, which the writer puts first), then general.quantization_version = 2
    and general.file_type (LLAMA_FTYPE), the input's alignment; into a temporary file next to
@@ -26,11 +25,8 @@ rules are not reproduced.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import re
-import signal
-from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,11 +34,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
-from gguf.quants import dequantize
 
-from . import kquants
-from .errors import ModelFileError, UnsupportedModelError, UsageError
+from .errors import UnsupportedModelError, UsageError
 from .model import ModelFile, open_model
+from .quantize_pool import encoded_chunks, start_pool, worker_count
 
 T = GGMLQuantizationType
 
@@ -71,7 +66,6 @@ MIXES = {
 
 INPUT_TYPES = (T.F32, T.F16, T.BF16)  # what the Hugging Face converters write
 FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
-CHUNK_WEIGHTS = 1 << 20  # weights per unit of work on the worker pool and per progress step
 
 Progress = Callable[[int, int, str], None]  # (weights done, weights in all, tensor name)
 
@@ -247,61 +241,6 @@ def plan_quantization(mf: ModelFile, mix: Mix) -> QuantPlan:
     return QuantPlan(mix, tuple(plans))
 
 
-def _encode_rows(raw: np.ndarray, src: GGMLQuantizationType, dst: GGMLQuantizationType, name: str) -> np.ndarray:
-    """Input rows (n, bytes) uint8 of type src -> output rows (n, bytes) uint8 of type dst."""
-    x = np.asarray(dequantize(raw, src), dtype=np.float32)  # (n, n_per_row) exact for F32/F16/BF16
-    if not np.isfinite(x).all():
-        raise ModelFileError(f"tensor {name!r} contains NaN or infinite weights; the input model is damaged")
-    return kquants.quantize(x, dst)
-
-
-_MAPS: dict[str, np.memmap] = {}  # a worker process's map of the input file, made on its first chunk
-
-
-def _encode_chunk(path: str, offset: int, shape: tuple[int, int], src: GGMLQuantizationType, dst: GGMLQuantizationType, name: str) -> np.ndarray:
-    """A worker process's unit of work: rows of `shape` (rows, input row bytes) at byte `offset`
-    of the file at `path`, encoded as _encode_rows does (the input is read from the page cache,
-    never sent through a pipe)."""
-    mm = _MAPS.get(path)
-    if mm is None:
-        mm = _MAPS[path] = np.memmap(path, dtype=np.uint8, mode="r")
-    return _encode_rows(mm[offset : offset + shape[0] * shape[1]].reshape(shape), src, dst, name)
-
-
-def _ignore_sigint() -> None:
-    """Worker initializer: Ctrl-C reaches the whole process group; only the parent handles it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _chunks(plan: QuantPlan):
-    """(tensor plan, first row, end row) of every unit of work, in output order (tensors kept as
-    they are have none)."""
-    for tp in plan.tensors:
-        if tp.dst_type != tp.src_type:
-            n_rows = int(np.prod(tp.shape[:-1]))
-            step = max(1, CHUNK_WEIGHTS // tp.shape[-1])
-            yield from ((tp, r, min(r + step, n_rows)) for r in range(0, n_rows, step))
-
-
-def _chunk_results(mf: ModelFile, plan: QuantPlan, pool: ProcessPoolExecutor | None, depth: int):
-    """The encoded rows of every _chunks unit, in order: computed here when pool is None, else
-    by the pool with up to `depth` units in flight."""
-    if pool is None:
-        for tp, r0, r1 in _chunks(plan):
-            yield _encode_rows(mf.tensors[tp.name].raw_bytes()[r0:r1], tp.src_type, tp.dst_type, tp.name)
-        return
-    path = str(Path(mf.path).resolve())
-    in_flight: deque = deque()
-    for tp, r0, r1 in _chunks(plan):
-        t = mf.tensors[tp.name]
-        row_bytes = t.n_bytes // int(np.prod(tp.shape[:-1]))
-        in_flight.append(pool.submit(_encode_chunk, path, t.file_offset + r0 * row_bytes, (r1 - r0, row_bytes), tp.src_type, tp.dst_type, tp.name))
-        if len(in_flight) >= depth:
-            yield in_flight.popleft().result()
-    while in_flight:
-        yield in_flight.popleft().result()
-
-
 def copy_metadata(mf: ModelFile, writer: GGUFWriter, skip: set[str] = frozenset(), replace: dict[str, object] | None = None) -> None:
     """Add every key/value of `mf` to `writer` in file order, except GGUF.* and `skip`; keys in
     `replace` keep their place and type with the new value.
@@ -340,7 +279,7 @@ def _temp_path(out: Path) -> Path:
 def _encoded_tensors(mf: ModelFile, plan: QuantPlan, pool: ProcessPoolExecutor | None, depth: int, progress: Progress | None):
     """Yield each tensor's output bytes (rows, row bytes) uint8 in plan order; report progress in weights."""
     total, done = plan.n_elements, 0
-    results = _chunk_results(mf, plan, pool, depth)
+    results = encoded_chunks(mf, plan, pool, depth)
     for tp in plan.tensors:
         raw = mf.tensors[tp.name].raw_bytes()  # (rows, row bytes) memory-mapped
         if tp.dst_type == tp.src_type:
@@ -359,22 +298,6 @@ def _encoded_tensors(mf: ModelFile, plan: QuantPlan, pool: ProcessPoolExecutor |
             if progress:
                 progress(done, total, tp.name)
         yield data
-
-
-def worker_count(threads: int) -> int:
-    """Worker processes for `threads` (0: one per CPU core this process may run on)."""
-    return threads or len(os.sched_getaffinity(0))
-
-
-def _start_pool(workers: int) -> ProcessPoolExecutor | None:
-    """A process pool of `workers` (None for 1: the work runs in this process). Workers come from
-    a forkserver with numpy and the quantizers imported, so each starts in milliseconds and none
-    inherits this process's threads."""
-    if workers <= 1:
-        return None
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    return ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_ignore_sigint)
 
 
 def write_quantized(mf: ModelFile, plan: QuantPlan, out: Path, progress: Progress | None = None, threads: int = 0) -> None:
@@ -396,7 +319,7 @@ def write_quantized(mf: ModelFile, plan: QuantPlan, out: Path, progress: Progres
         byte_shape = (*tp.shape[:-1], _n_bytes(tp.shape[-1:], tp.dst_type))  # the writer maps it back to tp.shape
         writer.add_tensor_info(tp.name, byte_shape, np.dtype(np.uint8), tp.dst_bytes, raw_dtype=tp.dst_type)
     workers = worker_count(threads)
-    pool = _start_pool(workers)
+    pool = start_pool(workers)
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -13,7 +13,7 @@ from gguf.quants import dequantize
 from typer.testing import CliRunner
 
 from k4.cli.app import app
-from k4.runtime import kquants
+from k4.runtime import kquants, quantize_pool
 from k4.runtime.errors import ModelFileError, UnsupportedModelError, UsageError
 from k4.runtime.model import open_model
 from k4.runtime.quantize import MIXES, choose_types, get_mix, llama_order, plan_quantization, quantize_model, use_more_bits
@@ -349,8 +349,18 @@ def test_quantize_rejects_rows_that_do_not_fit_the_block():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_q4_k_m_is_byte_identical_to_llama_quantize(tmp_path, data, threads):
+@pytest.mark.parametrize(
+    "threads,chunk,cache",
+    [(1, None, None), (2, None, None), (2, 3 * 256, None), (1, None, 2 * 256)],
+    ids=["in-process", "2-workers", "2-workers-3-row-chunks", "in-process-2-row-passes"],
+)
+def test_q4_k_m_is_byte_identical_to_llama_quantize(tmp_path, data, monkeypatch, threads, chunk, cache):
+    """Also with units of work (chunk, in weights) and quantizer passes (cache) that split
+    tensors into many pieces, the last one short."""
+    if chunk:
+        monkeypatch.setattr(quantize_pool, "CHUNK_WEIGHTS", chunk)
+    if cache:
+        monkeypatch.setattr(kquants, "CACHE_WEIGHTS", cache)
     ref_path = data / "models" / "stories260K-pad-q4_k_m.gguf"
     out = tmp_path / "q.gguf"
     quantize_model(data / "models" / "stories260K-pad-f32.gguf", out, "Q4_K_M", threads=threads)
