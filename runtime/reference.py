@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from . import hostmem
-from .backend import TokenCache
+from .token_cache import TokenCache
 from .model import ModelConfig, ModelFile, Tensor, expected_shapes
 from .sampling import SamplingParams, sample
 from .trace import Trace
@@ -96,6 +96,36 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (np.float32(1.0) + np.exp(-x))
 
 
+# Most attention scores one block of query rows may hold (float32 elements: 16 MiB).
+ATTN_SCORES_MAX = 1 << 22
+
+
+def causal_attention(qg: np.ndarray, keys: np.ndarray, vals: np.ndarray, p0: int) -> np.ndarray:
+    """Grouped-query causal softmax attention of T queries at positions p0..p0+T-1 over the
+    cache, computed in blocks of query rows so that one block's scores hold at most
+    ATTN_SCORES_MAX elements (a 4,000-token prompt no longer holds all T x S x heads at once;
+    each row's arithmetic is unchanged, so results are bit-identical to the unblocked form).
+
+    qg: (T, nkv, gqa, hd) float32 queries grouped by KV head; keys, vals: (S, nkv, hd), S = p0 + T.
+    Returns (T, nkv * gqa * hd) float32.
+    """
+    T, nkv, gqa, hd = qg.shape
+    S = keys.shape[0]
+    scale = np.float32(1.0 / np.sqrt(hd))
+    rows = max(1, ATTN_SCORES_MAX // max(1, nkv * gqa * S))
+    out = np.empty((T, nkv * gqa * hd), dtype=np.float32)
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        # causal mask: query t (at p0 + t) sees cache positions 0..p0 + t
+        mask = np.arange(S)[None, :] > np.arange(p0 + t0, p0 + t1)[:, None]  # (t1 - t0, S) bool
+        scores = np.einsum("tkgd,skd->kgts", qg[t0:t1], keys) * scale  # (nkv, gqa, t1 - t0, S)
+        scores = np.where(mask, np.float32(-np.inf), scores)
+        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs = scores / scores.sum(axis=-1, keepdims=True)  # (nkv, gqa, t1 - t0, S)
+        out[t0:t1] = np.einsum("kgts,skd->tkgd", probs, vals).reshape(t1 - t0, -1)
+    return out
+
+
 class NumpyBackend(TokenCache):
     """The reference backend (see runtime/backend.py for the protocol).
 
@@ -138,6 +168,13 @@ class NumpyBackend(TokenCache):
             self.v_cache = np.zeros(kv_shape, dtype=np.float32)  # (n_layer, n_ctx, n_head_kv, head_dim)
         self.tokens: list[int] = []
         self.load_ms = {"read+dequantize": (time.perf_counter() - t0) * 1e3}  # wall time of each load step
+        self.load_detail_ms: dict[str, float] = {}
+
+    def memory_report(self) -> dict[str, int]:
+        """Host bytes by kind: kv_cache (float32 keys and values), dequantized (matrices kept in
+        float32, when the model is small enough to keep them)."""
+        kept = sum(m.f32_bytes for m in self.matrices()) if self.cached else 0
+        return {"kv_cache": self.k_cache.nbytes + self.v_cache.nbytes, "dequantized": kept}
 
     def matrices(self) -> list[Matrix]:
         """Every weight matrix the forward multiplies by, each once (tied embeddings are one)."""
@@ -188,9 +225,6 @@ class NumpyBackend(TokenCache):
         nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         positions = np.arange(p0, p0 + T)  # (T,)
         cos, sin = rope_tables(cfg, positions, self.rope_freqs)  # (T, rope_dim/2) each
-        # causal mask over the cache: query t (at p0 + t) sees cache positions 0..p0 + t
-        mask = np.arange(p0 + T)[None, :] > positions[:, None]  # (T, p0 + T) bool
-        scale = np.float32(1.0 / np.sqrt(hd))
 
         x = self.token_embd.rows(ids)  # (T, n_embd) the residual stream: only these rows are dequantized
         for li, L in enumerate(self.layers):
@@ -212,12 +246,7 @@ class NumpyBackend(TokenCache):
             self.v_cache[li, p0 : p0 + T] = v.reshape(T, nkv, hd)
             keys = self.k_cache[li, : p0 + T]  # (S, nkv, hd), S = p0 + T
             vals = self.v_cache[li, : p0 + T]  # (S, nkv, hd)
-            qg = q.reshape(T, nkv, cfg.n_gqa, hd)  # (T, nkv, gqa, hd): query heads grouped by kv head
-            scores = np.einsum("tkgd,skd->kgts", qg, keys) * scale  # (nkv, gqa, T, S)
-            scores = np.where(mask, np.float32(-np.inf), scores)
-            scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-            probs = scores / scores.sum(axis=-1, keepdims=True)  # (nkv, gqa, T, S)
-            attn = np.einsum("kgts,skd->tkgd", probs, vals).reshape(T, nh * hd)  # (T, nh * hd)
+            attn = causal_attention(q.reshape(T, nkv, cfg.n_gqa, hd), keys, vals, p0)  # (T, nh * hd)
             x = x + L.wo.product(attn)  # (T, n_embd)
             # feed-forward: norm, SwiGLU, down projection
             h = rms_norm(x, L.ffn_norm, cfg.rms_eps)  # (T, n_embd)

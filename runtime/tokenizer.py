@@ -26,7 +26,9 @@ bytes are joined and read as UTF-8, with U+FFFD for invalid sequences.
 
 from __future__ import annotations
 
+import bisect
 import codecs
+import re
 from functools import cached_property
 from typing import TYPE_CHECKING, Sequence
 
@@ -103,6 +105,11 @@ EOG_TEXTS = frozenset({
 })
 
 _SPECIAL_TYPES = (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.UNUSED)
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+# Longest normal token (characters) k4 reads: SentencePiece's pieces are at most 16 by default
+# (max_sentencepiece_length), byte-level BPE tokens rarely pass 128. The bound keeps building the
+# merge list linear in the vocabulary's size (each token is cut at most once per length).
+MAX_TOKEN_CHARS = 1024
 
 
 def byte_level_alphabet() -> dict[str, int]:
@@ -160,6 +167,7 @@ class Tokenizer:
         types = [int(t) for t in mf.meta(Keys.Tokenizer.TOKEN_TYPE) or [TokenType.NORMAL] * n_vocab]
         if len(types) != n_vocab:
             raise TokenizerError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries for {n_vocab} tokens; the file is corrupt")
+        _check_tokens(where, tokens, types)
 
         if model == "llama":
             scores = mf.meta(Keys.Tokenizer.SCORES) or [0.0] * n_vocab
@@ -292,6 +300,16 @@ class StreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
+def _check_tokens(where: str, tokens: list[str], types: list[int]) -> None:
+    """Raise TokenizerError for a byte token whose text is not `<0xXX>` or a normal token longer
+    than MAX_TOKEN_CHARS characters."""
+    for i, (text, ttype) in enumerate(zip(tokens, types)):
+        if ttype == TokenType.BYTE and not _BYTE_TOKEN.fullmatch(text):
+            raise TokenizerError(f"{where}: token {i} has type BYTE but text {text[:20]!r}; byte tokens are written <0xXX>, the file is corrupt")
+        if ttype == TokenType.NORMAL and len(text) > MAX_TOKEN_CHARS:
+            raise TokenizerError(f"{where}: token {i} is {len(text):,} characters long; k4 reads tokens of at most {MAX_TOKEN_CHARS:,}")
+
+
 def _byte_level_bytes(text: str, to_latin1: dict[int, str]) -> bytes:
     """Bytes of a byte-level BPE token text; characters outside the alphabet stay as UTF-8."""
     mapped = text.translate(to_latin1)
@@ -307,12 +325,15 @@ def _spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> lis
     id). llama.cpp's llm_tokenizer_spm repeatedly merges the adjacent pair whose join scores
     best, which is what the `tokenizers` BPE model does with these ranks."""
     known = set(tokens)
+    lengths = sorted({len(t) for t in known if 0 < len(t) <= MAX_TOKEN_CHARS})  # a join's halves have these lengths
     mergeable = (TokenType.NORMAL, TokenType.USER_DEFINED, TokenType.UNUSED)
-    order = sorted((i for i, t in enumerate(types) if t in mergeable and len(tokens[i]) > 1), key=lambda i: (-scores[i], i))
+    order = sorted((i for i, t in enumerate(types) if t in mergeable and 1 < len(tokens[i]) <= 2 * MAX_TOKEN_CHARS),
+                   key=lambda i: (-scores[i], i))
     merges = []
     for i in order:
         text = tokens[i]
-        merges.extend((text[:k], text[k:]) for k in range(1, len(text)) if text[:k] in known and text[k:] in known)
+        cuts = (k for k in lengths[:bisect.bisect_left(lengths, len(text))])
+        merges.extend((text[:k], text[k:]) for k in cuts if text[:k] in known and text[k:] in known)
     return merges
 
 
