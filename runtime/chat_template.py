@@ -8,6 +8,11 @@ takes json.dumps's indent/separators/sort_keys; variables `messages`, `add_gener
 `bos_token`, `eos_token`, `tools` and `documents` (both None). The sandbox refuses access to
 Python internals (`__class__`, `__globals__`, ...) and mutation of the arguments.
 
+Templates are bounded as well as sandboxed (runtime/template_limits.py): the output, every string
+or list an operator or a call makes, and integer arguments are limited to MAX_OUTPUT characters,
+powers to MAX_INT_BITS, the render to RENDER_SECONDS of wall time; a template that breaks a limit,
+recurses too deep or fails to compile raises TemplateError.
+
 A model without a template gets FALLBACK_TEMPLATE, ChatML (`<|im_start|>role\\ncontent<|im_end|>\\n`
 per message, then `<|im_start|>assistant\\n`), the format llama.cpp also falls back to; such a
 ChatTemplate has `is_fallback = True` so the CLI can say so.
@@ -23,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import TemplateError, UsageError
+from .template_limits import BoundedEnvironment, LimitExceeded, compile_limited, render_limited
 
 if TYPE_CHECKING:
     from .model import ModelFile
@@ -54,10 +59,11 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+def _environment() -> BoundedEnvironment:
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    env.bound_filters()
     return env
 
 
@@ -76,9 +82,13 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         try:
-            self._template = _environment().from_string(source)
+            self._template = compile_limited(_environment(), source)
         except jinja2.TemplateSyntaxError as exc:
             raise TemplateError(f"{origin}: chat template syntax error at line {exc.lineno}: {_one_line(exc.message or '')}") from None
+        except LimitExceeded as exc:
+            raise TemplateError(f"{origin}: chat template stopped while compiling: {exc}") from None
+        except Exception as exc:  # e.g. RecursionError or SyntaxError: nesting deeper than Python compiles
+            raise TemplateError(f"{origin}: chat template cannot be compiled ({type(exc).__name__}: {_one_line(exc)[:80]})") from None
 
     @classmethod
     def from_model(cls, mf: "ModelFile", tokenizer: "Tokenizer") -> "ChatTemplate":
@@ -112,7 +122,9 @@ class ChatTemplate:
         """
         clock = now or datetime.now()
         try:
-            return self._template.render(
+            return render_limited(
+                self._template,
+                input_chars=sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)),
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
@@ -121,10 +133,12 @@ class ChatTemplate:
                 documents=None,
                 strftime_now=clock.strftime,
             )
+        except LimitExceeded as exc:
+            raise TemplateError(f"{self.origin}: chat template stopped: {exc}") from None
         except jinja2.exceptions.TemplateError as exc:
             raise TemplateError(f"{self.origin}: chat template error: {_one_line(exc.message or type(exc).__name__)}") from None
         except Exception as exc:  # the template's own code failed (e.g. `None + str` on a message)
-            raise TemplateError(f"{self.origin}: chat template failed ({type(exc).__name__}: {_one_line(exc)})") from None
+            raise TemplateError(f"{self.origin}: chat template failed ({type(exc).__name__}: {_one_line(exc)[:200]})") from None
 
 
 def load_messages(path: str | os.PathLike) -> list[dict]:
