@@ -19,13 +19,10 @@ def synth(
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
 ) -> None:
     """Write a model with the exact shape and Q4_K_M tensor types of PRESET, random weights."""
-    from k4.runtime.errors import UsageError
     from k4.runtime.synthetic import write_synthetic
 
-    if out.exists() and not force:
-        raise UsageError(f"{out} exists; pass --force to overwrite it")
     with progress_bar(f"writing {out.name}") as update:
-        write_synthetic(preset, out, vocab, seed, progress=update)
+        write_synthetic(preset, out, vocab, seed, progress=update, force=force)
     err.print(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB)")
 
 

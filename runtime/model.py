@@ -71,7 +71,9 @@ class Tensor:
     def raw_bytes(self) -> np.ndarray:
         """The encoded bytes as a uint8 array of shape (n_rows, bytes_per_row) (memory-mapped view)."""
         rows = int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
-        return self.raw.reshape(-1).view(np.uint8).reshape(rows, -1)
+        block, size = GGML_QUANT_SIZES[self.ggml_type]
+        row_bytes = (self.shape[-1] if self.shape else 1) // block * size
+        return self.raw.reshape(-1).view(np.uint8).reshape(rows, row_bytes)
 
 
 @dataclass(frozen=True)

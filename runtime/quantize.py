@@ -17,7 +17,8 @@ Three steps, in execution order:
 3. write: gguf.GGUFWriter, every metadata key of the input in its order (after
    general.architecture, which the writer puts first), then general.quantization_version = 2
    and general.file_type (LLAMA_FTYPE), the input's alignment; into a temporary file next to
-   OUT that is renamed to OUT only when complete and removed on any error or Ctrl-C.
+   OUT that becomes OUT only when complete (exclusively, unless --force) and is removed on any
+   error, Ctrl-C or SIGTERM (runtime/outfile.py).
 
 Only k4's dense architectures (llama, qwen2, qwen3) are planned; llama.cpp's MoE and Falcon
 rules are not reproduced.
@@ -37,6 +38,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 
 from .errors import UnsupportedModelError, UsageError
 from .model import ModelFile, open_model
+from .outfile import check_output, partial_output
 from .quantize_pool import encoded_chunks, start_pool, worker_count
 
 T = GGMLQuantizationType
@@ -272,10 +274,6 @@ def copy_metadata(mf: ModelFile, writer: GGUFWriter, skip: set[str] = frozenset(
             writer.add_key_value(key, field.parts[-1].tolist()[0], vtype)
 
 
-def _temp_path(out: Path) -> Path:
-    return out.with_name(f".{out.name}.k4-partial-{os.getpid()}")
-
-
 def _encoded_tensors(mf: ModelFile, plan: QuantPlan, pool: ProcessPoolExecutor | None, depth: int, progress: Progress | None):
     """Yield each tensor's output bytes (rows, row bytes) uint8 in plan order; report progress in weights."""
     total, done = plan.n_elements, 0
@@ -300,16 +298,22 @@ def _encoded_tensors(mf: ModelFile, plan: QuantPlan, pool: ProcessPoolExecutor |
         yield data
 
 
-def write_quantized(mf: ModelFile, plan: QuantPlan, out: Path, progress: Progress | None = None, threads: int = 0) -> None:
-    """Quantize `mf` by `plan` and write the GGUF to `out` (through a temporary file, renamed at
-    the end; removed on any error or KeyboardInterrupt). threads: worker processes, as
+def write_quantized(mf: ModelFile, plan: QuantPlan, out: Path, progress: Progress | None = None, threads: int = 0,
+                    force: bool = False) -> None:
+    """Quantize `mf` by `plan` and write the GGUF to `out` through runtime.outfile.partial_output
+    (a unique temporary file, published exclusively unless force; removed on any error, Ctrl-C or
+    SIGTERM). threads: worker processes, as
     llama-quantize's nthread (0: one per CPU core; 1: all in this process). Workers start from
     a forkserver, so a script that calls this with threads != 1 needs the
     `if __name__ == "__main__":` guard that multiprocessing asks for.
 
-    Raises ModelFileError (NaN/inf weights), OSError (the file system).
+    Raises ModelFileError (NaN/inf weights), UsageError (see partial_output), OSError (the file system).
     """
-    tmp = _temp_path(out)
+    with partial_output(out, force) as tmp:
+        _write(mf, plan, tmp, progress, threads)
+
+
+def _write(mf: ModelFile, plan: QuantPlan, tmp: Path, progress: Progress | None, threads: int) -> None:
     writer = GGUFWriter(tmp, mf.arch)
     writer.data_alignment = int(mf.reader.alignment)
     copy_metadata(mf, writer, {"general.architecture", "general.quantization_version", "general.file_type"})
@@ -329,12 +333,10 @@ def write_quantized(mf: ModelFile, plan: QuantPlan, out: Path, progress: Progres
         writer.fout[0].flush()
         os.fsync(writer.fout[0].fileno())
         writer.close()
-        os.replace(tmp, out)
     except BaseException:
         if pool:
             pool.shutdown(wait=False, cancel_futures=True)
         writer.close()
-        tmp.unlink(missing_ok=True)
         raise
     if pool:
         pool.shutdown()
@@ -355,18 +357,13 @@ def quantize_model(
     """
     mix = get_mix(mix_name)
     out = Path(out)
-    if out.is_dir():
-        raise UsageError(f"{out} is a folder; give a file name for the quantized model")
-    if not out.parent.is_dir():
-        raise UsageError(f"{out.parent} is not a folder; create it first or choose another output path")
     if Path(src).resolve() == out.resolve():
         raise UsageError(f"{out} is the input file; write the quantized model to another path")
-    if out.exists() and not force:
-        raise UsageError(f"{out} already exists; pass --force to overwrite it")
+    check_output(out, force)
     mf = open_model(src)
     plan = plan_quantization(mf, mix)
     try:
-        write_quantized(mf, plan, out, progress, threads)
+        write_quantized(mf, plan, out, progress, threads, force)
     except OSError as exc:
         raise UsageError(f"cannot write {out}: {exc.strerror or exc}; check the folder's permissions and free space") from None
     return plan

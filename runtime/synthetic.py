@@ -8,7 +8,6 @@ llama.cpp's, as runtime.quantize implements it. Block layouts: ggml-common.h.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -19,6 +18,7 @@ from gguf import GGMLQuantizationType as T
 
 from .errors import UsageError
 from .model import SAMPLE_MODEL, ModelConfig, expected_shapes, open_model
+from .outfile import check_output, partial_output
 
 
 
@@ -138,11 +138,13 @@ def vocab_from(path: Path | None, n_vocab: int) -> dict:
 
 
 def write_synthetic(preset: str, out: Path, vocab: Path | None = None, seed: int = 0,
-                    progress: Callable[[int, int], None] | None = None) -> Path:
-    """Write a synthetic Q4_K_M model of PRESETS[preset] to `out` (a temporary name, renamed at
-    the end). progress(done_bytes, total_bytes) is called after each tensor.
+                    progress: Callable[[int, int], None] | None = None, force: bool = False) -> Path:
+    """Write a synthetic Q4_K_M model of PRESETS[preset] to `out` through
+    runtime.outfile.partial_output (a unique temporary name beside it, published exclusively
+    unless force, removed on any error, Ctrl-C or SIGTERM). progress(done_bytes, total_bytes) is
+    called after each tensor.
 
-    Raises UsageError for an unknown preset.
+    Raises UsageError for an unknown preset or an output path partial_output refuses.
     """
     if preset not in PRESETS:
         raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -151,8 +153,9 @@ def write_synthetic(preset: str, out: Path, vocab: Path | None = None, seed: int
     v = vocab_from(vocab, cfg.n_vocab)
     shapes = expected_shapes(cfg)
     types = q4_k_m_types(cfg)
-    tmp = out.with_name(out.name + ".part")
-    w = GGUFWriter(str(tmp), cfg.arch)
+    out = Path(out)
+    check_output(out, force)
+    w = GGUFWriter(None, cfg.arch)
     write_metadata(w, cfg, v)
     for name, shape in shapes.items():
         block, size = GGML_QUANT_SIZES[types[name]]
@@ -162,8 +165,8 @@ def write_synthetic(preset: str, out: Path, vocab: Path | None = None, seed: int
         else:  # quantized tensors are described by their byte shape
             w.add_tensor_info(name, (*shape[:-1], shape[-1] // block * size), np.dtype(np.uint8), nbytes, raw_dtype=types[name])
     total = sum(int(np.prod(s)) // GGML_QUANT_SIZES[types[n]][0] * GGML_QUANT_SIZES[types[n]][1] for n, s in shapes.items())
-    try:
-        w.write_header_to_file()
+    with partial_output(out, force) as tmp:
+        w.write_header_to_file(path=tmp)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         done = 0
@@ -174,10 +177,6 @@ def write_synthetic(preset: str, out: Path, vocab: Path | None = None, seed: int
             if progress:
                 progress(done, total)
         w.close()
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return out
 
 
