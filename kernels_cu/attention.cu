@@ -12,10 +12,10 @@
 // queries instead of once per query (the tiling of FlashAttention-2, Dao 2023, on CUDA cores).
 // attn_mma (flag K4_MMA_ATTN, taking precedence) is FlashAttention-2 on tensor cores: see its section.
 // Launched by runtime/cuda/ops.py (Ops.attention).
+// ATT_THREADS, ATT_CHUNK, TILE_*, MMA_* and the shared-memory sizes the launcher computes
+// come from runtime/cuda/constants.py (constants.cuh); the sizes are checked below.
 #include "ops_common.cuh"
 
-#define ATT_THREADS 128
-#define ATT_CHUNK 128
 #define ATT_KEYS 4  // keys whose loads one thread issues together
 
 // q: (n_tok, n_head, D) f32. k_cache, v_cache: (n_ctx, n_head_kv, D) fp16 (this layer).
@@ -31,12 +31,15 @@
 //   value from registers rounded to fp16 (exactly what the cache would hold), and of those the
 //   block of the first query head of each KV head stores them into the cache rows through
 //   k_store, v_store (the cache again; that row is read by no block of this launch).
-// Grid: (n_head, n_tok, n_split); block: ATT_THREADS. Dynamic shared memory:
-//   (D + ATT_CHUNK + ATT_THREADS * 8 + D) floats. Requires D % 8 == 0 and D <= 8 * ATT_THREADS.
+// Grid: (n_head, n_tok, n_split); block: ATT_THREADS. Dynamic shared memory: att_smem(D) bytes.
+//   Requires D % 8 == 0 and D <= 8 * ATT_THREADS.
 // Thread mapping: scores: groups of tpg lanes per key (tpg = largest power of two <= 32
 //   dividing D/8), each lane dotting 8-value slices of ATT_KEYS keys at a time; values: thread =
 //   (slice c, key lane kl), accumulating 8 output dims over keys kl, kl + n_kl, ...; key lanes
 //   are summed at the end.
+// Shared memory of attn_f16kv in bytes: qs, sc, red (floats), kcur and vcur (fp16), as carved below.
+__host__ __device__ constexpr int att_smem(int D) { return 4 * (D + ATT_CHUNK + ATT_THREADS * 8) + 2 * 2 * D; }
+
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
            float* __restrict__ out, float* __restrict__ part, int* __restrict__ ticket, const int* __restrict__ pos,
@@ -219,18 +222,15 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
     if (tid == 0) ticket[row] = 0;
 }
 
-#define TILE_Q 32       // queries per block of attn_tiled
-#define TILE_K 64       // keys per shared-memory tile
-#define TILE_THREADS 128
-#define TILE_PS (TILE_K + 16)  // row stride of the probabilities (floats): the two half-warps hit other banks
+// TILE_Q queries per block, TILE_K keys per shared-memory tile, TILE_THREADS threads; TILE_PS:
+// the row stride of the probabilities (floats), TILE_K + 16 so the two half-warps hit other banks.
 
 // Shared memory of attn_tiled<D> in bytes; runtime/cuda/ops.py computes the same.
-template <int D>
-__host__ __device__ constexpr int tiled_smem() { return 4 * (TILE_Q * (D + 4) + TILE_K * (D + 4) + TILE_K * D + TILE_Q * TILE_PS); }
+__host__ __device__ constexpr int tiled_smem(int D) { return 4 * (TILE_Q * (D + 4) + TILE_K * (D + 4) + TILE_K * D + TILE_Q * TILE_PS); }
 
 // Causal attention of n_tok queries (query t at position pos0 + t, pos0 = *pos) over the cache
 // rows 0 .. pos0 + t. q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx, n_head_kv, D) fp16.
-// Grid: (n_head, ceil(n_tok / TILE_Q)); block: TILE_THREADS; dynamic shared memory tiled_smem<D>().
+// Grid: (n_head, ceil(n_tok / TILE_Q)); block: TILE_THREADS; dynamic shared memory tiled_smem(D).
 // Thread mapping: thread (rg, kg) = (tid / 16, tid % 16) owns query rows rg + 8i (i < 4); for
 // scores the keys kg + 16j (j < 4) of the tile, for the output the columns 64c + 4kg .. + 3
 // (c < D / 64). The 16 lanes of a half-warp share their rows, so row max and sum reduce by
@@ -397,9 +397,7 @@ attn_tiled(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
 // Measured on an H200 (bench_attention, 32 heads): 16 rows per warp beat 32 (two row groups
 // sharing each K/V fragment) on 512-query chunks, where 64-query blocks fill the chip twice as
 // well; 32 rows won by 5-13% only on single 4096-query calls, which k4 never makes.
-#define MMA_WARPS 4
-#define MMA_THREADS (32 * MMA_WARPS)
-#define MMA_BQ (16 * MMA_WARPS)
+// MMA_WARPS, MMA_THREADS = 32 * MMA_WARPS, MMA_BQ = 16 * MMA_WARPS: constants.cuh.
 
 namespace k4mma {
 
@@ -447,13 +445,12 @@ __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
 
 // Shared memory of attn_mma<D, BK> in bytes (the Q tile for D > 128, two K and two V tiles, rows
 // of D + 8 halves); runtime/cuda/ops.py computes the same.
-template <int D, int BK>
-__host__ __device__ constexpr int mma_smem() { return 2 * (D + 8) * ((D <= 128 ? 0 : MMA_BQ) + 4 * BK); }
+__host__ __device__ constexpr int mma_smem(int D, int BK) { return 2 * (D + 8) * ((D <= 128 ? 0 : MMA_BQ) + 4 * BK); }
 
 // Causal attention of n_tok queries (query t at position pos0 + t, pos0 = *pos) over the cache
 // rows 0 .. pos0 + t, on tensor cores. q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx,
 // n_head_kv, D) fp16; scale: 1 / sqrt(D). Grid: (n_head, ceil(n_tok / MMA_BQ)); block:
-// MMA_THREADS; dynamic shared memory mma_smem<D, BK>(). Requires D % 16 == 0, BK % 16 == 0.
+// MMA_THREADS; dynamic shared memory mma_smem(D, BK). Requires D % 16 == 0, BK % 16 == 0.
 // Thread mapping: lane = 4g + t holds rows g and g + 8 of its warp's 16 queries and, per 8-column
 // chunk of S or O, columns 2t and 2t + 1 (the mma accumulator layout).
 template <int D, int BK>
@@ -639,3 +636,17 @@ attn_mma(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16
     }
 }
 
+// The launcher's sizes (runtime/cuda/constants.py att_smem, tiled_smem, mma_smem) are these.
+__host__ __device__ constexpr bool smem_sizes_agree() {
+    constexpr int att[] = {K4_CHECK_ATT_SMEM};      // D, bytes
+    constexpr int tiled[] = {K4_CHECK_TILED_SMEM};  // D, bytes
+    constexpr int mma[] = {K4_CHECK_MMA_SMEM};      // D, BK, bytes
+    for (int i = 0; i < (int)(sizeof(att) / sizeof(int)); i += 2)
+        if (att_smem(att[i]) != att[i + 1]) return false;
+    for (int i = 0; i < (int)(sizeof(tiled) / sizeof(int)); i += 2)
+        if (tiled_smem(tiled[i]) != tiled[i + 1]) return false;
+    for (int i = 0; i < (int)(sizeof(mma) / sizeof(int)); i += 3)
+        if (mma_smem(mma[i], mma[i + 1]) != mma[i + 2]) return false;
+    return true;
+}
+static_assert(smem_sizes_agree(), "a shared-memory size differs from runtime/cuda/constants.py");

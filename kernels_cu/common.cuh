@@ -3,8 +3,11 @@
 //
 // Block layouts: ggml-common.h (block_q4_K, block_q5_K, block_q6_K, block_q8_0, block_q5_0, block_q5_1);
 // the meaning of their bits: ggml-quants.c dequantize_row_*. This header compiles under NVRTC
-// (CuPy, the run-time compiler) and nvcc alike, so it includes no header at all.
+// (CuPy, the run-time compiler) and nvcc alike, so it includes no system header; block sizes,
+// planar groups, q8 x swizzles and the other numbers shared with Python come from
+// runtime/cuda/constants.py as -D defines (constants.cuh).
 #pragma once
+#include "constants.cuh"
 
 typedef unsigned char u8;
 typedef signed char i8;
@@ -12,11 +15,12 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
 
-#define QK_K 256
+#define QK_K K4_QK_Q4_K
 #define K_SCALE_SIZE 12
-#define QK8_0 32
-#define QK5_0 32
-#define QK5_1 32
+#define QK8_0 K4_QK_Q8_0
+#define QK5_0 K4_QK_Q5_0
+#define QK5_1 K4_QK_Q5_1
+static_assert(K4_QK_Q5_K == QK_K && K4_QK_Q6_K == QK_K, "the K-quants share one super-block size");
 
 // fp16 numbers are stored as their bits (ggml_half is uint16_t).
 struct block_q4_K {  // 256 weights, 4.5 bits each: w = d*sc*q - dmin*m, q in 0..15
@@ -25,7 +29,7 @@ struct block_q4_K {  // 256 weights, 4.5 bits each: w = d*sc*q - dmin*m, q in 0.
     u8 scales[K_SCALE_SIZE];   // 8 scales and 8 mins, 6 bits each (get_scale_min_k4)
     u8 qs[QK_K / 2];           // 4-bit quants: byte 32j+l holds weights 64j+l (low) and 64j+32+l (high)
 };
-static_assert(sizeof(block_q4_K) == 144, "block_q4_K is 144 bytes");
+static_assert(sizeof(block_q4_K) == K4_BLOCK_BYTES_Q4_K, "block_q4_K: gguf GGML_QUANT_SIZES has another size");
 
 struct block_q5_K {  // 256 weights, 5.5 bits each: w = d*sc*q - dmin*m, q in 0..31
     u16 d;
@@ -34,7 +38,7 @@ struct block_q5_K {  // 256 weights, 5.5 bits each: w = d*sc*q - dmin*m, q in 0.
     u8 qh[QK_K / 8];           // 5th bit: bit s of byte l belongs to weight 32s+l
     u8 qs[QK_K / 2];           // low 4 bits, as in block_q4_K
 };
-static_assert(sizeof(block_q5_K) == 176, "block_q5_K is 176 bytes");
+static_assert(sizeof(block_q5_K) == K4_BLOCK_BYTES_Q5_K, "block_q5_K: gguf GGML_QUANT_SIZES has another size");
 
 struct block_q6_K {  // 256 weights, 6.5625 bits each: w = d*sc*(q-32), q in 0..63
     u8 ql[QK_K / 2];           // low 4 bits: byte 64h+l holds weights 128h+l (low) and 128h+64+l (high), l<64
@@ -42,20 +46,20 @@ struct block_q6_K {  // 256 weights, 6.5625 bits each: w = d*sc*(q-32), q in 0..
     i8 scales[QK_K / 16];      // one signed 8-bit scale per 16 weights
     u16 d;
 };
-static_assert(sizeof(block_q6_K) == 210, "block_q6_K is 210 bytes");
+static_assert(sizeof(block_q6_K) == K4_BLOCK_BYTES_Q6_K, "block_q6_K: gguf GGML_QUANT_SIZES has another size");
 
 struct block_q8_0 {  // 32 weights: w = d*q
     u16 d;
     i8 qs[QK8_0];
 };
-static_assert(sizeof(block_q8_0) == 34, "block_q8_0 is 34 bytes");
+static_assert(sizeof(block_q8_0) == K4_BLOCK_BYTES_Q8_0, "block_q8_0: gguf GGML_QUANT_SIZES has another size");
 
 struct block_q5_0 {  // 32 weights: w = d*(q-16), q = low nibble | (bit i of qh) << 4
     u16 d;
     u8 qh[4];
     u8 qs[QK5_0 / 2];          // byte i holds weights i (low) and i+16 (high)
 };
-static_assert(sizeof(block_q5_0) == 22, "block_q5_0 is 22 bytes");
+static_assert(sizeof(block_q5_0) == K4_BLOCK_BYTES_Q5_0, "block_q5_0: gguf GGML_QUANT_SIZES has another size");
 
 struct block_q5_1 {  // 32 weights: w = d*q + m, q = low nibble | (bit i of qh) << 4
     u16 d;
@@ -63,7 +67,7 @@ struct block_q5_1 {  // 32 weights: w = d*q + m, q = low nibble | (bit i of qh) 
     u8 qh[4];
     u8 qs[QK5_1 / 2];          // byte i holds weights i (low) and i+16 (high)
 };
-static_assert(sizeof(block_q5_1) == 24, "block_q5_1 is 24 bytes");
+static_assert(sizeof(block_q5_1) == K4_BLOCK_BYTES_Q5_1, "block_q5_1: gguf GGML_QUANT_SIZES has another size");
 
 // ---- device layouts --------------------------------------------------------------------------
 // A quantized tensor of nblk blocks is either `raw` (ggml's array of structs, as in the file) or
@@ -74,6 +78,16 @@ static_assert(sizeof(block_q5_1) == 24, "block_q5_1 is 24 bytes");
 // Group boundaries are sums of field sizes: the size asserts above rule out padding.
 
 __host__ __device__ constexpr i64 round16(i64 n) { return (n + 15) & ~(i64)15; }
+
+// Whether T's planar groups start at the offsets g... (the last one: the block size), as
+// K4_GROUPS_<type> lists them.
+template <class T, class... G>
+__host__ __device__ constexpr bool cuts_are(G... g) {
+    const int want[] = {g...};
+    for (int i = 0; i < (int)sizeof...(G); ++i)
+        if (T::cut(i) != want[i]) return false;
+    return want[sizeof...(G) - 1] == T::block_bytes;
+}
 
 // Pointer to group G of block `blk` of the tensor at `w` (T supplies block_bytes and cut()).
 template <class T, int G, bool PLANAR>
@@ -249,7 +263,8 @@ __device__ __forceinline__ int nibble(const uint4& v, int i, int shift) { return
 
 struct type_q4_K {
     static constexpr int block_bytes = sizeof(block_q4_K), block_elems = QK_K, chunk_elems = 64;
-    static constexpr int raw_align = 16, x_swizzle = 1;
+    static constexpr int raw_align = 16, x_swizzle = K4_X_SWIZZLE_Q4_K;
+    static constexpr bool handoff = K4_HANDOFF_Q4_K;  // gemv.cu: its SwiGLU instance can write a q8 y
     // groups: d, dmin and scales (16 bytes) | qs
     __host__ __device__ static constexpr int cut(int g) {
         return g == 0 ? 0 : g == 1 ? (int)(sizeof(block_q4_K) - sizeof(block_q4_K::qs)) : (int)sizeof(block_q4_K);
@@ -292,10 +307,12 @@ struct type_q4_K {
         store16(row + 64 * ci + 16 * r, v);
     }
 };
+static_assert(cuts_are<type_q4_K>(K4_GROUPS_Q4_K), "type_q4_K::cut: runtime/cuda/constants.py has other planar groups");
 
 struct type_q5_K {
     static constexpr int block_bytes = sizeof(block_q5_K), block_elems = QK_K, chunk_elems = 64;
-    static constexpr int raw_align = 16, x_swizzle = 1;
+    static constexpr int raw_align = 16, x_swizzle = K4_X_SWIZZLE_Q5_K;
+    static constexpr bool handoff = K4_HANDOFF_Q5_K;  // gemv.cu: its SwiGLU instance can write a q8 y
     // groups: d, dmin and scales (16 bytes) | qh | qs
     __host__ __device__ static constexpr int cut(int g) {
         return g == 0 ? 0 : g == 1 ? (int)(sizeof(block_q5_K) - sizeof(block_q5_K::qh) - sizeof(block_q5_K::qs)) : g == 2 ? (int)(sizeof(block_q5_K) - sizeof(block_q5_K::qs)) : (int)sizeof(block_q5_K);
@@ -351,10 +368,12 @@ struct type_q5_K {
         store16(row + 64 * ci + 16 * r, v);
     }
 };
+static_assert(cuts_are<type_q5_K>(K4_GROUPS_Q5_K), "type_q5_K::cut: runtime/cuda/constants.py has other planar groups");
 
 struct type_q6_K {
     static constexpr int block_bytes = sizeof(block_q6_K), block_elems = QK_K, chunk_elems = 64;
-    static constexpr int raw_align = 2, x_swizzle = 2;
+    static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_Q6_K;
+    static constexpr bool handoff = K4_HANDOFF_Q6_K;  // gemv.cu: its SwiGLU instance can write a q8 y
     // groups: ql | qh | scales | d
     __host__ __device__ static constexpr int cut(int g) {
         return g == 0 ? 0 : g == 1 ? (int)sizeof(block_q6_K::ql) : g == 2 ? (int)(sizeof(block_q6_K::ql) + sizeof(block_q6_K::qh))
@@ -412,10 +431,12 @@ struct type_q6_K {
         store16(row + 256 * (ci >> 2) + 128 * (j >> 1) + 32 * m + 16 * (j & 1), v);
     }
 };
+static_assert(cuts_are<type_q6_K>(K4_GROUPS_Q6_K), "type_q6_K::cut: runtime/cuda/constants.py has other planar groups");
 
 struct type_q8_0 {
     static constexpr int block_bytes = sizeof(block_q8_0), block_elems = QK8_0, chunk_elems = 32;
-    static constexpr int raw_align = 2, x_swizzle = 1;
+    static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_Q8_0;
+    static constexpr bool handoff = K4_HANDOFF_Q8_0;  // gemv.cu: its SwiGLU instance can write a q8 y
     // groups: d | qs
     __host__ __device__ static constexpr int cut(int g) {
         return g == 0 ? 0 : g == 1 ? (int)(sizeof(block_q8_0) - sizeof(block_q8_0::qs)) : (int)sizeof(block_q8_0);
@@ -445,10 +466,12 @@ struct type_q8_0 {
         store16(row + 32 * ci + 16 * r, v);
     }
 };
+static_assert(cuts_are<type_q8_0>(K4_GROUPS_Q8_0), "type_q8_0::cut: runtime/cuda/constants.py has other planar groups");
 
 struct type_q5_0 {
     static constexpr int block_bytes = sizeof(block_q5_0), block_elems = QK5_0, chunk_elems = 32;
-    static constexpr int raw_align = 2, x_swizzle = 1;
+    static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_Q5_0;
+    static constexpr bool handoff = K4_HANDOFF_Q5_0;  // gemv.cu: its SwiGLU instance can write a q8 y
     // groups: d | qh | qs
     __host__ __device__ static constexpr int cut(int g) {
         return g == 0 ? 0 : g == 1 ? (int)sizeof(block_q5_0::d) : g == 2 ? (int)(sizeof(block_q5_0) - sizeof(block_q5_0::qs)) : (int)sizeof(block_q5_0);
@@ -487,10 +510,12 @@ struct type_q5_0 {
         store16(row + 32 * ci + 16 * r, v);
     }
 };
+static_assert(cuts_are<type_q5_0>(K4_GROUPS_Q5_0), "type_q5_0::cut: runtime/cuda/constants.py has other planar groups");
 
 struct type_q5_1 {
     static constexpr int block_bytes = sizeof(block_q5_1), block_elems = QK5_1, chunk_elems = 32;
-    static constexpr int raw_align = 4, x_swizzle = 1;
+    static constexpr int raw_align = 4, x_swizzle = K4_X_SWIZZLE_Q5_1;
+    static constexpr bool handoff = K4_HANDOFF_Q5_1;  // gemv.cu: its SwiGLU instance can write a q8 y
     // groups: d | m | qh | qs
     __host__ __device__ static constexpr int cut(int g) {
         return g == 0 ? 0 : g == 1 ? 2 : g == 2 ? 4 : g == 3 ? (int)(sizeof(block_q5_1) - sizeof(block_q5_1::qs)) : (int)sizeof(block_q5_1);
@@ -528,6 +553,7 @@ struct type_q5_1 {
         store16(row + 32 * ci + 16 * r, v);
     }
 };
+static_assert(cuts_are<type_q5_1>(K4_GROUPS_Q5_1), "type_q5_1::cut: runtime/cuda/constants.py has other planar groups");
 
 // Unquantized types: `per16` weights per 16 bytes, unpacked to float.
 struct type_f32 {

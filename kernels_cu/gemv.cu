@@ -133,10 +133,22 @@ __device__ __forceinline__ void copy_q8x(const uint4* __restrict__ src, int n16,
 
 // The q8 x of n_in values (bytes): int8 units padded to 128 bytes, then d (n_in / 32 floats,
 // padded to 16 bytes), then s (n_in / 16 floats); the whole padded to 16 bytes. gemv_q8 keeps it
-// at the start of its shared memory; the launcher (runtime/cuda/matmul.py) computes the same.
-__device__ __forceinline__ int q8x_bytes_q(int n_in) { return ((n_in / 16 + 7) & ~7) * 16; }
-__device__ __forceinline__ int q8x_d_floats(int n_in) { return (n_in / 32 + 3) & ~3; }
-__device__ __forceinline__ int q8x_bytes(int n_in) { return (q8x_bytes_q(n_in) + 4 * q8x_d_floats(n_in) + 4 * (n_in / 16) + 15) & ~15; }
+// at the start of its shared memory; the launcher computes the same (runtime/cuda/constants.py
+// q8x_offsets, whose values for several n are checked here at compile time).
+__host__ __device__ __forceinline__ constexpr int q8x_bytes_q(int n_in) { return ((n_in / 16 + 7) & ~7) * 16; }
+__host__ __device__ __forceinline__ constexpr int q8x_d_floats(int n_in) { return (n_in / 32 + 3) & ~3; }
+__host__ __device__ __forceinline__ constexpr int q8x_bytes(int n_in) { return (q8x_bytes_q(n_in) + 4 * q8x_d_floats(n_in) + 4 * (n_in / 16) + 15) & ~15; }
+
+__host__ __device__ constexpr bool q8x_layout_agrees() {
+    constexpr int rows[] = {K4_CHECK_Q8X};  // n, offset of d, offset of s, total bytes
+    for (int i = 0; i < (int)(sizeof(rows) / sizeof(int)); i += 4) {
+        const int n = rows[i];
+        if (q8x_bytes_q(n) != rows[i + 1] || q8x_bytes_q(n) + 4 * q8x_d_floats(n) != rows[i + 2] || q8x_bytes(n) != rows[i + 3])
+            return false;
+    }
+    return true;
+}
+static_assert(q8x_layout_agrees(), "the q8 x layout differs from runtime/cuda/constants.py q8x_offsets");
 
 // Quantize units u0 .. u0 + n_units - 1 of a q8 y (q8x_bytes(n_out) at y_q8) from their values
 // yo[0 .. 16 n_units) in shared memory: the SwiGLU epilogue's handoff to the down product.
@@ -156,11 +168,9 @@ __device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_
     }
 }
 
-// Which GLU instances can hand a q8 y on (y_q8): not the legacy 5-bit types, whose 1024-thread
-// instances would spill registers for it (QuantKernels.handoff in runtime/cuda/matmul.py says the same).
-template <class T> struct q8_handoff { static constexpr bool value = true; };
-template <> struct q8_handoff<type_q5_0> { static constexpr bool value = false; };
-template <> struct q8_handoff<type_q5_1> { static constexpr bool value = false; };
+// Which GLU instances can hand a q8 y on (y_q8): T::handoff (runtime/cuda/constants.py
+// QuantLayout.handoff), false for the legacy 5-bit types, whose 1024-thread instances would
+// spill registers for it.
 
 template <class T, bool PLANAR, int WARPS, int U, bool PF, bool GLU>
 __global__ void __launch_bounds__(WARPS * 32, 1)
@@ -192,7 +202,7 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     // (with y_q8); both recomputed where used: 1024-thread instances have 64 registers and no more
     auto group = [&](int b) { return (int)((i64)b * ((n_out + 31) / 32) / gridDim.x); };
     auto y_smem = [&]() { return reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in)); };
-    constexpr bool HANDOFF = GLU && q8_handoff<T>::value;
+    constexpr bool HANDOFF = GLU && T::handoff;
     // Rows go round-robin over all warps; with y_q8 each block takes a run of whole 32-output
     // groups instead (balanced over the grid), so it can quantize its own outputs. That costs
     // balance: 344 groups (n_ff 11008) over 132 blocks is 3 groups on some, 2 on others.

@@ -12,10 +12,10 @@
 // sampler differs only when the kept set would exceed SAMPLE_CAP tokens.
 // Launched by runtime/cuda/ops.py (Ops.sample): sample_penalty, sample_argmax_partial,
 // sample_finish, in that order on one stream.
+// SAMPLE_THREADS (threads per block), SAMPLE_CAP, SAMPLER_PARAM_WORDS and the ST_* words of the
+// decode state come from runtime/cuda/constants.py (constants.cuh).
 #include "ops_common.cuh"
 
-#define SAMPLE_THREADS 1024
-#define SAMPLE_CAP 1024
 #define NO_INDEX 0x7fffffff
 
 // Sampling parameters, 64 bytes, written by the host once per generate() call
@@ -27,12 +27,11 @@ struct SamplerParams {
     unsigned long long seed_mix; // (seed * 0x100000001B3) mod 2^64
     long long reserved;
 };
+static_assert(sizeof(SamplerParams) == 8 * SAMPLER_PARAM_WORDS, "SamplerParams: runtime/cuda/constants.py has another size");
 
-// Decode state, int32 words (runtime/cuda/memory.py DecodeState).
-#define ST_TOK 0   // token the next decode step evaluates
-#define ST_POS 1   // its position (= n_past)
-#define ST_RING 2  // tokens pushed into the penalty ring so far
-#define ST_DRAW 3  // draws made so far: the RNG step
+// Decode state, STATE_WORDS int32 words: ST_TOK the token the next decode step evaluates, ST_POS
+// its position (= n_past), ST_RING tokens pushed into the penalty ring so far, ST_DRAW draws made
+// so far (the RNG step).
 
 // Order-preserving map float -> uint32 (larger float, larger key), and its inverse.
 __device__ __forceinline__ unsigned order_key(float f) {

@@ -1,6 +1,9 @@
 """Every kernels_cu/*.cu compiles with nvcc for sm_90, with the options NVRTC gets at run time
-(runtime.cuda.compile.OPTIONS), so kernel errors show up on machines without a GPU. The
-matrix kernels must also not spill registers to local memory.
+(runtime.cuda.compile.OPTIONS, which carry runtime/cuda/constants.py as -D defines), so kernel
+errors show up on machines without a GPU. The matrix kernels must also not spill registers to
+local memory. A Python value that disagrees with the kernels' structs or size formulas, or a
+missing define, fails the compile (kernels_cu/constants.cuh and the static_asserts next to
+each formula).
 
 The .cu files hold no list of template instances: the kernel names the launchers use
 (runtime/cuda/matmul.py GROUPS, runtime/cuda/ops.py KERNELS) are the one list. NVRTC gets them
@@ -14,16 +17,17 @@ import shutil
 import subprocess
 
 import pytest
+from gguf import GGMLQuantizationType as T
 
 from k4.kernels_cu import SOURCE_DIR
+from k4.runtime.cuda import constants, matmul
 from k4.runtime.cuda import kernel_names as ops
-from k4.runtime.cuda import matmul
 from k4.runtime.cuda.compile import OPTIONS
 
 SOURCES = sorted(SOURCE_DIR.glob("*.cu"))
 NO_SPILL = {"gemv.cu", "matmul.cu"}
 
-pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
 
 def instances(filename: str) -> list[str]:
@@ -47,6 +51,7 @@ def test_every_launched_kernel_file_has_names():
     assert all(instances(f) for f in (*matmul.GROUPS, *ops.KERNELS))
 
 
+@needs_nvcc
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
 def test_compiles_for_sm90(src, tmp_path):
     cmd = ["nvcc", "-arch=sm_90", *OPTIONS, "-Xptxas", "-v", "-c", str(wrapper(src, tmp_path)), "-o", str(tmp_path / "k.o")]
@@ -61,6 +66,7 @@ def test_every_kernel_file_is_checked():
     assert {"gemv.cu", "matmul.cu"} <= {p.name for p in SOURCES}
 
 
+@needs_nvcc
 @pytest.mark.parametrize("src", ["gemv.cu", "attention.cu"])
 @pytest.mark.parametrize("evict_first", [True, False])
 def test_once_read_loads_carry_the_evict_first_hint_unless_switched_off(src, evict_first, tmp_path):
@@ -74,3 +80,55 @@ def test_once_read_loads_carry_the_evict_first_hint_unless_switched_off(src, evi
     assert r.returncode == 0, r.stderr
     hinted = len(re.findall(r"ld\.global\.nc\.L1::evict_first\.v4\.u32", ptx.read_text()))
     assert (hinted > 0) == evict_first, f"{src}: {hinted} hinted loads"
+
+
+def test_every_shared_constant_is_required_by_the_kernels():
+    """Each define runtime/cuda/constants.py passes stops the compile when missing
+    (kernels_cu/constants.cuh), and constants.cuh requires no name Python does not pass."""
+    passed = {d.split("=", 1)[0] for d in constants.defines()}
+    header = (SOURCE_DIR / "constants.cuh").read_text()
+    required = set(re.findall(r"#ifndef (\w+)", header)) | set(re.findall(r"!defined\((\w+)\)", header))
+    assert required == passed
+
+
+def _bad_q8x(n, q8x_offsets=constants.q8x_offsets):
+    d_off, s_off, total = q8x_offsets(n)
+    return d_off, s_off + 16, total + 16  # d padded to 32 bytes instead of 16
+
+
+# (change to the Python side, file that must then fail, text of the error)
+DISAGREEMENTS = {
+    "block_bytes": (lambda m: m.setattr(constants, "GGML_QUANT_SIZES", {**constants.GGML_QUANT_SIZES, T.Q6_K: (256, 212)}),
+                    "norm.cu", "block_q6_K: gguf GGML_QUANT_SIZES has another size"),
+    "groups": (lambda m: m.setitem(constants.QUANT_LAYOUTS, T.Q4_K, constants.QuantLayout((0, 4, 16, 144))),
+               "norm.cu", "type_q4_K::cut: runtime/cuda/constants.py has other planar groups"),
+    "q8x": (lambda m: m.setattr(constants, "q8x_offsets", _bad_q8x),
+            "gemv.cu", "the q8 x layout differs from runtime/cuda/constants.py q8x_offsets"),
+    "att_smem": (lambda m: m.setattr(constants, "att_smem", lambda D: 4 * (2 * D + constants.ATT_CHUNK)),
+                 "attention.cu", "a shared-memory size differs from runtime/cuda/constants.py"),
+    "mma_smem": (lambda m: m.setattr(constants, "mma_smem", lambda D, BK: 2 * (D + 8) * (constants.MMA_BQ + 4 * BK)),
+                 "attention.cu", "a shared-memory size differs from runtime/cuda/constants.py"),
+    "sampler_params": (lambda m: m.setattr(constants, "SAMPLER_PARAM_WORDS", 7),
+                       "sampling.cu", "SamplerParams: runtime/cuda/constants.py has another size"),
+}
+
+
+def _compile_source(src: str, options, tmp_path) -> subprocess.CompletedProcess:
+    cmd = ["nvcc", "-arch=sm_90", *options, "-c", str(SOURCE_DIR / src), "-o", str(tmp_path / "k.o")]
+    return subprocess.run(cmd, capture_output=True, text=True, check=False)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("case", DISAGREEMENTS)
+def test_python_and_cuda_disagreeing_fails_the_compile(case, monkeypatch, tmp_path):
+    change, src, message = DISAGREEMENTS[case]
+    assert _compile_source(src, OPTIONS, tmp_path).returncode == 0
+    change(monkeypatch)
+    r = _compile_source(src, [o for o in OPTIONS if not o.startswith("-D")] + [f"-D{d}" for d in constants.defines()], tmp_path)
+    assert r.returncode != 0 and message in r.stderr, r.stderr
+
+
+@needs_nvcc
+def test_a_missing_define_names_its_source(tmp_path):
+    r = _compile_source("norm.cu", [o for o in OPTIONS if not o.startswith("-DTILE_PS=")], tmp_path)
+    assert r.returncode != 0 and '"TILE_PS comes from runtime/cuda/constants.py"' in r.stderr, r.stderr

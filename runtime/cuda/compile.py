@@ -4,7 +4,7 @@ the options, the name expressions, the GPU architecture and the NVRTC version, s
 start of a process loads instead of compiling. A compile error names the .cu file.
 
 A module is one file compiled with one set of template instances (name expressions) and
-preprocessor defines. Small modules (one quantized type's instances, one attention kernel)
+preprocessor defines, besides those of runtime/cuda/constants.py that every module gets. Small modules (one quantized type's instances, one attention kernel)
 compile only what a model needs, and compile_async() builds several at once: NVRTC releases
 the GIL, so threads compile in parallel while the weights upload.
 
@@ -22,7 +22,10 @@ from typing import Iterable
 from k4.kernels_cu import SOURCE_DIR
 from k4.runtime.errors import BackendUnavailableError
 
-OPTIONS = ("-std=c++17", f"-I{SOURCE_DIR}", "--use_fast_math")
+from .constants import defines as shared_constants
+
+# every module gets the numbers shared with Python (runtime/cuda/constants.py) as -D options
+OPTIONS = ("-std=c++17", f"-I{SOURCE_DIR}", "--use_fast_math", *(f"-D{d}" for d in shared_constants()))
 
 Job = tuple[str, "tuple[str, ...] | None", "tuple[str, ...]"]  # module()'s arguments
 

@@ -48,6 +48,7 @@ from k4.runtime.model import Tensor
 from k4.runtime.trace import Trace
 
 from .compile import module
+from .constants import QUANT_LAYOUTS, q8x_bytes, q8x_offsets
 from .launch import launch
 
 
@@ -56,31 +57,35 @@ class QuantKernels:
     """How kernels_cu handles one quantized ggml type.
 
     decoder: the C++ decoder struct in kernels_cu/common.cuh.
-    groups:  byte offsets cutting a block into the planes of the planar layout (ggml-common.h
-             field offsets; the last one is the block size).
     gemv:    (WARPS, U, PF) of the gemv_q8 instance used: warps per block, chunks in flight per
              lane, and whether the next U chunks load while the current ones are multiplied.
     glu:     the same for the SwiGLU-epilogue instance (Q8_0 holds fewer chunks: more spill).
-    x_swizzle: the decoder's x_swizzle, the layout of its q8 x (Q8Vector).
-    handoff: its SwiGLU instance can also write its output as a Q8Vector (gemv y_q8).
+    groups, x_swizzle, handoff: constants.QuantLayout, shared with the kernels (planar groups,
+             the layout of its q8 x (Q8Vector), whether its SwiGLU instance can also write its
+             output as a Q8Vector (gemv y_q8)).
     """
 
     decoder: str
-    groups: tuple[int, ...]
     gemv: tuple[int, int, int]
     glu: tuple[int, int, int]
-    x_swizzle: int = 1
-    handoff: bool = True
+    groups: tuple[int, ...]
+    x_swizzle: int
+    handoff: bool
 
 
-QUANT: dict[T, QuantKernels] = {
-    T.Q4_K: QuantKernels("type_q4_K", (0, 16, 144), (16, 2, 1), (16, 2, 1)),          # d dmin scales | qs
-    T.Q5_K: QuantKernels("type_q5_K", (0, 16, 48, 176), (32, 1, 0), (32, 1, 0)),      # d dmin scales | qh | qs
-    T.Q6_K: QuantKernels("type_q6_K", (0, 128, 192, 208, 210), (16, 2, 1), (32, 1, 0), x_swizzle=2),  # ql | qh | scales | d
-    T.Q8_0: QuantKernels("type_q8_0", (0, 2, 34), (32, 4, 0), (32, 2, 0)),            # d | qs
-    T.Q5_0: QuantKernels("type_q5_0", (0, 2, 6, 22), (32, 4, 0), (32, 4, 0), handoff=False),     # d | qh | qs
-    T.Q5_1: QuantKernels("type_q5_1", (0, 2, 4, 8, 24), (32, 4, 0), (32, 4, 0), handoff=False),  # d | m | qh | qs
-}
+def _quant(t: T, decoder: str, gemv: tuple[int, int, int], glu: tuple[int, int, int]) -> tuple[T, QuantKernels]:
+    layout = QUANT_LAYOUTS[t]
+    return t, QuantKernels(decoder, gemv, glu, layout.groups, layout.x_swizzle, layout.handoff)
+
+
+QUANT: dict[T, QuantKernels] = dict((
+    _quant(T.Q4_K, "type_q4_K", (16, 2, 1), (16, 2, 1)),
+    _quant(T.Q5_K, "type_q5_K", (32, 1, 0), (32, 1, 0)),
+    _quant(T.Q6_K, "type_q6_K", (16, 2, 1), (32, 1, 0)),
+    _quant(T.Q8_0, "type_q8_0", (32, 4, 0), (32, 2, 0)),
+    _quant(T.Q5_0, "type_q5_0", (32, 4, 0), (32, 4, 0)),
+    _quant(T.Q5_1, "type_q5_1", (32, 4, 0), (32, 4, 0)),
+))
 # Unquantized types: C++ decoder and bytes per weight.
 FLOAT: dict[T, tuple[str, int]] = {T.F32: ("type_f32", 4), T.F16: ("type_f16", 2), T.BF16: ("type_bf16", 2)}
 
@@ -397,13 +402,6 @@ def device_limits() -> tuple[int, int]:
     return attrs["MultiProcessorCount"], attrs["L2CacheSize"]
 
 
-def q8x_bytes(n: int) -> int:
-    """Bytes of n values quantized as gemv_q8 multiplies them (kernels_cu/gemv.cu q8x_bytes):
-    int8 units of 16 padded to 128 bytes, then d per 32 values, then d * sum per 16, all float32;
-    the whole padded to 16 bytes. gemv_q8 keeps it at the start of its shared memory."""
-    return _round16(((n // 16 + 7) & ~7) * 16 + _round16(n // 32 * 4) + n // 16 * 4)
-
-
 @dataclass
 class Q8Vector:
     """A vector of n float32 values quantized to 8 bits per 32 (q8x_bytes(n) bytes in `data`, a
@@ -551,14 +549,13 @@ def q8x_host(x: np.ndarray, swizzle: int) -> np.ndarray:
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
     units = np.rint(g * inv[:, None]).astype(np.int8).reshape(-1, 16)
     s = np.repeat(d, 2) * units.sum(axis=1, dtype=np.int32).astype(np.float32)
-    out = np.zeros(q8x_bytes(n), np.uint8)
+    d_off, s_off, nbytes = q8x_offsets(n)
+    out = np.zeros(nbytes, np.uint8)
     u = np.arange(units.shape[0])
     slot = (u & ~7) | ((u + swizzle * (u >> 3)) & 7)
     out[16 * slot[:, None] + np.arange(16)] = units.view(np.uint8)
-    off = ((n // 16 + 7) & ~7) * 16
-    out[off : off + 4 * d.size] = d.view(np.uint8)
-    off += _round16(4 * d.size)
-    out[off : off + 4 * s.size] = s.astype(np.float32).view(np.uint8)
+    out[d_off : d_off + 4 * d.size] = d.view(np.uint8)
+    out[s_off : s_off + 4 * s.size] = s.astype(np.float32).view(np.uint8)
     return out
 
 

@@ -21,24 +21,20 @@ from .. import flags
 from ..sampling import MASK64, SamplingParams
 from ..trace import Trace
 from .compile import module
+from .constants import (ATT_THREADS, MMA_BQ, MMA_THREADS, SAMPLE_THREADS, SAMPLER_PARAM_WORDS, STATE_WORDS, TILE_Q,
+                        TILE_THREADS, att_smem, tiled_smem)
+from .constants import ST_DRAW, ST_POS, ST_RING, ST_TOK  # noqa: F401 (ops.ST_*: the decode state's words)
+from .constants import mma_smem as _mma_smem
 from .kernel_names import GROUP_OF, KERNELS, MMA_TILE_KEYS, TILED_HEAD_DIMS
 from .launch import launch
 from .matmul import blocks_per_sm, device_limits
 
 NULL = np.uint64(0)  # a null device pointer argument
 
-ATT_THREADS = 128  # attention.cu ATT_THREADS
-ATT_CHUNK = 128  # attention.cu ATT_CHUNK
+# Launch parameters of the host only; what the kernels share is in constants.py.
 ATT_SPLIT_KEYS = 32  # decode attention splits are multiples of this many keys (one round of the kernel)
 MAX_HEAD_DIM = 8 * ATT_THREADS
-TILE_Q, TILE_K, TILE_THREADS = 32, 64, 128  # attention.cu attn_tiled
-MMA_BQ, MMA_THREADS = 64, 128  # attention.cu attn_mma: queries and threads per block
-ROPE_WARPS = 4  # rows per block of rope_qk_store
-SAMPLE_THREADS = 1024  # sampling.cu SAMPLE_THREADS
-SAMPLE_CAP = 1024  # sampling.cu SAMPLE_CAP: candidates kept after top-k
-SAMPLER_PARAM_WORDS = 8  # sampling.cu SamplerParams, 64 bytes
-STATE_WORDS = 4  # sampling.cu ST_TOK, ST_POS, ST_RING, ST_DRAW
-ST_TOK, ST_POS, ST_RING, ST_DRAW = range(STATE_WORDS)
+ROPE_WARPS = 4  # rows per block of rope_qk_store (the kernel takes its warp count from blockDim)
 FNV_PRIME = 0x100000001B3  # the seed multiplier of runtime/sampling.py uniform()
 
 
@@ -69,14 +65,9 @@ def _row_stride(a: cp.ndarray, n_tok: int, width: int) -> int:
 
 
 def mma_smem(D: int) -> int:
-    """Dynamic shared memory (bytes) of the attn_mma instance for head_dim D (attention.cu
-    mma_smem: the fp16 Q tile for D > 128, two K and two V tiles, rows of D + 8 halves)."""
-    return 2 * (D + 8) * ((0 if D <= 128 else MMA_BQ) + 4 * MMA_TILE_KEYS[D])
-
-
-def att_smem(D: int) -> int:
-    """Dynamic shared memory (bytes) of attn_f16kv for head_dim D (attention.cu: D + ATT_CHUNK + ATT_THREADS * 8 + D floats)."""
-    return 4 * (D + ATT_CHUNK + ATT_THREADS * 8 + D)
+    """Dynamic shared memory (bytes) of the attn_mma instance for head_dim D (constants.mma_smem
+    with the instance's keys per tile, kernel_names.MMA_TILE_KEYS)."""
+    return _mma_smem(D, MMA_TILE_KEYS[D])
 
 
 def attention_split(n_ctx: int, split: bool, max_split: int = 64) -> tuple[int, int]:
@@ -265,7 +256,7 @@ class Ops:
         if n_tok > 1 and self.tiled and D in TILED_HEAD_DIMS:
             assert n_split == 1
             kernel = self.function("attention.cu", f"attn_tiled<{D}>")
-            smem = 4 * (TILE_Q * (D + 4) + TILE_K * (D + 4) + TILE_K * D + TILE_Q * (TILE_K + 16))
+            smem = tiled_smem(D)
             if kernel.max_dynamic_shared_size_bytes < smem:
                 kernel.max_dynamic_shared_size_bytes = smem
             self._launch("attention.cu", f"attn_tiled<{D}>", (n_head, -(-n_tok // TILE_Q)), (TILE_THREADS,),

@@ -1,0 +1,102 @@
+// The numbers kernels_cu shares with its Python launchers come from runtime/cuda/constants.py,
+// which runtime/cuda/compile.py passes as -D options to every module (tests/test_kernels_compile.py
+// passes the same to nvcc). A missing one stops the compile here; the checks below compare the
+// rest with the kernels' own structs and formulas (common.cuh, gemv.cu, attention.cu).
+//
+// List values (K4_GROUPS_*, K4_CHECK_*) are written (a)K4_C(b)K4_C(c): K4_C is the comma,
+// because nvcc splits -D values at commas.
+#pragma once
+
+#define K4_C ,
+
+#ifndef ATT_THREADS
+#error "ATT_THREADS comes from runtime/cuda/constants.py"
+#endif
+#ifndef ATT_CHUNK
+#error "ATT_CHUNK comes from runtime/cuda/constants.py"
+#endif
+#ifndef TILE_Q
+#error "TILE_Q comes from runtime/cuda/constants.py"
+#endif
+#ifndef TILE_K
+#error "TILE_K comes from runtime/cuda/constants.py"
+#endif
+#ifndef TILE_THREADS
+#error "TILE_THREADS comes from runtime/cuda/constants.py"
+#endif
+#ifndef TILE_PS
+#error "TILE_PS comes from runtime/cuda/constants.py"
+#endif
+#ifndef MMA_WARPS
+#error "MMA_WARPS comes from runtime/cuda/constants.py"
+#endif
+#ifndef MMA_THREADS
+#error "MMA_THREADS comes from runtime/cuda/constants.py"
+#endif
+#ifndef MMA_BQ
+#error "MMA_BQ comes from runtime/cuda/constants.py"
+#endif
+#ifndef SAMPLE_THREADS
+#error "SAMPLE_THREADS comes from runtime/cuda/constants.py"
+#endif
+#ifndef SAMPLE_CAP
+#error "SAMPLE_CAP comes from runtime/cuda/constants.py"
+#endif
+#ifndef SAMPLER_PARAM_WORDS
+#error "SAMPLER_PARAM_WORDS comes from runtime/cuda/constants.py"
+#endif
+#ifndef STATE_WORDS
+#error "STATE_WORDS comes from runtime/cuda/constants.py"
+#endif
+#ifndef ST_TOK
+#error "ST_TOK comes from runtime/cuda/constants.py"
+#endif
+#ifndef ST_POS
+#error "ST_POS comes from runtime/cuda/constants.py"
+#endif
+#ifndef ST_RING
+#error "ST_RING comes from runtime/cuda/constants.py"
+#endif
+#ifndef ST_DRAW
+#error "ST_DRAW comes from runtime/cuda/constants.py"
+#endif
+
+// Per quantized type T: K4_QK_T (weights per block), K4_BLOCK_BYTES_T, K4_GROUPS_T (planar
+// group offsets), K4_X_SWIZZLE_T, K4_HANDOFF_T (common.cuh checks and uses them).
+#if !defined(K4_QK_Q4_K) || !defined(K4_BLOCK_BYTES_Q4_K) || !defined(K4_GROUPS_Q4_K) || !defined(K4_X_SWIZZLE_Q4_K) || !defined(K4_HANDOFF_Q4_K)
+#error "K4_QK_Q4_K, K4_BLOCK_BYTES_Q4_K, K4_GROUPS_Q4_K, K4_X_SWIZZLE_Q4_K, K4_HANDOFF_Q4_K come from runtime/cuda/constants.py"
+#endif
+#if !defined(K4_QK_Q5_K) || !defined(K4_BLOCK_BYTES_Q5_K) || !defined(K4_GROUPS_Q5_K) || !defined(K4_X_SWIZZLE_Q5_K) || !defined(K4_HANDOFF_Q5_K)
+#error "K4_QK_Q5_K, K4_BLOCK_BYTES_Q5_K, K4_GROUPS_Q5_K, K4_X_SWIZZLE_Q5_K, K4_HANDOFF_Q5_K come from runtime/cuda/constants.py"
+#endif
+#if !defined(K4_QK_Q6_K) || !defined(K4_BLOCK_BYTES_Q6_K) || !defined(K4_GROUPS_Q6_K) || !defined(K4_X_SWIZZLE_Q6_K) || !defined(K4_HANDOFF_Q6_K)
+#error "K4_QK_Q6_K, K4_BLOCK_BYTES_Q6_K, K4_GROUPS_Q6_K, K4_X_SWIZZLE_Q6_K, K4_HANDOFF_Q6_K come from runtime/cuda/constants.py"
+#endif
+#if !defined(K4_QK_Q8_0) || !defined(K4_BLOCK_BYTES_Q8_0) || !defined(K4_GROUPS_Q8_0) || !defined(K4_X_SWIZZLE_Q8_0) || !defined(K4_HANDOFF_Q8_0)
+#error "K4_QK_Q8_0, K4_BLOCK_BYTES_Q8_0, K4_GROUPS_Q8_0, K4_X_SWIZZLE_Q8_0, K4_HANDOFF_Q8_0 come from runtime/cuda/constants.py"
+#endif
+#if !defined(K4_QK_Q5_0) || !defined(K4_BLOCK_BYTES_Q5_0) || !defined(K4_GROUPS_Q5_0) || !defined(K4_X_SWIZZLE_Q5_0) || !defined(K4_HANDOFF_Q5_0)
+#error "K4_QK_Q5_0, K4_BLOCK_BYTES_Q5_0, K4_GROUPS_Q5_0, K4_X_SWIZZLE_Q5_0, K4_HANDOFF_Q5_0 come from runtime/cuda/constants.py"
+#endif
+#if !defined(K4_QK_Q5_1) || !defined(K4_BLOCK_BYTES_Q5_1) || !defined(K4_GROUPS_Q5_1) || !defined(K4_X_SWIZZLE_Q5_1) || !defined(K4_HANDOFF_Q5_1)
+#error "K4_QK_Q5_1, K4_BLOCK_BYTES_Q5_1, K4_GROUPS_Q5_1, K4_X_SWIZZLE_Q5_1, K4_HANDOFF_Q5_1 come from runtime/cuda/constants.py"
+#endif
+
+// Tables of sizes computed by runtime/cuda/constants.py, checked against gemv.cu and attention.cu.
+#ifndef K4_CHECK_Q8X
+#error "K4_CHECK_Q8X comes from runtime/cuda/constants.py"
+#endif
+#ifndef K4_CHECK_ATT_SMEM
+#error "K4_CHECK_ATT_SMEM comes from runtime/cuda/constants.py"
+#endif
+#ifndef K4_CHECK_TILED_SMEM
+#error "K4_CHECK_TILED_SMEM comes from runtime/cuda/constants.py"
+#endif
+#ifndef K4_CHECK_MMA_SMEM
+#error "K4_CHECK_MMA_SMEM comes from runtime/cuda/constants.py"
+#endif
+
+static_assert(MMA_THREADS == 32 * MMA_WARPS && MMA_BQ == 16 * MMA_WARPS, "attn_mma: 32 threads and 16 query rows per warp");
+static_assert(ST_TOK < STATE_WORDS && ST_POS < STATE_WORDS && ST_RING < STATE_WORDS && ST_DRAW < STATE_WORDS,
+              "the decode state holds every ST_* word");
+

@@ -1,0 +1,141 @@
+"""Every number the CUDA kernels (kernels_cu/) and their Python launchers must agree on, defined
+once, here. runtime/cuda/compile.py hands defines() to NVRTC as -D options for every module (and
+tests/test_kernels_compile.py to nvcc); kernels_cu/constants.cuh stops the compile when one is
+missing and checks the rest against the kernels' own structs and size formulas (static_assert),
+so a drift fails to compile instead of corrupting results. Importable without CuPy.
+
+Sources: block sizes and weights per block from the gguf package (GGML_QUANT_SIZES, ggml's
+ggml-common.h); the planar groups are ggml-common.h field offsets of each block struct.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+
+from .kernel_names import MMA_TILE_KEYS
+
+# ---- attention.cu ------------------------------------------------------------------------------
+ATT_THREADS = 128  # threads per block of attn_f16kv (decode and fallback prefill attention)
+ATT_CHUNK = 128  # keys per chunk of attn_f16kv's online softmax
+TILE_Q, TILE_K, TILE_THREADS = 32, 64, 128  # attn_tiled: queries and keys per tile, threads per block
+TILE_PS = TILE_K + 16  # attn_tiled's row stride of probabilities (floats): the two half-warps hit other banks
+MMA_WARPS = 4  # attn_mma: warps per block, 16 query rows each
+MMA_THREADS = 32 * MMA_WARPS
+MMA_BQ = 16 * MMA_WARPS  # attn_mma: queries per block
+
+# ---- sampling.cu -------------------------------------------------------------------------------
+SAMPLE_THREADS = 1024  # threads of sample_penalty and sample_finish (one block)
+SAMPLE_CAP = 1024  # candidates kept after top-k
+SAMPLER_PARAM_WORDS = 8  # 8-byte words of sampling.cu SamplerParams (ops.pack_sampler_params)
+STATE_WORDS = 4  # int32 words of the decode state
+ST_TOK, ST_POS, ST_RING, ST_DRAW = range(STATE_WORDS)  # token, its position, ring count, draws made
+
+
+# ---- quantized weights (common.cuh) ------------------------------------------------------------
+@dataclass(frozen=True)
+class QuantLayout:
+    """What the kernels of one quantized ggml type and the host agree on.
+
+    groups: byte offsets cutting a block into the planes of the planar layout (ggml-common.h
+            field offsets; the last one is the block size): common.cuh T::cut.
+    x_swizzle: the rotation of its q8 x units (common.cuh x_unit_slot): T::x_swizzle.
+    handoff: its SwiGLU gemv instance can also write its output as a q8 x (gemv y_q8): T::handoff.
+    """
+
+    groups: tuple[int, ...]
+    x_swizzle: int = 1
+    handoff: bool = True
+
+
+QUANT_LAYOUTS: dict[T, QuantLayout] = {
+    T.Q4_K: QuantLayout((0, 16, 144)),                        # d dmin scales | qs
+    T.Q5_K: QuantLayout((0, 16, 48, 176)),                    # d dmin scales | qh | qs
+    T.Q6_K: QuantLayout((0, 128, 192, 208, 210), x_swizzle=2),  # ql | qh | scales | d
+    T.Q8_0: QuantLayout((0, 2, 34)),                          # d | qs
+    T.Q5_0: QuantLayout((0, 2, 6, 22), handoff=False),        # d | qh | qs
+    T.Q5_1: QuantLayout((0, 2, 4, 8, 24), handoff=False),     # d | m | qh | qs
+}
+
+
+# ---- sizes both sides compute (checked at compile time, constants.cuh) -------------------------
+def _round16(n: int) -> int:
+    return (n + 15) & ~15
+
+
+def q8x_offsets(n: int) -> tuple[int, int, int]:
+    """Layout of n values quantized as gemv_q8 multiplies them (gemv.cu q8x_*), in bytes:
+    (offset of d, offset of s, total). int8 units of 16 values padded to 128 bytes, then d, one
+    float32 per 32 values padded to 16 bytes, then s, d * the unit's sum of quants per 16 values;
+    the whole padded to 16 bytes."""
+    d_off = ((n // 16 + 7) & ~7) * 16
+    s_off = d_off + _round16(4 * (n // 32))
+    return d_off, s_off, _round16(s_off + 4 * (n // 16))
+
+
+def q8x_bytes(n: int) -> int:
+    """Bytes of a q8 x of n values (q8x_offsets)."""
+    return q8x_offsets(n)[2]
+
+
+def att_smem(D: int) -> int:
+    """Dynamic shared memory (bytes) of attn_f16kv for head_dim D: the query and the scores of a
+    chunk, ATT_THREADS * 8 accumulators (floats), the fresh key and value (fp16)."""
+    return 4 * (D + ATT_CHUNK + ATT_THREADS * 8) + 2 * 2 * D
+
+
+def tiled_smem(D: int) -> int:
+    """Dynamic shared memory (bytes) of attn_tiled<D>: query and key tiles in rows of D + 4 floats,
+    the value tile, the probabilities in rows of TILE_PS floats."""
+    return 4 * (TILE_Q * (D + 4) + TILE_K * (D + 4) + TILE_K * D + TILE_Q * TILE_PS)
+
+
+def mma_smem(D: int, BK: int) -> int:
+    """Dynamic shared memory (bytes) of attn_mma<D, BK>: the fp16 Q tile for D > 128, two K and
+    two V tiles of BK keys, rows of D + 8 halves."""
+    return 2 * (D + 8) * ((0 if D <= 128 else MMA_BQ) + 4 * BK)
+
+
+# arguments the size checks are evaluated at: the compiled instances and common model shapes
+_CHECK_HEAD_DIMS = (64, 80, 96, 128, 256)
+_CHECK_MMA = (*MMA_TILE_KEYS.items(), (128, 32))
+_CHECK_Q8X_N = (32, 256, 2048, 4096, 5632, 11008, 14336, 18944)
+
+
+def _list(values) -> str:
+    """A list of integers as a define value: "(0)K4_C(16)K4_C(144)", where constants.cuh defines
+    K4_C as a comma (nvcc splits -D values at commas; NVRTC and nvcc then read the same text)."""
+    return "K4_C".join(f"({v})" for v in values)
+
+
+def _ggml(t: T) -> tuple[int, int]:
+    return GGML_QUANT_SIZES[t]  # (weights per block, bytes per block)
+
+
+def defines() -> tuple[str, ...]:
+    """The -D options' values ("NAME=value") every kernels_cu module is compiled with: the
+    constants above, each quantized type's weights and bytes per block (K4_QK_<type>,
+    K4_BLOCK_BYTES_<type>), planar groups (K4_GROUPS_<type>, a comma list), x_swizzle and
+    handoff, and tables of sizes computed here that constants.cuh compares with the kernels'
+    formulas (K4_CHECK_*: flat lists of arguments, each followed by the result; lists as _list)."""
+    out = [f"{name}={value}" for name, value in (
+        ("ATT_THREADS", ATT_THREADS), ("ATT_CHUNK", ATT_CHUNK), ("TILE_Q", TILE_Q), ("TILE_K", TILE_K),
+        ("TILE_THREADS", TILE_THREADS), ("TILE_PS", TILE_PS), ("MMA_WARPS", MMA_WARPS), ("MMA_THREADS", MMA_THREADS),
+        ("MMA_BQ", MMA_BQ), ("SAMPLE_THREADS", SAMPLE_THREADS), ("SAMPLE_CAP", SAMPLE_CAP),
+        ("SAMPLER_PARAM_WORDS", SAMPLER_PARAM_WORDS), ("STATE_WORDS", STATE_WORDS), ("ST_TOK", ST_TOK),
+        ("ST_POS", ST_POS), ("ST_RING", ST_RING), ("ST_DRAW", ST_DRAW))]
+    for t, q in QUANT_LAYOUTS.items():
+        elems, nbytes = _ggml(t)
+        out += [f"K4_QK_{t.name}={elems}", f"K4_BLOCK_BYTES_{t.name}={nbytes}",
+                f"K4_GROUPS_{t.name}={_list(q.groups)}", f"K4_X_SWIZZLE_{t.name}={q.x_swizzle}",
+                f"K4_HANDOFF_{t.name}={int(q.handoff)}"]
+    tables = {
+        "K4_CHECK_Q8X": [v for n in _CHECK_Q8X_N for v in (n, *q8x_offsets(n))],
+        "K4_CHECK_ATT_SMEM": [v for d in _CHECK_HEAD_DIMS for v in (d, att_smem(d))],
+        "K4_CHECK_TILED_SMEM": [v for d in _CHECK_HEAD_DIMS for v in (d, tiled_smem(d))],
+        "K4_CHECK_MMA_SMEM": [v for d, bk in _CHECK_MMA for v in (d, bk, mma_smem(d, bk))],
+    }
+    out += [f"{name}={_list(values)}" for name, values in tables.items()]
+    return tuple(out)
