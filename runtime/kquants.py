@@ -256,7 +256,7 @@ def _quantize_kx(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: in
     max_scale = np.where(max_scale > 0, max_scale, f32(0))  # (nb,) C: running max from 0
     max_min = mins.max(axis=1)
     max_min = np.where(max_min > 0, max_min, f32(0))
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore"):  # 63 / a subnormal max overflows, as in C
         inv_scale = np.where(max_scale > 0, f32(63) / max_scale, f32(0))
         inv_min = np.where(max_min > 0, f32(63) / max_min, f32(0))
     # `uint8_t ls = nearest_int(...)` wraps modulo 256 before MIN(63, ls)

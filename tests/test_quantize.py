@@ -137,8 +137,9 @@ def c_kx_block(x, nmax, rmin, rdelta, nstep):
             max_scale = s
         if m > max_min:
             max_min = m
-    inv_scale = F(63) / max_scale if max_scale > 0 else F(0)
-    inv_min = F(63) / max_min if max_min > 0 else F(0)
+    with np.errstate(over="ignore"):  # 63 / a subnormal max is inf in C too
+        inv_scale = F(63) / max_scale if max_scale > 0 else F(0)
+        inv_min = F(63) / max_min if max_min > 0 else F(0)
     sc = [0] * 12
     ls_all, lm_all = [], []
     for j in range(8):
@@ -266,8 +267,9 @@ ORACLES = {T.Q4_K: (c_q4_K, 256), T.Q5_K: (c_q5_K, 256), T.Q6_K: (c_q6_K, 256), 
 
 
 def hard_blocks(n: int, seed: int) -> np.ndarray:
-    """n * 256 float32 weights: ordinary blocks and the cases that take special paths (zero and
-    constant sub-blocks, one-signed blocks, outliers, fp16 underflow, exact ties, -0.0)."""
+    """(n + 10) * 256 float32 weights: ordinary blocks and the cases that take special paths (zero
+    and constant sub-blocks, one-signed blocks, outliers, fp16 underflow, exact ties, -0.0, spans
+    too small for float rounding)."""
     rng = np.random.default_rng(seed)
     blocks = [rng.standard_normal(256) * 0.02 for _ in range(n)]
     b = rng.standard_normal(256) * 0.05
@@ -287,6 +289,8 @@ def hard_blocks(n: int, seed: int) -> np.ndarray:
     z = rng.standard_normal(256)
     z[::3] = -0.0
     blocks.append(z)
+    blocks.append(rng.standard_normal(256) * 1e-36)  # spans below 1e-30: kquants' integer rounding path
+    blocks.append(np.where(rng.random(256) < 0.1, -1.0, 1e-7 * rng.standard_normal(256)))  # sparse outliers
     return np.concatenate(blocks).astype(np.float32)
 
 
