@@ -2,8 +2,9 @@
 matrix-vector products (bench_gemv) against a kernel that only streams the same bytes
 (bench_read), prefill products (bench_matmul) and attention (bench_attention), all timed on the
 device by device_time. Inputs are random; weights are rotated over copies that exceed the L2, so
-timings stream from memory as decode does. Importable without CuPy (tests take random_weight
-from here on machines without a GPU); the timing functions import it when called.
+timings stream from memory as decode does. Switches not given as arguments come from `flags`
+(default: the environment's, runtime/flags.py Flags()). Importable without CuPy (tests take
+random_weight from here on machines without a GPU); the timing functions import it when called.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import time
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from k4.runtime import flags
+from k4.runtime.flags import Flags
 from k4.runtime.model import Tensor
 from k4.runtime.trace import Trace
 
 from .compile import module
 from .launch import launch
-from .matmul import (FLOAT, QUANT, DeviceWeight, Q8Vector, device_limits, gemv, make_weight, matmul, matmul_scratch_bytes,
-                     q8x_bytes, q8x_host, weight_layout)
+from .matmul import (FLOAT, QUANT, DeviceWeight, Q8Vector, WeightOptions, device_limits, gemv, make_weight, matmul,
+                     matmul_scratch_bytes, q8x_bytes, q8x_host, weight_layout)
 
 
 def random_weight(ggml_type: T, n_out: int, n_in: int, rng: np.random.Generator) -> Tensor:
@@ -39,12 +40,14 @@ def random_weight(ggml_type: T, n_out: int, n_in: int, rng: np.random.Generator)
     return Tensor("random", ggml_type, (n_out, n_in), raw)
 
 
-def _copies(t: Tensor, repack: bool, factor: float, cap: int) -> list[DeviceWeight]:
-    """Enough device copies of t to exceed `factor` times the L2, so timings stream from memory."""
+def _copies(t: Tensor, repack: bool, f: Flags, factor: float, cap: int) -> list[DeviceWeight]:
+    """Enough device copies of t to exceed `factor` times the L2, so timings stream from memory;
+    their options from the flags K4_PREFILL_TC, K4_PDL, K4_EVICT_FIRST of `f`."""
     import cupy as cp
 
     host = weight_layout(t, repack)
-    return [make_weight(t, cp.asarray(host), repack) for _ in range(_n_copies(host.nbytes, factor, cap))]
+    opts = WeightOptions(f.on("K4_PREFILL_TC"), f.on("K4_PDL"), f.on("K4_EVICT_FIRST"))
+    return [make_weight(t, cp.asarray(host), repack, opts=opts) for _ in range(_n_copies(host.nbytes, factor, cap))]
 
 
 def _n_copies(nbytes: int, factor: float, cap: int) -> int:
@@ -107,7 +110,8 @@ def _type(name: str) -> T:
 
 
 def bench_gemv(ggml_type: str, n_out: int, n_in: int, iters: int = 200, *, repack: bool | None = None,
-               variant: tuple[int, int, int] | None = None, pdl: bool | None = None, x_q8: bool = False) -> dict:
+               variant: tuple[int, int, int] | None = None, pdl: bool | None = None, x_q8: bool = False,
+               flags: Flags | None = None) -> dict:
     """Time y = W @ x for a random (n_out, n_in) W of `ggml_type` (a ggml type name, e.g. "Q4_K").
 
     Launches are recorded in a CUDA graph (as decode runs them), rotating over copies of W that
@@ -121,9 +125,10 @@ def bench_gemv(ggml_type: str, n_out: int, n_in: int, iters: int = 200, *, repac
     import cupy as cp
 
     t = _type(ggml_type)
-    repack = flags.current().on("K4_REPACK") if repack is None else repack
+    f = Flags() if flags is None else flags
+    repack = f.on("K4_REPACK") if repack is None else repack
     rng = np.random.default_rng(0)
-    weights = _copies(random_weight(t, n_out, n_in, rng), repack, 4.0, 64)
+    weights = _copies(random_weight(t, n_out, n_in, rng), repack, f, 4.0, 64)
     x_host = rng.standard_normal(n_in, dtype=np.float32)
     x = cp.asarray(x_host)
     q8 = None
@@ -162,7 +167,7 @@ def bench_read(nbytes: int, iters: int = 200, dependent: bool = False) -> dict:
 
 
 def bench_matmul(ggml_type: str, n_tok: int, n_out: int, n_in: int, iters: int = 50, *, tensor_cores: bool = True,
-                 repack: bool | None = None) -> dict:
+                 repack: bool | None = None, flags: Flags | None = None) -> dict:
     """Time Y = X @ W^T (prefill) for n_tok tokens and a random (n_out, n_in) W of `ggml_type`.
 
     tensor_cores=False times the per-token gemv path. Timed with CUDA events, not in a graph
@@ -174,9 +179,10 @@ def bench_matmul(ggml_type: str, n_tok: int, n_out: int, n_in: int, iters: int =
     import cupy as cp
 
     t = _type(ggml_type)
-    repack = flags.current().on("K4_REPACK") if repack is None else repack
+    f = Flags() if flags is None else flags
+    repack = f.on("K4_REPACK") if repack is None else repack
     rng = np.random.default_rng(0)
-    weights = _copies(random_weight(t, n_out, n_in, rng), repack, 2.0, 8)
+    weights = _copies(random_weight(t, n_out, n_in, rng), repack, f, 2.0, 8)
     for w in weights:
         w.prefill_tc = tensor_cores
     X = cp.asarray(rng.standard_normal((n_tok, n_in), dtype=np.float32))
@@ -188,7 +194,7 @@ def bench_matmul(ggml_type: str, n_tok: int, n_out: int, n_in: int, iters: int =
 
 def bench_attention(n_tok: int, n_ctx: int, n_head: int = 32, n_head_kv: int = 32, head_dim: int = 128,
                     iters: int = 20, *, split: bool | None = None, tiled: bool | None = None,
-                    mma: bool | None = None) -> dict:
+                    mma: bool | None = None, flags: Flags | None = None) -> dict:
     """Time causal attention of n_tok queries ending at position n_ctx - 1 over an fp16 KV cache
     of n_ctx positions (one layer): n_tok == n_ctx is prefill from position 0, n_tok == 1 is a
     decode step at depth n_ctx - 1. Random inputs; recorded in a CUDA graph, median of CUDA-event
@@ -201,7 +207,7 @@ def bench_attention(n_tok: int, n_ctx: int, n_head: int = 32, n_head_kv: int = 3
 
     from .ops import Ops, attention_split
 
-    f = flags.current()
+    f = Flags() if flags is None else flags
     split = f.on("K4_SPLIT_ATTN") if split is None else split
     tiled = f.on("K4_TILED_ATTN") if tiled is None else tiled
     mma = f.on("K4_MMA_ATTN") if mma is None else mma
@@ -211,7 +217,7 @@ def bench_attention(n_tok: int, n_ctx: int, n_head: int = 32, n_head_kv: int = 3
     v_cache = cp.asarray(rng.standard_normal((n_ctx, n_head_kv, head_dim)).astype(np.float16))
     out = cp.empty_like(q)
     pos = cp.asarray(np.array([n_ctx - n_tok], dtype=np.int32))
-    ops = Ops(Trace(), pdl=False, tiled=tiled, mma=mma)
+    ops = Ops(Trace(), pdl=False, tiled=tiled, mma=mma, evict_first=f.on("K4_EVICT_FIRST"))
     n_split, split_len = attention_split(n_ctx, split, ops.attention_capacity(head_dim) // n_head) if n_tok == 1 else (1, n_ctx)
     part = cp.empty((n_tok, n_head, n_split, head_dim + 2), cp.float32) if n_split > 1 else None
     ticket = cp.zeros(n_tok * n_head, cp.int32) if n_split > 1 else None
