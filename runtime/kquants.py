@@ -121,8 +121,7 @@ def make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelt
     sum_w = _sum_seq(w)  # (N,)
     sum_x = _sum_seq(w * x)  # (N,)
     lf = np.empty_like(x)  # (n, N) candidate quants
-    wl, prod = np.empty_like(x), np.empty_like(x)  # (n, N) w*l, and w*l*l or w*l*x
-    err = np.empty_like(x)  # (n, N) error terms
+    wl, prod = np.empty_like(x), np.empty_like(x)  # (n, N) w*l; w*l*l, w*l*x, then error terms
 
     def in_range(mn: np.ndarray, span: np.ndarray) -> bool:
         """Whether every iscale * (x - mn) is provably below 2**21 (so _round_clip may round in
@@ -137,19 +136,19 @@ def make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelt
 
     def error(scale: np.ndarray, mn: np.ndarray) -> np.ndarray:
         """sum of w * (scale * lf + mn - x)^2, left to right."""
-        np.subtract(np.add(np.multiply(lf, scale, out=err), mn, out=err), x, out=err)
-        np.multiply(np.square(err, out=err), w, out=err)
-        return add_seq(err, axis=0)
+        np.subtract(np.add(np.multiply(lf, scale, out=prod), mn, out=prod), x, out=prod)
+        np.multiply(np.square(prod, out=prod), w, out=prod)
+        return add_seq(prod, axis=0)
 
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        mn = mn0
-        span = mx - mn
-        fast = in_range(mn, span)
+        span = mx - mn0
+        fast = in_range(mn0, span)
         iscale = f32(nmax) / span
-        scale = f32(1) / iscale
-        quants(iscale, mn, fast)
-        best_error = error(scale, mn)
-        q_iscale, q_min = iscale, mn0
+        quants(iscale, mn0, fast)
+        # the best candidate so far: its error, scale, and the iscale and min that made its L;
+        # then the min the next candidates start from (C's `min`)
+        best = np.stack((error(f32(1) / iscale, mn0), f32(1) / iscale, iscale, mn0, mn0))  # (5, N)
+        mn = best[4]
         for step in range(nstep + 1):
             iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / span
             quants(iscale, mn, fast)
@@ -160,18 +159,16 @@ def make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelt
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
             clamped = this_min > 0
-            np.copyto(this_min, f32(0), where=clamped)
-            np.copyto(this_scale, sum_xl / sum_l2, where=clamped)
+            if clamped.any():
+                np.copyto(this_min, f32(0), where=clamped)
+                np.copyto(this_scale, sum_xl / sum_l2, where=clamped)
             cur_error = error(this_scale, this_min)
-            better = (D > 0) & (cur_error < best_error)  # (N,)
+            better = (D > 0) & (cur_error < best[0])  # (N,)
             if better.any():
-                best_error = np.where(better, cur_error, best_error)
-                scale = np.where(better, this_scale, scale)
-                q_iscale = np.where(better, iscale, q_iscale)
-                q_min = np.where(better, mn, q_min)
-                mn = np.where(better, this_min, mn)
+                np.copyto(best, np.stack((cur_error, this_scale, iscale, mn, this_min)), where=better)
                 span = mx - mn
                 fast = in_range(mn, span)
+    _, scale, q_iscale, q_min, mn = best
     scale = np.where(flat, f32(0), scale)
     mn = np.where(flat, mn0, mn)
     return scale, -mn, (np.where(flat, f32(0), q_iscale), q_min)
