@@ -43,4 +43,28 @@ def _root(
 
 
 def main() -> None:
-    app()
+    """The console script: the Typer app, with click's usage errors (an unknown option, a value
+    that is not a number) as one line, `error: MESSAGE (k4 COMMAND --help)`, exit 2, instead of
+    rich's boxed panel."""
+    import sys
+
+    try:  # typer >= 0.2x carries its own copy of click
+        from typer._click.exceptions import NoArgsIsHelpError, UsageError
+    except ImportError:
+        from click.exceptions import NoArgsIsHelpError, UsageError
+
+    from .render import clean, err
+
+    try:
+        code = app(standalone_mode=False)
+    except NoArgsIsHelpError as exc:  # `k4` alone: the help, as before
+        exc.show()
+        sys.exit(2)
+    except UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "k4"
+        err.print(f"error: {clean(exc.format_message())} (see {where} --help)", style="red", markup=False, soft_wrap=True)
+        sys.exit(2)
+    except typer.Abort:
+        err.print("interrupted", markup=False)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

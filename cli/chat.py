@@ -24,12 +24,12 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from k4.runtime.errors import K4Error, UsageError
+from k4.runtime.errors import K4Error, TemplateError, UsageError
 from k4.runtime.flags import current as current_flags
 from k4.runtime.sampling import SamplingParams
 
 from . import common as c
-from .render import err, errors_to_exit, generation_rates, out, rate_text, table, trace_table
+from .render import clean, err, errors_to_exit, generation_rates, out, rate_text, table, trace_table
 
 PROMPT, CONTINUATION = ">>> ", "... "
 BLOCK = '"""'
@@ -46,6 +46,15 @@ COMMANDS = (
     ("/stats", "the last reply's timing and per-phase copy-traffic table"),
     ("/bye, /exit, /quit", "leave (or press Ctrl-D)"),
 )
+
+
+def split_args(args: str, usage: str) -> list[str]:
+    """A slash command's arguments split as a shell would (quotes group words). Raises
+    UsageError for an unclosed quote or a trailing backslash."""
+    try:
+        return shlex.split(args)
+    except ValueError as exc:
+        raise UsageError(f"cannot read the arguments ({exc}); use {usage}, quoting a name with spaces") from None
 
 
 def default_history() -> Path:
@@ -137,7 +146,7 @@ class Repl:
         except K4Error as exc:
             if not self.interactive:
                 raise
-            err.print(f"error: {exc}", style="red", markup=False)
+            err.print(f"error: {clean(str(exc))}", style="red", markup=False)
         return True
 
     def command(self, line: str) -> bool:
@@ -157,7 +166,7 @@ class Repl:
         s = self.session
         previous = s.last
         with InterruptGuard(self.interactive) as guard:
-            plan = s.plan(text)
+            plan = self.plan(text)
             if plan.dropped_turns:
                 err.print(f"context full: dropped the {plan.dropped_turns} oldest turn(s) so the conversation fits in "
                           f"{s.n_ctx} tokens (the system prompt stays; /save still writes every message)", style="yellow", markup=False)
@@ -179,6 +188,21 @@ class Repl:
             if s.last is not previous:
                 self.report()
 
+    def plan(self, text: str | None):
+        """ChatSession.plan; when the chat template fails (an error, a limit), once more with
+        k4's built-in template, which stays for the rest of the session (a notice says so)."""
+        s = self.session
+        try:
+            return s.plan(text)
+        except TemplateError as exc:
+            if s.template.is_fallback:
+                raise
+            from k4.runtime.chat_template import ChatTemplate
+
+            err.print(f"warning: {clean(str(exc))}; k4's built-in template is used from now on", style="yellow", markup=False)
+            s.template = ChatTemplate.fallback(self.loaded.tokenizer)
+            return s.plan(text)
+
     def report(self) -> None:
         s = self.session
         result = s.last.result
@@ -199,7 +223,7 @@ class Repl:
 
     def system(self, text: str) -> None:
         if not text:
-            out.print(f"system prompt: {self.session.system!r}" if self.session.system is not None else "no system prompt",
+            out.print(clean(f"system prompt: {self.session.system!r}") if self.session.system is not None else "no system prompt",
                       markup=False)
             return
         self.session.system = text
@@ -221,8 +245,8 @@ class Repl:
     def show(self, what: str) -> None:
         s, cfg = self.session, self.loaded.mf.config
         if what == "template":
-            out.print(f"chat template ({s.template.origin}):", markup=False)
-            out.print(s.template.source, markup=False)
+            out.print(clean(f"chat template ({s.template.origin}):"), markup=False)
+            out.print(clean(s.template.source), markup=False)
             return
         if what:
             raise UsageError(f"/show {what} is unknown; use /show or /show template")
@@ -248,7 +272,7 @@ class Repl:
         self.turn(None)
 
     def save(self, args: str) -> None:
-        words = shlex.split(args)
+        words = split_args(args, "/save FILE [--force]")
         force = "--force" in words
         paths = [w for w in words if w != "--force"]
         if len(paths) != 1:
@@ -257,7 +281,7 @@ class Repl:
         out.print(f"saved {len(self.session.conversation())} messages to {paths[0]}", markup=False)
 
     def load(self, args: str) -> None:
-        words = shlex.split(args)
+        words = split_args(args, "/load FILE")
         if len(words) != 1:
             raise UsageError("use /load FILE")
         self.session.load(Path(words[0]))
@@ -301,8 +325,15 @@ class Repl:
     def run_piped(self) -> None:
         if self.stats:
             err.print(f"seed {self.session.params.seed}", style="dim", markup=False)
-        for line in sys.stdin:
-            if not self.handle(line.rstrip("\r\n")):
+        if sys.stdin is None or sys.stdin.closed:
+            return
+        while True:
+            raw = sys.stdin.buffer.readline(c.MAX_TEXT_BYTES + 1)
+            if not raw:
+                return
+            if len(raw) > c.MAX_TEXT_BYTES:
+                raise UsageError(f"an input line holds more than {c.MAX_TEXT_BYTES // 2**20} MiB; k4 chat reads messages of at most that size")
+            if not self.handle(raw.decode("utf-8", "replace").rstrip("\r\n")):
                 return
 
 
@@ -330,7 +361,7 @@ def system_prompt(text: Optional[str], file: Optional[Path]) -> Optional[str]:
     """--system TEXT or --system-file F (not both). Raises UsageError."""
     if text is not None and file is not None:
         raise UsageError("give the system prompt with --system or --system-file, not both")
-    return c.read_text(None, file, "system prompt") if file is not None else text
+    return c.read_text(None, file, "system prompt") if file is not None else c.read_text(text, None) if text is not None else None
 
 
 @errors_to_exit
@@ -368,12 +399,17 @@ def chat(
     if chat_template is not None:
         template = ChatTemplate.from_file(chat_template, loaded.tokenizer)
     else:
-        template = ChatTemplate.from_model(loaded.mf, loaded.tokenizer)
-    if template.is_fallback:
+        try:
+            template = ChatTemplate.from_model(loaded.mf, loaded.tokenizer)
+        except TemplateError as exc:
+            err.print(f"warning: {clean(str(exc))}; using k4's built-in template instead", style="yellow", markup=False)
+            template = ChatTemplate.fallback(loaded.tokenizer)
+    if template.is_fallback and chat_template is None and not loaded.mf.meta("tokenizer.chat_template"):
         err.print(f"warning: the model has no chat template; using k4's fallback ({template.origin}); pass "
                   "--chat-template FILE for the model's own", style="yellow", markup=False)
     session = ChatSession(loaded.backend, loaded.tokenizer, template, params, n_predict, system_text, no_bos, stop or ())
-    repl = Repl(session, loaded, path, interactive=sys.stdin.isatty(), stats=not no_stats)
+    interactive = sys.stdin is not None and not sys.stdin.closed and sys.stdin.isatty()
+    repl = Repl(session, loaded, path, interactive=interactive, stats=not no_stats)
     if repl.interactive:
         repl.run_interactive(history if history is not None else default_history())
     else:

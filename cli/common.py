@@ -15,6 +15,8 @@ from k4.runtime.backend import DEFAULT_CTX
 from k4.runtime.errors import UsageError
 from k4.runtime.model import SAMPLE_MODEL
 
+from .render import valid_text
+
 
 ModelOpt = Annotated[Optional[Path], typer.Option("-m", "--model", help="GGUF model file (default: the bundled sample).", show_default=False)]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto (cuda when a GPU is present), numpy or cuda.")]
@@ -44,19 +46,42 @@ def model_path(model: Optional[Path]) -> Path:
     return SAMPLE_MODEL
 
 
+MAX_TEXT_BYTES = 64 * 2**20  # the most k4 reads of a prompt, text file, system prompt or stdin
+
+
+def _read_capped(fh, name: str) -> str:
+    """At most MAX_TEXT_BYTES of a binary stream, decoded as UTF-8. Raises UsageError when there
+    is more or it is not UTF-8."""
+    data = fh.read(MAX_TEXT_BYTES + 1)
+    if len(data) > MAX_TEXT_BYTES:
+        raise UsageError(f"{name} holds more than {MAX_TEXT_BYTES // 2**20} MiB of text; k4 reads text inputs of at most that size")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"cannot read {name}: not UTF-8 text (byte {exc.start:,} is 0x{data[exc.start]:02x}); convert it to UTF-8") from None
+
+
+def stdin_piped() -> bool:
+    """Whether stdin is open and not a terminal (a pipe or a file)."""
+    return sys.stdin is not None and not sys.stdin.closed and not sys.stdin.isatty()
+
+
 def read_text(text: Optional[str], file: Optional[Path], what: str = "prompt") -> str:
-    """TEXT argument, else -f FILE, else piped stdin. Raises UsageError if none or both."""
+    """TEXT argument (bytes of argv that are not UTF-8 become U+FFFD), else -f FILE, else piped
+    stdin. Raises UsageError if none or both, or when the file or stdin is not UTF-8 or holds
+    more than MAX_TEXT_BYTES."""
     if text is not None and file is not None:
         raise UsageError(f"give the {what} either as an argument or with -f, not both")
     if file is not None:
         try:
-            return file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"cannot read {file}: {getattr(exc, 'strerror', None) or exc}") from None
+            with open(file, "rb") as fh:
+                return _read_capped(fh, str(file))
+        except OSError as exc:
+            raise UsageError(f"cannot read {file}: {exc.strerror or exc}") from None
     if text is not None:
-        return text
-    if not sys.stdin.isatty():
-        return sys.stdin.read()
+        return valid_text(text)
+    if stdin_piped():
+        return _read_capped(sys.stdin.buffer, "stdin")
     raise UsageError(f"no {what}: pass it as an argument, with -f FILE, or on stdin")
 
 
@@ -93,10 +118,16 @@ class Session:
 PROGRESS_MIN_BYTES = 100 * 2**20  # models smaller than this load without a progress bar
 
 
+MAX_CTX = 2**31 - 1  # llama.cpp's n_ctx is a uint32; past this no model has memory anyway
+
+
 def check_ctx_size(ctx_size: Optional[int]) -> None:
-    """Raise UsageError for a negative -c."""
+    """Raise UsageError for a negative -c or one over MAX_CTX (the backends check larger ones
+    against memory before allocating)."""
     if ctx_size is not None and ctx_size < 0:
         raise UsageError(f"--ctx-size {ctx_size} is invalid; use a positive number of tokens, or 0 for the model's training context")
+    if ctx_size is not None and ctx_size > MAX_CTX:
+        raise UsageError(f"--ctx-size {ctx_size} is too large; use at most {MAX_CTX:,} tokens")
 
 
 def resolve_ctx(ctx_size: Optional[int], n_ctx_train: int) -> int:

@@ -4,15 +4,20 @@ and the error boundary that turns K4Error into a one-line message and an exit co
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import math
+import os
+import re
 import sys
 from typing import Callable, Iterable, Optional, Sequence
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from k4.runtime.errors import K4Error
 
@@ -20,41 +25,81 @@ out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+# Terminal control characters: C0 (but tab and newline), DEL and C1; ESC among them.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """`text` with the lone surrogates that Python makes of bytes that are not UTF-8 (in argv,
+    os.fsdecode) read as UTF-8 with U+FFFD for each invalid sequence, as tokenizers need."""
+    if not _SURROGATE.search(text):
+        return text
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # surrogates that stand for no byte
+        return _SURROGATE.sub("\ufffd", text)
+
+
+def clean(text: str) -> str:
+    """`text` (from a file or the user) as printable text: valid_text, without terminal control
+    characters, so that printing it cannot move the cursor, change colours or retitle the terminal."""
+    return _CONTROL.sub("", valid_text(text))
+
+
 def fail(message: str, code: int = 2) -> None:
-    """Print `error: message` on stderr and exit with `code`."""
-    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    """Print `error: message` on stderr (the message as plain text: no markup, no control
+    characters) and exit with `code`."""
+    err.print(f"[bold red]error:[/] {escape(clean(message))}", markup=True, highlight=False)
     raise typer.Exit(code)
+
+
+def _output_lost() -> None:
+    """Point stdout at /dev/null, so that the flush at exit finds nowhere to fail."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def errors_to_exit(fn: Callable) -> Callable:
     """Decorator for commands: K4Error -> one line on stderr + its exit code; MemoryError -> one
-    line, exit 2; Ctrl-C -> 130."""
+    line, exit 2; Ctrl-C -> 130; a closed pipe on stdout (`| head`) -> exit 0; a full disk or
+    device on stdout (`> /dev/full`) -> one line, exit 2. Stdout is flushed before returning, so
+    a write error surfaces here rather than at interpreter exit."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            if sys.stdout is not None:
+                sys.stdout.flush()
+            return result
         except K4Error as exc:
-            fail(str(exc).replace("[", r"\["), exc.exit_code)
+            fail(str(exc), exc.exit_code)
         except MemoryError:
             fail("ran out of memory (RAM); free memory, lower --ctx-size or use a smaller model", 2)
         except KeyboardInterrupt:
             err.print("interrupted")
             raise typer.Exit(130)
-        except BrokenPipeError:
-            sys.stderr.close()
+        except BrokenPipeError:  # `k4 ... | head`: the reader has what it wanted
+            _output_lost()
             raise typer.Exit(0)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):
+                raise
+            _output_lost()
+            fail(f"cannot write the output: {exc.strerror}", 2)
 
     return wrapper
 
 
 def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[object]], right: Sequence[int] = ()) -> Table:
-    """A rich Table with the given columns; columns whose index is in `right` are right-aligned."""
+    """A rich Table with the given columns; columns whose index is in `right` are right-aligned.
+    Cells are shown as plain text (rich markup in them is not interpreted) without control characters."""
     t = Table(title=title, title_justify="left", header_style="bold")
     for i, c in enumerate(columns):
         t.add_column(c, justify="right" if i in right else "left")
     for r in rows:
-        t.add_row(*(str(x) for x in r))
+        t.add_row(*(Text(clean(str(x))) for x in r))  # cells are plain text, never markup
     return t
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 from datetime import datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jinja2
@@ -97,15 +96,23 @@ class ChatTemplate:
         tokenizer's bos_text/eos_text. Raises TemplateError if the template does not parse."""
         source = mf.meta(CHAT_TEMPLATE_KEY)
         if not source:
-            return cls(FALLBACK_TEMPLATE, "built-in ChatML", tokenizer.bos_text, tokenizer.eos_text, is_fallback=True)
+            return cls.fallback(tokenizer)
         return cls(str(source), f"{mf.path}", tokenizer.bos_text, tokenizer.eos_text)
+
+    @classmethod
+    def fallback(cls, tokenizer: "Tokenizer") -> "ChatTemplate":
+        """FALLBACK_TEMPLATE (is_fallback True), with the tokenizer's bos/eos texts."""
+        return cls(FALLBACK_TEMPLATE, "built-in ChatML", tokenizer.bos_text, tokenizer.eos_text, is_fallback=True)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, tokenizer: "Tokenizer") -> "ChatTemplate":
         """A template read from a text file (UTF-8), e.g. a .jinja from a model's repository.
         Raises TemplateError if the file cannot be read or the template does not parse."""
         try:
-            source = Path(path).read_text(encoding="utf-8")
+            with open(path, "rb") as fh:
+                source = fh.read(MAX_MESSAGES_BYTES + 1).decode("utf-8")
+            if len(source) > MAX_MESSAGES_BYTES:
+                raise TemplateError(f"{path}: the chat template is over {MAX_MESSAGES_BYTES // 2**20} MiB; pass the model's .jinja file")
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
             raise TemplateError(f"{path}: cannot read the chat template ({reason}); pass a readable .jinja file") from None
@@ -141,18 +148,29 @@ class ChatTemplate:
             raise TemplateError(f"{self.origin}: chat template failed ({type(exc).__name__}: {_one_line(exc)[:200]})") from None
 
 
+MAX_MESSAGES_BYTES = 64 * 2**20  # the largest messages file read
+
+
 def load_messages(path: str | os.PathLike) -> list[dict]:
-    """Read a conversation from a JSON file: a non-empty list of objects, each with string
-    "role" and "content" (other keys are kept for templates that read them).
+    """Read a conversation from a JSON file of at most MAX_MESSAGES_BYTES: a non-empty list of
+    objects, each with string "role" and "content" (other keys are kept for templates that read
+    them).
 
     Raises UsageError naming the file and the first problem (unreadable, not JSON, wrong shape).
     """
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_MESSAGES_BYTES + 1)
     except OSError as exc:
         raise UsageError(f"{path}: cannot read the messages file ({exc.strerror}); pass an existing JSON file") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"{path}: not valid JSON ({_one_line(exc)}); write a JSON list of {{\"role\", \"content\"}} objects") from None
+    if len(raw) > MAX_MESSAGES_BYTES:
+        raise UsageError(f"{path}: the messages file is over {MAX_MESSAGES_BYTES // 2**20} MiB; k4 reads at most that much")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, or a number over int's 4,300 digits
+        raise UsageError(f"{path}: not valid JSON ({_one_line(exc)[:120]}); write a JSON list of {{\"role\", \"content\"}} objects") from None
+    except RecursionError:
+        raise UsageError(f"{path}: JSON nested too deep; write a flat JSON list of {{\"role\", \"content\"}} objects") from None
     if not isinstance(data, list) or not data:
         raise UsageError(f"{path}: expected a non-empty JSON list of {{\"role\", \"content\"}} objects")
     for i, message in enumerate(data):

@@ -12,6 +12,7 @@ matrix at a time as the forward reaches it (runtime/weights.py).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -162,7 +163,7 @@ class NumpyBackend(TokenCache):
             self.rope_freqs = dequantize_tensor(mf.tensor("rope_freqs.weight")) if cfg.has_rope_freqs else None  # (rope_dim/2,)
             self.layers = [Layer(mf, i, block_bytes) for i in range(cfg.n_layer)]
             kv_shape = (cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim)
-            self.cached = self._check_ram(mf, file_bytes, 2 * 4 * int(np.prod(kv_shape)), cache_bytes, mem_available)
+            self.cached = self._check_ram(mf, file_bytes, 2 * 4 * math.prod(kv_shape), cache_bytes, mem_available)  # Python ints: no overflow
             self._read(tensors, progress)
             self.k_cache = np.zeros(kv_shape, dtype=np.float32)  # (n_layer, n_ctx, n_head_kv, head_dim)
             self.v_cache = np.zeros(kv_shape, dtype=np.float32)  # (n_layer, n_ctx, n_head_kv, head_dim)
