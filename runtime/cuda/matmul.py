@@ -89,7 +89,7 @@ QUANT: dict[T, QuantKernels] = dict((
 # Unquantized types: C++ decoder and bytes per weight.
 FLOAT: dict[T, tuple[str, int]] = {T.F32: ("type_f32", 4), T.F16: ("type_f16", 2), T.BF16: ("type_bf16", 2)}
 
-# gemv_q8 variants compiled besides each type's default, for bench_gemv(variant=...). Measured on
+# gemv_q8 variants compiled besides each type's default, for microbench.bench_gemv(variant=...). Measured on
 # the H200 (CUDA graph, PDL, bench_gemv): with the next chunks loading during the products (PF),
 # Q4_K (16, 2, 1) beats (16, 2, 0), (32, 2, 0) and (16, 1, 1) from 4096x4096 (4.59 us, 2.07 TB/s)
 # to 22016x4096 (14.3 us, 3.56 TB/s) and 4096x11008 (9.18 us); Q6_K (16, 2, 1) beats (32, 1, 0),
@@ -140,7 +140,7 @@ def _matmul_names(t: T) -> tuple[str, ...]:
 
 
 # Compile groups: one module per (file, group), so a model compiles only its types' instances.
-# "bench" holds the gemv_q8 variants only bench_gemv(variant=...) uses; read_stream* are extern
+# "bench" holds the gemv_q8 variants only microbench.bench_gemv(variant=...) uses; read_stream* are extern
 # "C" (no name expressions).
 GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
     "gemv.cu": {
