@@ -36,9 +36,9 @@ def bench(
     from k4.runtime import bench as rb
     from k4.runtime.errors import UsageError
 
-    from k4.runtime.flags import current as current_flags
+    from k4.runtime.flags import Flags
 
-    for warning in current_flags().warnings():
+    for warning in Flags().warnings():
         err.print(f"warning: {warning}", style="yellow")
     if output not in FORMATS:
         raise UsageError(f"-o {output!r} is unknown; use one of {', '.join(FORMATS)}")
@@ -89,7 +89,7 @@ def _run(path: Path, tests, reps: int, output: str, backend: str, ctx_size: int)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as prog:
         task = prog.add_task("benchmarking", total=len(tests) * reps)
         try:
-            for res in rb.iter_results(tests, lambda flags: make_backend(mf, backend, n_ctx), reps, cfg.n_vocab,
+            for res in rb.iter_results(tests, lambda flags: make_backend(mf, backend, n_ctx, flags=flags), reps, cfg.n_vocab,
                                        on_rep=lambda: prog.advance(task)):
                 env = env or rb.environment(path, res.backend)
                 results.append(res)

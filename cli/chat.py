@@ -25,7 +25,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from k4.runtime.errors import K4Error, TemplateError, UsageError
-from k4.runtime.flags import current as current_flags
+from k4.runtime.flags import Flags
 from k4.runtime.sampling import SamplingParams
 
 from . import common as c
@@ -173,7 +173,7 @@ class Repl:
             stream = s.run(plan)
             try:
                 for piece in stream:
-                    sys.stdout.write(piece)
+                    sys.stdout.write(clean(piece) if self.interactive else piece)  # no escape sequences from a vocabulary
                     sys.stdout.flush()
                     if guard.hit:
                         break
@@ -389,13 +389,14 @@ def chat(
     from k4.runtime.chat import ChatSession
     from k4.runtime.chat_template import ChatTemplate
 
-    for warning in current_flags().warnings():
+    flags = Flags()
+    for warning in flags.warnings():
         err.print(f"warning: {warning}", style="yellow", markup=False)
     params = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, c.resolve_seed(seed)).validate()
     c.check_n_predict(n_predict)
     system_text = system_prompt(system, system_file)
     path = c.model_path(model)
-    loaded = c.load_session(path, backend, ctx_size)
+    loaded = c.load_session(path, backend, ctx_size, flags)
     if chat_template is not None:
         template = ChatTemplate.from_file(chat_template, loaded.tokenizer)
     else:

@@ -148,7 +148,7 @@ def ctx_warning(n_ctx: int, n_ctx_train: int) -> Optional[str]:
             "output past it may degrade")
 
 
-def load_session(model: Optional[Path], backend: str, ctx_size: Optional[int]) -> Session:
+def load_session(model: Optional[Path], backend: str, ctx_size: Optional[int], flags=None) -> Session:
     """Open, validate and load a model on a backend with the context resolve_ctx gives for -c
     (a warning on stderr when it exceeds the training context; a progress bar on stderr for
     models over 100 MiB). Raises K4Error subclasses on bad input."""
@@ -167,5 +167,6 @@ def load_session(model: Optional[Path], backend: str, ctx_size: Optional[int]) -
         err.print(warning, style="yellow", markup=False)
     tok = Tokenizer.from_model(mf)
     with progress_bar(f"loading {mf.path.name}", min_bytes=PROGRESS_MIN_BYTES) as update:
-        be = make_backend(mf, backend, n_ctx, progress=update, status=lambda text: err.print(text, style="dim", markup=False))
+        be = make_backend(mf, backend, n_ctx, progress=update, status=lambda text: err.print(text, style="dim", markup=False),
+                          flags=flags)
     return Session(mf, tok, be, (time.perf_counter() - t0) * 1e3)

@@ -24,12 +24,16 @@ def perplexity(
     Prints llama-perplexity's lines: `[1]12.3456,[2]11.9876,...` as each chunk completes, then
     `Final estimate: PPL = x +/- err` (err: runtime.perplexity.ppl_estimate)."""
     from k4.runtime.errors import UsageError
+    from k4.runtime.flags import Flags
     from k4.runtime.perplexity import perplexity as run_ppl
 
     if file is None:
         raise UsageError("perplexity needs a text file: pass -f FILE")
     text = c.read_text(None, file, "text")
-    s = c.load_session(model, backend, ctx_size)
+    flags = Flags()  # parsed (and a malformed value refused) before the model loads, as in run/chat/bench
+    for warning in flags.warnings():
+        err.print(f"warning: {warning}", style="yellow", markup=False)
+    s = c.load_session(model, backend, ctx_size, flags)
     ctx_size = s.backend.n_ctx  # -c 0: the model's training context
     tokens = s.tokenizer.encode(text)
     add_bos = s.tokenizer.add_bos and s.tokenizer.bos_id is not None

@@ -129,8 +129,8 @@ def trace_table(trace, title: str = "per-phase counters") -> Table:
 
 
 def memory_table(report: dict[str, int]) -> Table:
-    """GPU memory by kind (weights, kv_cache, scratch), bytes."""
-    return table("GPU memory", ("what", "bytes"), [(k, f"{v:,}") for k, v in report.items()], right=(1,))
+    """The backend's memory by kind (GPU: weights, kv_cache, scratch; numpy: kv_cache, dequantized), bytes."""
+    return table("memory", ("what", "bytes"), [(k, f"{v:,}") for k, v in report.items()], right=(1,))
 
 
 def finite(value):

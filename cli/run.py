@@ -7,7 +7,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from k4.runtime.flags import current as current_flags
+from k4.runtime.flags import Flags
 from k4.runtime.sampling import SamplingParams
 
 from . import common as c
@@ -42,13 +42,13 @@ def run(
     from k4.runtime.errors import UsageError
     from k4.runtime.generate import Generator
 
-    flags = current_flags()
+    flags = Flags()
     for warning in flags.warnings():
         err.print(f"warning: {warning}", style="yellow")
     params = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, c.resolve_seed(seed)).validate()
     c.check_n_predict(n_predict)
     text = c.read_prompt(prompt_arg, prompt, file)
-    s = c.load_session(model, backend, ctx_size)
+    s = c.load_session(model, backend, ctx_size, flags)
     ids = s.tokenizer.encode(text, add_bos=False if no_bos else None)
     if not ids:
         ids = [s.tokenizer.bos_id] if s.tokenizer.bos_id is not None else []
@@ -71,8 +71,7 @@ def run(
             err.print(f"stopped: the context of {s.backend.n_ctx} tokens is full; raise --ctx-size for longer output", style="yellow")
     if verbose or flags.on("K4_TRACE"):
         err.print(trace_table(s.backend.trace))
-        if hasattr(s.backend, "memory_report"):
-            err.print(memory_table(s.backend.memory_report()))
+        err.print(memory_table(s.backend.memory_report()))
 
 
 def _record(s: c.Session, path, text: str, ids: list[int], res, seed: int) -> dict:

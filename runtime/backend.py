@@ -10,7 +10,6 @@ from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
-from .errors import ContextFullError
 from .model import ModelConfig, ModelFile
 from .sampling import SamplingParams
 from .trace import Trace
@@ -24,6 +23,11 @@ class Backend(Protocol):
     n_ctx: int
     trace: Trace
     tokens: list[int]
+    load_ms: dict[str, float]  # wall time (ms) of each load step, in order
+    load_detail_ms: dict[str, float]  # what overlapped inside those steps (ms); may be empty
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes the backend holds, by kind (e.g. weights, kv_cache, scratch)."""
 
     @property
     def n_past(self) -> int: ...
@@ -56,43 +60,14 @@ class Backend(Protocol):
         backend when another is built in the same process. Idempotent."""
 
 
-class TokenCache:
-    """The bookkeeping every backend shares: `tokens`, the ids whose keys/values are cached,
-    in order, within a context of `n_ctx` positions."""
-
-    n_ctx: int
-    tokens: list[int]
-
-    @property
-    def n_past(self) -> int:
-        return len(self.tokens)
-
-    def reset(self) -> None:
-        self.tokens = []
-
-    def truncate(self, n: int) -> None:
-        if not 0 <= n <= self.n_past:
-            raise ValueError(f"truncate({n}) outside 0..{self.n_past}")
-        del self.tokens[n:]
-
-    def close(self) -> None:
-        """Nothing in flight to finish (the numpy backend); CudaBackend overrides it."""
-
-    def _check_room(self, n: int) -> None:
-        """Raise ContextFullError when n more tokens do not fit."""
-        if self.n_past + n > self.n_ctx:
-            raise ContextFullError(
-                f"{self.n_past + n} tokens do not fit in the context of {self.n_ctx}; raise --ctx-size or shorten the input"
-            )
-
-
-def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=None, status=None) -> Backend:
+def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=None, status=None, flags=None) -> Backend:
     """Build the backend `kind` ("auto", "numpy", "cuda") for a loaded model.
 
     n_ctx = 0 means the model's training context, capped at DEFAULT_CTX tokens. "auto" picks cuda when a GPU and CuPy are
     present, else numpy. progress(done_bytes, total_bytes) is called while weights upload
     (cuda) or are read (numpy); status(text) says what a slow step is doing (cuda: kernels still
-    compiling after the upload). Raises BackendUnavailableError (cuda asked for but not usable),
+    compiling after the upload); flags: the K4_* switches, a runtime.flags.Flags (default: the
+    environment's). Raises BackendUnavailableError (cuda asked for but not usable),
     OutOfMemoryError (numpy: the model does not fit in RAM) or UsageError (unknown kind).
     """
     from .errors import UsageError
@@ -115,7 +90,7 @@ def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=Non
     if kind == "cuda":
         from .cuda.backend import CudaBackend  # raises BackendUnavailableError without CuPy or a GPU
 
-        return CudaBackend(mf, n_ctx, progress=progress, status=status)
+        return CudaBackend(mf, n_ctx, progress=progress, status=status, flags=flags)
     from .reference import NumpyBackend
 
     return NumpyBackend(mf, n_ctx, progress=progress)

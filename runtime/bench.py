@@ -10,12 +10,10 @@ cache filled with 4096 tokens). Prompt tokens are random ids from the vocabulary
 from __future__ import annotations
 
 import itertools
-import os
 import platform
 import statistics
 import subprocess
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -23,8 +21,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from .errors import UsageError
-from .flags import FLAGS
-from .flags import current as current_flags
+from .flags import FLAGS, Flags
 from .sampling import SamplingParams
 
 
@@ -117,21 +114,6 @@ def expand(n_prompt: Sequence[int], n_gen: Sequence[int], pg: Sequence[tuple[int
     return tests
 
 
-@contextmanager
-def flags_applied(flags: Sequence[tuple[str, str]]):
-    """Set K4_* variables for the duration of the block (backends read them when built)."""
-    saved = {k: os.environ.get(k) for k, _ in flags}
-    os.environ.update(dict(flags))
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _prompt(n: int, n_vocab: int, seed: int) -> list[int]:
     rng = np.random.default_rng(seed)
     return rng.integers(3, n_vocab, size=n).tolist()
@@ -190,7 +172,7 @@ def run_test(backend, test: BenchTest, reps: int, n_vocab: int, seed: int = 0,
         if on_rep:
             on_rep()
     res.phases = {name: c.as_dict() for name, c in backend.trace.phases.items()}
-    res.memory = backend.memory_report() if hasattr(backend, "memory_report") else {}
+    res.memory = backend.memory_report()
     return res
 
 
@@ -243,19 +225,20 @@ def result_record(res: BenchResult, env: dict, model_info: dict) -> dict:
     }
 
 
-def iter_results(tests: Sequence[BenchTest], make_backend: Callable[[tuple], object], reps: int, n_vocab: int,
-                 on_rep: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter) -> Iterator[BenchResult]:
-    """Run every test, building one backend per flag set (flags apply while it is built and used);
-    clock: see run_once."""
-    for flags, group in itertools.groupby(tests, key=lambda t: t.flags):
-        with flags_applied(flags):
-            backend = make_backend(flags)
-            load = {name: c.as_dict() for name, c in backend.trace.phases.items()}
-            values = dict(current_flags().values)
-            for test in group:
-                res = run_test(backend, test, reps, n_vocab, on_rep=on_rep, load=load, clock=clock)
-                res.flag_values, res.load_ms, res.backend = values, dict(backend.load_ms), backend.name
-                res.load_detail_ms = dict(getattr(backend, "load_detail_ms", {}))
-                yield res
-            backend.close()
-            del backend
+def iter_results(tests: Sequence[BenchTest], make_backend: Callable[[Flags], object], reps: int, n_vocab: int,
+                 on_rep: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter,
+                 base: Flags | None = None) -> Iterator[BenchResult]:
+    """Run every test, building one backend per flag set: make_backend(flags) gets `base` (default:
+    the environment's Flags) with the test's --flags applied. clock: see run_once."""
+    base = base if base is not None else Flags()
+    for overrides, group in itertools.groupby(tests, key=lambda t: t.flags):
+        flags = base.with_(overrides)
+        backend = make_backend(flags)
+        load = {name: c.as_dict() for name, c in backend.trace.phases.items()}
+        for test in group:
+            res = run_test(backend, test, reps, n_vocab, on_rep=on_rep, load=load, clock=clock)
+            res.flag_values, res.load_ms, res.backend = dict(flags.values), dict(backend.load_ms), backend.name
+            res.load_detail_ms = dict(backend.load_detail_ms)
+            yield res
+        backend.close()
+        del backend

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 
 @dataclass(frozen=True)
@@ -56,12 +56,23 @@ def _parse(name: str, raw: str) -> int:
 NOT_FLAGS = frozenset({"K4_REQUIRE_GPU"})  # K4_* variables of the test harness (tests/conftest.py), not switches
 
 class Flags:
-    """Flag values from an environment mapping (default: os.environ), read once."""
+    """Flag values from an environment mapping (default: os.environ), read once: the one place
+    k4 reads its K4_* variables. The value is passed down (make_backend, CudaBackend, k4 bench)
+    to everything that depends on a switch."""
 
     def __init__(self, env: Mapping[str, str] | None = None):
         env = os.environ if env is None else env
         self.values = {n: _parse(n, env[n]) if n in env else f.default for n, f in FLAGS.items()}
         self.unknown = sorted(k for k in env if k.startswith("K4_") and k not in FLAGS and k not in NOT_FLAGS)
+
+    def with_(self, overrides: Iterable[tuple[str, str]]) -> "Flags":
+        """A copy with `overrides` ((name, raw value) pairs, e.g. from `k4 bench --flags`) applied.
+        Raises UsageError on a malformed value."""
+        out = Flags({})
+        out.values = dict(self.values)
+        out.values.update({name: _parse(name, raw) for name, raw in overrides})
+        out.unknown = list(self.unknown)
+        return out
 
     def __getitem__(self, name: str) -> int:
         return self.values[name]
@@ -72,8 +83,3 @@ class Flags:
     def warnings(self) -> list[str]:
         """One message per unknown K4_* variable in the environment."""
         return [f"unknown flag {name} is ignored; known flags: {', '.join(FLAGS)}" for name in self.unknown]
-
-
-def current() -> Flags:
-    """Flags from the process environment, read now."""
-    return Flags()

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
+from .arch import ARCHITECTURES as ARCHS
+from .arch import layer_shapes
 from .errors import ModelFileError, UnsupportedModelError
 from .gguf_reader import BoundedReader
 from .schema import check_model_keys, check_tokenizer_keys
@@ -31,7 +33,7 @@ SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[n] for n in ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 )
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = tuple(ARCHS)  # the families k4 runs: runtime/arch.py describes each
 
 # The bundled sample model (samples/README.md): what commands run without -m.
 SAMPLE_MODEL = Path(__file__).resolve().parents[1] / "samples" / "stories260k-q4_k_m.gguf"
@@ -239,9 +241,9 @@ def _config_from(mf: ModelFile) -> ModelConfig:
         rms_eps=float(v.get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_freq_base=float(v.get("rope.freq_base", 10000.0)),
         rope_dim=v["rope.dimension_count"],
-        rope_neox=arch in ("qwen2", "qwen3"),
-        has_qkv_bias="blk.0.attn_q.bias" in mf.tensors,
-        has_qk_norm="blk.0.attn_q_norm.weight" in mf.tensors,
+        rope_neox=ARCHS[arch].rope_neox,
+        has_qkv_bias=ARCHS[arch].has_qkv_bias(mf.tensors),
+        has_qk_norm=ARCHS[arch].qk_norm,
         has_rope_freqs="rope_freqs.weight" in mf.tensors,
         tied_embeddings="output.weight" not in mf.tensors,
     )
@@ -258,23 +260,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.has_rope_freqs:
         shapes["rope_freqs.weight"] = (cfg.rope_dim // 2,)
     for i in range(cfg.n_layer):
-        p = f"blk.{i}."
-        shapes[p + "attn_norm.weight"] = (cfg.n_embd,)
-        shapes[p + "attn_q.weight"] = (cfg.q_dim, cfg.n_embd)
-        shapes[p + "attn_k.weight"] = (cfg.kv_dim, cfg.n_embd)
-        shapes[p + "attn_v.weight"] = (cfg.kv_dim, cfg.n_embd)
-        shapes[p + "attn_output.weight"] = (cfg.n_embd, cfg.q_dim)
-        shapes[p + "ffn_norm.weight"] = (cfg.n_embd,)
-        shapes[p + "ffn_gate.weight"] = (cfg.n_ff, cfg.n_embd)
-        shapes[p + "ffn_up.weight"] = (cfg.n_ff, cfg.n_embd)
-        shapes[p + "ffn_down.weight"] = (cfg.n_embd, cfg.n_ff)
-        if cfg.has_qkv_bias:
-            shapes[p + "attn_q.bias"] = (cfg.q_dim,)
-            shapes[p + "attn_k.bias"] = (cfg.kv_dim,)
-            shapes[p + "attn_v.bias"] = (cfg.kv_dim,)
-        if cfg.has_qk_norm:
-            shapes[p + "attn_q_norm.weight"] = (cfg.head_dim,)
-            shapes[p + "attn_k_norm.weight"] = (cfg.head_dim,)
+        shapes.update({f"blk.{i}.{name}": shape for name, shape in layer_shapes(cfg).items()})
     return shapes
 
 

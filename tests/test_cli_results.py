@@ -42,6 +42,10 @@ class FakeBackend:
         self.now = 0.0  # fake seconds
         self.runs: list[list[tuple[int, int]]] = []  # per reset: the eval calls (n_past, n_tokens)
         self.load_ms: dict[str, float] = {}
+        self.load_detail_ms: dict[str, float] = {}
+
+    def memory_report(self) -> dict[str, int]:
+        return {}
 
     @property
     def n_past(self) -> int:
@@ -115,7 +119,7 @@ def fake_bench(monkeypatch):
     backends the command built."""
     built: list[FakeBackend] = []
 
-    def make_fake(mf, kind="auto", n_ctx=0, progress=None):
+    def make_fake(mf, kind="auto", n_ctx=0, progress=None, status=None, flags=None):
         built.append(FakeBackend(n_ctx))
         return built[-1]
 

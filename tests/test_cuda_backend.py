@@ -380,7 +380,7 @@ def step_kernels(mf, flag: str | None) -> int:
     one type when stacked), attention (with RoPE and the cache store, its splits merged in the
     kernel), output, gate/up with SwiGLU, down; then the embedding, lm_head (the final norm
     folded into both), and 3 sampling kernels. Each switch off adds its kernels."""
-    from k4.runtime.cuda.backend import runs_of_one_type
+    from k4.runtime.cuda.weights import runs_of_one_type
 
     n = mf.config.n_layer
     qkv = sum(len(runs_of_one_type([mf.tensor(f"blk.{i}.attn_{p}.weight").ggml_type for p in "qkv"], flag != "K4_STACK"))

@@ -128,7 +128,7 @@ def test_errors_at_a_later_sync_name_the_phase_and_the_last_launch(data, monkeyp
             be.eval([1, 400, 50])
     assert be.n_past == 0
     with monkeypatch.context() as m:
-        m.setattr(be, "_read_slot", illegal_address)
+        m.setattr(be.runner, "read_slot", illegal_address)
         with pytest.raises(GpuError, match=r"^CUDA error during decode, after the decode graph \(\d+ kernels\) was launched"):
             take(be.generate([1, 400, 50], GREEDY), 8)
     be.reset()

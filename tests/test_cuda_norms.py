@@ -152,7 +152,8 @@ def test_qk_norm_before_rope_where_eps_matters(ops, neox):
     (the model: 3.1e-4)."""
     import cupy as cp
 
-    from k4.runtime.cuda.backend import rope_inv_freq
+    from k4.runtime.cuda.ops import RopeArgs
+    from k4.runtime.cuda.weights import rope_inv_freq
 
     n_tok, n_head, n_head_kv, D, pos0 = 2, 8, 8, 64, 37
     cfg = tiny_config("qwen3", head_dim=D, rope_dim=D, n_head=n_head, n_head_kv=n_head_kv, rope_neox=neox)
@@ -177,7 +178,7 @@ def test_qk_norm_before_rope_where_eps_matters(ops, neox):
     n_ctx = pos0 + n_tok
     kc, vc = cp.full((n_ctx, n_head_kv, D), np.nan, cp.float16), cp.full((n_ctx, n_head_kv, D), np.nan, cp.float16)
     qd = cp.asarray(q)
-    ops.rope_qk_store(qd, cp.asarray(k), cp.asarray(v), kc, vc, cp.asarray(qn), cp.asarray(kn),
-                      cp.asarray(rope_inv_freq(cfg, None)), cp.asarray([pos0], dtype=cp.int32), D, neox, eps)
+    rope = RopeArgs(cp.asarray(qn), cp.asarray(kn), cp.asarray(rope_inv_freq(cfg, None)), D, neox, eps)
+    ops.rope_qk_store(qd, cp.asarray(k), cp.asarray(v), kc, vc, rope, cp.asarray([pos0], dtype=cp.int32))
     assert_rows(qd.get().reshape(-1, D), q_want.reshape(-1, D), limit_q, "q")
     assert_rows(kc.get()[pos0:].reshape(-1, D), k_want.reshape(-1, D), LIMIT_FP16, "k")

@@ -19,6 +19,7 @@ from k4.runtime.trace import Trace
 from tests.tiny import tiny_config
 
 cp = cupy_or_skip()
+from k4.runtime.cuda.ops import FreshKV, RopeArgs  # noqa: E402  (needs CuPy)
 pytestmark = pytest.mark.cuda
 
 
@@ -77,7 +78,7 @@ ROPE_CASES = [
 
 @pytest.mark.parametrize("arch,D,rope_dim,n_head,n_head_kv,n_tok,pos0,factors", ROPE_CASES)
 def test_rope_qk_store(ops, rng, arch, D, rope_dim, n_head, n_head_kv, n_tok, pos0, factors):
-    from k4.runtime.cuda.backend import rope_inv_freq
+    from k4.runtime.cuda.weights import rope_inv_freq
 
     cfg = tiny_config(arch, head_dim=D, rope_dim=rope_dim, n_head=n_head, n_head_kv=n_head_kv, rope_freq_base=500000.0)
     ff = (1.0 + 7.0 * rng.random(rope_dim // 2)).astype(np.float32) if factors else None
@@ -96,9 +97,9 @@ def test_rope_qk_store(ops, rng, arch, D, rope_dim, n_head, n_head_kv, n_tok, po
     n_ctx = pos0 + n_tok + 3
     kc, vc = nan_like((n_ctx, n_head_kv, D), cp.float16), nan_like((n_ctx, n_head_kv, D), cp.float16)
     qd = cp.asarray(q)
-    ops.rope_qk_store(qd, cp.asarray(k), cp.asarray(v), kc, vc, None if qn is None else cp.asarray(qn),
-                      None if kn is None else cp.asarray(kn), cp.asarray(rope_inv_freq(cfg, ff)),
-                      cp.asarray([pos0], dtype=cp.int32), rope_dim, cfg.rope_neox, cfg.rms_eps)
+    rope = RopeArgs(None if qn is None else cp.asarray(qn), None if kn is None else cp.asarray(kn),
+                    cp.asarray(rope_inv_freq(cfg, ff)), rope_dim, cfg.rope_neox, cfg.rms_eps)
+    ops.rope_qk_store(qd, cp.asarray(k), cp.asarray(v), kc, vc, rope, cp.asarray([pos0], dtype=cp.int32))
     assert rel_l2(qd.get(), q_want) < 1e-5
     kc, vc = kc.get(), vc.get()
     assert rel_l2(kc[pos0 : pos0 + n_tok], k_want) < 1e-3
@@ -110,21 +111,21 @@ def test_rope_qk_store(ops, rng, arch, D, rope_dim, n_head, n_head_kv, n_tok, po
 def test_rope_reads_stacked_product_columns(ops, rng):
     """q, k, v as column views of one (n_tok, q_dim + 2 kv_dim) stacked product, q rotated into
     its own buffer: the same results as from separate arrays."""
-    from k4.runtime.cuda.backend import rope_inv_freq
+    from k4.runtime.cuda.weights import rope_inv_freq
 
     n_tok, n_head, n_head_kv, D = 6, 4, 2, 64
     cfg = tiny_config("llama", head_dim=D, rope_dim=D, n_head=n_head, n_head_kv=n_head_kv)
     qkv = rng.standard_normal((n_tok, (n_head + 2 * n_head_kv) * D)).astype(np.float32)
     q, k, v = np.split(qkv, [n_head * D, (n_head + n_head_kv) * D], axis=1)
-    args = (cp.asarray(rope_inv_freq(cfg, None)), cp.asarray([3], dtype=cp.int32), D, False, 1e-5)
+    args = (RopeArgs(None, None, cp.asarray(rope_inv_freq(cfg, None)), D, False, 1e-5), cp.asarray([3], dtype=cp.int32))
     want = cp.asarray(q.reshape(n_tok, n_head, D))
     kc1, vc1 = cp.zeros((16, n_head_kv, D), cp.float16), cp.zeros((16, n_head_kv, D), cp.float16)
-    ops.rope_qk_store(want, cp.asarray(k), cp.asarray(v), kc1, vc1, None, None, *args)
+    ops.rope_qk_store(want, cp.asarray(k), cp.asarray(v), kc1, vc1, *args)
     d = cp.asarray(qkv)
     q_out = nan_like((n_tok, n_head, D), cp.float32)
     kc2, vc2 = cp.zeros_like(kc1), cp.zeros_like(vc1)
     a, b = n_head * D, (n_head + n_head_kv) * D
-    ops.rope_qk_store(d[:, :a], d[:, a:b], d[:, b:], kc2, vc2, None, None, *args, q_out=q_out)
+    ops.rope_qk_store(d[:, :a], d[:, a:b], d[:, b:], kc2, vc2, *args, q_out=q_out)
     assert cp.array_equal(q_out, want) and cp.array_equal(kc2, kc1) and cp.array_equal(vc2, vc1)
     assert cp.array_equal(d, cp.asarray(qkv))  # the product is only read
 
@@ -204,7 +205,7 @@ def test_attention(ops, rng, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split):
 def test_attention_with_fused_rope_equals_rope_then_attention(ops, rng, arch, n_head, n_head_kv, D, pos0, n_ctx):
     """Decode: RoPE and the cache store inside the attention kernel give the same output and
     the same cache as rope_qk_store followed by attention."""
-    from k4.runtime.cuda.backend import rope_inv_freq
+    from k4.runtime.cuda.weights import rope_inv_freq
     from k4.runtime.cuda.ops import attention_split
 
     cfg = tiny_config(arch, head_dim=D, rope_dim=D, n_head=n_head, n_head_kv=n_head_kv)
@@ -220,13 +221,14 @@ def test_attention_with_fused_rope_equals_rope_then_attention(ops, rng, arch, n_
 
     kc1, vc1 = (c.copy() for c in cache)
     q = nan_like((1, n_head, D), cp.float32)
-    ops.rope_qk_store(q_src, k_src, v_src, kc1, vc1, *norms, inv_freq, pos, D, cfg.rope_neox, cfg.rms_eps, q_out=q)
+    rope = RopeArgs(*norms, inv_freq, D, cfg.rope_neox, cfg.rms_eps)
+    ops.rope_qk_store(q_src, k_src, v_src, kc1, vc1, rope, pos, q_out=q)
     want = nan_like((1, n_head, D), cp.float32)
     ops.attention(q, kc1, vc1, want, pos, n_split, split_len, part, ticket)
 
     kc2, vc2 = (c.copy() for c in cache)
     got = nan_like((1, n_head, D), cp.float32)
-    fresh = (q_src, k_src, v_src, *norms, inv_freq, D, cfg.rope_neox, cfg.rms_eps)
+    fresh = FreshKV(q_src, k_src, v_src, rope)
     ops.attention(nan_like((1, n_head, D), cp.float32), kc2, vc2, got, pos, n_split, split_len, part, ticket, fresh)
     assert rel_l2(got.get(), want.get()) < 1e-6
     assert cp.array_equal(kc2, kc1) and cp.array_equal(vc2, vc1)

@@ -13,11 +13,11 @@ griddepcontrol.wait (all but set_i32) launch with programmatic dependent launch
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import cupy as cp
 import numpy as np
 
-from .. import flags
 from ..sampling import MASK64, SamplingParams
 from ..trace import Trace
 from .compile import module
@@ -113,22 +113,53 @@ def pack_sampler_params(p: SamplingParams) -> np.ndarray:
     return words
 
 
+@dataclass(frozen=True)
+class RopeArgs:
+    """RoPE of one layer as rope_qk_store and fused attention apply it: optional per-head
+    RMSNorm of q and k first (qwen3; (D,) f32 weights or None), then rotation of the first
+    rope_dim dims of each head by pos * inv_freq ((rope_dim/2,) f64), NeoX halves or
+    interleaved pairs; eps of the norm."""
+
+    q_norm: cp.ndarray | None
+    k_norm: cp.ndarray | None
+    inv_freq: cp.ndarray
+    rope_dim: int
+    neox: bool
+    eps: float
+
+    def check(self, D: int) -> None:
+        assert self.inv_freq.dtype == cp.float64 and self.inv_freq.shape == (self.rope_dim // 2,)
+        assert self.rope_dim % 2 == 0 and self.rope_dim <= D
+        for w in (self.q_norm, self.k_norm):
+            if w is not None:
+                _f32(w, D)
+
+    def kernel_args(self) -> tuple:
+        return (NULL if self.q_norm is None else self.q_norm, NULL if self.k_norm is None else self.k_norm, self.inv_freq)
+
+
+@dataclass(frozen=True)
+class FreshKV:
+    """For one decode query: the token's unrotated products, q (1, n_head * D), k and v
+    (1, n_head_kv * D) f32 views, that the attention kernel rotates (rope) and stores itself."""
+
+    q: cp.ndarray
+    k: cp.ndarray
+    v: cp.ndarray
+    rope: RopeArgs
+
+
 class Ops:
     """The kernel launchers. `trace` receives one launch per kernel; the backend swaps it for a
-    scratch Trace while it captures a CUDA graph (see CudaBackend). `pdl`: launch with
-    programmatic dependent launch while a graph is being captured (module docstring).
-    Attention of several queries (prefill) runs, where head_dim has an instance: attn_mma with
-    `mma` (flag K4_MMA_ATTN; None reads the flag now), else attn_tiled with `tiled`, else
-    attn_f16kv. `evict_first`: decode attention reads the KV cache with the L1 evict-first hint
-    (flag K4_EVICT_FIRST; None reads the flag now)."""
+    scratch Trace while it captures a CUDA graph (runtime/cuda/runner.py). `pdl`: launch with
+    programmatic dependent launch while a graph is being captured (module docstring, K4_PDL).
+    Prefill attention: attn_mma with `mma` (K4_MMA_ATTN), else attn_tiled with `tiled`
+    (K4_TILED_ATTN), where head_dim has an instance (attention_kernel). `evict_first`: decode
+    attention reads the KV cache with the L1 evict-first hint (K4_EVICT_FIRST)."""
 
-    def __init__(self, trace: Trace, pdl: bool = False, tiled: bool = True, mma: bool | None = None,
-                 evict_first: bool | None = None):
+    def __init__(self, trace: Trace, pdl: bool = False, tiled: bool = True, mma: bool = True, evict_first: bool = True):
         self.trace = trace
-        self.pdl, self.tiled = pdl, tiled
-        f = flags.current()
-        self.mma = f.on("K4_MMA_ATTN") if mma is None else mma
-        self.evict_first = f.on("K4_EVICT_FIRST") if evict_first is None else evict_first
+        self.pdl, self.tiled, self.mma, self.evict_first = pdl, tiled, mma, evict_first
         self._functions: dict[tuple[str, str], object] = {}
 
     def function(self, filename: str, name: str):
@@ -144,12 +175,8 @@ class Ops:
         """(file, kernel) of every kernel a model of head_dim launches: the small files' kernels,
         decode attention, and the prefill attention kernel that attention() picks for head_dim."""
         out = [(f, n) for f, names in KERNELS.items() if f != "attention.cu" for n in names]
-        out.append(("attention.cu", "attn_f16kv"))
-        if self.mma and head_dim in MMA_TILE_KEYS:
-            out.append(("attention.cu", f"attn_mma<{head_dim}, {MMA_TILE_KEYS[head_dim]}>"))
-        elif self.tiled and head_dim in TILED_HEAD_DIMS:
-            out.append(("attention.cu", f"attn_tiled<{head_dim}>"))
-        return out
+        out += [("attention.cu", "attn_f16kv"), ("attention.cu", self.attention_kernel(2, head_dim))]
+        return list(dict.fromkeys(out))
 
     def compile_jobs(self, head_dim: int) -> list:
         """compile.module() arguments of the modules kernels_for(head_dim) live in (for
@@ -184,17 +211,15 @@ class Ops:
         self._launch("norm.cu", f"rms_norm<{out}>", (n_rows,), (threads,), (x, w, y, np.int32(n), np.float32(eps)))
 
     def rope_qk_store(self, q: cp.ndarray, k: cp.ndarray, v: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
-                      q_norm: cp.ndarray | None, k_norm: cp.ndarray | None, inv_freq: cp.ndarray, pos: cp.ndarray,
-                      rope_dim: int, neox: bool, eps: float, q_out: cp.ndarray | None = None) -> None:
-        """RoPE on q and k, optional per-head RMSNorm first, k and v stored in the cache.
+                      rope: RopeArgs, pos: cp.ndarray, q_out: cp.ndarray | None = None) -> None:
+        """RoPE on q and k (rope: optional per-head RMSNorm first), k and v stored in the cache.
 
         q_out: (n_tok, n_head, D) f32, receives q normalized and rotated; None: q itself (then
         contiguous). q: (n_tok, n_head, D) f32, or a 2-D (n_tok, n_head * D) view with contiguous
         rows (columns of a stacked q|k|v product); k, v: likewise (n_tok, n_head_kv, D) or
-        (n_tok, n_head_kv * D). k_cache, v_cache: (n_ctx, n_head_kv, D) fp16 (one layer); q_norm,
-        k_norm: (D,) f32 or None; inv_freq: (rope_dim/2,) f64; pos: (1,) int32 device scalar, the
-        position of token 0. The caller guarantees pos + n_tok <= n_ctx (the kernel writes cache
-        rows pos .. pos + n_tok - 1).
+        (n_tok, n_head_kv * D). k_cache, v_cache: (n_ctx, n_head_kv, D) fp16 (one layer); pos:
+        (1,) int32 device scalar, the position of token 0. The caller guarantees
+        pos + n_tok <= n_ctx (the kernel writes cache rows pos .. pos + n_tok - 1).
         """
         q_out = q if q_out is None else q_out
         n_tok, n_head, D = q_out.shape
@@ -205,36 +230,40 @@ class Ops:
         ld_v = _row_stride(v, n_tok, n_head_kv * D)
         assert k_cache.dtype == v_cache.dtype == cp.float16 and k_cache.shape == v_cache.shape
         assert k_cache.shape[1:] == (n_head_kv, D) and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous
-        assert inv_freq.dtype == cp.float64 and inv_freq.shape == (rope_dim // 2,) and rope_dim % 2 == 0 and rope_dim <= D
         assert pos.dtype == cp.int32 and pos.size == 1
-        for w in (q_norm, k_norm):
-            if w is not None:
-                _f32(w, D)
+        rope.check(D)
         rows = n_tok * (n_head + n_head_kv)
         self._launch("rope.cu", "rope_qk_store", (-(-rows // ROPE_WARPS),), (32 * ROPE_WARPS,),
                      (q, np.int32(ld_q), k, np.int32(ld_k), v, np.int32(ld_v), q_out, k_cache, v_cache,
-                      NULL if q_norm is None else q_norm, NULL if k_norm is None else k_norm,
-                      inv_freq, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv), np.int32(D),
-                      np.int32(rope_dim), np.int32(neox), np.float32(eps)))
+                      *rope.kernel_args(), pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv), np.int32(D),
+                      np.int32(rope.rope_dim), np.int32(rope.neox), np.float32(rope.eps)))
+
+    def attention_kernel(self, n_tok: int, D: int) -> str:
+        """The attention kernel for n_tok queries of head_dim D (the selector): several queries
+        run attn_mma (tensor cores) with `mma`, else attn_tiled with `tiled`, where D has an
+        instance; one query, or a D without one, runs attn_f16kv."""
+        if n_tok > 1 and self.mma and D in MMA_TILE_KEYS:
+            return f"attn_mma<{D}, {MMA_TILE_KEYS[D]}>"
+        if n_tok > 1 and self.tiled and D in TILED_HEAD_DIMS:
+            return f"attn_tiled<{D}>"
+        return "attn_f16kv"
 
     def attention(self, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, out: cp.ndarray, pos: cp.ndarray,
                   n_split: int = 1, split_len: int = 0, part: cp.ndarray | None = None,
-                  ticket: cp.ndarray | None = None, fresh: tuple | None = None) -> None:
+                  ticket: cp.ndarray | None = None, fresh: FreshKV | None = None) -> None:
         """Causal attention of q over the fp16 cache; query t sits at position pos + t.
 
         q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx, n_head_kv, D) fp16 (one layer);
-        pos: (1,) int32 device scalar. n_split > 1 splits each query's keys into blocks of
-        split_len (n_split * split_len >= n_ctx) whose partials go to part: (n_tok, n_head,
-        n_split, D + 2) f32, merged by the last block of each head to finish, counted in ticket:
-        (n_tok * n_head,) int32, zeros (and left so). Several queries (n_split must be 1): with
-        `mma` and D in MMA_TILE_KEYS, attn_mma (tensor cores: Q and P rounded to fp16, f32
-        accumulation); else with `tiled` and D in TILED_HEAD_DIMS, attn_tiled.
+        pos: (1,) int32 device scalar. The kernel is attention_kernel's choice. For attn_f16kv,
+        n_split > 1 splits each query's keys into blocks of split_len (n_split * split_len >=
+        n_ctx) whose partials go to part: (n_tok, n_head, n_split, D + 2) f32, merged by the
+        last block of each head to finish, counted in ticket: (n_tok * n_head,) int32, zeros
+        (and left so); the tensor-core and tiled kernels take n_split = 1. attn_mma rounds Q and
+        P to fp16 (f32 accumulation).
 
         fresh: None, or for one query (decode) the RoPE and cache store of rope_qk_store done
-        inside the kernel: (q_src, k_src, v_src, q_norm, k_norm, inv_freq, rope_dim, neox, eps)
-        with q_src (1, n_head * D), k_src and v_src (1, n_head_kv * D) f32 (the unrotated
-        products), the rest as rope_qk_store takes them; q is then not read, and the token's k
-        and v are written to cache row pos.
+        inside the kernel (FreshKV); q is then not read, and the token's k and v are written to
+        cache row pos.
         """
         n_tok, n_head, D = q.shape
         n_ctx, n_head_kv, _ = k_cache.shape
@@ -243,26 +272,33 @@ class Ops:
         assert k_cache.dtype == v_cache.dtype == cp.float16 and v_cache.shape == k_cache.shape == (n_ctx, n_head_kv, D)
         assert D % 8 == 0 and D <= MAX_HEAD_DIM and n_head % n_head_kv == 0
         assert pos.dtype == cp.int32 and pos.size == 1
-        if n_tok > 1 and self.mma and D in MMA_TILE_KEYS:
-            assert n_split == 1
-            name = f"attn_mma<{D}, {MMA_TILE_KEYS[D]}>"
-            kernel, smem = self.function("attention.cu", name), mma_smem(D)
-            if kernel.max_dynamic_shared_size_bytes < smem:
-                kernel.max_dynamic_shared_size_bytes = smem
-            self._launch("attention.cu", name, (n_head, -(-n_tok // MMA_BQ)), (MMA_THREADS,),
-                         (q, k_cache, v_cache, out, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv),
-                          np.float32(1.0 / math.sqrt(D))), shared_mem=smem)
-            return
-        if n_tok > 1 and self.tiled and D in TILED_HEAD_DIMS:
-            assert n_split == 1
-            kernel = self.function("attention.cu", f"attn_tiled<{D}>")
-            smem = tiled_smem(D)
-            if kernel.max_dynamic_shared_size_bytes < smem:
-                kernel.max_dynamic_shared_size_bytes = smem
-            self._launch("attention.cu", f"attn_tiled<{D}>", (n_head, -(-n_tok // TILE_Q)), (TILE_THREADS,),
-                         (q, k_cache, v_cache, out, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv),
-                          np.float32(1.0 / math.sqrt(D))), shared_mem=smem)
-            return
+        name = self.attention_kernel(n_tok, D)
+        if name != "attn_f16kv":
+            assert n_split == 1 and fresh is None
+            self._attention_tiles(name, q, k_cache, v_cache, out, pos)
+        else:
+            self._attention_rows(q, k_cache, v_cache, out, pos, n_split, split_len, part, ticket, fresh)
+
+    def _attention_tiles(self, name: str, q, k_cache, v_cache, out, pos) -> None:
+        """Launch attn_mma or attn_tiled (several queries per block, keys staged in shared memory)."""
+        n_tok, n_head, D = q.shape
+        n_head_kv = k_cache.shape[1]
+        mma = name.startswith("attn_mma")
+        smem = mma_smem(D) if mma else tiled_smem(D)
+        kernel = self.function("attention.cu", name)
+        if kernel.max_dynamic_shared_size_bytes < smem:
+            kernel.max_dynamic_shared_size_bytes = smem
+        rows, threads = (MMA_BQ, MMA_THREADS) if mma else (TILE_Q, TILE_THREADS)
+        self._launch("attention.cu", name, (n_head, -(-n_tok // rows)), (threads,),
+                     (q, k_cache, v_cache, out, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv),
+                      np.float32(1.0 / math.sqrt(D))), shared_mem=smem)
+
+    def _attention_rows(self, q, k_cache, v_cache, out, pos, n_split: int, split_len: int, part, ticket,
+                        fresh: FreshKV | None) -> None:
+        """Launch attn_f16kv: one block per (head, query, split), optionally with RoPE and the
+        cache store of the token fused in (fresh)."""
+        n_tok, n_head, D = q.shape
+        n_ctx, n_head_kv, _ = k_cache.shape
         if n_split == 1:
             split_len = n_ctx
         else:
@@ -270,24 +306,20 @@ class Ops:
             assert part is not None and ticket is not None
             _f32(part, n_tok, n_head, n_split, D + 2)
             assert ticket.dtype == cp.int32 and ticket.size == n_tok * n_head and ticket.flags.c_contiguous
-        shared = att_smem(D)
-        scale = np.float32(1.0 / math.sqrt(D))
         rope = (NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, np.int32(0), np.int32(0), np.float32(0))
         if fresh is not None:
-            q_src, k_src, v_src, q_norm, k_norm, inv_freq, rope_dim, neox, eps = fresh
             assert n_tok == 1
-            _row_stride(q_src, 1, n_head * D)
-            _row_stride(k_src, 1, n_head_kv * D)
-            _row_stride(v_src, 1, n_head_kv * D)
-            assert inv_freq.dtype == cp.float64 and inv_freq.shape == (rope_dim // 2,) and rope_dim % 2 == 0 and rope_dim <= D
-            for w in (q_norm, k_norm):
-                if w is not None:
-                    _f32(w, D)
-            rope = (q_src, k_src, v_src, k_cache, v_cache, NULL if q_norm is None else q_norm, NULL if k_norm is None else k_norm,
-                    inv_freq, np.int32(rope_dim), np.int32(neox), np.float32(eps))
+            _row_stride(fresh.q, 1, n_head * D)
+            _row_stride(fresh.k, 1, n_head_kv * D)
+            _row_stride(fresh.v, 1, n_head_kv * D)
+            r = fresh.rope
+            r.check(D)
+            rope = (fresh.q, fresh.k, fresh.v, k_cache, v_cache, *r.kernel_args(), np.int32(r.rope_dim), np.int32(r.neox),
+                    np.float32(r.eps))
         self._launch("attention.cu", "attn_f16kv", (n_head, n_tok, n_split), (ATT_THREADS,),
                      (q, k_cache, v_cache, out, NULL if n_split == 1 else part, NULL if n_split == 1 else ticket, pos,
-                      np.int32(n_head), np.int32(n_head_kv), np.int32(D), np.int32(split_len), scale, *rope), shared_mem=shared)
+                      np.int32(n_head), np.int32(n_head_kv), np.int32(D), np.int32(split_len), np.float32(1.0 / math.sqrt(D)),
+                      *rope), shared_mem=att_smem(D))
 
     def _swiglu(self, gate: cp.ndarray, up: cp.ndarray, out: cp.ndarray, n_tok: int, n_ff: int, ld: int, step: int) -> None:
         blocks = min(-(-(n_tok * n_ff) // 256), 4096)

@@ -1,0 +1,81 @@
+"""A description of each model architecture k4 runs: its tensors, the ops of one block in order,
+and the options that tell one family from another. Both backends execute it: the config
+(runtime/model.py) takes the family's options from here, expected_shapes its tensor table, and
+the forward passes (runtime/reference.py, runtime/cuda/forward.py) walk the same op order,
+switching on the options only.
+
+Adding a family that shares this block structure is one entry in ARCHITECTURES; a new op (a
+different norm, activation or attention) is a new option here, a step in both forward passes
+and, on the GPU, a kernel. Names follow llama.cpp (GGUF `general.architecture`, tensor names
+as its converter writes them, LLM_ARCH_* in llama-arch.cpp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# One block, in execution order; each step names the GGUF tensors it reads (blk.N.<name>).
+# Steps in brackets run only where an option says so.
+BLOCK = (
+    ("attn_norm", "RMSNorm of the residual stream", ("attn_norm.weight",)),
+    ("qkv", "q, k, v projections [+ bias: qkv_bias]", ("attn_q.weight", "attn_k.weight", "attn_v.weight")),
+    ("qk_norm", "[per-head RMSNorm of q and k: qk_norm]", ("attn_q_norm.weight", "attn_k_norm.weight")),
+    ("rope", "RoPE on q and k (rope_neox: halves, else interleaved pairs; rope_freqs divisors)", ()),
+    ("kv_store", "k and v into the KV cache", ()),
+    ("attention", "causal grouped-query attention over the cache, scale 1/sqrt(head_dim)", ()),
+    ("attn_output", "output projection + residual", ("attn_output.weight",)),
+    ("ffn_norm", "RMSNorm of the residual stream", ("ffn_norm.weight",)),
+    ("gate_up", "gate and up projections", ("ffn_gate.weight", "ffn_up.weight")),
+    ("swiglu", "silu(gate) * up", ()),
+    ("ffn_down", "down projection + residual", ("ffn_down.weight",)),
+)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One family. rope_neox: RoPE rotates halves (NeoX) rather than interleaved pairs (llama.cpp's
+    "normal" mode, for which its converter permutes q/k rows). qkv_bias: "always", "never" or
+    "if present" (attn_{q,k,v}.bias). qk_norm: per-head RMSNorm of q and k before RoPE
+    (attn_{q,k}_norm.weight, (head_dim,))."""
+
+    name: str
+    rope_neox: bool
+    qkv_bias: str
+    qk_norm: bool
+
+    def has_qkv_bias(self, tensor_names) -> bool:
+        """Whether the q/k/v biases are read, given the file's tensor names."""
+        if self.qkv_bias == "if present":
+            return "blk.0.attn_q.bias" in tensor_names
+        return self.qkv_bias == "always"
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture("llama", rope_neox=False, qkv_bias="if present", qk_norm=False),  # Llama 2/3/3.1/3.2, Mistral, SmolLM
+        Architecture("qwen2", rope_neox=True, qkv_bias="always", qk_norm=False),  # Qwen2, Qwen2.5
+        Architecture("qwen3", rope_neox=True, qkv_bias="never", qk_norm=True),  # Qwen3 dense
+    )
+}
+
+
+def layer_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """The tensors of one block (names after `blk.N.`) with their numpy shapes, for a
+    runtime.model.ModelConfig: the BLOCK steps' tensors that its options select."""
+    shapes: dict[str, tuple[int, ...]] = {
+        "attn_norm.weight": (cfg.n_embd,),
+        "attn_q.weight": (cfg.q_dim, cfg.n_embd),
+        "attn_k.weight": (cfg.kv_dim, cfg.n_embd),
+        "attn_v.weight": (cfg.kv_dim, cfg.n_embd),
+        "attn_output.weight": (cfg.n_embd, cfg.q_dim),
+        "ffn_norm.weight": (cfg.n_embd,),
+        "ffn_gate.weight": (cfg.n_ff, cfg.n_embd),
+        "ffn_up.weight": (cfg.n_ff, cfg.n_embd),
+        "ffn_down.weight": (cfg.n_embd, cfg.n_ff),
+    }
+    if cfg.has_qkv_bias:
+        shapes.update({"attn_q.bias": (cfg.q_dim,), "attn_k.bias": (cfg.kv_dim,), "attn_v.bias": (cfg.kv_dim,)})
+    if cfg.has_qk_norm:
+        shapes.update({"attn_q_norm.weight": (cfg.head_dim,), "attn_k_norm.weight": (cfg.head_dim,)})
+    return shapes

@@ -1,0 +1,144 @@
+"""The forward pass on the GPU: the twin of runtime/reference.py's NumpyBackend._forward, in the
+same order and with the same names, one line per op. It only enqueues kernels on the current
+stream: no allocation, no host copy, no sync, so prefill chunks and the decode step can be
+captured as CUDA graphs (runtime/cuda/runner.py).
+
+Speed tricks are options (each a K4_* flag) applied from outside the model's order: in decode,
+each RMSNorm folded into the matrix-vector product after it (fuse_norm), RoPE with the KV-cache
+store inside the attention kernel (fuse_rope); the q/k/v and gate/up layouts come with the
+weights (runtime/cuda/weights.py). Prefill runs on fp16 activations when every product takes
+them (matmul.takes_half).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cupy as cp
+
+from ..model import ModelConfig
+from . import matmul, ops
+from .buffers import KVCache
+from .weights import LayerWeights, Weights
+
+
+@dataclass(frozen=True)
+class ForwardOptions:
+    """The forward pass's fusions (each a K4_* flag, runtime/flags.py)."""
+
+    fuse_norm: bool = True  # K4_FUSE_NORM: decode RMSNorm inside the next product's prologue
+    fuse_rope: bool = True  # K4_FUSE_ROPE: decode RoPE + cache store inside attention
+
+
+class Forward:
+    """Enqueues forward passes of one model: weights `w`, activations `act` (buffers.activation_spec),
+    cache `kv`, kernels `ops`, on `stream`. splits: the decode attention configurations
+    (limit, n_split, split_len) per range of context lengths (ops.split_buckets); pos: the
+    device int32 position of the first token (decode state). blas: cuBLAS handle for prefill
+    graphs, or None."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights, act, kv: KVCache, o: ops.Ops, opts: ForwardOptions,
+                 splits: list[tuple[int, int, int]], pos: cp.ndarray, stream):
+        self.cfg, self.w, self.act, self.kv, self.ops, self.opts = cfg, w, act, kv, o, opts
+        self.splits, self.pos, self.stream = splits, pos, stream
+        self.blas = None
+        self.n_ctx, self.chunk = kv.k.shape[1], act.x0.shape[0]
+
+    def layers(self, n: int, row_ids: cp.ndarray, split: tuple[int, int, int] | None = None) -> cp.ndarray:
+        """Enqueue the layers for n tokens (ids row_ids (n,) int32 on the device) at positions
+        pos .. pos + n - 1, writing their keys/values into the cache. split: for one token, the
+        decode attention configuration (default the last, valid at any position); the position
+        must be below its limit. Returns the residual stream (n, n_embd) f32 after the last layer."""
+        cfg, o, a = self.cfg, self.ops, self.act
+        x, x1 = a.x0[:n], a.x1[:n]  # (n, n_embd) each
+        q, attn = a.q[:n], a.attn[:n]  # (n, n_head, head_dim)
+        half = n > 1 and self.half(n)
+        ff = (a.ff16 if half else a.ff)[:n]  # (n, n_ff)
+        limit, n_split, split_len = (split or self.splits[-1]) if n == 1 else (self.n_ctx, 1, self.n_ctx)
+        part = None
+        if n_split > 1:
+            part = a.part[: cfg.n_head * n_split * (cfg.head_dim + 2)].reshape(1, cfg.n_head, n_split, cfg.head_dim + 2)
+        matmul.dequant_rows(self.w.token_embd, row_ids, x, stream=self.stream, trace=o.trace)
+        for li, L in enumerate(self.w.layers):
+            # attention: norm, q/k/v projections (+bias), [q/k norm] + RoPE + cache store, attention, output + residual
+            h, norm = self.normed(x, L.attn_norm, half)
+            cols = self.qkv(L, h, norm, n)
+            k_cache, v_cache = self.kv.k[li], self.kv.v[li]  # (n_ctx, n_head_kv, head_dim)
+            rope = ops.RopeArgs(L.q_norm, L.k_norm, self.w.inv_freq, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps)
+            if n == 1 and self.opts.fuse_rope:  # RoPE and the cache store inside the attention kernel
+                fresh = ops.FreshKV(cols["q"], cols["k"], cols["v"], rope)
+            else:
+                o.rope_qk_store(cols["q"], cols["k"], cols["v"], k_cache, v_cache, rope, self.pos, q_out=q)
+                fresh = None
+            o.attention(q, k_cache[:limit], v_cache[:limit], attn, self.pos, n_split, split_len, part, a.ticket, fresh)
+            self.linear(L.wo, attn.reshape(n, cfg.q_dim), x1, residual=x)
+            # feed-forward: norm, gate and up with SwiGLU, down + residual
+            ff_q8 = self.gate_up(L, x1, ff, half)
+            self.linear(L.w_down, ff, x, residual=x1, x_q8=ff_q8)
+        return x
+
+    def output(self, x: cp.ndarray, logits: cp.ndarray) -> None:
+        """logits (n, n_vocab) = output · rmsnorm(x (n, n_embd)) * output_norm."""
+        n = x.shape[0]
+        h, norm = self.normed(x, self.w.output_norm, n > 1 and self.half(n))
+        self.linear(self.w.output, h, logits, norm=norm)
+
+    def qkv(self, L: LayerWeights, h: cp.ndarray, norm, n: int) -> dict[str, cp.ndarray]:
+        """The q, k, v products (+ bias) of h (n, n_embd): name -> (n, rows) column views."""
+        cols = {}
+        for p in L.qkv:
+            self.linear(p.w, h, p.out[:n], bias=p.bias, norm=norm)
+            cols.update({name: c[:n] for name, c in p.cols.items()})
+        return cols
+
+    def gate_up(self, L: LayerWeights, x1: cp.ndarray, ff: cp.ndarray, half: bool):
+        """ff (n, n_ff) = silu(gate) * up of rmsnorm(x1 (n, n_embd)) * ffn_norm: in the product's
+        epilogue for a glu weight on the matrix-vector path, else by the swiglu kernel. Returns
+        L.ff_q8 when the epilogue also wrote ff quantized into it for w_down (one token), else None."""
+        n = x1.shape[0]
+        h, norm = self.normed(x1, L.ffn_norm, half)
+        if len(L.gate_up) == 2:  # separate gate and up
+            g, u = (p.out[:n] for p in L.gate_up)
+            self.linear(L.gate_up[0].w, h, g, norm=norm)
+            self.linear(L.gate_up[1].w, h, u, norm=norm)
+            self.ops.swiglu(g, u, ff)
+            return None
+        p = L.gate_up[0]
+        if p.w.glu and matmul.uses_gemv(p.w, n):
+            q8 = L.ff_q8 if n == 1 else None
+            for i in range(n):  # the matrix-vector path: SwiGLU in the epilogue
+                self.linear(p.w, h[i : i + 1], ff[i : i + 1], norm=norm, y_q8=q8)
+            return q8
+        self.linear(p.w, h, p.out[:n], norm=norm)
+        self.ops.swiglu_rows(p.out[:n], ff, interleaved=p.w.glu)
+        return None
+
+    def linear(self, w, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None, bias=None, norm=None,
+               x_q8=None, y_q8=None) -> None:
+        """Y = X W^T (+ bias) (+ residual). X: (n, n_in) f32 (or fp16 on the tensor-core path),
+        Y and residual: (n, n_out) f32 views; a glu weight yields silu(gate) * up, (n, n_out / 2),
+        on one row. One row: matmul.gemv, with norm = (norm_w, eps) folded into it and the q8
+        handoff x_q8, y_q8 (matmul.Q8Vector); more: matmul.matmul (tensor cores unless
+        K4_PREFILL_TC=0)."""
+        if X.shape[0] == 1:
+            matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, norm=norm,
+                        stream=self.stream, trace=self.ops.trace, x_q8=x_q8, y_q8=y_q8)
+        else:
+            matmul.matmul(w, X, Y, residual=residual, bias=bias, scratch=self.act.mm_scratch, stream=self.stream,
+                          trace=self.ops.trace, blas=self.blas)
+
+    def normed(self, x: cp.ndarray, norm_w: cp.ndarray, half: bool):
+        """The input of the products after an RMSNorm of x (n, n_embd): (X, norm) for linear.
+        One row with fuse_norm: x itself, the norm folded into the product; otherwise the norm
+        kernel's output, fp16 when `half`."""
+        n = x.shape[0]
+        if n == 1 and self.opts.fuse_norm:
+            return x, (norm_w, self.cfg.rms_eps)
+        h = (self.act.h16 if half else self.act.h)[:n]
+        self.ops.rms_norm(x, norm_w, h, self.cfg.rms_eps)
+        return h, None
+
+    def half(self, n: int) -> bool:
+        """Whether a forward pass of n tokens runs on fp16 activations: every product of it takes
+        them (matmul.takes_half)."""
+        return all(matmul.takes_half(w, n) for w in self.w.matrices)

@@ -1,0 +1,227 @@
+"""The CUDA backend's weights: what is uploaded, in which layout, and the upload itself.
+
+Matrices go to the device in their quantized block layout (Q4_K stays 144 bytes per 256
+weights; repacked into per-field planes with K4_REPACK), the q/k/v and gate/up matrices of a
+layer stacked into one matrix per run of one ggml type (K4_STACK), gate/up rows interleaved for
+the SwiGLU epilogue (K4_FUSE_SWIGLU). Vectors (norms, biases) go as float32; rope_freqs as the
+float64 inverse frequencies the RoPE kernels read. The file is read by memory.Uploader's
+threads into pinned staging buffers while earlier pieces copy to the device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import cupy as cp
+import numpy as np
+
+from ..model import ModelConfig, ModelFile, expected_shapes
+from ..trace import Trace
+from ..weights import dequantize_tensor
+from . import matmul, memory
+
+STACKED = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")  # per-layer tensors uploaded as Projections
+
+
+@dataclass(frozen=True)
+class WeightOptions:
+    """How the weights are laid out on the device (each a K4_* flag, runtime/flags.py)."""
+
+    repack: bool = True  # K4_REPACK: quantized blocks in per-field planes
+    stack: bool = True  # K4_STACK: q/k/v (and gate/up) runs of one type as one matrix
+    glu: bool = True  # K4_FUSE_SWIGLU: gate/up interleaved for the SwiGLU epilogue
+    pinned: bool = True  # K4_PINNED_UPLOAD: pinned staging buffers, reader threads
+    matrix: matmul.WeightOptions = field(default_factory=matmul.WeightOptions)
+
+
+@dataclass
+class Projection:
+    """One matrix product of a layer whose weight stacks the rows of one or more GGUF tensors.
+
+    w: matmul.DeviceWeight (n_out, n_in); bias: (n_out,) f32 or None (qwen2's q/k/v biases,
+    concatenated); parts: (name, rows) of each stacked tensor in order ("q", "k", "v", "gate",
+    "up"; "gate_up" for a glu weight, interleaved); out: (P, n_out) f32 view of the scratch
+    buffer it writes; cols: per part name, the (P, rows) column view of out (buffers.place).
+    """
+
+    w: object
+    bias: object
+    parts: tuple[tuple[str, int], ...]
+    out: object = None
+    cols: dict = None
+
+
+@dataclass
+class LayerWeights:
+    """One block's weights on the device. Matrices are matmul.DeviceWeight (n_out, n_in);
+    vectors are f32 CuPy arrays."""
+
+    attn_norm: object  # (n_embd,)
+    qkv: tuple  # Projections covering q (q_dim rows), k, v (kv_dim each), in that order
+    wo: object  # (n_embd, q_dim)
+    ffn_norm: object  # (n_embd,)
+    gate_up: tuple  # Projections covering gate and up (n_ff rows each): one glu, one stacked, or two
+    w_down: object  # (n_embd, n_ff)
+    q_norm: object = None  # (head_dim,) qwen3
+    k_norm: object = None  # (head_dim,)
+    ff_q8: object = None  # matmul.Q8Vector: decode's SwiGLU output quantized for w_down (K4_FUSE_QUANT)
+
+
+@dataclass
+class Weights:
+    """Every weight the forward pass reads, on the device."""
+
+    token_embd: object  # DeviceWeight (n_vocab, n_embd)
+    output: object  # DeviceWeight (n_vocab, n_embd); token_embd itself when the embeddings are tied
+    output_norm: object  # (n_embd,) f32
+    inv_freq: object  # (rope_dim/2,) f64: base^(-2i/rope_dim), divided by rope_freqs when present
+    layers: list[LayerWeights]
+    matrices: list = field(default_factory=list)  # every DeviceWeight a product reads: output first
+
+    def __post_init__(self):
+        self.matrices = [self.output] + [w for L in self.layers for w in (*(p.w for p in L.qkv + L.gate_up), L.wo, L.w_down)]
+
+
+def runs_of_one_type(types: Sequence, stack: bool) -> list[list[int]]:
+    """Indices 0..len(types)-1 grouped into runs of consecutive equal types (each alone when not
+    `stack`): the matrices that can share one stacked weight."""
+    groups: list[list[int]] = []
+    for i, t in enumerate(types):
+        if stack and groups and types[groups[-1][-1]] == t:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def rope_inv_freq(cfg: ModelConfig, freq_factors: np.ndarray | None) -> np.ndarray:
+    """(rope_dim/2,) float64: rope_freq_base^(-2i/rope_dim), divided by rope_freqs[i] when given."""
+    inv = cfg.rope_freq_base ** (-np.arange(cfg.rope_dim // 2, dtype=np.float64) * 2.0 / cfg.rope_dim)
+    return inv if freq_factors is None else inv / freq_factors.astype(np.float64)
+
+
+def weight_bytes(mf: ModelFile, cfg: ModelConfig) -> int:
+    """Device bytes of the weights before layout changes: matrices as in the file, vectors f32."""
+    return sum(mf.tensor(n).n_bytes if len(s) == 2 else 4 * math.prod(s) for n, s in expected_shapes(cfg).items())
+
+
+def matrix_plan(mf: ModelFile, cfg: ModelConfig, opts: WeightOptions) -> list[tuple]:
+    """The matrices to upload, in order: (key, tensor names, glu), key a tensor name or
+    (layer, "qkv" or "gate_up", index of the run of one type); glu: gate/up interleaved."""
+    plan = []
+    for name, shape in expected_shapes(cfg).items():
+        if len(shape) == 2 and not (name.startswith("blk.") and name.split(".")[2] in STACKED):
+            plan.append((name, [name], False))
+    for i in range(cfg.n_layer):
+        for part, names in (("qkv", [f"blk.{i}.attn_{p}.weight" for p in "qkv"]),
+                            ("gate_up", [f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"])):
+            types = [mf.tensor(n).ggml_type for n in names]
+            if part == "gate_up" and opts.glu and types[0] == types[1]:
+                plan.append(((i, part, 0), names, True))
+                continue
+            for j, run in enumerate(runs_of_one_type(types, opts.stack)):
+                plan.append(((i, part, j), [names[k] for k in run], False))
+    return plan
+
+
+class WeightLoader:
+    """Uploads a model's weights (load_weights) with a memory.DeviceMemory `mem`, counting copies
+    in `trace`, on `copy_stream`. After load: detail_ms, the read and copy times inside it."""
+
+    def __init__(self, mem: memory.DeviceMemory, trace: Trace, copy_stream, opts: WeightOptions):
+        self.mem, self.trace, self.copy_stream, self.opts = mem, trace, copy_stream, opts
+        self.detail_ms: dict[str, float] = {}
+
+    def load(self, mf: ModelFile, cfg: ModelConfig, progress: Callable[[int, int], None] | None) -> Weights:
+        """Upload every tensor the forward pass reads (see the module doc). Reading the file
+        overlaps the copies; file bytes that need a device layout pass through a scratch buffer
+        freed before returning."""
+        plan = matrix_plan(mf, cfg, self.opts)
+        tmp = max([sum(mf.tensor(n).n_bytes for n in names) for _, names, glu in plan
+                   if matmul.needs_device_layout(mf.tensor(names[0]), self.opts.repack, glu)] or [0])
+        load_tmp = self.mem.empty(max(tmp, 1), cp.uint8, "scratch")  # file bytes awaiting device_layout
+        up = memory.Uploader(self.trace, self.copy_stream, weight_bytes(mf, cfg), self.opts.pinned, progress)
+        try:
+            dev = {key: self._matrix(up, mf, [mf.tensor(n) for n in names], glu, load_tmp) for key, names, glu in plan}
+            for name, shape in expected_shapes(cfg).items():
+                if len(shape) == 1:
+                    host = dequantize_tensor(mf.tensor(name))  # (n,) f32
+                    dev[name] = self._vector(up, rope_inv_freq(cfg, host) if name == "rope_freqs.weight" else host)
+            if not cfg.has_rope_freqs:
+                dev["rope_freqs.weight"] = self._vector(up, rope_inv_freq(cfg, None))  # (rope_dim/2,) f64
+            biases = {}
+            for key, names, glu in plan:
+                b = [n.replace(".weight", ".bias") for n in names]
+                if not glu and isinstance(key, tuple) and b[0] in mf.tensors:
+                    biases[key] = self._vector(up, np.concatenate([dequantize_tensor(mf.tensor(n)) for n in b]))
+            up.finish()
+            self.detail_ms = {"file read (summed over reader threads)": up.read_ms, "copy stream busy (CUDA events)": up.copy_ms}
+        finally:
+            up.close()
+        self.mem.release(load_tmp, "scratch")
+        return _assemble(mf, cfg, plan, dev, biases)
+
+    def _matrix(self, up, mf: ModelFile, tensors: Sequence, glu: bool, load_tmp):
+        """Upload the rows of `tensors` (one ggml type and n_in) as one DeviceWeight: stacked in
+        order, or with glu the two (ffn_gate, ffn_up) interleaved (matmul.combined). The file's
+        bytes go to the device as they are; when the layout differs (planar repack, interleave),
+        they land in load_tmp and matmul.device_layout rearranges them on the copy stream."""
+        repack = self.opts.repack
+        spec = matmul.combined(tensors, tensors[0].name, glu)
+        buf = self.mem.empty(matmul.layout_nbytes(spec, repack), cp.uint8, "weights")
+        post = matmul.needs_device_layout(spec, repack, glu)
+        target = load_tmp[: sum(t.n_bytes for t in tensors)] if post else buf
+
+        def layout() -> None:
+            with self.copy_stream:
+                matmul.device_layout(buf, target, spec, repack, glu, self.trace)
+
+        at = 0
+        for i, t in enumerate(tensors):
+            then = layout if post and i == len(tensors) - 1 else None
+            if t.file_offset is None:
+                up.upload(target.data.ptr + at, t.raw_bytes(), then)
+            else:
+                up.upload_file(target.data.ptr + at, mf.path, t.file_offset, t.n_bytes, then)
+            at += t.n_bytes
+        return matmul.make_weight(spec, buf, repack, glu, self.opts.matrix)
+
+    def _vector(self, up, host: np.ndarray):
+        buf = self.mem.empty(host.shape, host.dtype, "weights")
+        up.upload(buf.data.ptr, host)
+        return buf
+
+
+def _assemble(mf: ModelFile, cfg: ModelConfig, plan: list[tuple], dev: dict, biases: dict) -> Weights:
+    """The uploaded pieces (dev: plan key or tensor name -> device array) as Weights."""
+    qkv_parts, ffn_parts = dict(zip((f"attn_{p}" for p in "qkv"), "qkv")), {"ffn_gate": "gate", "ffn_up": "up"}
+    projections: dict[tuple[int, str], list] = {}
+    for key, names, glu in plan:
+        if isinstance(key, tuple):
+            i, part, _ = key
+            short = qkv_parts if part == "qkv" else ffn_parts
+            parts = (("gate_up", dev[key].shape[0]),) if glu else tuple((short[n.split(".")[2]], mf.tensor(n).shape[0]) for n in names)
+            projections.setdefault((i, part), []).append(Projection(dev[key], biases.get(key), parts))
+    layers = []
+    for i in range(cfg.n_layer):
+        g = lambda n: dev.get(f"blk.{i}.{n}")  # noqa: E731
+        layers.append(LayerWeights(g("attn_norm.weight"), tuple(projections[i, "qkv"]), g("attn_output.weight"),
+                                   g("ffn_norm.weight"), tuple(projections[i, "gate_up"]), g("ffn_down.weight"),
+                                   g("attn_q_norm.weight"), g("attn_k_norm.weight")))
+    return Weights(dev["token_embd.weight"], dev["token_embd.weight" if cfg.tied_embeddings else "output.weight"],
+                   dev["output_norm.weight"], dev["rope_freqs.weight"], layers)
+
+
+def half_weights(weights: Weights, mem: memory.DeviceMemory, chunk: int, stream, trace: Trace) -> None:
+    """Keep an fp16 copy of every matrix prefill multiplies on tensor cores (matmul.make_half)
+    when all of them take under a quarter of the free GPU memory, so prefill skips
+    dequantization; otherwise leave them (no error). For K4_PREFILL_F16_CACHE."""
+    todo = [w for w in weights.matrices if matmul.half_bytes(w) and matmul.takes_half(w, chunk)]
+    need = sum(matmul.half_bytes(w) for w in {id(w): w for w in todo}.values())
+    if not (todo and need < memory.free_bytes() // 4):
+        return
+    for w in todo:
+        if w.half is None:
+            matmul.make_half(w, mem.empty(w.shape, cp.float16, "prefill_f16"), stream, trace)
