@@ -96,7 +96,10 @@ def _scalar(mf: "ModelFile", spec: Key, key: str) -> Any:
     if field is None:
         return None
     vtype = field.types[0]
-    bounds = f" in {spec.lo:g}..{spec.hi:g}" if spec.kind in ("int", "float") and math.isfinite(spec.hi) else ""
+    if spec.kind == "int":
+        bounds = f" in {int(spec.lo):,}..{int(spec.hi):,}"
+    else:
+        bounds = f" in {spec.lo:g}..{spec.hi:g}" if spec.kind == "float" else ""
     expected = _KIND_TEXT[spec.kind] + bounds
     ok = {"int": vtype in _INTS, "float": vtype in _FLOATS or vtype in _INTS, "bool": vtype == V.BOOL,
           "str": vtype == V.STRING}[spec.kind]
@@ -146,6 +149,7 @@ def check_model_keys(mf: "ModelFile", arch: str) -> dict[str, Any]:
             v[spec.name] = value
         elif spec.name in REQUIRED:
             raise ModelFileError(f"{mf.path}: metadata key '{arch}.{spec.name}' is missing; the file is incomplete")
+    _check_embedding(mf, arch, v["embedding_length"])
     n_head = v["attention.head_count"]
     v.setdefault("attention.head_count_kv", n_head)
     n_kv = v["attention.head_count_kv"]
@@ -155,11 +159,11 @@ def check_model_keys(mf: "ModelFile", arch: str) -> dict[str, Any]:
     head_dim = v["attention.key_length"]
     if head_dim < 1:
         _fail(mf, f"{arch}.attention.head_count", str(n_head), f"at most embedding_length ({v['embedding_length']})")
+    _check_shapes(mf, arch, v)
     v.setdefault("rope.dimension_count", head_dim)
     rope_dim = v["rope.dimension_count"]
     if rope_dim % 2 or rope_dim > head_dim:
         _fail(mf, f"{arch}.rope.dimension_count", str(rope_dim), f"an even number of at most the head size ({head_dim})")
-    _check_shapes(mf, arch, v)
     return v
 
 
@@ -168,15 +172,20 @@ def _rows(mf: "ModelFile", name: str) -> tuple[int, ...] | None:
     return None if t is None else t.shape
 
 
-def _check_shapes(mf: "ModelFile", arch: str, v: dict[str, Any]) -> None:
+def _check_embedding(mf: "ModelFile", arch: str, n_embd: int) -> None:
+    """n_embd = token_embd columns; one token per token_embd row."""
     embd = _rows(mf, "token_embd.weight")
     if embd is None or len(embd) != 2:
         raise ModelFileError(f"{mf.path}: tensor 'token_embd.weight' is missing or not a matrix; the file is incomplete")
-    if embd[1] != v["embedding_length"]:
-        _fail(mf, f"{arch}.embedding_length", str(v["embedding_length"]), f"{embd[1]}, the columns of token_embd.weight")
+    if embd[1] != n_embd:
+        _fail(mf, f"{arch}.embedding_length", str(n_embd), f"{embd[1]}, the columns of token_embd.weight")
     tokens = mf.reader.fields.get("tokenizer.ggml.tokens")
     if tokens is not None and len(tokens.data) != embd[0]:
         _fail(mf, "tokenizer.ggml.tokens", f"{len(tokens.data):,} tokens", f"{embd[0]:,}, the rows of token_embd.weight")
+
+
+def _check_shapes(mf: "ModelFile", arch: str, v: dict[str, Any]) -> None:
+    """block_count = the blk.N layers present; attn_q, attn_k and ffn_up rows."""
     layers = {int(m.group(1)) for name in mf.tensors if (m := _LAYER.match(name))}
     n_layer = max(layers) + 1 if layers else 0
     if v["block_count"] != n_layer:
@@ -187,6 +196,10 @@ def _check_shapes(mf: "ModelFile", arch: str, v: dict[str, Any]) -> None:
                               ("attn_k", "attention.head_count_kv", v["attention.head_count_kv"] * head_dim),
                               ("ffn_up", "feed_forward_length", v["feed_forward_length"])):
         shape = _rows(mf, f"blk.0.{tensor}.weight")
-        if shape is not None and shape[0] != rows:
-            formula = f" (x head size {head_dim} = {rows})" if tensor != "ffn_up" else ""
-            _fail(mf, f"{arch}.{key}", f"{v[key]}{formula}", f"the {shape[0]} rows of blk.0.{tensor}.weight")
+        if shape is None or shape[0] == rows:
+            continue
+        if tensor == "ffn_up":
+            _fail(mf, f"{arch}.{key}", str(v[key]), f"the {shape[0]} rows of blk.0.{tensor}.weight")
+        if shape[0] % head_dim == 0 or f"{arch}.attention.key_length" not in mf.reader.fields:
+            _fail(mf, f"{arch}.{key}", f"{v[key]} (x head size {head_dim} = {rows})", f"the {shape[0]} rows of blk.0.{tensor}.weight")
+        _fail(mf, f"{arch}.attention.key_length", f"{head_dim} (x {key} {v[key]} = {rows})", f"the {shape[0]} rows of blk.0.{tensor}.weight")

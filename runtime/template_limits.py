@@ -10,7 +10,8 @@ could loop for hours (nested loops), build gigabytes (`s ~ s` doubling, `'x' * n
   tuple result over MAX_OUTPUT items, or a power over MAX_INT_BITS bits, is refused before it
   is made;
 - every call from the template (methods such as `str.ljust`, and every filter) is refused when
-  an integer argument exceeds MAX_OUTPUT, and its result is checked like an operator's;
+  an integer argument, or a width in a `str.format` string, exceeds MAX_OUTPUT, and its result
+  is checked like an operator's;
 - `render_limited` streams the output and stops it past MAX_OUTPUT characters, and stops the
   render after RENDER_SECONDS: by SIGALRM in the main thread (which also ends loops that call
   nothing), and elsewhere by a deadline checked at each call and attribute access.
@@ -21,6 +22,7 @@ Any of these raises LimitExceeded, whose message names the limit.
 from __future__ import annotations
 
 import math
+import re
 import signal
 import threading
 import time
@@ -97,6 +99,11 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
         __self._tick()
+        method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
+        if getattr(method, "__name__", "") in ("format", "format_map") and isinstance(getattr(method, "__self__", None), str):
+            widths = [int(w) for w in re.findall(r"\d+", method.__self__)]  # '{:>1000000000}' pads before any check could see it
+            if widths and max(widths) > __self.limit:
+                raise LimitExceeded(f"a format width of {max(widths)} (over {__self.limit:,})")
         for a in (*args, *kwargs.values()):
             if isinstance(a, int) and not isinstance(a, bool) and abs(a) > __self.limit:
                 raise LimitExceeded(f"a call with the argument {a} (over {__self.limit:,})")
