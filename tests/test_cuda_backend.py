@@ -430,7 +430,9 @@ def test_each_switch_keeps_golden_tokens_and_numpy_logits(data, tiny_model, monk
         small = tiny_model(case)
         prompt = np.random.default_rng(4).integers(3, small.config.n_vocab, size=19).tolist()
         got, ref = cuda(small, 64), NumpyBackend(small, 64)
-        assert rel_l2(got.eval(prompt, all_logits=True), ref.eval(prompt, all_logits=True)) < LIMIT_PREFILL, case
+        # without tensor cores, prefill multiplies each token as decode does (8-bit activations)
+        prefill_limit = decode_limit(small) if flag == "K4_PREFILL_TC" else LIMIT_PREFILL
+        assert rel_l2(got.eval(prompt, all_logits=True), ref.eval(prompt, all_logits=True)) < prefill_limit, case
         assert rel_l2(got.eval([7]), ref.eval([7])) < decode_limit(small), case
         got.close()
 
