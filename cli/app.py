@@ -56,7 +56,7 @@ def main() -> None:
     from .render import clean, err
 
     try:
-        code = app(standalone_mode=False)
+        code = app(standalone_mode=False, prog_name="k4")
     except NoArgsIsHelpError as exc:  # `k4` alone: the help, as before
         exc.show()
         sys.exit(2)

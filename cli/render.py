@@ -21,8 +21,17 @@ from rich.text import Text
 
 from k4.runtime.errors import K4Error
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+class _Console(Console):
+    """rich's Console, except that a closed pipe raises BrokenPipeError (rich exits with status 1;
+    k4 exits 0 when the reader of its output has gone, as `| head` does)."""
+
+    def on_broken_pipe(self) -> None:
+        _output_lost()
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+
+out = _Console(highlight=False, soft_wrap=True)
+err = _Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 # Terminal control characters: C0 (but tab and newline), DEL and C1; ESC among them.

@@ -1,8 +1,8 @@
 """GGUF files byte by byte, for hostile test inputs: any value type under any key, counts and
 lengths that lie, tensors of any name and shape. Format: ggml docs/gguf.md (v3, little-endian).
 
-`Model.sample()` reads the bundled sample model into an editable list of key/values and
-tensors; `Model.to_bytes()` writes it back (byte-identical layout rules: 32-byte alignment).
+`Model.read(path)` (`Model.sample()`: the bundled sample model) reads a GGUF into an editable
+list of key/values and tensors; `Model.to_bytes()` writes it back (32-byte alignment).
 """
 
 from __future__ import annotations
@@ -59,7 +59,11 @@ class Model:
 
     @classmethod
     def sample(cls) -> "Model":
-        r = GGUFReader(SAMPLE)
+        return cls.read(SAMPLE)
+
+    @classmethod
+    def read(cls, path: Path) -> "Model":
+        r = GGUFReader(path)
         kvs = []
         for key, f in r.fields.items():
             if key.startswith("GGUF."):
