@@ -232,3 +232,17 @@ def test_zero_size_tensor_in_quantize_input(tmp_path):
     r = runner.invoke(app, ["quantize", str(src), str(tmp_path / "out.gguf"), "Q4_K_M", "-t", "1"])
     assert r.exit_code == 0, r.output
     assert runner.invoke(app, ["info", "-m", str(tmp_path / "out.gguf")]).exit_code == 0
+
+
+@pytest.mark.parametrize("source, when", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "from now on"),  # fails at the first turn
+    ("{% for %}", "instead"),  # fails to compile at start
+])
+def test_chat_falls_back_to_the_built_in_template(tmp_path, source, when):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(Model.sample().set("tokenizer.chat_template", V.STRING, source).to_bytes())
+    r = runner.invoke(app, ["chat", "-m", str(path), "--backend", "numpy", "-n", "2", "--temp", "0", "--no-stats"], input="Hi\nHello\n")
+    assert r.exit_code == 0, r.output
+    notices = [line for line in r.stderr.splitlines() if "built-in template" in line]
+    assert len(notices) == 1 and when in notices[0] and notices[0].startswith("warning: ")
+    assert len(r.stdout.splitlines()) == 2  # both messages answered
