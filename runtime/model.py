@@ -1,7 +1,9 @@
 """GGUF model files: open, validate, and describe them.
 
 Format: GGUF v2/v3 as specified in ggml's docs/gguf.md, read with the `gguf` package's
-memory-mapped `GGUFReader`. Tensor shapes here are in numpy (row-major) order, the reverse
+memory-mapped `GGUFReader` under a parse bounded by the file size (runtime/gguf_reader.py); the
+metadata keys k4 reads are checked against one schema (runtime/schema.py) before anything is
+built from them. Tensor shapes here are in numpy (row-major) order, the reverse
 of ggml's `ne`: a weight of ggml shape [n_embd, n_vocab] is `(n_vocab, n_embd)` here, one row
 per output feature.
 
@@ -122,12 +124,14 @@ class ModelConfig:
 class ModelFile:
     """A validated, memory-mapped GGUF file.
 
-    Attributes: path, reader (gguf.GGUFReader), metadata (key -> python value, arrays of
+    Attributes: path, reader (gguf_reader.BoundedReader, a gguf.GGUFReader), metadata (key -> python value, arrays of
     strings/numbers decoded lazily via `meta`), tensors (name -> Tensor), config (ModelConfig,
     or None for vocabulary-only files).
 
-    Raises ModelFileError (missing/not GGUF/truncated/inconsistent) or UnsupportedModelError
-    (architecture or tensor type k4 cannot run) when `require_weights` is true.
+    Raises ModelFileError (missing, not a regular file, not GGUF, truncated, a count the file
+    cannot hold, a general or tokenizer key of the wrong type; with `require_weights`, a model key
+    out of its schema or inconsistent with the tensors) or UnsupportedModelError (architecture
+    or tensor type k4 cannot run) when `require_weights` is true.
     """
 
     def __init__(self, path: str | os.PathLike, require_weights: bool = True):
