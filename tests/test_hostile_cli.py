@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from gguf import GGUFValueType as V
 from k4.cli.app import app
 from k4.runtime.errors import UsageError
+from k4.runtime.model import ARCHITECTURES
 from k4.runtime.outfile import partial_output
 from tests.hostile.gguf_bytes import Model, TensorBytes
 from tests.test_chat_repl import Chat
@@ -68,7 +69,7 @@ def test_info_of_a_file_k4_cannot_run_names_it_in_one_line(tmp_path):
     path = tmp_path / "[red]odd[x].gguf"
     path.write_bytes(Model.sample().set("general.architecture", V.STRING, "[/x]\x1b[31m").to_bytes())
     line = one_error_line(k4("info", "-m", str(path)))
-    assert line == f"error: k4 cannot run {path}: architecture '[/x]\\x1b[31m' is not supported; k4 runs llama, qwen2, qwen3"
+    assert line == f"error: k4 cannot run {path}: architecture '[/x]\\x1b[31m' is not supported; k4 runs {', '.join(ARCHITECTURES)}"
 
 
 def test_quantize_dry_run_shows_tensor_names_as_text(tmp_path):
