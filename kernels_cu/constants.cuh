@@ -82,6 +82,22 @@
 #error "K4_QK_Q5_1, K4_BLOCK_BYTES_Q5_1, K4_GROUPS_Q5_1, K4_X_SWIZZLE_Q5_1, K4_HANDOFF_Q5_1 come from runtime/cuda/constants.py"
 #endif
 
+#if !defined(K4_QK_Q2_K) || !defined(K4_BLOCK_BYTES_Q2_K) || !defined(K4_GROUPS_Q2_K) || !defined(K4_X_SWIZZLE_Q2_K) || !defined(K4_HANDOFF_Q2_K)
+#error "K4_QK_Q2_K, K4_BLOCK_BYTES_Q2_K, K4_GROUPS_Q2_K, K4_X_SWIZZLE_Q2_K, K4_HANDOFF_Q2_K come from runtime/cuda/constants.py"
+#endif
+#if !defined(K4_QK_Q3_K) || !defined(K4_BLOCK_BYTES_Q3_K) || !defined(K4_GROUPS_Q3_K) || !defined(K4_X_SWIZZLE_Q3_K) || !defined(K4_HANDOFF_Q3_K)
+#error "K4_QK_Q3_K, K4_BLOCK_BYTES_Q3_K, K4_GROUPS_Q3_K, K4_X_SWIZZLE_Q3_K, K4_HANDOFF_Q3_K come from runtime/cuda/constants.py"
+#endif
+#if !defined(K4_QK_Q4_0) || !defined(K4_BLOCK_BYTES_Q4_0) || !defined(K4_GROUPS_Q4_0) || !defined(K4_X_SWIZZLE_Q4_0) || !defined(K4_HANDOFF_Q4_0)
+#error "K4_QK_Q4_0, K4_BLOCK_BYTES_Q4_0, K4_GROUPS_Q4_0, K4_X_SWIZZLE_Q4_0, K4_HANDOFF_Q4_0 come from runtime/cuda/constants.py"
+#endif
+#if !defined(K4_QK_IQ4_XS) || !defined(K4_BLOCK_BYTES_IQ4_XS) || !defined(K4_GROUPS_IQ4_XS) || !defined(K4_X_SWIZZLE_IQ4_XS) || !defined(K4_HANDOFF_IQ4_XS)
+#error "K4_QK_IQ4_XS, K4_BLOCK_BYTES_IQ4_XS, K4_GROUPS_IQ4_XS, K4_X_SWIZZLE_IQ4_XS, K4_HANDOFF_IQ4_XS come from runtime/cuda/constants.py"
+#endif
+#ifndef K4_IQ4NL_VALUES
+#error "K4_IQ4NL_VALUES (IQ4_XS's value table) comes from runtime/cuda/constants.py"
+#endif
+
 // Tables of sizes computed by runtime/cuda/constants.py, checked against gemv.cu and attention.cu.
 #ifndef K4_CHECK_Q8X
 #error "K4_CHECK_Q8X comes from runtime/cuda/constants.py"

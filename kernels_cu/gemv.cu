@@ -1,7 +1,7 @@
 // Matrix-vector products for decode: y[n_out] = W[n_out, n_in] @ x[n_in] (+ bias) (+ residual),
 // x, y, bias, residual float32; W in its ggml encoding (raw or planar, see common.cuh).
 //
-// gemv_q8 (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q5_1): each thread block first quantizes x to 8 bits per 32
+// gemv_q8 (quantized types, matmul.py QUANT): each thread block first quantizes x to 8 bits per 32
 // values in shared memory (the q8_1 idea of llama.cpp's mmvq), then every warp computes whole
 // rows with integer dot products (dp4a): lane l takes chunks l, l+32, ... of the row, U chunks in
 // flight at a time, 16-byte loads; with PF the next U chunks (of this row or the next) are

@@ -112,9 +112,45 @@ def random_blocks(t: T, n_rows: int, n_cols: int, rng: np.random.Generator, scal
     elif t == T.Q5_1:  # d, m, qh[4], qs[16]: w = d*q + m
         put_f16(0, scale / 9.2 * jitter)
         put_f16(2, -scale / 9.2 * 15.5 * jitter)
+    elif t == T.Q2_K:  # scales[16] (4-bit scale | 4-bit min << 4), qs[64], d, dmin: w = d*sc*q - dmin*m, q in 0..3
+        if not full_range:
+            raw[:, :16] |= 0x88  # scale and min codes in 8..15
+        put_f16(80, scale / (11.5 * 1.12) * jitter)
+        put_f16(82, scale / (11.5 * 1.12) * 1.5 * jitter)
+    elif t == T.Q3_K:  # hmask[32], qs[64], scales[12] (6-bit codes), d: w = d*(code-32)*(q-4), q in 0..7
+        if not full_range:
+            raw[:, 96:108] = _pack_q3_k_scales(_signed_band(rng, nb, 16))
+        put_f16(108, scale / ((18.5 if full_range else 11.5) * 2.35) * jitter)
+    elif t == T.Q4_0:  # d, qs[16]: w = d*(q-8)
+        put_f16(0, scale / 4.6 * jitter)
+    elif t == T.IQ4_XS:  # d, scales_h, scales_l[4], qs[128]: w = d*(code-32)*kvalues_iq4nl[q]
+        if not full_range:
+            codes = _signed_band(rng, nb, 8)  # (nb, 8)
+            high = ((codes >> 4).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
+            raw[:, 2:4] = high.astype("<u2").view(np.uint8).reshape(nb, 2)  # scales_h: bits 2i..2i+1, code i's top bits
+            raw[:, 4:8] = (codes[:, 0::2] & 0xF) | ((codes[:, 1::2] & 0xF) << 4)
+        put_f16(0, scale / ((18.5 if full_range else 11.5) * 67.4) * jitter)
     else:
         raise ValueError(f"random_blocks: no generator for {t.name}")
     return raw.reshape(n_rows, -1)
+
+
+def _signed_band(rng: np.random.Generator, nb: int, n: int) -> np.ndarray:
+    """(nb, n) uint8 6-bit scale codes 32 +- (8..15): signed scales of similar magnitudes, either sign."""
+    mag = rng.integers(8, 16, size=(nb, n))
+    return np.where(rng.integers(0, 2, size=(nb, n)) == 1, 32 + mag, 32 - mag).astype(np.uint8)
+
+
+def _pack_q3_k_scales(codes: np.ndarray) -> np.ndarray:
+    """(nb, 16) 6-bit codes -> (nb, 12) bytes of block_q3_K.scales: code j's low 4 bits in
+    nibble j // 8 of byte j % 8, its top 2 bits at bits 2 * (j // 4) of byte 8 + j % 4
+    (ggml-quants.c quantize_row_q3_K_ref)."""
+    low, high = codes & 0xF, codes >> 4
+    out = np.zeros((codes.shape[0], 12), np.uint8)
+    out[:, :8] = low[:, :8] | (low[:, 8:] << 4)
+    for k in range(4):
+        out[:, 8:] |= high[:, 4 * k : 4 * k + 4] << (2 * k)
+    return out
 
 
 def vocab_from(path: Path | None, n_vocab: int) -> dict:

@@ -20,6 +20,7 @@ from k4.runtime.reference import NumpyBackend
 from k4.runtime.sampling import SamplingParams
 from k4.runtime.tokenizer import Tokenizer
 from tests import tiny
+from tests.quant_blocks import blocks_like
 
 cp = cupy_or_skip()
 pytestmark = pytest.mark.cuda
@@ -152,16 +153,18 @@ ARCH_CASES = {
     "qwen3-q5_k": ("qwen3", T.Q5_K, K_CFG),
     "llama-q6_k-tied": ("llama", T.Q6_K, {**K_CFG, "tied_embeddings": True}),
     "qwen2-q8_0-hd64": ("qwen2", T.Q8_0, {"n_embd": 128, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "rope_dim": 64}),
+    # Q2_K, Q3_K, IQ4_XS: random valid blocks (tests/quant_blocks.py); Q4_0 from gguf's quantizer
+    "llama-q2_k": ("llama", T.Q2_K, K_CFG),
+    "qwen3-q3_k": ("qwen3", T.Q3_K, K_CFG),
+    "qwen2-q4_0": ("qwen2", T.Q4_0, {}),
+    "llama-iq4_xs-tied": ("llama", T.IQ4_XS, {**K_CFG, "tied_embeddings": True}),
 }
 
 
 @pytest.fixture
 def tiny_model(data, tmp_path, monkeypatch):
-    """Write a tiny random model of one ARCH_CASES entry (K-quants by runtime.kquants)."""
-    from k4.runtime import kquants
-
-    gguf_quantize = tiny.quantize
-    monkeypatch.setattr(tiny, "quantize", lambda m, t: (kquants.quantize if t in (T.Q4_K, T.Q5_K, T.Q6_K) else gguf_quantize)(m, t))
+    """Write a tiny random model of one ARCH_CASES entry (blocks by tests/quant_blocks.py)."""
+    monkeypatch.setattr(tiny, "quantize", blocks_like)
 
     def make(case: str):
         arch, ttype, over = ARCH_CASES[case]

@@ -29,7 +29,7 @@ from k4.runtime.cuda.microbench import bench_gemv, bench_matmul, random_weight
 from k4.runtime.model import Tensor
 from tests.helpers_matmul import interleave_rows, stack_rows
 
-QUANTIZED = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"]
+QUANTIZED = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_0", "IQ4_XS"]
 FLOATS = ["F16", "BF16", "F32"]
 LIMIT_Q8 = 1e-2
 LIMIT_Q8_ROUNDED = 1e-4
@@ -40,7 +40,7 @@ LIMIT_FP16 = 2e-3
 def shapes(type_name: str) -> list[tuple[int, int]]:
     """(n_out, n_in) cases: n_out from 1 to more rows than the grid has warps, n_in from one
     block to many; float types also get rows that are not a multiple of 16 bytes."""
-    block = 256 if type_name in ("Q4_K", "Q5_K", "Q6_K") else 32
+    block = GGML_QUANT_SIZES[T[type_name]][0] if type_name in QUANTIZED else 32
     second = (37, 37) if type_name in FLOATS else (37, 2 * block)
     return [(5, block), second, (300, 3 * block), (4133, 8 * block)]
 
@@ -617,4 +617,4 @@ def test_bench_gemv_and_matmul_report_rates():
     m = bench_matmul("Q4_K", 64, 512, 1024, iters=5)
     assert m["us"] > 0 and m["tok_s"] == pytest.approx(64 / m["us"] * 1e6)
     with pytest.raises(ValueError, match="no CUDA kernels"):
-        bench_gemv("Q2_K", 256, 256)
+        bench_gemv("Q4_1", 256, 256)

@@ -47,7 +47,7 @@ def _bad_files(tmp_path, data):
     header_cut = tmp_path / "header_cut.gguf"
     header_cut.write_bytes(sample.read_bytes()[:200])
     arch = write_tiny(tmp_path / "arch.gguf", vocab, tiny_config("mamba"))
-    qtype = write_tiny(tmp_path / "q4_0.gguf", vocab, tiny_config(), matrix_type=T.Q4_0)
+    qtype = write_tiny(tmp_path / "q4_1.gguf", vocab, tiny_config(), matrix_type=T.Q4_1)
     missing = write_tiny(tmp_path / "missing.gguf", vocab, tiny_config(), skip=("blk.1.ffn_up.weight",))
     return {
         "absent": (tmp_path / "nope.gguf", "no such file"),
@@ -55,7 +55,7 @@ def _bad_files(tmp_path, data):
         "truncated": (truncated, "truncated"),
         "header_cut": (header_cut, "truncated GGUF"),
         "arch": (arch, "architecture 'mamba' is not supported"),
-        "qtype": (qtype, "has type Q4_0, which k4 does not support"),
+        "qtype": (qtype, "has type Q4_1, which k4 does not support"),
         "missing": (missing, "tensor 'blk.1.ffn_up.weight' is missing"),
     }
 

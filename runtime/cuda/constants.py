@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
+from gguf.quants import IQ4_NL
 
 from .kernel_names import MMA_TILE_KEYS
 
@@ -57,7 +58,14 @@ QUANT_LAYOUTS: dict[T, QuantLayout] = {
     T.Q8_0: QuantLayout((0, 2, 34)),                          # d | qs
     T.Q5_0: QuantLayout((0, 2, 6, 22), handoff=False),        # d | qh | qs
     T.Q5_1: QuantLayout((0, 2, 4, 8, 24), handoff=False),     # d | m | qh | qs
+    T.Q2_K: QuantLayout((0, 16, 80, 84), x_swizzle=2, handoff=False),        # scales | qs | d dmin
+    T.Q3_K: QuantLayout((0, 32, 96, 108, 110), x_swizzle=2, handoff=False),  # hmask | qs | scales | d
+    T.Q4_0: QuantLayout((0, 2, 18), handoff=False),                          # d | qs
+    T.IQ4_XS: QuantLayout((0, 8, 136), handoff=False),                       # d scales_h scales_l | qs
 }
+# IQ4_XS's 16 dequantized values (ggml-common.h kvalues_iq4nl, the gguf package's IQ4_NL.kvalues):
+# kernels_cu/decoders_lowbit.cuh builds its lookup table from them (K4_IQ4NL_VALUES).
+IQ4NL_VALUES: tuple[int, ...] = tuple(int(v) for v in IQ4_NL.kvalues)
 
 
 # ---- sizes both sides compute (checked at compile time, constants.cuh) -------------------------
@@ -118,8 +126,9 @@ def defines() -> tuple[str, ...]:
     """The -D options' values ("NAME=value") every kernels_cu module is compiled with: the
     constants above, each quantized type's weights and bytes per block (K4_QK_<type>,
     K4_BLOCK_BYTES_<type>), planar groups (K4_GROUPS_<type>, a comma list), x_swizzle and
-    handoff, and tables of sizes computed here that constants.cuh compares with the kernels'
-    formulas (K4_CHECK_*: flat lists of arguments, each followed by the result; lists as _list)."""
+    handoff, IQ4_XS's value table (K4_IQ4NL_VALUES), and tables of sizes computed here that
+    constants.cuh compares with the kernels' formulas (K4_CHECK_*: flat lists of arguments, each
+    followed by the result; lists as _list)."""
     out = [f"{name}={value}" for name, value in (
         ("ATT_THREADS", ATT_THREADS), ("ATT_CHUNK", ATT_CHUNK), ("TILE_Q", TILE_Q), ("TILE_K", TILE_K),
         ("TILE_THREADS", TILE_THREADS), ("TILE_PS", TILE_PS), ("MMA_WARPS", MMA_WARPS), ("MMA_THREADS", MMA_THREADS),
@@ -138,4 +147,5 @@ def defines() -> tuple[str, ...]:
         "K4_CHECK_MMA_SMEM": [v for d, bk in _CHECK_MMA for v in (d, bk, mma_smem(d, bk))],
     }
     out += [f"{name}={_list(values)}" for name, values in tables.items()]
+    out.append(f"K4_IQ4NL_VALUES={_list(IQ4NL_VALUES)}")
     return tuple(out)
