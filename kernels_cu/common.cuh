@@ -2,7 +2,7 @@
 // layouts of a weight tensor (raw and planar), half/bf16 conversion and warp reductions.
 //
 // Block layouts: ggml-common.h (block_q4_K, block_q5_K, block_q6_K, block_q8_0, block_q5_0, block_q5_1;
-// Q2_K, Q3_K, Q4_0 and IQ4_XS in decoders_lowbit.cuh, included below); the meaning of their bits:
+// Q2_K, Q3_K, Q4_0, IQ4_XS, IQ4_NL in decoders_lowbit.cuh, included below); the meaning of their bits:
 // ggml-quants.c dequantize_row_*. This header compiles under NVRTC
 // (CuPy, the run-time compiler) and nvcc alike, so it includes no system header; block sizes,
 // planar groups, q8 x swizzles and the other numbers shared with Python come from
@@ -556,7 +556,7 @@ struct type_q5_1 {
 };
 static_assert(cuts_are<type_q5_1>(K4_GROUPS_Q5_1), "type_q5_1::cut: runtime/cuda/constants.py has other planar groups");
 
-#include "decoders_lowbit.cuh"  // type_q2_K, type_q3_K, type_q4_0, type_iq4_xs
+#include "decoders_lowbit.cuh"  // type_q2_K, type_q3_K, type_q4_0, type_iq4_xs, type_iq4_nl
 
 // Unquantized types: `per16` weights per 16 bytes, unpacked to float.
 struct type_f32 {

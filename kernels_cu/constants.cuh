@@ -94,6 +94,9 @@
 #if !defined(K4_QK_IQ4_XS) || !defined(K4_BLOCK_BYTES_IQ4_XS) || !defined(K4_GROUPS_IQ4_XS) || !defined(K4_X_SWIZZLE_IQ4_XS) || !defined(K4_HANDOFF_IQ4_XS)
 #error "K4_QK_IQ4_XS, K4_BLOCK_BYTES_IQ4_XS, K4_GROUPS_IQ4_XS, K4_X_SWIZZLE_IQ4_XS, K4_HANDOFF_IQ4_XS come from runtime/cuda/constants.py"
 #endif
+#if !defined(K4_QK_IQ4_NL) || !defined(K4_BLOCK_BYTES_IQ4_NL) || !defined(K4_GROUPS_IQ4_NL) || !defined(K4_X_SWIZZLE_IQ4_NL) || !defined(K4_HANDOFF_IQ4_NL)
+#error "K4_QK_IQ4_NL, K4_BLOCK_BYTES_IQ4_NL, K4_GROUPS_IQ4_NL, K4_X_SWIZZLE_IQ4_NL, K4_HANDOFF_IQ4_NL come from runtime/cuda/constants.py"
+#endif
 #ifndef K4_IQ4NL_VALUES
 #error "K4_IQ4NL_VALUES (IQ4_XS's value table) comes from runtime/cuda/constants.py"
 #endif

@@ -1,14 +1,16 @@
 // The block layouts and per-type decoders (common.cuh's interface: chunk, load, dot, dequant) of
 // the types of the smaller quantized files: Q2_K and Q3_K (Q2_K and Q3_K_M files), Q4_0 (Gemma 3
-// QAT releases) and IQ4_XS. Included at the end of common.cuh's decoder section.
+// QAT releases), IQ4_XS, and IQ4_NL (llama.cpp's fallback in those files for rows that are not a
+// multiple of 256). Included at the end of common.cuh's decoder section.
 //
-// Block layouts: ggml-common.h (block_q2_K, block_q3_K, block_q4_0, block_iq4_xs, kvalues_iq4nl).
-// The values: ggml-quants.c dequantize_row_q2_K / _q3_K / _q4_0 / _iq4_xs, as the gguf package's
-// numpy port (gguf/quants.py Q2_K, Q3_K, Q4_0, IQ4_XS) rounds them; dequant writes those exact
+// Block layouts: ggml-common.h (block_q2_K, block_q3_K, block_q4_0, block_iq4_xs, block_iq4_nl,
+// kvalues_iq4nl). The values: ggml-quants.c dequantize_row_q2_K / _q3_K / _q4_0 / _iq4_xs / _iq4_nl,
+// as the gguf package's numpy port (gguf/quants.py Q2_K, Q3_K, Q4_0, IQ4_XS, IQ4_NL) rounds them; dequant writes those exact
 // values (one IEEE float32 rounding per numpy operation, in numpy's order, no contraction).
 #pragma once
 
 #define QK4_0 K4_QK_Q4_0
+#define QK4_NL K4_QK_IQ4_NL
 static_assert(K4_QK_Q2_K == QK_K && K4_QK_Q3_K == QK_K && K4_QK_IQ4_XS == QK_K, "Q2_K, Q3_K and IQ4_XS blocks hold QK_K weights");
 
 // fp16 numbers are stored as their bits (ggml_half is uint16_t).
@@ -41,6 +43,12 @@ struct block_iq4_xs {  // 256 weights, 4.25 bits each: w = d*(sc-32)*kvalues_iq4
     u8 qs[QK_K / 2];           // byte 16i+l holds weights 32i+l (low nibble) and 32i+16+l (high), l < 16
 };
 static_assert(sizeof(block_iq4_xs) == K4_BLOCK_BYTES_IQ4_XS, "block_iq4_xs: gguf GGML_QUANT_SIZES has another size");
+
+struct block_iq4_nl {  // 32 weights: w = d*kvalues_iq4nl[q]
+    u16 d;
+    u8 qs[QK4_NL / 2];         // byte i holds weights i (low nibble) and i+16 (high)
+};
+static_assert(sizeof(block_iq4_nl) == K4_BLOCK_BYTES_IQ4_NL, "block_iq4_nl: gguf GGML_QUANT_SIZES has another size");
 
 // ---- Q2_K and Q3_K: chunk j = 2h + k of a block (h, k in 0..1) covers weights 128h + 32m + 16k + i,
 // run m = 0..3, i = 0..15 (16 bytes of qs, bits 2m..2m+1), so run m is sub-block 8h + 2m + k and x
@@ -267,3 +275,37 @@ struct type_iq4_xs {
     }
 };
 static_assert(cuts_are<type_iq4_xs>(K4_GROUPS_IQ4_XS), "type_iq4_xs::cut: runtime/cuda/constants.py has other planar groups");
+
+struct type_iq4_nl {  // Q4_0's layout with IQ4_XS's values
+    static constexpr int block_bytes = sizeof(block_iq4_nl), block_elems = QK4_NL, chunk_elems = 32;
+    static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_IQ4_NL;
+    static constexpr bool handoff = K4_HANDOFF_IQ4_NL;  // gemv.cu: its SwiGLU instance can write a q8 y
+    // groups: d | qs
+    __host__ __device__ static constexpr int cut(int g) {
+        return g == 0 ? 0 : g == 1 ? (int)sizeof(block_iq4_nl::d) : (int)sizeof(block_iq4_nl);
+    }
+    struct chunk {
+        uint4 q;  // qs[16]: weights i (low nibble) and i+16 (high)
+        u16 d;
+    };
+    template <bool PLANAR>
+    __device__ static chunk load(const u8* w, i64 nblk, i64 blk, int) {
+        constexpr int A = PLANAR ? 16 : raw_align;
+        return {load16<A>(group_at<type_iq4_nl, 1, PLANAR>(w, nblk, blk)), load2(group_at<type_iq4_nl, 0, PLANAR>(w, nblk, blk))};
+    }
+    template <int SWZ>
+    __device__ static float dot(const chunk& c, int ci, const q8x<SWZ>& x) {
+        const int s = dot16(iq4nl_lookup4(c.q, 4), x.unit(2 * ci + 1), dot16(iq4nl_lookup4(c.q, 0), x.unit(2 * ci), 0));
+        return f16_to_f32(c.d) * x.d[ci] * (float)s;
+    }
+    template <class OUT>
+    __device__ static void dequant(const chunk& c, int ci, int r, OUT* row) {  // run r: weights 16r..16r+15
+        const float d = f16_to_f32(c.d);
+        const uint4 vals = iq4nl_lookup4(c.q, 4 * r);
+        float v[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(d, (float)(i8)(word(vals, i >> 2) >> (8 * (i & 3))));
+        store16(row + 32 * ci + 16 * r, v);
+    }
+};
+static_assert(cuts_are<type_iq4_nl>(K4_GROUPS_IQ4_NL), "type_iq4_nl::cut: runtime/cuda/constants.py has other planar groups");

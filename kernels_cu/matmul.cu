@@ -76,6 +76,7 @@ K4_DEQUANT_Q(type_q2_K)
 K4_DEQUANT_Q(type_q3_K)
 K4_DEQUANT_Q(type_q4_0)
 K4_DEQUANT_Q(type_iq4_xs)
+K4_DEQUANT_Q(type_iq4_nl)
 
 #define K4_DEQUANT_F(T) \
     template __global__ void dequant_f<T, float>(const u8*, int, const int*, int, int, float*); \

@@ -32,7 +32,8 @@ GGUF_MAGIC = b"GGUF"
 
 # Tensor types every backend computes with (ggml type names).
 SUPPORTED_TYPES = frozenset(
-    GGMLQuantizationType[n] for n in ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+    GGMLQuantizationType[n] for n in ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "IQ4_NL", "Q2_K", "Q3_K",
+                                      "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 )
 
 ARCHITECTURES = tuple(ARCHS)  # the families k4 runs: runtime/arch.py describes each

@@ -130,6 +130,8 @@ def random_blocks(t: T, n_rows: int, n_cols: int, rng: np.random.Generator, scal
             raw[:, 2:4] = high.astype("<u2").view(np.uint8).reshape(nb, 2)  # scales_h: bits 2i..2i+1, code i's top bits
             raw[:, 4:8] = (codes[:, 0::2] & 0xF) | ((codes[:, 1::2] & 0xF) << 4)
         put_f16(0, scale / ((18.5 if full_range else 11.5) * 67.4) * jitter)
+    elif t == T.IQ4_NL:  # d, qs[16]: w = d*kvalues_iq4nl[q]
+        put_f16(0, scale / 67.4 * jitter)
     else:
         raise ValueError(f"random_blocks: no generator for {t.name}")
     return raw.reshape(n_rows, -1)

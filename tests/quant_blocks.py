@@ -1,5 +1,5 @@
 """Quantized blocks for tiny test models of every type k4 runs, including those neither the gguf
-package nor runtime.kquants quantizes (Q2_K, Q3_K, IQ4_XS): for those, random valid blocks
+package nor runtime.kquants quantizes (Q2_K, Q3_K, IQ4_XS, IQ4_NL): for those, random valid blocks
 (runtime.synthetic.random_blocks) with the matrix's standard deviation. Tests that compare two
 backends on one file need valid weights of the right scale, not a faithful quantization."""
 
@@ -14,14 +14,14 @@ from gguf.quants import quantize
 from k4.runtime import kquants
 from k4.runtime.synthetic import random_blocks
 
-RANDOM_ONLY = (T.Q2_K, T.Q3_K, T.IQ4_XS)  # no quantizer in gguf 0.19 or runtime.kquants
+RANDOM_ONLY = (T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL)  # no quantizer in gguf 0.19 or runtime.kquants
 KQUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
 
 
 def blocks_like(m: np.ndarray, t: T) -> np.ndarray:
     """Blocks of type t for the float32 matrix m (n_rows, n_cols): uint8 (n_rows, bytes per row).
 
-    K-quants through runtime.kquants, Q2_K/Q3_K/IQ4_XS as random blocks whose weights have m's
+    K-quants through runtime.kquants, Q2_K/Q3_K/IQ4_XS/IQ4_NL as random blocks whose weights have m's
     standard deviation (seeded by m's bytes, so a file is the same on every run), other types
     through gguf.quants.quantize."""
     if t in RANDOM_ONLY:

@@ -20,7 +20,7 @@ cp = cupy_or_skip()
 pytestmark = pytest.mark.cuda
 
 DECODERS = {T.Q4_K: "q4_K", T.Q5_K: "q5_K", T.Q6_K: "q6_K", T.Q8_0: "q8_0", T.Q5_0: "q5_0", T.Q5_1: "q5_1",
-            T.Q2_K: "q2_K", T.Q3_K: "q3_K", T.Q4_0: "q4_0", T.IQ4_XS: "iq4_xs"}
+            T.Q2_K: "q2_K", T.Q3_K: "q3_K", T.Q4_0: "q4_0", T.IQ4_XS: "iq4_xs", T.IQ4_NL: "iq4_nl"}
 HEAD_DIMS = (64, 128, 256)
 Q8X_N = (256, 4096, 11008)
 MAX_GROUPS = 5

@@ -29,7 +29,7 @@ from k4.runtime.cuda.microbench import bench_gemv, bench_matmul, random_weight
 from k4.runtime.model import Tensor
 from tests.helpers_matmul import interleave_rows, stack_rows
 
-QUANTIZED = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_0", "IQ4_XS"]
+QUANTIZED = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_0", "IQ4_XS", "IQ4_NL"]
 FLOATS = ["F16", "BF16", "F32"]
 LIMIT_Q8 = 1e-2
 LIMIT_Q8_ROUNDED = 1e-4

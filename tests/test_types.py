@@ -1,4 +1,5 @@
-"""Q2_K, Q3_K, Q4_0 and IQ4_XS on the CPU (issue 18): the numpy backend's dequantization (the
+"""Q2_K, Q3_K, Q4_0, IQ4_XS and IQ4_NL on the CPU (issue 18; IQ4_NL: llama.cpp's fallback in Q2_K,
+Q3_K and IQ4_XS files for rows that are not a multiple of 256): the numpy backend's dequantization (the
 gguf package's, runtime/weights.py) against a scalar transcription of ggml-quants.c's
 dequantize_row_* written here, bit for bit; a tiny model of each type through the numpy backend
 against an F32 file holding the same weights decoded by that transcription; `k4 info` and the
@@ -25,7 +26,7 @@ from k4.runtime.synthetic import random_blocks
 from tests import tiny
 from tests.quant_blocks import blocks_like
 
-NEW_TYPES = (T.Q2_K, T.Q3_K, T.Q4_0, T.IQ4_XS)
+NEW_TYPES = (T.Q2_K, T.Q3_K, T.Q4_0, T.IQ4_XS, T.IQ4_NL)
 F = np.float32
 KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml-common.h
 
@@ -105,7 +106,13 @@ def c_iq4_xs(b: np.ndarray) -> np.ndarray:
     return np.concatenate(y, axis=1)
 
 
-ORACLE = {T.Q2_K: c_q2_K, T.Q3_K: c_q3_K, T.Q4_0: c_q4_0, T.IQ4_XS: c_iq4_xs}
+
+def c_iq4_nl(b: np.ndarray) -> np.ndarray:
+    d, kv, qs = _f16(b, 0), np.array(KVALUES_IQ4NL, np.int32), b[:, 2:18]
+    return np.concatenate([d[:, None] * kv[qs & 0xF].astype(F), d[:, None] * kv[qs >> 4].astype(F)], axis=1)
+
+
+ORACLE = {T.Q2_K: c_q2_K, T.Q3_K: c_q3_K, T.Q4_0: c_q4_0, T.IQ4_XS: c_iq4_xs, T.IQ4_NL: c_iq4_nl}
 
 
 def oracle_dequantize(raw: np.ndarray, t: T) -> np.ndarray:
@@ -121,7 +128,7 @@ def hard_blocks(t: T, rng: np.random.Generator) -> np.ndarray:
     the largest and the smallest (subnormal) fp16: (64 + 4, block bytes)."""
     raw = random_blocks(t, 64, GGML_QUANT_SIZES[t][0], rng, 0.05, full_range=True)
     extra = rng.integers(0, 256, size=(4, raw.shape[1]), dtype=np.uint8)
-    at = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_0: (0,), T.IQ4_XS: (0,)}[t]
+    at = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_0: (0,), T.IQ4_XS: (0,), T.IQ4_NL: (0,)}[t]
     for row, value in zip(extra, (0.0, -0.75, 65504.0, 6e-8)):
         for a in at:
             row[a : a + 2] = np.array([value], np.float16).view(np.uint8)
@@ -183,7 +190,8 @@ def test_random_blocks_scale_and_code_ranges(t):
 # ---- whole models on the numpy backend ---------------------------------------------------------
 
 K_CFG = dict(n_embd=256, n_ff=256, n_head=8, n_head_kv=2, head_dim=32, rope_dim=32)
-MODELS = {T.Q2_K: ("llama", K_CFG), T.Q3_K: ("qwen3", K_CFG), T.Q4_0: ("qwen2", {}), T.IQ4_XS: ("llama", {**K_CFG, "tied_embeddings": True})}
+MODELS = {T.Q2_K: ("llama", K_CFG), T.Q3_K: ("qwen3", K_CFG), T.Q4_0: ("qwen2", {}), T.IQ4_XS: ("llama", {**K_CFG, "tied_embeddings": True}),
+          T.IQ4_NL: ("llama", {})}
 
 
 def write_model(path, data, t: T, monkeypatch):

@@ -62,9 +62,10 @@ QUANT_LAYOUTS: dict[T, QuantLayout] = {
     T.Q3_K: QuantLayout((0, 32, 96, 108, 110), x_swizzle=2, handoff=False),  # hmask | qs | scales | d
     T.Q4_0: QuantLayout((0, 2, 18), handoff=False),                          # d | qs
     T.IQ4_XS: QuantLayout((0, 8, 136), handoff=False),                       # d scales_h scales_l | qs
+    T.IQ4_NL: QuantLayout((0, 2, 18), handoff=False),                        # d | qs
 }
-# IQ4_XS's 16 dequantized values (ggml-common.h kvalues_iq4nl, the gguf package's IQ4_NL.kvalues):
-# kernels_cu/decoders_lowbit.cuh builds its lookup table from them (K4_IQ4NL_VALUES).
+# IQ4_XS's and IQ4_NL's 16 dequantized values (ggml-common.h kvalues_iq4nl, the gguf package's
+# IQ4_NL.kvalues): kernels_cu/decoders_lowbit.cuh builds its lookup table from them (K4_IQ4NL_VALUES).
 IQ4NL_VALUES: tuple[int, ...] = tuple(int(v) for v in IQ4_NL.kvalues)
 
 
@@ -126,7 +127,7 @@ def defines() -> tuple[str, ...]:
     """The -D options' values ("NAME=value") every kernels_cu module is compiled with: the
     constants above, each quantized type's weights and bytes per block (K4_QK_<type>,
     K4_BLOCK_BYTES_<type>), planar groups (K4_GROUPS_<type>, a comma list), x_swizzle and
-    handoff, IQ4_XS's value table (K4_IQ4NL_VALUES), and tables of sizes computed here that
+    handoff, the IQ4 value table (K4_IQ4NL_VALUES), and tables of sizes computed here that
     constants.cuh compares with the kernels' formulas (K4_CHECK_*: flat lists of arguments, each
     followed by the result; lists as _list)."""
     out = [f"{name}={value}" for name, value in (

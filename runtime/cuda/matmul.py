@@ -85,11 +85,12 @@ QUANT: dict[T, QuantKernels] = dict((
     _quant(T.Q8_0, "type_q8_0", (32, 4, 0), (32, 2, 0)),
     _quant(T.Q5_0, "type_q5_0", (32, 4, 0), (32, 4, 0)),
     _quant(T.Q5_1, "type_q5_1", (32, 4, 0), (32, 4, 0)),
-    # chosen by analogy, not yet measured: Q2_K and Q3_K read as Q6_K does, Q4_0 as Q5_0, IQ4_XS as Q4_K
+    # chosen by analogy, not yet measured: Q2_K and Q3_K read as Q6_K does, Q4_0 and IQ4_NL as Q5_0, IQ4_XS as Q4_K
     _quant(T.Q2_K, "type_q2_K", (16, 2, 1), (32, 1, 0)),
     _quant(T.Q3_K, "type_q3_K", (16, 2, 1), (32, 1, 0)),
     _quant(T.Q4_0, "type_q4_0", (32, 4, 0), (32, 4, 0)),
     _quant(T.IQ4_XS, "type_iq4_xs", (16, 2, 1), (16, 2, 1)),
+    _quant(T.IQ4_NL, "type_iq4_nl", (32, 4, 0), (32, 4, 0)),
 ))
 # Unquantized types: C++ decoder and bytes per weight.
 FLOAT: dict[T, tuple[str, int]] = {T.F32: ("type_f32", 4), T.F16: ("type_f16", 2), T.BF16: ("type_bf16", 2)}
