@@ -1,7 +1,10 @@
 """Compile kernels_cu/*.cu modules once per process (CuPy RawModule). CuPy keeps the binaries in
 its on-disk cache (CUPY_CACHE_DIR, default ~/.cupy/kernel_cache), keyed by a hash of the source,
 the options, the name expressions, the GPU architecture and the NVRTC version, so the second
-start of a process loads instead of compiling. A compile error names the .cu file.
+start of a process loads instead of compiling. CuPy does not hash the headers a source
+includes, so each source handed to it starts with a comment carrying the hash of every
+kernels_cu/*.cuh: a changed header compiles anew instead of loading a stale binary. A compile
+error names the .cu file.
 
 A module is one file compiled with one set of template instances (name expressions) and
 preprocessor defines, besides those of runtime/cuda/constants.py that every module gets. Small modules (one quantized type's instances, one attention kernel)
@@ -14,9 +17,11 @@ Usage: `module("elementwise.cu").get_function("set_i32")`, or with template inst
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import lru_cache
 from typing import Iterable
 
 from k4.kernels_cu import SOURCE_DIR
@@ -69,10 +74,20 @@ def compile_async(jobs: Iterable[Job], workers: int = 0) -> list[Future]:
     return futures
 
 
+@lru_cache(maxsize=None)
+def headers_digest() -> str:
+    """sha256 (hex, 16 digits) of every kernels_cu/*.cuh, in name order: part of each module's
+    source text, so CuPy's cache key changes with any header."""
+    h = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.glob("*.cuh")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _compile(filename: str, name_expressions: tuple[str, ...] | None, defines: tuple[str, ...]):
     import cupy as cp
 
-    source = (SOURCE_DIR / filename).read_text()
+    source = f"// k4 headers {headers_digest()}\n#line 1\n" + (SOURCE_DIR / filename).read_text()
     try:
         options = OPTIONS + tuple(f"-D{d}" for d in defines)
         mod = cp.RawModule(code=source, options=options, name_expressions=name_expressions)
