@@ -80,12 +80,13 @@ __device__ __forceinline__ void unpack_half8(const uint4 raw, float* out) {
 }
 
 // RoPE of one head row (D values) by one warp, as rope.cu describes (optional per-head RMSNorm
-// first, pairs (2i, 2i+1) or NeoX (i, i + rope_dim/2), angles in double): src may alias
-// dst_f32 (q is rotated in place); exactly one of dst_f32 / dst_f16 is non-null.
+// first, pairs (2i, 2i+1) or NeoX (i, i + rope_dim/2), angles in double, cos and sin times
+// mscale (YaRN / LongRoPE magnitude, 1.0 otherwise: then bit-identical to no factor)): src may
+// alias dst_f32 (q is rotated in place); exactly one of dst_f32 / dst_f16 is non-null.
 __device__ __forceinline__ void rope_row(const float* src, float* dst_f32, u16* dst_f16,
                                          const float* __restrict__ norm_w, float eps,
                                          const double* __restrict__ inv_freq, double p, int D, int rope_dim,
-                                         int neox, int lane) {
+                                         int neox, int lane, float mscale) {
     float scale = 1.0f;
     if (norm_w != nullptr) {
         float ss = 0.0f;
@@ -104,8 +105,9 @@ __device__ __forceinline__ void rope_row(const float* src, float* dst_f32, u16* 
         }
         double s, c;
         sincos(p * inv_freq[i], &s, &c);
-        const float ya = xa * (float)c - xb * (float)s;
-        const float yb = xa * (float)s + xb * (float)c;
+        const float cf = (float)c * mscale, sf = (float)s * mscale;
+        const float ya = xa * cf - xb * sf;
+        const float yb = xa * sf + xb * cf;
         if (dst_f32 != nullptr) {
             dst_f32[a] = ya;
             dst_f32[b] = yb;

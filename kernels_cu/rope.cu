@@ -5,7 +5,9 @@
 // for it) rotates (2i, 2i+1); NeoX (qwen2, qwen3) rotates (i, i + rope_dim/2). Dimensions at or
 // past rope_dim pass through. The angle of pair i at position p is p * inv_freq[i], with
 // inv_freq[i] = rope_freq_base^(-2i/rope_dim) / rope_freqs[i] computed on the host in float64;
-// the angle and its sine/cosine are computed in double, so large positions stay exact.
+// the angle and its sine/cosine are computed in double, so large positions stay exact; the
+// rotated pairs are multiplied by mscale (runtime/rope.py: YaRN's 0.1 ln(s) + 1, LongRoPE's
+// attention factor; 1.0 for unscaled models), the pass-through dimensions are not.
 // Launched by runtime/cuda/ops.py (Ops.rope_qk_store). In decode the attention kernel applies
 // the same rotation itself (attention.cu, flag K4_FUSE_ROPE).
 #include "ops_common.cuh"
@@ -17,6 +19,7 @@
 // k_cache, v_cache: (n_ctx, n_head_kv, D) fp16, this layer's slice; rows pos0 .. pos0+n_tok-1
 //   are written (k normalized and rotated, v as is).
 // q_norm, k_norm: (D,) f32 or null. inv_freq: (rope_dim/2,) f64. pos: (1,) int32, pos0 = *pos.
+// mscale: factor on the rotated pairs' cos and sin.
 // Thread mapping: one warp per row; grid.x = ceil(n_tok * (n_head + n_head_kv) / warps per block).
 extern "C" __global__ void rope_qk_store(const float* q_src, int ld_q, const float* __restrict__ k_src, int ld_k,
                                          const float* __restrict__ v_src, int ld_v, float* q_out,
@@ -24,7 +27,7 @@ extern "C" __global__ void rope_qk_store(const float* q_src, int ld_q, const flo
                                          const float* __restrict__ q_norm, const float* __restrict__ k_norm,
                                          const double* __restrict__ inv_freq, const int* __restrict__ pos,
                                          int n_tok, int n_head, int n_head_kv, int D, int rope_dim, int neox,
-                                         float eps) {
+                                         float eps, float mscale) {
     pdl_trigger();
     pdl_wait();
     const int lane = threadIdx.x & 31;
@@ -35,13 +38,13 @@ extern "C" __global__ void rope_qk_store(const float* q_src, int ld_q, const flo
     const int p = *pos + t;
     if (j < n_head) {
         k4ops::rope_row(q_src + (size_t)t * ld_q + (size_t)j * D, q_out + ((size_t)t * n_head + j) * D, nullptr, q_norm, eps,
-                 inv_freq, (double)p, D, rope_dim, neox, lane);
+                 inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
         return;
     }
     const int hk = j - n_head;
     const size_t dst = ((size_t)p * n_head_kv + hk) * D;
     k4ops::rope_row(k_src + (size_t)t * ld_k + (size_t)hk * D, nullptr, k_cache + dst, k_norm, eps, inv_freq, (double)p, D,
-             rope_dim, neox, lane);
+             rope_dim, neox, lane, mscale);
     const float* vr = v_src + (size_t)t * ld_v + (size_t)hk * D;
     for (int i = lane; i < D; i += 32) v_cache[dst + i] = f32_to_f16(vr[i]);
 }

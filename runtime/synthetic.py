@@ -130,8 +130,6 @@ def random_blocks(t: T, n_rows: int, n_cols: int, rng: np.random.Generator, scal
             raw[:, 2:4] = high.astype("<u2").view(np.uint8).reshape(nb, 2)  # scales_h: bits 2i..2i+1, code i's top bits
             raw[:, 4:8] = (codes[:, 0::2] & 0xF) | ((codes[:, 1::2] & 0xF) << 4)
         put_f16(0, scale / ((18.5 if full_range else 11.5) * 67.4) * jitter)
-    elif t == T.IQ4_NL:  # d, qs[16]: w = d*kvalues_iq4nl[q]
-        put_f16(0, scale / 67.4 * jitter)
     else:
         raise ValueError(f"random_blocks: no generator for {t.name}")
     return raw.reshape(n_rows, -1)
@@ -234,6 +232,7 @@ def write_metadata(w: GGUFWriter, cfg: ModelConfig, v: dict) -> None:
     w.add_uint32(f"{a}.rope.dimension_count", cfg.rope_dim)
     w.add_float32(f"{a}.rope.freq_base", cfg.rope_freq_base)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_eps)
+    _write_rope_scaling(w, cfg)
     w.add_uint32("general.file_type", 15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
     w.add_uint32("general.quantization_version", 2)
     meta = v["meta"]
@@ -250,6 +249,22 @@ def write_metadata(w: GGUFWriter, cfg: ModelConfig, v: dict) -> None:
             add(meta[f"tokenizer.ggml.{key}_token_id"])
     if meta["tokenizer.chat_template"]:
         w.add_chat_template(meta["tokenizer.chat_template"])
+
+
+def _write_rope_scaling(w: GGUFWriter, cfg: ModelConfig) -> None:
+    """The `{arch}.rope.scaling.*` keys of cfg's RoPE scaling, as convert_hf_to_gguf.py writes
+    them (LongRoPE: no type key, its factors are tensors; its attention factor as attn_factor)."""
+    a = cfg.arch
+    if cfg.rope_scaling in ("linear", "yarn"):
+        w.add_string(f"{a}.rope.scaling.type", cfg.rope_scaling)
+        w.add_float32(f"{a}.rope.scaling.factor", cfg.rope_scale)
+    if cfg.rope_scaling == "yarn":
+        w.add_float32(f"{a}.rope.scaling.yarn_beta_fast", cfg.rope_yarn_beta_fast)
+        w.add_float32(f"{a}.rope.scaling.yarn_beta_slow", cfg.rope_yarn_beta_slow)
+    if cfg.rope_orig_ctx:
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", cfg.rope_orig_ctx)
+    if cfg.rope_attn_factor != 1.0:
+        w.add_float32(f"{a}.rope.scaling.attn_factor", cfg.rope_attn_factor)
 
 
 def _tensor_data(name: str, shape: tuple[int, ...], t: T, cfg: ModelConfig, rng: np.random.Generator) -> np.ndarray:

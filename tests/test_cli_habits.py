@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from k4.cli.app import app
 from k4.cli.render import json_text, rate_text
+from k4.runtime.model import ARCHITECTURES
 from tiny import tiny_config, write_tiny
 
 runner = CliRunner()
@@ -220,7 +221,7 @@ def test_info_of_an_architecture_k4_cannot_run(tmp_path):
                    "falcon.block_count 1", "tensors 2 (2,048 weights)", "tensor types 1 F16, 1 F32"):
         assert needle in text, needle
     assert r.stderr.strip().splitlines() == \
-        [f"error: k4 cannot run {path}: architecture 'falcon' is not supported; k4 runs llama, qwen2, qwen3"]
+        [f"error: k4 cannot run {path}: architecture 'falcon' is not supported; k4 runs {', '.join(ARCHITECTURES)}"]
     r = invoke(*RUN, "-m", str(path), "Hi")
     assert r.exit_code == 2 and "architecture 'falcon' is not supported" in r.stderr
 

@@ -153,12 +153,18 @@ ARCH_CASES = {
     "qwen3-q5_k": ("qwen3", T.Q5_K, K_CFG),
     "llama-q6_k-tied": ("llama", T.Q6_K, {**K_CFG, "tied_embeddings": True}),
     "qwen2-q8_0-hd64": ("qwen2", T.Q8_0, {"n_embd": 128, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "rope_dim": 64}),
-    # Q2_K, Q3_K, IQ4_XS, IQ4_NL: random valid blocks (tests/quant_blocks.py); Q4_0 from gguf's quantizer
+    # phi3: fused attn_qkv and gate|up ffn_up as row views; partial rotary with LongRoPE's long
+    # factors (n_ctx 64 > 32) and magnitude; Q4_K: the views repacked and gate/up interleaved
+    "phi3-q8_0-longrope": ("phi3", T.Q8_0, {"rope_dim": 12, "rope_scaling": "longrope", "rope_orig_ctx": 32,
+                                            "rope_attn_factor": 1.18}),
+    "phi3-q4_k": ("phi3", T.Q4_K, K_CFG),
+    "llama-q8_0-yarn": ("llama", T.Q8_0, {"rope_scaling": "yarn", "rope_scale": 4.0, "rope_orig_ctx": 16}),
+    "qwen2-q8_0-linear": ("qwen2", T.Q8_0, {"rope_scaling": "linear", "rope_scale": 2.0}),
+    # Q2_K, Q3_K, IQ4_XS: random valid blocks (tests/quant_blocks.py); Q4_0 from gguf's quantizer
     "llama-q2_k": ("llama", T.Q2_K, K_CFG),
     "qwen3-q3_k": ("qwen3", T.Q3_K, K_CFG),
     "qwen2-q4_0": ("qwen2", T.Q4_0, {}),
     "llama-iq4_xs-tied": ("llama", T.IQ4_XS, {**K_CFG, "tied_embeddings": True}),
-    "llama-iq4_nl": ("llama", T.IQ4_NL, {}),
 }
 
 

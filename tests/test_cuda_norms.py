@@ -21,6 +21,7 @@ from gguf.quants import dequantize
 from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda.microbench import random_weight
 from k4.runtime.reference import apply_rope, rope_tables
+from k4.runtime.rope import rope_table
 from k4.runtime.trace import Trace
 from tests.helpers_matmul import interleave_rows
 from tests.norm_inputs import RATIOS, eps_outside_sqrt64, eps_rows, norm_weight, rms_norm64, row_errors
@@ -163,7 +164,7 @@ def test_qk_norm_before_rope_where_eps_matters(ops, neox):
     k = np.stack([eps_rows(rng, D, eps) for _ in range(n_tok)])  # (n_tok, n_head_kv, D)
     v = rng.standard_normal((n_tok, n_head_kv, D)).astype(np.float32)
     qn, kn = norm_weight(rng, D), norm_weight(rng, D)
-    cos, sin = rope_tables(cfg, np.arange(pos0, pos0 + n_tok), None)  # (n_tok, D/2) each
+    cos, sin = rope_tables(rope_table(cfg, cfg.n_ctx_train, None), np.arange(pos0, pos0 + n_tok))  # (n_tok, D/2) each
 
     def rope(x):  # (n_tok, heads, D) float64
         return apply_rope(x, cos.astype(np.float64), sin.astype(np.float64), D, neox)

@@ -14,6 +14,7 @@ import pytest
 
 from tests.gpu import cupy_or_skip
 from k4.runtime import reference
+from k4.runtime.rope import rope_table
 from k4.runtime.sampling import SamplingParams, apply_repeat_penalty, sample
 from k4.runtime.trace import Trace
 from tests.tiny import tiny_config
@@ -87,7 +88,7 @@ def test_rope_qk_store(ops, rng, arch, D, rope_dim, n_head, n_head_kv, n_tok, po
     v = rng.standard_normal((n_tok, n_head_kv, D)).astype(np.float32)
     qn = (1 + 0.2 * rng.standard_normal(D)).astype(np.float32) if cfg.has_qk_norm else None
     kn = (1 + 0.2 * rng.standard_normal(D)).astype(np.float32) if cfg.has_qk_norm else None
-    cos, sin = reference.rope_tables(cfg, np.arange(pos0, pos0 + n_tok), ff)
+    cos, sin = reference.rope_tables(rope_table(cfg, cfg.n_ctx_train, ff), np.arange(pos0, pos0 + n_tok))
     q_want, k_want = q, k
     if cfg.has_qk_norm:
         q_want, k_want = reference.rms_norm(q, qn, cfg.rms_eps), reference.rms_norm(k, kn, cfg.rms_eps)

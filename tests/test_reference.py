@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType as T
 from k4.runtime.errors import ContextFullError
 from k4.runtime.model import open_model
 from k4.runtime.reference import NumpyBackend, apply_rope, rope_tables
+from k4.runtime.rope import rope_table
 from tiny import tiny_config, write_tiny
 
 
@@ -41,7 +42,7 @@ def test_rope_is_a_relative_rotation(neox):
     rng = np.random.default_rng(0)
     q, k = rng.standard_normal((2, 1, 1, 12)).astype(np.float32)
     def at(x, pos):
-        cos, sin = rope_tables(cfg, np.array([pos]), None)
+        cos, sin = rope_tables(rope_table(cfg, 64, None), np.array([pos]))
         return apply_rope(x, cos, sin, cfg.rope_dim, neox)
     # norms kept, dims past rope_dim untouched, dot product depends on the distance only
     np.testing.assert_allclose(np.linalg.norm(at(q, 17)), np.linalg.norm(q), rtol=1e-5)
@@ -59,7 +60,7 @@ def test_rope_is_a_relative_rotation(neox):
 def test_rope_freqs_divide_theta():
     cfg = tiny_config(rope_dim=8)
     factors = np.array([1.0, 2.0, 4.0, 8.0], np.float32)
-    c1, s1 = rope_tables(cfg, np.array([5]), factors)
+    c1, s1 = rope_tables(rope_table(cfg, 64, factors), np.array([5]))
     inv = 10000.0 ** (-np.arange(4) * 2 / 8) / factors
     np.testing.assert_allclose(c1[0], np.cos(5 * inv), rtol=1e-6)
     np.testing.assert_allclose(s1[0], np.sin(5 * inv), rtol=1e-6)

@@ -19,6 +19,8 @@ def tiny_config(arch: str = "llama", **over) -> ModelConfig:
         n_ff=96, n_ctx_train=128, rms_eps=1e-5, rope_freq_base=10000.0, rope_dim=16, rope_neox=arch != "llama",
         has_qkv_bias=arch == "qwen2", has_qk_norm=arch == "qwen3", has_rope_freqs=False, tied_embeddings=False,
     )
+    if arch == "phi3":  # llama.cpp's phi3 files: fused attn_qkv and gate|up ffn_up
+        base.update(fused_qkv=True, fused_gate_up=True)
     base.update(over)
     return ModelConfig(**base)
 
@@ -34,7 +36,7 @@ def write_tiny(path: Path, vocab_gguf: Path, cfg: ModelConfig, matrix_type: T = 
         if name in skip:
             continue
         if len(shape) == 1:
-            base = 1.0 if name.endswith("norm.weight") or name == "rope_freqs.weight" else 0.0
+            base = 1.0 if name.endswith("norm.weight") or name.startswith("rope_") else 0.0
             w.add_tensor(name, (base + 0.1 * rng.standard_normal(shape)).astype(np.float32))
             continue
         m = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)

@@ -29,7 +29,7 @@ try:
 except ModuleNotFoundError:  # require_cuda() says so
     cp = None
 else:
-    from . import blas, matmul, memory, ops
+    from . import blas, layout, matmul, memory, ops, quant_kernels
     from .buffers import KVCache, activation_spec, allocate, matmul_scratch_bytes, place, sampler_spec, spec_bytes
     from .compile import compile_async
     from .forward import Forward, ForwardOptions
@@ -105,13 +105,13 @@ class CudaBackend(TokenCache):
         o = ops.Ops(self.trace, **o_opts)
         # kernels compile on threads while the weights upload; the "compile" step waits for them
         matrix_types = {t.ggml_type for t in mf.tensors.values() if len(t.shape) == 2}
-        compiling = compile_async(matmul.compile_jobs(matrix_types, w_opts.matrix.evict_first) + o.compile_jobs(cfg.head_dim))
+        compiling = compile_async(quant_kernels.compile_jobs(matrix_types, w_opts.matrix.evict_first) + o.compile_jobs(cfg.head_dim))
         chunk = min(n_ctx, PREFILL_CHUNK)
         # decode attention: one configuration per range of context lengths (ops.split_buckets) and a
         # decode graph for each range, captured on first use; eager steps take the last (any position)
         splits = ops.split_buckets(n_ctx, self.flags.on("K4_SPLIT_ATTN"), o.attention_capacity(cfg.head_dim) // cfg.n_head)
         n_split = max(n for _, n, _ in splits)  # the most splits of any range: the partials buffer
-        specs = [matmul.combined([mf.tensor(n) for n in names], names[0], glu) for _, names, glu in matrix_plan(mf, cfg, w_opts)]
+        specs = [layout.combined(tensors, tensors[0].name, glu) for _, tensors, glu in matrix_plan(mf, cfg, w_opts)]
         act_spec = activation_spec(cfg, chunk, n_ctx, n_split, matmul_scratch_bytes(specs, chunk, w_opts.matrix.tensor_cores),
                                    self.flags.on("K4_FUSE_QUANT"))
         workspace = blas.WORKSPACE_BYTES if self.flags.on("K4_PREFILL_GRAPH") else 0
@@ -120,7 +120,7 @@ class CudaBackend(TokenCache):
             memory.check_fits(weight_bytes(mf, cfg), KVCache.nbytes(cfg, n_ctx),
                               spec_bytes(act_spec) + spec_bytes(sampler_spec(cfg)) + workspace, n_ctx, memory.free_bytes())
             loader = WeightLoader(self.mem, self.trace, copy_stream, w_opts)
-            self._timed(stream, "read+upload", lambda: setattr(self, "weights", loader.load(mf, cfg, progress)))
+            self._timed(stream, "read+upload", lambda: setattr(self, "weights", loader.load(mf, cfg, progress, n_ctx)))
             self.load_detail_ms = loader.detail_ms
             self._timed(stream, "buffers", lambda: self._buffers(act_spec, o, f_opts, splits, stream, copy_stream))
             if self.flags.on("K4_PREFILL_F16_CACHE"):
