@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from k4.runtime.cuda.matmul import combined
+from k4.runtime.cuda.layout import combined
 from k4.runtime.model import Tensor
 
 

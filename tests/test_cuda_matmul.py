@@ -24,7 +24,9 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
+from k4.runtime.cuda import layout as lay
 from k4.runtime.cuda import matmul as mm
+from k4.runtime.cuda import quant_kernels as qk
 from k4.runtime.cuda.microbench import bench_gemv, bench_matmul, random_weight
 from k4.runtime.model import Tensor
 from tests.helpers_matmul import interleave_rows, stack_rows
@@ -77,7 +79,7 @@ def weight(type_name: str, n_out: int, n_in: int, rng, repack: bool):
     import cupy as cp
 
     t = random_weight(T[type_name], n_out, n_in, rng)
-    w = mm.make_weight(t, cp.asarray(mm.weight_layout(t, repack)), repack)
+    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack)
     return w, dequantize(t.raw_bytes(), t.ggml_type).astype(np.float64)
 
 
@@ -96,15 +98,15 @@ def test_planar_layout_holds_every_group_contiguously(type_name):
     raw = t.raw_bytes().reshape(-1)
     groups = mm.QUANT[t.ggml_type].groups
     blocks = raw.reshape(-1, groups[-1])
-    planar = mm.weight_layout(t, repack=True)
-    assert planar.nbytes == mm.planar_nbytes(t.ggml_type, blocks.shape[0])
+    planar = lay.weight_layout(t, repack=True)
+    assert planar.nbytes == lay.planar_nbytes(t.ggml_type, blocks.shape[0])
     off = 0
     for a, b in pairwise(groups):
         n = blocks.shape[0] * (b - a)
         assert np.array_equal(planar[off : off + n], blocks[:, a:b].reshape(-1))
         assert off % 16 == 0
         off += -(-n // 16) * 16
-    assert np.array_equal(mm.weight_layout(t, repack=False), raw)
+    assert np.array_equal(lay.weight_layout(t, repack=False), raw)
 
 
 def test_stack_rows_needs_one_type_and_width():
@@ -113,7 +115,7 @@ def test_stack_rows_needs_one_type_and_width():
     with pytest.raises(ValueError, match="cannot stack"):
         stack_rows([a, b], "ab")
     s = stack_rows([a, a], "aa")
-    assert np.array_equal(mm.weight_layout(s, False), np.concatenate([a.raw_bytes().reshape(-1)] * 2))
+    assert np.array_equal(lay.weight_layout(s, False), np.concatenate([a.raw_bytes().reshape(-1)] * 2))
 
 
 def test_interleave_rows_alternates_gate_and_up():
@@ -138,11 +140,11 @@ def _device_layout_cases(xp):
         a, b, c = (random_weight(t, n, 2 * GGML_QUANT_SIZES[t][0], rng) for n in (5, 5, 3))
         for repack in (False, True):
             for tensors, glu in (([a, b, c], False), ([a, b], True), ([c], False)):
-                spec = mm.combined(tensors, "m", glu)
-                host = mm.weight_layout(interleave_rows(a, b, "m") if glu else stack_rows(tensors, "m"), repack)
+                spec = lay.combined(tensors, "m", glu)
+                host = lay.weight_layout(interleave_rows(a, b, "m") if glu else stack_rows(tensors, "m"), repack)
                 src = xp.asarray(np.concatenate([x.raw_bytes().reshape(-1) for x in tensors]))
-                dst = xp.full(mm.layout_nbytes(spec, repack), 0xA5, xp.uint8)  # pads must be written too
-                mm.device_layout(dst, src, spec, repack, glu)
+                dst = xp.full(lay.layout_nbytes(spec, repack), 0xA5, xp.uint8)  # pads must be written too
+                lay.device_layout(dst, src, spec, repack, glu)
                 yield f"{type_name} repack={repack} glu={glu} n={len(tensors)}", host, dst
 
 
@@ -164,17 +166,17 @@ def test_combined_rejects_what_stack_and_interleave_reject():
     rng = np.random.default_rng(0)
     a, b = random_weight(T.Q4_K, 4, 256, rng), random_weight(T.Q6_K, 4, 256, rng)
     with pytest.raises(ValueError, match="cannot stack"):
-        mm.combined([a, b], "ab")
+        lay.combined([a, b], "ab")
     with pytest.raises(ValueError, match="two matrices of one shape"):
-        mm.combined([a, random_weight(T.Q4_K, 6, 256, rng)], "g", glu=True)
-    assert mm.combined([a, a], "aa").shape == (8, 256)
+        lay.combined([a, random_weight(T.Q4_K, 6, 256, rng)], "g", glu=True)
+    assert lay.combined([a, a], "aa").shape == (8, 256)
 
 
 def test_weight_layout_rejects_partial_blocks():
     t = random_weight(T.F32, 2, 8, np.random.default_rng(0))
     bad = Tensor("w", T.Q4_K, (2, 100), t.raw)
     with pytest.raises(ValueError, match="multiple of the Q4_K block"):
-        mm.weight_layout(bad, repack=True)
+        lay.weight_layout(bad, repack=True)
 
 
 # ---- decode: gemv ------------------------------------------------------------------------------
@@ -250,7 +252,7 @@ def test_stacked_rows_multiply_as_one_matrix():
     parts = [random_weight(T.Q4_K, n, 512, rng) for n in (256, 64, 64)]
     t = stack_rows(parts, "blk.0.attn_qkv.weight")
     assert t.shape == (384, 512)
-    w = mm.make_weight(t, cp.asarray(mm.weight_layout(t, True)), True)
+    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True)
     x = rng.standard_normal(512).astype(np.float32)
     y = nan_like(384)
     mm.gemv(w, cp.asarray(x), y)
@@ -259,7 +261,7 @@ def test_stacked_rows_multiply_as_one_matrix():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("type_name,variant", [(t, v) for t, vs in mm.EXTRA_GEMV_VARIANTS.items() for v in vs])
+@pytest.mark.parametrize("type_name,variant", [(t, v) for t, vs in qk.EXTRA_GEMV_VARIANTS.items() for v in vs])
 def test_gemv_variants_match_numpy(type_name, variant):
     import cupy as cp
 
@@ -341,7 +343,7 @@ def test_gemv_swiglu_epilogue(type_name, repack):
     n_ff, n_in = shapes(type_name)[2]
     gate, up = (random_weight(T[type_name], n_ff, n_in, rng) for _ in range(2))
     t = interleave_rows(gate, up, "ffn_gate_up")
-    w = mm.make_weight(t, cp.asarray(mm.weight_layout(t, repack)), repack, glu=True)
+    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack, glu=True)
     ref_g, ref_u = (dequantize(p.raw_bytes(), p.ggml_type).astype(np.float64) for p in (gate, up))
     x = rng.standard_normal(n_in).astype(np.float32)
     y = nan_like(n_ff)
@@ -360,14 +362,14 @@ def test_gemv_swiglu_epilogue(type_name, repack):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("type_name,variant", [(t, v) for t, vs in mm.EXTRA_GLU_VARIANTS.items() for v in vs])
+@pytest.mark.parametrize("type_name,variant", [(t, v) for t, vs in qk.EXTRA_GLU_VARIANTS.items() for v in vs])
 def test_gemv_swiglu_variants_match_numpy(type_name, variant):
     import cupy as cp
 
     rng, seed = fresh_rng()
     gate, up = (random_weight(type_name, 777, 1536, rng) for _ in range(2))
     t = interleave_rows(gate, up, "ffn_gate_up")
-    w = mm.make_weight(t, cp.asarray(mm.weight_layout(t, True)), True, glu=True)
+    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=True)
     x = rng.standard_normal(1536).astype(np.float32)
     y = nan_like(777)
     mm.gemv(w, cp.asarray(x), y, variant=variant)
@@ -408,7 +410,7 @@ def test_gemv_q8_handoff_is_the_quantization_of_y(glu_type, down_type):
         n_in = 512
         gate, up = (random_weight(T[glu_type], n_ff, n_in, rng) for _ in range(2))
         t = interleave_rows(gate, up, "ffn_gate_up")
-        glu = mm.make_weight(t, cp.asarray(mm.weight_layout(t, True)), True, glu=True)
+        glu = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=True)
         down, _ = weight(down_type, 300, n_ff, rng, True)
         assert mm.can_hand_off(glu, down)
         x = cp.asarray(rng.standard_normal(n_in).astype(np.float32))
@@ -446,7 +448,7 @@ def test_gemv_q8_handoff_rejects_what_does_not_fit():
         mm.Q8Vector.for_weight(f32, buf)
     gate, up = (random_weight(T.Q5_0, 64, 256, rng) for _ in range(2))
     t = interleave_rows(gate, up, "ffn_gate_up")
-    glu = mm.make_weight(t, cp.asarray(mm.weight_layout(t, True)), True, glu=True)
+    glu = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=True)
     assert not mm.can_hand_off(glu, w6)
     with pytest.raises(ValueError, match="handoff"):
         mm.gemv(glu, x, y, y_q8=mm.Q8Vector(buf, 64, 1))
@@ -562,7 +564,7 @@ def test_matmul_of_a_glu_weight_gives_interleaved_products():
     rng, seed = fresh_rng()
     gate, up = (random_weight(T.Q4_K, 300, 512, rng) for _ in range(2))
     t = interleave_rows(gate, up, "ffn_gate_up")
-    w = mm.make_weight(t, cp.asarray(mm.weight_layout(t, True)), True, glu=True)
+    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=True)
     X = rng.standard_normal((9, 512)).astype(np.float32)
     Y = nan_like((9, 600))
     mm.matmul(w, cp.asarray(X), Y, scratch=cp.empty(mm.matmul_scratch_bytes([w], 9), cp.uint8))

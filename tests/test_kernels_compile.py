@@ -6,7 +6,7 @@ missing define, fails the compile (kernels_cu/constants.cuh and the static_asser
 each formula).
 
 The .cu files hold no list of template instances: the kernel names the launchers use
-(runtime/cuda/matmul.py GROUPS, runtime/cuda/ops.py KERNELS) are the one list. NVRTC gets them
+(runtime/cuda/quant_kernels.py GROUPS, runtime/cuda/ops.py KERNELS) are the one list. NVRTC gets them
 as name expressions; here a wrapper file includes the source and takes each one's address,
 which instantiates exactly those kernels (and fails to compile for a name the source lacks)."""
 
@@ -20,7 +20,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from k4.kernels_cu import SOURCE_DIR
-from k4.runtime.cuda import constants, matmul
+from k4.runtime.cuda import constants
+from k4.runtime.cuda import quant_kernels as matmul
 from k4.runtime.cuda import kernel_names as ops
 from k4.runtime.cuda.compile import OPTIONS
 

@@ -21,8 +21,9 @@ from k4.runtime.trace import Trace
 
 from .compile import module
 from .launch import launch
+from .layout import weight_layout
 from .matmul import (FLOAT, QUANT, DeviceWeight, Q8Vector, WeightOptions, device_limits, gemv, make_weight, matmul,
-                     matmul_scratch_bytes, q8x_bytes, q8x_host, weight_layout)
+                     matmul_scratch_bytes, q8x_bytes, q8x_host)
 
 
 def random_weight(ggml_type: T, n_out: int, n_in: int, rng: np.random.Generator) -> Tensor:

@@ -1,0 +1,148 @@
+"""Which kernels serve each ggml type: the per-type decoder and launch variants of the matrix
+kernels (kernels_cu/gemv.cu, kernels_cu/matmul.cu, decoders in kernels_cu/common.cuh and
+decoders_lowbit.cuh), the template-instance names the launchers use (the one list: NVRTC gets
+them as name expressions, the nvcc test instantiates exactly them), their compile groups, and
+the lookup of a compiled kernel. Importable without CuPy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cache
+
+from gguf import GGMLQuantizationType as T
+
+from .compile import module
+from .constants import QUANT_LAYOUTS
+
+
+@dataclass(frozen=True)
+class QuantKernels:
+    """How kernels_cu handles one quantized ggml type.
+
+    decoder: the C++ decoder struct in kernels_cu/common.cuh.
+    gemv:    (WARPS, U, PF) of the gemv_q8 instance used: warps per block, chunks in flight per
+             lane, and whether the next U chunks load while the current ones are multiplied.
+    glu:     the same for the SwiGLU-epilogue instance (Q8_0 holds fewer chunks: more spill).
+    groups, x_swizzle, handoff: constants.QuantLayout, shared with the kernels (planar groups,
+             the layout of its q8 x (Q8Vector), whether its SwiGLU instance can also write its
+             output as a Q8Vector (gemv y_q8)).
+    """
+
+    decoder: str
+    gemv: tuple[int, int, int]
+    glu: tuple[int, int, int]
+    groups: tuple[int, ...]
+    x_swizzle: int
+    handoff: bool
+
+
+def _quant(t: T, decoder: str, gemv: tuple[int, int, int], glu: tuple[int, int, int]) -> tuple[T, QuantKernels]:
+    layout = QUANT_LAYOUTS[t]
+    return t, QuantKernels(decoder, gemv, glu, layout.groups, layout.x_swizzle, layout.handoff)
+
+
+QUANT: dict[T, QuantKernels] = dict((
+    _quant(T.Q4_K, "type_q4_K", (16, 2, 1), (16, 2, 1)),
+    _quant(T.Q5_K, "type_q5_K", (32, 1, 0), (32, 1, 0)),
+    _quant(T.Q6_K, "type_q6_K", (16, 2, 1), (32, 1, 0)),
+    _quant(T.Q8_0, "type_q8_0", (32, 4, 0), (32, 2, 0)),
+    _quant(T.Q5_0, "type_q5_0", (32, 4, 0), (32, 4, 0)),
+    _quant(T.Q5_1, "type_q5_1", (32, 4, 0), (32, 4, 0)),
+    # chosen by analogy, not yet measured: Q2_K and Q3_K read as Q6_K does, Q4_0 and IQ4_NL as Q5_0, IQ4_XS as Q4_K
+    _quant(T.Q2_K, "type_q2_K", (16, 2, 1), (32, 1, 0)),
+    _quant(T.Q3_K, "type_q3_K", (16, 2, 1), (32, 1, 0)),
+    _quant(T.Q4_0, "type_q4_0", (32, 4, 0), (32, 4, 0)),
+    _quant(T.IQ4_XS, "type_iq4_xs", (16, 2, 1), (16, 2, 1)),
+    _quant(T.IQ4_NL, "type_iq4_nl", (32, 4, 0), (32, 4, 0)),
+))
+# Unquantized types: C++ decoder and bytes per weight.
+FLOAT: dict[T, tuple[str, int]] = {T.F32: ("type_f32", 4), T.F16: ("type_f16", 2), T.BF16: ("type_bf16", 2)}
+
+# gemv_q8 variants compiled besides each type's default, for microbench.bench_gemv(variant=...). Measured on
+# the H200 (CUDA graph, PDL, bench_gemv): with the next chunks loading during the products (PF),
+# Q4_K (16, 2, 1) beats (16, 2, 0), (32, 2, 0) and (16, 1, 1) from 4096x4096 (4.59 us, 2.07 TB/s)
+# to 22016x4096 (14.3 us, 3.56 TB/s) and 4096x11008 (9.18 us); Q6_K (16, 2, 1) beats (32, 1, 0),
+# (32, 2, 0) and (16, 1, 1) except at 4096x4096 (5.81 us vs 5.45 for (16, 1, 1)); 32000x4096 26.8 us,
+# 4.02 TB/s; Q4_K (16, 3, 1) is no faster than (16, 2, 1). Llama 2 7B tg128: 456 t/s without PF,
+# 550 with it (docs/PERF.md).
+EXTRA_GEMV_VARIANTS: dict[T, tuple[tuple[int, int, int], ...]] = {
+    T.Q4_K: ((16, 2, 0), (32, 2, 0), (16, 1, 1)), T.Q6_K: ((32, 1, 0), (32, 2, 0), (16, 1, 1))}
+# SwiGLU-epilogue variants compiled besides the default
+EXTRA_GLU_VARIANTS: dict[T, tuple[tuple[int, int, int], ...]] = {T.Q4_K: ((16, 2, 0),)}
+FLOAT_GEMV = (8, 4)  # gemv_f: warps per block, 16-byte chunks in flight per lane
+
+GEMV_MAX_TOKENS = 4          # matmul of at most this many tokens runs as gemv per token
+DEQUANT_CHUNK_BYTES = 32 << 20  # fp16 rows dequantized per cuBLAS call (fits the H200's 60 MB L2)
+
+
+def _bool(b: bool) -> str:
+    return "true" if b else "false"
+
+
+def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool = False) -> str:
+    warps, u, pf = variant
+    return f"gemv_q8<{QUANT[t].decoder}, {_bool(planar)}, {warps}, {u}, {_bool(pf)}, {_bool(glu)}>"
+
+
+def _gemv_f_name(t: T, vec: bool, glu: bool = False) -> str:
+    return f"gemv_f<{FLOAT[t][0]}, {FLOAT_GEMV[0]}, {FLOAT_GEMV[1]}, {_bool(vec)}, {_bool(glu)}>"
+
+
+def _dequant_name(t: T, planar: bool, out: str) -> str:
+    if t in QUANT:
+        return f"dequant_q<{QUANT[t].decoder}, {_bool(planar)}, {out}>"
+    return f"dequant_f<{FLOAT[t][0]}, {out}>"
+
+
+def _gemv_names(t: T) -> tuple[str, ...]:
+    """The gemv.cu instances a matrix of type t uses (both layouts, with and without SwiGLU)."""
+    if t in QUANT:
+        return tuple(_gemv_q8_name(t, p, v, glu) for glu, v in ((False, QUANT[t].gemv), (True, QUANT[t].glu))
+                     for p in (False, True))
+    return tuple(_gemv_f_name(t, vec, glu) for vec in (True, False) for glu in (False, True))
+
+
+def _matmul_names(t: T) -> tuple[str, ...]:
+    """The matmul.cu dequantization instances of type t (both output types, both layouts)."""
+    layouts = (False, True) if t in QUANT else (False,)
+    return tuple(_dequant_name(t, p, out) for p in layouts for out in ("float", "u16"))
+
+
+# Compile groups: one module per (file, group), so a model compiles only its types' instances.
+# "bench" holds the gemv_q8 variants only microbench.bench_gemv(variant=...) uses; read_stream* are extern
+# "C" (no name expressions).
+GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
+    "gemv.cu": {
+        **{t.name: _gemv_names(t) for t in (*QUANT, *FLOAT)},
+        "bench": tuple(_gemv_q8_name(t, p, v, glu) for glu, extra in ((False, EXTRA_GEMV_VARIANTS), (True, EXTRA_GLU_VARIANTS))
+                       for t, vs in extra.items() for v in vs for p in (False, True)),
+    },
+    "matmul.cu": {**{t.name: _matmul_names(t) for t in (*QUANT, *FLOAT)}, "common": ("convert_f32_f16", "add_rows")},
+}
+_GROUP_OF = {(f, name): names for f, groups in GROUPS.items() for names in groups.values() for name in names}
+
+
+def _defines(evict_first: bool) -> tuple[str, ...]:
+    return () if evict_first else ("K4_EVICT_FIRST=0",)
+
+
+def compile_jobs(types: Iterable[T], evict_first: bool = True) -> list:
+    """compile.module() arguments for the matrix kernels of weights of `types` (ggml types with
+    CUDA kernels; others are skipped): their gemv and dequantization instances, and matmul.cu's
+    conversions. For compile.compile_async at load."""
+    present = [t for t in dict.fromkeys(types) if t in QUANT or t in FLOAT]
+    jobs = [("matmul.cu", GROUPS["matmul.cu"]["common"], ())]
+    for t in present:
+        jobs += [("gemv.cu", GROUPS["gemv.cu"][t.name], _defines(evict_first)),
+                 ("matmul.cu", GROUPS["matmul.cu"][t.name], _defines(evict_first))]
+    return jobs
+
+
+@cache  # a RawModule lookup per launch showed in the prefill profile (host-bound)
+def _kernel(filename: str, name: str, evict_first: bool = True):
+    """Kernel `name` of kernels_cu/`filename`, from the module of its compile group; evict_first:
+    its weight loads carry the L1 evict-first hint (common.cuh load16, flag K4_EVICT_FIRST)."""
+    group = _GROUP_OF.get((filename, name))  # None: an extern "C" kernel
+    return module(filename, group, _defines(evict_first) if group else ()).get_function(name)
