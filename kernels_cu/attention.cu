@@ -23,11 +23,14 @@
 // part: (n_tok, n_head, n_split, D + 2) f32 partials [m, l, acc[D]], written when n_split > 1
 //   by the splits that hold keys (the first ceil(n_kv / split_len)); ticket: (n_tok, n_head)
 //   int32, zero on entry and left zero, counts the splits done.
-// pos: (1,) int32, the position of query 0. split_len: keys per split.
+// pos: (1,) int32, the position of query 0. split_len: keys per split. scale: of q.k.
+// window > 0: a sliding layer (Gemma): the query at position p sees keys p - window + 1 .. p only;
+//   splits wholly before that hold no keys (they exit, and the merge skips them). softcap > 0:
+//   scores -> softcap * tanh(score / softcap) (Gemma 2). window = 0, softcap = 0: plain causal.
 // fresh_q, fresh_k, fresh_v: null, or (decode, n_tok = 1, RoPE fused; q is then not read) the
 //   token's unrotated q (n_head, D), k and v (n_head_kv, D) f32 from the projections: each block
 //   rotates q itself (with q_norm, k_norm (D,) or null, inv_freq (rope_dim/2,) f64, rope_dim,
-//   neox, eps, mscale as rope.cu), the block whose split holds the token's position takes its key and
+//   neox, eps as rope.cu), the block whose split holds the token's position takes its key and
 //   value from registers rounded to fp16 (exactly what the cache would hold), and of those the
 //   block of the first query head of each KV head stores them into the cache rows through
 //   k_store, v_store (the cache again; that row is read by no block of this launch).
@@ -43,10 +46,10 @@ __host__ __device__ constexpr int att_smem(int D) { return 4 * (D + ATT_CHUNK + 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
            float* __restrict__ out, float* __restrict__ part, int* __restrict__ ticket, const int* __restrict__ pos,
-           int n_head, int n_head_kv, int D, int split_len, float scale,
+           int n_head, int n_head_kv, int D, int split_len, float scale, int window, float softcap,
            const float* __restrict__ fresh_q, const float* __restrict__ fresh_k, const float* __restrict__ fresh_v,
            u16* k_store, u16* v_store, const float* __restrict__ q_norm, const float* __restrict__ k_norm,
-           const double* __restrict__ inv_freq, int rope_dim, int neox, float eps, float mscale) {
+           const double* __restrict__ inv_freq, int rope_dim, int neox, float eps) {
     pdl_trigger();
     pdl_wait();
     const int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z;
@@ -54,9 +57,11 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
     const int tid = threadIdx.x;
     const int hk = h / (n_head / n_head_kv);
     const int n_kv = *pos + t + 1;
-    const int n_active = (n_kv + split_len - 1) / split_len;  // splits holding keys
-    if (s >= n_active) return;
-    const int begin = s * split_len;
+    const int n_active = (n_kv + split_len - 1) / split_len;  // splits up to the last key
+    const int lo = window > 0 ? max(0, n_kv - window) : 0;    // the first key this query sees
+    const int first = lo / split_len;                         // the first split holding keys
+    if (s >= n_active || s < first) return;
+    const int begin = max(s * split_len, lo);
     const int end = min(n_kv, begin + split_len);
     const size_t kv_stride = (size_t)n_head_kv * D;
     const u16* kbase = k_cache + (size_t)hk * D;
@@ -73,9 +78,9 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
     const int cur = fresh_q && end == n_kv ? p : -1;  // the key taken from kcur / vcur, if in this split
     if (fresh_q) {
         const int warp = tid >> 5, lane = tid & 31;
-        if (warp == 0) k4ops::rope_row(fresh_q + (size_t)h * D, qs, nullptr, q_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
+        if (warp == 0) k4ops::rope_row(fresh_q + (size_t)h * D, qs, nullptr, q_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane);
         if (cur >= 0 && warp == 1)
-            k4ops::rope_row(fresh_k + (size_t)hk * D, nullptr, kcur, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
+            k4ops::rope_row(fresh_k + (size_t)hk * D, nullptr, kcur, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane);
         if (cur >= 0 && warp == 2)
             for (int i = lane; i < D; i += 32) vcur[i] = f32_to_f16(fresh_v[(size_t)hk * D + i]);
         __syncthreads();
@@ -135,6 +140,7 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
             for (int u = 0; u < ATT_KEYS; ++u) {
                 for (int off = tpg / 2; off > 0; off >>= 1) d[u] += __shfl_xor_sync(k4ops::FULL_MASK, d[u], off);
                 const int j = j0 + grp + u * n_grp;
+                if (softcap > 0.0f) d[u] = softcap * tanhf(d[u] / softcap);
                 if (j < n && gl == 0) sc[j] = d[u];
             }
         }
@@ -203,20 +209,20 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
     __syncthreads();
     if (tid == 0) {
         __threadfence();
-        is_last = atomicAdd(ticket + row, 1) == n_active - 1;
+        is_last = atomicAdd(ticket + row, 1) == n_active - first - 1;
     }
     __syncthreads();
     if (!is_last) return;
     __threadfence();
     const float* pr = part + row * n_split * (D + 2);
     float M = -k4ops::inf_f32();
-    for (int j = 0; j < n_active; ++j) M = fmaxf(M, __ldcg(pr + j * (D + 2)));
+    for (int j = first; j < n_active; ++j) M = fmaxf(M, __ldcg(pr + j * (D + 2)));
     float L = 0.0f;
-    for (int j = 0; j < n_active; ++j) L += __ldcg(pr + j * (D + 2) + 1) * __expf(__ldcg(pr + j * (D + 2)) - M);
+    for (int j = first; j < n_active; ++j) L += __ldcg(pr + j * (D + 2) + 1) * __expf(__ldcg(pr + j * (D + 2)) - M);
     const float inv_L = 1.0f / L;
     for (int i = tid; i < D; i += ATT_THREADS) {
         float a = 0.0f;
-        for (int j = 0; j < n_active; ++j) a += __ldcg(pr + j * (D + 2) + 2 + i) * __expf(__ldcg(pr + j * (D + 2)) - M);
+        for (int j = first; j < n_active; ++j) a += __ldcg(pr + j * (D + 2) + 2 + i) * __expf(__ldcg(pr + j * (D + 2)) - M);
         out[row * D + i] = a * inv_L;
     }
     if (tid == 0) ticket[row] = 0;
@@ -230,6 +236,7 @@ __host__ __device__ constexpr int tiled_smem(int D) { return 4 * (TILE_Q * (D + 
 
 // Causal attention of n_tok queries (query t at position pos0 + t, pos0 = *pos) over the cache
 // rows 0 .. pos0 + t. q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx, n_head_kv, D) fp16.
+// scale, window, softcap: as attn_f16kv (the block starts at the tile of its first query's window).
 // Grid: (n_head, ceil(n_tok / TILE_Q)); block: TILE_THREADS; dynamic shared memory tiled_smem(D).
 // Thread mapping: thread (rg, kg) = (tid / 16, tid % 16) owns query rows rg + 8i (i < 4); for
 // scores the keys kg + 16j (j < 4) of the tile, for the output the columns 64c + 4kg .. + 3
@@ -238,7 +245,8 @@ __host__ __device__ constexpr int tiled_smem(int D) { return 4 * (TILE_Q * (D + 
 template <int D>
 __global__ void __launch_bounds__(TILE_THREADS)
 attn_tiled(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
-           float* __restrict__ out, const int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, float scale) {
+           float* __restrict__ out, const int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, float scale,
+           int window, float softcap) {
     constexpr int DP = D + 4, NC = D / 64;
     extern __shared__ float4 tile_smem[];
     float* Qs = reinterpret_cast<float*>(tile_smem);  // (TILE_Q, DP) queries, pre-scaled
@@ -272,7 +280,8 @@ attn_tiled(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
             for (int e = 0; e < 4; ++e) o[i][c][e] = 0.f;
     }
 
-    for (int k0 = 0; k0 < n_keys; k0 += TILE_K) {
+    const int k_begin = window > 0 ? max(0, pos0 + q0 - window + 1) / TILE_K * TILE_K : 0;
+    for (int k0 = k_begin; k0 < n_keys; k0 += TILE_K) {
         __syncthreads();  // the previous tile is consumed (and Qs is written, the first time)
         for (int i = tid; i < TILE_K * D / 8; i += TILE_THREADS) {
             const int r = i / (D / 8), c8 = i % (D / 8);
@@ -319,7 +328,9 @@ attn_tiled(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
             float mx = -k4ops::inf_f32();
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                if (row >= nq || k0 + kg + 16 * j > q_pos) s[i][j] = -k4ops::inf_f32();
+                const int key = k0 + kg + 16 * j;
+                if (softcap > 0.f) s[i][j] = softcap * tanhf(s[i][j] / softcap);
+                if (row >= nq || key > q_pos || (window > 0 && key <= q_pos - window)) s[i][j] = -k4ops::inf_f32();
                 mx = fmaxf(mx, s[i][j]);
             }
 #pragma unroll
@@ -449,14 +460,16 @@ __host__ __device__ constexpr int mma_smem(int D, int BK) { return 2 * (D + 8) *
 
 // Causal attention of n_tok queries (query t at position pos0 + t, pos0 = *pos) over the cache
 // rows 0 .. pos0 + t, on tensor cores. q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx,
-// n_head_kv, D) fp16; scale: 1 / sqrt(D). Grid: (n_head, ceil(n_tok / MMA_BQ)); block:
+// n_head_kv, D) fp16; scale, window, softcap: as attn_f16kv (tiles before the window of a block's or a
+// warp's first query are skipped; softcap applies to S in log2 units with cap * log2(e)). Grid: (n_head, ceil(n_tok / MMA_BQ)); block:
 // MMA_THREADS; dynamic shared memory mma_smem(D, BK). Requires D % 16 == 0, BK % 16 == 0.
 // Thread mapping: lane = 4g + t holds rows g and g + 8 of its warp's 16 queries and, per 8-column
 // chunk of S or O, columns 2t and 2t + 1 (the mma accumulator layout).
 template <int D, int BK>
 __global__ void __launch_bounds__(MMA_THREADS, 2)
 attn_mma(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
-         float* __restrict__ out, const int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, float scale) {
+         float* __restrict__ out, const int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, float scale,
+         int window, float softcap) {
     using namespace k4mma;
     constexpr int DP = D + 8;          // shared row stride (halves)
     constexpr int ROW_BYTES = 2 * DP;
@@ -502,7 +515,8 @@ attn_mma(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16
         }
         cp_async_commit();
     };
-    load_tile(0);
+    const int j_begin = window > 0 ? max(0, pos0 + q0 - window + 1) / BK : 0;  // the tile of the block's first visible key
+    load_tile(j_begin);
 
     const int wrow = 16 * warp;  // the warp's first row in the block
     u32 qf[QREG ? NKC : 1][4];   // A fragments of Q (D <= 128)
@@ -543,12 +557,14 @@ attn_mma(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16
         for (int e = 0; e < 4; ++e) o[c][e] = 0.f;
     const int row_pos = pos0 + q0 + wrow;  // position of the warp's first query
 
-    for (int j = 0; j < n_tiles; ++j) {
+    const float cap2 = softcap * 1.4426950408889634f;  // the cap in log2 units
+    for (int j = j_begin; j < n_tiles; ++j) {
         cp_async_wait_all();
         __syncthreads();  // tile j is visible to all; every warp is done with tile j - 1 (and Qs is written)
         if (j + 1 < n_tiles) load_tile(j + 1);
         const int k0 = j * BK;
         if (k0 > row_pos + 15) continue;  // every key of the tile is past every query of this warp
+        if (window > 0 && k0 + BK - 1 <= row_pos - window) continue;  // before every window of this warp
         const u32 kb = ks_base + (u32)((j & 1) * BK * ROW_BYTES), vb = vs_base + (u32)((j & 1) * BK * ROW_BYTES);
 
         float s[NSC][4];
@@ -574,12 +590,21 @@ attn_mma(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16
                 mma16816(s[2 * np + 1], a, b2, b3);
             }
         }
-        if (k0 + BK - 1 > row_pos) {  // the tile reaches past some query of this warp: causal mask
+        if (softcap > 0.f) {
 #pragma unroll
             for (int c = 0; c < NSC; ++c)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (k0 + 8 * c + 2 * t + (e & 1) > row_pos + g + 8 * (e >> 1)) s[c][e] = -k4ops::inf_f32();
+                for (int e = 0; e < 4; ++e) s[c][e] = cap2 * tanhf(s[c][e] / cap2);
+        }
+        // the tile reaches past some query of this warp (causal mask) or before some query's window
+        if (k0 + BK - 1 > row_pos || (window > 0 && k0 <= row_pos + 15 - window)) {
+#pragma unroll
+            for (int c = 0; c < NSC; ++c)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = k0 + 8 * c + 2 * t + (e & 1), qp = row_pos + g + 8 * (e >> 1);
+                    if (key > qp || (window > 0 && key <= qp - window)) s[c][e] = -k4ops::inf_f32();
+                }
         }
         // online softmax: rows g (e = 0, 1) and g + 8 (e = 2, 3); the 4 lanes of a row reduce by shuffles
 #pragma unroll

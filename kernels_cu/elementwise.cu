@@ -1,6 +1,8 @@
-// Element-wise kernels: the SwiGLU gate of the llama feed-forward (Shazeer 2020), and the
-// scalar store that sets decode state (the cache position) from a kernel argument, so no host
-// copy is needed. Launched by runtime/cuda/ops.py (Ops.swiglu, Ops.set_i32).
+// Element-wise kernels: the gated feed-forward activations (Shazeer 2020): SwiGLU of the llama
+// families and GeGLU (tanh-approximated GELU) of Gemma; Gemma's scale of the embedding rows and
+// tanh soft-cap of the logits; and the scalar store that sets decode state (the cache position)
+// from a kernel argument, so no host copy is needed. Launched by runtime/cuda/ops.py (Ops.swiglu,
+// Ops.swiglu_rows with act, Ops.scale, Ops.softcap, Ops.set_i32).
 #include "ops_common.cuh"
 
 __device__ __forceinline__ void put(float* p, float v) { *p = v; }
@@ -12,16 +14,55 @@ __device__ __forceinline__ void put(u16* p, float v) { *p = f32_to_f16(v); }
 // gate + n_ff), or its interleaved columns (ld = 2 n_ff, step 2, up = gate + 1).
 // out: (n_tok, n_ff) contiguous, f32 or fp16 bits (OUT = u16), and may alias gate when both are
 // contiguous f32. Thread mapping: one output per thread, grid-stride.
-template <class OUT>
-__global__ void swiglu(const float* gate, const float* up, OUT* out, int n_tok, int n_ff, int ld, int step) {
+struct Silu {
+    static __device__ __forceinline__ float f(float g) { return __fdiv_rn(g, 1.0f + __expf(-g)); }
+};
+
+// gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2))): ggml's op_gelu (CUDA), transformers'
+// gelu_pytorch_tanh.
+struct GeluTanh {
+    static __device__ __forceinline__ float f(float g) {
+        return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * g * (1.0f + 0.044715f * g * g)));
+    }
+};
+
+template <class ACT, class OUT>
+__device__ __forceinline__ void glu(const float* gate, const float* up, OUT* out, int n_tok, int n_ff, int ld, int step) {
     pdl_trigger();
     pdl_wait();
     const long long n = (long long)n_tok * n_ff;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const long long src = (i / n_ff) * ld + (i % n_ff) * step;
-        const float g = gate[src];
-        put(out + i, __fdiv_rn(g, 1.0f + __expf(-g)) * up[src]);
+        put(out + i, ACT::f(gate[src]) * up[src]);
     }
+}
+
+template <class OUT>
+__global__ void swiglu(const float* gate, const float* up, OUT* out, int n_tok, int n_ff, int ld, int step) {
+    glu<Silu>(gate, up, out, n_tok, n_ff, ld, step);
+}
+
+// out = gelu(gate) * up, laid out as swiglu's arguments.
+template <class OUT>
+__global__ void geglu(const float* gate, const float* up, OUT* out, int n_tok, int n_ff, int ld, int step) {
+    glu<GeluTanh>(gate, up, out, n_tok, n_ff, ld, step);
+}
+
+// x[i] *= s, i < n (f32, in place). Thread mapping: one value per thread, grid-stride.
+extern "C" __global__ void scale_f32(float* x, long long n, float s) {
+    pdl_trigger();
+    pdl_wait();
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] *= s;
+}
+
+// x[i] = cap * tanh(x[i] / cap), i < n (f32, in place): Gemma 2's final logit soft-cap, as
+// llama.cpp's scale, tanh, scale. Thread mapping: one value per thread, grid-stride.
+extern "C" __global__ void softcap_f32(float* x, long long n, float cap) {
+    pdl_trigger();
+    pdl_wait();
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] = cap * tanhf(x[i] / cap);
 }
 
 

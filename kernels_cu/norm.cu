@@ -27,3 +27,20 @@ __global__ void rms_norm(const float* x, const float* __restrict__ w, OUT* y, in
     for (int i = threadIdx.x; i < n; i += blockDim.x) put(yr + i, xr[i] * scale * w[i]);
 }
 
+// Gemma's post-norm and residual add in one pass: y[r, i] = res[r, i] + t[r, i] / sqrt(mean_i(t[r, :]^2)
+// + eps) * w[i]. t, res, y: (n_rows, n) f32 (y may alias res); w: (n,) f32.
+// Thread mapping: one block per row, threads stride over the row.
+extern "C" __global__ void rms_norm_add(const float* t, const float* __restrict__ w, const float* res, float* y, int n,
+                                        float eps) {
+    pdl_trigger();
+    pdl_wait();
+    const size_t row = (size_t)blockIdx.x * n;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = t[row + i];
+        ss += v * v;
+    }
+    ss = k4ops::block_sum(ss);
+    const float scale = rsqrtf(ss / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) y[row + i] = res[row + i] + t[row + i] * scale * w[i];
+}

@@ -20,8 +20,7 @@ import numpy as np
 
 from . import hostmem
 from .token_cache import TokenCache
-from .model import ModelConfig, ModelFile, Tensor, expected_shapes, layer_matrices
-from .rope import RopeTable, factor_tensor, rope_table
+from .model import ModelConfig, ModelFile, Tensor, expected_shapes
 from .sampling import SamplingParams, sample
 from .trace import Trace
 from .weights import DEQUANT_PIECE_BYTES, Matrix, dequantize_tensor, read_pages
@@ -34,23 +33,24 @@ class Layer:
 
     def __init__(self, mf: ModelFile, i: int, block_bytes: int):
         cfg = mf.config
-        m = layer_matrices(mf, i)  # fused q|k|v and gate|up (phi3) come as row views
-        mat = lambda name: Matrix(m[name], block_bytes)  # noqa: E731
+        mat = lambda name: Matrix(mf.tensor(f"blk.{i}.{name}"), block_bytes)  # noqa: E731
         vec = lambda name: dequantize_tensor(mf.tensor(f"blk.{i}.{name}"))  # noqa: E731
         self.attn_norm = vec("attn_norm.weight")  # (n_embd,)
-        self.wq = mat("attn_q")  # (n_head * head_dim, n_embd)
-        self.wk = mat("attn_k")  # (n_head_kv * head_dim, n_embd)
-        self.wv = mat("attn_v")  # (n_head_kv * head_dim, n_embd)
-        self.wo = mat("attn_output")  # (n_embd, n_head * head_dim)
+        self.wq = mat("attn_q.weight")  # (n_head * head_dim, n_embd)
+        self.wk = mat("attn_k.weight")  # (n_head_kv * head_dim, n_embd)
+        self.wv = mat("attn_v.weight")  # (n_head_kv * head_dim, n_embd)
+        self.wo = mat("attn_output.weight")  # (n_embd, n_head * head_dim)
         self.ffn_norm = vec("ffn_norm.weight")  # (n_embd,)
-        self.w_gate = mat("ffn_gate")  # (n_ff, n_embd)
-        self.w_up = mat("ffn_up")  # (n_ff, n_embd)
-        self.w_down = mat("ffn_down")  # (n_embd, n_ff)
+        self.w_gate = mat("ffn_gate.weight")  # (n_ff, n_embd)
+        self.w_up = mat("ffn_up.weight")  # (n_ff, n_embd)
+        self.w_down = mat("ffn_down.weight")  # (n_embd, n_ff)
         self.bq = vec("attn_q.bias") if cfg.has_qkv_bias else None  # (n_head * head_dim,)
         self.bk = vec("attn_k.bias") if cfg.has_qkv_bias else None  # (n_head_kv * head_dim,)
         self.bv = vec("attn_v.bias") if cfg.has_qkv_bias else None  # (n_head_kv * head_dim,)
         self.q_norm = vec("attn_q_norm.weight") if cfg.has_qk_norm else None  # (head_dim,)
         self.k_norm = vec("attn_k_norm.weight") if cfg.has_qk_norm else None  # (head_dim,)
+        self.attn_post_norm = vec("post_attention_norm.weight") if cfg.has_post_norms else None  # (n_embd,) gemma
+        self.ffn_post_norm = vec("post_ffw_norm.weight") if cfg.has_post_norms else None  # (n_embd,)
 
     def matrices(self) -> list[Matrix]:
         return [self.wq, self.wk, self.wv, self.wo, self.w_gate, self.w_up, self.w_down]
@@ -62,12 +62,18 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(ms + np.float32(eps))) * w
 
 
-def rope_tables(table: RopeTable, positions: np.ndarray):
-    """cos, sin of shape (T, rope_dim // 2) float32 for the given positions (T,): theta_i =
-    pos * table.inv_freq[i] (runtime/rope.py: base frequencies, rope_freqs / LongRoPE factors,
-    linear or YaRN scaling), each times table.mscale (1.0 unless the file scales RoPE)."""
-    theta = positions.astype(np.float64)[:, None] * table.inv_freq[None, :]  # (T, half)
-    return (np.cos(theta) * table.mscale).astype(np.float32), (np.sin(theta) * table.mscale).astype(np.float32)
+def rope_tables(cfg: ModelConfig, positions: np.ndarray, freq_factors: np.ndarray | None):
+    """cos, sin of shape (T, rope_dim // 2) float32 for the given positions (T,).
+
+    theta_i = pos * base^(-2i / rope_dim), divided by freq_factors[i] when the model has
+    `rope_freqs.weight` (Llama 3.1 rope scaling).
+    """
+    half = cfg.rope_dim // 2
+    inv_freq = cfg.rope_freq_base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)  # (half,)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.astype(np.float64)
+    theta = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # (T, half)
+    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, neox: bool) -> np.ndarray:
@@ -89,37 +95,71 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, n
     return out
 
 
+def swa_rope_tables(cfg: ModelConfig, positions: np.ndarray):
+    """cos, sin (T, rope_dim // 2) float32 of the sliding-window layers (gemma): theta_i = pos *
+    rope_freq_base_swa^(-2i / rope_dim), no factors and no scaling (llama.cpp's
+    rope_freq_scale_train_swa = 1)."""
+    inv_freq = cfg.rope_freq_base_swa ** (-np.arange(cfg.rope_dim // 2, dtype=np.float64) * 2.0 / cfg.rope_dim)
+    theta = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # (T, half)
+    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (np.float32(1.0) + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU with the tanh approximation (Hendrycks & Gimpel 2016), float32: ggml's op_gelu,
+    transformers' gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))."""
+    inner = np.float32(0.7978845608028654) * x * (np.float32(1.0) + np.float32(0.044715) * x * x)
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+
+
+ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}  # ModelConfig.activation -> act of act(gate) * up
+
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """cap * tanh(x / cap), float32 (Gemma 2's logit soft-capping); x itself when cap is 0."""
+    if not cap:
+        return x
+    return np.float32(cap) * np.tanh(x / np.float32(cap))
 
 
 # Most attention scores one block of query rows may hold (float32 elements: 16 MiB).
 ATTN_SCORES_MAX = 1 << 22
 
 
-def causal_attention(qg: np.ndarray, keys: np.ndarray, vals: np.ndarray, p0: int) -> np.ndarray:
+def causal_attention(qg: np.ndarray, keys: np.ndarray, vals: np.ndarray, p0: int, scale: float | None = None,
+                     window: int = 0, cap: float = 0.0) -> np.ndarray:
     """Grouped-query causal softmax attention of T queries at positions p0..p0+T-1 over the
     cache, computed in blocks of query rows so that one block's scores hold at most
     ATTN_SCORES_MAX elements (a 4,000-token prompt no longer holds all T x S x heads at once;
     each row's arithmetic is unchanged, so results are bit-identical to the unblocked form).
 
     qg: (T, nkv, gqa, hd) float32 queries grouped by KV head; keys, vals: (S, nkv, hd), S = p0 + T.
-    Returns (T, nkv * gqa * hd) float32.
+    scale: of q.k (default 1/sqrt(hd)); window > 0: the query at position p sees only keys
+    p - window + 1 .. p (a sliding layer, llama.cpp's LLAMA_SWA_TYPE_STANDARD; each block of rows
+    reads only the keys its rows can see); cap > 0: scores -> cap * tanh(score / cap) before the
+    mask (Gemma 2's attention soft-cap). Returns (T, nkv * gqa * hd) float32.
     """
     T, nkv, gqa, hd = qg.shape
     S = keys.shape[0]
-    scale = np.float32(1.0 / np.sqrt(hd))
+    scale = np.float32(1.0 / np.sqrt(hd) if scale is None else scale)
     rows = max(1, ATTN_SCORES_MAX // max(1, nkv * gqa * S))
     out = np.empty((T, nkv * gqa * hd), dtype=np.float32)
     for t0 in range(0, T, rows):
         t1 = min(T, t0 + rows)
-        # causal mask: query t (at p0 + t) sees cache positions 0..p0 + t
-        mask = np.arange(S)[None, :] > np.arange(p0 + t0, p0 + t1)[:, None]  # (t1 - t0, S) bool
-        scores = np.einsum("tkgd,skd->kgts", qg[t0:t1], keys) * scale  # (nkv, gqa, t1 - t0, S)
-        scores = np.where(mask, np.float32(-np.inf), scores)
+        lo = max(0, p0 + t0 - window + 1) if window > 0 else 0  # the first key any row of the block sees
+        # causal mask: query t (at p0 + t) sees cache positions 0..p0 + t (window: from p0 + t - window + 1)
+        key_pos, q_pos = np.arange(lo, S)[None, :], np.arange(p0 + t0, p0 + t1)[:, None]
+        mask = key_pos > q_pos  # (t1 - t0, S - lo) bool
+        if window > 0:
+            mask |= key_pos <= q_pos - window
+        scores = np.einsum("tkgd,skd->kgts", qg[t0:t1], keys[lo:]) * scale  # (nkv, gqa, t1 - t0, S - lo)
+        scores = np.where(mask, np.float32(-np.inf), softcap(scores, cap))
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        probs = scores / scores.sum(axis=-1, keepdims=True)  # (nkv, gqa, t1 - t0, S)
-        out[t0:t1] = np.einsum("kgts,skd->tkgd", probs, vals).reshape(t1 - t0, -1)
+        probs = scores / scores.sum(axis=-1, keepdims=True)  # (nkv, gqa, t1 - t0, S - lo)
+        out[t0:t1] = np.einsum("kgts,skd->tkgd", probs, vals[lo:]).reshape(t1 - t0, -1)
     return out
 
 
@@ -156,8 +196,7 @@ class NumpyBackend(TokenCache):
             self.token_embd = Matrix(mf.tensor("token_embd.weight"), block_bytes)  # (n_vocab, n_embd)
             self.output_norm = dequantize_tensor(mf.tensor("output_norm.weight"))  # (n_embd,)
             self.output = self.token_embd if cfg.tied_embeddings else Matrix(mf.tensor("output.weight"), block_bytes)  # (n_vocab, n_embd)
-            factors = factor_tensor(cfg, n_ctx)  # rope_freqs, or LongRoPE's long or short factors
-            self.rope = rope_table(cfg, n_ctx, dequantize_tensor(mf.tensor(factors)) if factors else None)  # (rope_dim/2,) f64
+            self.rope_freqs = dequantize_tensor(mf.tensor("rope_freqs.weight")) if cfg.has_rope_freqs else None  # (rope_dim/2,)
             self.layers = [Layer(mf, i, block_bytes) for i in range(cfg.n_layer)]
             kv_shape = (cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim)
             self.cached = self._check_ram(mf, file_bytes, 2 * 4 * math.prod(kv_shape), cache_bytes, mem_available)  # Python ints: no overflow
@@ -222,10 +261,16 @@ class NumpyBackend(TokenCache):
         T, p0 = ids.size, self.n_past
         nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         positions = np.arange(p0, p0 + T)  # (T,)
-        cos, sin = rope_tables(self.rope, positions)  # (T, rope_dim/2) each
+        cos, sin = rope_tables(cfg, positions, self.rope_freqs)  # (T, rope_dim/2) each
+        local = swa_rope_tables(cfg, positions) if cfg.swa_layers else None  # sliding layers' (cos, sin)
+        act = ACTIVATIONS[cfg.activation]
 
         x = self.token_embd.rows(ids)  # (T, n_embd) the residual stream: only these rows are dequantized
+        if cfg.embed_scale != 1.0:
+            x = x * np.float32(cfg.embed_scale)  # gemma: times sqrt(n_embd)
         for li, L in enumerate(self.layers):
+            window = cfg.n_swa if cfg.sliding(li) else 0
+            c, s = local if window else (cos, sin)
             # attention: norm, projections, rope, cache write, grouped-query attention, output
             h = rms_norm(x, L.attn_norm, cfg.rms_eps)  # (T, n_embd)
             q = L.wq.product(h)  # (T, nh * hd)
@@ -238,23 +283,26 @@ class NumpyBackend(TokenCache):
             if L.q_norm is not None:
                 q = rms_norm(q, L.q_norm, cfg.rms_eps)
                 k = rms_norm(k, L.k_norm, cfg.rms_eps)
-            q = apply_rope(q, cos, sin, cfg.rope_dim, cfg.rope_neox)
-            k = apply_rope(k, cos, sin, cfg.rope_dim, cfg.rope_neox)
+            q = apply_rope(q, c, s, cfg.rope_dim, cfg.rope_neox)
+            k = apply_rope(k, c, s, cfg.rope_dim, cfg.rope_neox)
             self.k_cache[li, p0 : p0 + T] = k
             self.v_cache[li, p0 : p0 + T] = v.reshape(T, nkv, hd)
             keys = self.k_cache[li, : p0 + T]  # (S, nkv, hd), S = p0 + T
             vals = self.v_cache[li, : p0 + T]  # (S, nkv, hd)
-            attn = causal_attention(q.reshape(T, nkv, cfg.n_gqa, hd), keys, vals, p0)  # (T, nh * hd)
-            x = x + L.wo.product(attn)  # (T, n_embd)
-            # feed-forward: norm, SwiGLU, down projection
+            attn = causal_attention(q.reshape(T, nkv, cfg.n_gqa, hd), keys, vals, p0, cfg.query_scale, window,
+                                    cfg.attn_softcap)  # (T, nh * hd)
+            o = L.wo.product(attn)  # (T, n_embd)
+            x = x + (o if L.attn_post_norm is None else rms_norm(o, L.attn_post_norm, cfg.rms_eps))
+            # feed-forward: norm, act(gate) * up (SwiGLU or GeGLU), down projection
             h = rms_norm(x, L.ffn_norm, cfg.rms_eps)  # (T, n_embd)
-            ff = silu(L.w_gate.product(h)) * L.w_up.product(h)  # (T, n_ff)
-            x = x + L.w_down.product(ff)  # (T, n_embd)
+            ff = act(L.w_gate.product(h)) * L.w_up.product(h)  # (T, n_ff)
+            d = L.w_down.product(ff)  # (T, n_embd)
+            x = x + (d if L.ffn_post_norm is None else rms_norm(d, L.ffn_post_norm, cfg.rms_eps))
 
         if not all_logits:
             x = x[-1:]
         h = rms_norm(x, self.output_norm, cfg.rms_eps)  # (T or 1, n_embd)
-        logits = self.output.product(h).astype(np.float32)  # (T or 1, n_vocab)
+        logits = softcap(self.output.product(h).astype(np.float32), cfg.final_softcap)  # (T or 1, n_vocab)
         return logits if all_logits else logits[0]
 
     def generate(self, token_ids: Sequence[int], params: SamplingParams, history: Sequence[int] = ()) -> Iterator[int]:

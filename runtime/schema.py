@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 from gguf import GGUFValueType as V
 
-from .arch import ARCHITECTURES
 from .errors import ModelFileError
 
 if TYPE_CHECKING:
@@ -48,14 +47,11 @@ ARCH_KEYS = (
     Key("attention.layer_norm_rms_epsilon", "float", 1e-30, 0.5),
     Key("rope.freq_base", "float", 1e-3, 1e12),
     Key("rope.dimension_count", "int", 2, 1 << 14),
-    # RoPE scaling (runtime/rope.py; llama.cpp's LLM_KV_ROPE_SCALING_*)
-    Key("rope.scaling.type", "str"),
-    Key("rope.scaling.factor", "float", 1e-3, 1e6),
-    Key("rope.scale_linear", "float", 1e-3, 1e6),
-    Key("rope.scaling.original_context_length", "int", 1, (1 << 31) - 1),
-    Key("rope.scaling.attn_factor", "float", 1e-3, 1e3),
-    Key("rope.scaling.yarn_beta_fast", "float", 1e-3, 1e6),
-    Key("rope.scaling.yarn_beta_slow", "float", 1e-3, 1e6),
+    # sliding-window attention and soft-caps (runtime/family_keys.py; read by the Gemma families)
+    Key("attention.sliding_window", "int", 0, (1 << 31) - 1),
+    Key("rope.freq_base_swa", "float", 1e-3, 1e12),
+    Key("attn_logit_softcapping", "float", 1e-3, 1e6),
+    Key("final_logit_softcapping", "float", 1e-3, 1e6),
 )
 REQUIRED = ("embedding_length", "block_count", "attention.head_count", "feed_forward_length")
 
@@ -169,6 +165,9 @@ def check_model_keys(mf: "ModelFile", arch: str) -> dict[str, Any]:
     if head_dim < 1:
         _fail(mf, f"{arch}.attention.head_count", str(n_head), f"at most embedding_length ({v['embedding_length']})")
     _check_shapes(mf, arch, v)
+    pattern = _swa_pattern(mf, f"{arch}.attention.sliding_window_pattern", v["block_count"])
+    if pattern is not None:
+        v["attention.sliding_window_pattern"] = pattern
     v.setdefault("rope.dimension_count", head_dim)
     rope_dim = v["rope.dimension_count"]
     if rope_dim % 2 or rope_dim > head_dim:
@@ -176,10 +175,21 @@ def check_model_keys(mf: "ModelFile", arch: str) -> dict[str, Any]:
     return v
 
 
-def _up_parts(arch: str) -> int:
-    """Row blocks of n_ff in ffn_up: 2 where it holds gate and up (phi3), else 1."""
-    a = ARCHITECTURES.get(arch)
-    return 2 if a is not None and a.fused_gate_up else 1
+def _swa_pattern(mf: "ModelFile", key: str, n_layer: int) -> int | tuple[bool, ...] | None:
+    """attention.sliding_window_pattern: a period (an integer 1..n_layer) or one flag per layer
+    (an array of n_layer booleans or integers, true: the layer slides), as gguf-py's
+    add_sliding_window_pattern writes it; None when absent."""
+    field = mf.reader.fields.get(key)
+    if field is None:
+        return None
+    expected = f"a period in 1..{n_layer:,} or an array of {n_layer:,} booleans, one per layer"
+    if field.types[0] == V.ARRAY:
+        if field.types[-1] not in _INTS | {V.BOOL} or len(field.data) != n_layer:
+            _fail(mf, key, _shown(mf, key), expected)
+        return tuple(bool(x) for x in field.contents())
+    if field.types[0] not in _INTS or not 1 <= field.contents() <= n_layer:
+        _fail(mf, key, _shown(mf, key), expected)
+    return int(field.contents())
 
 
 def _rows(mf: "ModelFile", name: str) -> tuple[int, ...] | None:
@@ -209,7 +219,7 @@ def _check_shapes(mf: "ModelFile", arch: str, v: dict[str, Any]) -> None:
     head_dim = v["attention.key_length"]
     for tensor, key, rows in (("attn_q", "attention.head_count", v["attention.head_count"] * head_dim),
                               ("attn_k", "attention.head_count_kv", v["attention.head_count_kv"] * head_dim),
-                              ("ffn_up", "feed_forward_length", v["feed_forward_length"] * _up_parts(arch))):
+                              ("ffn_up", "feed_forward_length", v["feed_forward_length"])):
         shape = _rows(mf, f"blk.0.{tensor}.weight")
         if shape is None or shape[0] == rows:
             continue

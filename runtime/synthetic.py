@@ -16,7 +16,9 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf import GGMLQuantizationType as T
 
+from .arch import ARCHITECTURES
 from .errors import UsageError
+from .family_keys import family_fields, family_keys
 from .model import SAMPLE_MODEL, ModelConfig, expected_shapes, open_model
 from .outfile import check_output, partial_output
 
@@ -38,6 +40,7 @@ class Preset:
     rms_eps: float
     head_dim: int = 0  # 0: n_embd // n_head
     tied: bool = False
+    window: int = 0  # attention.sliding_window (gemma), 0: none
 
     def config(self, name: str) -> ModelConfig:
         hd = self.head_dim or self.n_embd // self.n_head
@@ -45,8 +48,10 @@ class Preset:
             arch=self.arch, name=name, n_vocab=self.n_vocab, n_embd=self.n_embd, n_layer=self.n_layer,
             n_head=self.n_head, n_head_kv=self.n_head_kv, head_dim=hd, n_ff=self.n_ff, n_ctx_train=self.n_ctx,
             rms_eps=self.rms_eps, rope_freq_base=self.rope_freq_base, rope_dim=hd, rope_neox=self.arch != "llama",
-            has_qkv_bias=self.arch == "qwen2", has_qk_norm=self.arch == "qwen3", has_rope_freqs=False,
+            has_qkv_bias=self.arch == "qwen2", has_qk_norm=ARCHITECTURES[self.arch].qk_norm, has_rope_freqs=False,
             tied_embeddings=self.tied,
+            **family_fields(ARCHITECTURES[self.arch], {"attention.sliding_window": self.window} if self.window else {},
+                            self.n_layer, self.n_embd, self.n_head, hd, self.rope_freq_base),
         )
 
 
@@ -57,6 +62,13 @@ PRESETS: dict[str, Preset] = {
     "qwen2.5-0.5b": Preset("qwen2", 151936, 896, 24, 14, 2, 4864, 32768, 1000000.0, 1e-6, tied=True),
     "qwen2.5-7b": Preset("qwen2", 152064, 3584, 28, 28, 4, 18944, 32768, 1000000.0, 1e-6),
     "qwen3-8b": Preset("qwen3", 151936, 4096, 36, 32, 8, 12288, 40960, 1000000.0, 1e-6, head_dim=128),
+    # google/gemma-3-{12b,27b}-it text_config; the vocabulary as llama.cpp's converter writes it (the
+    # tokenizer's 262,144 tokens: it drops the embedding's 64 padding rows of vocab_size 262,208).
+    # Their global layers' linear RoPE scaling (factor 8) is left out: it does not change speed.
+    "gemma3-12b": Preset("gemma3", 262144, 3840, 48, 16, 8, 15360, 131072, 1000000.0, 1e-6, head_dim=256, tied=True,
+                         window=1024),
+    "gemma3-27b": Preset("gemma3", 262144, 5376, 62, 32, 16, 21504, 131072, 1000000.0, 1e-6, head_dim=128, tied=True,
+                         window=1024),
     # a small shape for tests: every code path of the 7B shapes, 256-multiple rows, GQA
     "test-tiny": Preset("llama", 512, 256, 2, 4, 2, 512, 512, 10000.0, 1e-5),
 }
@@ -130,6 +142,8 @@ def random_blocks(t: T, n_rows: int, n_cols: int, rng: np.random.Generator, scal
             raw[:, 2:4] = high.astype("<u2").view(np.uint8).reshape(nb, 2)  # scales_h: bits 2i..2i+1, code i's top bits
             raw[:, 4:8] = (codes[:, 0::2] & 0xF) | ((codes[:, 1::2] & 0xF) << 4)
         put_f16(0, scale / ((18.5 if full_range else 11.5) * 67.4) * jitter)
+    elif t == T.IQ4_NL:  # d, qs[16]: w = d*kvalues_iq4nl[q]
+        put_f16(0, scale / 67.4 * jitter)
     else:
         raise ValueError(f"random_blocks: no generator for {t.name}")
     return raw.reshape(n_rows, -1)
@@ -216,9 +230,10 @@ def write_synthetic(preset: str, out: Path, vocab: Path | None = None, seed: int
     return out
 
 
-def write_metadata(w: GGUFWriter, cfg: ModelConfig, v: dict) -> None:
-    """Write the hyper-parameters of `cfg` (llama.cpp's `{arch}.*` keys), general.file_type
-    Q4_K_M, and the tokenizer metadata `v` (as vocab_from returns it)."""
+def write_metadata(w: GGUFWriter, cfg: ModelConfig, v: dict, family: bool = True) -> None:
+    """Write the hyper-parameters of `cfg` (llama.cpp's `{arch}.*` keys; with `family` also the
+    Gemma keys runtime/family_keys.py reads back), general.file_type Q4_K_M, and the tokenizer
+    metadata `v` (as vocab_from returns it)."""
     a = cfg.arch
     w.add_name(cfg.name)
     w.add_uint32(f"{a}.context_length", cfg.n_ctx_train)
@@ -232,7 +247,13 @@ def write_metadata(w: GGUFWriter, cfg: ModelConfig, v: dict) -> None:
     w.add_uint32(f"{a}.rope.dimension_count", cfg.rope_dim)
     w.add_float32(f"{a}.rope.freq_base", cfg.rope_freq_base)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_eps)
-    _write_rope_scaling(w, cfg)
+    for key, value in (family_keys(cfg) if family else {}).items():  # gemma: sliding window, its pattern and RoPE base, soft-caps
+        if isinstance(value, list):
+            w.add_array(f"{a}.{key}", value)
+        elif isinstance(value, int):
+            w.add_uint32(f"{a}.{key}", value)
+        else:
+            w.add_float32(f"{a}.{key}", value)
     w.add_uint32("general.file_type", 15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
     w.add_uint32("general.quantization_version", 2)
     meta = v["meta"]
@@ -249,22 +270,6 @@ def write_metadata(w: GGUFWriter, cfg: ModelConfig, v: dict) -> None:
             add(meta[f"tokenizer.ggml.{key}_token_id"])
     if meta["tokenizer.chat_template"]:
         w.add_chat_template(meta["tokenizer.chat_template"])
-
-
-def _write_rope_scaling(w: GGUFWriter, cfg: ModelConfig) -> None:
-    """The `{arch}.rope.scaling.*` keys of cfg's RoPE scaling, as convert_hf_to_gguf.py writes
-    them (LongRoPE: no type key, its factors are tensors; its attention factor as attn_factor)."""
-    a = cfg.arch
-    if cfg.rope_scaling in ("linear", "yarn"):
-        w.add_string(f"{a}.rope.scaling.type", cfg.rope_scaling)
-        w.add_float32(f"{a}.rope.scaling.factor", cfg.rope_scale)
-    if cfg.rope_scaling == "yarn":
-        w.add_float32(f"{a}.rope.scaling.yarn_beta_fast", cfg.rope_yarn_beta_fast)
-        w.add_float32(f"{a}.rope.scaling.yarn_beta_slow", cfg.rope_yarn_beta_slow)
-    if cfg.rope_orig_ctx:
-        w.add_uint32(f"{a}.rope.scaling.original_context_length", cfg.rope_orig_ctx)
-    if cfg.rope_attn_factor != 1.0:
-        w.add_float32(f"{a}.rope.scaling.attn_factor", cfg.rope_attn_factor)
 
 
 def _tensor_data(name: str, shape: tuple[int, ...], t: T, cfg: ModelConfig, rng: np.random.Generator) -> np.ndarray:

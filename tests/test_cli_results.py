@@ -232,6 +232,16 @@ PUBLISHED = {
                        n_ctx=32768, rope_freq_base=1000000.0, rms_eps=1e-6, head_dim=128, tied=False, n_params=7_615_616_512),
     "qwen3-8b": dict(arch="qwen3", n_embd=4096, n_layer=36, n_head=32, n_head_kv=8, n_ff=12288, n_vocab=151936,
                      n_ctx=40960, rope_freq_base=1000000.0, rms_eps=1e-6, head_dim=128, tied=False, n_params=8_190_735_360),
+    # google/gemma-3-{12b,27b}-it text_config; the vocabulary as the GGUF has it (262,144 tokens, the
+    # 64 padding rows of vocab_size 262,208 dropped). Parameters: the model pages' totals
+    # (12,187,325,040 and 27,432,406,640) less those 64 rows, the vision tower (416,867,184 in both)
+    # and the projector (1152 x n_embd)
+    "gemma3-12b": dict(arch="gemma3", n_embd=3840, n_layer=48, n_head=16, n_head_kv=8, n_ff=15360, n_vocab=262144,
+                       n_ctx=131072, rope_freq_base=1000000.0, rms_eps=1e-6, head_dim=256, tied=True,
+                       n_params=12_187_325_040 - 64 * 3840 - 416_867_184 - 1152 * 3840),
+    "gemma3-27b": dict(arch="gemma3", n_embd=5376, n_layer=62, n_head=32, n_head_kv=16, n_ff=21504, n_vocab=262144,
+                       n_ctx=131072, rope_freq_base=1000000.0, rms_eps=1e-6, head_dim=128, tied=True,
+                       n_params=27_432_406_640 - 64 * 5376 - 416_867_184 - 1152 * 5376),
 }
 
 
@@ -245,7 +255,7 @@ def test_synth_presets_are_the_published_configs():
                    n_params=sum(int(np.prod(s)) for s in expected_shapes(cfg).values()))
         assert got == want, name
         assert cfg.rope_neox == (cfg.arch != "llama") and cfg.has_qkv_bias == (cfg.arch == "qwen2")
-        assert cfg.has_qk_norm == (cfg.arch == "qwen3")
+        assert cfg.has_qk_norm == (cfg.arch in ("qwen3", "gemma3"))
 
 
 def test_synth_writes_the_preset_shape(tmp_path):

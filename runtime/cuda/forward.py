@@ -42,6 +42,9 @@ class Forward:
         self.cfg, self.w, self.act, self.kv, self.ops, self.opts = cfg, w, act, kv, o, opts
         self.splits, self.pos, self.stream = splits, pos, stream
         self.blas = None
+        # per layer: the attention's query scale, window (sliding layers) and score soft-cap
+        self.shapes = [ops.AttnShape(cfg.query_scale, cfg.n_swa if cfg.sliding(li) else 0, cfg.attn_softcap)
+                       for li in range(cfg.n_layer)]
         self.n_ctx, self.chunk = kv.k.shape[1], act.x0.shape[0]
 
     def layers(self, n: int, row_ids: cp.ndarray, split: tuple[int, int, int] | None = None) -> cp.ndarray:
@@ -59,29 +62,46 @@ class Forward:
         if n_split > 1:
             part = a.part[: cfg.n_head * n_split * (cfg.head_dim + 2)].reshape(1, cfg.n_head, n_split, cfg.head_dim + 2)
         matmul.dequant_rows(self.w.token_embd, row_ids, x, stream=self.stream, trace=o.trace)
+        if cfg.embed_scale != 1.0:
+            o.scale(x, cfg.embed_scale)  # gemma: the embedding rows times sqrt(n_embd)
         for li, L in enumerate(self.w.layers):
             # attention: norm, q/k/v projections (+bias), [q/k norm] + RoPE + cache store, attention, output + residual
             h, norm = self.normed(x, L.attn_norm, half)
             cols = self.qkv(L, h, norm, n)
             k_cache, v_cache = self.kv.k[li], self.kv.v[li]  # (n_ctx, n_head_kv, head_dim)
-            rope = ops.RopeArgs(L.q_norm, L.k_norm, self.w.inv_freq, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps, self.w.rope_mscale)
+            rope = ops.RopeArgs(L.q_norm, L.k_norm, self.w.inv_freq, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps)
+            if cfg.sliding(li):  # gemma's sliding layers: their own RoPE base, no scaling
+                rope = ops.RopeArgs(L.q_norm, L.k_norm, self.w.inv_freq_swa, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps)
             if n == 1 and self.opts.fuse_rope:  # RoPE and the cache store inside the attention kernel
                 fresh = ops.FreshKV(cols["q"], cols["k"], cols["v"], rope)
             else:
                 o.rope_qk_store(cols["q"], cols["k"], cols["v"], k_cache, v_cache, rope, self.pos, q_out=q)
                 fresh = None
-            o.attention(q, k_cache[:limit], v_cache[:limit], attn, self.pos, n_split, split_len, part, a.ticket, fresh)
-            self.linear(L.wo, attn.reshape(n, cfg.q_dim), x1, residual=x)
-            # feed-forward: norm, gate and up with SwiGLU, down + residual
+            o.attention(q, k_cache[:limit], v_cache[:limit], attn, self.pos, n_split, split_len, part, a.ticket, fresh,
+                        self.shapes[li])
+            self.residual(L.wo, attn.reshape(n, cfg.q_dim), x, x1, L.attn_post_norm)
+            # feed-forward: norm, gate and up with SwiGLU (GeGLU), down (+ post-norm) + residual
             ff_q8 = self.gate_up(L, x1, ff, half)
-            self.linear(L.w_down, ff, x, residual=x1, x_q8=ff_q8)
+            self.residual(L.w_down, ff, x1, x, L.ffn_post_norm, x_q8=ff_q8)
         return x
+
+    def residual(self, w, X: cp.ndarray, res: cp.ndarray, Y: cp.ndarray, post_norm, x_q8=None) -> None:
+        """Y = res + X W^T, or with a post-norm weight (gemma) Y = res + rmsnorm(X W^T) * post_norm:
+        the product into the scratch h, then rms_norm_add. X: (n, n_in); res, Y: (n, n_embd) f32."""
+        if post_norm is None:
+            self.linear(w, X, Y, residual=res, x_q8=x_q8)
+            return
+        t = self.act.h[: X.shape[0]]  # (n, n_embd) f32: free once the q/k/v (or gate/up) products have read it
+        self.linear(w, X, t, x_q8=x_q8)
+        self.ops.rms_norm_add(t, post_norm, res, Y, self.cfg.rms_eps)
 
     def output(self, x: cp.ndarray, logits: cp.ndarray) -> None:
         """logits (n, n_vocab) = output · rmsnorm(x (n, n_embd)) * output_norm."""
         n = x.shape[0]
         h, norm = self.normed(x, self.w.output_norm, n > 1 and self.half(n))
         self.linear(self.w.output, h, logits, norm=norm)
+        if self.cfg.final_softcap:
+            self.ops.softcap(logits, self.cfg.final_softcap)  # gemma 2: cap * tanh(logits / cap)
 
     def qkv(self, L: LayerWeights, h: cp.ndarray, norm, n: int) -> dict[str, cp.ndarray]:
         """The q, k, v products (+ bias) of h (n, n_embd): name -> (n, rows) column views."""
@@ -101,7 +121,7 @@ class Forward:
             g, u = (p.out[:n] for p in L.gate_up)
             self.linear(L.gate_up[0].w, h, g, norm=norm)
             self.linear(L.gate_up[1].w, h, u, norm=norm)
-            self.ops.swiglu(g, u, ff)
+            self.ops.swiglu(g, u, ff, self.cfg.activation)
             return None
         p = L.gate_up[0]
         if p.w.glu and matmul.uses_gemv(p.w, n):
@@ -110,7 +130,7 @@ class Forward:
                 self.linear(p.w, h[i : i + 1], ff[i : i + 1], norm=norm, y_q8=q8)
             return q8
         self.linear(p.w, h, p.out[:n], norm=norm)
-        self.ops.swiglu_rows(p.out[:n], ff, interleaved=p.w.glu)
+        self.ops.swiglu_rows(p.out[:n], ff, interleaved=p.w.glu, act=self.cfg.activation)
         return None
 
     def linear(self, w, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None, bias=None, norm=None,

@@ -11,11 +11,11 @@ MMA_TILE_KEYS = {64: 64, 128: 64, 256: 32}  # head_dim -> keys per shared-memory
 
 # name expressions of the kernels of each file (templates and extern "C" names alike)
 KERNELS = {
-    "norm.cu": ("rms_norm<float>", "rms_norm<u16>"),
+    "norm.cu": ("rms_norm<float>", "rms_norm<u16>", "rms_norm_add"),
     "rope.cu": ("rope_qk_store",),
     "attention.cu": ("attn_f16kv", "attn_tiled<64>", "attn_tiled<128>", "attn_tiled<256>",
                      *(f"attn_mma<{d}, {bk}>" for d, bk in MMA_TILE_KEYS.items())),
-    "elementwise.cu": ("swiglu<float>", "swiglu<u16>", "set_i32"),
+    "elementwise.cu": ("swiglu<float>", "swiglu<u16>", "geglu<float>", "geglu<u16>", "scale_f32", "softcap_f32", "set_i32"),
     "sampling.cu": ("sample_penalty", "sample_argmax_partial", "sample_finish"),
 }
 # Compile groups: one module per group, so a model compiles only the attention kernels of its

@@ -39,6 +39,7 @@ FNV_PRIME = 0x100000001B3  # the seed multiplier of runtime/sampling.py uniform(
 
 
 OUT_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "u16"}  # output dtype -> kernel template argument
+GLU_KERNELS = {"silu": "swiglu", "gelu_tanh": "geglu"}  # ModelConfig.activation -> elementwise.cu kernel
 
 
 def _f32(a: cp.ndarray, *shape: int) -> None:
@@ -118,8 +119,7 @@ class RopeArgs:
     """RoPE of one layer as rope_qk_store and fused attention apply it: optional per-head
     RMSNorm of q and k first (qwen3; (D,) f32 weights or None), then rotation of the first
     rope_dim dims of each head by pos * inv_freq ((rope_dim/2,) f64), NeoX halves or
-    interleaved pairs; eps of the norm; mscale: the factor on the rotated pairs' cos and sin
-    (runtime/rope.py RopeTable.mscale: YaRN / LongRoPE magnitude, 1.0 otherwise)."""
+    interleaved pairs; eps of the norm."""
 
     q_norm: cp.ndarray | None
     k_norm: cp.ndarray | None
@@ -127,7 +127,6 @@ class RopeArgs:
     rope_dim: int
     neox: bool
     eps: float
-    mscale: float = 1.0
 
     def check(self, D: int) -> None:
         assert self.inv_freq.dtype == cp.float64 and self.inv_freq.shape == (self.rope_dim // 2,)
@@ -138,6 +137,26 @@ class RopeArgs:
 
     def kernel_args(self) -> tuple:
         return (NULL if self.q_norm is None else self.q_norm, NULL if self.k_norm is None else self.k_norm, self.inv_freq)
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """What a layer's attention computes beyond plain causal softmax (Gemma): scale of q.k (None:
+    1/sqrt(head_dim)); window > 0: the query at position p sees keys p - window + 1 .. p only
+    (a sliding layer); softcap > 0: scores -> softcap * tanh(score / softcap) (Gemma 2). The
+    default is the llama families' attention, with the same kernels and arguments' effect."""
+
+    scale: float | None = None
+    window: int = 0
+    softcap: float = 0.0
+
+    def kernel_args(self, D: int) -> tuple:
+        assert self.window >= 0 and self.softcap >= 0
+        scale = 1.0 / math.sqrt(D) if self.scale is None else self.scale
+        return np.float32(scale), np.int32(self.window), np.float32(self.softcap)
+
+
+PLAIN = AttnShape()
 
 
 @dataclass(frozen=True)
@@ -238,7 +257,7 @@ class Ops:
         self._launch("rope.cu", "rope_qk_store", (-(-rows // ROPE_WARPS),), (32 * ROPE_WARPS,),
                      (q, np.int32(ld_q), k, np.int32(ld_k), v, np.int32(ld_v), q_out, k_cache, v_cache,
                       *rope.kernel_args(), pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv), np.int32(D),
-                      np.int32(rope.rope_dim), np.int32(rope.neox), np.float32(rope.eps), np.float32(rope.mscale)))
+                      np.int32(rope.rope_dim), np.int32(rope.neox), np.float32(rope.eps)))
 
     def attention_kernel(self, n_tok: int, D: int) -> str:
         """The attention kernel for n_tok queries of head_dim D (the selector): several queries
@@ -252,7 +271,7 @@ class Ops:
 
     def attention(self, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, out: cp.ndarray, pos: cp.ndarray,
                   n_split: int = 1, split_len: int = 0, part: cp.ndarray | None = None,
-                  ticket: cp.ndarray | None = None, fresh: FreshKV | None = None) -> None:
+                  ticket: cp.ndarray | None = None, fresh: FreshKV | None = None, shape: AttnShape = PLAIN) -> None:
         """Causal attention of q over the fp16 cache; query t sits at position pos + t.
 
         q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx, n_head_kv, D) fp16 (one layer);
@@ -265,7 +284,7 @@ class Ops:
 
         fresh: None, or for one query (decode) the RoPE and cache store of rope_qk_store done
         inside the kernel (FreshKV); q is then not read, and the token's k and v are written to
-        cache row pos.
+        cache row pos. shape: the query scale, sliding window and score soft-cap (AttnShape).
         """
         n_tok, n_head, D = q.shape
         n_ctx, n_head_kv, _ = k_cache.shape
@@ -277,11 +296,11 @@ class Ops:
         name = self.attention_kernel(n_tok, D)
         if name != "attn_f16kv":
             assert n_split == 1 and fresh is None
-            self._attention_tiles(name, q, k_cache, v_cache, out, pos)
+            self._attention_tiles(name, q, k_cache, v_cache, out, pos, shape)
         else:
-            self._attention_rows(q, k_cache, v_cache, out, pos, n_split, split_len, part, ticket, fresh)
+            self._attention_rows(q, k_cache, v_cache, out, pos, n_split, split_len, part, ticket, fresh, shape)
 
-    def _attention_tiles(self, name: str, q, k_cache, v_cache, out, pos) -> None:
+    def _attention_tiles(self, name: str, q, k_cache, v_cache, out, pos, shape: AttnShape) -> None:
         """Launch attn_mma or attn_tiled (several queries per block, keys staged in shared memory)."""
         n_tok, n_head, D = q.shape
         n_head_kv = k_cache.shape[1]
@@ -293,10 +312,10 @@ class Ops:
         rows, threads = (MMA_BQ, MMA_THREADS) if mma else (TILE_Q, TILE_THREADS)
         self._launch("attention.cu", name, (n_head, -(-n_tok // rows)), (threads,),
                      (q, k_cache, v_cache, out, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv),
-                      np.float32(1.0 / math.sqrt(D))), shared_mem=smem)
+                      *shape.kernel_args(D)), shared_mem=smem)
 
     def _attention_rows(self, q, k_cache, v_cache, out, pos, n_split: int, split_len: int, part, ticket,
-                        fresh: FreshKV | None) -> None:
+                        fresh: FreshKV | None, shape: AttnShape) -> None:
         """Launch attn_f16kv: one block per (head, query, split), optionally with RoPE and the
         cache store of the token fused in (fresh)."""
         n_tok, n_head, D = q.shape
@@ -308,7 +327,7 @@ class Ops:
             assert part is not None and ticket is not None
             _f32(part, n_tok, n_head, n_split, D + 2)
             assert ticket.dtype == cp.int32 and ticket.size == n_tok * n_head and ticket.flags.c_contiguous
-        rope = (NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, np.int32(0), np.int32(0), np.float32(0), np.float32(1))
+        rope = (NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, np.int32(0), np.int32(0), np.float32(0))
         if fresh is not None:
             assert n_tok == 1
             _row_stride(fresh.q, 1, n_head * D)
@@ -317,36 +336,58 @@ class Ops:
             r = fresh.rope
             r.check(D)
             rope = (fresh.q, fresh.k, fresh.v, k_cache, v_cache, *r.kernel_args(), np.int32(r.rope_dim), np.int32(r.neox),
-                    np.float32(r.eps), np.float32(r.mscale))
+                    np.float32(r.eps))
         self._launch("attention.cu", "attn_f16kv", (n_head, n_tok, n_split), (ATT_THREADS,),
                      (q, k_cache, v_cache, out, NULL if n_split == 1 else part, NULL if n_split == 1 else ticket, pos,
-                      np.int32(n_head), np.int32(n_head_kv), np.int32(D), np.int32(split_len), np.float32(1.0 / math.sqrt(D)),
+                      np.int32(n_head), np.int32(n_head_kv), np.int32(D), np.int32(split_len), *shape.kernel_args(D),
                       *rope), shared_mem=att_smem(D))
 
-    def _swiglu(self, gate: cp.ndarray, up: cp.ndarray, out: cp.ndarray, n_tok: int, n_ff: int, ld: int, step: int) -> None:
+    def _swiglu(self, gate: cp.ndarray, up: cp.ndarray, out: cp.ndarray, n_tok: int, n_ff: int, ld: int, step: int,
+                act: str = "silu") -> None:
         blocks = min(-(-(n_tok * n_ff) // 256), 4096)
-        self._launch("elementwise.cu", f"swiglu<{OUT_TYPES[out.dtype]}>", (blocks,), (256,),
+        self._launch("elementwise.cu", f"{GLU_KERNELS[act]}<{OUT_TYPES[out.dtype]}>", (blocks,), (256,),
                      (gate, up, out, np.int32(n_tok), np.int32(n_ff), np.int32(ld), np.int32(step)))
 
-    def swiglu(self, gate: cp.ndarray, up: cp.ndarray, out: cp.ndarray) -> None:
-        """out = silu(gate) * up, element-wise. gate, up: (n_tok, n_ff) f32; out: (n_tok, n_ff) f32
-        (may be gate) or fp16."""
+    def swiglu(self, gate: cp.ndarray, up: cp.ndarray, out: cp.ndarray, act: str = "silu") -> None:
+        """out = act(gate) * up, element-wise: silu (SwiGLU) or, with act "gelu_tanh", the
+        tanh-approximated GELU (GeGLU, Gemma). gate, up: (n_tok, n_ff) f32; out: (n_tok, n_ff)
+        f32 (may be gate) or fp16."""
         n_tok, n_ff = gate.shape
         _f32(gate, n_tok, n_ff)
         _f32(up, n_tok, n_ff)
         _out(out, n_tok, n_ff)
-        self._swiglu(gate, up, out, n_tok, n_ff, n_ff, 1)
+        self._swiglu(gate, up, out, n_tok, n_ff, n_ff, 1, act)
 
-    def swiglu_rows(self, gu: cp.ndarray, out: cp.ndarray, interleaved: bool) -> None:
-        """out = silu(gate) * up from one gate/up product gu: (n_tok, 2 n_ff) f32, whose rows hold
+    def swiglu_rows(self, gu: cp.ndarray, out: cp.ndarray, interleaved: bool, act: str = "silu") -> None:
+        """out = act(gate) * up (see swiglu) from one gate/up product gu: (n_tok, 2 n_ff) f32, whose rows hold
         gate | up (stacked weights) or, interleaved, gate_0 up_0 gate_1 up_1 ... (a glu weight,
-        layout.combined(glu=True)). out: (n_tok, n_ff) f32 or fp16."""
+        matmul.combined(glu=True)). out: (n_tok, n_ff) f32 or fp16."""
         n_tok, two_ff = gu.shape
         n_ff = two_ff // 2
         _f32(gu, n_tok, 2 * n_ff)
         _out(out, n_tok, n_ff)
         up = gu.reshape(-1)[1:] if interleaved else gu.reshape(-1)[n_ff:]
-        self._swiglu(gu, up, out, n_tok, n_ff, 2 * n_ff, 2 if interleaved else 1)
+        self._swiglu(gu, up, out, n_tok, n_ff, 2 * n_ff, 2 if interleaved else 1, act)
+
+    def rms_norm_add(self, t: cp.ndarray, w: cp.ndarray, res: cp.ndarray, y: cp.ndarray, eps: float) -> None:
+        """y = res + t / sqrt(mean(t^2, last axis) + eps) * w (Gemma's post-norm, then the residual
+        add). t, res, y: (n_rows, n) f32 (y may be res); w: (n,) f32."""
+        n_rows, n = t.shape
+        for a in (t, res, y):
+            _f32(a, n_rows, n)
+        _f32(w, n)
+        threads = 32 * min(32, max(1, -(-n // 256)))
+        self._launch("norm.cu", "rms_norm_add", (n_rows,), (threads,), (t, w, res, y, np.int32(n), np.float32(eps)))
+
+    def scale(self, x: cp.ndarray, s: float) -> None:
+        """x *= s in place (Gemma's embedding scale). x: contiguous f32, any shape."""
+        assert x.dtype == cp.float32 and x.flags.c_contiguous
+        self._launch("elementwise.cu", "scale_f32", (min(-(-x.size // 256), 4096),), (256,), (x, np.int64(x.size), np.float32(s)))
+
+    def softcap(self, x: cp.ndarray, cap: float) -> None:
+        """x = cap * tanh(x / cap) in place (Gemma 2's final logit soft-cap). x: contiguous f32; cap > 0."""
+        assert x.dtype == cp.float32 and x.flags.c_contiguous and cap > 0
+        self._launch("elementwise.cu", "softcap_f32", (min(-(-x.size // 256), 4096),), (256,), (x, np.int64(x.size), np.float32(cap)))
 
     def set_i32(self, dst: cp.ndarray, value: int) -> None:
         """dst[0] = value on the stream (the value travels as a kernel argument). dst: (1,) int32."""

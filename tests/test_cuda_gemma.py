@@ -1,0 +1,142 @@
+"""The Gemma ops on the GPU against numpy (the oracle of every kernel): attention with a sliding
+window, a query scale and a score soft-cap in each kernel (attn_mma, attn_tiled, attn_f16kv,
+split decode whose first splits hold no keys); GeGLU; the embedding scale; the logit soft-cap;
+the post-norm with its residual add; and whole tiny gemma3 / gemma2 models (F32 weights) on
+the CUDA backend against the numpy backend, prefill and decode, with the fusions on and off.
+
+Limits: attn_mma rounds the pre-scaled queries and the probabilities to fp16 (2e-3, as
+test_cuda_ops.MMA_ATTN_REL_L2); the other attention kernels are f32 over the same fp16 cache as
+the float64 formula (2e-5). Element-wise kernels: tanhf/expf against numpy's float32 within a
+few ulps (rtol 1e-5). Models: 1e-3 relative L2, as the transformers oracle's CUDA limit
+(tests/test_oracles.py: F32 weights, fp16 KV cache and fp16 tensor-core prefill)."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from k4.runtime import reference
+from k4.runtime.flags import Flags
+from k4.runtime.model import open_model
+from k4.runtime.reference import NumpyBackend
+from k4.runtime.trace import Trace
+from tests.gpu import cupy_or_skip
+from tests.test_gemma import GEMMA_CASES, attention_f64, gemma_tiny, rel_l2
+from tests.tiny import write_tiny
+
+cp = cupy_or_skip()
+pytestmark = pytest.mark.cuda
+
+MMA_REL_L2 = 2e-3
+F32_REL_L2 = 2e-5
+MODEL_REL_L2 = 1e-3
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from k4.runtime.cuda.ops import Ops
+
+    return Ops(Trace(), mma=True)
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+ATTN_CASES = [
+    # n_tok, pos0, n_head, n_head_kv, D, n_ctx, split, window, cap
+    (1, 700, 4, 2, 128, 1024, True, 100, 0.0),  # split decode: splits 0..17 hold no key
+    (1, 700, 4, 2, 256, 1024, True, 64, 5.0),
+    (1, 2047, 8, 2, 128, 2048, True, 1024, 50.0),
+    (1, 30, 4, 4, 64, 64, False, 8, 0.0),
+    (1, 30, 4, 4, 64, 64, False, 0, 2.0),  # soft-cap alone
+    (100, 0, 4, 2, 64, 128, False, 8, 0.0),
+    (130, 50, 4, 2, 128, 256, False, 33, 3.0),
+    (70, 200, 4, 4, 256, 300, False, 64, 0.0),
+    (37, 5, 2, 1, 256, 64, False, 1, 0.0),  # each query sees itself only
+    (200, 300, 2, 1, 128, 600, False, 70, 0.0),
+    (64, 0, 2, 2, 128, 64, False, 0, 1.5),
+]
+
+
+@pytest.mark.parametrize("n_tok,pos0,n_head,n_head_kv,D,n_ctx,split,window,cap", ATTN_CASES)
+def test_attention_window_scale_softcap(ops, rng, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split, window, cap):
+    from k4.runtime.cuda.ops import MMA_TILE_KEYS, AttnShape, attention_split
+
+    q = rng.standard_normal((n_tok, n_head, D)).astype(np.float32)
+    n_kv = pos0 + n_tok
+    kc = np.full((n_ctx, n_head_kv, D), np.nan, np.float16)  # rows past the causal range stay unread
+    vc = np.full((n_ctx, n_head_kv, D), np.nan, np.float16)
+    kc[:n_kv] = 2 * rng.standard_normal((n_kv, n_head_kv, D))
+    vc[:n_kv] = rng.standard_normal((n_kv, n_head_kv, D))
+    n_split, split_len = attention_split(n_ctx, split)
+    part = cp.empty((n_tok, n_head, n_split, D + 2), cp.float32) if n_split > 1 else None
+    ticket = cp.zeros(n_tok * n_head, cp.int32)
+    scale = 0.11
+    want = attention_f64(q, kc, vc, pos0, scale, window, cap)
+    shape = AttnShape(scale, window, cap)
+    kernels = [(True, True), (False, True), (False, False)] if n_tok > 1 else [(False, True), (False, True)]
+    try:
+        for mma, tiled in kernels:
+            ops.mma, ops.tiled = mma, tiled
+            out = cp.full((n_tok, n_head, D), np.nan, cp.float32)
+            ops.attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, cp.asarray([pos0], dtype=cp.int32),
+                          n_split, split_len, part, ticket, shape=shape)
+            limit = MMA_REL_L2 if mma and n_tok > 1 and D in MMA_TILE_KEYS else F32_REL_L2
+            assert rel_l2(out.get(), want) < limit, f"mma={mma} tiled={tiled}"
+            assert not ticket.any()  # every split's ticket reset, the skipped ones included
+    finally:
+        ops.mma, ops.tiled = True, True
+
+
+@pytest.mark.parametrize("out_dtype", [np.float32, np.float16])
+def test_geglu(ops, rng, out_dtype):
+    g = (3 * rng.standard_normal((5, 300))).astype(np.float32)
+    u = rng.standard_normal((5, 300)).astype(np.float32)
+    want = reference.gelu_tanh(g) * u
+    out = cp.empty((5, 300), out_dtype)
+    ops.swiglu(cp.asarray(g), cp.asarray(u), out, act="gelu_tanh")
+    np.testing.assert_allclose(out.get().astype(np.float32), want, rtol=1e-5 if out_dtype == np.float32 else 1e-3, atol=1e-6)
+    gu = cp.asarray(np.concatenate([g, u], axis=1))  # one stacked gate|up product
+    out = cp.empty((5, 300), cp.float32)
+    ops.swiglu_rows(gu, out, interleaved=False, act="gelu_tanh")
+    np.testing.assert_allclose(out.get(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_scale_softcap_and_post_norm(ops, rng):
+    x = rng.standard_normal((3, 1000)).astype(np.float32) * 20
+    d = cp.asarray(x)
+    ops.scale(d, 61.96773)
+    assert np.array_equal(d.get(), x * np.float32(61.96773))  # one f32 product per value, as numpy
+    d = cp.asarray(x)
+    ops.softcap(d, 30.0)
+    np.testing.assert_allclose(d.get(), reference.softcap(x, 30.0), rtol=1e-5, atol=1e-5)
+    t, res = (rng.standard_normal((4, 640)).astype(np.float32) for _ in range(2))
+    w = (1 + 0.1 * rng.standard_normal(640)).astype(np.float32)
+    y = cp.empty((4, 640), cp.float32)
+    ops.rms_norm_add(cp.asarray(t), cp.asarray(w), cp.asarray(res), y, 1e-6)
+    np.testing.assert_allclose(y.get(), res + reference.rms_norm(t, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(GEMMA_CASES))
+@pytest.mark.parametrize("flags", [{}, {"K4_FUSE_ROPE": "0", "K4_FUSE_NORM": "0", "K4_MMA_ATTN": "0"}])
+def test_tiny_gemma_matches_numpy(tmp_path, data, case, flags):
+    """40 tokens past windows of 4-5 (head_dim 64: the tensor-core prefill kernel), then 8 decode
+    steps, against the numpy backend on the same F32 file."""
+    from k4.runtime.cuda.backend import CudaBackend
+
+    arch, keys, over = GEMMA_CASES[case]
+    cfg = gemma_tiny(arch, keys, head_dim=64, **over)
+    mf = open_model(write_tiny(tmp_path / f"{arch}.gguf", data / "models" / "stories260K.gguf", cfg, matrix_type=T.F32))
+    ids = [1] + np.random.default_rng(1).integers(3, 512, size=47).tolist()
+    want = NumpyBackend(mf, 128).eval(ids, all_logits=True)
+    be = CudaBackend(mf, 128, flags=Flags({**flags}))
+    try:
+        assert rel_l2(be.eval(ids[:-8], all_logits=True), want[:-8]) < MODEL_REL_L2  # prefill
+        assert rel_l2(np.stack([be.eval([t]) for t in ids[-8:]]), want[-8:]) < MODEL_REL_L2  # decode steps
+    finally:
+        be.close()
