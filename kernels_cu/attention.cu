@@ -30,7 +30,7 @@
 // fresh_q, fresh_k, fresh_v: null, or (decode, n_tok = 1, RoPE fused; q is then not read) the
 //   token's unrotated q (n_head, D), k and v (n_head_kv, D) f32 from the projections: each block
 //   rotates q itself (with q_norm, k_norm (D,) or null, inv_freq (rope_dim/2,) f64, rope_dim,
-//   neox, eps as rope.cu), the block whose split holds the token's position takes its key and
+//   neox, eps, mscale as rope.cu), the block whose split holds the token's position takes its key and
 //   value from registers rounded to fp16 (exactly what the cache would hold), and of those the
 //   block of the first query head of each KV head stores them into the cache rows through
 //   k_store, v_store (the cache again; that row is read by no block of this launch).
@@ -49,7 +49,7 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
            int n_head, int n_head_kv, int D, int split_len, float scale, int window, float softcap,
            const float* __restrict__ fresh_q, const float* __restrict__ fresh_k, const float* __restrict__ fresh_v,
            u16* k_store, u16* v_store, const float* __restrict__ q_norm, const float* __restrict__ k_norm,
-           const double* __restrict__ inv_freq, int rope_dim, int neox, float eps) {
+           const double* __restrict__ inv_freq, int rope_dim, int neox, float eps, float mscale) {
     pdl_trigger();
     pdl_wait();
     const int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z;
@@ -78,9 +78,9 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
     const int cur = fresh_q && end == n_kv ? p : -1;  // the key taken from kcur / vcur, if in this split
     if (fresh_q) {
         const int warp = tid >> 5, lane = tid & 31;
-        if (warp == 0) k4ops::rope_row(fresh_q + (size_t)h * D, qs, nullptr, q_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane);
+        if (warp == 0) k4ops::rope_row(fresh_q + (size_t)h * D, qs, nullptr, q_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
         if (cur >= 0 && warp == 1)
-            k4ops::rope_row(fresh_k + (size_t)hk * D, nullptr, kcur, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane);
+            k4ops::rope_row(fresh_k + (size_t)hk * D, nullptr, kcur, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
         if (cur >= 0 && warp == 2)
             for (int i = lane; i < D; i += 32) vcur[i] = f32_to_f16(fresh_v[(size_t)hk * D + i]);
         __syncthreads();

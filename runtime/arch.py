@@ -18,7 +18,7 @@ from dataclasses import dataclass
 # Steps in brackets run only where an option says so.
 BLOCK = (
     ("attn_norm", "RMSNorm of the residual stream", ("attn_norm.weight",)),
-    ("qkv", "q, k, v projections [+ bias: qkv_bias]", ("attn_q.weight", "attn_k.weight", "attn_v.weight")),
+    ("qkv", "q, k, v projections [+ bias: qkv_bias] [one attn_qkv tensor: fused_qkv]", ("attn_q.weight", "attn_k.weight", "attn_v.weight")),
     ("qk_norm", "[per-head RMSNorm of q and k: qk_norm]", ("attn_q_norm.weight", "attn_k_norm.weight")),
     ("rope", "RoPE on q and k (rope_neox: halves, else interleaved pairs; rope_freqs divisors)", ()),
     ("kv_store", "k and v into the KV cache", ()),
@@ -27,7 +27,7 @@ BLOCK = (
     ("attn_output", "output projection + residual", ("attn_output.weight",)),
     ("attn_post_norm", "[RMSNorm of the projection before the residual: post_norms]", ("post_attention_norm.weight",)),
     ("ffn_norm", "RMSNorm of the residual stream", ("ffn_norm.weight",)),
-    ("gate_up", "gate and up projections", ("ffn_gate.weight", "ffn_up.weight")),
+    ("gate_up", "gate and up projections [one ffn_up tensor, gate rows first: fused_gate_up]", ("ffn_gate.weight", "ffn_up.weight")),
     ("glu", "act(gate) * up: silu (SwiGLU) or gelu_tanh (GeGLU): activation", ()),
     ("ffn_down", "down projection + residual", ("ffn_down.weight",)),
     ("ffn_post_norm", "[RMSNorm of the projection before the residual: post_norms]", ("post_ffw_norm.weight",)),
@@ -61,6 +61,8 @@ class Architecture:
     rope_neox: bool
     qkv_bias: str
     qk_norm: bool
+    fused_qkv: str = "never"  # "if present": q|k|v rows in one blk.N.attn_qkv.weight (phi3)
+    fused_gate_up: bool = False  # ffn_up holds gate rows then up rows (2 x n_ff), no ffn_gate (phi3)
     embed_scale: bool = False
     activation: str = "silu"
     post_norms: bool = False
@@ -77,6 +79,11 @@ class Architecture:
             return "blk.0.attn_q.bias" in tensor_names
         return self.qkv_bias == "always"
 
+    def has_fused_qkv(self, tensor_names) -> bool:
+        """Whether the file holds q, k, v as one attn_qkv tensor (llama.cpp's phi3 loads it when
+        present, else separate attn_q/k/v)."""
+        return self.fused_qkv == "if present" and "blk.0.attn_qkv.weight" in tensor_names
+
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
@@ -84,6 +91,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("llama", rope_neox=False, qkv_bias="if present", qk_norm=False),  # Llama 2/3/3.1/3.2, Mistral, SmolLM
         Architecture("qwen2", rope_neox=True, qkv_bias="always", qk_norm=False),  # Qwen2, Qwen2.5
         Architecture("qwen3", rope_neox=True, qkv_bias="never", qk_norm=True),  # Qwen3 dense
+        # Phi-3/3.5-mini, Phi-4, Phi-4-mini (llama.cpp src/models/phi3.cpp): NeoX RoPE, partial
+        # rotary by rope.dimension_count, LongRoPE factors by context (runtime/rope.py)
+        Architecture("phi3", rope_neox=True, qkv_bias="never", qk_norm=False, fused_qkv="if present", fused_gate_up=True),
         # Gemma 2 2B/9B/27B: local/global layers alternate (window 4096 by default), soft-capped
         # attention scores (50) and logits (30)
         Architecture("gemma2", rope_neox=True, qkv_bias="never", qk_norm=False, embed_scale=True, activation="gelu_tanh",
@@ -101,13 +111,15 @@ def layer_shapes(cfg) -> dict[str, tuple[int, ...]]:
     runtime.model.ModelConfig: the BLOCK steps' tensors that its options select."""
     shapes: dict[str, tuple[int, ...]] = {
         "attn_norm.weight": (cfg.n_embd,),
-        "attn_q.weight": (cfg.q_dim, cfg.n_embd),
-        "attn_k.weight": (cfg.kv_dim, cfg.n_embd),
-        "attn_v.weight": (cfg.kv_dim, cfg.n_embd),
+        **({"attn_qkv.weight": (cfg.q_dim + 2 * cfg.kv_dim, cfg.n_embd)} if cfg.fused_qkv else {
+            "attn_q.weight": (cfg.q_dim, cfg.n_embd),
+            "attn_k.weight": (cfg.kv_dim, cfg.n_embd),
+            "attn_v.weight": (cfg.kv_dim, cfg.n_embd)}),
         "attn_output.weight": (cfg.n_embd, cfg.q_dim),
         "ffn_norm.weight": (cfg.n_embd,),
-        "ffn_gate.weight": (cfg.n_ff, cfg.n_embd),
-        "ffn_up.weight": (cfg.n_ff, cfg.n_embd),
+        **({"ffn_up.weight": (2 * cfg.n_ff, cfg.n_embd)} if cfg.fused_gate_up else {
+            "ffn_gate.weight": (cfg.n_ff, cfg.n_embd),
+            "ffn_up.weight": (cfg.n_ff, cfg.n_embd)}),
         "ffn_down.weight": (cfg.n_embd, cfg.n_ff),
     }
     if cfg.has_qkv_bias:

@@ -109,6 +109,17 @@ class ModelConfig:
     has_qk_norm: bool
     has_rope_freqs: bool
     tied_embeddings: bool
+    fused_qkv: bool = False  # q|k|v rows in one attn_qkv tensor (phi3)
+    fused_gate_up: bool = False  # gate rows then up rows in one ffn_up tensor of 2 x n_ff rows (phi3)
+    # RoPE scaling the file declares (runtime/rope.py): "none", "linear", "yarn", or "longrope"
+    # (rope_factors_long/short tensors); factor, the pre-scaling context (0: n_ctx_train), the
+    # magnitude factor rope.scaling.attn_factor and YaRN's ramp corners (llama.cpp's defaults)
+    rope_scaling: str = "none"
+    rope_scale: float = 1.0
+    rope_orig_ctx: int = 0
+    rope_attn_factor: float = 1.0
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
     # The Gemma options (runtime/arch.py, runtime/family_keys.py): embedding rows times
     # embed_scale; activation "silu" (SwiGLU) or "gelu_tanh" (GeGLU); post-attention and post-FFN
     # RMSNorms; per layer whether it attends only to the last n_swa positions (swa_layers, () for
@@ -276,9 +287,33 @@ def _config_from(mf: ModelFile) -> ModelConfig:
         has_qk_norm=ARCHS[arch].qk_norm,
         has_rope_freqs="rope_freqs.weight" in mf.tensors,
         tied_embeddings="output.weight" not in mf.tensors,
+        fused_qkv=ARCHS[arch].has_fused_qkv(mf.tensors),
+        fused_gate_up=ARCHS[arch].fused_gate_up,
+        **rope_scaling_fields(mf, v),
         **family_fields(ARCHS[arch], v, v["block_count"], v["embedding_length"], v["attention.head_count"], head_dim,
                         float(v.get("rope.freq_base", 10000.0))),
     )
+
+
+def rope_scaling_fields(mf: ModelFile, v: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's rope_* scaling fields from `{arch}.rope.scaling.*` (schema-checked values
+    `v`) and the tensors: rope_factors_long/short make it "longrope" (llama.cpp's phi3), else
+    rope.scaling.type (older files: rope.scale_linear alone means linear). Raises
+    UnsupportedModelError for a scaling type k4 does not implement."""
+    kind = v.get("rope.scaling.type", "none")
+    factor = float(v.get("rope.scaling.factor", v.get("rope.scale_linear", 1.0)))
+    if "rope.scaling.type" not in v and "rope.scale_linear" in v:
+        kind = "linear"
+    if "rope_factors_long.weight" in mf.tensors:
+        kind = "longrope"
+    if kind not in ("none", "linear", "yarn", "longrope"):
+        raise UnsupportedModelError(f"{mf.path}: rope scaling type {kind!r} is not supported; k4 runs none, linear, yarn and longrope")
+    if kind == "none":
+        factor = 1.0
+    return dict(rope_scaling=kind, rope_scale=factor, rope_orig_ctx=v.get("rope.scaling.original_context_length", 0),
+                rope_attn_factor=float(v.get("rope.scaling.attn_factor", 1.0)),
+                rope_yarn_beta_fast=float(v.get("rope.scaling.yarn_beta_fast", 32.0)),
+                rope_yarn_beta_slow=float(v.get("rope.scaling.yarn_beta_slow", 1.0)))
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -291,9 +326,49 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["output.weight"] = (cfg.n_vocab, cfg.n_embd)
     if cfg.has_rope_freqs:
         shapes["rope_freqs.weight"] = (cfg.rope_dim // 2,)
+    if cfg.rope_scaling == "longrope":
+        shapes["rope_factors_long.weight"] = (cfg.rope_dim // 2,)
+        shapes["rope_factors_short.weight"] = (cfg.rope_dim // 2,)
     for i in range(cfg.n_layer):
         shapes.update({f"blk.{i}.{name}": shape for name, shape in layer_shapes(cfg).items()})
     return shapes
+
+
+# The matrices of one block under their unfused names (blk.N.<name>), as both forward passes read them.
+LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def row_view(t: Tensor, name: str, start: int, stop: int) -> Tensor:
+    """Rows start..stop-1 of a matrix `t` as a Tensor of its own named `name`: the same encoded
+    bytes (a memory-mapped view) and file offset moved by the rows skipped, so both backends load
+    it as they load any tensor."""
+    raw = t.raw_bytes()  # (n_rows, bytes_per_row) uint8
+    offset = None if t.file_offset is None else t.file_offset + start * raw.shape[1]
+    return Tensor(name, t.ggml_type, (stop - start, t.shape[1]), raw[start:stop], offset)
+
+
+def layer_matrices(mf: ModelFile, i: int) -> dict[str, Tensor]:
+    """Layer i's matrices by LAYER_MATRICES name -> Tensor (n_out, n_in), each named
+    blk.i.<name>.weight. Where the file fuses them (phi3, llama.cpp's create_tensor_qkv and
+    LLM_FFN_SWIGLU with no gate tensor): attn_qkv rows are q (q_dim) | k (kv_dim) | v (kv_dim),
+    ffn_up rows are gate (n_ff) | up (n_ff) (ggml_swiglu takes the first half as the gate;
+    transformers' Phi3MLP chunks gate_up_proj the same way); each part is a row_view."""
+    cfg = mf.config
+    assert cfg is not None
+    name = lambda n: f"blk.{i}.{n}.weight"  # noqa: E731
+    out = {n: mf.tensor(name(n)) for n in ("attn_output", "ffn_down")}
+    if cfg.fused_qkv:
+        qkv, q, kv = mf.tensor(name("attn_qkv")), cfg.q_dim, cfg.kv_dim
+        out.update({name_: row_view(qkv, name(name_), a, b)
+                    for name_, a, b in (("attn_q", 0, q), ("attn_k", q, q + kv), ("attn_v", q + kv, q + 2 * kv))})
+    else:
+        out.update({n: mf.tensor(name(n)) for n in ("attn_q", "attn_k", "attn_v")})
+    if cfg.fused_gate_up:
+        up = mf.tensor(name("ffn_up"))
+        out.update({"ffn_gate": row_view(up, name("ffn_gate"), 0, cfg.n_ff), "ffn_up": row_view(up, name("ffn_up"), cfg.n_ff, 2 * cfg.n_ff)})
+    else:
+        out.update({n: mf.tensor(name(n)) for n in ("ffn_gate", "ffn_up")})
+    return {n: out[n] for n in LAYER_MATRICES}
 
 
 def check_weights(mf: ModelFile) -> None:

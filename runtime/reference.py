@@ -20,7 +20,8 @@ import numpy as np
 
 from . import hostmem
 from .token_cache import TokenCache
-from .model import ModelConfig, ModelFile, Tensor, expected_shapes
+from .model import ModelConfig, ModelFile, Tensor, expected_shapes, layer_matrices
+from .rope import RopeTable, factor_tensor, rope_table
 from .sampling import SamplingParams, sample
 from .trace import Trace
 from .weights import DEQUANT_PIECE_BYTES, Matrix, dequantize_tensor, read_pages
@@ -33,17 +34,18 @@ class Layer:
 
     def __init__(self, mf: ModelFile, i: int, block_bytes: int):
         cfg = mf.config
-        mat = lambda name: Matrix(mf.tensor(f"blk.{i}.{name}"), block_bytes)  # noqa: E731
+        m = layer_matrices(mf, i)  # fused q|k|v and gate|up (phi3) come as row views
+        mat = lambda name: Matrix(m[name], block_bytes)  # noqa: E731
         vec = lambda name: dequantize_tensor(mf.tensor(f"blk.{i}.{name}"))  # noqa: E731
         self.attn_norm = vec("attn_norm.weight")  # (n_embd,)
-        self.wq = mat("attn_q.weight")  # (n_head * head_dim, n_embd)
-        self.wk = mat("attn_k.weight")  # (n_head_kv * head_dim, n_embd)
-        self.wv = mat("attn_v.weight")  # (n_head_kv * head_dim, n_embd)
-        self.wo = mat("attn_output.weight")  # (n_embd, n_head * head_dim)
+        self.wq = mat("attn_q")  # (n_head * head_dim, n_embd)
+        self.wk = mat("attn_k")  # (n_head_kv * head_dim, n_embd)
+        self.wv = mat("attn_v")  # (n_head_kv * head_dim, n_embd)
+        self.wo = mat("attn_output")  # (n_embd, n_head * head_dim)
         self.ffn_norm = vec("ffn_norm.weight")  # (n_embd,)
-        self.w_gate = mat("ffn_gate.weight")  # (n_ff, n_embd)
-        self.w_up = mat("ffn_up.weight")  # (n_ff, n_embd)
-        self.w_down = mat("ffn_down.weight")  # (n_embd, n_ff)
+        self.w_gate = mat("ffn_gate")  # (n_ff, n_embd)
+        self.w_up = mat("ffn_up")  # (n_ff, n_embd)
+        self.w_down = mat("ffn_down")  # (n_embd, n_ff)
         self.bq = vec("attn_q.bias") if cfg.has_qkv_bias else None  # (n_head * head_dim,)
         self.bk = vec("attn_k.bias") if cfg.has_qkv_bias else None  # (n_head_kv * head_dim,)
         self.bv = vec("attn_v.bias") if cfg.has_qkv_bias else None  # (n_head_kv * head_dim,)
@@ -62,18 +64,12 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(ms + np.float32(eps))) * w
 
 
-def rope_tables(cfg: ModelConfig, positions: np.ndarray, freq_factors: np.ndarray | None):
-    """cos, sin of shape (T, rope_dim // 2) float32 for the given positions (T,).
-
-    theta_i = pos * base^(-2i / rope_dim), divided by freq_factors[i] when the model has
-    `rope_freqs.weight` (Llama 3.1 rope scaling).
-    """
-    half = cfg.rope_dim // 2
-    inv_freq = cfg.rope_freq_base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)  # (half,)
-    if freq_factors is not None:
-        inv_freq = inv_freq / freq_factors.astype(np.float64)
-    theta = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # (T, half)
-    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+def rope_tables(table: RopeTable, positions: np.ndarray):
+    """cos, sin of shape (T, rope_dim // 2) float32 for the given positions (T,): theta_i =
+    pos * table.inv_freq[i] (runtime/rope.py: base frequencies, rope_freqs / LongRoPE factors,
+    linear or YaRN scaling), each times table.mscale (1.0 unless the file scales RoPE)."""
+    theta = positions.astype(np.float64)[:, None] * table.inv_freq[None, :]  # (T, half)
+    return (np.cos(theta) * table.mscale).astype(np.float32), (np.sin(theta) * table.mscale).astype(np.float32)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, neox: bool) -> np.ndarray:
@@ -196,7 +192,8 @@ class NumpyBackend(TokenCache):
             self.token_embd = Matrix(mf.tensor("token_embd.weight"), block_bytes)  # (n_vocab, n_embd)
             self.output_norm = dequantize_tensor(mf.tensor("output_norm.weight"))  # (n_embd,)
             self.output = self.token_embd if cfg.tied_embeddings else Matrix(mf.tensor("output.weight"), block_bytes)  # (n_vocab, n_embd)
-            self.rope_freqs = dequantize_tensor(mf.tensor("rope_freqs.weight")) if cfg.has_rope_freqs else None  # (rope_dim/2,)
+            factors = factor_tensor(cfg, n_ctx)  # rope_freqs, or LongRoPE's long or short factors
+            self.rope = rope_table(cfg, n_ctx, dequantize_tensor(mf.tensor(factors)) if factors else None)  # (rope_dim/2,) f64
             self.layers = [Layer(mf, i, block_bytes) for i in range(cfg.n_layer)]
             kv_shape = (cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim)
             self.cached = self._check_ram(mf, file_bytes, 2 * 4 * math.prod(kv_shape), cache_bytes, mem_available)  # Python ints: no overflow
@@ -261,7 +258,7 @@ class NumpyBackend(TokenCache):
         T, p0 = ids.size, self.n_past
         nh, nkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         positions = np.arange(p0, p0 + T)  # (T,)
-        cos, sin = rope_tables(cfg, positions, self.rope_freqs)  # (T, rope_dim/2) each
+        cos, sin = rope_tables(self.rope, positions)  # (T, rope_dim/2) each
         local = swa_rope_tables(cfg, positions) if cfg.swa_layers else None  # sliding layers' (cos, sin)
         act = ACTIVATIONS[cfg.activation]
 

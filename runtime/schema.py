@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from gguf import GGUFValueType as V
 
+from .arch import ARCHITECTURES
 from .errors import ModelFileError
 
 if TYPE_CHECKING:
@@ -47,6 +48,14 @@ ARCH_KEYS = (
     Key("attention.layer_norm_rms_epsilon", "float", 1e-30, 0.5),
     Key("rope.freq_base", "float", 1e-3, 1e12),
     Key("rope.dimension_count", "int", 2, 1 << 14),
+    # RoPE scaling (runtime/rope.py; llama.cpp's LLM_KV_ROPE_SCALING_*)
+    Key("rope.scaling.type", "str"),
+    Key("rope.scaling.factor", "float", 1e-3, 1e6),
+    Key("rope.scale_linear", "float", 1e-3, 1e6),
+    Key("rope.scaling.original_context_length", "int", 1, (1 << 31) - 1),
+    Key("rope.scaling.attn_factor", "float", 1e-3, 1e3),
+    Key("rope.scaling.yarn_beta_fast", "float", 1e-3, 1e6),
+    Key("rope.scaling.yarn_beta_slow", "float", 1e-3, 1e6),
     # sliding-window attention and soft-caps (runtime/family_keys.py; read by the Gemma families)
     Key("attention.sliding_window", "int", 0, (1 << 31) - 1),
     Key("rope.freq_base_swa", "float", 1e-3, 1e12),
@@ -175,6 +184,12 @@ def check_model_keys(mf: "ModelFile", arch: str) -> dict[str, Any]:
     return v
 
 
+def _up_parts(arch: str) -> int:
+    """Row blocks of n_ff in ffn_up: 2 where it holds gate and up (phi3), else 1."""
+    a = ARCHITECTURES.get(arch)
+    return 2 if a is not None and a.fused_gate_up else 1
+
+
 def _swa_pattern(mf: "ModelFile", key: str, n_layer: int) -> int | tuple[bool, ...] | None:
     """attention.sliding_window_pattern: a period (an integer 1..n_layer) or one flag per layer
     (an array of n_layer booleans or integers, true: the layer slides), as gguf-py's
@@ -219,7 +234,7 @@ def _check_shapes(mf: "ModelFile", arch: str, v: dict[str, Any]) -> None:
     head_dim = v["attention.key_length"]
     for tensor, key, rows in (("attn_q", "attention.head_count", v["attention.head_count"] * head_dim),
                               ("attn_k", "attention.head_count_kv", v["attention.head_count_kv"] * head_dim),
-                              ("ffn_up", "feed_forward_length", v["feed_forward_length"])):
+                              ("ffn_up", "feed_forward_length", v["feed_forward_length"] * _up_parts(arch))):
         shape = _rows(mf, f"blk.0.{tensor}.weight")
         if shape is None or shape[0] == rows:
             continue

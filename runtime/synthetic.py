@@ -254,6 +254,7 @@ def write_metadata(w: GGUFWriter, cfg: ModelConfig, v: dict, family: bool = True
             w.add_uint32(f"{a}.{key}", value)
         else:
             w.add_float32(f"{a}.{key}", value)
+    _write_rope_scaling(w, cfg)
     w.add_uint32("general.file_type", 15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
     w.add_uint32("general.quantization_version", 2)
     meta = v["meta"]
@@ -270,6 +271,22 @@ def write_metadata(w: GGUFWriter, cfg: ModelConfig, v: dict, family: bool = True
             add(meta[f"tokenizer.ggml.{key}_token_id"])
     if meta["tokenizer.chat_template"]:
         w.add_chat_template(meta["tokenizer.chat_template"])
+
+
+def _write_rope_scaling(w: GGUFWriter, cfg: ModelConfig) -> None:
+    """The `{arch}.rope.scaling.*` keys of cfg's RoPE scaling, as convert_hf_to_gguf.py writes
+    them (LongRoPE: no type key, its factors are tensors; its attention factor as attn_factor)."""
+    a = cfg.arch
+    if cfg.rope_scaling in ("linear", "yarn"):
+        w.add_string(f"{a}.rope.scaling.type", cfg.rope_scaling)
+        w.add_float32(f"{a}.rope.scaling.factor", cfg.rope_scale)
+    if cfg.rope_scaling == "yarn":
+        w.add_float32(f"{a}.rope.scaling.yarn_beta_fast", cfg.rope_yarn_beta_fast)
+        w.add_float32(f"{a}.rope.scaling.yarn_beta_slow", cfg.rope_yarn_beta_slow)
+    if cfg.rope_orig_ctx:
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", cfg.rope_orig_ctx)
+    if cfg.rope_attn_factor != 1.0:
+        w.add_float32(f"{a}.rope.scaling.attn_factor", cfg.rope_attn_factor)
 
 
 def _tensor_data(name: str, shape: tuple[int, ...], t: T, cfg: ModelConfig, rng: np.random.Generator) -> np.ndarray:

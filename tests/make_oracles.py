@@ -13,12 +13,19 @@ writes them; sliding window 8 under a 40-token prompt, so sliding and global lay
 (512 tokens; the oracle compares logits of token ids, so its text form does not matter).
 Then the model's float32 logits for every position of a fixed prompt are saved as .npy.
 
+Scaled RoPE (the prompt runs past the original context of ORIG_CTX tokens): phi3 with partial
+rotary and LongRoPE (Phi3MiniModel: qkv_proj and gate_up_proj stored fused as attn_qkv and
+ffn_up, the long/short factors as rope_factors_long/short tensors, its attention factor as
+rope.scaling.attn_factor), and llama with YaRN (LlamaModel: rope.scaling.type/factor/original
+context, q/k rows permuted for interleaved RoPE by LlamaModel.permute).
+
     python tests/make_oracles.py [OUT_DIR]      # default tests/data/oracles
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -31,6 +38,7 @@ from k4.runtime.synthetic import vocab_from, write_metadata
 
 DATA = Path(__file__).resolve().parent / "data"
 PROMPT_LEN = 40  # tokens: BOS then seeded random ids
+ORIG_CTX = 32  # the pre-scaling context of the scaled-RoPE oracles: the prompt runs past it
 
 
 def qwen3_model():
@@ -45,6 +53,46 @@ def qwen3_model():
                       rope_dim=32, rope_neox=True, has_qkv_bias=False, has_qk_norm=True, has_rope_freqs=False,
                       tied_embeddings=False)
     return Qwen3ForCausalLM(hf), cfg
+
+
+def phi3_model():
+    """Phi3ForCausalLM with partial rotary (0.75 of each head, as Phi-4-mini) and LongRoPE
+    (factor 128 / 32 = 4; the 40-token prompt is past the original 32, so transformers, by
+    sequence length, and llama.cpp and k4, by a context of 256 > 32, all take the long
+    factors), GQA."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    g = np.random.default_rng(3)
+    half = 12  # rope_dim 24 of head_dim 32
+    long_f, short_f = (1.0 + 7.0 * g.random(half)).tolist(), (1.0 + 0.5 * g.random(half)).tolist()
+    hf = Phi3Config(vocab_size=512, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=4 * ORIG_CTX, original_max_position_embeddings=ORIG_CTX,
+                    rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                    rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                     "long_factor": long_f, "short_factor": short_f})
+    attn = math.sqrt(1 + math.log(4) / math.log(ORIG_CTX))  # Phi3MiniModel's attn_factor for scale 4
+    cfg = ModelConfig(arch="phi3", name="tiny-phi3-transformers", n_vocab=512, n_embd=128, n_layer=2, n_head=4,
+                      n_head_kv=2, head_dim=32, n_ff=96, n_ctx_train=4 * ORIG_CTX, rms_eps=1e-5, rope_freq_base=10000.0,
+                      rope_dim=24, rope_neox=True, has_qkv_bias=False, has_qk_norm=False, has_rope_freqs=False,
+                      tied_embeddings=False, fused_qkv=True, fused_gate_up=True, rope_scaling="longrope",
+                      rope_orig_ctx=ORIG_CTX, rope_attn_factor=attn)
+    return Phi3ForCausalLM(hf), cfg
+
+
+def llama_yarn_model():
+    """LlamaForCausalLM with YaRN (factor 4 over an original context of 32), GQA."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, max_position_embeddings=4 * ORIG_CTX, rms_norm_eps=1e-5,
+                     tie_word_embeddings=False, attention_bias=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": ORIG_CTX})
+    cfg = ModelConfig(arch="llama", name="tiny-llama-yarn-transformers", n_vocab=512, n_embd=64, n_layer=2, n_head=4,
+                      n_head_kv=2, head_dim=16, n_ff=96, n_ctx_train=4 * ORIG_CTX, rms_eps=1e-5, rope_freq_base=10000.0,
+                      rope_dim=16, rope_neox=False, has_qkv_bias=False, has_qk_norm=False, has_rope_freqs=False,
+                      tied_embeddings=False, rope_scaling="yarn", rope_scale=4.0, rope_orig_ctx=ORIG_CTX)
+    return LlamaForCausalLM(hf), cfg
 
 
 def gemma_config(arch: str, n_layer: int, head_dim: int, rope_base: float, window: int, keys: dict) -> ModelConfig:
@@ -103,6 +151,8 @@ GGUF_NAMES = {  # transformers name -> GGUF name (llama.cpp's tensor_mapping), {
     "model.layers.{i}.self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
     "model.layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
     "model.layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
+    "model.layers.{i}.self_attn.qkv_proj.weight": "blk.{i}.attn_qkv.weight",
+    "model.layers.{i}.mlp.gate_up_proj.weight": "blk.{i}.ffn_up.weight",
     "model.layers.{i}.self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
     "model.layers.{i}.self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
     "model.layers.{i}.self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
@@ -140,7 +190,7 @@ def write_gguf(model, cfg: ModelConfig, path: Path, keys: dict | None = None) ->
     w = GGUFWriter(str(path), cfg.arch)
     write_metadata(w, cfg, vocab_from(DATA / "models" / "stories260K.gguf", cfg.n_vocab), family=keys is None)
     if keys is None:
-        tensors = ((gguf_name(name), p.detach().float().cpu().numpy()) for name, p in model.state_dict().items())
+        tensors = hf_tensors(model, cfg)
     else:
         for key, (kind, value) in keys.items():
             getattr(w, f"add_{kind}")(f"{cfg.arch}.{key}", value)
@@ -151,6 +201,28 @@ def write_gguf(model, cfg: ModelConfig, path: Path, keys: dict | None = None) ->
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def permute_for_llama(w: np.ndarray, n_head: int) -> np.ndarray:
+    """q or k rows (n_head * head_dim, n_in) reordered from transformers' rotate-half pairs to
+    llama.cpp's interleaved ones: within each head, rows (j, head_dim/2 + j) become (2j, 2j + 1)
+    (convert_hf_to_gguf.py LlamaModel.permute; k with the KV head count)."""
+    rows = w.shape[0] // n_head
+    return w.reshape(n_head, 2, rows // 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_tensors(model, cfg: ModelConfig):
+    """(GGUF name, float32 array) of a qwen3, phi3 or llama model as the converter writes it:
+    GGUF_NAMES, llama's q/k permuted, phi3's LongRoPE factors from its config as tensors."""
+    for name, p in model.state_dict().items():
+        array = p.detach().float().cpu().numpy()
+        if cfg.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            array = permute_for_llama(array, cfg.n_head if "q_proj" in name else cfg.n_head_kv)
+        yield gguf_name(name), array
+    if cfg.rope_scaling == "longrope":
+        rope = model.config.rope_parameters
+        yield "rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32)
+        yield "rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32)
 
 
 def gemma_tensors(model, cfg: ModelConfig):
@@ -171,7 +243,8 @@ def gemma_tensors(model, cfg: ModelConfig):
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     index = {}
-    for family, build in (("qwen3", qwen3_model), ("gemma3", gemma3_model), ("gemma2", gemma2_model)):
+    for family, build in (("qwen3", qwen3_model), ("gemma3", gemma3_model), ("gemma2", gemma2_model), ("phi3", phi3_model),
+                          ("llama-yarn", llama_yarn_model)):
         torch.manual_seed(0)
         model, cfg, *keys = build()
         keys = keys[0] if keys else None

@@ -69,7 +69,7 @@ class Forward:
             h, norm = self.normed(x, L.attn_norm, half)
             cols = self.qkv(L, h, norm, n)
             k_cache, v_cache = self.kv.k[li], self.kv.v[li]  # (n_ctx, n_head_kv, head_dim)
-            rope = ops.RopeArgs(L.q_norm, L.k_norm, self.w.inv_freq, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps)
+            rope = ops.RopeArgs(L.q_norm, L.k_norm, self.w.inv_freq, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps, self.w.rope_mscale)
             if cfg.sliding(li):  # gemma's sliding layers: their own RoPE base, no scaling
                 rope = ops.RopeArgs(L.q_norm, L.k_norm, self.w.inv_freq_swa, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps)
             if n == 1 and self.opts.fuse_rope:  # RoPE and the cache store inside the attention kernel

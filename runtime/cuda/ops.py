@@ -119,7 +119,8 @@ class RopeArgs:
     """RoPE of one layer as rope_qk_store and fused attention apply it: optional per-head
     RMSNorm of q and k first (qwen3; (D,) f32 weights or None), then rotation of the first
     rope_dim dims of each head by pos * inv_freq ((rope_dim/2,) f64), NeoX halves or
-    interleaved pairs; eps of the norm."""
+    interleaved pairs; eps of the norm; mscale: the factor on the rotated pairs' cos and sin
+    (runtime/rope.py RopeTable.mscale: YaRN / LongRoPE magnitude, 1.0 otherwise)."""
 
     q_norm: cp.ndarray | None
     k_norm: cp.ndarray | None
@@ -127,6 +128,7 @@ class RopeArgs:
     rope_dim: int
     neox: bool
     eps: float
+    mscale: float = 1.0
 
     def check(self, D: int) -> None:
         assert self.inv_freq.dtype == cp.float64 and self.inv_freq.shape == (self.rope_dim // 2,)
@@ -257,7 +259,7 @@ class Ops:
         self._launch("rope.cu", "rope_qk_store", (-(-rows // ROPE_WARPS),), (32 * ROPE_WARPS,),
                      (q, np.int32(ld_q), k, np.int32(ld_k), v, np.int32(ld_v), q_out, k_cache, v_cache,
                       *rope.kernel_args(), pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv), np.int32(D),
-                      np.int32(rope.rope_dim), np.int32(rope.neox), np.float32(rope.eps)))
+                      np.int32(rope.rope_dim), np.int32(rope.neox), np.float32(rope.eps), np.float32(rope.mscale)))
 
     def attention_kernel(self, n_tok: int, D: int) -> str:
         """The attention kernel for n_tok queries of head_dim D (the selector): several queries
@@ -327,7 +329,7 @@ class Ops:
             assert part is not None and ticket is not None
             _f32(part, n_tok, n_head, n_split, D + 2)
             assert ticket.dtype == cp.int32 and ticket.size == n_tok * n_head and ticket.flags.c_contiguous
-        rope = (NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, np.int32(0), np.int32(0), np.float32(0))
+        rope = (NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, np.int32(0), np.int32(0), np.float32(0), np.float32(1))
         if fresh is not None:
             assert n_tok == 1
             _row_stride(fresh.q, 1, n_head * D)
@@ -336,7 +338,7 @@ class Ops:
             r = fresh.rope
             r.check(D)
             rope = (fresh.q, fresh.k, fresh.v, k_cache, v_cache, *r.kernel_args(), np.int32(r.rope_dim), np.int32(r.neox),
-                    np.float32(r.eps))
+                    np.float32(r.eps), np.float32(r.mscale))
         self._launch("attention.cu", "attn_f16kv", (n_head, n_tok, n_split), (ATT_THREADS,),
                      (q, k_cache, v_cache, out, NULL if n_split == 1 else part, NULL if n_split == 1 else ticket, pos,
                       np.int32(n_head), np.int32(n_head_kv), np.int32(D), np.int32(split_len), *shape.kernel_args(D),
@@ -361,7 +363,7 @@ class Ops:
     def swiglu_rows(self, gu: cp.ndarray, out: cp.ndarray, interleaved: bool, act: str = "silu") -> None:
         """out = act(gate) * up (see swiglu) from one gate/up product gu: (n_tok, 2 n_ff) f32, whose rows hold
         gate | up (stacked weights) or, interleaved, gate_0 up_0 gate_1 up_1 ... (a glu weight,
-        matmul.combined(glu=True)). out: (n_tok, n_ff) f32 or fp16."""
+        layout.combined(glu=True)). out: (n_tok, n_ff) f32 or fp16."""
         n_tok, two_ff = gu.shape
         n_ff = two_ff // 2
         _f32(gu, n_tok, 2 * n_ff)

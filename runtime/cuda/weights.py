@@ -3,8 +3,10 @@
 Matrices go to the device in their quantized block layout (Q4_K stays 144 bytes per 256
 weights; repacked into per-field planes with K4_REPACK), the q/k/v and gate/up matrices of a
 layer stacked into one matrix per run of one ggml type (K4_STACK), gate/up rows interleaved for
-the SwiGLU epilogue (K4_FUSE_SWIGLU). Vectors (norms, biases) go as float32; rope_freqs as the
-float64 inverse frequencies the RoPE kernels read. The file is read by memory.Uploader's
+the SwiGLU epilogue (K4_FUSE_SWIGLU); a file's fused attn_qkv or gate|up ffn_up (phi3) comes
+as row views of its bytes (model.layer_matrices) and is planned like separate tensors. Vectors
+(norms, biases) go as float32; the RoPE table (runtime/rope.py, from rope_freqs or LongRoPE's
+factors) as the float64 inverse frequencies the RoPE kernels read. The file is read by memory.Uploader's
 threads into pinned staging buffers while earlier pieces copy to the device.
 """
 
@@ -17,12 +19,13 @@ from typing import Callable, Sequence
 import cupy as cp
 import numpy as np
 
-from ..model import ModelConfig, ModelFile, expected_shapes
+from ..model import ModelConfig, ModelFile, expected_shapes, layer_matrices
+from ..rope import RopeTable, factor_tensor, rope_table
 from ..trace import Trace
 from ..weights import dequantize_tensor
-from . import matmul, memory
+from . import layout, matmul, memory
 
-STACKED = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")  # per-layer tensors uploaded as Projections
+STACKED = ("attn_q", "attn_k", "attn_v", "attn_qkv", "ffn_gate", "ffn_up")  # per-layer tensors uploaded as Projections
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,9 @@ class Weights:
     token_embd: object  # DeviceWeight (n_vocab, n_embd)
     output: object  # DeviceWeight (n_vocab, n_embd); token_embd itself when the embeddings are tied
     output_norm: object  # (n_embd,) f32
-    inv_freq: object  # (rope_dim/2,) f64: base^(-2i/rope_dim), divided by rope_freqs when present
+    inv_freq: object  # (rope_dim/2,) f64: runtime/rope.py's table (base, factors, linear or YaRN scaling)
     layers: list[LayerWeights]
+    rope_mscale: float = 1.0  # the factor on the rotated pairs' cos and sin (RopeTable.mscale)
     inv_freq_swa: object = None  # (rope_dim/2,) f64 of the sliding-window layers (gemma; swa_inv_freq), or None
     matrices: list = field(default_factory=list)  # every DeviceWeight a product reads: output first
 
@@ -100,9 +104,15 @@ def runs_of_one_type(types: Sequence, stack: bool) -> list[list[int]]:
 
 
 def rope_inv_freq(cfg: ModelConfig, freq_factors: np.ndarray | None) -> np.ndarray:
-    """(rope_dim/2,) float64: rope_freq_base^(-2i/rope_dim), divided by rope_freqs[i] when given."""
-    inv = cfg.rope_freq_base ** (-np.arange(cfg.rope_dim // 2, dtype=np.float64) * 2.0 / cfg.rope_dim)
-    return inv if freq_factors is None else inv / freq_factors.astype(np.float64)
+    """(rope_dim/2,) float64: rope_freq_base^(-2i/rope_dim), divided by freq_factors[i] when
+    given, with cfg's linear or YaRN scaling (runtime/rope.py rope_table; its mscale apart)."""
+    return rope_table(cfg, cfg.n_ctx_train, freq_factors).inv_freq
+
+
+def model_rope_table(mf: ModelFile, cfg: ModelConfig, n_ctx: int) -> RopeTable:
+    """runtime/rope.py's table for the file at a context of n_ctx (LongRoPE picks its factors by it)."""
+    name = factor_tensor(cfg, n_ctx)
+    return rope_table(cfg, n_ctx, dequantize_tensor(mf.tensor(name)) if name else None)
 
 
 def swa_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -117,21 +127,23 @@ def weight_bytes(mf: ModelFile, cfg: ModelConfig) -> int:
 
 
 def matrix_plan(mf: ModelFile, cfg: ModelConfig, opts: WeightOptions) -> list[tuple]:
-    """The matrices to upload, in order: (key, tensor names, glu), key a tensor name or
-    (layer, "qkv" or "gate_up", index of the run of one type); glu: gate/up interleaved."""
+    """The matrices to upload, in order: (key, tensors, glu), key a tensor name or (layer, "qkv"
+    or "gate_up", index of the run of one type); tensors: model.Tensor, the q/k/v and gate/up
+    ones by their unfused names (row views of a fused tensor, model.layer_matrices); glu: gate/up
+    interleaved."""
     plan = []
     for name, shape in expected_shapes(cfg).items():
         if len(shape) == 2 and not (name.startswith("blk.") and name.split(".")[2] in STACKED):
-            plan.append((name, [name], False))
+            plan.append((name, [mf.tensor(name)], False))
     for i in range(cfg.n_layer):
-        for part, names in (("qkv", [f"blk.{i}.attn_{p}.weight" for p in "qkv"]),
-                            ("gate_up", [f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"])):
-            types = [mf.tensor(n).ggml_type for n in names]
+        m = layer_matrices(mf, i)
+        for part, tensors in (("qkv", [m["attn_q"], m["attn_k"], m["attn_v"]]), ("gate_up", [m["ffn_gate"], m["ffn_up"]])):
+            types = [t.ggml_type for t in tensors]
             if part == "gate_up" and opts.glu and types[0] == types[1] and cfg.activation == "silu":
-                plan.append(((i, part, 0), names, True))
+                plan.append(((i, part, 0), tensors, True))
                 continue
             for j, run in enumerate(runs_of_one_type(types, opts.stack)):
-                plan.append(((i, part, j), [names[k] for k in run], False))
+                plan.append(((i, part, j), [tensors[k] for k in run], False))
     return plan
 
 
@@ -143,28 +155,28 @@ class WeightLoader:
         self.mem, self.trace, self.copy_stream, self.opts = mem, trace, copy_stream, opts
         self.detail_ms: dict[str, float] = {}
 
-    def load(self, mf: ModelFile, cfg: ModelConfig, progress: Callable[[int, int], None] | None) -> Weights:
-        """Upload every tensor the forward pass reads (see the module doc). Reading the file
-        overlaps the copies; file bytes that need a device layout pass through a scratch buffer
-        freed before returning."""
+    def load(self, mf: ModelFile, cfg: ModelConfig, progress: Callable[[int, int], None] | None, n_ctx: int = 0) -> Weights:
+        """Upload every tensor the forward pass reads (see the module doc), with the RoPE table
+        for a context of n_ctx positions (0: the training context). Reading the file overlaps
+        the copies; file bytes that need a device layout pass through a scratch buffer freed
+        before returning."""
         plan = matrix_plan(mf, cfg, self.opts)
-        tmp = max([sum(mf.tensor(n).n_bytes for n in names) for _, names, glu in plan
-                   if matmul.needs_device_layout(mf.tensor(names[0]), self.opts.repack, glu)] or [0])
+        tmp = max([sum(t.n_bytes for t in tensors) for _, tensors, glu in plan
+                   if layout.needs_device_layout(tensors[0], self.opts.repack, glu)] or [0])
         load_tmp = self.mem.empty(max(tmp, 1), cp.uint8, "scratch")  # file bytes awaiting device_layout
         up = memory.Uploader(self.trace, self.copy_stream, weight_bytes(mf, cfg), self.opts.pinned, progress)
         try:
-            dev = {key: self._matrix(up, mf, [mf.tensor(n) for n in names], glu, load_tmp) for key, names, glu in plan}
+            dev = {key: self._matrix(up, mf, tensors, glu, load_tmp) for key, tensors, glu in plan}
             for name, shape in expected_shapes(cfg).items():
-                if len(shape) == 1:
-                    host = dequantize_tensor(mf.tensor(name))  # (n,) f32
-                    dev[name] = self._vector(up, rope_inv_freq(cfg, host) if name == "rope_freqs.weight" else host)
-            if not cfg.has_rope_freqs:
-                dev["rope_freqs.weight"] = self._vector(up, rope_inv_freq(cfg, None))  # (rope_dim/2,) f64
+                if len(shape) == 1 and not name.startswith("rope_"):  # the RoPE factors go into the table
+                    dev[name] = self._vector(up, dequantize_tensor(mf.tensor(name)))  # (n,) f32
+            rope = model_rope_table(mf, cfg, n_ctx or cfg.n_ctx_train)
+            dev["rope_freqs.weight"] = self._vector(up, rope.inv_freq)  # (rope_dim/2,) f64
             if cfg.swa_layers:
                 dev["rope_freqs_swa"] = self._vector(up, swa_inv_freq(cfg))  # (rope_dim/2,) f64
             biases = {}
-            for key, names, glu in plan:
-                b = [n.replace(".weight", ".bias") for n in names]
+            for key, tensors, glu in plan:
+                b = [t.name.replace(".weight", ".bias") for t in tensors]
                 if not glu and isinstance(key, tuple) and b[0] in mf.tensors:
                     biases[key] = self._vector(up, np.concatenate([dequantize_tensor(mf.tensor(n)) for n in b]))
             up.finish()
@@ -172,7 +184,7 @@ class WeightLoader:
         finally:
             up.close()
         self.mem.release(load_tmp, "scratch")
-        return _assemble(mf, cfg, plan, dev, biases)
+        return _assemble(cfg, plan, dev, biases, rope.mscale)
 
     def _matrix(self, up, mf: ModelFile, tensors: Sequence, glu: bool, load_tmp):
         """Upload the rows of `tensors` (one ggml type and n_in) as one DeviceWeight: stacked in
@@ -180,14 +192,14 @@ class WeightLoader:
         bytes go to the device as they are; when the layout differs (planar repack, interleave),
         they land in load_tmp and matmul.device_layout rearranges them on the copy stream."""
         repack = self.opts.repack
-        spec = matmul.combined(tensors, tensors[0].name, glu)
-        buf = self.mem.empty(matmul.layout_nbytes(spec, repack), cp.uint8, "weights")
-        post = matmul.needs_device_layout(spec, repack, glu)
+        spec = layout.combined(tensors, tensors[0].name, glu)
+        buf = self.mem.empty(layout.layout_nbytes(spec, repack), cp.uint8, "weights")
+        post = layout.needs_device_layout(spec, repack, glu)
         target = load_tmp[: sum(t.n_bytes for t in tensors)] if post else buf
 
         def layout() -> None:
             with self.copy_stream:
-                matmul.device_layout(buf, target, spec, repack, glu, self.trace)
+                layout.device_layout(buf, target, spec, repack, glu, self.trace)
 
         at = 0
         for i, t in enumerate(tensors):
@@ -205,15 +217,15 @@ class WeightLoader:
         return buf
 
 
-def _assemble(mf: ModelFile, cfg: ModelConfig, plan: list[tuple], dev: dict, biases: dict) -> Weights:
+def _assemble(cfg: ModelConfig, plan: list[tuple], dev: dict, biases: dict, rope_mscale: float) -> Weights:
     """The uploaded pieces (dev: plan key or tensor name -> device array) as Weights."""
     qkv_parts, ffn_parts = dict(zip((f"attn_{p}" for p in "qkv"), "qkv")), {"ffn_gate": "gate", "ffn_up": "up"}
     projections: dict[tuple[int, str], list] = {}
-    for key, names, glu in plan:
+    for key, tensors, glu in plan:
         if isinstance(key, tuple):
             i, part, _ = key
             short = qkv_parts if part == "qkv" else ffn_parts
-            parts = (("gate_up", dev[key].shape[0]),) if glu else tuple((short[n.split(".")[2]], mf.tensor(n).shape[0]) for n in names)
+            parts = (("gate_up", dev[key].shape[0]),) if glu else tuple((short[t.name.split(".")[2]], t.shape[0]) for t in tensors)
             projections.setdefault((i, part), []).append(Projection(dev[key], biases.get(key), parts))
     layers = []
     for i in range(cfg.n_layer):
@@ -224,7 +236,8 @@ def _assemble(mf: ModelFile, cfg: ModelConfig, plan: list[tuple], dev: dict, bia
     for i, L in enumerate(layers):  # gemma's post-norms (None elsewhere)
         L.attn_post_norm, L.ffn_post_norm = dev.get(f"blk.{i}.post_attention_norm.weight"), dev.get(f"blk.{i}.post_ffw_norm.weight")
     return Weights(dev["token_embd.weight"], dev["token_embd.weight" if cfg.tied_embeddings else "output.weight"],
-                   dev["output_norm.weight"], dev["rope_freqs.weight"], layers, inv_freq_swa=dev.get("rope_freqs_swa"))
+                   dev["output_norm.weight"], dev["rope_freqs.weight"], layers, rope_mscale,
+                   inv_freq_swa=dev.get("rope_freqs_swa"))
 
 
 def half_weights(weights: Weights, mem: memory.DeviceMemory, chunk: int, stream, trace: Trace) -> None:
