@@ -159,6 +159,31 @@ def causal_attention(qg: np.ndarray, keys: np.ndarray, vals: np.ndarray, p0: int
     return out
 
 
+def ram_besides_kv(file_bytes: int, matrices: list[Matrix], cache_bytes: int) -> tuple[dict[str, int], bool]:
+    """({"weights": file bytes, "dequantized": bytes}, keep): the RAM the numpy backend needs
+    besides its KV cache, keep: every dequantized matrix is kept (they fit in cache_bytes), else
+    only the largest product's block of rows is dequantized at a time."""
+    dequantized = sum(m.f32_bytes for m in matrices)
+    keep = dequantized <= cache_bytes
+    largest = max(min(m.f32_bytes, 4 * m.block_rows * m.shape[1]) for m in matrices)
+    return {"weights": file_bytes, "dequantized": dequantized if keep else largest}, keep
+
+
+def max_context(mf: ModelFile, mem_available: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES) -> tuple[int, int, int]:
+    """(largest n_ctx in tokens whose float32 KV cache fits, bytes left for it, KV bytes per
+    token) on the numpy backend with mem_available bytes of RAM (default hostmem.available_ram()),
+    by the sizes NumpyBackend checks (ram_besides_kv; a fused tensor counted whole, which only
+    overstates the largest block). The first is 0 when not even the weights fit."""
+    cfg = mf.config
+    shapes = expected_shapes(cfg)
+    file_bytes = sum(mf.tensor(n).n_bytes for n in shapes)
+    block_bytes = max(DEQUANT_PIECE_BYTES, file_bytes // 8)
+    parts, _ = ram_besides_kv(file_bytes, [Matrix(mf.tensor(n), block_bytes) for n, s in shapes.items() if len(s) == 2], cache_bytes)
+    left = (hostmem.available_ram() if mem_available is None else mem_available) - sum(parts.values())
+    per_token = 2 * 4 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim
+    return max(0, left // per_token), max(0, left), per_token
+
+
 class NumpyBackend(TokenCache):
     """The reference backend (see runtime/backend.py for the protocol).
 
@@ -219,12 +244,8 @@ class NumpyBackend(TokenCache):
         """Whether to keep every dequantized matrix (they fit in cache_bytes); raises
         OutOfMemoryError when the file's bytes, the dequantized bytes (all kept, or the largest
         product's) and the KV cache do not fit in mem_available."""
-        matrices = self.matrices()
-        dequantized = sum(m.f32_bytes for m in matrices)
-        keep = dequantized <= cache_bytes
-        largest = max(min(m.f32_bytes, 4 * m.block_rows * m.shape[1]) for m in matrices)
-        parts = {"weights": file_bytes, "dequantized": dequantized if keep else largest, "KV cache": kv_bytes}
-        hostmem.require_ram(f"{mf.path.name} on the numpy backend", parts,
+        parts, keep = ram_besides_kv(file_bytes, self.matrices(), cache_bytes)
+        hostmem.require_ram(f"{mf.path.name} on the numpy backend", {**parts, "KV cache": kv_bytes},
                             hostmem.available_ram() if mem_available is None else mem_available)
         return keep
 
