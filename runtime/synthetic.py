@@ -41,6 +41,7 @@ class Preset:
     head_dim: int = 0  # 0: n_embd // n_head
     tied: bool = False
     window: int = 0  # attention.sliding_window (gemma), 0: none
+    rope_linear: float = 0.0  # linear RoPE scaling factor (rope.scaling.type linear), 0: none
 
     def config(self, name: str) -> ModelConfig:
         hd = self.head_dim or self.n_embd // self.n_head
@@ -50,6 +51,7 @@ class Preset:
             rms_eps=self.rms_eps, rope_freq_base=self.rope_freq_base, rope_dim=hd, rope_neox=self.arch != "llama",
             has_qkv_bias=self.arch == "qwen2", has_qk_norm=ARCHITECTURES[self.arch].qk_norm, has_rope_freqs=False,
             tied_embeddings=self.tied,
+            rope_scaling="linear" if self.rope_linear else "none", rope_scale=self.rope_linear or 1.0,
             **family_fields(ARCHITECTURES[self.arch], {"attention.sliding_window": self.window} if self.window else {},
                             self.n_layer, self.n_embd, self.n_head, hd, self.rope_freq_base),
         )
@@ -64,11 +66,11 @@ PRESETS: dict[str, Preset] = {
     "qwen3-8b": Preset("qwen3", 151936, 4096, 36, 32, 8, 12288, 40960, 1000000.0, 1e-6, head_dim=128),
     # google/gemma-3-{12b,27b}-it text_config; the vocabulary as llama.cpp's converter writes it (the
     # tokenizer's 262,144 tokens: it drops the embedding's 64 padding rows of vocab_size 262,208).
-    # Their global layers' linear RoPE scaling (factor 8) is left out: it does not change speed.
+    # Their global layers take linear RoPE scaling 8 (rope_scaling of the config; sliding layers none).
     "gemma3-12b": Preset("gemma3", 262144, 3840, 48, 16, 8, 15360, 131072, 1000000.0, 1e-6, head_dim=256, tied=True,
-                         window=1024),
+                         window=1024, rope_linear=8.0),
     "gemma3-27b": Preset("gemma3", 262144, 5376, 62, 32, 16, 21504, 131072, 1000000.0, 1e-6, head_dim=128, tied=True,
-                         window=1024),
+                         window=1024, rope_linear=8.0),
     # a small shape for tests: every code path of the 7B shapes, 256-multiple rows, GQA
     "test-tiny": Preset("llama", 512, 256, 2, 4, 2, 512, 512, 10000.0, 1e-5),
 }

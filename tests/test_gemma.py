@@ -89,9 +89,10 @@ def gemma_tiny(arch: str, keys: dict, n_layer: int = 4, head_dim: int = 16, **ov
 
 
 GEMMA_CASES = {
-    # gemma3: an explicit pattern (sliding, global, sliding, sliding), window 5, RoPE 1e6 / 10,000
+    # gemma3: an explicit pattern (sliding, global, sliding, sliding), window 5, RoPE 1e6 with linear
+    # scaling 8 on the global layer / 10,000 on the sliding ones
     "gemma3": ("gemma3", {"attention.sliding_window": 5, "attention.sliding_window_pattern": (True, False, True, True)},
-               dict(rope_freq_base=1e6)),
+               dict(rope_freq_base=1e6, rope_scaling="linear", rope_scale=8.0)),
     # gemma2: the default alternation, window 4, soft-caps that bend this model's scores and logits
     "gemma2": ("gemma2", {"attention.sliding_window": 4, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 8.0}, {}),
 }
@@ -165,6 +166,7 @@ def test_synth_presets_have_the_real_shapes(name, n_embd, n_layer, n_head, n_hea
         "gemma3", 262144, n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff)
     assert cfg.tied_embeddings and cfg.has_qk_norm and cfg.has_post_norms and cfg.n_swa == 1024
     assert sum(cfg.swa_layers) == sliding and cfg.rope_freq_base == 1e6 and cfg.rope_freq_base_swa == 1e4
+    assert (cfg.rope_scaling, cfg.rope_scale) == ("linear", 8.0)  # the global layers' (config.json rope_scaling)
     types = q4_k_m_types(cfg)
     assert types["token_embd.weight"] == T.Q6_K  # the tied output's type, as llama.cpp's Q4_K_M
     assert types["blk.0.post_ffw_norm.weight"] == T.F32 and types["blk.10.ffn_gate.weight"] == T.Q4_K
