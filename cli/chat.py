@@ -64,12 +64,12 @@ def default_history() -> Path:
     return base / "k4" / "history"
 
 
-def reply_stats(result) -> str:
+def reply_stats(result, used: int, n_ctx: int) -> str:
     """The line after each reply: evaluated prompt tokens and reply tokens with their rates (t/s,
-    "-" for an empty phase)."""
+    "-" for an empty phase), and the context meter: tokens the conversation holds of n_ctx."""
     prompt_tps, gen_tps = generation_rates(result)
     return (f"[ prompt {result.prefill_tokens:,} tok {rate_text(prompt_tps, ',.0f')} t/s | "
-            f"reply {len(result.token_ids):,} tok {rate_text(gen_tps, ',.0f')} t/s ]")
+            f"reply {len(result.token_ids):,} tok {rate_text(gen_tps, ',.0f')} t/s | context {used:,} / {n_ctx:,} ]")
 
 
 def message_text(line: str) -> str:
@@ -214,7 +214,7 @@ class Repl:
             err.print(f"the reply filled the context of {s.n_ctx} tokens; the next message drops the oldest turns "
                       "(raise --ctx-size for more)", style="yellow", markup=False)
         if self.stats:
-            err.print(reply_stats(result), style="dim", markup=False)
+            err.print(reply_stats(result, s.n_used, s.n_ctx), style="dim", markup=False)
 
     def help(self, _: str) -> None:
         out.print(table("k4 chat commands", ["command", "what it does"], COMMANDS))

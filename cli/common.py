@@ -11,7 +11,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from k4.runtime.backend import DEFAULT_CTX
 from k4.runtime.errors import UsageError
 from k4.runtime.model import SAMPLE_MODEL
 
@@ -20,10 +19,11 @@ from .render import valid_text
 
 ModelOpt = Annotated[Optional[Path], typer.Option("-m", "--model", help="GGUF model file (default: the bundled sample).", show_default=False)]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto (cuda when a GPU is present), numpy or cuda.")]
-CtxOpt = Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = the model's training context, n_ctx_train).")]
+CTX_HELP = ("0 = the model's training context, or the largest multiple of 256 tokens whose KV cache fits in free "
+            "memory beside the weights")
+CtxOpt = Annotated[int, typer.Option("-c", "--ctx-size", help=f"Context size in tokens ({CTX_HELP}).")]
 GenCtxOpt = Annotated[Optional[int], typer.Option(
-    "-c", "--ctx-size", show_default=False,
-    help=f"Context size in tokens (default: the model's training context, at most {DEFAULT_CTX}; 0 = all of the training context, n_ctx_train).")]
+    "-c", "--ctx-size", show_default=False, help=f"Context size in tokens (default 0: {CTX_HELP}).")]
 NPredictOpt = Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate (-1 = until end of text or a full context).")]
 TempOpt = Annotated[float, typer.Option("--temp", help="Temperature (0 = greedy).")]
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Top-k sampling (0 = off).")]
@@ -130,14 +130,19 @@ def check_ctx_size(ctx_size: Optional[int]) -> None:
         raise UsageError(f"--ctx-size {ctx_size} is too large; use at most {MAX_CTX:,} tokens")
 
 
-def resolve_ctx(ctx_size: Optional[int], n_ctx_train: int) -> int:
-    """The context size (tokens) for -c: None -> the training context capped at DEFAULT_CTX,
-    0 -> the training context n_ctx_train (llama.cpp's "0 = loaded from model"), else -c itself.
-    Raises UsageError for a negative -c."""
+def resolve_ctx(ctx_size: Optional[int], mf, kind: str, flags=None) -> tuple[int, Optional[str]]:
+    """(context size in tokens, note or None) for -c on backend `kind` ("cuda" or "numpy"):
+    -c itself, or for None and 0 runtime.backend.fit_context's: the model's training context
+    when its KV cache fits in free memory (GPU memory or RAM) beside the weights and buffers,
+    else the largest multiple of 256 tokens that does, with a one-line note of the numbers.
+    The one place run, chat and perplexity take their context from. Raises UsageError for a
+    negative -c or one over MAX_CTX."""
+    from k4.runtime.backend import fit_context
+
     check_ctx_size(ctx_size)
-    if ctx_size is None:
-        return min(n_ctx_train, DEFAULT_CTX)
-    return ctx_size or n_ctx_train
+    if ctx_size:
+        return ctx_size, None
+    return fit_context(mf, kind, flags)
 
 
 def ctx_warning(n_ctx: int, n_ctx_train: int) -> Optional[str]:
@@ -152,7 +157,7 @@ def load_session(model: Optional[Path], backend: str, ctx_size: Optional[int], f
     """Open, validate and load a model on a backend with the context resolve_ctx gives for -c
     (a warning on stderr when it exceeds the training context; a progress bar on stderr for
     models over 100 MiB). Raises K4Error subclasses on bad input."""
-    from k4.runtime.backend import make_backend
+    from k4.runtime.backend import make_backend, resolve_kind
     from k4.runtime.model import open_model
     from k4.runtime.tokenizer import Tokenizer
 
@@ -161,12 +166,14 @@ def load_session(model: Optional[Path], backend: str, ctx_size: Optional[int], f
     check_ctx_size(ctx_size)
     t0 = time.perf_counter()
     mf = open_model(model_path(model))
-    n_ctx = resolve_ctx(ctx_size, mf.config.n_ctx_train)
+    kind = resolve_kind(backend)
+    n_ctx, note = resolve_ctx(ctx_size, mf, kind, flags)
     warning = ctx_warning(n_ctx, mf.config.n_ctx_train)
-    if warning:
-        err.print(warning, style="yellow", markup=False)
+    for line, style in ((note, "yellow"), (warning, "yellow")):
+        if line:
+            err.print(line, style=style, markup=False)
     tok = Tokenizer.from_model(mf)
     with progress_bar(f"loading {mf.path.name}", min_bytes=PROGRESS_MIN_BYTES) as update:
-        be = make_backend(mf, backend, n_ctx, progress=update, status=lambda text: err.print(text, style="dim", markup=False),
+        be = make_backend(mf, kind, n_ctx, progress=update, status=lambda text: err.print(text, style="dim", markup=False),
                           flags=flags)
     return Session(mf, tok, be, (time.perf_counter() - t0) * 1e3)

@@ -14,7 +14,7 @@ from .model import ModelConfig, ModelFile
 from .sampling import SamplingParams
 from .trace import Trace
 
-DEFAULT_CTX = 4096  # tokens, as llama.cpp's default --ctx-size
+CTX_STEP = 256  # a context cut to fit memory is a multiple of this many tokens (llama.cpp pads n_ctx to 256)
 
 
 class Backend(Protocol):
@@ -60,33 +60,81 @@ class Backend(Protocol):
         backend when another is built in the same process. Idempotent."""
 
 
-def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=None, status=None, flags=None) -> Backend:
-    """Build the backend `kind` ("auto", "numpy", "cuda") for a loaded model.
-
-    n_ctx = 0 means the model's training context, capped at DEFAULT_CTX tokens. "auto" picks cuda when a GPU and CuPy are
-    present, else numpy. progress(done_bytes, total_bytes) is called while weights upload
-    (cuda) or are read (numpy); status(text) says what a slow step is doing (cuda: kernels still
-    compiling after the upload); flags: the K4_* switches, a runtime.flags.Flags (default: the
-    environment's). Raises BackendUnavailableError (cuda asked for but not usable),
-    OutOfMemoryError (numpy: the model does not fit in RAM) or UsageError (unknown kind).
-    """
+def resolve_kind(kind: str) -> str:
+    """"cuda" or "numpy" for --backend `kind`: "auto" picks cuda when a GPU and CuPy are present.
+    Raises UsageError (unknown kind) or BackendUnavailableError (CuPy present, GPU unusable)."""
     from .errors import UsageError
 
     if kind not in ("auto", "numpy", "cuda"):
         raise UsageError(f"--backend {kind!r} is unknown; use auto, numpy or cuda")
+    if kind != "auto":
+        return kind
+    try:
+        return "cuda" if cuda_available() else "numpy"
+    except Exception as exc:
+        from .errors import BackendUnavailableError
+
+        raise BackendUnavailableError(f"CuPy is installed but the GPU cannot be used ({type(exc).__name__}: "
+                                      f"{str(exc).splitlines()[0] if str(exc) else ''}); fix the CUDA setup "
+                                      "or use --backend numpy") from None
+
+
+def max_context(mf: ModelFile, kind: str, flags=None) -> tuple[int, int, int]:
+    """(largest n_ctx in tokens whose KV cache fits in free memory beside the weights and
+    buffers, bytes free for the cache, KV bytes per token) on backend `kind` ("cuda": free GPU
+    memory, runtime/cuda/sizing.py; "numpy": available RAM, reference.max_context)."""
+    if kind == "cuda":
+        from .cuda.sizing import max_context as gpu_max
+
+        return gpu_max(mf, flags)
+    from .reference import max_context as ram_max
+
+    return ram_max(mf)
+
+
+def fit_context(mf: ModelFile, kind: str, flags=None) -> tuple[int, str | None]:
+    """The context for -c 0 on backend `kind` ("cuda" or "numpy"): the training context when
+    its KV cache fits beside the weights and buffers, else the largest multiple of CTX_STEP
+    tokens that does, with a one-line note giving the numbers (None when nothing was cut). When
+    not even CTX_STEP tokens fit, CTX_STEP (or the shorter training context) and no note: the
+    backend then refuses with its sizes, in one line."""
+    from .hostmem import mib
+
+    train = mf.config.n_ctx_train
+    fits, free, per_token = max_context(mf, kind, flags)
+    if fits >= train:
+        return train, None
+    if fits < CTX_STEP:
+        return min(train, CTX_STEP), None
+    n_ctx = fits // CTX_STEP * CTX_STEP
+    where = "GPU memory" if kind == "cuda" else "RAM"
+    return n_ctx, (f"context {n_ctx:,} tokens instead of the model's {train:,}: its KV cache would need "
+                   f"{mib(train * per_token)} but {mib(free)} of {where} is free beside the weights and buffers "
+                   f"({mib(per_token * CTX_STEP)} per {CTX_STEP} tokens); -c sets it")
+
+
+def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=None, status=None, flags=None) -> Backend:
+    """Build the backend `kind` ("auto", "numpy", "cuda") for a loaded model.
+
+    n_ctx = 0 means fit_context's: the model's training context when its KV cache fits in free
+    memory, else the largest multiple of CTX_STEP that does (its note goes to status). "auto"
+    picks cuda when a GPU and CuPy are present, else numpy. progress(done_bytes, total_bytes) is
+    called while weights upload (cuda) or are read (numpy); status(text) says what a slow step
+    is doing (cuda: kernels still compiling after the upload); flags: the K4_* switches, a
+    runtime.flags.Flags (default: the environment's). Raises BackendUnavailableError (cuda asked
+    for but not usable), OutOfMemoryError (numpy: the model does not fit in RAM) or UsageError
+    (unknown kind).
+    """
+    from .errors import UsageError
+
+    kind = resolve_kind(kind)
     assert mf.config is not None
-    n_ctx = n_ctx or min(mf.config.n_ctx_train, DEFAULT_CTX)
+    if n_ctx == 0:
+        n_ctx, note = fit_context(mf, kind, flags)
+        if note and status is not None:
+            status(note)
     if n_ctx < 1:
         raise UsageError(f"--ctx-size {n_ctx} is invalid; use a positive number of tokens")
-    if kind == "auto":
-        try:
-            kind = "cuda" if cuda_available() else "numpy"
-        except Exception as exc:
-            from .errors import BackendUnavailableError
-
-            raise BackendUnavailableError(f"CuPy is installed but the GPU cannot be used ({type(exc).__name__}: "
-                                          f"{str(exc).splitlines()[0] if str(exc) else ''}); fix the CUDA setup "
-                                          "or use --backend numpy") from None
     if kind == "cuda":
         from .cuda.backend import CudaBackend  # raises BackendUnavailableError without CuPy or a GPU
 

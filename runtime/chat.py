@@ -117,6 +117,12 @@ class ChatSession:
         return self.backend.n_ctx
 
     @property
+    def n_used(self) -> int:
+        """Tokens of the context the conversation holds now: those in the KV cache (the system
+        prompt and the turns in the window, the last reply but its final token)."""
+        return self.backend.n_past
+
+    @property
     def reply_reserve(self) -> int:
         """Tokens kept free for the reply when fitting the window: -n, or n_ctx / 4 when -n is -1;
         at most n_ctx / 2."""

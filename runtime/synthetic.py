@@ -52,6 +52,7 @@ class Preset:
             has_qkv_bias=self.arch == "qwen2", has_qk_norm=ARCHITECTURES[self.arch].qk_norm, has_rope_freqs=False,
             tied_embeddings=self.tied,
             rope_scaling="linear" if self.rope_linear else "none", rope_scale=self.rope_linear or 1.0,
+            fused_qkv=ARCHITECTURES[self.arch].fused_qkv != "never", fused_gate_up=ARCHITECTURES[self.arch].fused_gate_up,
             **family_fields(ARCHITECTURES[self.arch], {"attention.sliding_window": self.window} if self.window else {},
                             self.n_layer, self.n_embd, self.n_head, hd, self.rope_freq_base),
         )
@@ -71,6 +72,9 @@ PRESETS: dict[str, Preset] = {
                          window=1024, rope_linear=8.0),
     "gemma3-27b": Preset("gemma3", 262144, 5376, 62, 32, 16, 21504, 131072, 1000000.0, 1e-6, head_dim=128, tied=True,
                          window=1024, rope_linear=8.0),
+    # microsoft/phi-4 (Phi3ForCausalLM; llama.cpp's GGUF: fused attn_qkv and gate|up ffn_up, vocabulary
+    # padded to 100,352, no rope scaling)
+    "phi4-14b": Preset("phi3", 100352, 5120, 40, 40, 10, 17920, 16384, 250000.0, 1e-5),
     # a small shape for tests: every code path of the 7B shapes, 256-multiple rows, GQA
     "test-tiny": Preset("llama", 512, 256, 2, 4, 2, 512, 512, 10000.0, 1e-5),
 }

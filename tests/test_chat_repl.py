@@ -21,7 +21,7 @@ from k4.cli.common import SAMPLE_MODEL
 from tests.test_chat import fresh_reply, make_session, turn, write_templated_tiny
 
 REPO = Path(__file__).resolve().parents[1]
-STATS = re.compile(r"\[ prompt ([\d,]+) tok [\d,]+ t/s \| reply ([\d,]+) tok [\d,]+ t/s \]")
+STATS = re.compile(r"\[ prompt ([\d,]+) tok [\d,]+ t/s \| reply ([\d,]+) tok [\d,]+ t/s \| context ([\d,]+) / ([\d,]+) \]")
 
 
 class Chat:
@@ -47,7 +47,7 @@ class Chat:
         self.p.expect(STATS)
         counts = tuple(int(g.replace(",", "")) for g in self.p.match.groups())
         self.prompt()
-        return counts
+        return counts[:2]  # counts[2:]: the context meter (used, n_ctx)
 
     def command(self, line: str, expected: str) -> str:
         """Send a line; wait for the regex `expected`, then the prompt; returns the text between."""

@@ -141,16 +141,35 @@ def test_prompt_takes_chat_template_and_the_old_spelling(tmp_path, data):
 
 @pytest.fixture(scope="module")
 def long_ctx_model(tmp_path_factory, data):
-    """A tiny llama whose training context (8192) is above the default cap of 4096."""
+    """A tiny llama whose training context (8192) is above llama.cpp's default --ctx-size of 4096."""
     path = tmp_path_factory.mktemp("ctx") / "long-ctx.gguf"
     return write_tiny(path, data / "models" / "stories260K.gguf", tiny_config(n_ctx_train=8192))
 
 
-@pytest.mark.parametrize("ctx_args, n_ctx", [((), 4096), (("-c", "0"), 8192), (("--ctx-size", "0"), 8192), (("-c", "300"), 300)])
+@pytest.mark.parametrize("ctx_args, n_ctx", [((), 8192), (("-c", "0"), 8192), (("--ctx-size", "0"), 8192), (("-c", "300"), 300)])
 def test_ctx_size_zero_is_the_training_context(long_ctx_model, ctx_args, n_ctx):
     r = invoke(*RUN, "-m", str(long_ctx_model), "--json", "-n", "1", *ctx_args, "Hi")
     assert r.exit_code == 0, r.output
     assert strict_json(r.stdout)["n_ctx"] == n_ctx and "warning" not in r.stderr
+
+
+def test_default_context_is_cut_to_what_fits_in_ram_in_one_line(long_ctx_model, monkeypatch):
+    """-c 0 (and no -c) on the numpy backend: the largest multiple of 256 tokens whose KV cache
+    fits in the available RAM beside the weights, said once with the numbers."""
+    from k4.runtime import hostmem
+    from k4.runtime.model import open_model
+    from k4.runtime.reference import max_context
+
+    _, left, per_token = max_context(open_model(long_ctx_model), mem_available=2**30)
+    monkeypatch.setattr(hostmem, "available_ram", lambda *a, **k: 2**30 - left + 1000 * per_token)  # room for 1,000 tokens
+    for ctx_args in ((), ("-c", "0")):
+        r = invoke(*RUN, "-m", str(long_ctx_model), "--json", "-n", "1", *ctx_args, "Hi")
+        assert r.exit_code == 0, r.output
+        assert strict_json(r.stdout)["n_ctx"] == 768
+        lines = [line for line in r.stderr.splitlines() if "context" in line]
+        assert len(lines) == 1 and lines[0].startswith("context 768 tokens instead of the model's 8,192: its KV cache would need 4 MiB")
+    r = invoke(*RUN, "-m", str(long_ctx_model), "--json", "-n", "1", "-c", "300", "Hi")  # an explicit -c is kept
+    assert strict_json(r.stdout)["n_ctx"] == 300 and "instead of" not in r.stderr
 
 
 def test_ctx_size_zero_on_the_sample_and_in_chat_and_perplexity(tmp_path):
@@ -165,9 +184,10 @@ def test_ctx_size_zero_on_the_sample_and_in_chat_and_perplexity(tmp_path):
 
 def test_help_says_what_ctx_size_zero_does():
     for command in ("run", "chat"):
-        assert ("(default: the model's training context, at most 4096; 0 = all of the training context, n_ctx_train)"
-                in flat_help(command)), command
-    assert "(0 = the model's training context, n_ctx_train). [default: 512]" in flat_help("perplexity")
+        assert ("(default 0: 0 = the model's training context, or the largest multiple of 256 tokens whose KV cache fits "
+                "in free memory beside the weights)" in flat_help(command)), command
+    assert ("(0 = the model's training context, or the largest multiple of 256 tokens whose KV cache fits in free memory "
+            "beside the weights). [default: 512]") in flat_help("perplexity")
     assert "(0 = what the longest test needs). [default: 0]" in flat_help("bench")
 
 
@@ -259,7 +279,7 @@ def test_stats_lines_print_a_dash_for_empty_phases():
     r = invoke(*RUN, "-n", "1", "Hi")
     assert re.search(r"prompt 3 tok \(3 evaluated\), [\d,.]+ t/s \| generated 1 tok, - t/s \|", r.stderr)
     r = runner.invoke(app, ["chat", "--backend", "numpy", "--temp", "0", "-n", "1"], input="Hi\n")
-    assert re.search(r"\[ prompt [\d,]+ tok [\d,]+ t/s \| reply 1 tok - t/s \]", r.stderr)
+    assert re.search(r"\[ prompt [\d,]+ tok [\d,]+ t/s \| reply 1 tok - t/s \| context [\d,]+ / 512 \]", r.stderr)
 
 
 @pytest.mark.parametrize("fmt", ["json", "jsonl"])

@@ -242,6 +242,9 @@ PUBLISHED = {
     "gemma3-27b": dict(arch="gemma3", n_embd=5376, n_layer=62, n_head=32, n_head_kv=16, n_ff=21504, n_vocab=262144,
                        n_ctx=131072, rope_freq_base=1000000.0, rms_eps=1e-6, head_dim=128, tied=True,
                        n_params=27_432_406_640 - 64 * 5376 - 416_867_184 - 1152 * 5376),
+    # microsoft/phi-4 config.json (14.66B parameters, attn_qkv and ffn_up fused as llama.cpp writes them)
+    "phi4-14b": dict(arch="phi3", n_embd=5120, n_layer=40, n_head=40, n_head_kv=10, n_ff=17920, n_vocab=100352,
+                     n_ctx=16384, rope_freq_base=250000.0, rms_eps=1e-5, head_dim=128, tied=False, n_params=14_659_507_200),
 }
 
 

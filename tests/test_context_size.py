@@ -1,0 +1,62 @@
+"""The context k4 picks (-c 0 and no -c: runtime.backend.fit_context) and the chat context meter."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from k4.cli.app import app
+from k4.runtime import hostmem
+from k4.runtime.backend import CTX_STEP, fit_context, make_backend
+from k4.runtime.model import open_model
+from k4.runtime.reference import NumpyBackend, max_context
+from tiny import tiny_config, write_tiny
+
+METER = re.compile(r"\[ prompt ([\d,]+) tok [\d,-]+ t/s \| reply ([\d,]+) tok [\d,.-]+ t/s \| context ([\d,]+) / ([\d,]+) \]")
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory, data):
+    return open_model(write_tiny(tmp_path_factory.mktemp("ctx") / "long.gguf", data / "models" / "stories260K.gguf",
+                                 tiny_config(n_ctx_train=32768)))
+
+
+def test_numpy_max_context_matches_what_the_backend_accepts(long_model):
+    """max_context's answer loads; one token more is refused by the backend's own check."""
+    _, left, per_token = max_context(long_model, mem_available=2**30)
+    assert per_token == 2 * 4 * 2 * 2 * 16  # float32 keys and values, 2 layers x 2 KV heads x 16
+    avail = 2**30 - left + 5000 * per_token
+    n, _, _ = max_context(long_model, mem_available=avail)
+    assert n == 5000
+    NumpyBackend(long_model, n, mem_available=avail)
+    with pytest.raises(Exception, match="KV cache"):
+        NumpyBackend(long_model, n + 1, mem_available=avail)
+
+
+@pytest.mark.parametrize("room, want", [(40000, 32768), (5000, 4864), (300, 256), (10, CTX_STEP)])
+def test_fit_context_takes_the_training_context_or_the_largest_multiple_of_256(long_model, monkeypatch, room, want):
+    _, left, per_token = max_context(long_model, mem_available=2**30)
+    monkeypatch.setattr(hostmem, "available_ram", lambda *a, **k: 2**30 - left + room * per_token)
+    n_ctx, note = fit_context(long_model, "numpy")
+    assert n_ctx == want
+    assert (note is None) == (want == 32768 or room < CTX_STEP)  # too little room: the backend's own error says it
+    if note is not None:
+        assert note.startswith(f"context {want:,} tokens instead of the model's 32,768: its KV cache would need 16 MiB")
+        assert "\n" not in note
+    if room >= CTX_STEP:  # make_backend(n_ctx=0) takes the same answer and says it through status
+        said = []
+        assert make_backend(long_model, "numpy", 0, status=said.append).n_ctx == want
+        assert said == ([] if note is None else [note])
+
+
+def test_chat_stats_line_has_a_context_meter():
+    r = CliRunner().invoke(app, ["chat", "--backend", "numpy", "--temp", "0", "-n", "3"], input="Hi\nTell me more\n")
+    assert r.exit_code == 0, r.output
+    meters = [tuple(int(g.replace(",", "")) for g in m.groups()) for m in METER.finditer(r.stderr)]
+    assert len(meters) == 2
+    (p1, r1, used1, total1), (p2, r2, used2, total2) = meters
+    assert total1 == total2 == 512  # the sample model's training context
+    assert p1 <= used1 <= p1 + r1  # the cache holds the prompt and the reply (but its last token)
+    assert used1 < used2 <= used1 + 1 + p2 + r2
