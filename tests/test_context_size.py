@@ -60,3 +60,27 @@ def test_chat_stats_line_has_a_context_meter():
     assert total1 == total2 == 512  # the sample model's training context
     assert p1 <= used1 <= p1 + r1  # the cache holds the prompt and the reply (but its last token)
     assert used1 < used2 <= used1 + 1 + p2 + r2
+
+
+@pytest.mark.cuda
+def test_gpu_fit_loads_and_one_step_more_is_refused(long_model, monkeypatch):
+    """runtime/cuda/sizing.py against CudaBackend's own memory check, with the free GPU memory
+    set to the weights and buffers plus 1,000 tokens of KV cache."""
+    from k4.runtime.cuda import memory, sizing
+    from k4.runtime.cuda.backend import CudaBackend
+    from k4.runtime.errors import BackendUnavailableError
+    from k4.runtime.flags import Flags
+
+    fixed = sizing.fixed_bytes(long_model, Flags())
+    per_token = sizing.max_context(long_model, Flags(), free=fixed)[2]
+    assert per_token == 2 * 2 * 2 * 2 * 16  # fp16 keys and values, 2 layers x 2 KV heads x 16
+    monkeypatch.setattr(memory, "free_bytes", lambda: fixed + 1000 * per_token)
+    n_ctx, note = fit_context(long_model, "cuda")
+    assert n_ctx == 768 and note.startswith("context 768 tokens instead of the model's 32,768")
+    be = CudaBackend(long_model, n_ctx)
+    try:
+        assert be.eval([1, 2, 3]).shape == (512,)
+    finally:
+        be.close()
+    with pytest.raises(BackendUnavailableError, match="KV cache"):  # the buffers at 4,096 are smaller than at
+        CudaBackend(long_model, 4096)  # 32,768 (token ids: 112 KiB), far from the 768 KiB more the cache takes
