@@ -190,20 +190,20 @@ class WeightLoader:
         """Upload the rows of `tensors` (one ggml type and n_in) as one DeviceWeight: stacked in
         order, or with glu the two (ffn_gate, ffn_up) interleaved (matmul.combined). The file's
         bytes go to the device as they are; when the layout differs (planar repack, interleave),
-        they land in load_tmp and matmul.device_layout rearranges them on the copy stream."""
+        they land in load_tmp and layout.device_layout rearranges them on the copy stream."""
         repack = self.opts.repack
         spec = layout.combined(tensors, tensors[0].name, glu)
         buf = self.mem.empty(layout.layout_nbytes(spec, repack), cp.uint8, "weights")
         post = layout.needs_device_layout(spec, repack, glu)
         target = load_tmp[: sum(t.n_bytes for t in tensors)] if post else buf
 
-        def layout() -> None:
+        def rearrange() -> None:
             with self.copy_stream:
                 layout.device_layout(buf, target, spec, repack, glu, self.trace)
 
         at = 0
         for i, t in enumerate(tensors):
-            then = layout if post and i == len(tensors) - 1 else None
+            then = rearrange if post and i == len(tensors) - 1 else None
             if t.file_offset is None:
                 up.upload(target.data.ptr + at, t.raw_bytes(), then)
             else:
