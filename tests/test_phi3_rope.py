@@ -151,3 +151,40 @@ def test_scaling_type_k4_does_not_run_is_one_line(data, tmp_path):
     w.close()
     with pytest.raises(UnsupportedModelError, match="rope scaling type 'dynamic-ntk' is not supported"):
         open_model(path)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scaling", ["yarn", "longrope"])
+def test_gpu_rope_applies_the_scaled_table_and_its_magnitude(scaling):
+    """rope_qk_store with a YaRN table (magnitude 1.139) or LongRoPE factors with a magnitude of
+    1.25 and partial rotary (24 of 32 dims): q and the cached k as numpy's apply_rope over
+    rope_tables of the same runtime/rope.py table (fp16 cache: 1e-3; the pass-through dims are
+    not scaled)."""
+    import cupy as cp
+
+    from k4.runtime.cuda.ops import Ops, RopeArgs
+    from k4.runtime.reference import apply_rope, rope_tables
+    from k4.runtime.trace import Trace
+
+    rng = np.random.default_rng(11)
+    n_tok, n_head, n_kv, D, rope_dim, pos0 = 5, 4, 2, 32, 24, 300
+    over = (dict(rope_scaling="yarn", rope_scale=4.0, rope_orig_ctx=64) if scaling == "yarn"
+            else dict(rope_scaling="longrope", rope_orig_ctx=64, rope_attn_factor=1.25))
+    cfg = tiny_config("llama" if scaling == "yarn" else "phi3", head_dim=D, rope_dim=rope_dim, n_head=n_head, n_head_kv=n_kv, **over)
+    factors = (1.0 + 3.0 * rng.random(rope_dim // 2)) if scaling == "longrope" else None
+    table = rope_table(cfg, 512, factors)
+    assert table.mscale != 1.0
+    q = rng.standard_normal((n_tok, n_head, D)).astype(np.float32)
+    k = rng.standard_normal((n_tok, n_kv, D)).astype(np.float32)
+    v = rng.standard_normal((n_tok, n_kv, D)).astype(np.float32)
+    cos, sin = rope_tables(table, np.arange(pos0, pos0 + n_tok))
+    q_want = apply_rope(q, cos, sin, rope_dim, cfg.rope_neox)
+    k_want = apply_rope(k, cos, sin, rope_dim, cfg.rope_neox)
+    kc, vc = cp.zeros((512, n_kv, D), cp.float16), cp.zeros((512, n_kv, D), cp.float16)
+    qd = cp.asarray(q)
+    rope = RopeArgs(None, None, cp.asarray(table.inv_freq), rope_dim, cfg.rope_neox, cfg.rms_eps, table.mscale)
+    Ops(Trace()).rope_qk_store(qd, cp.asarray(k), cp.asarray(v), kc, vc, rope, cp.asarray([pos0], dtype=cp.int32))
+    got_q, got_k = qd.get(), kc.get()[pos0 : pos0 + n_tok].astype(np.float32)
+    assert np.linalg.norm(got_q - q_want) / np.linalg.norm(q_want) < 1e-5
+    assert np.linalg.norm(got_k - k_want) / np.linalg.norm(k_want) < 1e-3
+    np.testing.assert_array_equal(got_q[..., rope_dim:], q[..., rope_dim:])  # pass-through: no magnitude
