@@ -53,10 +53,19 @@ def _model_rows(mf) -> list[tuple[str, object]]:
         ("head_dim", cfg.head_dim),
         ("n_ff", cfg.n_ff),
         ("rope", f"{'neox' if cfg.rope_neox else 'normal'}, dim {cfg.rope_dim}, freq_base {cfg.rope_freq_base:g}"
-         + (", rope_freqs" if cfg.has_rope_freqs else "")),
+         + (", rope_freqs" if cfg.has_rope_freqs else "") + _rope_scaling(cfg)),
         ("rms eps", f"{cfg.rms_eps:g}"),
         ("tied embeddings", "yes" if cfg.tied_embeddings else "no"),
     ] + _tensor_rows(mf)
+
+
+def _rope_scaling(cfg) -> str:
+    """The RoPE scaling the file declares (runtime/rope.py), as ', yarn x4 from 32,768', or ''."""
+    if cfg.rope_scaling == "none":
+        return ""
+    orig = f" from {cfg.rope_orig_ctx:,}" if cfg.rope_orig_ctx else ""
+    factor = f" x{cfg.rope_scale:g}" if cfg.rope_scaling in ("linear", "yarn") else ""
+    return f", {cfg.rope_scaling}{factor}{orig}"
 
 
 def _tensor_rows(mf) -> list[tuple[str, object]]:

@@ -188,3 +188,17 @@ def test_gpu_rope_applies_the_scaled_table_and_its_magnitude(scaling):
     assert np.linalg.norm(got_q - q_want) / np.linalg.norm(q_want) < 1e-5
     assert np.linalg.norm(got_k - k_want) / np.linalg.norm(k_want) < 1e-3
     np.testing.assert_array_equal(got_q[..., rope_dim:], q[..., rope_dim:])  # pass-through: no magnitude
+
+
+def test_info_names_the_rope_scaling(data):
+    from typer.testing import CliRunner
+
+    from k4.cli.app import app
+
+    def rope_row(name):
+        r = CliRunner().invoke(app, ["info", "-m", str(data / "oracles" / name)])
+        assert r.exit_code == 0, r.output
+        return next(line for line in r.stdout.splitlines() if " rope " in line)
+
+    assert "normal, dim 16, freq_base 10000, yarn x4 from 32 " in rope_row("tiny-llama-yarn.gguf")
+    assert "neox, dim 24, freq_base 10000, longrope from 32 " in rope_row("tiny-phi3.gguf")
