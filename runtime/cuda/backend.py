@@ -29,16 +29,16 @@ try:
 except ModuleNotFoundError:  # require_cuda() says so
     cp = None
 else:
-    from . import blas, layout, matmul, memory, ops, quant_kernels
-    from .buffers import KVCache, activation_spec, allocate, matmul_scratch_bytes, place, sampler_spec, spec_bytes
+    from . import blas, matmul, memory, ops, quant_kernels
+    from .buffers import KVCache, allocate, place, sampler_spec
     from .compile import compile_async
     from .forward import Forward, ForwardOptions
     from .launch import GpuErrors
     from .runner import Runner
     from .timer import DeviceTimer
-    from .weights import WeightLoader, WeightOptions, half_weights, matrix_plan, weight_bytes
+    from .sizing import options, size_plan
+    from .weights import WeightLoader, half_weights
 
-PREFILL_CHUNK = 512  # tokens per prefill batch (rows of the activation buffers)
 
 
 def require_cuda() -> None:
@@ -63,16 +63,6 @@ def check_shapes(cfg: ModelConfig) -> None:
         raise UnsupportedModelError(f"head_dim {cfg.head_dim} is not supported on cuda (needs a multiple of 8 up to {ops.MAX_HEAD_DIM}); use --backend numpy")
     if cfg.rope_dim % 2 or cfg.rope_dim > cfg.head_dim:
         raise UnsupportedModelError(f"rope dimension {cfg.rope_dim} does not fit head_dim {cfg.head_dim}; the file is inconsistent")
-
-
-def options(flags: Flags) -> tuple:
-    """(WeightOptions, ForwardOptions, Ops keyword arguments) of a Flags value."""
-    on = flags.on
-    mat = matmul.WeightOptions(tensor_cores=on("K4_PREFILL_TC"), pdl=on("K4_PDL"), evict_first=on("K4_EVICT_FIRST"))
-    w = WeightOptions(repack=on("K4_REPACK"), stack=on("K4_STACK"), glu=on("K4_FUSE_SWIGLU"), pinned=on("K4_PINNED_UPLOAD"), matrix=mat)
-    f = ForwardOptions(fuse_norm=on("K4_FUSE_NORM"), fuse_rope=on("K4_FUSE_ROPE"))
-    o = dict(pdl=on("K4_PDL"), tiled=on("K4_TILED_ATTN"), mma=on("K4_MMA_ATTN"), evict_first=on("K4_EVICT_FIRST"))
-    return w, f, o
 
 
 class CudaBackend(TokenCache):
@@ -106,23 +96,15 @@ class CudaBackend(TokenCache):
         # kernels compile on threads while the weights upload; the "compile" step waits for them
         matrix_types = {t.ggml_type for t in mf.tensors.values() if len(t.shape) == 2}
         compiling = compile_async(quant_kernels.compile_jobs(matrix_types, w_opts.matrix.evict_first) + o.compile_jobs(cfg.head_dim))
-        chunk = min(n_ctx, PREFILL_CHUNK)
-        # decode attention: one configuration per range of context lengths (ops.split_buckets) and a
-        # decode graph for each range, captured on first use; eager steps take the last (any position)
-        splits = ops.split_buckets(n_ctx, self.flags.on("K4_SPLIT_ATTN"), o.attention_capacity(cfg.head_dim) // cfg.n_head)
-        n_split = max(n for _, n, _ in splits)  # the most splits of any range: the partials buffer
-        specs = [layout.combined(tensors, tensors[0].name, glu) for _, tensors, glu in matrix_plan(mf, cfg, w_opts)]
-        act_spec = activation_spec(cfg, chunk, n_ctx, n_split, matmul_scratch_bytes(specs, chunk, w_opts.matrix.tensor_cores),
-                                   self.flags.on("K4_FUSE_QUANT"))
-        workspace = blas.WORKSPACE_BYTES if self.flags.on("K4_PREFILL_GRAPH") else 0
+        plan = size_plan(mf, n_ctx, self.flags, o)
+        chunk = plan.chunk
         stream, copy_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
         with self.trace.in_phase("load"), stream, self.gpu_errors:
-            memory.check_fits(weight_bytes(mf, cfg), KVCache.nbytes(cfg, n_ctx),
-                              spec_bytes(act_spec) + spec_bytes(sampler_spec(cfg)) + workspace, n_ctx, memory.free_bytes())
+            memory.check_fits(plan.weights, KVCache.nbytes(cfg, n_ctx), plan.buffers, n_ctx, memory.free_bytes())
             loader = WeightLoader(self.mem, self.trace, copy_stream, w_opts)
             self._timed(stream, "read+upload", lambda: setattr(self, "weights", loader.load(mf, cfg, progress, n_ctx)))
             self.load_detail_ms = loader.detail_ms
-            self._timed(stream, "buffers", lambda: self._buffers(act_spec, o, f_opts, splits, stream, copy_stream))
+            self._timed(stream, "buffers", lambda: self._buffers(plan.act_spec, o, f_opts, plan.splits, stream, copy_stream))
             if self.flags.on("K4_PREFILL_F16_CACHE"):
                 self._timed(stream, "prefill fp16 copy", half_weights, self.weights, self.mem, chunk, stream, self.trace)
             self._timed(stream, "compile", self._finish_compile, compiling, status)

@@ -1,4 +1,6 @@
-"""How long a context fits on the GPU: the answer `-c 0` needs before anything is allocated.
+"""What the CUDA backend allocates, sized before anything is: its options from the flags, the
+size plan CudaBackend checks and allocates from (SizePlan), and how long a context fits on the
+GPU (the answer `-c 0` needs).
 
 The sizes are the ones CudaBackend checks with memory.check_fits before it uploads (weights as
 in the file, the buffer specs of runtime/cuda/buffers.py, the cuBLAS workspace, the reserve),
@@ -9,29 +11,65 @@ fits at any shorter one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..flags import Flags
 from ..model import ModelFile
 from ..trace import Trace
-from . import blas, layout, memory, ops
-from .backend import PREFILL_CHUNK, options
+from . import blas, layout, matmul, memory, ops
 from .buffers import KVCache, activation_spec, matmul_scratch_bytes, sampler_spec, spec_bytes
-from .weights import matrix_plan, weight_bytes
+from .forward import ForwardOptions
+from .weights import WeightOptions, matrix_plan, weight_bytes
+
+
+PREFILL_CHUNK = 512  # tokens per prefill batch (rows of the activation buffers)
+
+
+def options(flags: Flags) -> tuple:
+    """(WeightOptions, ForwardOptions, Ops keyword arguments) of a Flags value."""
+    on = flags.on
+    mat = matmul.WeightOptions(tensor_cores=on("K4_PREFILL_TC"), pdl=on("K4_PDL"), evict_first=on("K4_EVICT_FIRST"))
+    w = WeightOptions(repack=on("K4_REPACK"), stack=on("K4_STACK"), glu=on("K4_FUSE_SWIGLU"), pinned=on("K4_PINNED_UPLOAD"), matrix=mat)
+    f = ForwardOptions(fuse_norm=on("K4_FUSE_NORM"), fuse_rope=on("K4_FUSE_ROPE"))
+    o = dict(pdl=on("K4_PDL"), tiled=on("K4_TILED_ATTN"), mma=on("K4_MMA_ATTN"), evict_first=on("K4_EVICT_FIRST"))
+    return w, f, o
+
+
+@dataclass(frozen=True)
+class SizePlan:
+    """What CudaBackend allocates for a context of n_ctx tokens, besides the KV cache: the weights'
+    bytes (as in the file; vectors f32), the activation spec, the decode attention configurations
+    (limit, n_split, split_len) per range of context lengths (ops.split_buckets: a decode graph
+    per range, eager steps take the last), and all buffers' bytes (activations, sampler, cuBLAS
+    workspace)."""
+
+    chunk: int
+    splits: list
+    act_spec: dict
+    weights: int
+    buffers: int
+
+
+def size_plan(mf: ModelFile, n_ctx: int, flags: Flags, o: ops.Ops) -> SizePlan:
+    """The SizePlan of model `mf` at n_ctx tokens with switches `flags`; o: the Ops the backend
+    launches with (its decode attention's occupancy sizes the splits)."""
+    cfg = mf.config
+    w_opts = options(flags)[0]
+    chunk = min(n_ctx, PREFILL_CHUNK)
+    splits = ops.split_buckets(n_ctx, flags.on("K4_SPLIT_ATTN"), o.attention_capacity(cfg.head_dim) // cfg.n_head)
+    n_split = max(n for _, n, _ in splits)  # the most splits of any range: the partials buffer
+    specs = [layout.combined(tensors, tensors[0].name, glu) for _, tensors, glu in matrix_plan(mf, cfg, w_opts)]
+    act = activation_spec(cfg, chunk, n_ctx, n_split, matmul_scratch_bytes(specs, chunk, w_opts.matrix.tensor_cores),
+                          flags.on("K4_FUSE_QUANT"))
+    workspace = blas.WORKSPACE_BYTES if flags.on("K4_PREFILL_GRAPH") else 0
+    return SizePlan(chunk, splits, act, weight_bytes(mf, cfg), spec_bytes(act) + spec_bytes(sampler_spec(cfg)) + workspace)
 
 
 def fixed_bytes(mf: ModelFile, flags: Flags) -> int:
     """Device bytes the backend needs besides the KV cache (weights, buffers, cuBLAS workspace,
     memory.RESERVED_BYTES), with buffers for a context of the training length."""
-    cfg = mf.config
-    w_opts, _, o_opts = options(flags)
-    n_ctx = cfg.n_ctx_train
-    chunk = min(n_ctx, PREFILL_CHUNK)
-    capacity = ops.Ops(Trace(), **o_opts).attention_capacity(cfg.head_dim) // cfg.n_head
-    n_split = max(n for _, n, _ in ops.split_buckets(n_ctx, flags.on("K4_SPLIT_ATTN"), capacity))
-    specs = [layout.combined(tensors, tensors[0].name, glu) for _, tensors, glu in matrix_plan(mf, cfg, w_opts)]
-    act = activation_spec(cfg, chunk, n_ctx, n_split, matmul_scratch_bytes(specs, chunk, w_opts.matrix.tensor_cores),
-                          flags.on("K4_FUSE_QUANT"))
-    workspace = blas.WORKSPACE_BYTES if flags.on("K4_PREFILL_GRAPH") else 0
-    return weight_bytes(mf, cfg) + spec_bytes(act) + spec_bytes(sampler_spec(cfg)) + workspace + memory.RESERVED_BYTES
+    plan = size_plan(mf, mf.config.n_ctx_train, flags, ops.Ops(Trace(), **options(flags)[2]))
+    return plan.weights + plan.buffers + memory.RESERVED_BYTES
 
 
 def max_context(mf: ModelFile, flags: Flags | None = None, free: int | None = None) -> tuple[int, int, int]:
