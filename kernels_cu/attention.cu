@@ -62,7 +62,7 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
     const int first = lo / split_len;                         // the first split holding keys
     if (s >= n_active || s < first) return;
     const int begin = max(s * split_len, lo);
-    const int end = min(n_kv, begin + split_len);
+    const int end = min(n_kv, (s + 1) * split_len);  // this split's range, cut to the window's start above
     const size_t kv_stride = (size_t)n_head_kv * D;
     const u16* kbase = k_cache + (size_t)hk * D;
     const u16* vbase = v_cache + (size_t)hk * D;
@@ -140,7 +140,7 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
             for (int u = 0; u < ATT_KEYS; ++u) {
                 for (int off = tpg / 2; off > 0; off >>= 1) d[u] += __shfl_xor_sync(k4ops::FULL_MASK, d[u], off);
                 const int j = j0 + grp + u * n_grp;
-                if (softcap > 0.0f) d[u] = softcap * tanhf(d[u] / softcap);
+                if (softcap > 0.0f) d[u] = softcap * k4ops::tanh_f32(d[u] / softcap);
                 if (j < n && gl == 0) sc[j] = d[u];
             }
         }
@@ -329,7 +329,7 @@ attn_tiled(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const int key = k0 + kg + 16 * j;
-                if (softcap > 0.f) s[i][j] = softcap * tanhf(s[i][j] / softcap);
+                if (softcap > 0.f) s[i][j] = softcap * k4ops::tanh_f32(s[i][j] / softcap);
                 if (row >= nq || key > q_pos || (window > 0 && key <= q_pos - window)) s[i][j] = -k4ops::inf_f32();
                 mx = fmaxf(mx, s[i][j]);
             }
@@ -594,7 +594,7 @@ attn_mma(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16
 #pragma unroll
             for (int c = 0; c < NSC; ++c)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[c][e] = cap2 * tanhf(s[c][e] / cap2);
+                for (int e = 0; e < 4; ++e) s[c][e] = cap2 * k4ops::tanh_f32(s[c][e] / cap2);
         }
         // the tile reaches past some query of this warp (causal mask) or before some query's window
         if (k0 + BK - 1 > row_pos || (window > 0 && k0 <= row_pos + 15 - window)) {

@@ -22,7 +22,7 @@ struct Silu {
 // gelu_pytorch_tanh.
 struct GeluTanh {
     static __device__ __forceinline__ float f(float g) {
-        return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * g * (1.0f + 0.044715f * g * g)));
+        return k4ops::gelu_tanh_f32(g);
     }
 };
 
@@ -62,7 +62,7 @@ extern "C" __global__ void softcap_f32(float* x, long long n, float cap) {
     pdl_trigger();
     pdl_wait();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        x[i] = cap * tanhf(x[i] / cap);
+        x[i] = cap * k4ops::tanh_f32(x[i] / cap);
 }
 
 

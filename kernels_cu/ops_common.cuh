@@ -14,6 +14,21 @@ constexpr unsigned FULL_MASK = 0xffffffffu;
 
 __device__ __forceinline__ float inf_f32() { return __int_as_float(0x7f800000); }
 
+// tanh(x) to a few float32 ulps whatever --use_fast_math does to tanhf (which it may map to the
+// ~1e-3-accurate hardware approximation): -expm1(-2|x|) / (2 + expm1(-2|x|)), sign restored.
+// expm1f keeps its accuracy near 0, where 1 - e^-2x would cancel.
+__device__ __forceinline__ float tanh_f32(float x) {
+    const float e = expm1f(-2.0f * fabsf(x));
+    return copysignf(__fdiv_rn(-e, 2.0f + e), x);
+}
+
+// x * sigmoid(2 u), u = sqrt(2/pi) (x + 0.044715 x^3): the tanh-approximated GELU,
+// 0.5 x (1 + tanh(u)), written so that no 1 + tanh(u) cancels for negative x.
+__device__ __forceinline__ float gelu_tanh_f32(float x) {
+    const float u = 0.7978845608028654f * x * (1.0f + 0.044715f * x * x);
+    return __fdiv_rn(x, 1.0f + __expf(-2.0f * u));
+}
+
 __device__ __forceinline__ double warp_sum(double v) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
