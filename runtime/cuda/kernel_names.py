@@ -13,13 +13,15 @@ MMA_TILE_KEYS = {64: 64, 128: 64, 256: 32}  # head_dim -> keys per shared-memory
 KERNELS = {
     "norm.cu": ("rms_norm<float>", "rms_norm<u16>", "rms_norm_add"),
     "rope.cu": ("rope_qk_store",),
-    "attention.cu": ("attn_f16kv", "attn_tiled<64>", "attn_tiled<128>", "attn_tiled<256>",
-                     *(f"attn_mma<{d}, {bk}>" for d, bk in MMA_TILE_KEYS.items())),
+    "attention.cu": ("attn_f16kv",),
+    "attention_tiled.cu": tuple(f"attn_tiled<{d}>" for d in TILED_HEAD_DIMS),
+    "attention_mma.cu": tuple(f"attn_mma<{d}, {bk}>" for d, bk in MMA_TILE_KEYS.items()),
     "elementwise.cu": ("swiglu<float>", "swiglu<u16>", "geglu<float>", "geglu<u16>", "scale_f32", "softcap_f32", "set_i32"),
     "sampling.cu": ("sample_penalty", "sample_argmax_partial", "sample_finish"),
 }
 # Compile groups: one module per group, so a model compiles only the attention kernels of its
 # head_dim; the small files are one group each.
 GROUPS: dict[str, tuple[tuple[str, ...], ...]] = {
-    f: tuple((n,) for n in names) if f == "attention.cu" else (names,) for f, names in KERNELS.items()}
+    f: tuple((n,) for n in names) if f.startswith("attention") else (names,) for f, names in KERNELS.items()}
 GROUP_OF = {(f, name): group for f, groups in GROUPS.items() for group in groups for name in group}
+FILE_OF = {name: f for f, names in KERNELS.items() for name in names}  # kernel -> its .cu file

@@ -1,6 +1,7 @@
 """Launchers of k4's non-matmul kernels (kernels_cu/norm.cu, rope.cu, attention.cu,
-elementwise.cu, sampling.cu): each checks shapes and dtypes on the host, picks the grid, and
-launches on the current CuPy stream through runtime.cuda.launch, counted in the trace.
+attention_tiled.cu, attention_mma.cu, elementwise.cu, sampling.cu): each checks shapes and
+dtypes on the host, picks the grid, and launches on the current CuPy stream through
+runtime.cuda.launch, counted in the trace.
 
 Arrays are CuPy arrays, C-contiguous unless a method says otherwise; shapes are given per
 method. The kernels trust their inputs: everything they index is validated here.
@@ -25,7 +26,7 @@ from .constants import (ATT_THREADS, MMA_BQ, MMA_THREADS, SAMPLE_THREADS, SAMPLE
                         TILE_THREADS, att_smem, tiled_smem)
 from .constants import ST_DRAW, ST_POS, ST_RING, ST_TOK  # noqa: F401 (ops.ST_*: the decode state's words)
 from .constants import mma_smem as _mma_smem
-from .kernel_names import GROUP_OF, KERNELS, MMA_TILE_KEYS, TILED_HEAD_DIMS
+from .kernel_names import FILE_OF, GROUP_OF, KERNELS, MMA_TILE_KEYS, TILED_HEAD_DIMS
 from .launch import launch
 from .matmul import blocks_per_sm, device_limits
 
@@ -197,8 +198,8 @@ class Ops:
     def kernels_for(self, head_dim: int) -> list[tuple[str, str]]:
         """(file, kernel) of every kernel a model of head_dim launches: the small files' kernels,
         decode attention, and the prefill attention kernel that attention() picks for head_dim."""
-        out = [(f, n) for f, names in KERNELS.items() if f != "attention.cu" for n in names]
-        out += [("attention.cu", "attn_f16kv"), ("attention.cu", self.attention_kernel(2, head_dim))]
+        out = [(f, n) for f, names in KERNELS.items() if not f.startswith("attention") for n in names]
+        out += [("attention.cu", "attn_f16kv"), (FILE_OF[self.attention_kernel(2, head_dim)], self.attention_kernel(2, head_dim))]
         return list(dict.fromkeys(out))
 
     def compile_jobs(self, head_dim: int) -> list:
@@ -308,11 +309,11 @@ class Ops:
         n_head_kv = k_cache.shape[1]
         mma = name.startswith("attn_mma")
         smem = mma_smem(D) if mma else tiled_smem(D)
-        kernel = self.function("attention.cu", name)
+        kernel = self.function(FILE_OF[name], name)
         if kernel.max_dynamic_shared_size_bytes < smem:
             kernel.max_dynamic_shared_size_bytes = smem
         rows, threads = (MMA_BQ, MMA_THREADS) if mma else (TILE_Q, TILE_THREADS)
-        self._launch("attention.cu", name, (n_head, -(-n_tok // rows)), (threads,),
+        self._launch(FILE_OF[name], name, (n_head, -(-n_tok // rows)), (threads,),
                      (q, k_cache, v_cache, out, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv),
                       *shape.kernel_args(D)), shared_mem=smem)
 

@@ -1,0 +1,31 @@
+// Shared-memory sizes of the attention kernels (attention.cu, attention_tiled.cu,
+// attention_mma.cu), checked at compile time against runtime/cuda/constants.py, which the
+// launchers in runtime/cuda/ops.py use.
+#pragma once
+#include "constants.cuh"
+
+// attn_f16kv: qs, sc, red (floats), kcur and vcur (fp16).
+__host__ __device__ constexpr int att_smem(int D) { return 4 * (D + ATT_CHUNK + ATT_THREADS * 8) + 2 * 2 * D; }
+
+// attn_tiled<D>: the Q, K and V tiles (rows padded by 4 floats) and the probabilities (TILE_PS
+// floats a row, TILE_K + 16 so the two half-warps hit other banks).
+__host__ __device__ constexpr int tiled_smem(int D) { return 4 * (TILE_Q * (D + 4) + TILE_K * (D + 4) + TILE_K * D + TILE_Q * TILE_PS); }
+
+// Shared memory of attn_mma<D, BK> in bytes (the Q tile for D > 128, two K and two V tiles, rows
+// of D + 8 halves); runtime/cuda/ops.py computes the same.
+__host__ __device__ constexpr int mma_smem(int D, int BK) { return 2 * (D + 8) * ((D <= 128 ? 0 : MMA_BQ) + 4 * BK); }
+
+// The launcher's sizes (runtime/cuda/constants.py att_smem, tiled_smem, mma_smem) are these.
+__host__ __device__ constexpr bool smem_sizes_agree() {
+    constexpr int att[] = {K4_CHECK_ATT_SMEM};      // D, bytes
+    constexpr int tiled[] = {K4_CHECK_TILED_SMEM};  // D, bytes
+    constexpr int mma[] = {K4_CHECK_MMA_SMEM};      // D, BK, bytes
+    for (int i = 0; i < (int)(sizeof(att) / sizeof(int)); i += 2)
+        if (att_smem(att[i]) != att[i + 1]) return false;
+    for (int i = 0; i < (int)(sizeof(tiled) / sizeof(int)); i += 2)
+        if (tiled_smem(tiled[i]) != tiled[i + 1]) return false;
+    for (int i = 0; i < (int)(sizeof(mma) / sizeof(int)); i += 3)
+        if (mma_smem(mma[i], mma[i + 1]) != mma[i + 2]) return false;
+    return true;
+}
+static_assert(smem_sizes_agree(), "a shared-memory size differs from runtime/cuda/constants.py");
