@@ -32,6 +32,12 @@ BLOCK = (
     ("ffn_down", "down projection + residual", ("ffn_down.weight",)),
     ("ffn_post_norm", "[RMSNorm of the projection before the residual: post_norms]", ("post_ffw_norm.weight",)),
 )
+# Mixture of experts (moe): gate_up, glu and ffn_down are replaced by the routed experts
+# (runtime/moe.py): router logits ffn_gate_inp, softmax, top expert_used_count, [weights
+# renormalized: moe_norm_topk]; per selected expert SwiGLU of ffn_{gate,up,down}_exps[e]; the
+# weighted sum [+ sigmoid(ffn_gate_inp_shexp . x) times the shared expert's SwiGLU: moe_shared].
+MOE_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+MOE_SHARED_TENSORS = ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
 # Around the blocks: the token embedding rows [times sqrt(n_embd): embed_scale] before the first,
 # and after the last the output RMSNorm, the output projection [tanh soft-cap: final_softcap].
 
@@ -72,6 +78,9 @@ class Architecture:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     wide_query_layers: int = 0
+    moe: bool = False  # routed experts in place of the dense FFN (qwen2moe, qwen3moe)
+    moe_shared: bool = False  # plus a shared expert with a sigmoid gate (qwen2moe)
+    moe_norm_topk: bool = False  # the k selected softmax weights renormalized to sum 1 (qwen3moe)
 
     def has_qkv_bias(self, tensor_names) -> bool:
         """Whether the q/k/v biases are read, given the file's tensor names."""
@@ -102,6 +111,11 @@ ARCHITECTURES: dict[str, Architecture] = {
         # Gemma 3 1B/4B/12B/27B: 5 sliding layers (RoPE base 10,000) to 1 global, q/k norm
         Architecture("gemma3", rope_neox=True, qkv_bias="never", qk_norm=True, embed_scale=True, activation="gelu_tanh",
                      post_norms=True, swa_period=6, swa_rope_base=10000.0, final_softcap=0.0, wide_query_layers=62),
+        # Mixture of experts (llama.cpp src/models/qwen2moe.cpp, qwen3moe.cpp: build_moe_ffn with
+        # softmax gating, norm_w false / true): Qwen1.5-MoE, Qwen2-57B-A14B (60/64 experts + a
+        # shared expert); Qwen3-30B-A3B, Qwen3-235B-A22B (128 experts, 8 used)
+        Architecture("qwen2moe", rope_neox=True, qkv_bias="always", qk_norm=False, moe=True, moe_shared=True),
+        Architecture("qwen3moe", rope_neox=True, qkv_bias="never", qk_norm=True, moe=True, moe_norm_topk=True),
     )
 }
 
@@ -117,15 +131,34 @@ def layer_shapes(cfg) -> dict[str, tuple[int, ...]]:
             "attn_v.weight": (cfg.kv_dim, cfg.n_embd)}),
         "attn_output.weight": (cfg.n_embd, cfg.q_dim),
         "ffn_norm.weight": (cfg.n_embd,),
-        **({"ffn_up.weight": (2 * cfg.n_ff, cfg.n_embd)} if cfg.fused_gate_up else {
+    }
+    if cfg.n_expert:
+        shapes.update(moe_shapes(cfg))
+    else:
+        shapes.update({**({"ffn_up.weight": (2 * cfg.n_ff, cfg.n_embd)} if cfg.fused_gate_up else {
             "ffn_gate.weight": (cfg.n_ff, cfg.n_embd),
             "ffn_up.weight": (cfg.n_ff, cfg.n_embd)}),
-        "ffn_down.weight": (cfg.n_embd, cfg.n_ff),
-    }
+            "ffn_down.weight": (cfg.n_embd, cfg.n_ff)})
     if cfg.has_qkv_bias:
         shapes.update({"attn_q.bias": (cfg.q_dim,), "attn_k.bias": (cfg.kv_dim,), "attn_v.bias": (cfg.kv_dim,)})
     if cfg.has_qk_norm:
         shapes.update({"attn_q_norm.weight": (cfg.head_dim,), "attn_k_norm.weight": (cfg.head_dim,)})
     if cfg.has_post_norms:
         shapes.update({"post_attention_norm.weight": (cfg.n_embd,), "post_ffw_norm.weight": (cfg.n_embd,)})
+    return shapes
+
+
+def moe_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """The expert tensors of one block (names after `blk.N.`), numpy shapes: the router
+    (n_expert, n_embd); experts stacked on the first axis as convert_hf_to_gguf.py stacks them
+    (ggml ne {n_embd, n_ff_exp, n_expert}): gate and up (n_expert, n_ff_exp, n_embd), down
+    (n_expert, n_embd, n_ff_exp); the shared expert's gate vector (n_embd,) and its matrices
+    (n_ff_shexp rows) when cfg.n_ff_shexp > 0 (llama.cpp's LLM_ARCH_QWEN2MOE tensors)."""
+    e, d, f = cfg.n_expert, cfg.n_embd, cfg.n_ff_exp
+    shapes = {"ffn_gate_inp.weight": (e, d), "ffn_gate_exps.weight": (e, f, d), "ffn_up_exps.weight": (e, f, d),
+              "ffn_down_exps.weight": (e, d, f)}
+    if cfg.n_ff_shexp:
+        s = cfg.n_ff_shexp
+        shapes.update({"ffn_gate_inp_shexp.weight": (d,), "ffn_gate_shexp.weight": (s, d), "ffn_up_shexp.weight": (s, d),
+                       "ffn_down_shexp.weight": (d, s)})
     return shapes

@@ -134,6 +134,14 @@ class ModelConfig:
     attn_scale: float = 0.0
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
+    # Mixture of experts (runtime/arch.py moe options, runtime/moe.py): experts per block, used
+    # per token, the routed experts' FFN width, the shared expert's (0: none), and whether the
+    # selected softmax weights are renormalized to sum 1
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+    expert_norm: bool = False
 
     @property
     def query_scale(self) -> float:
@@ -290,9 +298,19 @@ def _config_from(mf: ModelFile) -> ModelConfig:
         fused_qkv=ARCHS[arch].has_fused_qkv(mf.tensors),
         fused_gate_up=ARCHS[arch].fused_gate_up,
         **rope_scaling_fields(mf, v),
+        **moe_fields(ARCHS[arch], v),
         **family_fields(ARCHS[arch], v, v["block_count"], v["embedding_length"], v["attention.head_count"], head_dim,
                         float(v.get("rope.freq_base", 10000.0))),
     )
+
+
+def moe_fields(a, v: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's expert fields from the schema-checked `{arch}.expert_*` keys (runtime/schema.py
+    fills the widths' defaults); none for a dense family."""
+    if not a.moe:
+        return {}
+    return dict(n_expert=v["expert_count"], n_expert_used=v["expert_used_count"], n_ff_exp=v["expert_feed_forward_length"],
+                n_ff_shexp=v.get("expert_shared_feed_forward_length", 0) if a.moe_shared else 0, expert_norm=a.moe_norm_topk)
 
 
 def rope_scaling_fields(mf: ModelFile, v: dict[str, Any]) -> dict[str, Any]:
@@ -342,9 +360,17 @@ def row_view(t: Tensor, name: str, start: int, stop: int) -> Tensor:
     """Rows start..stop-1 of a matrix `t` as a Tensor of its own named `name`: the same encoded
     bytes (a memory-mapped view) and file offset moved by the rows skipped, so both backends load
     it as they load any tensor."""
-    raw = t.raw_bytes()  # (n_rows, bytes_per_row) uint8
+    raw = t.raw_bytes()  # (n_rows, bytes_per_row) uint8; a 3-D tensor's rows run over its first two axes
     offset = None if t.file_offset is None else t.file_offset + start * raw.shape[1]
-    return Tensor(name, t.ggml_type, (stop - start, t.shape[1]), raw[start:stop], offset)
+    return Tensor(name, t.ggml_type, (stop - start, t.shape[-1]), raw[start:stop], offset)
+
+
+def expert_view(t: Tensor, e: int) -> Tensor:
+    """Expert e's matrix (n_rows, n_in) of a stacked expert tensor t (n_expert, n_rows, n_in), as a
+    row_view named `<t.name>[e]`: each expert is contiguous in the file (ggml's ne[2] is the
+    outermost axis), so one expert is read or dequantized at a time."""
+    rows = t.shape[1]
+    return row_view(t, f"{t.name}[{e}]", e * rows, (e + 1) * rows)
 
 
 def layer_matrices(mf: ModelFile, i: int) -> dict[str, Tensor]:
@@ -352,10 +378,14 @@ def layer_matrices(mf: ModelFile, i: int) -> dict[str, Tensor]:
     blk.i.<name>.weight. Where the file fuses them (phi3, llama.cpp's create_tensor_qkv and
     LLM_FFN_SWIGLU with no gate tensor): attn_qkv rows are q (q_dim) | k (kv_dim) | v (kv_dim),
     ffn_up rows are gate (n_ff) | up (n_ff) (ggml_swiglu takes the first half as the gate;
-    transformers' Phi3MLP chunks gate_up_proj the same way); each part is a row_view."""
+    transformers' Phi3MLP chunks gate_up_proj the same way); each part is a row_view. A moe family
+    (cfg.n_expert > 0) gives the four attention matrices only: its FFN is runtime/moe.py's."""
     cfg = mf.config
     assert cfg is not None
     name = lambda n: f"blk.{i}.{n}.weight"  # noqa: E731
+    if cfg.n_expert:  # the FFN is the experts' (runtime/moe.py reads them)
+        out = {n: mf.tensor(name(n)) for n in ("attn_q", "attn_k", "attn_v", "attn_output")}
+        return out
     out = {n: mf.tensor(name(n)) for n in ("attn_output", "ffn_down")}
     if cfg.fused_qkv:
         qkv, q, kv = mf.tensor(name("attn_qkv")), cfg.q_dim, cfg.kv_dim
@@ -379,7 +409,7 @@ def check_weights(mf: ModelFile) -> None:
     assert mf.config is not None
     for name, shape in expected_shapes(mf.config).items():
         t = mf.tensor(name)
-        if t.shape != shape:
+        if t.shape != shape and not (name.endswith("ffn_gate_inp_shexp.weight") and t.shape == (1,) + shape):  # (1, n_embd) unsqueezed
             raise ModelFileError(f"{mf.path}: tensor {name!r} has shape {t.shape}, expected {shape}; the file is inconsistent")
         if t.ggml_type not in SUPPORTED_TYPES:
             supported = ", ".join(sorted(x.name for x in SUPPORTED_TYPES))

@@ -146,12 +146,13 @@ def llama_order(names: Sequence[str]) -> list[str]:
 
 
 def allows_quantization(name: str, shape: Sequence[int]) -> bool:
-    """llama-quant.cpp tensor_allows_quantization for dense models: at least 2 dimensions
-    counted as ggml_n_dims does (numpy shape (1, n) is 1-D), named *weight, not a norm."""
+    """llama-quant.cpp tensor_allows_quantization: at least 2 dimensions counted as ggml_n_dims
+    does (numpy shape (1, n) is 1-D), named *weight, not a norm, not an expert router."""
     n_dims = len(shape)
     while n_dims > 1 and shape[len(shape) - n_dims] == 1:
         n_dims -= 1
-    return n_dims >= 2 and name.endswith("weight") and "_norm.weight" not in name
+    # the expert router stays in its type (llama-quant.cpp: quantize &= no "ffn_gate_inp.weight")
+    return n_dims >= 2 and name.endswith("weight") and "_norm.weight" not in name and "ffn_gate_inp.weight" not in name
 
 
 def use_more_bits(i_layer: int, n_layers: int) -> bool:

@@ -20,7 +20,8 @@ import numpy as np
 
 from . import hostmem
 from .token_cache import TokenCache
-from .model import ModelConfig, ModelFile, Tensor, expected_shapes, layer_matrices
+from .model import ModelConfig, ModelFile, Tensor, expected_shapes, expert_view, layer_matrices
+from .moe import MoeFfn
 from .rope import RopeTable, factor_tensor, rope_table
 from .sampling import SamplingParams, sample
 from .trace import Trace
@@ -43,9 +44,10 @@ class Layer:
         self.wv = mat("attn_v")  # (n_head_kv * head_dim, n_embd)
         self.wo = mat("attn_output")  # (n_embd, n_head * head_dim)
         self.ffn_norm = vec("ffn_norm.weight")  # (n_embd,)
-        self.w_gate = mat("ffn_gate")  # (n_ff, n_embd)
-        self.w_up = mat("ffn_up")  # (n_ff, n_embd)
-        self.w_down = mat("ffn_down")  # (n_embd, n_ff)
+        self.moe = MoeFfn(mf, i, block_bytes) if cfg.n_expert else None  # the experts, in place of the dense FFN
+        self.w_gate = None if self.moe else mat("ffn_gate")  # (n_ff, n_embd)
+        self.w_up = None if self.moe else mat("ffn_up")  # (n_ff, n_embd)
+        self.w_down = None if self.moe else mat("ffn_down")  # (n_embd, n_ff)
         self.bq = vec("attn_q.bias") if cfg.has_qkv_bias else None  # (n_head * head_dim,)
         self.bk = vec("attn_k.bias") if cfg.has_qkv_bias else None  # (n_head_kv * head_dim,)
         self.bv = vec("attn_v.bias") if cfg.has_qkv_bias else None  # (n_head_kv * head_dim,)
@@ -55,6 +57,8 @@ class Layer:
         self.ffn_post_norm = vec("post_ffw_norm.weight") if cfg.has_post_norms else None  # (n_embd,)
 
     def matrices(self) -> list[Matrix]:
+        if self.moe is not None:
+            return [self.wq, self.wk, self.wv, self.wo, *self.moe.matrices()]
         return [self.wq, self.wk, self.wv, self.wo, self.w_gate, self.w_up, self.w_down]
 
 
@@ -178,7 +182,10 @@ def max_context(mf: ModelFile, mem_available: int | None = None, cache_bytes: in
     shapes = expected_shapes(cfg)
     file_bytes = sum(mf.tensor(n).n_bytes for n in shapes)
     block_bytes = max(DEQUANT_PIECE_BYTES, file_bytes // 8)
-    parts, _ = ram_besides_kv(file_bytes, [Matrix(mf.tensor(n), block_bytes) for n, s in shapes.items() if len(s) == 2], cache_bytes)
+    matrices = [Matrix(mf.tensor(n), block_bytes) for n, s in shapes.items() if len(s) == 2]
+    matrices += [Matrix(expert_view(mf.tensor(n), e), block_bytes) for n, s in shapes.items() if len(s) == 3
+                 for e in range(s[0])]  # stacked experts: one matrix each
+    parts, _ = ram_besides_kv(file_bytes, matrices, cache_bytes)
     left = (hostmem.available_ram() if mem_available is None else mem_available) - sum(parts.values())
     per_token = 2 * 4 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim
     return max(0, left // per_token), max(0, left), per_token
@@ -313,8 +320,10 @@ class NumpyBackend(TokenCache):
             x = x + (o if L.attn_post_norm is None else rms_norm(o, L.attn_post_norm, cfg.rms_eps))
             # feed-forward: norm, act(gate) * up (SwiGLU or GeGLU), down projection
             h = rms_norm(x, L.ffn_norm, cfg.rms_eps)  # (T, n_embd)
-            ff = act(L.w_gate.product(h)) * L.w_up.product(h)  # (T, n_ff)
-            d = L.w_down.product(ff)  # (T, n_embd)
+            if L.moe is not None:  # routed experts (runtime/moe.py)
+                d = L.moe.forward(h, act)  # (T, n_embd)
+            else:
+                d = L.w_down.product(act(L.w_gate.product(h)) * L.w_up.product(h))  # (T, n_embd)
             x = x + (d if L.ffn_post_norm is None else rms_norm(d, L.ffn_post_norm, cfg.rms_eps))
 
         if not all_logits:

@@ -61,8 +61,14 @@ ARCH_KEYS = (
     Key("rope.freq_base_swa", "float", 1e-3, 1e12),
     Key("attn_logit_softcapping", "float", 1e-3, 1e6),
     Key("final_logit_softcapping", "float", 1e-3, 1e6),
+    # mixture of experts (runtime/moe.py; llama.cpp's LLM_KV_EXPERT_*; read by the moe families)
+    Key("expert_count", "int", 1, 1 << 12),
+    Key("expert_used_count", "int", 1, 1 << 12),
+    Key("expert_feed_forward_length", "int", 1, 1 << 22),
+    Key("expert_shared_feed_forward_length", "int", 1, 1 << 22),
 )
 REQUIRED = ("embedding_length", "block_count", "attention.head_count", "feed_forward_length")
+MOE_REQUIRED = ("expert_count", "expert_used_count")  # moe families: and feed_forward_length is optional
 
 TOKENIZER_KEYS = (
     Key("general.architecture", "str"),
@@ -157,13 +163,17 @@ def check_model_keys(mf: "ModelFile", arch: str) -> dict[str, Any]:
     ModelFileError (a required key missing: names it).
     """
     v: dict[str, Any] = {}
+    moe = arch in ARCHITECTURES and ARCHITECTURES[arch].moe
+    required = tuple(k for k in REQUIRED if k != "feed_forward_length") + MOE_REQUIRED if moe else REQUIRED
     for spec in ARCH_KEYS:
         value = _scalar(mf, spec, f"{arch}.{spec.name}")
         if value is not None:
             v[spec.name] = value
-        elif spec.name in REQUIRED:
+        elif spec.name in required:
             raise ModelFileError(f"{mf.path}: metadata key '{arch}.{spec.name}' is missing; the file is incomplete")
     _check_embedding(mf, arch, v["embedding_length"])
+    if moe:
+        _moe_defaults(mf, arch, v)
     n_head = v["attention.head_count"]
     v.setdefault("attention.head_count_kv", n_head)
     n_kv = v["attention.head_count_kv"]
@@ -182,6 +192,21 @@ def check_model_keys(mf: "ModelFile", arch: str) -> dict[str, Any]:
     if rope_dim % 2 or rope_dim > head_dim:
         _fail(mf, f"{arch}.rope.dimension_count", str(rope_dim), f"an even number of at most the head size ({head_dim})")
     return v
+
+
+def _moe_defaults(mf: "ModelFile", arch: str, v: dict[str, Any]) -> None:
+    """expert_used_count at most expert_count; the expert and shared-expert FFN widths default as
+    llama.cpp's qwen2moe/qwen3moe loaders do (n_ff / n_expert_used, n_ff), and
+    feed_forward_length (unused by these families) to the expert width."""
+    if v["expert_used_count"] > v["expert_count"]:
+        _fail(mf, f"{arch}.expert_used_count", str(v["expert_used_count"]), f"at most expert_count ({v['expert_count']})")
+    if "expert_feed_forward_length" not in v:
+        if "feed_forward_length" not in v:
+            raise ModelFileError(f"{mf.path}: metadata key '{arch}.expert_feed_forward_length' is missing; the file is incomplete")
+        v["expert_feed_forward_length"] = max(1, v["feed_forward_length"] // v["expert_used_count"])
+    v.setdefault("feed_forward_length", v["expert_feed_forward_length"])
+    if ARCHITECTURES[arch].moe_shared:
+        v.setdefault("expert_shared_feed_forward_length", v["feed_forward_length"])
 
 
 def _up_parts(arch: str) -> int:

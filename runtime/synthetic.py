@@ -42,6 +42,10 @@ class Preset:
     tied: bool = False
     window: int = 0  # attention.sliding_window (gemma), 0: none
     rope_linear: float = 0.0  # linear RoPE scaling factor (rope.scaling.type linear), 0: none
+    n_expert: int = 0  # mixture of experts (qwen3moe, qwen2moe): experts, used per token, their FFN width
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0  # the shared expert's width (qwen2moe), 0: none
 
     def config(self, name: str) -> ModelConfig:
         hd = self.head_dim or self.n_embd // self.n_head
@@ -49,10 +53,12 @@ class Preset:
             arch=self.arch, name=name, n_vocab=self.n_vocab, n_embd=self.n_embd, n_layer=self.n_layer,
             n_head=self.n_head, n_head_kv=self.n_head_kv, head_dim=hd, n_ff=self.n_ff, n_ctx_train=self.n_ctx,
             rms_eps=self.rms_eps, rope_freq_base=self.rope_freq_base, rope_dim=hd, rope_neox=self.arch != "llama",
-            has_qkv_bias=self.arch == "qwen2", has_qk_norm=ARCHITECTURES[self.arch].qk_norm, has_rope_freqs=False,
+            has_qkv_bias=ARCHITECTURES[self.arch].qkv_bias == "always", has_qk_norm=ARCHITECTURES[self.arch].qk_norm, has_rope_freqs=False,
             tied_embeddings=self.tied,
             rope_scaling="linear" if self.rope_linear else "none", rope_scale=self.rope_linear or 1.0,
             fused_qkv=ARCHITECTURES[self.arch].fused_qkv != "never", fused_gate_up=ARCHITECTURES[self.arch].fused_gate_up,
+            n_expert=self.n_expert, n_expert_used=self.n_expert_used, n_ff_exp=self.n_ff_exp, n_ff_shexp=self.n_ff_shexp,
+            expert_norm=ARCHITECTURES[self.arch].moe_norm_topk,
             **family_fields(ARCHITECTURES[self.arch], {"attention.sliding_window": self.window} if self.window else {},
                             self.n_layer, self.n_embd, self.n_head, hd, self.rope_freq_base),
         )
@@ -75,6 +81,10 @@ PRESETS: dict[str, Preset] = {
     # microsoft/phi-4 (Phi3ForCausalLM; llama.cpp's GGUF: fused attn_qkv and gate|up ffn_up, vocabulary
     # padded to 100,352, no rope scaling)
     "phi4-14b": Preset("phi3", 100352, 5120, 40, 40, 10, 17920, 16384, 250000.0, 1e-5),
+    # Qwen/Qwen3-30B-A3B (Qwen3MoeForCausalLM): 128 experts of width 768, 8 used, renormalized;
+    # feed_forward_length is the config's intermediate_size (6144), which no tensor uses
+    "qwen3-30b-a3b": Preset("qwen3moe", 151936, 2048, 48, 32, 4, 6144, 40960, 1000000.0, 1e-6, head_dim=128,
+                            n_expert=128, n_expert_used=8, n_ff_exp=768),
     # a small shape for tests: every code path of the 7B shapes, 256-multiple rows, GQA
     "test-tiny": Preset("llama", 512, 256, 2, 4, 2, 512, 512, 10000.0, 1e-5),
 }
@@ -260,6 +270,12 @@ def write_metadata(w: GGUFWriter, cfg: ModelConfig, v: dict, family: bool = True
             w.add_uint32(f"{a}.{key}", value)
         else:
             w.add_float32(f"{a}.{key}", value)
+    if cfg.n_expert:  # mixture of experts: llama.cpp's LLM_KV_EXPERT_* keys
+        w.add_uint32(f"{a}.expert_count", cfg.n_expert)
+        w.add_uint32(f"{a}.expert_used_count", cfg.n_expert_used)
+        w.add_uint32(f"{a}.expert_feed_forward_length", cfg.n_ff_exp)
+        if cfg.n_ff_shexp:
+            w.add_uint32(f"{a}.expert_shared_feed_forward_length", cfg.n_ff_shexp)
     _write_rope_scaling(w, cfg)
     w.add_uint32("general.file_type", 15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
     w.add_uint32("general.quantization_version", 2)
@@ -299,7 +315,7 @@ def _tensor_data(name: str, shape: tuple[int, ...], t: T, cfg: ModelConfig, rng:
     if t == T.F32:
         base = 1.0 if name.endswith("norm.weight") else 0.0
         return (base + 0.02 * rng.standard_normal(shape)).astype(np.float32)  # norms near 1, biases near 0
-    n_rows, n_cols = shape
+    n_rows, n_cols = int(np.prod(shape[:-1])), shape[-1]  # stacked experts: all experts' rows
     # token_embd rows are read as activations (std ~1 after the first norm); other weights as a
     # 1/sqrt(fan_in) projection so activations keep their scale through the layers
     scale = 1.0 if name == "token_embd.weight" else 1.0 / np.sqrt(n_cols)

@@ -95,6 +95,31 @@ def llama_yarn_model():
     return LlamaForCausalLM(hf), cfg
 
 
+def moe_model(arch: str):
+    """Qwen3MoeForCausalLM (8 experts, 2 used, top-k weights renormalized: norm_topk_prob, as
+    Qwen3-30B-A3B) or Qwen2MoeForCausalLM (the same experts, not renormalized, plus a shared
+    expert of width 96 behind its sigmoid gate, q/k/v biases), 2 layers, both sparse."""
+    import transformers
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=64, num_experts=8,
+                  num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=False,
+                  decoder_sparse_step=1, mlp_only_layers=[])
+    qwen3 = arch == "qwen3moe"
+    if qwen3:
+        hf = transformers.Qwen3MoeConfig(head_dim=32, norm_topk_prob=True, attention_bias=False, **common)
+        model = transformers.Qwen3MoeForCausalLM(hf)
+    else:
+        hf = transformers.Qwen2MoeConfig(shared_expert_intermediate_size=96, norm_topk_prob=False, qkv_bias=True, **common)
+        model = transformers.Qwen2MoeForCausalLM(hf)
+    cfg = ModelConfig(arch=arch, name=f"tiny-{arch}-transformers", n_vocab=512, n_embd=64, n_layer=2, n_head=4,
+                      n_head_kv=2, head_dim=32 if qwen3 else 16, n_ff=96, n_ctx_train=256, rms_eps=1e-6,
+                      rope_freq_base=1_000_000.0, rope_dim=32 if qwen3 else 16, rope_neox=True, has_qkv_bias=not qwen3,
+                      has_qk_norm=qwen3, has_rope_freqs=False, tied_embeddings=False, n_expert=8, n_expert_used=2,
+                      n_ff_exp=64, n_ff_shexp=0 if qwen3 else 96, expert_norm=qwen3)
+    return model, cfg
+
+
 def gemma_config(arch: str, n_layer: int, head_dim: int, rope_base: float, window: int, keys: dict) -> ModelConfig:
     """The k4 ModelConfig of a tiny Gemma (64 wide, 4 heads, 2 KV heads, n_ff 128) whose file
     has the `{arch}.*` keys `keys` (runtime/family_keys.py derives the Gemma fields)."""
@@ -160,6 +185,16 @@ GGUF_NAMES = {  # transformers name -> GGUF name (llama.cpp's tensor_mapping), {
     "model.layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
     "model.layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
     "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
+    # mixture of experts (qwen2moe, qwen3moe): the router, the shared expert and its gate
+    "model.layers.{i}.self_attn.q_proj.bias": "blk.{i}.attn_q.bias",
+    "model.layers.{i}.self_attn.k_proj.bias": "blk.{i}.attn_k.bias",
+    "model.layers.{i}.self_attn.v_proj.bias": "blk.{i}.attn_v.bias",
+    "model.layers.{i}.mlp.gate.weight": "blk.{i}.ffn_gate_inp.weight",
+    "model.layers.{i}.mlp.shared_expert.gate_proj.weight": "blk.{i}.ffn_gate_shexp.weight",
+    "model.layers.{i}.mlp.shared_expert.up_proj.weight": "blk.{i}.ffn_up_shexp.weight",
+    "model.layers.{i}.mlp.shared_expert.down_proj.weight": "blk.{i}.ffn_down_shexp.weight",
+    "model.layers.{i}.mlp.shared_expert_gate.weight": "blk.{i}.ffn_gate_inp_shexp.weight",
+    "model.layers.{i}.mlp.experts.down_proj": "blk.{i}.ffn_down_exps.weight",
 }
 
 
@@ -180,7 +215,7 @@ def randomize(model, seed: int, norm_base: float = 1.0) -> None:
             elif name == "model.embed_tokens.weight":
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)  # fan_in: the last axis
 
 
 def write_gguf(model, cfg: ModelConfig, path: Path, keys: dict | None = None) -> None:
@@ -218,6 +253,16 @@ def hf_tensors(model, cfg: ModelConfig):
         array = p.detach().float().cpu().numpy()
         if cfg.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             array = permute_for_llama(array, cfg.n_head if "q_proj" in name else cfg.n_head_kv)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            # transformers 5 holds the experts fused, (n_expert, 2 n_ff_exp, n_embd), gate rows first
+            # (chunk(2) of the product); the converter stacks each expert's gate_proj and up_proj
+            # (Qwen2MoeModel.modify_tensors: torch.stack over experts) into two tensors
+            i = name.split(".")[2]
+            yield f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(array[:, : cfg.n_ff_exp])
+            yield f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(array[:, cfg.n_ff_exp :])
+            continue
+        if name.endswith("shared_expert_gate.weight"):
+            array = array.reshape(-1)  # (1, n_embd) squeezed to (n_embd,), as the converter writes it
         yield gguf_name(name), array
     if cfg.rope_scaling == "longrope":
         rope = model.config.rope_parameters
@@ -244,7 +289,8 @@ def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     index = {}
     for family, build in (("qwen3", qwen3_model), ("gemma3", gemma3_model), ("gemma2", gemma2_model), ("phi3", phi3_model),
-                          ("llama-yarn", llama_yarn_model)):
+                          ("llama-yarn", llama_yarn_model), ("qwen3moe", lambda: moe_model("qwen3moe")),
+                          ("qwen2moe", lambda: moe_model("qwen2moe"))):
         torch.manual_seed(0)
         model, cfg, *keys = build()
         keys = keys[0] if keys else None

@@ -220,6 +220,10 @@ def test_info_rows_match_the_model(which, data):
 # totals on the model pages). llama3-8b is Meta-Llama-3-8B (8192 context; Llama 3.1 8B has the
 # same shape with 131072 and rope scaling, which k4 would read from rope_freqs).
 PUBLISHED = {
+    # Qwen/Qwen3-30B-A3B: 30.5B parameters, 128 experts of 768, 8 used
+    "qwen3-30b-a3b": dict(arch="qwen3moe", n_embd=2048, n_layer=48, n_head=32, n_head_kv=4, n_ff=6144, n_vocab=151936,
+                          n_ctx=40960, rope_freq_base=1000000.0, rms_eps=1e-6, head_dim=128, tied=False,
+                          n_params=30_532_122_624),
     "tinyllama-1.1b": dict(arch="llama", n_embd=2048, n_layer=22, n_head=32, n_head_kv=4, n_ff=5632, n_vocab=32000,
                            n_ctx=2048, rope_freq_base=10000.0, rms_eps=1e-5, head_dim=64, tied=False, n_params=1_100_048_384),
     "llama2-7b": dict(arch="llama", n_embd=4096, n_layer=32, n_head=32, n_head_kv=32, n_ff=11008, n_vocab=32000,
@@ -258,7 +262,7 @@ def test_synth_presets_are_the_published_configs():
                    n_params=sum(int(np.prod(s)) for s in expected_shapes(cfg).values()))
         assert got == want, name
         assert cfg.rope_neox == (cfg.arch != "llama") and cfg.has_qkv_bias == (cfg.arch == "qwen2")
-        assert cfg.has_qk_norm == (cfg.arch in ("qwen3", "gemma3"))
+        assert cfg.has_qk_norm == (cfg.arch in ("qwen3", "gemma3", "qwen3moe"))
 
 
 def test_synth_writes_the_preset_shape(tmp_path):

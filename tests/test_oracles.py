@@ -11,7 +11,10 @@ Limits (relative L2 over all positions' logits):
   the 40-token prompt; measured 2.5e-7 for gemma3 and gemma2): gemma3 without its sliding window
   0.23, with the global RoPE base on sliding layers 0.047, without the embedding scale 1.06;
   gemma2 without its window 0.15, without the attention soft-cap 0.014, without the final
-  soft-cap 0.64.
+  soft-cap 0.64. Mixture of experts (8 experts, 2 used; measured 3.5e-7 for qwen3moe, 3.4e-7
+  qwen2moe, prompt and one token at a time): qwen3moe without its top-k renormalization 0.24,
+  3 experts used instead of 2 0.21; qwen2moe with renormalization 0.26, its shared expert's
+  gate forced open 0.40.
 - CUDA backend 1e-3: the weights are F32 (float matrix-vector products, no 8-bit activations);
   prefill rounds to fp16 on tensor cores and the KV cache is fp16 (measured about 2e-4 on F32
   models of this size).
@@ -29,7 +32,8 @@ from k4.runtime.model import open_model
 from k4.runtime.reference import NumpyBackend
 
 # every family tests/make_oracles.py wrote: qwen3, gemma3, gemma2, phi3 (partial rotary, LongRoPE,
-# fused qkv and gate|up), llama-yarn (YaRN over an original context of 32, the prompt past it)
+# fused qkv and gate|up), llama-yarn (YaRN over an original context of 32, the prompt past it),
+# qwen3moe and qwen2moe (routed experts; qwen2moe's shared expert)
 ORACLES = tuple(json.loads((Path(__file__).parent / "data" / "oracles" / "oracles.json").read_text()))
 LIMIT_NUMPY = 1e-5
 LIMIT_CUDA = 1e-3

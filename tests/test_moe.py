@@ -1,0 +1,95 @@
+"""Mixture of experts on the numpy backend (runtime/moe.py; qwen3moe, qwen2moe): the router's
+top-k, that only the selected experts are multiplied, the expert keys' schema and the synthetic
+Qwen3-30B-A3B preset. The logits themselves are checked against transformers in test_oracles.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from gguf import GGUFWriter
+
+from k4.runtime.errors import ModelFileError
+from k4.runtime.model import ModelConfig, expected_shapes, open_model
+from k4.runtime.moe import route
+from k4.runtime.reference import NumpyBackend
+from k4.runtime.synthetic import PRESETS, vocab_from, write_metadata
+
+
+def test_route_picks_the_largest_and_renormalizes():
+    logits = np.array([[0.0, 3.0, 1.0, 2.0], [5.0, 5.0, 0.0, 0.0]], np.float32)  # (2 tokens, 4 experts)
+    ids, w = route(logits, 2, renormalize=False)
+    assert ids.tolist() == [[1, 3], [0, 1]]  # decreasing probability; a tie: the lower id first
+    p = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    np.testing.assert_allclose(w[0], p[[1, 3]], rtol=1e-6)
+    _, wn = route(logits, 2, renormalize=True)
+    np.testing.assert_allclose(wn.sum(axis=1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(wn[0], p[[1, 3]] / p[[1, 3]].sum(), rtol=1e-6)
+
+
+def test_decode_multiplies_only_the_selected_experts(data):
+    folder = data / "oracles"
+    entry = json.loads((folder / "oracles.json").read_text())["qwen3moe"]
+    be = NumpyBackend(open_model(folder / entry["model"]), 64)
+    calls: list[int] = []
+    for L in be.layers:
+        for e, m in enumerate(L.moe.gate):
+            m.product = (lambda f, e: lambda x: (calls.append(e), f(x))[1])(m.product, e)
+    be.eval(entry["prompt_ids"][:1])
+    assert len(calls) == be.config.n_layer * be.config.n_expert_used  # 2 of 8 experts per layer
+
+
+def tiny_moe(shexp: int = 0) -> ModelConfig:
+    arch = "qwen2moe" if shexp else "qwen3moe"
+    return ModelConfig(arch=arch, name="moe", n_vocab=512, n_embd=64, n_layer=1, n_head=4, n_head_kv=2, head_dim=16,
+                       n_ff=96, n_ctx_train=256, rms_eps=1e-6, rope_freq_base=10000.0, rope_dim=16, rope_neox=True,
+                       has_qkv_bias=bool(shexp), has_qk_norm=not shexp, has_rope_freqs=False, tied_embeddings=True,
+                       n_expert=4, n_expert_used=2, n_ff_exp=32, n_ff_shexp=shexp, expert_norm=not shexp)
+
+
+def write(path, cfg: ModelConfig, meta: ModelConfig, data, gate_shape=None):
+    """A GGUF of cfg's tensors (random F32) with meta's keys."""
+    w = GGUFWriter(str(path), cfg.arch)
+    write_metadata(w, meta, vocab_from(data / "models" / "stories260K.gguf", cfg.n_vocab))
+    rng = np.random.default_rng(0)
+    for name, shape in expected_shapes(cfg).items():
+        if name.endswith("ffn_gate_inp_shexp.weight") and gate_shape:
+            shape = gate_shape
+        w.add_tensor(name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_expert_keys_are_checked(tmp_path, data):
+    cfg = tiny_moe()
+    mf = open_model(write(tmp_path / "ok.gguf", cfg, cfg, data))
+    assert (mf.config.n_expert, mf.config.n_expert_used, mf.config.n_ff_exp, mf.config.expert_norm) == (4, 2, 32, True)
+    with pytest.raises(ModelFileError, match="qwen3moe.expert_count' is missing"):
+        open_model(write(tmp_path / "none.gguf", cfg, dataclasses.replace(cfg, n_expert=0), data))
+    with pytest.raises(ModelFileError, match="expert_used_count.*at most expert_count"):
+        open_model(write(tmp_path / "used.gguf", cfg, dataclasses.replace(cfg, n_expert_used=5), data))
+    with pytest.raises(ModelFileError, match="ffn_gate_exps.weight. has shape \(4, 32, 64\), expected \(4, 64, 64\)"):
+        open_model(write(tmp_path / "width.gguf", cfg, dataclasses.replace(cfg, n_ff_exp=64), data))
+
+
+def test_shared_expert_gate_as_a_row_or_a_vector(tmp_path, data):
+    cfg = tiny_moe(shexp=48)
+    for i, shape in enumerate(((64,), (1, 64))):  # the converter's squeezed vector, or the HF (1, n_embd)
+        mf = open_model(write(tmp_path / f"s{i}.gguf", cfg, cfg, data, gate_shape=shape))
+        assert mf.config.n_ff_shexp == 48 and not mf.config.expert_norm
+        be = NumpyBackend(mf, 16)
+        assert np.isfinite(be.eval([1, 2, 3])).all()
+
+
+def test_qwen3_30b_a3b_preset():
+    cfg = PRESETS["qwen3-30b-a3b"].config("x")
+    assert (cfg.arch, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.n_head_kv, cfg.head_dim) == ("qwen3moe", 2048, 48, 32, 4, 128)
+    assert (cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_vocab, cfg.expert_norm) == (128, 8, 768, 151936, True)
+    shapes = expected_shapes(cfg)
+    assert shapes["blk.47.ffn_down_exps.weight"] == (128, 2048, 768)
+    assert "blk.0.ffn_up.weight" not in shapes
