@@ -19,7 +19,9 @@
 //    squares itself while x sits in L2, so the separate norm kernel and its output vanish.
 //  - SwiGLU epilogue (GLU instances): W holds 2 * n_out rows interleaved, row 2i = ffn_gate row i,
 //    row 2i + 1 = ffn_up row i (runtime/cuda/matmul.py interleave_rows), one warp takes both rows
-//    of a pair as one row of 2 * n_in, and writes y[i] = silu(gate_i . x) * (up_i . x).
+//    of a pair as one row of 2 * n_in, and writes y[i] = silu(gate_i . x) * (up_i . x); with the
+//    template flag GELU (gemma's GeGLU, runtime/cuda/quant_kernels.py GLU_ACTS) gelu_tanh instead
+//    of silu, as elementwise.cu geglu computes it.
 //  - q8 handoff: a SwiGLU product given y_q8 also writes y quantized, in the layout the next
 //    product keeps in shared memory (each block quantizes the 32-output groups it computed), and
 //    the down product given that as x_q8 copies its ~15 KB (n_in 11008) instead of reading 44 KB
@@ -31,6 +33,7 @@
 // gridDim.x * WARPS (with y_q8: see gemv_q8). The launcher (runtime/cuda/matmul.py) validates
 // shapes and types.
 #include "common.cuh"
+#include "ops_common.cuh"  // k4ops::gelu_tanh_f32
 
 // y[row] = acc (+ bias[row]) (+ residual[row]); residual may alias y.
 __device__ __forceinline__ void write_row(float* y, const float* residual, const float* bias, int row, float acc) {
@@ -39,8 +42,12 @@ __device__ __forceinline__ void write_row(float* y, const float* residual, const
     y[row] = acc;
 }
 
-// silu(g) * u, rounded as elementwise.cu swiglu rounds it.
-__device__ __forceinline__ float swiglu(float g, float u) { return __fdiv_rn(g, 1.0f + __expf(-g)) * u; }
+// silu(g) * u, rounded as elementwise.cu swiglu rounds it; with GELU gelu_tanh(g) * u, the
+// accurate form of ops_common.cuh that elementwise.cu geglu uses (k4ops::gelu_tanh_f32).
+template <bool GELU>
+__device__ __forceinline__ float glu_act(float g, float u) {
+    return (GELU ? k4ops::gelu_tanh_f32(g) : __fdiv_rn(g, 1.0f + __expf(-g))) * u;
+}
 
 // 1 / sqrt(mean(x^2) + eps) of x (n floats, n a multiple of 4, 16-byte aligned), in every thread
 // of the block (all must call it). rms_norm (norm.cu) computes the same, summed in another order.
@@ -172,7 +179,8 @@ __device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_
 // QuantLayout.handoff), false for the legacy 5-bit types, whose 1024-thread instances would
 // spill registers for it.
 
-template <class T, bool PLANAR, int WARPS, int U, bool PF, bool GLU>
+// GELU (GLU only): the epilogue is gelu_tanh(gate) * up instead of silu(gate) * up.
+template <class T, bool PLANAR, int WARPS, int U, bool PF, bool GLU, bool GELU = false>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw or planar; GLU: (2 n_out, n_in) interleaved
         const float* __restrict__ x,       // (n_in,)
@@ -260,7 +268,7 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
             if (GLU) {
                 acc_up = warp_sum(acc_up);
                 if (lane == 0) {
-                    const float v = swiglu(acc, acc_up);
+                    const float v = glu_act<GELU>(acc, acc_up);
                     y[row] = v;
                     if (HANDOFF && y_q8) y_smem()[row - 32 * group(blockIdx.x)] = v;
                 }
@@ -327,8 +335,8 @@ __device__ const float* normalized_x(const float* __restrict__ x, const float* _
     return xn;
 }
 
-// Dynamic shared memory: n_in floats when norm_w is non-null, else none.
-template <class T, int WARPS, int U, bool VEC, bool GLU>
+// Dynamic shared memory: n_in floats when norm_w is non-null, else none. GELU: as gemv_q8.
+template <class T, int WARPS, int U, bool VEC, bool GLU, bool GELU = false>
 __global__ void __launch_bounds__(WARPS * 32)
 gemv_f(const u8* __restrict__ w,           // (n_out, n_in) of T, GLU: (2 n_out, n_in) interleaved; VEC: rows 16-byte aligned
        const float* __restrict__ x,        // (n_in,), 16-byte aligned
@@ -344,7 +352,7 @@ gemv_f(const u8* __restrict__ w,           // (n_out, n_in) of T, GLU: (2 n_out,
         if (GLU) {
             const float g = row_dot_f<T, U, VEC>(w + 2 * row * row_bytes, xv, n_in, lane);
             const float u = row_dot_f<T, U, VEC>(w + (2 * row + 1) * row_bytes, xv, n_in, lane);
-            if (lane == 0) y[row] = swiglu(g, u);
+            if (lane == 0) y[row] = glu_act<GELU>(g, u);
         } else {
             const float acc = row_dot_f<T, U, VEC>(w + row * row_bytes, xv, n_in, lane);
             if (lane == 0) write_row(y, residual, bias, row, acc);

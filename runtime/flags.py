@@ -32,7 +32,7 @@ FLAGS: dict[str, Flag] = {
         Flag("K4_SPLIT_ATTN", 1, "Decode attention split over the sequence (flash-decoding) for long contexts."),
         Flag("K4_STACK", 1, "Stack attn_q/k/v (runs of one type) and ffn_gate/up into one matrix each at load: one product instead of several."),
         Flag("K4_FUSE_NORM", 1, "Fold each RMSNorm into the prologue of the decode matrix-vector product that follows it."),
-        Flag("K4_FUSE_SWIGLU", 1, "Interleave ffn_gate/up rows at load and apply SwiGLU in the decode product's epilogue."),
+        Flag("K4_FUSE_SWIGLU", 1, "Interleave ffn_gate/up rows at load and apply SwiGLU (GeGLU for gemma) in the decode product's epilogue."),
         Flag("K4_EVICT_FIRST", 1, "Load what is read once per token, the weights (matrix-vector and dequantization kernels) and the KV cache (decode attention), with the L1 evict-first cache hint."),
         Flag("K4_FUSE_QUANT", 0, "1 quantizes the SwiGLU output to 8 bits once, in the decode gate/up epilogue, for the down product (else each of its blocks does); off by default: the gate/up product loses more to imbalance than down gains (docs/PERF.md)."),
         Flag("K4_FUSE_ROPE", 1, "Apply RoPE and store the token's key/value inside the decode attention kernel (no separate RoPE kernel)."),

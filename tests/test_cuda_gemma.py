@@ -2,7 +2,9 @@
 window, a query scale and a score soft-cap in each kernel (attn_mma, attn_tiled, attn_f16kv,
 split decode whose first splits hold no keys); GeGLU; the embedding scale; the logit soft-cap;
 the post-norm with its residual add; and whole tiny gemma3 / gemma2 models (F32 weights) on
-the CUDA backend against the numpy backend, prefill and decode, with the fusions on and off.
+the CUDA backend against the numpy backend, prefill and decode, with the fusions on and off;
+the kernels of a decode step (GeGLU in the gate/up product's epilogue, the embedding scale in
+the lookup) on a Q8_0 tiny gemma, fused against unfused.
 
 Limits: attn_mma rounds the pre-scaled queries and the probabilities to fp16 (2e-3, as
 test_cuda_ops.MMA_ATTN_REL_L2); the other attention kernels are f32 over the same fp16 cache as
@@ -140,3 +142,48 @@ def test_tiny_gemma_matches_numpy(tmp_path, data, case, flags):
         assert rel_l2(np.stack([be.eval([t]) for t in ids[-8:]]), want[-8:]) < MODEL_REL_L2  # decode steps
     finally:
         be.close()
+
+
+def gemma_step_kernels(mf, fuse_glu: bool) -> int:
+    """Kernels of one gemma decode step: per layer the q/k/v products (one per run of one type),
+    attention (RoPE, q/k norms and the cache store inside), output, the post-attention norm with
+    the residual add, gate/up with GeGLU in its epilogue (a separate geglu kernel without
+    K4_FUSE_SWIGLU), down, the post-FFN norm with the residual add; then the embedding (its
+    sqrt(n_embd) scale inside), lm_head (the final norm folded in), gemma 2's logit soft-cap,
+    and 3 sampling kernels. Before the GeGLU epilogue and the scale fold: 7 per layer + 6."""
+    from k4.runtime.cuda.weights import runs_of_one_type
+
+    cfg = mf.config
+    qkv = sum(len(runs_of_one_type([mf.tensor(f"blk.{i}.attn_{p}.weight").ggml_type for p in "qkv"], True))
+              for i in range(cfg.n_layer))
+    return qkv + (6 if fuse_glu else 7) * cfg.n_layer + 5 + (1 if cfg.final_softcap else 0)
+
+
+@pytest.mark.parametrize("case", list(GEMMA_CASES))
+def test_gemma_decode_step_kernels_and_fused_geglu(tmp_path, data, case):
+    """A Q8_0 tiny gemma: the decode graph runs gemma_step_kernels kernels with and without
+    K4_FUSE_SWIGLU (the fused GeGLU epilogue saves one kernel per layer), and the two give the
+    same decode logits within 1e-4 relative L2 (the same q8 dot products, the same gelu_tanh
+    formula; only the kernel that applies it differs) and numpy's within 3e-2 (x quantized to
+    8 bits per 32 values in every product: test_cuda_backend's LIMIT_DECODE_Q8 is 1.6e-2 for one
+    step; these are 6 on a cache the fp16 prefill wrote)."""
+    from k4.runtime.cuda.backend import CudaBackend
+
+    arch, keys, over = GEMMA_CASES[case]
+    cfg = gemma_tiny(arch, keys, head_dim=64, **over)
+    mf = open_model(write_tiny(tmp_path / f"{arch}.gguf", data / "models" / "stories260K.gguf", cfg))
+    ids = [1] + np.random.default_rng(2).integers(3, 512, size=19).tolist()
+    want = NumpyBackend(mf, 64).eval(ids, all_logits=True)[-6:]
+    got = {}
+    for fused in (True, False):
+        be = CudaBackend(mf, 64, flags=Flags({} if fused else {"K4_FUSE_SWIGLU": "0"}))
+        try:
+            be.eval(ids[:-6])
+            got[fused] = np.stack([be.eval([t]) for t in ids[-6:]])
+            assert be.graph_launches == gemma_step_kernels(mf, fused), f"fused={fused}"
+            glu = be.weights.layers[0].gate_up
+            assert (len(glu) == 1 and glu[0].w.glu and glu[0].w.glu_act == "gelu_tanh") == fused
+        finally:
+            be.close()
+    assert rel_l2(got[True], got[False]) < 1e-4
+    assert rel_l2(got[True], want) < 3e-2

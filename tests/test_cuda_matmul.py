@@ -331,31 +331,42 @@ def silu(v: np.ndarray) -> np.ndarray:
     return v / (1 + np.exp(-v))
 
 
+def gelu_tanh(v: np.ndarray) -> np.ndarray:
+    """runtime/reference.py's formula in float64: 0.5 v (1 + tanh(sqrt(2/pi) v (1 + 0.044715 v^2)))."""
+    return 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * v * (1 + 0.044715 * v * v)))
+
+
+GLU_REF = {"silu": silu, "gelu_tanh": gelu_tanh}  # the epilogue's act against numpy
+
+
 @pytest.mark.cuda
+@pytest.mark.parametrize("act", list(GLU_REF))
 @pytest.mark.parametrize("repack", [True, False], ids=["planar", "raw"])
 @pytest.mark.parametrize("type_name", QUANTIZED + FLOATS)
-def test_gemv_swiglu_epilogue(type_name, repack):
-    """A gate/up interleaved weight (glu): y = silu(gate x) * (up x) from one launch, with and
-    without the norm prologue."""
+def test_gemv_swiglu_epilogue(type_name, repack, act):
+    """A gate/up interleaved weight (glu): y = act(gate x) * (up x) from one launch, with and
+    without the norm prologue; act silu (SwiGLU) or gemma's gelu_tanh (GeGLU). The gelu case
+    fails if its instance applied silu: on these |g| ~ 1-3 the two differ by ~30%."""
     import cupy as cp
 
     rng, seed = fresh_rng()
     n_ff, n_in = shapes(type_name)[2]
     gate, up = (random_weight(T[type_name], n_ff, n_in, rng) for _ in range(2))
     t = interleave_rows(gate, up, "ffn_gate_up")
-    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack, glu=True)
+    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack, glu=True, glu_act=act)
     ref_g, ref_u = (dequantize(p.raw_bytes(), p.ggml_type).astype(np.float64) for p in (gate, up))
     x = rng.standard_normal(n_in).astype(np.float32)
     y = nan_like(n_ff)
     mm.gemv(w, cp.asarray(x), y)
     (g, limit), (u, _) = gemv_ref(type_name, ref_g, x), gemv_ref(type_name, ref_u, x)
-    err = rel_err(y.get(), silu(g) * u)
-    assert err < 2 * limit, f"{type_name} {n_ff}x{n_in}: {err:.2e} (seed {seed})"
+    f = GLU_REF[act]
+    err = rel_err(y.get(), f(g) * u)
+    assert err < 2 * limit, f"{type_name} {act} {n_ff}x{n_in}: {err:.2e} (seed {seed})"
     norm_w = (1 + 0.3 * rng.standard_normal(n_in)).astype(np.float32)
     y = nan_like(n_ff)
     mm.gemv(w, cp.asarray(x), y, norm=(cp.asarray(norm_w), 1e-6))
     xn = rms_normed(x, norm_w, 1e-6)
-    err = rel_err(y.get(), silu(ref_g @ xn) * (ref_u @ xn))
+    err = rel_err(y.get(), f(ref_g @ xn) * (ref_u @ xn))
     assert err < (3 * LIMIT_Q8 if type_name in QUANTIZED else 2e-5), f"{type_name} with norm: {err:.2e} (seed {seed})"
     with pytest.raises(ValueError, match="no residual"):
         mm.gemv(w, cp.asarray(x), y, residual=y)
@@ -375,6 +386,25 @@ def test_gemv_swiglu_variants_match_numpy(type_name, variant):
     mm.gemv(w, cp.asarray(x), y, variant=variant)
     g, u = (dequantize(p.raw_bytes(), p.ggml_type).astype(np.float64) @ q8_rounded(x) for p in (gate, up))
     assert rel_err(y.get(), silu(g) * u) < 2 * LIMIT_Q8_ROUNDED, f"seed {seed}"
+
+
+def test_glu_instances_keep_the_swiglu_names_and_add_gelu_ones():
+    """The SwiGLU instances keep their names (the GELU template argument left at its default);
+    the GeGLU ones, one group per type, compile only for a gelu_tanh model; make_weight names
+    an unknown activation."""
+    assert qk._gemv_q8_name(T.Q4_K, True, (16, 2, 1), True) == "gemv_q8<type_q4_K, true, 16, 2, true, true>"
+    assert qk._gemv_q8_name(T.Q4_K, True, (16, 2, 1), True, "gelu_tanh") == "gemv_q8<type_q4_K, true, 16, 2, true, true, true>"
+    assert qk._gemv_q8_name(T.Q4_K, True, (16, 2, 1), False, "gelu_tanh") == "gemv_q8<type_q4_K, true, 16, 2, true, false>"
+    assert qk._gemv_f_name(T.F32, True, True, "gelu_tanh") == "gemv_f<type_f32, 8, 4, true, true, true>"
+    gelu = qk.GROUPS["gemv.cu"]["Q6_K.gelu_tanh"]
+    assert len(gelu) == 2 and all(n.endswith("true, true>") for n in gelu)
+    assert not any(n.endswith("true, true, true>") for n in qk.GROUPS["gemv.cu"]["Q6_K"])
+    groups = lambda act: [g for f, g, _ in qk.compile_jobs([T.Q6_K, T.F32], True, act) if f == "gemv.cu"]  # noqa: E731
+    assert groups("silu") == [qk.GROUPS["gemv.cu"]["Q6_K"], qk.GROUPS["gemv.cu"]["F32"]]
+    assert qk.GROUPS["gemv.cu"]["F32.gelu_tanh"] in groups("gelu_tanh") and len(groups("gelu_tanh")) == 4
+    gate_up = Tensor("ffn_gate_up", T.F32, (4, 32), 0, None)
+    with pytest.raises(ValueError, match="relu"):
+        mm.make_weight(gate_up, np.zeros(512, np.uint8), False, glu=True, glu_act="relu")
 
 
 @pytest.mark.parametrize("swizzle", [1, 2])
@@ -397,10 +427,11 @@ def test_q8x_host_is_q8_rounded_in_the_kernel_layout(swizzle):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("act", list(GLU_REF))
 @pytest.mark.parametrize("down_type", QUANTIZED)
 @pytest.mark.parametrize("glu_type", [t for t in QUANTIZED if mm.QUANT[T[t]].handoff])
-def test_gemv_q8_handoff_is_the_quantization_of_y(glu_type, down_type):
-    """y_q8 from a SwiGLU product holds y quantized (q8_rounded) in the down type's layout;
+def test_gemv_q8_handoff_is_the_quantization_of_y(glu_type, down_type, act):
+    """y_q8 from a SwiGLU (or GeGLU) product holds y quantized (q8_rounded) in the down type's layout;
     down with x_q8 = it equals down on y itself to the bit, and never reads x. 4352 outputs =
     136 groups of 32: more than the grid has blocks, so blocks take unequal runs."""
     import cupy as cp
@@ -410,7 +441,7 @@ def test_gemv_q8_handoff_is_the_quantization_of_y(glu_type, down_type):
         n_in = 512
         gate, up = (random_weight(T[glu_type], n_ff, n_in, rng) for _ in range(2))
         t = interleave_rows(gate, up, "ffn_gate_up")
-        glu = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=True)
+        glu = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=True, glu_act=act)
         down, _ = weight(down_type, 300, n_ff, rng, True)
         assert mm.can_hand_off(glu, down)
         x = cp.asarray(rng.standard_normal(n_in).astype(np.float32))
@@ -603,6 +634,13 @@ def test_dequant_rows_is_exact(type_name, repack):
     out = nan_like((9, n_in))
     mm.dequant_rows(w, cp.asarray(ids), out)
     assert np.array_equal(out.get(), ref_w[ids].astype(np.float32)), f"{type_name} repack={repack} (seed {seed})"
+    # gemma's embedding scale inside the launch: numpy's one float32 product per value, over
+    # 301 rows (many thread blocks, the last one partly idle)
+    ids = rng.integers(0, n_out, size=301).astype(np.int32)
+    out = nan_like((301, n_in))
+    mm.dequant_rows(w, cp.asarray(ids), out, scale=61.96773)
+    want = ref_w[ids].astype(np.float32) * np.float32(61.96773)
+    assert np.array_equal(out.get(), want), f"{type_name} repack={repack} scaled (seed {seed})"
 
 
 # ---- microbenchmarks ---------------------------------------------------------------------------

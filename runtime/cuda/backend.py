@@ -95,7 +95,8 @@ class CudaBackend(TokenCache):
         o = ops.Ops(self.trace, **o_opts)
         # kernels compile on threads while the weights upload; the "compile" step waits for them
         matrix_types = {t.ggml_type for t in mf.tensors.values() if len(t.shape) == 2}
-        compiling = compile_async(quant_kernels.compile_jobs(matrix_types, w_opts.matrix.evict_first) + o.compile_jobs(cfg.head_dim))
+        compiling = compile_async(quant_kernels.compile_jobs(matrix_types, w_opts.matrix.evict_first, cfg.activation)
+                                  + o.compile_jobs(cfg.head_dim))
         plan = size_plan(mf, n_ctx, self.flags, o)
         chunk = plan.chunk
         stream, copy_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)

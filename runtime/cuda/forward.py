@@ -61,9 +61,8 @@ class Forward:
         part = None
         if n_split > 1:
             part = a.part[: cfg.n_head * n_split * (cfg.head_dim + 2)].reshape(1, cfg.n_head, n_split, cfg.head_dim + 2)
-        matmul.dequant_rows(self.w.token_embd, row_ids, x, stream=self.stream, trace=o.trace)
-        if cfg.embed_scale != 1.0:
-            o.scale(x, cfg.embed_scale)  # gemma: the embedding rows times sqrt(n_embd)
+        # gemma: the embedding rows times sqrt(n_embd), inside the lookup (embed_scale 1: none)
+        matmul.dequant_rows(self.w.token_embd, row_ids, x, stream=self.stream, trace=o.trace, scale=cfg.embed_scale)
         for li, L in enumerate(self.w.layers):
             # attention: norm, q/k/v projections (+bias), [q/k norm] + RoPE + cache store, attention, output + residual
             h, norm = self.normed(x, L.attn_norm, half)
@@ -112,8 +111,9 @@ class Forward:
         return cols
 
     def gate_up(self, L: LayerWeights, x1: cp.ndarray, ff: cp.ndarray, half: bool):
-        """ff (n, n_ff) = silu(gate) * up of rmsnorm(x1 (n, n_embd)) * ffn_norm: in the product's
-        epilogue for a glu weight on the matrix-vector path, else by the swiglu kernel. Returns
+        """ff (n, n_ff) = act(gate) * up of rmsnorm(x1 (n, n_embd)) * ffn_norm, act cfg.activation
+        (silu, gemma's gelu_tanh): in the product's epilogue for a glu weight on the matrix-vector
+        path (its glu_act), else by the swiglu (geglu) kernel. Returns
         L.ff_q8 when the epilogue also wrote ff quantized into it for w_down (one token), else None."""
         n = x1.shape[0]
         h, norm = self.normed(x1, L.ffn_norm, half)
@@ -126,7 +126,7 @@ class Forward:
         p = L.gate_up[0]
         if p.w.glu and matmul.uses_gemv(p.w, n):
             q8 = L.ff_q8 if n == 1 else None
-            for i in range(n):  # the matrix-vector path: SwiGLU in the epilogue
+            for i in range(n):  # the matrix-vector path: SwiGLU (GeGLU) in the epilogue
                 self.linear(p.w, h[i : i + 1], ff[i : i + 1], norm=norm, y_q8=q8)
             return q8
         self.linear(p.w, h, p.out[:n], norm=norm)

@@ -12,7 +12,7 @@ and kernels_cu/matmul.cu, their per-type decoders in kernels_cu/common.cuh.
 decode, y = W @ x: one kernel. Quantized types quantize x to 8 bits per 32 values inside each
 thread block (llama.cpp's q8_1 idea) and use integer dot products; F32/F16/BF16 use float x.
 The kernel can fold the RMSNorm of x into its prologue (`norm=`) and, for a weight whose rows
-interleave ffn_gate and ffn_up (combined(glu=True), DeviceWeight.glu), apply SwiGLU in its epilogue.
+interleave ffn_gate and ffn_up (combined(glu=True), DeviceWeight.glu), apply SwiGLU (GeGLU) in its epilogue.
 prefill, Y = X @ W^T: W is dequantized to fp16 a row range at a time (<= 32 MiB, so it stays in
 L2) and multiplied by cuBLAS on tensor cores (fp16 inputs, fp32 accumulation and output), or
 read from a whole fp16 copy made at load (make_half, DeviceWeight.half); X may come in fp16
@@ -48,8 +48,8 @@ from k4.runtime.trace import Trace
 from .constants import q8x_bytes, q8x_offsets
 from .launch import launch
 from .layout import MatrixSpec, _check_matrix, layout_nbytes
-from .quant_kernels import (DEQUANT_CHUNK_BYTES, FLOAT, FLOAT_GEMV, GEMV_MAX_TOKENS, QUANT, _dequant_name, _gemv_f_name,
-                            _gemv_q8_name, _kernel)
+from .quant_kernels import (DEQUANT_CHUNK_BYTES, FLOAT, FLOAT_GEMV, GEMV_MAX_TOKENS, GLU_ACTS, QUANT, _dequant_name,
+                            _gemv_f_name, _gemv_q8_name, _kernel)
 
 
 # ---- device weights ----------------------------------------------------------------------------
@@ -63,7 +63,8 @@ class DeviceWeight:
     K4_PREFILL_TC); pdl: gemv launches with programmatic dependent launch by default (flag
     K4_PDL); evict_first: its kernels load it with the L1 evict-first hint (flag K4_EVICT_FIRST);
     glu: the rows interleave ffn_gate and ffn_up (combined(glu=True)), so gemv yields
-    silu(gate) * up, (n_out / 2,), and matmul the interleaved (n_tok, n_out) products;
+    act(gate) * up, (n_out / 2,), and matmul the interleaved (n_tok, n_out) products;
+    glu_act: that act, a quant_kernels.GLU_ACTS key: "silu" (SwiGLU) or "gelu_tanh" (GeGLU);
     half: None or a cupy float16 (n_out, n_in) copy that matmul multiplies directly (make_half).
     """
 
@@ -76,6 +77,7 @@ class DeviceWeight:
     glu: bool = False
     evict_first: bool = True
     half: object = None
+    glu_act: str = "silu"
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -98,12 +100,14 @@ class WeightOptions:
 
 
 def make_weight(t: Tensor | MatrixSpec, device_bytes, repack: bool, glu: bool = False,
-                opts: WeightOptions = WeightOptions()) -> DeviceWeight:
+                opts: WeightOptions = WeightOptions(), glu_act: str = "silu") -> DeviceWeight:
     """Wrap `device_bytes` (cupy uint8, 1-D, the upload of weight_layout(t, repack), or what
-    device_layout wrote) as a DeviceWeight; glu: t holds gate and up rows interleaved.
+    device_layout wrote) as a DeviceWeight; glu: t holds gate and up rows interleaved, whose
+    gemv epilogue applies glu_act (a quant_kernels.GLU_ACTS key) to the gate.
 
     Raises ValueError when the bytes do not match the layout's size or `t` is not a matrix k4
-    can multiply (see weight_layout), or a glu matrix has an odd number of rows.
+    can multiply (see weight_layout), a glu matrix has an odd number of rows, or glu_act is
+    not a GLU_ACTS key.
     """
     n_out, n_in = _check_matrix(t)
     planar = bool(repack and t.ggml_type in QUANT)
@@ -112,8 +116,10 @@ def make_weight(t: Tensor | MatrixSpec, device_bytes, repack: bool, glu: bool = 
         raise ValueError(f"{t.name}: device bytes must be uint8 of shape ({expect},), got {device_bytes.dtype} {device_bytes.shape}")
     if glu and n_out % 2:
         raise ValueError(f"{t.name}: a gate/up interleaved matrix needs an even number of rows, got {n_out}")
+    if glu_act not in GLU_ACTS:
+        raise ValueError(f"{t.name}: no gate/up epilogue for activation {glu_act!r} (have {', '.join(GLU_ACTS)})")
     return DeviceWeight(t.ggml_type, (n_out, n_in), device_bytes, planar, opts.tensor_cores, opts.pdl, glu,
-                        evict_first=opts.evict_first)
+                        evict_first=opts.evict_first, glu_act=glu_act)
 
 
 def half_bytes(w: DeviceWeight) -> int:
@@ -189,14 +195,14 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         q = QUANT[w.ggml_type]
         variant = variant or (q.glu if w.glu else q.gemv)
         warps = variant[0]
-        kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu), w.evict_first)
+        kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act), w.evict_first)
         smem = q8x_bytes(n_in)
         if w.glu and QUANT[w.ggml_type].handoff:  # room for one block's outputs (y_q8): its 32-output groups
             groups = -(-n_out // 32)
             smem += 4 * 32 * -(-groups // min(device_limits()[0], n_out))  # the grid has at least this many blocks
     else:
         warps = FLOAT_GEMV[0]
-        kernel = _kernel("gemv.cu", _gemv_f_name(w.ggml_type, (n_in * FLOAT[w.ggml_type][1]) % 16 == 0, w.glu))
+        kernel = _kernel("gemv.cu", _gemv_f_name(w.ggml_type, (n_in * FLOAT[w.ggml_type][1]) % 16 == 0, w.glu, w.glu_act))
         smem = 4 * n_in if norm else 0
     if smem > 48 << 10:
         kernel.max_dynamic_shared_size_bytes = smem
@@ -233,7 +239,8 @@ def _capturing(stream) -> bool:
 def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=None, trace: Trace | None = None,
          variant: tuple[int, int, int] | None = None, pdl: bool | None = None, x_q8: Q8Vector | None = None,
          y_q8: Q8Vector | None = None) -> None:
-    """y = w @ x (+ bias) (+ residual), one kernel launch; with w.glu, y = silu(gate @ x) * (up @ x).
+    """y = w @ x (+ bias) (+ residual), one kernel launch; with w.glu, y = act(gate @ x) * (up @ x),
+    act w.glu_act (silu, or gelu_tanh for gemma).
 
     x: (n_in,) float32, 16-byte aligned; y: (n_out,) float32, (n_out / 2,) for w.glu;
     residual: like y or None, may be y itself (in-place residual add); bias: like y or None;
@@ -326,7 +333,8 @@ def _check_q8(w: DeviceWeight, x_q8: Q8Vector | None, y_q8: Q8Vector | None, n_i
 
 # ---- embeddings: rows of a matrix ----------------------------------------------------------------
 
-def _dequant_launch(w: DeviceWeight, row_ids, row0: int, n_rows: int, out, out_type: str, stream, trace) -> None:
+def _dequant_launch(w: DeviceWeight, row_ids, row0: int, n_rows: int, out, out_type: str, stream, trace,
+                    scale: float = 1.0) -> None:
     n_in = w.shape[1]
     kernel = _kernel("matmul.cu", _dequant_name(w.ggml_type, w.planar, out_type), w.evict_first)
     if w.ggml_type in QUANT:
@@ -335,12 +343,15 @@ def _dequant_launch(w: DeviceWeight, row_ids, row0: int, n_rows: int, out, out_t
     else:
         per_row = n_in
         args = (w.data, np.int32(n_in), _null_or(row_ids), np.int32(row0), np.int32(n_rows), out)
-    threads = 256
+    args += (np.float32(scale),)
+    threads = 256  # a multiple of every type's runs per ggml block (dequant_q's scale needs it)
     launch(kernel, (math.ceil(n_rows * per_row / threads),), (threads,), args, 0, stream, trace)
 
 
-def dequant_rows(w: DeviceWeight, row_ids, out, stream=None, trace: Trace | None = None) -> None:
-    """out[i] = float32 row row_ids[i] of w, exactly as gguf's numpy dequantize computes it.
+def dequant_rows(w: DeviceWeight, row_ids, out, stream=None, trace: Trace | None = None, scale: float = 1.0) -> None:
+    """out[i] = float32 row row_ids[i] of w, exactly as gguf's numpy dequantize computes it;
+    times `scale` (gemma's embedding scale sqrt(n_embd)) when not 1, exactly as numpy's
+    row * np.float32(scale) (one float32 product per value).
 
     row_ids: (n,) int32 cupy array of row indices, each in [0, n_out) (not checked: the ids
     stay on the device); out: (n, n_in) float32 cupy array, contiguous, 16-byte aligned.
@@ -350,7 +361,7 @@ def dequant_rows(w: DeviceWeight, row_ids, out, stream=None, trace: Trace | None
     _check_array("row_ids", row_ids, (n,), np.int32)
     _check_array("out", out, (n, w.shape[1]), align16=True)
     if n:
-        _dequant_launch(w, row_ids, 0, n, out, "float", stream, trace)
+        _dequant_launch(w, row_ids, 0, n, out, "float", stream, trace, scale)
 
 
 # ---- prefill: matrix-matrix --------------------------------------------------------------------

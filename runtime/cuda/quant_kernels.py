@@ -24,7 +24,8 @@ class QuantKernels:
     decoder: the C++ decoder struct in kernels_cu/common.cuh.
     gemv:    (WARPS, U, PF) of the gemv_q8 instance used: warps per block, chunks in flight per
              lane, and whether the next U chunks load while the current ones are multiplied.
-    glu:     the same for the SwiGLU-epilogue instance (Q8_0 holds fewer chunks: more spill).
+    glu:     the same for the SwiGLU-epilogue instance (Q8_0 holds fewer chunks: more spill), and
+             for its GeGLU twin (GLU_ACTS).
     groups, x_swizzle, handoff: constants.QuantLayout, shared with the kernels (planar groups,
              the layout of its q8 x (Q8Vector), whether its SwiGLU instance can also write its
              output as a Q8Vector (gemv y_q8)).
@@ -81,13 +82,18 @@ def _bool(b: bool) -> str:
     return "true" if b else "false"
 
 
-def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool = False) -> str:
+# The GLU epilogues (gemv.cu glu_act): ModelConfig.activation -> the instances' trailing GELU
+# template argument ("" leaves the default, false: the SwiGLU instances keep their names).
+GLU_ACTS: dict[str, str] = {"silu": "", "gelu_tanh": ", true"}
+
+
+def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool = False, act: str = "silu") -> str:
     warps, u, pf = variant
-    return f"gemv_q8<{QUANT[t].decoder}, {_bool(planar)}, {warps}, {u}, {_bool(pf)}, {_bool(glu)}>"
+    return f"gemv_q8<{QUANT[t].decoder}, {_bool(planar)}, {warps}, {u}, {_bool(pf)}, {_bool(glu)}{GLU_ACTS[act] if glu else ''}>"
 
 
-def _gemv_f_name(t: T, vec: bool, glu: bool = False) -> str:
-    return f"gemv_f<{FLOAT[t][0]}, {FLOAT_GEMV[0]}, {FLOAT_GEMV[1]}, {_bool(vec)}, {_bool(glu)}>"
+def _gemv_f_name(t: T, vec: bool, glu: bool = False, act: str = "silu") -> str:
+    return f"gemv_f<{FLOAT[t][0]}, {FLOAT_GEMV[0]}, {FLOAT_GEMV[1]}, {_bool(vec)}, {_bool(glu)}{GLU_ACTS[act] if glu else ''}>"
 
 
 def _dequant_name(t: T, planar: bool, out: str) -> str:
@@ -104,6 +110,14 @@ def _gemv_names(t: T) -> tuple[str, ...]:
     return tuple(_gemv_f_name(t, vec, glu) for vec in (True, False) for glu in (False, True))
 
 
+def _gelu_names(t: T) -> tuple[str, ...]:
+    """The GeGLU-epilogue gemv.cu instances of type t (both layouts): their own compile group
+    (f"{t.name}.gelu_tanh"), compiled only for a model whose activation is gelu_tanh."""
+    if t in QUANT:
+        return tuple(_gemv_q8_name(t, p, QUANT[t].glu, True, "gelu_tanh") for p in (False, True))
+    return tuple(_gemv_f_name(t, vec, True, "gelu_tanh") for vec in (True, False))
+
+
 def _matmul_names(t: T) -> tuple[str, ...]:
     """The matmul.cu dequantization instances of type t (both output types, both layouts)."""
     layouts = (False, True) if t in QUANT else (False,)
@@ -116,6 +130,7 @@ def _matmul_names(t: T) -> tuple[str, ...]:
 GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
     "gemv.cu": {
         **{t.name: _gemv_names(t) for t in (*QUANT, *FLOAT)},
+        **{f"{t.name}.gelu_tanh": _gelu_names(t) for t in (*QUANT, *FLOAT)},
         "bench": tuple(_gemv_q8_name(t, p, v, glu) for glu, extra in ((False, EXTRA_GEMV_VARIANTS), (True, EXTRA_GLU_VARIANTS))
                        for t, vs in extra.items() for v in vs for p in (False, True)),
     },
@@ -128,15 +143,18 @@ def _defines(evict_first: bool) -> tuple[str, ...]:
     return () if evict_first else ("K4_EVICT_FIRST=0",)
 
 
-def compile_jobs(types: Iterable[T], evict_first: bool = True) -> list:
+def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str = "silu") -> list:
     """compile.module() arguments for the matrix kernels of weights of `types` (ggml types with
     CUDA kernels; others are skipped): their gemv and dequantization instances, and matmul.cu's
-    conversions. For compile.compile_async at load."""
+    conversions; with activation "gelu_tanh" (ModelConfig.activation) also the GeGLU-epilogue
+    instances. For compile.compile_async at load."""
     present = [t for t in dict.fromkeys(types) if t in QUANT or t in FLOAT]
     jobs = [("matmul.cu", GROUPS["matmul.cu"]["common"], ())]
     for t in present:
         jobs += [("gemv.cu", GROUPS["gemv.cu"][t.name], _defines(evict_first)),
                  ("matmul.cu", GROUPS["matmul.cu"][t.name], _defines(evict_first))]
+        if activation != "silu" and activation in GLU_ACTS:
+            jobs.append(("gemv.cu", GROUPS["gemv.cu"][f"{t.name}.{activation}"], _defines(evict_first)))
     return jobs
 
 

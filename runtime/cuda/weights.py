@@ -3,7 +3,7 @@
 Matrices go to the device in their quantized block layout (Q4_K stays 144 bytes per 256
 weights; repacked into per-field planes with K4_REPACK), the q/k/v and gate/up matrices of a
 layer stacked into one matrix per run of one ggml type (K4_STACK), gate/up rows interleaved for
-the SwiGLU epilogue (K4_FUSE_SWIGLU); a file's fused attn_qkv or gate|up ffn_up (phi3) comes
+the SwiGLU (GeGLU) epilogue (K4_FUSE_SWIGLU); a file's fused attn_qkv or gate|up ffn_up (phi3) comes
 as row views of its bytes (model.layer_matrices) and is planned like separate tensors. Vectors
 (norms, biases) go as float32; the RoPE table (runtime/rope.py, from rope_freqs or LongRoPE's
 factors) as the float64 inverse frequencies the RoPE kernels read. The file is read by memory.Uploader's
@@ -130,7 +130,8 @@ def matrix_plan(mf: ModelFile, cfg: ModelConfig, opts: WeightOptions) -> list[tu
     """The matrices to upload, in order: (key, tensors, glu), key a tensor name or (layer, "qkv"
     or "gate_up", index of the run of one type); tensors: model.Tensor, the q/k/v and gate/up
     ones by their unfused names (row views of a fused tensor, model.layer_matrices); glu: gate/up
-    interleaved."""
+    interleaved, for the product's act(gate) * up epilogue (silu, or gemma's gelu_tanh:
+    matmul.GLU_ACTS)."""
     plan = []
     for name, shape in expected_shapes(cfg).items():
         if len(shape) == 2 and not (name.startswith("blk.") and name.split(".")[2] in STACKED):
@@ -139,7 +140,7 @@ def matrix_plan(mf: ModelFile, cfg: ModelConfig, opts: WeightOptions) -> list[tu
         m = layer_matrices(mf, i)
         for part, tensors in (("qkv", [m["attn_q"], m["attn_k"], m["attn_v"]]), ("gate_up", [m["ffn_gate"], m["ffn_up"]])):
             types = [t.ggml_type for t in tensors]
-            if part == "gate_up" and opts.glu and types[0] == types[1] and cfg.activation == "silu":
+            if part == "gate_up" and opts.glu and types[0] == types[1] and cfg.activation in matmul.GLU_ACTS:
                 plan.append(((i, part, 0), tensors, True))
                 continue
             for j, run in enumerate(runs_of_one_type(types, opts.stack)):
@@ -166,7 +167,7 @@ class WeightLoader:
         load_tmp = self.mem.empty(max(tmp, 1), cp.uint8, "scratch")  # file bytes awaiting device_layout
         up = memory.Uploader(self.trace, self.copy_stream, weight_bytes(mf, cfg), self.opts.pinned, progress)
         try:
-            dev = {key: self._matrix(up, mf, tensors, glu, load_tmp) for key, tensors, glu in plan}
+            dev = {key: self._matrix(up, mf, tensors, glu, load_tmp, cfg.activation) for key, tensors, glu in plan}
             for name, shape in expected_shapes(cfg).items():
                 if len(shape) == 1 and not name.startswith("rope_"):  # the RoPE factors go into the table
                     dev[name] = self._vector(up, dequantize_tensor(mf.tensor(name)))  # (n,) f32
@@ -186,9 +187,10 @@ class WeightLoader:
         self.mem.release(load_tmp, "scratch")
         return _assemble(cfg, plan, dev, biases, rope.mscale)
 
-    def _matrix(self, up, mf: ModelFile, tensors: Sequence, glu: bool, load_tmp):
+    def _matrix(self, up, mf: ModelFile, tensors: Sequence, glu: bool, load_tmp, act: str = "silu"):
         """Upload the rows of `tensors` (one ggml type and n_in) as one DeviceWeight: stacked in
-        order, or with glu the two (ffn_gate, ffn_up) interleaved (matmul.combined). The file's
+        order, or with glu the two (ffn_gate, ffn_up) interleaved (matmul.combined), their
+        epilogue act(gate) * up (act: ModelConfig.activation). The file's
         bytes go to the device as they are; when the layout differs (planar repack, interleave),
         they land in load_tmp and layout.device_layout rearranges them on the copy stream."""
         repack = self.opts.repack
@@ -209,7 +211,7 @@ class WeightLoader:
             else:
                 up.upload_file(target.data.ptr + at, mf.path, t.file_offset, t.n_bytes, then)
             at += t.n_bytes
-        return matmul.make_weight(spec, buf, repack, glu, self.opts.matrix)
+        return matmul.make_weight(spec, buf, repack, glu, self.opts.matrix, glu_act=act if glu else "silu")
 
     def _vector(self, up, host: np.ndarray):
         buf = self.mem.empty(host.shape, host.dtype, "weights")
