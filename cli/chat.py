@@ -9,6 +9,10 @@ whole conversation again). Ctrl-C at the prompt says how to leave; Ctrl-D or /by
 Piped (stdin not a terminal): each line is one user message (lines starting with / are slash
 commands), replies go to stdout one per line, notices and stats to stderr; an error ends the run.
 
+Thinking (`<think>...</think>`, split in runtime/chat.py): --reasoning on shows it dimmed (piped: on
+stderr), hidden does not show it, off asks the model not to think where the template can (Qwen3's
+enable_thinking) and hides what still comes; `/set think` changes it. It is never sent back.
+
 The conversation logic lives in runtime/chat.py; this module reads input, dispatches commands and
 renders.
 """
@@ -24,12 +28,13 @@ from typing import Annotated, List, Optional
 
 import typer
 
+from k4.runtime.chat import Thought
 from k4.runtime.errors import K4Error, TemplateError, UsageError
 from k4.runtime.flags import Flags
 from k4.runtime.sampling import SamplingParams
 
 from . import common as c
-from .render import clean, err, errors_to_exit, generation_rates, out, rate_text, table, trace_table
+from .render import clean, dim, err, errors_to_exit, generation_rates, out, rate_text, table, trace_table
 
 PROMPT, CONTINUATION = ">>> ", "... "
 BLOCK = '"""'
@@ -37,7 +42,7 @@ BLOCK = '"""'
 COMMANDS = (
     ("/help", "this list"),
     ("/system [TEXT]", "set the system prompt (no TEXT: show it); applies from the next message"),
-    ("/set [PARAM VALUE]", "set temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed (-1 = random) or max_tokens (-1 = no limit); no PARAM: show them"),
+    ("/set [PARAM VALUE]", "set temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed (-1 = random), max_tokens (-1 = no limit) or think (on: thinking shown dimmed, hidden, off: ask the model not to think); no PARAM: show them"),
     ("/show [template]", "model, backend, context use, parameters and chat template (template: its source)"),
     ("/clear", "start a new conversation (the system prompt stays)"),
     ("/regen", "answer the last message again, replacing the last reply"),
@@ -171,10 +176,11 @@ class Repl:
                 err.print(f"context full: dropped the {plan.dropped_turns} oldest turn(s) so the conversation fits in "
                           f"{s.n_ctx} tokens (the system prompt stays; /save still writes every message)", style="yellow", markup=False)
             stream = s.run(plan)
+            thinking = False  # the last piece written was thinking
             try:
                 for piece in stream:
-                    sys.stdout.write(clean(piece) if self.interactive else piece)  # no escape sequences from a vocabulary
-                    sys.stdout.flush()
+                    self.write_piece(piece, thinking)
+                    thinking = isinstance(piece, Thought)
                     if guard.hit:
                         break
             except KeyboardInterrupt:
@@ -187,6 +193,23 @@ class Repl:
             sys.stdout.flush()
             if s.last is not previous:
                 self.report()
+
+    def write_piece(self, piece: str, after_thought: bool) -> None:
+        """One streamed piece: the answer to stdout; thinking (a Thought) dimmed on a terminal, or
+        to stderr when piped; a line break between the thinking and the answer."""
+        text = clean(piece) if self.interactive else piece  # no escape sequences from a vocabulary
+        if isinstance(piece, Thought):
+            if not self.interactive:
+                sys.stderr.write(text)
+                sys.stderr.flush()
+                return
+            text = dim(text)
+        elif after_thought and self.interactive:
+            text = "\n" + text
+        elif after_thought:
+            sys.stderr.write("\n")
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
     def plan(self, text: str | None):
         """ChatSession.plan; when the chat template fails (an error, a limit), once more with
@@ -241,6 +264,14 @@ class Repl:
             value = str(c.resolve_seed(int(value)))
         self.session.set_param(name, value)
         out.print(f"{name} = {self.session.settings()[name]}", markup=False)
+        if name == "think":
+            self.think_notice()
+
+    def think_notice(self) -> None:
+        """Say so when thinking is off but the template has no switch to turn it off."""
+        if self.session.reasoning == "off" and not self.session.template.has_thinking_switch:
+            err.print("this chat template has no switch to turn thinking off; any thinking the model writes is hidden",
+                      style="dim", markup=False)
 
     def show(self, what: str) -> None:
         s, cfg = self.session, self.loaded.mf.config
@@ -383,10 +414,11 @@ def chat(
     seed: c.SeedOpt = -1,
     no_bos: c.NoBosOpt = False,
     stop: Annotated[Optional[List[str]], typer.Option("--stop", help="End a reply when this text appears (repeatable).")] = None,
+    reasoning: Annotated[str, typer.Option("--reasoning", help="<think> output: on (shown dimmed), hidden (generated, not shown), off (ask the model not to think where its template can).")] = "on",
     backend: c.BackendOpt = "auto",
 ) -> None:
     """Chat with a GGUF model: line editing, history, slash commands (/help); or one message per line from a pipe."""
-    from k4.runtime.chat import ChatSession
+    from k4.runtime.chat import ChatSession, check_reasoning
     from k4.runtime.chat_template import ChatTemplate
 
     flags = Flags()
@@ -394,6 +426,7 @@ def chat(
         err.print(f"warning: {warning}", style="yellow", markup=False)
     params = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, c.resolve_seed(seed)).validate()
     c.check_n_predict(n_predict)
+    check_reasoning(reasoning)
     system_text = system_prompt(system, system_file)
     path = c.model_path(model)
     loaded = c.load_session(path, backend, ctx_size, flags)
@@ -408,9 +441,10 @@ def chat(
     if template.is_fallback and chat_template is None and not loaded.mf.meta("tokenizer.chat_template"):
         err.print(f"warning: the model has no chat template; using k4's fallback ({template.origin}); pass "
                   "--chat-template FILE for the model's own", style="yellow", markup=False)
-    session = ChatSession(loaded.backend, loaded.tokenizer, template, params, n_predict, system_text, no_bos, stop or ())
+    session = ChatSession(loaded.backend, loaded.tokenizer, template, params, n_predict, system_text, no_bos, stop or (), reasoning)
     interactive = sys.stdin is not None and not sys.stdin.closed and sys.stdin.isatty()
     repl = Repl(session, loaded, path, interactive=interactive, stats=not no_stats)
+    repl.think_notice()
     if repl.interactive:
         repl.run_interactive(history if history is not None else default_history())
     else:

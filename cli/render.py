@@ -56,6 +56,16 @@ def clean(text: str) -> str:
     return _CONTROL.sub("", valid_text(text))
 
 
+DIM_ON, DIM_OFF = "\x1b[2m", "\x1b[22m"  # SGR 2 (faint) and 22 (normal intensity), ECMA-48
+
+
+def dim(text: str) -> str:
+    """`text` wrapped in the faint/normal-intensity escape codes when stdout is a terminal (rich's
+    detection, so TERM=dumb and redirections get plain text); for the model's thinking in k4 chat.
+    `text` must already be clean()ed."""
+    return f"{DIM_ON}{text}{DIM_OFF}" if out.is_terminal and not out.is_dumb_terminal else text
+
+
 def fail(message: str, code: int = 2) -> None:
     """Print `error: message` on stderr (the message as plain text: no markup, no control
     characters) and exit with `code`."""

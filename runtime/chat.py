@@ -17,6 +17,16 @@ message in the window. A message that does not fit even alone is refused (Contex
 Replies and randomness: reply number k since the seed was set draws with seed + k, so /regen gives
 a new reply and a session with the same --seed and inputs replays exactly.
 
+Thinking (Qwen3, DeepSeek-R1 and their distills): a reply that opens with `<think>` (or whose
+generation prompt ends with `<think>`, as DeepSeek-R1's template writes it) is split by ThinkSplitter
+into the thinking, yielded as `Thought` pieces, and the answer, yielded as plain str. `reasoning`
+picks what happens: "on" yields both; "hidden" yields the answer only (the model still thinks);
+"off" renders the template with enable_thinking=False where the template has that switch (Qwen3's:
+the generation prompt then holds an empty think block) and yields the answer only. In every mode
+the assistant message kept in the conversation (and sent back on later turns, and saved) is the
+answer alone: Qwen3's and DeepSeek-R1's templates drop the thinking of earlier turns themselves,
+but other templates do not, so k4 never sends it back.
+
 Saved conversations are a JSON list of {"role", "content"} objects (what `k4 prompt --messages`
 reads): the system prompt first when there is one, then user and assistant messages.
 """
@@ -33,6 +43,92 @@ from .errors import ContextFullError, UsageError
 from .generate import GenerationResult, Generator
 from .sampling import MASK64, SamplingParams
 from .trace import Counters, Trace
+
+REASONING_MODES = ("on", "hidden", "off")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+class Thought(str):
+    """A piece of the model's thinking (text between <think> and </think>), as ChatSession.run yields it."""
+
+
+class ThinkSplitter:
+    """Split streamed reply text into thinking and answer, as Qwen3 and DeepSeek-R1 write it:
+    optional whitespace, `<think>`, the thinking, `</think>`, whitespace, the answer. A `<think>`
+    counts only before any answer text; tags split across pieces are held back until complete.
+
+    opened: the generation prompt already ended with `<think>` (DeepSeek-R1's template), so the
+    reply starts inside the thinking. feed(text) and flush() return a list of pieces: Thought for
+    thinking, str for the answer; the tags themselves and the whitespace after `<think>` and
+    after `</think>` are dropped. `thinking` and `answer` accumulate everything returned.
+    """
+
+    def __init__(self, opened: bool = False):
+        self.state = "opening" if opened else "start"
+        self.buf = ""
+        self.thinking = ""
+        self.answer = ""
+
+    def _emit(self, out: list[str], text: str, think: bool) -> None:
+        if not text:
+            return
+        if think:
+            self.thinking += text
+            out.append(Thought(text))
+        else:
+            self.answer += text
+            out.append(text)
+
+    def feed(self, text: str) -> list[str]:
+        out: list[str] = []
+        self.buf += text
+        while self.buf:
+            if self.state == "start":
+                body = self.buf.lstrip()
+                if body.startswith(THINK_OPEN):
+                    self.buf, self.state = body[len(THINK_OPEN):], "opening"
+                elif THINK_OPEN.startswith(body):
+                    break  # only whitespace or a partial "<think>" so far
+                else:
+                    self.state = "answer"
+            elif self.state in ("opening", "after"):  # whitespace after <think> and after </think> is dropped
+                self.buf = self.buf.lstrip()
+                if self.buf:
+                    self.state = "think" if self.state == "opening" else "answer"
+            elif self.state == "think":
+                at = self.buf.find(THINK_CLOSE)
+                if at >= 0:
+                    self._emit(out, self.buf[:at], True)
+                    self.buf, self.state = self.buf[at + len(THINK_CLOSE):], "after"
+                    continue
+                keep = next((k for k in range(min(len(THINK_CLOSE) - 1, len(self.buf)), 0, -1)
+                             if THINK_CLOSE.startswith(self.buf[-k:])), 0)
+                self._emit(out, self.buf[:len(self.buf) - keep], True)
+                self.buf = self.buf[len(self.buf) - keep:]
+                break
+            else:
+                self._emit(out, self.buf, False)
+                self.buf = ""
+        return out
+
+    def flush(self) -> list[str]:
+        """The text held back at the end of the reply (a partial tag is text after all)."""
+        out: list[str] = []
+        text, self.buf = self.buf, ""
+        if self.state == "think":
+            self._emit(out, text, True)
+        elif self.state in ("start", "answer"):
+            self._emit(out, text, False)
+        return out
+
+
+def split_thinking(text: str, opened: bool = False) -> tuple[str, str]:
+    """(thinking, answer) of a whole reply; see ThinkSplitter."""
+    splitter = ThinkSplitter(opened)
+    splitter.feed(text)
+    splitter.flush()
+    return splitter.thinking, splitter.answer
+
 
 # /set names -> (SamplingParams field, or "n_predict" for the reply length; value type)
 SETTABLE: dict[str, tuple[str, type]] = {
@@ -55,23 +151,27 @@ class TurnPlan:
     messages: every message after the turn's user message is added (system excluded).
     start: index in `messages` of the first message in the window.
     dropped_turns: user messages that leave the window in this turn (0 when all fit).
+    think_opened: the rendered prompt ends inside a `<think>` (the reply starts with thinking).
     """
 
     prompt_ids: list[int]
     messages: list[dict]
     start: int
     dropped_turns: int
+    think_opened: bool = False
 
 
 @dataclass
 class TurnReport:
     """The last reply: its GenerationResult (stop_reason "interrupted" when the stream stopped
     early), the trace counters of this turn alone (ms, bytes, counts per phase), and whether the
-    KV cache was emptied because an exception left it in an unknown state."""
+    KV cache was emptied because an exception left it in an unknown state; thinking: the reply's
+    thinking (kept out of the conversation)."""
 
     result: GenerationResult
     trace: Trace
     cache_reset: bool = False
+    thinking: str = ""
 
 
 def trace_since(before: dict[str, Counters], trace: Trace) -> Trace:
@@ -93,11 +193,12 @@ class ChatSession:
     runtime.tokenizer.Tokenizer; template: runtime.chat_template.ChatTemplate; params: sampling
     parameters (validated); n_predict: reply length limit in tokens (-1 = until end of generation
     or a full context); system: the system prompt or None; no_bos: never add BOS; stop: strings
-    that end a reply.
+    that end a reply; reasoning: "on", "hidden" or "off" (see the module notes). Raises UsageError
+    for another reasoning mode.
     """
 
     def __init__(self, backend: Backend, tokenizer, template, params: SamplingParams, n_predict: int = -1,
-                 system: str | None = None, no_bos: bool = False, stop: Sequence[str] = ()):
+                 system: str | None = None, no_bos: bool = False, stop: Sequence[str] = (), reasoning: str = "on"):
         self.backend = backend
         self.tokenizer = tokenizer
         self.template = template
@@ -106,6 +207,7 @@ class ChatSession:
         self.system = system
         self.no_bos = no_bos
         self.stop = tuple(stop)
+        self.reasoning = check_reasoning(reasoning)
         self.messages: list[dict] = []  # user and assistant messages, oldest first
         self.start = 0  # index of the first message in the context window
         self.replies = 0  # replies drawn since the seed was set
@@ -146,10 +248,17 @@ class ChatSession:
         added when the model asks for it, unless the rendered text already starts with the BOS
         text (templates that write {{ bos_token }}) or no_bos. Raises TemplateError.
         """
-        text = self.template.render(messages, add_generation_prompt=True)
+        return self._encode(messages)[0]
+
+    def _encode(self, messages: list[dict]) -> tuple[list[int], bool]:
+        """encode's ids, and whether the rendered text ends inside an open `<think>`."""
+        variables = {"enable_thinking": False} if self.reasoning == "off" else None
+        text = self.template.render(messages, add_generation_prompt=True, variables=variables)
+        tail = text.rstrip()
+        opened = tail.endswith(THINK_OPEN)
         bos = self.tokenizer.bos_text
         add_bos = self.tokenizer.add_bos and not self.no_bos and not (bos and text.startswith(bos))
-        return self.tokenizer.encode(text, add_bos=add_bos, parse_special=True)
+        return self.tokenizer.encode(text, add_bos=add_bos, parse_special=True), opened
 
     def plan(self, user_text: str | None) -> TurnPlan:
         """The next turn: `user_text` as a new user message, or None to answer the last user
@@ -174,7 +283,7 @@ class ChatSession:
         head = [{"role": "system", "content": self.system}] if self.system is not None else []
         dropped = 0
         while True:
-            ids = self.encode(head + messages[start:])
+            ids, opened = self._encode(head + messages[start:])
             if len(ids) + self.reply_reserve <= self.n_ctx:
                 break
             if start == last_user:
@@ -188,7 +297,7 @@ class ChatSession:
             dropped += 1
             while start < last_user and messages[start]["role"] != "user":
                 start += 1
-        return TurnPlan(ids, messages, start, dropped)
+        return TurnPlan(ids, messages, start, dropped, opened)
 
     def run(self, plan: TurnPlan) -> Iterator[str]:
         """Carry out `plan`: stream the reply's text pieces and add the reply to the conversation.
@@ -205,9 +314,17 @@ class ChatSession:
         trace = self.backend.trace
         before = {name: replace(c) for name, c in trace.phases.items()}
         stream = self.generator.stream(plan.prompt_ids, params, self.n_predict, self.stop)
+        splitter = ThinkSplitter(plan.think_opened)
+        show_thoughts = self.reasoning == "on"
         finished = cache_reset = False
         try:
-            yield from stream
+            for piece in stream:
+                for part in splitter.feed(piece):
+                    if show_thoughts or not isinstance(part, Thought):
+                        yield part
+            for part in splitter.flush():
+                if show_thoughts or not isinstance(part, Thought):
+                    yield part
             finished = True
         except GeneratorExit:
             raise
@@ -219,14 +336,19 @@ class ChatSession:
             result = self.generator.result
             if not finished:
                 result.stop_reason = "interrupted"
-            self.messages.append({"role": "assistant", "content": result.text})
-            self.last = TurnReport(result, trace_since(before, trace), cache_reset)
+            if not finished:
+                splitter.flush()
+            self.messages.append({"role": "assistant", "content": splitter.answer})
+            self.last = TurnReport(result, trace_since(before, trace), cache_reset, splitter.thinking)
 
     def set_param(self, name: str, value: str) -> None:
         """/set NAME VALUE for a name in SETTABLE. Raises UsageError for an unknown name, a value
         that does not parse, or one out of range (a seed must be >= 0)."""
+        if name == "think":
+            self.reasoning = check_reasoning(value)
+            return
         if name not in SETTABLE:
-            raise UsageError(f"cannot set {name!r}; settable: {', '.join(SETTABLE)}")
+            raise UsageError(f"cannot set {name!r}; settable: {', '.join(SETTABLE)}, think")
         field, kind = SETTABLE[name]
         try:
             number = kind(value)
@@ -245,8 +367,10 @@ class ChatSession:
 
     def settings(self) -> dict[str, object]:
         """The /set names and their current values."""
-        return {name: self.n_predict if field == "n_predict" else getattr(self.params, field)
-                for name, (field, _) in SETTABLE.items()}
+        values: dict[str, object] = {name: self.n_predict if field == "n_predict" else getattr(self.params, field)
+                                     for name, (field, _) in SETTABLE.items()}
+        values["think"] = self.reasoning
+        return values
 
     def clear(self) -> None:
         """Start a new conversation; the system prompt stays (and so does its cached prefix)."""
@@ -267,6 +391,13 @@ class ChatSession:
         if not messages:
             raise UsageError("the conversation is empty; there is nothing to save yet")
         save_conversation(path, messages, overwrite)
+
+
+def check_reasoning(mode: str) -> str:
+    """`mode` if it is one of REASONING_MODES; else UsageError."""
+    if mode not in REASONING_MODES:
+        raise UsageError(f"reasoning {mode!r} is unknown; use on (thinking shown dimmed), hidden (not shown) or off (ask the model not to think)")
+    return mode
 
 
 def save_conversation(path: Path, messages: list[dict], overwrite: bool = False) -> None:

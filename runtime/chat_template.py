@@ -118,19 +118,30 @@ class ChatTemplate:
             raise TemplateError(f"{path}: cannot read the chat template ({reason}); pass a readable .jinja file") from None
         return cls(source, str(path), tokenizer.bos_text, tokenizer.eos_text)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, now: datetime | None = None) -> str:
+    @property
+    def has_thinking_switch(self) -> bool:
+        """True when the template reads `enable_thinking` (Qwen3's switch: false makes the
+        generation prompt an empty `<think>\\n\\n</think>\\n\\n`, so the model answers at once)."""
+        return "enable_thinking" in self.source
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, now: datetime | None = None,
+               variables: dict[str, Any] | None = None) -> str:
         """The prompt text for `messages` (dicts with "role" and "content"; what else a template
         reads, such as "tool_calls", is passed through). add_generation_prompt appends the
         header that opens the assistant's turn, where the template has one. now: the time
         `strftime_now` reports (default: the local time at the call), for reproducible output.
+        variables: extra template variables, as transformers' apply_chat_template passes its
+        **kwargs (e.g. {"enable_thinking": False}); they cannot replace the ones above.
 
         Raises TemplateError with the template's own message when it calls raise_exception,
         breaks a sandbox rule or fails on the messages.
         """
         clock = now or datetime.now()
+        extra = {k: v for k, v in (variables or {}).items() if k not in _RESERVED}
         try:
             return render_limited(
                 self._template,
+                **extra,
                 input_chars=sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)),
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
@@ -149,6 +160,7 @@ class ChatTemplate:
 
 
 MAX_MESSAGES_BYTES = 64 * 2**20  # the largest messages file read
+_RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents", "strftime_now", "input_chars"})
 
 
 def load_messages(path: str | os.PathLike) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Chat templates: the four real templates rendered to exact text, errors, sandbox, fallback, messages files."""
+"""Chat templates: the real templates (Qwen2.5, Qwen3, Llama 3.1, Mistral Nemo, Phi-3.5, Phi-4, Gemma 3) rendered to exact text, errors, sandbox, fallback, messages files."""
 
 from __future__ import annotations
 
@@ -67,6 +67,54 @@ EXPECTED = {
     ),
 }
 
+# Gemma 3, Phi-4 and Qwen3: the expected strings are what transformers 5.23.0 renders
+# (PreTrainedTokenizerFast(tokenizer_object=<a WordLevel tokenizer holding bos/eos>,
+# bos_token=..., eos_token=..., chat_template=<the file>).apply_chat_template(CONVERSATION,
+# tokenize=False, add_generation_prompt=...)), run outside this repository; the bos/eos texts are
+# those of the models' tokenizer_config.json. test_transformers_agrees re-checks them where
+# transformers is installed.
+EXPECTED.update({
+    # Gemma 3 has no system role: the system text opens the first user turn; "assistant" is "model".
+    "google-gemma-3-4b-it.jinja": (
+        "<bos>", "<eos>",
+        "<bos><start_of_turn>user\nYou are a helpful assistant.\n\nHello!<end_of_turn>\n"
+        "<start_of_turn>model\nHi! How can I help?<end_of_turn>\n"
+        "<start_of_turn>user\nTell me a joke.<end_of_turn>\n<start_of_turn>model\n",
+        "<bos><start_of_turn>user\nYou are a helpful assistant.\n\nHello!<end_of_turn>\n"
+        "<start_of_turn>model\nHi! How can I help?<end_of_turn>\n"
+        "<start_of_turn>user\nTell me a joke.<end_of_turn>\n",
+    ),
+    "microsoft-phi-4.jinja": (
+        "<|endoftext|>", "<|im_end|>",
+        "<|im_start|>system<|im_sep|>You are a helpful assistant.<|im_end|><|im_start|>user<|im_sep|>Hello!<|im_end|>"
+        "<|im_start|>assistant<|im_sep|>Hi! How can I help?<|im_end|><|im_start|>user<|im_sep|>Tell me a joke.<|im_end|>"
+        "<|im_start|>assistant<|im_sep|>",
+        "<|im_start|>system<|im_sep|>You are a helpful assistant.<|im_end|><|im_start|>user<|im_sep|>Hello!<|im_end|>"
+        "<|im_start|>assistant<|im_sep|>Hi! How can I help?<|im_end|><|im_start|>user<|im_sep|>Tell me a joke.<|im_end|>",
+    ),
+    "Qwen-Qwen3-0.6B.jinja": (
+        "", "<|im_end|>",
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHello!<|im_end|>\n"
+        "<|im_start|>assistant\nHi! How can I help?<|im_end|>\n<|im_start|>user\nTell me a joke.<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHello!<|im_end|>\n"
+        "<|im_start|>assistant\nHi! How can I help?<|im_end|>\n<|im_start|>user\nTell me a joke.<|im_end|>\n",
+    ),
+})
+
+THINK_CONVERSATION = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n4"},
+    {"role": "user", "content": "And 3+3?"},
+]
+# Qwen3 with enable_thinking=False, and with thinking in the history (transformers 5.23.0 as above):
+# the template drops the thinking of assistant turns before the last user message, and keeps it
+# in an assistant turn after it.
+QWEN3_NO_THINKING = EXPECTED["Qwen-Qwen3-0.6B.jinja"][2] + "<think>\n\n</think>\n\n"
+QWEN3_THINK_HISTORY = ("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+                       "<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n")
+QWEN3_THINK_LAST = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\nAdd them.\n</think>\n\n4<|im_end|>\n"
+
 
 def specials(bos: str = "<s>", eos: str = "</s>") -> SimpleNamespace:
     """What ChatTemplate reads from a Tokenizer: bos_text and eos_text."""
@@ -80,6 +128,40 @@ def test_real_templates_render_exactly(data, name):
     assert not template.is_fallback
     assert template.render(CONVERSATION) == with_prompt
     assert template.render(CONVERSATION, add_generation_prompt=False) == without_prompt
+
+
+def test_qwen3_thinking_switch_and_history(data):
+    template = ChatTemplate.from_file(data / "templates" / "Qwen-Qwen3-0.6B.jinja", specials("", "<|im_end|>"))
+    assert template.has_thinking_switch
+    assert template.render(CONVERSATION, variables={"enable_thinking": False}) == QWEN3_NO_THINKING
+    assert template.render(CONVERSATION, variables={"enable_thinking": True}) == EXPECTED["Qwen-Qwen3-0.6B.jinja"][2]
+    assert template.render(THINK_CONVERSATION) == QWEN3_THINK_HISTORY
+    assert template.render(THINK_CONVERSATION[:2], add_generation_prompt=False) == QWEN3_THINK_LAST
+    # Extra variables cannot replace the ones k4 sets.
+    assert template.render(CONVERSATION, variables={"messages": [], "add_generation_prompt": False}) == EXPECTED["Qwen-Qwen3-0.6B.jinja"][2]
+
+
+def test_templates_without_a_thinking_switch(data):
+    for name in ("google-gemma-3-4b-it.jinja", "microsoft-phi-4.jinja", "Qwen-Qwen2.5-7B-Instruct.jinja"):
+        assert not ChatTemplate.from_file(data / "templates" / name, specials()).has_thinking_switch
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_transformers_agrees(data, name):
+    """Where transformers is installed, its apply_chat_template renders each file as EXPECTED says."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    bos, eos, with_prompt, without_prompt = EXPECTED[name]
+    vocab = {"[UNK]": 0, **{t: i + 1 for i, t in enumerate(t for t in (bos, eos) if t)}}
+    kw = {k: v for k, v in (("bos_token", bos), ("eos_token", eos)) if v}
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]")),
+        chat_template=(data / "templates" / name).read_text(encoding="utf-8"), **kw)
+    assert tok.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True) == with_prompt
+    assert tok.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=False) == without_prompt
+    if name == "Qwen-Qwen3-0.6B.jinja":
+        assert tok.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True, enable_thinking=False) == QWEN3_NO_THINKING
+        assert tok.apply_chat_template(THINK_CONVERSATION, tokenize=False, add_generation_prompt=True) == QWEN3_THINK_HISTORY
 
 
 def test_template_raise_exception_is_template_error(data):
