@@ -60,6 +60,12 @@
 #ifndef ST_DRAW
 #error "ST_DRAW comes from runtime/cuda/constants.py"
 #endif
+#ifndef MOE_WARPS
+#error "MOE_WARPS comes from runtime/cuda/constants.py"
+#endif
+#ifndef MOE_MAX_K
+#error "MOE_MAX_K comes from runtime/cuda/constants.py"
+#endif
 
 // Per quantized type T: K4_QK_T (weights per block), K4_BLOCK_BYTES_T, K4_GROUPS_T (planar
 // group offsets), K4_X_SWIZZLE_T, K4_HANDOFF_T (common.cuh checks and uses them).

@@ -122,18 +122,13 @@ def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=Non
     called while weights upload (cuda) or are read (numpy); status(text) says what a slow step
     is doing (cuda: kernels still compiling after the upload); flags: the K4_* switches, a
     runtime.flags.Flags (default: the environment's). Raises BackendUnavailableError (cuda asked
-    for but not usable), UnsupportedModelError (a mixture-of-experts model on cuda),
-    OutOfMemoryError (numpy: the model does not fit in RAM) or UsageError (unknown kind).
+    for but not usable), OutOfMemoryError (numpy: the model does not fit in RAM) or UsageError
+    (unknown kind).
     """
     from .errors import UsageError
 
     kind = resolve_kind(kind)
     assert mf.config is not None
-    if kind == "cuda" and mf.config.n_expert:
-        from .errors import UnsupportedModelError
-
-        raise UnsupportedModelError(f"{mf.path.name}: mixture-of-experts models ({mf.config.arch}) run on the numpy "
-                                    "backend only for now; use --backend numpy")
     if n_ctx == 0:
         n_ctx, note = fit_context(mf, kind, flags)
         if note and status is not None:

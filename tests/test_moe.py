@@ -73,7 +73,7 @@ def test_expert_keys_are_checked(tmp_path, data):
         open_model(write(tmp_path / "none.gguf", cfg, dataclasses.replace(cfg, n_expert=0), data))
     with pytest.raises(ModelFileError, match="expert_used_count.*at most expert_count"):
         open_model(write(tmp_path / "used.gguf", cfg, dataclasses.replace(cfg, n_expert_used=5), data))
-    with pytest.raises(ModelFileError, match="ffn_gate_exps.weight. has shape \(4, 32, 64\), expected \(4, 64, 64\)"):
+    with pytest.raises(ModelFileError, match=r"ffn_gate_exps.weight. has shape \(4, 32, 64\), expected \(4, 64, 64\)"):
         open_model(write(tmp_path / "width.gguf", cfg, dataclasses.replace(cfg, n_ff_exp=64), data))
 
 

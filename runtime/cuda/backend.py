@@ -29,7 +29,7 @@ try:
 except ModuleNotFoundError:  # require_cuda() says so
     cp = None
 else:
-    from . import blas, matmul, memory, ops, quant_kernels
+    from . import blas, matmul, memory, moe, ops, quant_kernels
     from .buffers import KVCache, allocate, place, sampler_spec
     from .compile import compile_async
     from .forward import Forward, ForwardOptions
@@ -96,7 +96,7 @@ class CudaBackend(TokenCache):
         # kernels compile on threads while the weights upload; the "compile" step waits for them
         matrix_types = {t.ggml_type for t in mf.tensors.values() if len(t.shape) == 2}
         compiling = compile_async(quant_kernels.compile_jobs(matrix_types, w_opts.matrix.evict_first, cfg.activation)
-                                  + o.compile_jobs(cfg.head_dim))
+                                  + o.compile_jobs(cfg.head_dim) + moe.compile_jobs(mf, cfg, o))
         plan = size_plan(mf, n_ctx, self.flags, o)
         chunk = plan.chunk
         stream, copy_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
@@ -126,7 +126,7 @@ class CudaBackend(TokenCache):
         for L in self.weights.layers:
             place(L.qkv, act.qkv, act.x0.shape[0])
             place(L.gate_up, act.gate_up, act.x0.shape[0])
-            if act.ff_q8 is not None and matmul.can_hand_off(L.gate_up[0].w, L.w_down):
+            if act.ff_q8 is not None and L.gate_up and matmul.can_hand_off(L.gate_up[0].w, L.w_down):  # moe: no gate_up
                 L.ff_q8 = matmul.Q8Vector.for_weight(L.w_down, act.ff_q8)
         self.kv = KVCache(self.mem, self.config, self.n_ctx)
         self.timer = DeviceTimer(self.trace)  # device time of prefill and of each decode step

@@ -18,6 +18,7 @@ import numpy as np
 from ..model import ModelConfig
 from . import matmul, ops
 from .memory import DeviceMemory, PinnedBuffer
+from .moe import moe_spec
 
 RING_MIN = 1024  # slots of the device token ring (repeat penalty window and readback source)
 
@@ -84,6 +85,7 @@ def activation_spec(cfg: ModelConfig, chunk: int, n_ctx: int, n_split: int, mm_s
         "ticket": Buffer((cfg.n_head,), np.int32, zero=True),  # splits of decode attention done, per head
         "ids": Buffer((n_ctx,), np.int32),  # token ids of one eval/prefill
         "mm_scratch": Buffer((mm_scratch,), np.uint8),  # fp16 X and dequantized W chunks of matmul
+        **moe_spec(cfg, P),  # mixture of experts: router logits, top-k ids and weights, expert outputs
     }
 
 

@@ -123,6 +123,12 @@ def _ggml(t: T) -> tuple[int, int]:
     return GGML_QUANT_SIZES[t]  # (weights per block, bytes per block)
 
 
+# kernels_cu/moe.cu: warps per block of the expert products (one row per warp at a time), and the
+# most experts a token may use (moe_topk keeps their weights in shared memory)
+MOE_WARPS = 8
+MOE_MAX_K = 64
+
+
 def defines() -> tuple[str, ...]:
     """The -D options' values ("NAME=value") every kernels_cu module is compiled with: the
     constants above, each quantized type's weights and bytes per block (K4_QK_<type>,
@@ -135,7 +141,8 @@ def defines() -> tuple[str, ...]:
         ("TILE_THREADS", TILE_THREADS), ("TILE_PS", TILE_PS), ("MMA_WARPS", MMA_WARPS), ("MMA_THREADS", MMA_THREADS),
         ("MMA_BQ", MMA_BQ), ("SAMPLE_THREADS", SAMPLE_THREADS), ("SAMPLE_CAP", SAMPLE_CAP),
         ("SAMPLER_PARAM_WORDS", SAMPLER_PARAM_WORDS), ("STATE_WORDS", STATE_WORDS), ("ST_TOK", ST_TOK),
-        ("ST_POS", ST_POS), ("ST_RING", ST_RING), ("ST_DRAW", ST_DRAW))]
+        ("ST_POS", ST_POS), ("ST_RING", ST_RING), ("ST_DRAW", ST_DRAW), ("MOE_WARPS", MOE_WARPS),
+        ("MOE_MAX_K", MOE_MAX_K))]
     for t, q in QUANT_LAYOUTS.items():
         elems, nbytes = _ggml(t)
         out += [f"K4_QK_{t.name}={elems}", f"K4_BLOCK_BYTES_{t.name}={nbytes}",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import cupy as cp
 
 from ..model import ModelConfig
-from . import matmul, ops
+from . import matmul, moe, ops
 from .buffers import KVCache
 from .weights import LayerWeights, Weights
 
@@ -79,6 +79,9 @@ class Forward:
             o.attention(q, k_cache[:limit], v_cache[:limit], attn, self.pos, n_split, split_len, part, a.ticket, fresh,
                         self.shapes[li])
             self.residual(L.wo, attn.reshape(n, cfg.q_dim), x, x1, L.attn_post_norm)
+            if L.moe is not None:  # routed experts (+ shared expert) + residual: runtime/cuda/moe.py
+                moe.moe_ffn(self, L, x1, x, n)
+                continue
             # feed-forward: norm, gate and up with SwiGLU (GeGLU), down (+ post-norm) + residual
             ff_q8 = self.gate_up(L, x1, ff, half)
             self.residual(L.w_down, ff, x1, x, L.ffn_post_norm, x_q8=ff_q8)

@@ -9,6 +9,12 @@ from __future__ import annotations
 TILED_HEAD_DIMS = (64, 128, 256)  # head_dim instances of attn_tiled
 MMA_TILE_KEYS = {64: 64, 128: 64, 256: 32}  # head_dim -> keys per shared-memory tile of its attn_mma instance
 
+# the decoder structs of kernels_cu/common.cuh (quant_kernels.QUANT and FLOAT name the same): the
+# instances of moe.cu's expert products, one compile group each
+MOE_QUANT_DECODERS = ("type_q4_K", "type_q5_K", "type_q6_K", "type_q8_0", "type_q5_0", "type_q5_1", "type_q2_K",
+                      "type_q3_K", "type_q4_0", "type_iq4_xs", "type_iq4_nl")
+MOE_FLOAT_DECODERS = ("type_f32", "type_f16", "type_bf16")
+
 # name expressions of the kernels of each file (templates and extern "C" names alike)
 KERNELS = {
     "norm.cu": ("rms_norm<float>", "rms_norm<u16>", "rms_norm_add"),
@@ -18,10 +24,12 @@ KERNELS = {
     "attention_mma.cu": tuple(f"attn_mma<{d}, {bk}>" for d, bk in MMA_TILE_KEYS.items()),
     "elementwise.cu": ("swiglu<float>", "swiglu<u16>", "geglu<float>", "geglu<u16>", "scale_f32", "softcap_f32", "set_i32"),
     "sampling.cu": ("sample_penalty", "sample_argmax_partial", "sample_finish"),
+    "moe.cu": ("moe_topk", "moe_combine", *(f"moe_gemv_q<{d}>" for d in MOE_QUANT_DECODERS),
+               *(f"moe_gemv_f<{d}>" for d in MOE_FLOAT_DECODERS)),
 }
 # Compile groups: one module per group, so a model compiles only the attention kernels of its
 # head_dim; the small files are one group each.
 GROUPS: dict[str, tuple[tuple[str, ...], ...]] = {
-    f: tuple((n,) for n in names) if f.startswith("attention") else (names,) for f, names in KERNELS.items()}
+    f: tuple((n,) for n in names) if f.startswith(("attention", "moe")) else (names,) for f, names in KERNELS.items()}
 GROUP_OF = {(f, name): group for f, groups in GROUPS.items() for group in groups for name in group}
 FILE_OF = {name: f for f, names in KERNELS.items() for name in names}  # kernel -> its .cu file

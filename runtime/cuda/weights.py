@@ -24,6 +24,7 @@ from ..rope import RopeTable, factor_tensor, rope_table
 from ..trace import Trace
 from ..weights import dequantize_tensor
 from . import layout, matmul, memory
+from .moe import layer_moe, upload_experts
 
 STACKED = ("attn_q", "attn_k", "attn_v", "attn_qkv", "ffn_gate", "ffn_up")  # per-layer tensors uploaded as Projections
 
@@ -72,6 +73,7 @@ class LayerWeights:
     ff_q8: object = None  # matmul.Q8Vector: decode's SwiGLU output quantized for w_down (K4_FUSE_QUANT)
     attn_post_norm: object = None  # (n_embd,) gemma: RMSNorm of the attention output before the residual
     ffn_post_norm: object = None  # (n_embd,) gemma: of the feed-forward output
+    moe: object = None  # moe.MoeWeights (qwen3moe, qwen2moe): the experts in place of gate_up and w_down
 
 
 @dataclass
@@ -88,7 +90,9 @@ class Weights:
     matrices: list = field(default_factory=list)  # every DeviceWeight a product reads: output first
 
     def __post_init__(self):
-        self.matrices = [self.output] + [w for L in self.layers for w in (*(p.w for p in L.qkv + L.gate_up), L.wo, L.w_down)]
+        self.matrices = [self.output] + [w for L in self.layers for w in (*(p.w for p in L.qkv + L.gate_up), L.wo, L.w_down)
+                                         if w is not None]
+        self.matrices += [w for L in self.layers if L.moe is not None for w in L.moe.shared or ()]
 
 
 def runs_of_one_type(types: Sequence, stack: bool) -> list[list[int]]:
@@ -123,7 +127,7 @@ def swa_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 def weight_bytes(mf: ModelFile, cfg: ModelConfig) -> int:
     """Device bytes of the weights before layout changes: matrices as in the file, vectors f32."""
-    return sum(mf.tensor(n).n_bytes if len(s) == 2 else 4 * math.prod(s) for n, s in expected_shapes(cfg).items())
+    return sum(mf.tensor(n).n_bytes if len(s) >= 2 else 4 * math.prod(s) for n, s in expected_shapes(cfg).items())
 
 
 def matrix_plan(mf: ModelFile, cfg: ModelConfig, opts: WeightOptions) -> list[tuple]:
@@ -134,11 +138,14 @@ def matrix_plan(mf: ModelFile, cfg: ModelConfig, opts: WeightOptions) -> list[tu
     matmul.GLU_ACTS)."""
     plan = []
     for name, shape in expected_shapes(cfg).items():
-        if len(shape) == 2 and not (name.startswith("blk.") and name.split(".")[2] in STACKED):
+        if len(shape) == 2 and not (name.startswith("blk.") and name.split(".")[2] in STACKED) and "ffn_gate_inp." not in name:
             plan.append((name, [mf.tensor(name)], False))
     for i in range(cfg.n_layer):
         m = layer_matrices(mf, i)
-        for part, tensors in (("qkv", [m["attn_q"], m["attn_k"], m["attn_v"]]), ("gate_up", [m["ffn_gate"], m["ffn_up"]])):
+        parts = [("qkv", [m["attn_q"], m["attn_k"], m["attn_v"]])]
+        if not cfg.n_expert:  # a moe block's FFN is its experts (runtime/cuda/moe.py)
+            parts.append(("gate_up", [m["ffn_gate"], m["ffn_up"]]))
+        for part, tensors in parts:
             types = [t.ggml_type for t in tensors]
             if part == "gate_up" and opts.glu and types[0] == types[1] and cfg.activation in matmul.GLU_ACTS:
                 plan.append(((i, part, 0), tensors, True))
@@ -173,6 +180,7 @@ class WeightLoader:
                     dev[name] = self._vector(up, dequantize_tensor(mf.tensor(name)))  # (n,) f32
             rope = model_rope_table(mf, cfg, n_ctx or cfg.n_ctx_train)
             dev["rope_freqs.weight"] = self._vector(up, rope.inv_freq)  # (rope_dim/2,) f64
+            dev.update(upload_experts(self.mem, up, mf, cfg))  # stacked expert tensors, as in the file
             if cfg.swa_layers:
                 dev["rope_freqs_swa"] = self._vector(up, swa_inv_freq(cfg))  # (rope_dim/2,) f64
             biases = {}
@@ -233,10 +241,11 @@ def _assemble(cfg: ModelConfig, plan: list[tuple], dev: dict, biases: dict, rope
     for i in range(cfg.n_layer):
         g = lambda n: dev.get(f"blk.{i}.{n}")  # noqa: E731
         layers.append(LayerWeights(g("attn_norm.weight"), tuple(projections[i, "qkv"]), g("attn_output.weight"),
-                                   g("ffn_norm.weight"), tuple(projections[i, "gate_up"]), g("ffn_down.weight"),
+                                   g("ffn_norm.weight"), tuple(projections.get((i, "gate_up"), ())), g("ffn_down.weight"),
                                    g("attn_q_norm.weight"), g("attn_k_norm.weight")))
     for i, L in enumerate(layers):  # gemma's post-norms (None elsewhere)
         L.attn_post_norm, L.ffn_post_norm = dev.get(f"blk.{i}.post_attention_norm.weight"), dev.get(f"blk.{i}.post_ffw_norm.weight")
+        L.moe = layer_moe(cfg, i, dev)  # None for a dense model
     return Weights(dev["token_embd.weight"], dev["token_embd.weight" if cfg.tied_embeddings else "output.weight"],
                    dev["output_norm.weight"], dev["rope_freqs.weight"], layers, rope_mscale,
                    inv_freq_swa=dev.get("rope_freqs_swa"))

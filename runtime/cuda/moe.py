@@ -1,0 +1,182 @@
+"""Mixture of experts on the GPU (qwen3moe, qwen2moe): the expert weights, their buffers and the
+feed-forward step of runtime/cuda/forward.py; the twin of runtime/moe.py (numpy).
+
+Weights: each stacked expert tensor (n_expert, n_out, n_in) goes to the device as in the file
+(raw ggml blocks, expert e at e * expert_bytes; no repack), the router and the shared expert's
+matrices as ordinary DeviceWeights (weights.matrix_plan takes every 2-D tensor), the shared
+expert's gate as an f32 vector. Routing stays on the device (kernels_cu/moe.cu): router product,
+moe_topk writing (k ids, k weights) per token, the gathered products of the selected experts
+reading those ids (one launch per matrix over every (token, slot)), SwiGLU, moe_combine adding
+the weighted sum (and qwen2moe's sigmoid-gated shared expert) to the residual. No host round
+trip: decode is captured in the graph as the dense layers are. Prefill runs the same gathered
+products over all its tokens (every token's k experts read per token: correct, not fast).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..model import ModelConfig, ModelFile
+from ..errors import UnsupportedModelError
+from .constants import MOE_MAX_K, MOE_WARPS as ROW_WARPS
+from .quant_kernels import FLOAT, QUANT
+
+TOPK_THREADS = 128
+COMBINE_THREADS = 256
+
+
+@dataclass
+class Experts:
+    """One stacked expert tensor on the device: data (n_expert * expert_bytes,) uint8 in the
+    file's ggml blocks; shape (n_expert, n_out, n_in)."""
+
+    data: object
+    ggml_type: object
+    shape: tuple[int, int, int]
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.data.nbytes // self.shape[0]
+
+    @property
+    def kernel(self) -> str:
+        t = self.ggml_type
+        return f"moe_gemv_q<{QUANT[t].decoder}>" if t in QUANT else f"moe_gemv_f<{FLOAT[t][0]}>"
+
+
+@dataclass
+class MoeWeights:
+    """One block's experts: router Experts (1, n_expert, n_embd); gate, up, down Experts; the
+    shared expert's gate (n_embd,) f32 and its gate/up/down DeviceWeights, or None."""
+
+    router: object
+    gate: Experts
+    up: Experts
+    down: Experts
+    shared_gate: object = None
+    shared: tuple | None = None
+
+
+def moe_spec(cfg: ModelConfig, P: int) -> dict:
+    """The MoE activations of up to P tokens (buffers.activation_spec): router logits, the chosen
+    ids and weights, the selected experts' gate/up and down outputs, the shared expert's."""
+    from .buffers import Buffer  # buffers.activation_spec calls this
+
+    if not cfg.n_expert:
+        return {}
+    k, f32 = cfg.n_expert_used, np.float32
+    spec = {
+        "moe_logits": Buffer((P, cfg.n_expert), f32),
+        "moe_zero": Buffer((P,), np.int32, zero=True),  # expert 0 for every token: the router's product
+        "moe_ids": Buffer((P * k,), np.int32),
+        "moe_w": Buffer((P * k,), f32),
+        "moe_g": Buffer((P * k, cfg.n_ff_exp), f32),
+        "moe_u": Buffer((P * k, cfg.n_ff_exp), f32),
+        "moe_d": Buffer((P * k, cfg.n_embd), f32),
+    }
+    if cfg.n_ff_shexp:
+        spec.update({"shexp_g": Buffer((P, cfg.n_ff_shexp), f32), "shexp_u": Buffer((P, cfg.n_ff_shexp), f32),
+                     "shexp_d": Buffer((P, cfg.n_embd), f32)})
+    return spec
+
+
+EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # the router as one "expert"
+
+
+def expert_bytes(mf: ModelFile, cfg: ModelConfig) -> int:
+    """Device bytes of every stacked expert tensor and router (as in the file)."""
+    return sum(mf.tensor(f"blk.{i}.{n}.weight").n_bytes for i in range(cfg.n_layer) for n in EXPERT_TENSORS) if cfg.n_expert else 0
+
+
+def upload_experts(mem, up, mf: ModelFile, cfg: ModelConfig) -> dict:
+    """Upload every layer's stacked expert tensors and router (an Experts of one expert, so its
+    product runs in float32 through the same kernel: a router rounded to fp16 on tensor cores
+    could pick other experts than the reference) with memory.Uploader `up` into buffers of
+    memory.DeviceMemory `mem`: tensor name -> Experts."""
+    import cupy as cp
+
+    out = {}
+    for i in range(cfg.n_layer if cfg.n_expert else 0):
+        for n in EXPERT_TENSORS:
+            t = mf.tensor(f"blk.{i}.{n}.weight")
+            buf = mem.empty(t.n_bytes, cp.uint8, "weights")
+            if t.file_offset is None:
+                up.upload(buf.data.ptr, t.raw_bytes())
+            else:
+                up.upload_file(buf.data.ptr, mf.path, t.file_offset, t.n_bytes)
+            out[t.name] = Experts(buf, t.ggml_type, t.shape if len(t.shape) == 3 else (1, *t.shape))
+    return out
+
+
+def compile_jobs(mf: ModelFile, cfg: ModelConfig, o) -> list:
+    """compile.module() arguments of the moe.cu kernels a model launches (ops.Ops `o`'s defines):
+    none for a dense model; moe_topk, moe_combine and the expert product of each expert and
+    router tensor type. Raises UnsupportedModelError for more than MOE_MAX_K experts per token."""
+    from .kernel_names import GROUP_OF
+
+    if not cfg.n_expert:
+        return []
+    if cfg.n_expert_used > MOE_MAX_K:
+        raise UnsupportedModelError(f"{mf.path.name}: {cfg.n_expert_used} experts per token; the cuda backend takes at most "
+                                    f"{MOE_MAX_K}; use --backend numpy")
+    names = {"moe_topk", "moe_combine"}
+    for n in EXPERT_TENSORS:
+        t = mf.tensor(f"blk.0.{n}.weight").ggml_type
+        names.add(f"moe_gemv_q<{QUANT[t].decoder}>" if t in QUANT else f"moe_gemv_f<{FLOAT[t][0]}>")
+    return [("moe.cu", GROUP_OF[("moe.cu", name)], o._defines()) for name in sorted(names)]
+
+
+def layer_moe(cfg: ModelConfig, i: int, dev: dict) -> MoeWeights | None:
+    """Layer i's MoeWeights from the uploaded pieces (dev: tensor name -> device array,
+    DeviceWeight or Experts), None for a dense model."""
+    if not cfg.n_expert:
+        return None
+    g = lambda n: dev.get(f"blk.{i}.{n}.weight")  # noqa: E731
+    m = MoeWeights(g("ffn_gate_inp"), g("ffn_gate_exps"), g("ffn_up_exps"), g("ffn_down_exps"))
+    if cfg.n_ff_shexp:
+        m.shared_gate = g("ffn_gate_inp_shexp").reshape(-1)  # (n_embd,) f32
+        m.shared = (g("ffn_gate_shexp"), g("ffn_up_shexp"), g("ffn_down_shexp"))
+    return m
+
+
+def gathered(o, e: Experts, ids, x, x_div: int, x_stride: int, y, n_slots: int) -> None:
+    """y[s] (n_out,) = expert ids[s]'s matrix times x[s // x_div] (x rows x_stride floats apart),
+    for s < n_slots (kernels_cu/moe.cu moe_gemv_q / moe_gemv_f); y: (n_slots, n_out) f32."""
+    _, n_out, n_in = e.shape
+    blocks = max(1, min(-(-n_out // ROW_WARPS), 1024 // max(1, n_slots) + 1))
+    o._launch("moe.cu", e.kernel, (blocks, n_slots), (ROW_WARPS * 32,),
+              (e.data, np.int64(e.expert_bytes), ids, x, np.int32(x_div), np.int64(x_stride), y, np.int32(n_out), np.int32(n_in)),
+              pdl=False)
+
+
+def moe_ffn(fwd, L, x1, x, n: int) -> None:
+    """x (n, n_embd) = x1 + the experts' output for rmsnorm(x1) * ffn_norm (runtime/moe.py
+    MoeFfn.forward), enqueued on fwd's stream: fwd is the runtime/cuda/forward.py Forward, L the
+    layer's LayerWeights (L.moe a MoeWeights)."""
+    cfg, o, a, m = fwd.cfg, fwd.ops, fwd.act, L.moe
+    k, E = cfg.n_expert_used, cfg.n_expert
+    h = a.h[:n]  # (n, n_embd) f32
+    o.rms_norm(x1, L.ffn_norm, h, cfg.rms_eps)
+    logits = a.moe_logits[:n]  # (n, n_expert)
+    gathered(o, m.router, a.moe_zero[:n], h, 1, cfg.n_embd, logits, n)  # float32, ids all 0: the one router
+    ids, w = a.moe_ids[: n * k], a.moe_w[: n * k]
+    o._launch("moe.cu", "moe_topk", (n,), (TOPK_THREADS,), (logits, np.int32(E), np.int32(k), np.int32(cfg.expert_norm), ids, w),
+              shared_mem=4 * E, pdl=False)
+    g, u, d = a.moe_g[: n * k], a.moe_u[: n * k], a.moe_d[: n * k]
+    gathered(o, m.gate, ids, h, k, cfg.n_embd, g, n * k)
+    gathered(o, m.up, ids, h, k, cfg.n_embd, u, n * k)
+    o.swiglu(g, u, g, cfg.activation)  # (n k, n_ff_exp)
+    gathered(o, m.down, ids, g, 1, cfg.n_ff_exp, d, n * k)
+    null = np.uint64(0)
+    shared, gate = null, null
+    if m.shared is not None:
+        sg, su, sd = a.shexp_g[:n], a.shexp_u[:n], a.shexp_d[:n]
+        fwd.linear(m.shared[0], h, sg)
+        fwd.linear(m.shared[1], h, su)
+        o.swiglu(sg, su, sg, cfg.activation)
+        fwd.linear(m.shared[2], sg, sd)
+        shared, gate = sd, m.shared_gate
+    o._launch("moe.cu", "moe_combine", (n,), (COMBINE_THREADS,),
+              (d, w, np.int32(k), x1, x, np.int32(cfg.n_embd), shared, h if m.shared is not None else null, gate), pdl=False)
