@@ -100,7 +100,7 @@ template <class T>
 __global__ void __launch_bounds__(MOE_WARPS * 32)
 moe_gemv_q(const u8* __restrict__ w, i64 expert_bytes, const int* __restrict__ ids,
            const float* __restrict__ x, int x_div, i64 x_stride, float* __restrict__ y, int n_out, int n_in) {
-    __shared__ float buf[MOE_WARPS][T::block_elems];
+    __shared__ __align__(16) float buf[MOE_WARPS][T::block_elems];  // T::dequant stores float4s
     constexpr int runs_per_chunk = T::chunk_elems / 16, runs = T::block_elems / 16;
     pdl_wait();
     const int slot = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
