@@ -166,13 +166,13 @@ struct type_q3_K {
 };
 static_assert(cuts_are<type_q3_K>(K4_GROUPS_Q3_K), "type_q3_K::cut: runtime/cuda/constants.py has other planar groups");
 
-struct type_q4_0 {
-    static constexpr int block_bytes = sizeof(block_q4_0), block_elems = QK4_0, chunk_elems = 32;
-    static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_Q4_0;
-    static constexpr bool handoff = K4_HANDOFF_Q4_0;  // gemv.cu: its SwiGLU instance can write a q8 y
+// The block of Q4_0 and IQ4_NL (d | qs[16]: 32 weights as nibbles, i low and i + 16 high): the
+// planar cut, the chunk of one block and its load. Self: the decoder (group_at's type).
+template <class Self, class Block>
+struct nibble32_block {
     // groups: d | qs
     __host__ __device__ static constexpr int cut(int g) {
-        return g == 0 ? 0 : g == 1 ? (int)sizeof(block_q4_0::d) : (int)sizeof(block_q4_0);
+        return g == 0 ? 0 : g == 1 ? (int)sizeof(Block::d) : (int)sizeof(Block);
     }
     struct chunk {
         uint4 q;  // qs[16]: weights i (low nibble) and i+16 (high)
@@ -180,9 +180,15 @@ struct type_q4_0 {
     };
     template <bool PLANAR>
     __device__ static chunk load(const u8* w, i64 nblk, i64 blk, int) {
-        constexpr int A = PLANAR ? 16 : raw_align;
-        return {load16<A>(group_at<type_q4_0, 1, PLANAR>(w, nblk, blk)), load2(group_at<type_q4_0, 0, PLANAR>(w, nblk, blk))};
+        constexpr int A = PLANAR ? 16 : Self::raw_align;
+        return {load16<A>(group_at<Self, 1, PLANAR>(w, nblk, blk)), load2(group_at<Self, 0, PLANAR>(w, nblk, blk))};
     }
+};
+
+struct type_q4_0 : nibble32_block<type_q4_0, block_q4_0> {
+    static constexpr int block_bytes = sizeof(block_q4_0), block_elems = QK4_0, chunk_elems = 32;
+    static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_Q4_0;
+    static constexpr bool handoff = K4_HANDOFF_Q4_0;  // gemv.cu: its SwiGLU instance can write a q8 y
     template <int SWZ>
     __device__ static float dot(const chunk& c, int ci, const q8x<SWZ>& x) {
         const int s = dot16(map4(c.q, 4, 0x0F0F0F0Fu), x.unit(2 * ci + 1), dot16(map4(c.q, 0, 0x0F0F0F0Fu), x.unit(2 * ci), 0));
@@ -276,23 +282,10 @@ struct type_iq4_xs {
 };
 static_assert(cuts_are<type_iq4_xs>(K4_GROUPS_IQ4_XS), "type_iq4_xs::cut: runtime/cuda/constants.py has other planar groups");
 
-struct type_iq4_nl {  // Q4_0's layout with IQ4_XS's values
+struct type_iq4_nl : nibble32_block<type_iq4_nl, block_iq4_nl> {  // Q4_0's layout with IQ4_XS's values
     static constexpr int block_bytes = sizeof(block_iq4_nl), block_elems = QK4_NL, chunk_elems = 32;
     static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_IQ4_NL;
     static constexpr bool handoff = K4_HANDOFF_IQ4_NL;  // gemv.cu: its SwiGLU instance can write a q8 y
-    // groups: d | qs
-    __host__ __device__ static constexpr int cut(int g) {
-        return g == 0 ? 0 : g == 1 ? (int)sizeof(block_iq4_nl::d) : (int)sizeof(block_iq4_nl);
-    }
-    struct chunk {
-        uint4 q;  // qs[16]: weights i (low nibble) and i+16 (high)
-        u16 d;
-    };
-    template <bool PLANAR>
-    __device__ static chunk load(const u8* w, i64 nblk, i64 blk, int) {
-        constexpr int A = PLANAR ? 16 : raw_align;
-        return {load16<A>(group_at<type_iq4_nl, 1, PLANAR>(w, nblk, blk)), load2(group_at<type_iq4_nl, 0, PLANAR>(w, nblk, blk))};
-    }
     template <int SWZ>
     __device__ static float dot(const chunk& c, int ci, const q8x<SWZ>& x) {
         const int s = dot16(iq4nl_lookup4(c.q, 4), x.unit(2 * ci + 1), dot16(iq4nl_lookup4(c.q, 0), x.unit(2 * ci), 0));

@@ -15,9 +15,8 @@
 //    dequantization) and dotted with float x: no q8 rounding of x, a plain first version.
 //  - moe_combine: y = res + sum_k w_k d_k [+ sigmoid(gate_shexp . h) * shared] per token
 //    (qwen2moe's shared expert: the sigmoid gate of src/models/qwen2moe.cpp).
-#include "common.cuh"  // MOE_WARPS, MOE_MAX_K: runtime/cuda/constants.py
+#include "ops_common.cuh"  // (and common.cuh: MOE_WARPS, MOE_MAX_K from runtime/cuda/constants.py)
 
-#define MOE_NEG_INF __int_as_float(0xff800000)  // -inf without <math.h> (NVRTC)
 
 // The block-wide maximum (value, lowest index) pair; every thread gets it. red_v/red_i: 32 each.
 __device__ __forceinline__ void block_argmax(float& v, int& i, float* red_v, int* red_i) {
@@ -31,7 +30,7 @@ __device__ __forceinline__ void block_argmax(float& v, int& i, float* red_v, int
     __syncthreads();
     if (lane == 0) { red_v[warp] = v; red_i[warp] = i; }
     __syncthreads();
-    v = lane < n_warps ? red_v[lane] : MOE_NEG_INF;
+    v = lane < n_warps ? red_v[lane] : -k4ops::inf_f32();
     i = lane < n_warps ? red_i[lane] : 0x7fffffff;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -39,15 +38,6 @@ __device__ __forceinline__ void block_argmax(float& v, int& i, float* red_v, int
         const int oi = __shfl_xor_sync(0xffffffffu, i, o);
         if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
     }
-}
-
-__device__ __forceinline__ float block_sum(float s, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    s = warp_sum(s);
-    __syncthreads();
-    if (lane == 0) red[warp] = s;
-    __syncthreads();
-    return warp_sum(lane < n_warps ? red[lane] : 0.f);
 }
 
 // Grid (n_tok), any multiple of 32 threads up to 1024; dynamic shared memory n_expert floats.
@@ -60,7 +50,7 @@ extern "C" __global__ void moe_topk(const float* __restrict__ logits,  // (n_tok
     __shared__ int red_i[32];
     pdl_wait();
     const float* l = logits + (i64)blockIdx.x * n_expert;
-    float m = MOE_NEG_INF;
+    float m = -k4ops::inf_f32();
     int unused = 0;
     for (int e = threadIdx.x; e < n_expert; e += blockDim.x) m = fmaxf(m, l[e]);
     block_argmax(m, unused, red_v, red_i);
@@ -70,11 +60,11 @@ extern "C" __global__ void moe_topk(const float* __restrict__ logits,  // (n_tok
         prob[e] = p;
         s += p;
     }
-    s = block_sum(s, red_v);
+    s = k4ops::block_sum(s);
     for (int e = threadIdx.x; e < n_expert; e += blockDim.x) prob[e] = __fdiv_rn(prob[e], s);
     __syncthreads();
     for (int j = 0; j < k; ++j) {
-        float v = MOE_NEG_INF;
+        float v = -k4ops::inf_f32();
         int i = 0x7fffffff;
         for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
             if (prob[e] > v) { v = prob[e]; i = e; }  // e rises: the lowest index of a tie stays
@@ -152,14 +142,13 @@ extern "C" __global__ void moe_combine(const float* __restrict__ d, const float*
                                        const float* res, float* y, int n,
                                        const float* __restrict__ shared, const float* __restrict__ h,
                                        const float* __restrict__ gate_shexp) {
-    __shared__ float red[32];
     pdl_wait();
     const i64 t = blockIdx.x;
     float g = 0.f;
     if (shared) {
         float s = 0.f;
         for (int i = threadIdx.x; i < n; i += blockDim.x) s += h[t * n + i] * gate_shexp[i];
-        s = block_sum(s, red);
+        s = k4ops::block_sum(s);
         g = 1.f / (1.f + __expf(-s));
     }
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
