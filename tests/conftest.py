@@ -10,7 +10,10 @@ cuda_available() raises rather than answers False for anything but "CuPy not ins
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 
@@ -50,3 +53,19 @@ def _gpu_required():
 def data() -> Path:
     """tests/data: models, llama.cpp goldens, oracles, vocab suites and chat templates."""
     return DATA
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """The CUDA kernel launchers (runtime/cuda/ops.py) with tensor-core prefill attention, for
+    kernel tests; the module's tests share one."""
+    from k4.runtime.cuda.ops import Ops
+    from k4.runtime.trace import Trace
+
+    return Ops(Trace(), mma=True)
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded by the test's name: fresh inputs per test, the same on every run."""
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))

@@ -14,7 +14,6 @@ few ulps (rtol 1e-5). Models: 1e-3 relative L2, as the transformers oracle's CUD
 
 from __future__ import annotations
 
-import zlib
 
 import numpy as np
 import pytest
@@ -24,7 +23,6 @@ from k4.runtime import reference
 from k4.runtime.flags import Flags
 from k4.runtime.model import open_model
 from k4.runtime.reference import NumpyBackend
-from k4.runtime.trace import Trace
 from tests.gpu import cupy_or_skip
 from tests.test_gemma import GEMMA_CASES, attention_f64, gemma_tiny, rel_l2
 from tests.tiny import write_tiny
@@ -37,16 +35,6 @@ F32_REL_L2 = 2e-5
 MODEL_REL_L2 = 1e-3
 
 
-@pytest.fixture(scope="module")
-def ops():
-    from k4.runtime.cuda.ops import Ops
-
-    return Ops(Trace(), mma=True)
-
-
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
 ATTN_CASES = [

@@ -11,6 +11,7 @@ reason; they were not measured on a GPU when written (the bounds are worst cases
 
 from __future__ import annotations
 
+
 import zlib
 
 import numpy as np
@@ -23,7 +24,6 @@ from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda.microbench import random_weight
 from k4.runtime.reference import apply_rope, rope_tables
 from k4.runtime.rope import rope_table
-from k4.runtime.trace import Trace
 from tests.helpers_matmul import interleave_rows
 from tests.norm_inputs import RATIOS, eps_outside_sqrt64, eps_rows, norm_weight, rms_norm64, row_errors
 from tests.test_cuda_matmul import q8_rounded
@@ -53,12 +53,6 @@ LIMIT_GEMV_Q8 = 2e-3
 
 EPS = (1e-5, 1e-6)  # llama's and qwen2's rms eps
 
-
-@pytest.fixture(scope="module")
-def ops():
-    from k4.runtime.cuda.ops import Ops
-
-    return Ops(Trace(), mma=True)
 
 
 def assert_rows(got, want, limit, what: str) -> None:

@@ -7,7 +7,6 @@ The numpy side is runtime/reference.py (the oracle) and runtime/sampling.py."""
 
 from __future__ import annotations
 
-import zlib
 
 import numpy as np
 import pytest
@@ -16,7 +15,6 @@ from tests.gpu import cupy_or_skip
 from k4.runtime import reference
 from k4.runtime.rope import rope_table
 from k4.runtime.sampling import SamplingParams, apply_repeat_penalty, sample
-from k4.runtime.trace import Trace
 from tests.tiny import tiny_config
 
 cp = cupy_or_skip()
@@ -29,17 +27,6 @@ def rel_l2(got, want) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-@pytest.fixture(scope="module")
-def ops():
-    from k4.runtime.cuda.ops import Ops
-
-    return Ops(Trace(), mma=True)
-
-
-@pytest.fixture
-def rng(request):
-    """A generator seeded by the test's name: fresh inputs per test, the same on every run."""
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
 def nan_like(shape, dtype) -> "cp.ndarray":
