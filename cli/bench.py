@@ -31,6 +31,9 @@ def bench(
     backend: c.BackendOpt = "auto",
     ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = what the longest test needs).")] = 0,
     kernels: Annotated[bool, typer.Option("--kernels", help="Microbenchmark the matrix-vector and attention kernels instead (GPU).")] = False,
+    verify: Annotated[str, typer.Option("--verify", help="Speculative verify steps of N tokens (tests tvN), comma list; timed against one-token steps.")] = "",
+    lookup: Annotated[int, typer.Option("--lookup", help="Also run each tg test with prompt lookup of n-grams up to N, every draft right (tgN/lookupN).")] = 0,
+    draft_max: Annotated[int, typer.Option("--draft-max", help="Most draft tokens per verify step with --lookup.")] = 7,
 ) -> None:
     """Measure prompt processing (ppN) and generation (tgN) speed, llama-bench style."""
     from k4.runtime import bench as rb
@@ -50,8 +53,11 @@ def bench(
     pairs = [tuple(rb.parse_list(x, "--pg")) for x in (pg or [])]
     if any(len(p) != 2 for p in pairs):
         raise UsageError("--pg takes a pair PROMPT,GEN, e.g. --pg 512,128")
+    if lookup < 0 or draft_max < 1:
+        raise UsageError(f"--lookup {lookup} / --draft-max {draft_max}: use --lookup >= 0 and --draft-max >= 1")
     tests = rb.expand(rb.parse_list(n_prompt, "-p"), rb.parse_list(n_gen, "-n"), pairs, rb.parse_list(depth, "--depth"),
-                      [rb.parse_flags(f) for f in (flags or [])])
+                      [rb.parse_flags(f) for f in (flags or [])], rb.parse_list(verify, "--verify") if verify else (),
+                      lookup, draft_max)
     if not tests:
         raise UsageError("nothing to run: every -p, -n and --pg is 0")
     if synthetic and model:
@@ -79,7 +85,7 @@ def _run(path: Path, tests, reps: int, output: str, backend: str, ctx_size: int)
 
     mf = open_model(path)
     cfg = mf.config
-    need = max(t.depth + t.n_tokens for t in tests)
+    need = max(t.ctx_tokens for t in tests)
     n_ctx = ctx_size or max(need, 16)
     warning = c.ctx_warning(n_ctx, cfg.n_ctx_train)
     if warning:
@@ -150,6 +156,14 @@ def _tables(results, records) -> None:
     out.print(f"[dim]{env['gpu'] or env['cpu']} | backend {env['backend']} | k4 {env['k4_version']} ({env['git_commit'] or 'no git'}) "
               f"| cupy {env['cupy'] or '-'} | driver {env.get('driver', '-')} | cuda {env.get('cuda_runtime', '-')}[/]")
     out.print(table("throughput", SUMMARY_COLUMNS, _summary_rows(records), right=(1, 2, 6)))
+    for r in records:  # speculative tests: what one verify step costs, what the drafts gave
+        if r.get("verify_ratio"):
+            n = r["test"].split("@")[0][2:]
+            out.print(f"{r['test']}: a verify step of {n} tokens takes {r['verify_ms']:.3f} ms, {r['verify_ratio']:.2f}x a "
+                      f"one-token step ({r['verify1_ms']:.3f} ms): speculation gains at most {int(n) / r['verify_ratio']:.2f}x")
+        if r.get("tokens_per_step"):
+            out.print(f"{r['test']}: {r['draft_accepted']}/{r['draft_tokens']} drafts accepted, "
+                      f"{r['tokens_per_step']:.2f} tokens per verify step")
     rows = []
     for r in results:
         ph = r.phases

@@ -198,7 +198,8 @@ class Ops:
     def kernels_for(self, head_dim: int) -> list[tuple[str, str]]:
         """(file, kernel) of every kernel a model of head_dim launches: the small files' kernels,
         decode attention, and the prefill attention kernel that attention() picks for head_dim."""
-        out = [(f, n) for f, names in KERNELS.items() if not f.startswith(("attention", "moe")) for n in names]  # moe: moe.compile_jobs
+        # moe: moe.compile_jobs; speculative.cu: on the first verify step (runtime/cuda/speculative.py)
+        out = [(f, n) for f, names in KERNELS.items() if not f.startswith(("attention", "moe", "speculative")) for n in names]
         out += [("attention.cu", "attn_f16kv"), (FILE_OF[self.attention_kernel(2, head_dim)], self.attention_kernel(2, head_dim))]
         return list(dict.fromkeys(out))
 
