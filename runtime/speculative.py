@@ -33,7 +33,8 @@ class Drafter(Protocol):
 
 class LookupDrafter:
     """Prompt-lookup drafts: for n = ngram .. 1, find the latest earlier occurrence of the
-    context's last n tokens and propose the (up to k) tokens that followed it. An index per n
+    context's last n tokens and propose the k tokens that followed it (where they run past the
+    context's end, the text is taken to repeat: the drafts so far continue it). An index per n
     maps each n-gram to where its latest occurrence ends; it grows with the context and is
     rebuilt when the context is not an extension of the one indexed (a new chat, an edit)."""
 
@@ -52,8 +53,11 @@ class LookupDrafter:
         ctx, L = self.ctx, len(self.ctx)
         for n in range(min(self.ngram, L - 1), 0, -1):
             end = self.index[n].get(tuple(ctx[L - n :]))
-            if end is not None:
-                return ctx[end : end + k]
+            if end is not None:  # what followed; past the context's end, the drafts so far (a repeating text)
+                drafts: list[int] = []
+                for j in range(end, end + k):  # j - L < len(drafts): end < L
+                    drafts.append(ctx[j] if j < L else drafts[j - L])
+                return drafts
         return []
 
     def _sync(self, context: Sequence[int]) -> None:
