@@ -193,3 +193,13 @@ def test_bad_options_get_one_line(data, args, message):
     assert result.exit_code != 0
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_chat_with_lookup_replies_as_without(data):
+    m = str(data / "models" / "stories260K.gguf")
+    args = ["chat", "--backend", "numpy", "-m", m, "--temp", "0", "-n", "24"]
+    plain = runner.invoke(app, args, input="Tell me a story.\nAnother one.\n")
+    spec = runner.invoke(app, [*args, "--lookup", "2"], input="Tell me a story.\nAnother one.\n")
+    assert plain.exit_code == spec.exit_code == 0, spec.output
+    assert spec.stdout == plain.stdout and spec.stdout.strip()
+    assert "accepted" in spec.stderr
