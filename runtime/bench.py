@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from .bound import DecodeBound
 from .errors import UsageError
 from .flags import FLAGS, Flags
 from .sampling import SamplingParams
@@ -210,10 +211,13 @@ def _measured(value: float) -> float | None:
     return None if value != value else value
 
 
-def result_record(res: BenchResult, env: dict, model_info: dict) -> dict:
+def result_record(res: BenchResult, env: dict, model_info: dict, bound: DecodeBound | None = None) -> dict:
     """A flat dict for the machine-readable printers (csv/json/jsonl); a figure with no samples
-    behind it (the decode latencies of a ppN test) is None."""
+    behind it (the decode latencies of a ppN test) is None. With `bound` (runtime/bound.py, for a
+    tgN test) the bytes read per token, the bandwidth bound in tokens/s and avg_ts as a fraction
+    of it; None for the other tests."""
     t = res.test
+    bound_ts = bound.tokens_per_s if bound else None
     return {
         **env, **model_info,
         "test": t.name, "n_prompt": t.n_prompt, "n_gen": t.n_gen, "n_depth": t.depth, "flags": t.flags_text,
@@ -222,6 +226,8 @@ def result_record(res: BenchResult, env: dict, model_info: dict) -> dict:
         "token_gpu_ms_p50": _measured(res.latency(0.5, gpu=True)), "token_gpu_ms_p99": _measured(res.latency(0.99, gpu=True)),
         "phases": res.phases, "memory": res.memory, "flag_values": res.flag_values, "load_ms": res.load_ms,
         "load_detail_ms": res.load_detail_ms,
+        "bound_bytes_per_token": bound.bytes_per_token if bound else None, "bound_ts": bound_ts,
+        "bound_fraction": _measured(res.mean / bound_ts) if bound_ts else None,
     }
 
 
