@@ -29,7 +29,7 @@ def bench(
     flags: Annotated[Optional[List[str]], typer.Option("--flags", help="A flag configuration \"K4_X=0;K4_Y=1\" (repeatable).")] = None,
     output: Annotated[str, typer.Option("-o", "--output", help="table, md, csv, json or jsonl.")] = "table",
     backend: c.BackendOpt = "auto",
-    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = what the longest test needs).")] = 0,
+    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = what the longest test needs, as llama-bench sizes it: depth + prompt + generated).")] = 0,
     kernels: Annotated[bool, typer.Option("--kernels", help="Microbenchmark the matrix-vector and attention kernels instead (GPU).")] = False,
     bandwidth: Annotated[float, typer.Option("--bandwidth", help="Memory bandwidth in GB/s for the decode bound of tgN tests "
                                                                  "(4200: the H200's HBM3e).")] = 4200.0,

@@ -62,6 +62,7 @@ class BenchResult:
     load: dict[str, dict] = field(default_factory=dict)  # the backend's load-phase counters (ms, bytes) when it was built
     flag_values: dict[str, int] = field(default_factory=dict)  # every K4_* flag as the backend saw it
     backend: str = ""  # the backend's name ("numpy", "cuda"): what "auto" picked
+    n_ctx: int = 0  # the backend's context, tokens
     load_ms: dict[str, float] = field(default_factory=dict)  # the backend's load steps (ms) when it was built
     load_detail_ms: dict[str, float] = field(default_factory=dict)  # inside read+upload (CUDA backend): read and copy times
 
@@ -220,7 +221,7 @@ def result_record(res: BenchResult, env: dict, model_info: dict, bound: DecodeBo
     bound_ts = bound.tokens_per_s if bound else None
     return {
         **env, **model_info,
-        "test": t.name, "n_prompt": t.n_prompt, "n_gen": t.n_gen, "n_depth": t.depth, "flags": t.flags_text,
+        "test": t.name, "n_prompt": t.n_prompt, "n_gen": t.n_gen, "n_depth": t.depth, "n_ctx": res.n_ctx, "flags": t.flags_text,
         "reps": len(res.samples), "avg_ts": _measured(res.mean), "stddev_ts": res.sd, "samples_ts": list(res.samples),
         "token_ms_p50": _measured(res.latency(0.5)), "token_ms_p99": _measured(res.latency(0.99)),
         "token_gpu_ms_p50": _measured(res.latency(0.5, gpu=True)), "token_gpu_ms_p99": _measured(res.latency(0.99, gpu=True)),
@@ -244,6 +245,7 @@ def iter_results(tests: Sequence[BenchTest], make_backend: Callable[[Flags], obj
         for test in group:
             res = run_test(backend, test, reps, n_vocab, on_rep=on_rep, load=load, clock=clock)
             res.flag_values, res.load_ms, res.backend = dict(flags.values), dict(backend.load_ms), backend.name
+            res.n_ctx = backend.n_ctx
             res.load_detail_ms = dict(backend.load_detail_ms)
             yield res
         backend.close()
