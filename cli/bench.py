@@ -29,11 +29,13 @@ def bench(
     flags: Annotated[Optional[List[str]], typer.Option("--flags", help="A flag configuration \"K4_X=0;K4_Y=1\" (repeatable).")] = None,
     output: Annotated[str, typer.Option("-o", "--output", help="table, md, csv, json or jsonl.")] = "table",
     backend: c.BackendOpt = "auto",
-    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = what the longest test needs).")] = 0,
+    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = what the longest test needs, as llama-bench sizes it: depth + prompt + generated).")] = 0,
     kernels: Annotated[bool, typer.Option("--kernels", help="Microbenchmark the matrix-vector and attention kernels instead (GPU).")] = False,
     verify: Annotated[str, typer.Option("--verify", help="Speculative verify steps of N tokens (tests tvN), comma list; timed against one-token steps.")] = "",
     lookup: Annotated[int, typer.Option("--lookup", help="Also run each tg test with prompt lookup of n-grams up to N, every draft right (tgN/lookupN).")] = 0,
     draft_max: Annotated[int, typer.Option("--draft-max", help="Most draft tokens per verify step with --lookup.")] = 7,
+    bandwidth: Annotated[float, typer.Option("--bandwidth", help="Memory bandwidth in GB/s for the decode bound of tgN tests "
+                                                                 "(4200: the H200's HBM3e).")] = 4200.0,
 ) -> None:
     """Measure prompt processing (ppN) and generation (tgN) speed, llama-bench style."""
     from k4.runtime import bench as rb
@@ -48,6 +50,8 @@ def bench(
     if reps < 1:
         raise UsageError(f"-r {reps} is invalid; use at least 1")
     c.check_ctx_size(ctx_size)
+    if not bandwidth > 0 or bandwidth == float("inf"):
+        raise UsageError(f"--bandwidth {bandwidth} is invalid; give the memory bandwidth in GB/s, e.g. 4200")
     if kernels:
         return _kernels(output)
     pairs = [tuple(rb.parse_list(x, "--pg")) for x in (pg or [])]
@@ -64,7 +68,7 @@ def bench(
         raise UsageError("give either -m MODEL or --synthetic PRESET, not both")
     with tempfile.TemporaryDirectory(prefix="k4-bench-") as tmp:
         path = _synthetic(synthetic, Path(tmp)) if synthetic else c.model_path(model)
-        _run(path, tests, reps, output, backend, ctx_size)
+        _run(path, tests, reps, output, backend, ctx_size, bandwidth)
 
 
 def _synthetic(preset: str, folder: Path) -> Path:
@@ -76,11 +80,12 @@ def _synthetic(preset: str, folder: Path) -> Path:
         return write_synthetic(preset, folder / f"{preset}.gguf", progress=update)
 
 
-def _run(path: Path, tests, reps: int, output: str, backend: str, ctx_size: int) -> None:
+def _run(path: Path, tests, reps: int, output: str, backend: str, ctx_size: int, bandwidth: float) -> None:
     from rich.progress import Progress
 
     from k4.runtime import bench as rb
     from k4.runtime.backend import make_backend
+    from k4.runtime.bound import decode_bound
     from k4.runtime.model import open_model
 
     mf = open_model(path)
@@ -90,7 +95,9 @@ def _run(path: Path, tests, reps: int, output: str, backend: str, ctx_size: int)
     warning = c.ctx_warning(n_ctx, cfg.n_ctx_train)
     if warning:
         err.print(warning, style="yellow", markup=False)
-    model_info = {"model_type": f"{cfg.arch} {cfg.name}", "model_size": mf.file_size, "model_n_params": mf.n_params}
+    model_info = {"model_type": f"{cfg.arch} {cfg.name}", "model_size": mf.file_size, "model_n_params": mf.n_params,
+                  "bandwidth_gbs": bandwidth}
+    bounds = {t: decode_bound(mf, t.depth, t.n_gen, bandwidth) for t in tests if t.n_gen and not t.n_prompt}
     results, env = [], None
     with Progress(console=err, transient=True, disable=not err.is_terminal) as prog:
         task = prog.add_task("benchmarking", total=len(tests) * reps)
@@ -101,17 +108,18 @@ def _run(path: Path, tests, reps: int, output: str, backend: str, ctx_size: int)
                 results.append(res)
         except KeyboardInterrupt:
             err.print(f"interrupted: showing the {len(results)} finished test(s)")
-            _print(results, env, model_info, output)
+            _print(results, env, model_info, output, bounds)
             raise typer.Exit(130)
-    _print(results, env, model_info, output)
+    _print(results, env, model_info, output, bounds)
 
 
-def _print(results, env, model_info, output: str) -> None:
+def _print(results, env, model_info, output: str, bounds: dict) -> None:
+    """Print `results` in `output`'s format; bounds: BenchTest -> runtime.bound.DecodeBound (tgN tests)."""
     from k4.runtime.bench import result_record
 
     if not results:
         return
-    records = [result_record(r, env, model_info) for r in results]
+    records = [result_record(r, env, model_info, bounds.get(r.test)) for r in results]
     if output in ("json", "jsonl"):
         _print_json(records, output)
     elif output == "csv":
@@ -139,10 +147,12 @@ def _print_json(records: list[dict], output: str) -> None:
 def _summary_rows(records):
     for r in records:
         yield (Path(r["model"]).name, f"{r['model_size'] / 2**20:,.2f} MiB", f"{r['model_n_params'] / 1e6:,.2f} M",
-               r["backend"], r["flags"] or "-", r["test"], f"{rate_text(r['avg_ts'], ',.2f')} ± {rate_text(r['stddev_ts'], ',.2f')}")
+               r["backend"], r["flags"] or "-", r["test"], f"{rate_text(r['avg_ts'], ',.2f')} ± {rate_text(r['stddev_ts'], ',.2f')}",
+               rate_text(r["bound_ts"], ",.2f"), "-" if r["bound_fraction"] is None else f"{r['bound_fraction']:.1%}")
 
 
-SUMMARY_COLUMNS = ("model", "size", "params", "backend", "flags", "test", "t/s")
+# bound t/s: the tokens/s of reading the weights and KV cache once per token at --bandwidth (runtime/bound.py)
+SUMMARY_COLUMNS = ("model", "size", "params", "backend", "flags", "test", "t/s", "bound t/s", "% bound")
 
 
 def _markdown(records) -> str:
@@ -155,7 +165,7 @@ def _tables(results, records) -> None:
     env = records[0]
     out.print(f"[dim]{env['gpu'] or env['cpu']} | backend {env['backend']} | k4 {env['k4_version']} ({env['git_commit'] or 'no git'}) "
               f"| cupy {env['cupy'] or '-'} | driver {env.get('driver', '-')} | cuda {env.get('cuda_runtime', '-')}[/]")
-    out.print(table("throughput", SUMMARY_COLUMNS, _summary_rows(records), right=(1, 2, 6)))
+    out.print(table("throughput", SUMMARY_COLUMNS, _summary_rows(records), right=(1, 2, 6, 7, 8)))
     for r in records:  # speculative tests: what one verify step costs, what the drafts gave
         if r.get("verify_ratio"):
             n = r["test"].split("@")[0][2:]

@@ -10,12 +10,17 @@ import typer
 from . import common as c
 from .render import err, errors_to_exit, json_text
 
+# -c is the chunk length, as llama-perplexity's n_ctx; 512 by default, the length llama.cpp's
+# published wikitext perplexities use, so figures compare without options
+ChunkOpt = Annotated[int, typer.Option("-c", "--ctx-size", help=f"Chunk length in tokens: the context each chunk is scored in "
+                                                                f"(0 = {c.CTX_HELP}).")]
+
 
 @errors_to_exit
 def perplexity(
     file: c.FileOpt = None,
     model: c.ModelOpt = None,
-    ctx_size: c.CtxOpt = 512,
+    ctx_size: ChunkOpt = 512,
     backend: c.BackendOpt = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (running perplexity per chunk, PPL, its error) at the end.")] = False,
 ) -> None:
@@ -34,7 +39,7 @@ def perplexity(
     for warning in flags.warnings():
         err.print(f"warning: {warning}", style="yellow", markup=False)
     s = c.load_session(model, backend, ctx_size, flags)
-    ctx_size = s.backend.n_ctx  # -c 0: the model's training context
+    ctx_size = s.backend.n_ctx  # -c 0: fit_context's, as run and chat take it
     tokens = s.tokenizer.encode(text)
     add_bos = s.tokenizer.add_bos and s.tokenizer.bos_id is not None
     err.print(f"{len(tokens)} tokens, {len(tokens) // ctx_size} chunks of {ctx_size}", style="dim")

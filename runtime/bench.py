@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from .bound import DecodeBound
 from .errors import UsageError
 from .flags import FLAGS, Flags
 from .bench_spec import VERIFY_STEPS, run_lookup, run_verify
@@ -75,6 +76,7 @@ class BenchResult:
     load: dict[str, dict] = field(default_factory=dict)  # the backend's load-phase counters (ms, bytes) when it was built
     flag_values: dict[str, int] = field(default_factory=dict)  # every K4_* flag as the backend saw it
     backend: str = ""  # the backend's name ("numpy", "cuda"): what "auto" picked
+    n_ctx: int = 0  # the backend's context, tokens
     load_ms: dict[str, float] = field(default_factory=dict)  # the backend's load steps (ms) when it was built
     load_detail_ms: dict[str, float] = field(default_factory=dict)  # inside read+upload (CUDA backend): read and copy times
     extra: dict = field(default_factory=dict)  # what a speculative test measured besides t/s (bench_spec.py), last repetition
@@ -240,18 +242,23 @@ def _measured(value: float) -> float | None:
     return None if value != value else value
 
 
-def result_record(res: BenchResult, env: dict, model_info: dict) -> dict:
+def result_record(res: BenchResult, env: dict, model_info: dict, bound: DecodeBound | None = None) -> dict:
     """A flat dict for the machine-readable printers (csv/json/jsonl); a figure with no samples
-    behind it (the decode latencies of a ppN test) is None."""
+    behind it (the decode latencies of a ppN test) is None. With `bound` (runtime/bound.py, for a
+    tgN test) the bytes read per token, the bandwidth bound in tokens/s and avg_ts as a fraction
+    of it; None for the other tests."""
     t = res.test
+    bound_ts = bound.tokens_per_s if bound else None
     return {
         **env, **model_info,
-        "test": t.name, "n_prompt": t.n_prompt, "n_gen": t.n_gen, "n_depth": t.depth, "flags": t.flags_text,
+        "test": t.name, "n_prompt": t.n_prompt, "n_gen": t.n_gen, "n_depth": t.depth, "n_ctx": res.n_ctx, "flags": t.flags_text,
         "reps": len(res.samples), "avg_ts": _measured(res.mean), "stddev_ts": res.sd, "samples_ts": list(res.samples),
         "token_ms_p50": _measured(res.latency(0.5)), "token_ms_p99": _measured(res.latency(0.99)),
         "token_gpu_ms_p50": _measured(res.latency(0.5, gpu=True)), "token_gpu_ms_p99": _measured(res.latency(0.99, gpu=True)),
         "phases": res.phases, "memory": res.memory, "flag_values": res.flag_values, "load_ms": res.load_ms,
-        "load_detail_ms": res.load_detail_ms, **res.extra,
+        "load_detail_ms": res.load_detail_ms,
+        "bound_bytes_per_token": bound.bytes_per_token if bound else None, "bound_ts": bound_ts,
+        "bound_fraction": _measured(res.mean / bound_ts) if bound_ts else None, **res.extra,
     }
 
 
@@ -268,6 +275,7 @@ def iter_results(tests: Sequence[BenchTest], make_backend: Callable[[Flags], obj
         for test in group:
             res = run_test(backend, test, reps, n_vocab, on_rep=on_rep, load=load, clock=clock)
             res.flag_values, res.load_ms, res.backend = dict(flags.values), dict(backend.load_ms), backend.name
+            res.n_ctx = backend.n_ctx
             res.load_detail_ms = dict(backend.load_detail_ms)
             yield res
         backend.close()
