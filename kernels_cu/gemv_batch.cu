@@ -14,8 +14,9 @@
 // The work per weight byte is n_tok times gemv_q8's, so two things keep it from becoming bound by
 // the multiprocessors instead of memory:
 //  - a chunk's weights are unpacked once for all tokens: token 0's T::dot always runs first, its
-//    decoding (nibble masks, scales, fp16 conversions: pure functions of the chunk) dominates the
-//    dots of tokens 1..n_tok-1, which the compiler's value numbering then reuses;
+//    decoding (nibble masks, scale codes: pure functions of the chunk) dominates the dots of
+//    tokens 1..n_tok-1, which the compiler's value numbering then reuses (not the fp16 scale
+//    conversions, an asm it repeats: 2 per token and Q4_K chunk);
 //  - each warp takes R rows at once (the same chunk index of each), so the shared-memory loads
 //    of one token's x units, scales and sums serve R rows: at 8 tokens gemv_q8's walk would read
 //    ~20 bytes of shared memory per weight byte for Q4_K, about 1.7 TB/s of weights at the
@@ -24,8 +25,9 @@
 //    common.cuh). The dp4a count itself (8 tokens: 128 per 64 Q4_K weights) stays, near the
 //    integer units' rate at the memory's speed: past that, tensor cores (int8 mma with the tokens
 //    as the n = 8 side) would be the next step.
-// Both were checked in the PTX (nvcc 13, sm_90, Q4_K, 8 tokens): one chunk's dots of 8 tokens
-// and 2 rows issue 256 dp4a, 48 shared loads (8 tokens x 6, not 96) and one set of nibble masks.
+// Both were checked in the PTX (nvcc 13, sm_90, Q4_K, 8 tokens, U = 1): one chunk's dots of 8
+// tokens and 2 rows issue 256 dp4a, 48 shared loads (8 tokens x 6, not 96) and one set of nibble
+// masks per row.
 // The rows of a group past n_out load the last row again (no branch around the dots) and are not
 // written. Reading X itself costs every block n_tok * 4 * n_in bytes from L2 (352 KB at 8 x
 // 11008) before its main loop; with x_q8 (X quantized once by quantize_q8_rows) a block copies
