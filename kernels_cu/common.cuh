@@ -225,11 +225,25 @@ struct q8x {
 
 __device__ __forceinline__ u32 word(const uint4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
 
+// CUDA's __dp4a is an `asm volatile` (sm_61_intrinsics.hpp), across which the compiler neither
+// moves nor merges loads. A file that defines K4_DP4A_PURE before including this header gets the
+// same instruction as a plain asm (same results), so that identical shared-memory loads merge:
+// gemv_batch.cu's loads of one token's x serve several rows. Other files keep __dp4a.
+__device__ __forceinline__ int dp4a(int a, int b, int acc) {
+#ifdef K4_DP4A_PURE
+    int r;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(acc));
+    return r;
+#else
+    return __dp4a(a, b, acc);
+#endif
+}
+
 __device__ __forceinline__ int dot16(const uint4& a, const uint4& b, int acc) {
-    acc = __dp4a((int)a.x, (int)b.x, acc);
-    acc = __dp4a((int)a.y, (int)b.y, acc);
-    acc = __dp4a((int)a.z, (int)b.z, acc);
-    return __dp4a((int)a.w, (int)b.w, acc);
+    acc = dp4a((int)a.x, (int)b.x, acc);
+    acc = dp4a((int)a.y, (int)b.y, acc);
+    acc = dp4a((int)a.z, (int)b.z, acc);
+    return dp4a((int)a.w, (int)b.w, acc);
 }
 
 __device__ __forceinline__ uint4 map4(const uint4& v, u32 shift, u32 mask) {

@@ -19,6 +19,7 @@ import cupy as cp
 from ..model import ModelConfig
 from . import matmul, moe, ops
 from .buffers import KVCache
+from .gemv_batch import gemv_rows
 from .weights import LayerWeights, Weights
 
 
@@ -116,8 +117,9 @@ class Forward:
     def gate_up(self, L: LayerWeights, x1: cp.ndarray, ff: cp.ndarray, half: bool):
         """ff (n, n_ff) = act(gate) * up of rmsnorm(x1 (n, n_embd)) * ffn_norm, act cfg.activation
         (silu, gemma's gelu_tanh): in the product's epilogue for a glu weight on the matrix-vector
-        path (its glu_act), else by the swiglu (geglu) kernel. Returns
-        L.ff_q8 when the epilogue also wrote ff quantized into it for w_down (one token), else None."""
+        path (its glu_act; quantized: gemv_batch.gemv_rows, 8 tokens per launch), else by the
+        swiglu (geglu) kernel. Returns L.ff_q8 when the epilogue also wrote ff quantized into it
+        for w_down (one token), else None."""
         n = x1.shape[0]
         h, norm = self.normed(x1, L.ffn_norm, half)
         if len(L.gate_up) == 2:  # separate gate and up
@@ -127,11 +129,16 @@ class Forward:
             self.ops.swiglu(g, u, ff, self.cfg.activation)
             return None
         p = L.gate_up[0]
-        if p.w.glu and matmul.uses_gemv(p.w, n):
-            q8 = L.ff_q8 if n == 1 else None
-            for i in range(n):  # the matrix-vector path: SwiGLU (GeGLU) in the epilogue
-                self.linear(p.w, h[i : i + 1], ff[i : i + 1], norm=norm, y_q8=q8)
-            return q8
+        if p.w.glu and matmul.uses_gemv(p.w, n):  # the matrix-vector path: SwiGLU (GeGLU) in the epilogue
+            if n == 1:
+                self.linear(p.w, h, ff, norm=norm, y_q8=L.ff_q8)
+                return L.ff_q8
+            if p.w.ggml_type in matmul.QUANT:  # up to BATCH_TOKENS tokens per read of the weight
+                gemv_rows(p.w, h, ff, stream=self.stream, trace=self.ops.trace)
+                return None
+            for i in range(n):
+                self.linear(p.w, h[i : i + 1], ff[i : i + 1])
+            return None
         self.linear(p.w, h, p.out[:n], norm=norm)
         self.ops.swiglu_rows(p.out[:n], ff, interleaved=p.w.glu, act=self.cfg.activation)
         return None
@@ -142,7 +149,7 @@ class Forward:
         Y and residual: (n, n_out) f32 views; a glu weight yields silu(gate) * up, (n, n_out / 2),
         on one row. One row: matmul.gemv, with norm = (norm_w, eps) folded into it and the q8
         handoff x_q8, y_q8 (matmul.Q8Vector); more: matmul.matmul (tensor cores unless
-        K4_PREFILL_TC=0)."""
+        K4_PREFILL_TC=0; up to GEMV_MAX_TOKENS rows: gemv_batch, reading w once per 8 rows)."""
         if X.shape[0] == 1:
             matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, norm=norm,
                         stream=self.stream, trace=self.ops.trace, x_q8=x_q8, y_q8=y_q8)

@@ -138,6 +138,33 @@ def last_launched() -> str:
     return "" if what is None else what if isinstance(what, str) else f"kernel {kernel_name(what)}"
 
 
+def device_limits() -> tuple[int, int]:
+    """(multiprocessors, L2 bytes) of the current device."""
+    import cupy as cp
+
+    attrs = cp.cuda.Device().attributes
+    return attrs["MultiProcessorCount"], attrs["L2CacheSize"]
+
+
+def blocks_per_sm(kernel, threads: int, smem: int) -> int:
+    """Resident blocks per multiprocessor (sm_90: 2048 threads, 64K registers allocated per warp
+    in units of 256, 228 KB shared memory with 1 KB reserved per block)."""
+    regs = max(1, -(-kernel.num_regs // 8) * 8)
+    return max(1, min(2048 // threads, 65536 // (regs * threads), (228 << 10) // (smem + (1 << 10))))
+
+
+def null_or(a):
+    """A kernel's pointer argument: the array a, or a null pointer for None."""
+    return np.uint64(0) if a is None else a
+
+
+def capturing(stream) -> bool:
+    """Whether `stream` (None: the current CuPy stream) is being captured into a CUDA graph."""
+    import cupy as cp
+
+    return (stream or cp.cuda.get_current_stream()).is_capturing()
+
+
 def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0,
            stream=None, trace: Trace | None = None, pdl: bool = False) -> None:
     """Launch `kernel` (a cupy.RawKernel) with `grid` blocks of `block` threads and `shared_mem`

@@ -16,7 +16,8 @@ interleave ffn_gate and ffn_up (combined(glu=True), DeviceWeight.glu), apply Swi
 prefill, Y = X @ W^T: W is dequantized to fp16 a row range at a time (<= 32 MiB, so it stays in
 L2) and multiplied by cuBLAS on tensor cores (fp16 inputs, fp32 accumulation and output), or
 read from a whole fp16 copy made at load (make_half, DeviceWeight.half); X may come in fp16
-already. With K4_PREFILL_TC=0, or for a few tokens, it is one gemv per token instead.
+already. With K4_PREFILL_TC=0, or for a few tokens, matrix-vector products instead: up to 8
+tokens per read of a quantized W (runtime/cuda/gemv_batch.py), one gemv per token for floats.
 
 Measured on one H200 (copy 4.17 TB/s; gemv in CUDA graphs with PDL, weights streamed from
 memory, next chunks loaded during the products): Q4_K 4096x4096 4.6 µs (2.07 TB/s), 11008x4096
@@ -46,7 +47,8 @@ from k4.runtime.model import Tensor
 from k4.runtime.trace import Trace
 
 from .constants import q8x_bytes, q8x_offsets
-from .launch import launch
+from .gemv_batch import gemv_rows
+from .launch import blocks_per_sm, capturing, device_limits, launch, null_or
 from .layout import MatrixSpec, _check_matrix, layout_nbytes
 from .quant_kernels import (DEQUANT_CHUNK_BYTES, FLOAT, FLOAT_GEMV, GEMV_MAX_TOKENS, GLU_ACTS, QUANT, _dequant_name,
                             _gemv_f_name, _gemv_q8_name, _kernel)
@@ -142,14 +144,6 @@ def make_half(w: DeviceWeight, out, stream=None, trace: Trace | None = None) -> 
     w.half = out
 
 
-def device_limits() -> tuple[int, int]:
-    """(multiprocessors, L2 bytes) of the current device."""
-    import cupy as cp
-
-    attrs = cp.cuda.Device().attributes
-    return attrs["MultiProcessorCount"], attrs["L2CacheSize"]
-
-
 @dataclass
 class Q8Vector:
     """A vector of n float32 values quantized to 8 bits per 32 (q8x_bytes(n) bytes in `data`, a
@@ -173,13 +167,6 @@ class Q8Vector:
         if data.dtype != np.uint8 or data.nbytes < q8x_bytes(n):
             raise ValueError(f"a q8 vector of {n} values needs {q8x_bytes(n)} uint8 bytes, got {data.dtype} ({data.nbytes} bytes)")
         return Q8Vector(data, n, QUANT[w.ggml_type].x_swizzle)
-
-
-def blocks_per_sm(kernel, threads: int, smem: int) -> int:
-    """Resident blocks per multiprocessor (sm_90: 2048 threads, 64K registers allocated per warp
-    in units of 256, 228 KB shared memory with 1 KB reserved per block)."""
-    regs = max(1, -(-kernel.num_regs // 8) * 8)
-    return max(1, min(2048 // threads, 65536 // (regs * threads), (228 << 10) // (smem + (1 << 10))))
 
 
 def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, norm: bool = False):
@@ -214,10 +201,6 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
 
 # ---- argument checks ---------------------------------------------------------------------------
 
-def _null_or(a):
-    return np.uint64(0) if a is None else a
-
-
 def _check_array(name: str, a, shape: tuple[int, ...], dtype=np.float32, align16: bool = False) -> None:
     import cupy as cp
 
@@ -229,12 +212,6 @@ def _check_array(name: str, a, shape: tuple[int, ...], dtype=np.float32, align16
 
 
 # ---- decode: matrix-vector ---------------------------------------------------------------------
-
-def _capturing(stream) -> bool:
-    import cupy as cp
-
-    return (stream or cp.cuda.get_current_stream()).is_capturing()
-
 
 def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=None, trace: Trace | None = None,
          variant: tuple[int, int, int] | None = None, pdl: bool | None = None, x_q8: Q8Vector | None = None,
@@ -277,11 +254,11 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
         _check_array("norm weight", norm_w, (n_in,), align16=True)
     _check_q8(w, x_q8, y_q8, n_in, n_out, norm_w is not None)
     kernel, grid, block, smem = _gemv_plan(w, variant, norm_w is not None)
-    args = (w.data, x, y, _null_or(residual), _null_or(bias), _null_or(norm_w), np.float32(eps), np.int32(n_out), np.int32(n_in))
+    args = (w.data, x, y, null_or(residual), null_or(bias), null_or(norm_w), np.float32(eps), np.int32(n_out), np.int32(n_in))
     if w.ggml_type in QUANT:
-        args += (_null_or(x_q8 and x_q8.data), _null_or(y_q8 and y_q8.data), np.int32(y_q8.swizzle if y_q8 else 0))
+        args += (null_or(x_q8 and x_q8.data), null_or(y_q8 and y_q8.data), np.int32(y_q8.swizzle if y_q8 else 0))
     if pdl is None:  # eagerly the driver-API launch costs more host time than it saves
-        pdl = w.pdl and _capturing(stream)
+        pdl = w.pdl and capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl)
 
 
@@ -339,10 +316,10 @@ def _dequant_launch(w: DeviceWeight, row_ids, row0: int, n_rows: int, out, out_t
     kernel = _kernel("matmul.cu", _dequant_name(w.ggml_type, w.planar, out_type), w.evict_first)
     if w.ggml_type in QUANT:
         per_row = n_in // 16  # runs of 16 weights per row
-        args = (w.data, np.int64(w.n_blocks), np.int32(n_in), _null_or(row_ids), np.int32(row0), np.int32(n_rows), out)
+        args = (w.data, np.int64(w.n_blocks), np.int32(n_in), null_or(row_ids), np.int32(row0), np.int32(n_rows), out)
     else:
         per_row = n_in
-        args = (w.data, np.int32(n_in), _null_or(row_ids), np.int32(row0), np.int32(n_rows), out)
+        args = (w.data, np.int32(n_in), null_or(row_ids), np.int32(row0), np.int32(n_rows), out)
     args += (np.float32(scale),)
     threads = 256  # a multiple of every type's runs per ggml block (dequant_q's scale needs it)
     launch(kernel, (math.ceil(n_rows * per_row / threads),), (threads,), args, 0, stream, trace)
@@ -372,8 +349,8 @@ def _chunk_rows(w: DeviceWeight) -> int:
 
 
 def uses_gemv(w: DeviceWeight, n_tok: int) -> bool:
-    """Whether matmul of n_tok tokens on w runs as one gemv per token (K4_PREFILL_TC off, or
-    at most GEMV_MAX_TOKENS tokens)."""
+    """Whether matmul of n_tok tokens on w runs as matrix-vector products (K4_PREFILL_TC off, or
+    at most GEMV_MAX_TOKENS tokens): gemv_batch.gemv_rows for quantized w, gemv per token else."""
     return not w.prefill_tc or n_tok <= GEMV_MAX_TOKENS
 
 
@@ -431,9 +408,10 @@ def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, str
     n_out) float32 or None, may be Y itself; bias: (n_out,) float32 or None; scratch: cupy uint8
     array of at least matmul_scratch_bytes([w, ...], n_tok) bytes (None only when that is 0).
     Tensor-core path: X and W in fp16 (W from w.half when made), fp32 accumulation (relative
-    error about 1e-3); F32 weights run in float32 through cuBLAS; gemv per token when the flag
-    K4_PREFILL_TC is off or n_tok <= GEMV_MAX_TOKENS (not for a glu weight: call gemv, which
-    applies the SwiGLU). blas: a runtime.cuda.blas.Blas for the cuBLAS calls, so they can be
+    error about 1e-3); F32 weights run in float32 through cuBLAS; when the flag K4_PREFILL_TC
+    is off or n_tok <= GEMV_MAX_TOKENS, matrix-vector products instead (quantized: gemv_batch.
+    gemv_rows, up to BATCH_TOKENS tokens per launch; float types: gemv per token; not for a glu
+    weight: call gemv or gemv_rows, which apply the SwiGLU). blas: a runtime.cuda.blas.Blas for the cuBLAS calls, so they can be
     captured in a CUDA graph (None: CuPy's handle, which refuses capture). Raises ValueError on
     wrong shapes, dtypes or scratch size.
     """
@@ -452,6 +430,9 @@ def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, str
         _check_array("residual", residual, (n_tok, n_out))
     if bias is not None:
         _check_array("bias", bias, (n_out,))
+    if uses_gemv(w, n_tok) and w.ggml_type in QUANT:  # up to BATCH_TOKENS tokens per read of w
+        gemv_rows(w, X, Y, residual=residual, bias=bias, stream=stream, trace=trace)
+        return
     if uses_gemv(w, n_tok):
         for i in range(n_tok):
             gemv(w, X[i], Y[i], residual=None if residual is None else residual[i], bias=bias, stream=stream, trace=trace)
@@ -488,4 +469,4 @@ def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, str
                 trace.launch()
         if (residual is not None and not in_place) or bias is not None:
             launch(_kernel("matmul.cu", "add_rows"), (math.ceil(n_tok * n_out / 256),), (256,),
-                   (Y, _null_or(None if in_place else residual), _null_or(bias), np.int32(n_tok), np.int32(n_out)), 0, None, trace)
+                   (Y, null_or(None if in_place else residual), null_or(bias), np.int32(n_tok), np.int32(n_out)), 0, None, trace)

@@ -1,8 +1,8 @@
 """Microbenchmarks of single kernels on the GPU (`k4 bench --kernels`, tests/test_cuda_bench.py):
-matrix-vector products (bench_gemv) against a kernel that only streams the same bytes
-(bench_read), prefill products (bench_matmul) and attention (bench_attention), all timed on the
-device by device_time. Inputs are random; weights are rotated over copies that exceed the L2, so
-timings stream from memory as decode does. Switches not given as arguments come from `flags`
+matrix-vector products (bench_gemv; of up to 8 tokens, bench_gemv_batch) against a kernel
+that only streams the same bytes (bench_read), prefill products (bench_matmul) and attention
+(bench_attention), all timed on the device by device_time. Inputs are random; weights are
+rotated over copies that exceed the L2, so timings stream from memory as decode does. Switches not given as arguments come from `flags`
 (default: the environment's, runtime/flags.py Flags()). Importable without CuPy (tests take
 random_weight from here on machines without a GPU); the timing functions import it when called.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
@@ -20,9 +21,10 @@ from k4.runtime.model import Tensor
 from k4.runtime.trace import Trace
 
 from .compile import module
-from .launch import launch
+from .quant_kernels import BATCH_TOKENS
+from .launch import device_limits, launch
 from .layout import weight_layout
-from .matmul import (FLOAT, QUANT, DeviceWeight, Q8Vector, WeightOptions, device_limits, gemv, make_weight, matmul,
+from .matmul import (FLOAT, QUANT, DeviceWeight, Q8Vector, WeightOptions, gemv, make_weight, matmul,
                      matmul_scratch_bytes, q8x_bytes, q8x_host)
 
 
@@ -41,14 +43,15 @@ def random_weight(ggml_type: T, n_out: int, n_in: int, rng: np.random.Generator)
     return Tensor("random", ggml_type, (n_out, n_in), raw)
 
 
-def _copies(t: Tensor, repack: bool, f: Flags, factor: float, cap: int) -> list[DeviceWeight]:
+def _copies(t: Tensor, repack: bool, f: Flags, factor: float, cap: int, glu: bool = False) -> list[DeviceWeight]:
     """Enough device copies of t to exceed `factor` times the L2, so timings stream from memory;
-    their options from the flags K4_PREFILL_TC, K4_PDL, K4_EVICT_FIRST of `f`."""
+    their options from the flags K4_PREFILL_TC, K4_PDL, K4_EVICT_FIRST of `f`; glu: the rows
+    count as interleaved gate/up pairs (make_weight glu)."""
     import cupy as cp
 
     host = weight_layout(t, repack)
     opts = WeightOptions(f.on("K4_PREFILL_TC"), f.on("K4_PDL"), f.on("K4_EVICT_FIRST"))
-    return [make_weight(t, cp.asarray(host), repack, opts=opts) for _ in range(_n_copies(host.nbytes, factor, cap))]
+    return [make_weight(t, cp.asarray(host), repack, glu, opts) for _ in range(_n_copies(host.nbytes, factor, cap))]
 
 
 def _n_copies(nbytes: int, factor: float, cap: int) -> int:
@@ -141,6 +144,55 @@ def bench_gemv(ggml_type: str, n_out: int, n_in: int, iters: int = 200, *, repac
     us = device_time(lambda i: gemv(weights[i % len(weights)], x, y, variant=variant, pdl=pdl, x_q8=q8), n_calls, iters, graph=True)
     nbytes = weights[0].nbytes + (q8x_bytes(n_in) if x_q8 else 4 * n_in) + 4 * n_out
     return {"us": us, "gb_s": nbytes / us / 1e3, "bytes": nbytes}
+
+
+def bench_gemv_batch(ggml_type: str, n_out: int, n_in: int, tokens: Sequence[int] = tuple(range(1, BATCH_TOKENS + 1)),
+                     iters: int = 200, *, glu: bool = False, variant: tuple[int, int, int, int] | None = None,
+                     x_q8: bool = False, repack: bool | None = None, flags: Flags | None = None) -> dict:
+    """Time gemv_batch (runtime/cuda/gemv_batch.py) of n_tok tokens, for each n_tok in `tokens`,
+    against one gemv (one token) on the same random (n_out, n_in) weight of quantized type
+    `ggml_type`; glu: the rows are interleaved gate/up pairs (the gate/up epilogue, n_out / 2
+    outputs); variant: see gemv_batch (quant_kernels.EXTRA_BATCH_VARIANTS); x_q8: X comes
+    quantized (gemv_batch x_q8, made once by quantize_rows before the timing, as bench_gemv's
+    x_q8: the product's time without its producer's). Timed as bench_gemv times (CUDA graph of PDL launches over copies of W exceeding
+    4x the L2, warm-up, median of CUDA-event timings). Returns {"gemv_us": µs of one gemv,
+    "rows": [{"n_tok", "us": µs per launch, "ratio": us / gemv_us, "tb_s": (weight bytes + 4 *
+    n_tok * (n_in + outputs)) / us in TB/s, X counted as floats even with x_q8}]}. Raises ValueError for a type without kernels or a
+    float type, n_tok outside 1..BATCH_TOKENS, or glu with an odd n_out.
+    """
+    import cupy as cp
+
+    from .gemv_batch import Q8Rows, gemv_batch, quantize_rows
+
+    t = _type(ggml_type)
+    if t not in QUANT:
+        raise ValueError(f"gemv_batch multiplies quantized weights, not {ggml_type}")
+    if not tokens or any(not 1 <= n <= BATCH_TOKENS for n in tokens):
+        raise ValueError(f"token counts must be 1 to {BATCH_TOKENS}, got {list(tokens)}")
+    if glu and n_out % 2:
+        raise ValueError(f"a gate/up weight has an even number of rows, got {n_out}")
+    f = Flags() if flags is None else flags
+    repack = f.on("K4_REPACK") if repack is None else repack
+    rng = np.random.default_rng(0)
+    weights = _copies(random_weight(t, n_out, n_in, rng), repack, f, 4.0, 64, glu)
+    n_y = n_out // 2 if glu else n_out
+    X = cp.asarray(rng.standard_normal((BATCH_TOKENS, n_in), dtype=np.float32))
+    Y = cp.empty((BATCH_TOKENS, n_y), cp.float32)
+    n_calls = len(weights) * math.ceil(20 / len(weights))
+
+    def timed(product) -> float:
+        return device_time(lambda i: product(weights[i % len(weights)]), n_calls, iters, graph=True)
+
+    gemv_us = timed(lambda w: gemv(w, X[0], Y[0]))
+    q8 = {}  # n_tok -> X[:n_tok] quantized for w's swizzle
+    for n in tokens if x_q8 else ():
+        q8[n] = Q8Rows(cp.zeros(Q8Rows.nbytes(n, n_in), cp.uint8), n, n_in, QUANT[t].x_swizzle)
+        quantize_rows(X[:n], q8[n])
+    rows = []
+    for n in tokens:
+        us = timed(lambda w, n=n: gemv_batch(w, X[:n], Y[:n], variant=variant, x_q8=q8.get(n)))
+        rows.append({"n_tok": n, "us": us, "ratio": us / gemv_us, "tb_s": (weights[0].nbytes + 4 * n * (n_in + n_y)) / us / 1e6})
+    return {"gemv_us": gemv_us, "rows": rows}
 
 
 def bench_read(nbytes: int, iters: int = 200, dependent: bool = False) -> dict:

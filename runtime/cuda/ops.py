@@ -27,8 +27,7 @@ from .constants import (ATT_THREADS, MMA_BQ, MMA_THREADS, SAMPLE_THREADS, SAMPLE
 from .constants import ST_DRAW, ST_POS, ST_RING, ST_TOK  # noqa: F401 (ops.ST_*: the decode state's words)
 from .constants import mma_smem as _mma_smem
 from .kernel_names import FILE_OF, GROUP_OF, KERNELS, MMA_TILE_KEYS, TILED_HEAD_DIMS
-from .launch import launch
-from .matmul import blocks_per_sm, device_limits
+from .launch import blocks_per_sm, device_limits, launch
 
 NULL = np.uint64(0)  # a null device pointer argument
 

@@ -1,5 +1,5 @@
 """Which kernels serve each ggml type: the per-type decoder and launch variants of the matrix
-kernels (kernels_cu/gemv.cu, kernels_cu/matmul.cu, decoders in kernels_cu/common.cuh and
+kernels (kernels_cu/gemv.cu, kernels_cu/gemv_batch.cu, kernels_cu/matmul.cu, decoders in kernels_cu/common.cuh and
 decoders_lowbit.cuh), the template-instance names the launchers use (the one list: NVRTC gets
 them as name expressions, the nvcc test instantiates exactly them), their compile groups, and
 the lookup of a compiled kernel. Importable without CuPy.
@@ -74,7 +74,17 @@ EXTRA_GEMV_VARIANTS: dict[T, tuple[tuple[int, int, int], ...]] = {
 EXTRA_GLU_VARIANTS: dict[T, tuple[tuple[int, int, int], ...]] = {T.Q4_K: ((16, 2, 0),)}
 FLOAT_GEMV = (8, 4)  # gemv_f: warps per block, 16-byte chunks in flight per lane
 
-GEMV_MAX_TOKENS = 4          # matmul of at most this many tokens runs as gemv per token
+# gemv_q8_batch (kernels_cu/gemv_batch.cu): the most tokens one launch multiplies (its NT), and its
+# (WARPS, U, PF, R) per quantized type: gemv's first three, R rows per warp sharing each x load.
+# Not yet measured: chosen by the compiler's register counts (ptxas, sm_90, 8 tokens): with
+# (8, 2, 1, 2) no instance spills (Q5_K's gate/up one uses 236 registers, Q4_K's 190), one block
+# of 8 warps per multiprocessor keeps 2 rows x 2 chunks x 2 (PF) in flight per lane, as many
+# bytes as gemv's (16, 2, 1). The extra variants (the "bench" group) are for bench_gemv_batch.
+BATCH_TOKENS = 8
+BATCH_VARIANT: dict[T, tuple[int, int, int, int]] = {t: (8, 2, 1, 2) for t in QUANT}
+EXTRA_BATCH_VARIANTS: dict[T, tuple[tuple[int, int, int, int], ...]] = {
+    t: ((8, 1, 1, 2), (12, 1, 1, 2), (8, 2, 1, 1)) for t in (T.Q4_K, T.Q6_K)}
+GEMV_MAX_TOKENS = BATCH_TOKENS  # matmul of at most this many tokens runs as gemv (gemv_batch)
 DEQUANT_CHUNK_BYTES = 32 << 20  # fp16 rows dequantized per cuBLAS call (fits the H200's 60 MB L2)
 
 
@@ -90,6 +100,13 @@ GLU_ACTS: dict[str, str] = {"silu": "", "gelu_tanh": ", true"}
 def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool = False, act: str = "silu") -> str:
     warps, u, pf = variant
     return f"gemv_q8<{QUANT[t].decoder}, {_bool(planar)}, {warps}, {u}, {_bool(pf)}, {_bool(glu)}{GLU_ACTS[act] if glu else ''}>"
+
+
+def _gemv_batch_name(t: T, planar: bool, variant: tuple[int, int, int, int] | None = None, glu: bool = False,
+                     act: str = "silu") -> str:
+    warps, u, pf, r = variant or BATCH_VARIANT[t]
+    return (f"gemv_q8_batch<{QUANT[t].decoder}, {_bool(planar)}, {warps}, {u}, {_bool(pf)}, {r}, {BATCH_TOKENS}, "
+            f"{_bool(glu)}{GLU_ACTS[act] if glu else ''}>")
 
 
 def _gemv_f_name(t: T, vec: bool, glu: bool = False, act: str = "silu") -> str:
@@ -118,6 +135,14 @@ def _gelu_names(t: T) -> tuple[str, ...]:
     return tuple(_gemv_f_name(t, vec, True, "gelu_tanh") for vec in (True, False))
 
 
+def _batch_names(t: T, act: str = "silu") -> tuple[str, ...]:
+    """The gemv_batch.cu instances of quantized type t (both layouts): plain and SwiGLU, or with
+    act "gelu_tanh" the GeGLU ones only (compiled only for such a model, as _gelu_names)."""
+    if act != "silu":
+        return tuple(_gemv_batch_name(t, p, None, True, act) for p in (False, True))
+    return tuple(_gemv_batch_name(t, p, None, glu) for glu in (False, True) for p in (False, True))
+
+
 def _matmul_names(t: T) -> tuple[str, ...]:
     """The matmul.cu dequantization instances of type t (both output types, both layouts)."""
     layouts = (False, True) if t in QUANT else (False,)
@@ -134,6 +159,11 @@ GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
         "bench": tuple(_gemv_q8_name(t, p, v, glu) for glu, extra in ((False, EXTRA_GEMV_VARIANTS), (True, EXTRA_GLU_VARIANTS))
                        for t, vs in extra.items() for v in vs for p in (False, True)),
     },
+    "gemv_batch.cu": {  # one instance per group: each takes ~1 s to compile, so they compile in parallel
+        **{name: (name,) for t in QUANT for act in GLU_ACTS for name in _batch_names(t, act)},
+        "bench": tuple(_gemv_batch_name(t, p, v, glu) for t, vs in EXTRA_BATCH_VARIANTS.items() for v in vs
+                       for glu in (False, True) for p in (False, True)),
+    },
     "matmul.cu": {**{t.name: _matmul_names(t) for t in (*QUANT, *FLOAT)}, "common": ("convert_f32_f16", "add_rows")},
 }
 _GROUP_OF = {(f, name): names for f, groups in GROUPS.items() for names in groups.values() for name in names}
@@ -145,16 +175,22 @@ def _defines(evict_first: bool) -> tuple[str, ...]:
 
 def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str = "silu") -> list:
     """compile.module() arguments for the matrix kernels of weights of `types` (ggml types with
-    CUDA kernels; others are skipped): their gemv and dequantization instances, and matmul.cu's
-    conversions; with activation "gelu_tanh" (ModelConfig.activation) also the GeGLU-epilogue
-    instances. For compile.compile_async at load."""
+    CUDA kernels; others are skipped): their gemv, gemv_batch (quantized types) and
+    dequantization instances, and matmul.cu's conversions; with activation "gelu_tanh"
+    (ModelConfig.activation) also the GeGLU-epilogue instances. For compile.compile_async at
+    load: each gemv_batch instance is a job of its own (~1 s each with nvcc), so the compile
+    threads build them in parallel with the rest."""
     present = [t for t in dict.fromkeys(types) if t in QUANT or t in FLOAT]
     jobs = [("matmul.cu", GROUPS["matmul.cu"]["common"], ())]
+    gelu = activation != "silu" and activation in GLU_ACTS
     for t in present:
         jobs += [("gemv.cu", GROUPS["gemv.cu"][t.name], _defines(evict_first)),
                  ("matmul.cu", GROUPS["matmul.cu"][t.name], _defines(evict_first))]
-        if activation != "silu" and activation in GLU_ACTS:
+        if gelu:
             jobs.append(("gemv.cu", GROUPS["gemv.cu"][f"{t.name}.{activation}"], _defines(evict_first)))
+        if t in QUANT:
+            names = _batch_names(t) + (_batch_names(t, activation) if gelu else ())
+            jobs += [("gemv_batch.cu", (name,), _defines(evict_first)) for name in names]
     return jobs
 
 

@@ -1,0 +1,130 @@
+// The device helpers the q8 matrix-vector products share (kernels_cu/gemv.cu gemv_q8 and gemv_f,
+// kernels_cu/gemv_batch.cu gemv_q8_batch): the epilogues (write_row, glu_act), the RMSNorm scale,
+// x quantized to 8 bits per 32 values (q8_unit, quantize_x: llama.cpp's q8_1 idea), its copy
+// when another kernel quantized it (copy_q8x) and the layout of that q8 x in shared memory
+// (q8x_bytes, checked against runtime/cuda/constants.py).
+#pragma once
+#include "common.cuh"
+#include "ops_common.cuh"  // k4ops::gelu_tanh_f32
+
+// y[row] = acc (+ bias[row]) (+ residual[row]); residual may alias y.
+__device__ __forceinline__ void write_row(float* y, const float* residual, const float* bias, int row, float acc) {
+    if (bias) acc += bias[row];
+    if (residual) acc += residual[row];
+    y[row] = acc;
+}
+
+// silu(g) * u, rounded as elementwise.cu swiglu rounds it; with GELU gelu_tanh(g) * u, the
+// accurate form of ops_common.cuh that elementwise.cu geglu uses (k4ops::gelu_tanh_f32).
+template <bool GELU>
+__device__ __forceinline__ float glu_act(float g, float u) {
+    return (GELU ? k4ops::gelu_tanh_f32(g) : __fdiv_rn(g, 1.0f + __expf(-g))) * u;
+}
+
+// 1 / sqrt(mean(x^2) + eps) of x (n floats, n a multiple of 4, 16-byte aligned), in every thread
+// of the block (all must call it). rms_norm (norm.cu) computes the same, summed in another order.
+__device__ float rms_scale(const float* __restrict__ x, int n, float eps) {
+    __shared__ float part[32];
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n / 4; i += blockDim.x) {
+        const float4 f = __ldg(reinterpret_cast<const float4*>(x) + i);
+        ss += f.x * f.x + f.y * f.y + f.z * f.z + f.w * f.w;
+    }
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    ss = warp_sum((int)(threadIdx.x & 31) < (int)(blockDim.x >> 5) ? part[threadIdx.x & 31] : 0.f);
+    return rsqrtf(ss / (float)n + eps);
+}
+
+// Quantize 16 values v of unit u (elements 16u..16u+15) into q8 x arrays (shared or global
+// memory): the int8 quants at unit slot x_unit_slot(u, swz) of xq, d at xd[u / 2] (written by the
+// even unit), d * sum of the quants at xs[u]. Units 2i and 2i+1 share one scale, so they must sit
+// in adjacent lanes of one warp, every lane of which calls this (ok false: a lane with no unit).
+__device__ __forceinline__ void q8_unit(const float (&v)[16], bool ok, int u, int swz, u8* xq, float* xd, float* xs) {
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    const float d = amax * (1.f / 127.f);
+    const float id = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;  // IEEE, as numpy rounds it
+    u32 packed[4];
+    int sum = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        packed[k] = 0;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const int q = __float2int_rn(v[4 * k + b] * id);
+            sum += q;
+            packed[k] |= (u32)(q & 0xFF) << (8 * b);
+        }
+    }
+    if (ok) {
+        *reinterpret_cast<uint4*>(xq + 16 * x_unit_slot(u, swz)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        xs[u] = d * (float)sum;
+        if (!(u & 1)) xd[u >> 1] = d;
+    }
+}
+
+// Quantize x (n_in floats, n_in a multiple of 32, 16-byte aligned) into the q8x arrays in
+// shared memory; with norm_w (n_in,) non-null, x * rms_scale(x) * norm_w instead. One thread
+// per 16-value unit.
+template <int SWZ>
+__device__ void quantize_x(const float* __restrict__ x, int n_in, const float* __restrict__ norm_w, float eps,
+                           u8* xq, float* xd, float* xs) {
+    const float scale = norm_w ? rms_scale(x, n_in, eps) : 1.f;
+    const int n_units = n_in >> 4;
+    for (int base = 0; base < n_units; base += blockDim.x) {  // warp-uniform trip count
+        const int u = base + threadIdx.x;
+        const bool ok = u < n_units;
+        float v[16];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float4 f = ok ? __ldg(reinterpret_cast<const float4*>(x) + 4 * u + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+            if (norm_w && ok) {
+                const float4 g = __ldg(reinterpret_cast<const float4*>(norm_w) + 4 * u + k);
+                f = make_float4(f.x * scale * g.x, f.y * scale * g.y, f.z * scale * g.z, f.w * scale * g.w);
+            }
+            v[4 * k] = f.x; v[4 * k + 1] = f.y; v[4 * k + 2] = f.z; v[4 * k + 3] = f.w;
+        }
+        q8_unit(v, ok, u, SWZ, xq, xd, xs);
+    }
+}
+
+// Copy a q8 x made by another kernel (n16 16-byte words, the layout quantize_x leaves in shared
+// memory) into shared memory: up to four loads per thread in flight before the first store.
+__device__ __forceinline__ void copy_q8x(const uint4* __restrict__ src, int n16, uint4* dst) {
+    for (int base = 0; base < n16; base += 4 * blockDim.x) {
+        uint4 v[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int i = base + threadIdx.x + k * blockDim.x;
+            if (i < n16) v[k] = __ldg(src + i);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int i = base + threadIdx.x + k * blockDim.x;
+            if (i < n16) dst[i] = v[k];
+        }
+    }
+}
+
+// The q8 x of n_in values (bytes): int8 units padded to 128 bytes, then d (n_in / 32 floats,
+// padded to 16 bytes), then s (n_in / 16 floats); the whole padded to 16 bytes. gemv_q8 keeps it
+// at the start of its shared memory; the launcher computes the same (runtime/cuda/constants.py
+// q8x_offsets, whose values for several n are checked here at compile time).
+__host__ __device__ __forceinline__ constexpr int q8x_bytes_q(int n_in) { return ((n_in / 16 + 7) & ~7) * 16; }
+__host__ __device__ __forceinline__ constexpr int q8x_d_floats(int n_in) { return (n_in / 32 + 3) & ~3; }
+__host__ __device__ __forceinline__ constexpr int q8x_bytes(int n_in) { return (q8x_bytes_q(n_in) + 4 * q8x_d_floats(n_in) + 4 * (n_in / 16) + 15) & ~15; }
+
+__host__ __device__ constexpr bool q8x_layout_agrees() {
+    constexpr int rows[] = {K4_CHECK_Q8X};  // n, offset of d, offset of s, total bytes
+    for (int i = 0; i < (int)(sizeof(rows) / sizeof(int)); i += 4) {
+        const int n = rows[i];
+        if (q8x_bytes_q(n) != rows[i + 1] || q8x_bytes_q(n) + 4 * q8x_d_floats(n) != rows[i + 2] || q8x_bytes(n) != rows[i + 3])
+            return false;
+    }
+    return true;
+}
+static_assert(q8x_layout_agrees(), "the q8 x layout differs from runtime/cuda/constants.py q8x_offsets");
