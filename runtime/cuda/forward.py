@@ -149,7 +149,7 @@ class Forward:
         Y and residual: (n, n_out) f32 views; a glu weight yields silu(gate) * up, (n, n_out / 2),
         on one row. One row: matmul.gemv, with norm = (norm_w, eps) folded into it and the q8
         handoff x_q8, y_q8 (matmul.Q8Vector); more: matmul.matmul (tensor cores unless
-        K4_PREFILL_TC=0; up to GEMV_MAX_TOKENS rows: gemv_batch, reading w once per 8 rows)."""
+        K4_PREFILL_TC=0; up to GEMV_MAX_TOKENS rows: gemv_batch, reading w once per BATCH_TOKENS rows)."""
         if X.shape[0] == 1:
             matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, norm=norm,
                         stream=self.stream, trace=self.ops.trace, x_q8=x_q8, y_q8=y_q8)

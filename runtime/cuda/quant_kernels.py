@@ -84,7 +84,12 @@ BATCH_TOKENS = 8
 BATCH_VARIANT: dict[T, tuple[int, int, int, int]] = {t: (8, 2, 1, 2) for t in QUANT}
 EXTRA_BATCH_VARIANTS: dict[T, tuple[tuple[int, int, int, int], ...]] = {
     t: ((8, 1, 1, 2), (12, 1, 1, 2), (8, 2, 1, 1)) for t in (T.Q4_K, T.Q6_K)}
-GEMV_MAX_TOKENS = BATCH_TOKENS  # matmul of at most this many tokens runs as gemv (gemv_batch)
+# matmul of at most this many tokens runs as gemv (gemv_batch) instead of fp16 tensor cores. On the
+# H200 (scripts/bench_gemv_batch.py, the 7B's Q4_K products) a batch of n costs 1.12, 1.43,
+# 1.80, 2.15, 2.51, 2.87, 3.23, 3.58x one token's gemv for n = 1..8 (dp4a-bound: 8x the integer
+# work), while a tensor-core verify step of 5 to 8 tokens costs about 2.7x a decode step, flat:
+# the batch wins up to 4 tokens.
+GEMV_MAX_TOKENS = 4
 DEQUANT_CHUNK_BYTES = 32 << 20  # fp16 rows dequantized per cuBLAS call (fits the H200's 60 MB L2)
 
 
