@@ -416,6 +416,8 @@ def chat(
     stop: Annotated[Optional[List[str]], typer.Option("--stop", help="End a reply when this text appears (repeatable).")] = None,
     reasoning: Annotated[str, typer.Option("--reasoning", help="<think> output: on (shown dimmed), hidden (generated, not shown), off (ask the model not to think where its template can).")] = "on",
     backend: c.BackendOpt = "auto",
+    cache_type_k: c.CacheTypeKOpt = "f16",
+    cache_type_v: c.CacheTypeVOpt = "f16",
 ) -> None:
     """Chat with a GGUF model: line editing, history, slash commands (/help); or one message per line from a pipe."""
     from k4.runtime.chat import ChatSession, check_reasoning
@@ -427,9 +429,10 @@ def chat(
     params = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, c.resolve_seed(seed)).validate()
     c.check_n_predict(n_predict)
     check_reasoning(reasoning)
+    kv = c.kv_types(cache_type_k, cache_type_v)
     system_text = system_prompt(system, system_file)
     path = c.model_path(model)
-    loaded = c.load_session(path, backend, ctx_size, flags)
+    loaded = c.load_session(path, backend, ctx_size, flags, kv)
     if chat_template is not None:
         template = ChatTemplate.from_file(chat_template, loaded.tokenizer)
     else:

@@ -72,7 +72,7 @@ __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
 
 // Causal attention of n_tok queries (query t at position pos0 + t, pos0 = *pos) over the cache
 // rows 0 .. pos0 + t, on tensor cores. q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx,
-// n_head_kv, D) fp16; scale, window, softcap: as attn_f16kv (tiles before the window of a block's or a
+// n_head_kv, D) fp16; scale, window, softcap: as attn_kv (tiles before the window of a block's or a
 // warp's first query are skipped; softcap applies to S in log2 units with cap * log2(e)). Grid: (n_head, ceil(n_tok / MMA_BQ)); block:
 // MMA_THREADS; dynamic shared memory mma_smem(D, BK). Requires D % 16 == 0, BK % 16 == 0.
 // Thread mapping: lane = 4g + t holds rows g and g + 8 of its warp's 16 queries and, per 8-column

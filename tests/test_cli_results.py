@@ -119,7 +119,7 @@ def fake_bench(monkeypatch):
     backends the command built."""
     built: list[FakeBackend] = []
 
-    def make_fake(mf, kind="auto", n_ctx=0, progress=None, status=None, flags=None):
+    def make_fake(mf, kind="auto", n_ctx=0, progress=None, status=None, flags=None, kv_types=None):
         built.append(FakeBackend(n_ctx))
         return built[-1]
 
