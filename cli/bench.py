@@ -53,7 +53,8 @@ def bench(
     pairs = [tuple(rb.parse_list(x, "--pg")) for x in (pg or [])]
     if any(len(p) != 2 for p in pairs):
         raise UsageError("--pg takes a pair PROMPT,GEN, e.g. --pg 512,128")
-    kv_sets = [KVTypes(k, v) for k in rb.parse_cache_types(cache_type_k, "-ctk") for v in rb.parse_cache_types(cache_type_v, "-ctv")]
+    kv_sets = [KVTypes(k, v) for k in rb.parse_cache_types(cache_type_k, "--cache-type-k")
+               for v in rb.parse_cache_types(cache_type_v, "--cache-type-v")]
     tests = rb.expand(rb.parse_list(n_prompt, "-p"), rb.parse_list(n_gen, "-n"), pairs, rb.parse_list(depth, "--depth"),
                       [rb.parse_flags(f) for f in (flags or [])], kv_sets)
     if not tests:

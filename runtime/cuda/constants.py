@@ -97,14 +97,14 @@ def att_smem(D: int) -> int:
 
 
 def tiled_smem(D: int) -> int:
-    """Dynamic shared memory (bytes) of attn_tiled<D>: query and key tiles in rows of D + 4 floats,
-    the value tile, the probabilities in rows of TILE_PS floats."""
+    """Dynamic shared memory (bytes) of attn_tiled<D, KT, VT>: query and key tiles in rows of
+    D + 4 floats, the value tile, the probabilities in rows of TILE_PS floats."""
     return 4 * (TILE_Q * (D + 4) + TILE_K * (D + 4) + TILE_K * D + TILE_Q * TILE_PS)
 
 
 def mma_smem(D: int, BK: int) -> int:
-    """Dynamic shared memory (bytes) of attn_mma<D, BK>: the fp16 Q tile for D > 128, two K and
-    two V tiles of BK keys, rows of D + 8 halves."""
+    """Dynamic shared memory (bytes) of attn_mma<D, BK, KT, VT>: the fp16 Q tile for D > 128,
+    two K and two V tiles of BK keys (fp16 whatever the cache type), rows of D + 8 halves."""
     return 2 * (D + 8) * ((0 if D <= 128 else MMA_BQ) + 4 * BK)
 
 

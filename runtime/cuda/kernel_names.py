@@ -32,7 +32,7 @@ KERNELS = {
     "rope.cu": tuple(f"rope_qk_store<{kv_args(k, v)}>" for k, v in KV_PAIRS),
     "attention.cu": tuple(f"attn_kv<{kv_args(k, v)}>" for k, v in KV_PAIRS),
     "attention_tiled.cu": tuple(f"attn_tiled<{d}, {kv_args(k, v)}>" for d in TILED_HEAD_DIMS for k, v in KV_PAIRS),
-    "attention_mma.cu": tuple(f"attn_mma<{d}, {bk}>" for d, bk in MMA_TILE_KEYS.items()),
+    "attention_mma.cu": tuple(f"attn_mma<{d}, {bk}, {kv_args(k, v)}>" for d, bk in MMA_TILE_KEYS.items() for k, v in KV_PAIRS),
     "elementwise.cu": ("swiglu<float>", "swiglu<u16>", "geglu<float>", "geglu<u16>", "scale_f32", "softcap_f32", "set_i32"),
     "sampling.cu": ("sample_penalty", "sample_argmax_partial", "sample_finish"),
     "moe.cu": ("moe_topk", "moe_combine", *(f"moe_gemv_q<{d}>" for d in MOE_QUANT_DECODERS),

@@ -276,13 +276,13 @@ class Ops:
 
     def attention_kernel(self, n_tok: int, D: int, kv: KVTypes | None = None) -> str:
         """The attention kernel for n_tok queries of head_dim D over a cache of types kv (default
-        self.kv) (the selector): several queries run attn_mma (tensor cores) with `mma` over an
-        fp16 cache, else attn_tiled with `tiled` (any cache type), where D has an instance; one
-        query, or a D without one, runs attn_kv."""
+        self.kv) (the selector): several queries run attn_mma (tensor cores) with `mma`, else
+        attn_tiled with `tiled`, where D has an instance; one query, or a D without one, runs
+        attn_kv."""
         kv = kv or self.kv
         types = kv_args(kv.k, kv.v)
-        if n_tok > 1 and self.mma and D in MMA_TILE_KEYS and not kv.quantized:
-            return f"attn_mma<{D}, {MMA_TILE_KEYS[D]}>"
+        if n_tok > 1 and self.mma and D in MMA_TILE_KEYS:
+            return f"attn_mma<{D}, {MMA_TILE_KEYS[D]}, {types}>"
         if n_tok > 1 and self.tiled and D in TILED_HEAD_DIMS:
             return f"attn_tiled<{D}, {types}>"
         return f"attn_kv<{types}>"
@@ -323,8 +323,8 @@ class Ops:
             self._attention_rows(name, q, planes, out, pos, n_split, split_len, part, ticket, fresh, shape)
 
     def _attention_tiles(self, name: str, q, planes: tuple, out, pos, shape: AttnShape) -> None:
-        """Launch attn_mma (fp16 planes: k, v) or attn_tiled (planes: k, k_d, v, v_d): several
-        queries per block, keys staged in shared memory."""
+        """Launch attn_mma or attn_tiled (planes: k, k_d, v, v_d): several queries per block,
+        keys staged in shared memory."""
         n_tok, n_head, D = q.shape
         n_head_kv = planes[0].shape[1]
         mma = name.startswith("attn_mma")
@@ -333,9 +333,8 @@ class Ops:
         if kernel.max_dynamic_shared_size_bytes < smem:
             kernel.max_dynamic_shared_size_bytes = smem
         rows, threads = (MMA_BQ, MMA_THREADS) if mma else (TILE_Q, TILE_THREADS)
-        cache = (planes[0], planes[2]) if mma else planes
         self._launch(FILE_OF[name], name, (n_head, -(-n_tok // rows)), (threads,),
-                     (q, *cache, out, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv),
+                     (q, *planes, out, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv),
                       *shape.kernel_args(D)), shared_mem=smem)
 
     def _attention_rows(self, name: str, q, planes: tuple, out, pos, n_split: int, split_len: int, part, ticket,
