@@ -227,11 +227,17 @@ def _kernels(output: str) -> None:
                      "fraction_of_4.2TB/s": r["gb_s"] / 4200.0, "read_us": read["us"], "fraction_of_read": read["us"] / r["us"],
                      "dependent_read_us": dep["us"], "fraction_of_dependent_read": dep["us"] / r["us"]})
     # prefill (causal, from position 0) and decode (one query at a depth); 32 heads of 128 as Llama 2 7B
+    # (32 KV heads), or as Llama 3 8B (8 KV heads: GQA), over f16 and q8_0 keys and values
+    from k4.runtime.kv_types import KVTypes
+
     attn = []
-    for name, n_tok, n_ctx in (("prefill", 4096, 4096), ("prefill", 512, 512), ("decode", 1, 4096), ("decode", 1, 16384)):
-        r = bench_attention(n_tok, n_ctx)
-        attn.append({"kernel": f"attention {name}", "n_tok": n_tok, "n_ctx": n_ctx, "n_head": 32, "head_dim": 128,
-                     "us": r["us"], "tflop_s": r["tflop_s"], "gb_s": r["gb_s"]})
+    for name, n_tok, n_ctx, n_kv_head, kv in (
+            ("prefill", 4096, 4096, 32, "f16"), ("prefill", 512, 512, 32, "f16"), ("prefill", 4096, 4096, 32, "q8_0"),
+            ("decode", 1, 4096, 32, "f16"), ("decode", 1, 16384, 32, "f16"), ("decode", 1, 16384, 32, "q8_0"),
+            ("decode", 1, 131072, 8, "f16"), ("decode", 1, 131072, 8, "q8_0")):
+        r = bench_attention(n_tok, n_ctx, n_head_kv=n_kv_head, kv=KVTypes(kv, kv))
+        attn.append({"kernel": f"attention {name}", "kv_type": kv, "n_tok": n_tok, "n_ctx": n_ctx, "n_head": 32,
+                     "n_head_kv": n_kv_head, "head_dim": 128, "us": r["us"], "tflop_s": r["tflop_s"], "gb_s": r["gb_s"]})
     records = gemv + attn
     if output in ("json", "jsonl"):
         _print_json(records, output)
@@ -242,10 +248,10 @@ def _kernels(output: str) -> None:
                     [(r["type"], f"{r['n_out']}x{r['n_in']}", r["x"], f"{r['us']:.2f}", f"{r['gb_s']:,.0f}", f"{r['fraction_of_4.2TB/s']:.0%}",
                       f"{r['read_us']:.2f}", f"{r['fraction_of_read']:.0%}", f"{r['dependent_read_us']:.2f}",
                       f"{r['fraction_of_dependent_read']:.0%}") for r in gemv], right=(3, 4, 5, 6, 7, 8, 9)))
-    out.print(table("attention, fp16 KV, 32 heads of 128 (causal; TFLOP/s counts the causal half)",
-                    ("kernel", "queries", "keys", "µs", "TFLOP/s", "KV GB/s"),
-                    [(r["kernel"], r["n_tok"], r["n_ctx"], f"{r['us']:,.1f}", f"{r['tflop_s']:,.1f}", f"{r['gb_s']:,.0f}") for r in attn],
-                    right=(1, 2, 3, 4, 5)))
+    out.print(table("attention, 32 heads of 128 (causal; TFLOP/s counts the causal half; KV GB/s: quants and scales)",
+                    ("kernel", "KV type", "KV heads", "queries", "keys", "µs", "TFLOP/s", "KV GB/s"),
+                    [(r["kernel"], r["kv_type"], r["n_head_kv"], r["n_tok"], r["n_ctx"], f"{r['us']:,.1f}", f"{r['tflop_s']:,.1f}",
+                      f"{r['gb_s']:,.0f}") for r in attn], right=(2, 3, 4, 5, 6, 7)))
 
 
 def register(app: typer.Typer) -> None:

@@ -83,9 +83,13 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
         const int warp = tid >> 5, lane = tid & 31;
         if (warp == 0) k4ops::rope_row(fresh_q + (size_t)h * D, qs, nullptr, q_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
         if (cur >= 0 && warp == 1) {
-            k4ops::rope_row(fresh_k + head_off, red, nullptr, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
-            __syncwarp();
-            KT::store_row(red, D, kcur, kdcur, 0, lane);
+            if constexpr (KT::SCALED) {  // rotated in f32 (in red, free until the end), then quantized as rope.cu does
+                k4ops::rope_row(fresh_k + head_off, red, nullptr, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
+                __syncwarp();
+                KT::store_row(red, D, kcur, kdcur, 0, lane);
+            } else {
+                k4ops::rope_row(fresh_k + head_off, nullptr, kcur, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
+            }
         }
         if (cur >= 0 && warp == 2) VT::store_row(fresh_v + head_off, D, vcur, vdcur, 0, lane);
         __syncthreads();
