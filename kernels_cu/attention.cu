@@ -142,12 +142,7 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
                                              : KT::load_once(k_cache, k_d, (size_t)(c0 + j) * kv_stride + head_off + cc * 8);
                 }
 #pragma unroll
-                for (int u = 0; u < ATT_KEYS; ++u) {
-                    float kv[8];
-                    KT::unpack(raw[u], kv);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) d[u] += kv[e] * qs[cc * 8 + e];
-                }
+                for (int u = 0; u < ATT_KEYS; ++u) KT::dot8(raw[u], qs + cc * 8, d[u]);
             }
 #pragma unroll
             for (int u = 0; u < ATT_KEYS; ++u) {
@@ -187,11 +182,7 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {
                     const int j = j0 + u * n_kl;
-                    const float p = j < n ? sc[j] : 0.0f;
-                    float vv[8];
-                    VT::unpack(raw[u], vv);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[e] += p * vv[e];
+                    VT::axpy8(raw[u], j < n ? sc[j] : 0.0f, acc);
                 }
             }
         }

@@ -15,8 +15,9 @@
 //
 // Each type gives: elem (the x plane's type), SCALED, raw8 (8 consecutive values as loaded),
 // zero(), load() (generic address: global or shared), load_once() (global, read once: the
-// evict-first hint of ld_once16), unpack() (raw8 -> 8 floats), and store_row() (one warp
-// writes one head row of D float32 values).
+// evict-first hint of ld_once16), unpack() (raw8 -> 8 floats), dot8() (acc += the 8 values . 8
+// floats), axpy8() (acc[0..7] += p * the 8 values), and store_row() (one warp writes one head
+// row of D float32 values).
 #pragma once
 #include "ops_common.cuh"
 
@@ -31,6 +32,15 @@ __device__ __forceinline__ uint2 ld_once8(const void* p) {
 #endif
 }
 
+// 4 int8 of a word -> 4 floats, exactly, without I2F conversions (16 per clock per SM on sm_90,
+// too few for decode attention at memory speed): byte b + 128 as the low mantissa bits of 2^23
+// is the float 2^23 + b + 128 (one byte permute), minus 2^23 + 128 is b (one exact subtraction).
+__device__ __forceinline__ void i8x4_to_f32(u32 w, float* out) {
+    const u32 u = w ^ 0x80808080u;  // b + 128 in each byte
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = __int_as_float(__byte_perm(u, 0x4B000000u, 0x7650u | i)) - 8388736.0f;
+}
+
 struct kv_f16 {
     using elem = u16;
     static constexpr bool SCALED = false;
@@ -42,6 +52,18 @@ struct kv_f16 {
     __device__ static raw8 load(const elem* x, const u16*, size_t e) { return {*reinterpret_cast<const uint4*>(x + e)}; }
     __device__ static raw8 load_once(const elem* x, const u16*, size_t e) { return {ld_once16(x + e)}; }
     __device__ static void unpack(const raw8& r, float* out) { k4ops::unpack_half8(r.h, out); }
+    __device__ static void dot8(const raw8& r, const float* q, float& acc) {
+        float v[8];
+        unpack(r, v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc += v[e] * q[e];
+    }
+    __device__ static void axpy8(const raw8& r, float p, float* acc) {
+        float v[8];
+        unpack(r, v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] += p * v[e];
+    }
     // Values y[0 .. D) (readable by every lane) to elements e .. e + D - 1; every lane of the warp calls it.
     __device__ static void store_row(const float* y, int D, elem* x, u16*, size_t e, int lane) {
         for (int i = lane; i < D; i += 32) x[e + i] = f32_to_f16(y[i]);
@@ -60,11 +82,28 @@ struct kv_q8_0 {
         return {*reinterpret_cast<const uint2*>(x + e), d[e / 32]};
     }
     __device__ static raw8 load_once(const elem* x, const u16* d, size_t e) { return {ld_once8(x + e), d[e / 32]}; }
-    __device__ static void unpack(const raw8& r, float* out) {
+    __device__ static void unpack(const raw8& r, float* out) {  // q * d, as llama.cpp's dequantize_row_q8_0
         const float d = f16_to_f32(r.d);
-        const u32 w[2] = {r.q.x, r.q.y};
+        i8x4_to_f32(r.q.x, out);
+        i8x4_to_f32(r.q.y, out + 4);
 #pragma unroll
-        for (int u = 0; u < 8; ++u) out[u] = (float)(signed char)((w[u >> 2] >> (8 * (u & 3))) & 0xffu) * d;
+        for (int e = 0; e < 8; ++e) out[e] *= d;
+    }
+    __device__ static void dot8(const raw8& r, const float* q, float& acc) {  // the scale once per 8 values
+        float v[8], s = 0.0f;
+        i8x4_to_f32(r.q.x, v);
+        i8x4_to_f32(r.q.y, v + 4);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s += v[e] * q[e];
+        acc += s * f16_to_f32(r.d);
+    }
+    __device__ static void axpy8(const raw8& r, float p, float* acc) {
+        float v[8];
+        i8x4_to_f32(r.q.x, v);
+        i8x4_to_f32(r.q.y, v + 4);
+        const float pd = p * f16_to_f32(r.d);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] += pd * v[e];
     }
     // Lane l quantizes value 32b + l of each block b; e % 32 == 0, D % 32 == 0.
     __device__ static void store_row(const float* y, int D, elem* x, u16* d, size_t e, int lane) {
