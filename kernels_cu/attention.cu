@@ -1,6 +1,7 @@
-// Attention of f32 queries over the KV cache (keys KT, values VT: fp16 or q8_0, kv_cache.cuh), causal, with GQA (query head h reads KV head
-// h / (n_head / n_head_kv)). One kernel serves decode (n_tok = 1) and prefill (query t sits at
-// position pos0 + t and sees cache rows 0 .. pos0 + t).
+// Attention of f32 queries over the KV cache (keys KT, values VT: fp16 or q8_0, kv_cache.cuh),
+// causal, with GQA (query head h reads KV head h / (n_head / n_head_kv)). One kernel serves
+// decode (n_tok = 1) and prefill (query t sits at position pos0 + t and sees cache rows
+// 0 .. pos0 + t).
 //
 // Each block walks its key range in chunks of ATT_CHUNK positions with the online softmax of
 // Milakov & Gimelshein 2018 (as in FlashAttention). With n_split > 1 the key range is split over

@@ -93,16 +93,17 @@ __device__ __forceinline__ void stage8(u32 dst, const typename T::elem* x, const
 // rows 0 .. pos0 + t, on tensor cores. q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx,
 // n_head_kv, D) of KT::elem / VT::elem with k_d, v_d their scale planes or null (kv_cache.cuh:
 // fp16 tiles are copied by cp.async; q8_0 ones are dequantized to fp16 through registers as
-// they are staged, so their next tile's loads are not asynchronous); scale, window, softcap: as attn_kv (tiles before the window of a block's or a
-// warp's first query are skipped; softcap applies to S in log2 units with cap * log2(e)). Grid: (n_head, ceil(n_tok / MMA_BQ)); block:
+// they are staged, so their next tile's loads are not asynchronous); scale, window, softcap: as
+// attn_kv (tiles before the window of a block's or a warp's first query are skipped; softcap
+// applies to S in log2 units with cap * log2(e)). Grid: (n_head, ceil(n_tok / MMA_BQ)); block:
 // MMA_THREADS; dynamic shared memory mma_smem(D, BK). Requires D % 16 == 0, BK % 16 == 0.
 // Thread mapping: lane = 4g + t holds rows g and g + 8 of its warp's 16 queries and, per 8-column
 // chunk of S or O, columns 2t and 2t + 1 (the mma accumulator layout).
 template <int D, int BK, class KT, class VT>
 __global__ void __launch_bounds__(MMA_THREADS, 2)
 attn_mma(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
-         const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d, float* __restrict__ out, const int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, float scale,
-         int window, float softcap) {
+         const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d, float* __restrict__ out,
+         const int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, float scale, int window, float softcap) {
     using namespace k4mma;
     constexpr int DP = D + 8;          // shared row stride (halves)
     constexpr int ROW_BYTES = 2 * DP;

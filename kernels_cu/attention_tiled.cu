@@ -22,8 +22,8 @@
 template <int D, class KT, class VT>
 __global__ void __launch_bounds__(TILE_THREADS)
 attn_tiled(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
-           const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d, float* __restrict__ out, const int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, float scale,
-           int window, float softcap) {
+           const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d, float* __restrict__ out,
+           const int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, float scale, int window, float softcap) {
     constexpr int DP = D + 4, NC = D / 64;
     extern __shared__ float4 tile_smem[];
     float* Qs = reinterpret_cast<float*>(tile_smem);  // (TILE_Q, DP) queries, pre-scaled
