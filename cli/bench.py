@@ -31,8 +31,13 @@ def bench(
     cache_type_v: Annotated[str, typer.Option("-ctv", "--cache-type-v", help="KV cache types of the values, comma list (f16, q8_0).")] = "f16",
     output: Annotated[str, typer.Option("-o", "--output", help="table, md, csv, json or jsonl.")] = "table",
     backend: c.BackendOpt = "auto",
-    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = what the longest test needs).")] = 0,
+    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = what the longest test needs, as llama-bench sizes it: depth + prompt + generated).")] = 0,
     kernels: Annotated[bool, typer.Option("--kernels", help="Microbenchmark the matrix-vector and attention kernels instead (GPU).")] = False,
+    verify: Annotated[str, typer.Option("--verify", help="Speculative verify steps of N tokens (tests tvN), comma list; timed against one-token steps.")] = "",
+    lookup: Annotated[int, typer.Option("--lookup", help="Also run each tg test with prompt lookup of n-grams up to N, every draft right (tgN/lookupN).")] = 0,
+    draft_max: Annotated[int, typer.Option("--draft-max", help="Most draft tokens per verify step with --lookup.")] = 7,
+    bandwidth: Annotated[float, typer.Option("--bandwidth", help="Memory bandwidth in GB/s for the decode bound of tgN tests "
+                                                                 "(4200: the H200's HBM3e).")] = 4200.0,
 ) -> None:
     """Measure prompt processing (ppN) and generation (tgN) speed, llama-bench style."""
     from k4.runtime import bench as rb
@@ -48,22 +53,27 @@ def bench(
     if reps < 1:
         raise UsageError(f"-r {reps} is invalid; use at least 1")
     c.check_ctx_size(ctx_size)
+    if not bandwidth > 0 or bandwidth == float("inf"):
+        raise UsageError(f"--bandwidth {bandwidth} is invalid; give the memory bandwidth in GB/s, e.g. 4200")
     if kernels:
         return _kernels(output)
     pairs = [tuple(rb.parse_list(x, "--pg")) for x in (pg or [])]
     if any(len(p) != 2 for p in pairs):
         raise UsageError("--pg takes a pair PROMPT,GEN, e.g. --pg 512,128")
+    if lookup < 0 or draft_max < 1:
+        raise UsageError(f"--lookup {lookup} / --draft-max {draft_max}: use --lookup >= 0 and --draft-max >= 1")
     kv_sets = [KVTypes(k, v) for k in rb.parse_cache_types(cache_type_k, "--cache-type-k")
                for v in rb.parse_cache_types(cache_type_v, "--cache-type-v")]
     tests = rb.expand(rb.parse_list(n_prompt, "-p"), rb.parse_list(n_gen, "-n"), pairs, rb.parse_list(depth, "--depth"),
-                      [rb.parse_flags(f) for f in (flags or [])], kv_sets)
+                      [rb.parse_flags(f) for f in (flags or [])], rb.parse_list(verify, "--verify") if verify else (),
+                      lookup, draft_max, kv_sets)
     if not tests:
         raise UsageError("nothing to run: every -p, -n and --pg is 0")
     if synthetic and model:
         raise UsageError("give either -m MODEL or --synthetic PRESET, not both")
     with tempfile.TemporaryDirectory(prefix="k4-bench-") as tmp:
         path = _synthetic(synthetic, Path(tmp)) if synthetic else c.model_path(model)
-        _run(path, tests, reps, output, backend, ctx_size)
+        _run(path, tests, reps, output, backend, ctx_size, bandwidth)
 
 
 def _synthetic(preset: str, folder: Path) -> Path:
@@ -75,21 +85,24 @@ def _synthetic(preset: str, folder: Path) -> Path:
         return write_synthetic(preset, folder / f"{preset}.gguf", progress=update)
 
 
-def _run(path: Path, tests, reps: int, output: str, backend: str, ctx_size: int) -> None:
+def _run(path: Path, tests, reps: int, output: str, backend: str, ctx_size: int, bandwidth: float) -> None:
     from rich.progress import Progress
 
     from k4.runtime import bench as rb
     from k4.runtime.backend import make_backend
+    from k4.runtime.bound import decode_bound
     from k4.runtime.model import open_model
 
     mf = open_model(path)
     cfg = mf.config
-    need = max(t.depth + t.n_tokens for t in tests)
+    need = max(t.ctx_tokens for t in tests)
     n_ctx = ctx_size or max(need, 16)
     warning = c.ctx_warning(n_ctx, cfg.n_ctx_train)
     if warning:
         err.print(warning, style="yellow", markup=False)
-    model_info = {"model_type": f"{cfg.arch} {cfg.name}", "model_size": mf.file_size, "model_n_params": mf.n_params}
+    model_info = {"model_type": f"{cfg.arch} {cfg.name}", "model_size": mf.file_size, "model_n_params": mf.n_params,
+                  "bandwidth_gbs": bandwidth}
+    bounds = {t: decode_bound(mf, t.depth, t.n_gen, bandwidth, t.kv) for t in tests if t.n_gen and not t.n_prompt}
     results, env = [], None
     with Progress(console=err, transient=True, disable=not err.is_terminal) as prog:
         task = prog.add_task("benchmarking", total=len(tests) * reps)
@@ -100,17 +113,18 @@ def _run(path: Path, tests, reps: int, output: str, backend: str, ctx_size: int)
                 results.append(res)
         except KeyboardInterrupt:
             err.print(f"interrupted: showing the {len(results)} finished test(s)")
-            _print(results, env, model_info, output)
+            _print(results, env, model_info, output, bounds)
             raise typer.Exit(130)
-    _print(results, env, model_info, output)
+    _print(results, env, model_info, output, bounds)
 
 
-def _print(results, env, model_info, output: str) -> None:
+def _print(results, env, model_info, output: str, bounds: dict) -> None:
+    """Print `results` in `output`'s format; bounds: BenchTest -> runtime.bound.DecodeBound (tgN tests)."""
     from k4.runtime.bench import result_record
 
     if not results:
         return
-    records = [result_record(r, env, model_info) for r in results]
+    records = [result_record(r, env, model_info, bounds.get(r.test)) for r in results]
     if output in ("json", "jsonl"):
         _print_json(records, output)
     elif output == "csv":
@@ -147,10 +161,13 @@ def _config(test) -> str:
 def _summary_rows(records):
     for r in records:
         yield (Path(r["model"]).name, f"{r['model_size'] / 2**20:,.2f} MiB", f"{r['model_n_params'] / 1e6:,.2f} M",
-               r["backend"], r["flags"] or "-", r["type_k"], r["type_v"], r["test"], f"{rate_text(r['avg_ts'], ',.2f')} ± {rate_text(r['stddev_ts'], ',.2f')}")
+               r["backend"], r["flags"] or "-", r["type_k"], r["type_v"], r["test"],
+               f"{rate_text(r['avg_ts'], ',.2f')} ± {rate_text(r['stddev_ts'], ',.2f')}",
+               rate_text(r["bound_ts"], ",.2f"), "-" if r["bound_fraction"] is None else f"{r['bound_fraction']:.1%}")
 
 
-SUMMARY_COLUMNS = ("model", "size", "params", "backend", "flags", "type_k", "type_v", "test", "t/s")
+# bound t/s: the tokens/s of reading the weights and KV cache once per token at --bandwidth (runtime/bound.py)
+SUMMARY_COLUMNS = ("model", "size", "params", "backend", "flags", "type_k", "type_v", "test", "t/s", "bound t/s", "% bound")
 
 
 def _markdown(records) -> str:
@@ -163,7 +180,15 @@ def _tables(results, records) -> None:
     env = records[0]
     out.print(f"[dim]{env['gpu'] or env['cpu']} | backend {env['backend']} | k4 {env['k4_version']} ({env['git_commit'] or 'no git'}) "
               f"| cupy {env['cupy'] or '-'} | driver {env.get('driver', '-')} | cuda {env.get('cuda_runtime', '-')}[/]")
-    out.print(table("throughput", SUMMARY_COLUMNS, _summary_rows(records), right=(1, 2, 8)))
+    out.print(table("throughput", SUMMARY_COLUMNS, _summary_rows(records), right=(1, 2, 8, 9, 10)))
+    for r in records:  # speculative tests: what one verify step costs, what the drafts gave
+        if r.get("verify_ratio"):
+            n = r["test"].split("@")[0][2:]
+            out.print(f"{r['test']}: a verify step of {n} tokens takes {r['verify_ms']:.3f} ms, {r['verify_ratio']:.2f}x a "
+                      f"one-token step ({r['verify1_ms']:.3f} ms): speculation gains at most {int(n) / r['verify_ratio']:.2f}x")
+        if r.get("tokens_per_step"):
+            out.print(f"{r['test']}: {r['draft_accepted']}/{r['draft_tokens']} drafts accepted, "
+                      f"{r['tokens_per_step']:.2f} tokens per verify step")
     rows = []
     for r in results:
         ph = r.phases

@@ -34,7 +34,8 @@ from k4.runtime.flags import Flags
 from k4.runtime.sampling import SamplingParams
 
 from . import common as c
-from .render import clean, dim, err, errors_to_exit, generation_rates, out, rate_text, table, trace_table
+from .render import clean, dim, err, errors_to_exit, generation_rates, out, rate_text, reply_stats, table, trace_table
+from .speculation import DraftMaxOpt, DraftModelOpt, LookupOpt, make_speculator, spec_text
 
 PROMPT, CONTINUATION = ">>> ", "... "
 BLOCK = '"""'
@@ -67,14 +68,6 @@ def default_history() -> Path:
     state = os.environ.get("XDG_STATE_HOME", "")
     base = Path(state) if state and Path(state).is_absolute() else Path.home() / ".local" / "state"
     return base / "k4" / "history"
-
-
-def reply_stats(result, used: int, n_ctx: int) -> str:
-    """The line after each reply: evaluated prompt tokens and reply tokens with their rates (t/s,
-    "-" for an empty phase), and the context meter: tokens the conversation holds of n_ctx."""
-    prompt_tps, gen_tps = generation_rates(result)
-    return (f"[ prompt {result.prefill_tokens:,} tok {rate_text(prompt_tps, ',.0f')} t/s | "
-            f"reply {len(result.token_ids):,} tok {rate_text(gen_tps, ',.0f')} t/s | context {used:,} / {n_ctx:,} ]")
 
 
 def message_text(line: str) -> str:
@@ -237,7 +230,9 @@ class Repl:
             err.print(f"the reply filled the context of {s.n_ctx} tokens; the next message drops the oldest turns "
                       "(raise --ctx-size for more)", style="yellow", markup=False)
         if self.stats:
-            err.print(reply_stats(result, s.n_used, s.n_ctx), style="dim", markup=False)
+            spec = s.generator.speculator
+            err.print(reply_stats(result, s.n_used, s.n_ctx) + (f" {spec_text(spec.stats)}" if spec else ""), style="dim",
+                      markup=False)
 
     def help(self, _: str) -> None:
         out.print(table("k4 chat commands", ["command", "what it does"], COMMANDS))
@@ -418,6 +413,9 @@ def chat(
     backend: c.BackendOpt = "auto",
     cache_type_k: c.CacheTypeKOpt = "f16",
     cache_type_v: c.CacheTypeVOpt = "f16",
+    draft_model: DraftModelOpt = None,
+    lookup: LookupOpt = 0,
+    draft_max: DraftMaxOpt = 7,
 ) -> None:
     """Chat with a GGUF model: line editing, history, slash commands (/help); or one message per line from a pipe."""
     from k4.runtime.chat import ChatSession, check_reasoning
@@ -444,7 +442,9 @@ def chat(
     if template.is_fallback and chat_template is None and not loaded.mf.meta("tokenizer.chat_template"):
         err.print(f"warning: the model has no chat template; using k4's fallback ({template.origin}); pass "
                   "--chat-template FILE for the model's own", style="yellow", markup=False)
-    session = ChatSession(loaded.backend, loaded.tokenizer, template, params, n_predict, system_text, no_bos, stop or (), reasoning)
+    spec = make_speculator(loaded, draft_model, lookup, draft_max, flags)
+    session = ChatSession(loaded.backend, loaded.tokenizer, template, params, n_predict, system_text, no_bos, stop or (), reasoning,
+                          spec)
     interactive = sys.stdin is not None and not sys.stdin.closed and sys.stdin.isatty()
     repl = Repl(session, loaded, path, interactive=interactive, stats=not no_stats)
     repl.think_notice()

@@ -20,9 +20,8 @@ from .render import valid_text
 
 ModelOpt = Annotated[Optional[Path], typer.Option("-m", "--model", help="GGUF model file (default: the bundled sample).", show_default=False)]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto (cuda when a GPU is present), numpy or cuda.")]
-CTX_HELP = ("0 = the model's training context, or the largest multiple of 256 tokens whose KV cache fits in free "
+CTX_HELP = ("the model's training context, or the largest multiple of 256 tokens whose KV cache fits in free "
             "memory beside the weights")
-CtxOpt = Annotated[int, typer.Option("-c", "--ctx-size", help=f"Context size in tokens ({CTX_HELP}).")]
 GenCtxOpt = Annotated[Optional[int], typer.Option(
     "-c", "--ctx-size", show_default=False, help=f"Context size in tokens (default 0: {CTX_HELP}).")]
 NPredictOpt = Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate (-1 = until end of text or a full context).")]

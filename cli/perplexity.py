@@ -10,12 +10,17 @@ import typer
 from . import common as c
 from .render import err, errors_to_exit, json_text
 
+# -c is the chunk length, as llama-perplexity's n_ctx; 512 by default, the length llama.cpp's
+# published wikitext perplexities use, so figures compare without options
+ChunkOpt = Annotated[int, typer.Option("-c", "--ctx-size", help=f"Chunk length in tokens: the context each chunk is scored in "
+                                                                f"(0 = {c.CTX_HELP}).")]
+
 
 @errors_to_exit
 def perplexity(
     file: c.FileOpt = None,
     model: c.ModelOpt = None,
-    ctx_size: c.CtxOpt = 512,
+    ctx_size: ChunkOpt = 512,
     backend: c.BackendOpt = "auto",
     cache_type_k: c.CacheTypeKOpt = "f16",
     cache_type_v: c.CacheTypeVOpt = "f16",
@@ -37,7 +42,7 @@ def perplexity(
     for warning in flags.warnings():
         err.print(f"warning: {warning}", style="yellow", markup=False)
     s = c.load_session(model, backend, ctx_size, flags, kv)
-    ctx_size = s.backend.n_ctx  # -c 0: the model's training context
+    ctx_size = s.backend.n_ctx  # -c 0: fit_context's, as run and chat take it
     tokens = s.tokenizer.encode(text)
     add_bos = s.tokenizer.add_bos and s.tokenizer.bos_id is not None
     err.print(f"{len(tokens)} tokens, {len(tokens) // ctx_size} chunks of {ctx_size}", style="dim")

@@ -43,7 +43,8 @@ def quantize(
     """Quantize IN to TYPE as llama-quantize does (no importance matrix): `k4 quantize IN OUT TYPE`,
     or `k4 quantize --dry-run IN TYPE` to see the plan."""
     from k4.runtime.model import open_model
-    from k4.runtime.quantize import get_mix, plan_quantization
+    from k4.runtime.quant_mix import get_mix
+    from k4.runtime.quantize import plan_quantization
 
     if dry_run:
         if qtype is not None:

@@ -185,6 +185,14 @@ def generation_rates(result) -> tuple[Optional[float], Optional[float]]:
     return prompt, gen
 
 
+def reply_stats(result, used: int, n_ctx: int) -> str:
+    """The line after each reply: evaluated prompt tokens and reply tokens with their rates (t/s,
+    "-" for an empty phase), and the context meter: tokens the conversation holds of n_ctx."""
+    prompt_tps, gen_tps = generation_rates(result)
+    return (f"[ prompt {result.prefill_tokens:,} tok {rate_text(prompt_tps, ',.0f')} t/s | "
+            f"reply {len(result.token_ids):,} tok {rate_text(gen_tps, ',.0f')} t/s | context {used:,} / {n_ctx:,} ]")
+
+
 def stats_line(load_ms: float, result, seed: int) -> str:
     """One line of generation stats (runtime.generate.GenerationResult) and the sampling seed."""
     prompt_tps, gen_tps = generation_rates(result)

@@ -11,6 +11,7 @@ from k4.runtime.flags import Flags
 from k4.runtime.sampling import SamplingParams
 
 from . import common as c
+from .speculation import DraftMaxOpt, DraftModelOpt, LookupOpt, make_speculator, spec_text
 from .render import err, errors_to_exit, generation_rates, json_text, memory_table, stats_line, trace_table
 
 
@@ -37,6 +38,9 @@ def run(
     backend: c.BackendOpt = "auto",
     cache_type_k: c.CacheTypeKOpt = "f16",
     cache_type_v: c.CacheTypeVOpt = "f16",
+    draft_model: DraftModelOpt = None,
+    lookup: LookupOpt = 0,
+    draft_max: DraftMaxOpt = 7,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, ids, counts, timings) instead of streaming.")] = False,
     verbose: c.VerboseOpt = False,
 ) -> None:
@@ -57,7 +61,8 @@ def run(
         ids = [s.tokenizer.bos_id] if s.tokenizer.bos_id is not None else []
     if not ids:
         raise UsageError("the prompt is empty; give some text")
-    gen = Generator(s.backend, s.tokenizer)
+    spec = make_speculator(s, draft_model, lookup, draft_max, flags)
+    gen = Generator(s.backend, s.tokenizer, spec)
     if not as_json and not no_display_prompt:
         sys.stdout.write(text)
     for piece in gen.stream(ids, params, n_predict, stop or ()):
@@ -66,10 +71,16 @@ def run(
             sys.stdout.flush()
     res = gen.result
     if as_json:
-        sys.stdout.write(json_text(_record(s, c.model_path(model), text, ids, res, params.seed)) + "\n")
+        record = _record(s, c.model_path(model), text, ids, res, params.seed)
+        if spec is not None:
+            st = spec.stats
+            record.update({"draft_steps": st.steps, "draft_tokens": st.drafted, "draft_accepted": st.accepted,
+                           "draft_acceptance": st.acceptance, "tokens_per_step": st.tokens_per_step})
+        sys.stdout.write(json_text(record) + "\n")
     else:
         sys.stdout.write("\n")
-        err.print(stats_line(s.load_ms, res, params.seed), style="dim", markup=False)
+        line = stats_line(s.load_ms, res, params.seed)
+        err.print(line + (f" | {spec_text(spec.stats)}" if spec is not None else ""), style="dim", markup=False)
         if res.stop_reason == "context":
             err.print(f"stopped: the context of {s.backend.n_ctx} tokens is full; raise --ctx-size for longer output", style="yellow")
     if verbose or flags.on("K4_TRACE"):

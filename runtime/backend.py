@@ -47,6 +47,14 @@ class Backend(Protocol):
         last position. Raises ContextFullError if n_past + len(token_ids) > n_ctx.
         """
 
+    def verify(self, token_ids: Sequence[int]) -> list[int]:
+        """Speculative decoding's greedy verify step (runtime/speculative.py): evaluate token_ids
+        = [t, d_1 .. d_k] (the last sampled token, then k drafts) after the cached ones, as one
+        forward pass; accept the longest run of drafts d_i equal to the argmax after the token
+        before it; keep t and the accepted drafts d_1 .. d_m in the cache (the rest is rolled
+        back). Returns d_1 .. d_m and then the argmax after d_m (m + 1 ids). Raises
+        ContextFullError if n_past + len(token_ids) > n_ctx."""
+
     def generate(self, token_ids: Sequence[int], params: SamplingParams, history: Sequence[int] = ()) -> Iterator[int]:
         """Evaluate token_ids, then yield sampled ids forever, feeding each back in.
 

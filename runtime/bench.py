@@ -20,9 +20,11 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from .bound import DecodeBound
 from .errors import UsageError
 from .flags import FLAGS, Flags
 from .kv_types import F16, KVTypes, parse_cache_type
+from .bench_spec import VERIFY_STEPS, run_lookup, run_verify
 from .sampling import SamplingParams
 
 
@@ -36,15 +38,28 @@ class BenchTest:
     depth: int = 0
     flags: tuple[tuple[str, str], ...] = ()
     kv: KVTypes = F16
+    n_verify: int = 0  # tvN: a speculative verify step of N tokens (runtime/bench_spec.py)
+    lookup: int = 0  # tgN with prompt lookup of n-grams up to this size, every draft right (bench_spec.py)
+    draft_max: int = 7  # drafts per verify step with lookup
 
     @property
     def name(self) -> str:
+        if self.n_verify:
+            return f"tv{self.n_verify}" + (f"@d{self.depth}" if self.depth else "")
         parts = ([f"pp{self.n_prompt}"] if self.n_prompt else []) + ([f"tg{self.n_gen}"] if self.n_gen else [])
-        return "+".join(parts) + (f"@d{self.depth}" if self.depth else "")
+        spec = f"/lookup{self.lookup}" if self.lookup else ""
+        return "+".join(parts) + spec + (f"@d{self.depth}" if self.depth else "")
 
     @property
     def n_tokens(self) -> int:
         return self.n_prompt + self.n_gen
+
+    @property
+    def ctx_tokens(self) -> int:
+        """Context the test needs: depth, its tokens, and for tvN every verify step's worst case."""
+        if self.n_verify:
+            return self.depth + 1 + VERIFY_STEPS * (self.n_verify + 1)
+        return self.depth + self.n_tokens + (1 if self.lookup else 0)
 
     @property
     def flags_text(self) -> str:
@@ -64,8 +79,10 @@ class BenchResult:
     load: dict[str, dict] = field(default_factory=dict)  # the backend's load-phase counters (ms, bytes) when it was built
     flag_values: dict[str, int] = field(default_factory=dict)  # every K4_* flag as the backend saw it
     backend: str = ""  # the backend's name ("numpy", "cuda"): what "auto" picked
+    n_ctx: int = 0  # the backend's context, tokens
     load_ms: dict[str, float] = field(default_factory=dict)  # the backend's load steps (ms) when it was built
     load_detail_ms: dict[str, float] = field(default_factory=dict)  # inside read+upload (CUDA backend): read and copy times
+    extra: dict = field(default_factory=dict)  # what a speculative test measured besides t/s (bench_spec.py), last repetition
 
     @property
     def mean(self) -> float:
@@ -115,15 +132,19 @@ def parse_cache_types(text: str, option: str) -> list[str]:
 
 
 def expand(n_prompt: Sequence[int], n_gen: Sequence[int], pg: Sequence[tuple[int, int]],
-           depths: Sequence[int], flag_sets: Sequence[tuple[tuple[str, str], ...]],
-           kv_sets: Sequence[KVTypes] = (F16,)) -> list[BenchTest]:
-    """Every combination, in llama-bench's order: per flag set, KV cache types and depth, the
-    pp tests, the tg tests, then the pp+tg pairs. Zero-sized tests are skipped."""
+           depths: Sequence[int], flag_sets: Sequence[tuple[tuple[str, str], ...]], verify: Sequence[int] = (),
+           lookup: int = 0, draft_max: int = 7, kv_sets: Sequence[KVTypes] = (F16,)) -> list[BenchTest]:
+    """Every combination, in llama-bench's order: per flag set, KV cache types and depth, the pp
+    tests, the tg tests (and with lookup each again with prompt lookup), the pp+tg pairs, then
+    the tvN verify steps of `verify`. Zero-sized tests are skipped."""
     tests = []
     for flags, kv, depth in itertools.product(flag_sets or [()], kv_sets or [F16], depths or [0]):
         tests += [BenchTest(p, 0, depth, flags, kv) for p in n_prompt if p > 0]
         tests += [BenchTest(0, n, depth, flags, kv) for n in n_gen if n > 0]
+        if lookup:
+            tests += [BenchTest(0, n, depth, flags, kv, lookup=lookup, draft_max=draft_max) for n in n_gen if n > 0]
         tests += [BenchTest(p, n, depth, flags, kv) for p, n in pg if p > 0 or n > 0]
+        tests += [BenchTest(0, 0, depth, flags, kv, n_verify=v) for v in verify if v > 0]
     return tests
 
 
@@ -133,15 +154,25 @@ def _prompt(n: int, n_vocab: int, seed: int) -> list[int]:
 
 
 def run_once(backend, test: BenchTest, n_vocab: int, seed: int,
-             clock: Callable[[], float] = time.perf_counter) -> tuple[float, list[float]]:
+             clock: Callable[[], float] = time.perf_counter, extra: dict | None = None) -> tuple[float, list[float]]:
     """One repetition: returns (tokens/s over the test's tokens, per-token decode ms). `clock`
-    reads seconds (time.perf_counter; tests pass a fake one)."""
+    reads seconds (time.perf_counter; tests pass a fake one). extra: receives what a
+    speculative test measures besides (bench_spec.py)."""
     backend.reset()
+    if test.ctx_tokens > backend.n_ctx:
+        raise UsageError(f"{test.name} needs {test.ctx_tokens} tokens of context; raise --ctx-size")
     if test.depth:
-        if test.depth + test.n_tokens > backend.n_ctx:
-            raise UsageError(f"{test.name} needs {test.depth + test.n_tokens} tokens of context; raise --ctx-size")
         backend.eval(_prompt(test.depth, n_vocab, seed + 1))
     prompt = _prompt(test.n_prompt, n_vocab, seed)
+    extra = {} if extra is None else extra
+    if test.n_verify:
+        tps, measured = run_verify(backend, test.n_verify, prompt or [1], n_vocab, seed, clock)
+        extra.update(measured)
+        return tps, []
+    if test.lookup:
+        tps, token_ms, measured = run_lookup(backend, prompt or [1], test.n_gen, test.lookup, test.draft_max, clock)
+        extra.update(measured)
+        return tps, token_ms
     t0 = clock()
     token_ms: list[float] = []
     if not test.n_gen:
@@ -178,7 +209,7 @@ def run_test(backend, test: BenchTest, reps: int, n_vocab: int, seed: int = 0,
     run_once(backend, test, n_vocab, seed, clock)
     for r in range(reps):
         backend.trace.reset()
-        tps, token_ms = run_once(backend, test, n_vocab, seed, clock)
+        tps, token_ms = run_once(backend, test, n_vocab, seed, clock, res.extra)
         res.samples.append(tps)
         res.token_ms += token_ms
         res.token_gpu_ms += backend.trace.gpu_steps.get("decode", [])
@@ -223,19 +254,24 @@ def _measured(value: float) -> float | None:
     return None if value != value else value
 
 
-def result_record(res: BenchResult, env: dict, model_info: dict) -> dict:
+def result_record(res: BenchResult, env: dict, model_info: dict, bound: DecodeBound | None = None) -> dict:
     """A flat dict for the machine-readable printers (csv/json/jsonl); a figure with no samples
-    behind it (the decode latencies of a ppN test) is None."""
+    behind it (the decode latencies of a ppN test) is None. With `bound` (runtime/bound.py, for a
+    tgN test) the bytes read per token, the bandwidth bound in tokens/s and avg_ts as a fraction
+    of it; None for the other tests."""
     t = res.test
+    bound_ts = bound.tokens_per_s if bound else None
     return {
         **env, **model_info,
-        "test": t.name, "n_prompt": t.n_prompt, "n_gen": t.n_gen, "n_depth": t.depth, "flags": t.flags_text,
+        "test": t.name, "n_prompt": t.n_prompt, "n_gen": t.n_gen, "n_depth": t.depth, "n_ctx": res.n_ctx, "flags": t.flags_text,
         "type_k": t.kv.k, "type_v": t.kv.v,
         "reps": len(res.samples), "avg_ts": _measured(res.mean), "stddev_ts": res.sd, "samples_ts": list(res.samples),
         "token_ms_p50": _measured(res.latency(0.5)), "token_ms_p99": _measured(res.latency(0.99)),
         "token_gpu_ms_p50": _measured(res.latency(0.5, gpu=True)), "token_gpu_ms_p99": _measured(res.latency(0.99, gpu=True)),
         "phases": res.phases, "memory": res.memory, "flag_values": res.flag_values, "load_ms": res.load_ms,
         "load_detail_ms": res.load_detail_ms,
+        "bound_bytes_per_token": bound.bytes_per_token if bound else None, "bound_ts": bound_ts,
+        "bound_fraction": _measured(res.mean / bound_ts) if bound_ts else None, **res.extra,
     }
 
 
@@ -253,6 +289,7 @@ def iter_results(tests: Sequence[BenchTest], make_backend: Callable[[Flags, KVTy
         for test in group:
             res = run_test(backend, test, reps, n_vocab, on_rep=on_rep, load=load, clock=clock)
             res.flag_values, res.load_ms, res.backend = dict(flags.values), dict(backend.load_ms), backend.name
+            res.n_ctx = backend.n_ctx
             res.load_detail_ms = dict(backend.load_detail_ms)
             yield res
         backend.close()

@@ -198,7 +198,8 @@ class ChatSession:
     """
 
     def __init__(self, backend: Backend, tokenizer, template, params: SamplingParams, n_predict: int = -1,
-                 system: str | None = None, no_bos: bool = False, stop: Sequence[str] = (), reasoning: str = "on"):
+                 system: str | None = None, no_bos: bool = False, stop: Sequence[str] = (), reasoning: str = "on",
+                 speculator=None):
         self.backend = backend
         self.tokenizer = tokenizer
         self.template = template
@@ -211,7 +212,7 @@ class ChatSession:
         self.messages: list[dict] = []  # user and assistant messages, oldest first
         self.start = 0  # index of the first message in the context window
         self.replies = 0  # replies drawn since the seed was set
-        self.generator = Generator(backend, tokenizer)
+        self.generator = Generator(backend, tokenizer, speculator)  # speculator: runtime.speculative, or None
         self.last: TurnReport | None = None
 
     @property

@@ -82,9 +82,12 @@ class StopMatcher:
 class Generator:
     """Streams text from a backend and a tokenizer (runtime.tokenizer.Tokenizer)."""
 
-    def __init__(self, backend: Backend, tokenizer):
+    def __init__(self, backend: Backend, tokenizer, speculator=None):
+        """speculator: a runtime.speculative.Speculator to generate with speculative decoding
+        (None: the backend's own generate)."""
         self.backend = backend
         self.tokenizer = tokenizer
+        self.speculator = speculator
         self.result = GenerationResult()
 
     def stream(
@@ -118,7 +121,10 @@ class Generator:
         decoder, stops = tok.stream_decoder(), StopMatcher(stop)
         t0 = time.perf_counter()
         t_first = None
-        gen = be.generate(prompt_ids[keep:], params, history)
+        if self.speculator is not None:
+            gen = self.speculator.generate(be, prompt_ids[keep:], params, history)
+        else:
+            gen = be.generate(prompt_ids[keep:], params, history)
         try:
             for _ in range(budget):
                 token = next(gen)

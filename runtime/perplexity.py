@@ -65,7 +65,8 @@ def perplexity(backend: Backend, tokens: Sequence[int], n_ctx: int, bos_id: int 
         raise UsageError(f"--ctx-size {n_ctx} exceeds the backend context of {backend.n_ctx}")
     n_chunks = len(tokens) // n_ctx
     if len(tokens) < 2 * n_ctx:
-        raise UsageError(f"the text has {len(tokens)} tokens; perplexity with -c {n_ctx} needs at least {2 * n_ctx}")
+        raise UsageError(f"the text has {len(tokens)} tokens; perplexity in chunks of {n_ctx} (-c) needs at least "
+                         f"{2 * n_ctx}; give a longer text or a smaller -c")
     first = n_ctx // 2
     total_nll, total_nll2, total_n = 0.0, 0.0, 0
     for i in range(n_chunks):

@@ -2,15 +2,10 @@
 
 Three steps, in execution order:
 
-1. plan: pick each tensor's type with llama.cpp's rules for the mix (llama-quant.cpp,
-   llama_tensor_get_type, without importance matrix or overrides): 1-D tensors and norms keep
-   their type; output.weight (token_embd.weight when the embeddings are tied) becomes Q6_K,
-   Q8_0 if its rows are not a multiple of 256; attn_v / ffn_down of the layers that
-   use_more_bits() picks become Q6_K in Q4_K_M and Q5_K_M; the first attn_v (4) and ffn_down
-   (n_layer / 8) become Q5_K in Q4_K_S (and a Q4_K attn_v becomes Q5_K in 70B models);
-   a type whose block does not divide the row length
-   falls back (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, then F16). Tensors are ordered as
-   llama.cpp's loader orders them (by layer, then name), which also fixes the layer counters
+1. plan: pick each tensor's type with llama.cpp's rules for the mix (runtime/quant_mix.py:
+   llama-quant.cpp llama_tensor_get_type, without importance matrix or overrides, for every
+   family k4 runs: dense, phi3's fused attn_qkv, the mixtures of experts). Tensors are ordered
+   as llama.cpp's loader orders them (by layer, then name), which also fixes the layer counters
    its rules use.
 2. quantize: row chunks of every tensor through runtime/kquants.py on worker processes
    (runtime/quantize_pool.py), reporting progress in weights.
@@ -20,14 +15,12 @@ Three steps, in execution order:
    OUT that becomes OUT only when complete (exclusively, unless --force) and is removed on any
    error, Ctrl-C or SIGTERM (runtime/outfile.py).
 
-Only k4's dense architectures (llama, qwen2, qwen3) are planned; llama.cpp's MoE and Falcon
-rules are not reproduced.
+llama.cpp's Falcon rules are not reproduced (k4 does not run Falcon).
 """
 
 from __future__ import annotations
 
 import os
-import re
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,45 +32,15 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 from .errors import UnsupportedModelError, UsageError
 from .model import ModelFile, open_model
 from .outfile import check_output, partial_output
+from .quant_mix import Mix, choose_types, get_mix, llama_order
 from .quantize_pool import encoded_chunks, start_pool, worker_count
 
 T = GGMLQuantizationType
 
 GGML_QNT_VERSION = 2  # ggml.h: the quantization format version llama.cpp writes
-
-
-@dataclass(frozen=True)
-class Mix:
-    """A llama.cpp file type: its LLAMA_FTYPE number (general.file_type) and default tensor type."""
-
-    name: str
-    file_type: int
-    default_type: GGMLQuantizationType
-
-
-MIXES = {
-    m.name: m
-    for m in (
-        Mix("Q4_K_M", 15, T.Q4_K),
-        Mix("Q4_K_S", 14, T.Q4_K),
-        Mix("Q5_K_M", 17, T.Q5_K),
-        Mix("Q6_K", 18, T.Q6_K),
-        Mix("Q8_0", 7, T.Q8_0),
-    )
-}
-
 INPUT_TYPES = (T.F32, T.F16, T.BF16)  # what the Hugging Face converters write
-FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
 Progress = Callable[[int, int, str], None]  # (weights done, weights in all, tensor name)
-
-
-def get_mix(name: str) -> Mix:
-    """The Mix called `name` (case-insensitive). Raises UsageError naming the valid ones."""
-    mix = MIXES.get(name.upper())
-    if mix is None:
-        raise UsageError(f"unknown quantization type {name!r}; use one of {', '.join(MIXES)}")
-    return mix
 
 
 @dataclass(frozen=True)
@@ -134,93 +97,6 @@ def _n_bytes(shape: Sequence[int], ggml_type: GGMLQuantizationType) -> int:
     return int(np.prod(shape)) // block * size
 
 
-def _layer_of(name: str) -> int:
-    """The layer number of `blk.N.` tensor names, -1 for the others (llama.cpp's sscanf)."""
-    m = re.match(r"blk\.([+-]?\d+)\.", name)
-    return int(m.group(1)) if m else -1
-
-
-def llama_order(names: Sequence[str]) -> list[str]:
-    """Tensor names in llama.cpp's loader order (weight_name_comparer: layer, then name bytes)."""
-    return sorted(names, key=lambda n: (_layer_of(n), n.encode("utf-8")))
-
-
-def allows_quantization(name: str, shape: Sequence[int]) -> bool:
-    """llama-quant.cpp tensor_allows_quantization: at least 2 dimensions counted as ggml_n_dims
-    does (numpy shape (1, n) is 1-D), named *weight, not a norm, not an expert router."""
-    n_dims = len(shape)
-    while n_dims > 1 and shape[len(shape) - n_dims] == 1:
-        n_dims -= 1
-    # the expert router stays in its type (llama-quant.cpp: quantize &= no "ffn_gate_inp.weight")
-    return n_dims >= 2 and name.endswith("weight") and "_norm.weight" not in name and "ffn_gate_inp.weight" not in name
-
-
-def use_more_bits(i_layer: int, n_layers: int) -> bool:
-    """llama-quant.cpp use_more_bits: the first and last eighth of the layers and every third between."""
-    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
-
-
-def _fallback(ggml_type: GGMLQuantizationType, n_per_row: int) -> GGMLQuantizationType:
-    """llama-quant.cpp tensor_type_fallback: a type whose block divides the row length.
-
-    Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, and F16 when that still does not fit. Where
-    llama.cpp gives up (a Q8_0 target on rows not a multiple of 32) this returns F16 too.
-    """
-    if n_per_row % GGML_QUANT_SIZES[ggml_type][0] == 0:
-        return ggml_type
-    ggml_type = FALLBACK.get(ggml_type, T.F16)
-    return ggml_type if n_per_row % GGML_QUANT_SIZES[ggml_type][0] == 0 else T.F16
-
-
-def choose_types(
-    tensors: Sequence[tuple[str, tuple[int, ...]]],
-    mix: Mix,
-    arch: str,
-    n_layer: int,
-    n_head: int,
-    n_head_kv: int,
-) -> list[GGMLQuantizationType | None]:
-    """llama.cpp's type for each (name, numpy shape), in llama_order; None = keep the input type.
-
-    Source: llama-quant.cpp llama_tensor_get_type / llama_tensor_get_type_impl for the five
-    mixes, no importance matrix, no overrides. The attn_v and ffn_down counters advance in the
-    order given, so pass the tensors in llama_order.
-    """
-    names = [n for n, _ in tensors]
-    tied = "output.weight" not in names
-    n_attn_v = sum("attn_v.weight" in n for n in names)
-    # llama-model.cpp: 80 layers is LLM_TYPE_70B for qwen2, and for llama with grouped-query attention
-    is_70b = n_layer == 80 and (arch == "qwen2" or (arch == "llama" and n_head != n_head_kv))
-    i_attn_v = i_ffn_down = 0
-    types: list[GGMLQuantizationType | None] = []
-    for name, shape in tensors:
-        if not allows_quantization(name, shape):
-            types.append(None)
-            continue
-        new = mix.default_type
-        if name == "output.weight" or (tied and name == "token_embd.weight"):
-            if shape[-1] % GGML_QUANT_SIZES[new][0]:
-                new = T.Q8_0
-            elif new != T.Q8_0:
-                new = T.Q6_K
-        elif "attn_v.weight" in name:
-            if mix.name in ("Q4_K_M", "Q5_K_M") and use_more_bits(i_attn_v, n_attn_v):
-                new = T.Q6_K
-            elif mix.name == "Q4_K_S" and i_attn_v < 4:
-                new = T.Q5_K
-            if is_70b and new == T.Q4_K:
-                new = T.Q5_K
-            i_attn_v += 1
-        elif "ffn_down" in name:
-            if mix.name in ("Q4_K_M", "Q5_K_M") and use_more_bits(i_ffn_down, n_layer):
-                new = T.Q6_K
-            elif mix.name == "Q4_K_S" and i_ffn_down < n_layer // 8:
-                new = T.Q5_K
-            i_ffn_down += 1
-        types.append(_fallback(new, shape[-1]))
-    return types
-
-
 def plan_quantization(mf: ModelFile, mix: Mix) -> QuantPlan:
     """The per-tensor plan for quantizing `mf` to `mix`, tensors in llama.cpp's order.
 
@@ -231,7 +107,7 @@ def plan_quantization(mf: ModelFile, mix: Mix) -> QuantPlan:
     assert cfg is not None
     names = llama_order(list(mf.tensors))
     shapes = [(n, mf.tensors[n].shape) for n in names]
-    types = choose_types(shapes, mix, cfg.arch, cfg.n_layer, cfg.n_head, cfg.n_head_kv)
+    types = choose_types(shapes, mix, cfg.arch, cfg.n_layer, cfg.n_head, cfg.n_head_kv, cfg.n_expert)
     plans = []
     for (name, shape), new in zip(shapes, types):
         src = mf.tensors[name].ggml_type

@@ -25,6 +25,7 @@ from .moe import MoeFfn
 from .rope import RopeTable, factor_tensor, rope_table
 from .kv_types import F16, KVTypes, round_trip
 from .sampling import SamplingParams, sample
+from .spec_accept import accept_greedy
 from .trace import Trace
 from .weights import DEQUANT_PIECE_BYTES, Matrix, dequantize_tensor, read_pages
 
@@ -285,6 +286,13 @@ class NumpyBackend(TokenCache):
             c.steps += 1
         self.tokens.extend(int(t) for t in ids)
         return logits
+
+    def verify(self, token_ids: Sequence[int]) -> list[int]:
+        """See runtime/backend.py; here every row's logits and its argmax on the host."""
+        logits = self.eval(token_ids, all_logits=True)  # (len(token_ids), n_vocab)
+        out = accept_greedy(token_ids, np.argmax(logits, axis=1))
+        self.truncate(self.n_past - len(token_ids) + len(out))  # keep t and the accepted drafts
+        return out
 
     def _forward(self, ids: np.ndarray, all_logits: bool) -> np.ndarray:
         cfg = self.config

@@ -79,11 +79,10 @@ def apply_repeat_penalty(logits: np.ndarray, history: Sequence[int], penalty: fl
     return out
 
 
-def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], step: int) -> int:
-    """Pick the next token id from logits (n_vocab,) float32. `step` numbers the draw for the RNG."""
-    logits = apply_repeat_penalty(logits.astype(np.float32, copy=False), history, params.repeat_penalty, params.repeat_last_n)
-    if params.greedy:
-        return int(np.argmax(logits))
+def candidates(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens a non-greedy draw can pick from logits (n_vocab,) float32 (already penalized)
+    and their weights: (ids int64, weights float64 > 0), most likely first, after top-k, top-p
+    and min-p, weights exp((logit - max) / temperature) (not normalized)."""
     order = np.argsort(-logits, kind="stable")  # (n_vocab,) ids, most likely first
     if params.top_k > 0:
         order = order[: params.top_k]
@@ -96,7 +95,19 @@ def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], s
     if params.min_p > 0.0:
         keep = int(np.count_nonzero(p >= params.min_p * p[0]))
         order, top = order[: max(keep, 1)], top[: max(keep, 1)]
-    q = np.exp((top - top[0]) / params.temperature)
-    cdf = np.cumsum(q)
-    u = uniform(params.seed, step) * cdf[-1]
-    return int(order[min(int(np.searchsorted(cdf, u, side="right")), len(order) - 1)])
+    return order, np.exp((top - top[0]) / params.temperature)
+
+
+def draw(order: np.ndarray, weights: np.ndarray, u: float) -> int:
+    """The id of `order` whose cumulative weight interval holds u * total, u in [0, 1)."""
+    cdf = np.cumsum(weights)
+    return int(order[min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(order) - 1)])
+
+
+def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], step: int) -> int:
+    """Pick the next token id from logits (n_vocab,) float32. `step` numbers the draw for the RNG."""
+    logits = apply_repeat_penalty(logits.astype(np.float32, copy=False), history, params.repeat_penalty, params.repeat_last_n)
+    if params.greedy:
+        return int(np.argmax(logits))
+    order, weights = candidates(logits, params)
+    return draw(order, weights, uniform(params.seed, step))

@@ -92,12 +92,13 @@ PRESETS: dict[str, Preset] = {
 
 def q4_k_m_types(cfg: ModelConfig) -> dict[str, T]:
     """The ggml type of every tensor of a model of config `cfg` in llama.cpp's Q4_K_M mix
-    (runtime.quantize.choose_types; 1-D tensors stay F32)."""
-    from .quantize import choose_types, get_mix, llama_order
+    (runtime.quant_mix.choose_types; 1-D tensors stay F32)."""
+    from .quant_mix import choose_types, get_mix, llama_order
 
     shapes = expected_shapes(cfg)
     names = llama_order(list(shapes))
-    types = choose_types([(n, shapes[n]) for n in names], get_mix("Q4_K_M"), cfg.arch, cfg.n_layer, cfg.n_head, cfg.n_head_kv)
+    types = choose_types([(n, shapes[n]) for n in names], get_mix("Q4_K_M"), cfg.arch, cfg.n_layer, cfg.n_head, cfg.n_head_kv,
+                         cfg.n_expert)
     return {n: t or T.F32 for n, t in zip(names, types)}
 
 

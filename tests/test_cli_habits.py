@@ -184,11 +184,12 @@ def test_ctx_size_zero_on_the_sample_and_in_chat_and_perplexity(tmp_path):
 
 def test_help_says_what_ctx_size_zero_does():
     for command in ("run", "chat"):
-        assert ("(default 0: 0 = the model's training context, or the largest multiple of 256 tokens whose KV cache fits "
+        assert ("(default 0: the model's training context, or the largest multiple of 256 tokens whose KV cache fits "
                 "in free memory beside the weights)" in flat_help(command)), command
-    assert ("(0 = the model's training context, or the largest multiple of 256 tokens whose KV cache fits in free memory "
-            "beside the weights). [default: 512]") in flat_help("perplexity")
-    assert "(0 = what the longest test needs). [default: 0]" in flat_help("bench")
+    assert ("Chunk length in tokens: the context each chunk is scored in (0 = the model's training context, or the largest "
+            "multiple of 256 tokens whose KV cache fits in free memory beside the weights). [default: 512]") in flat_help("perplexity")
+    assert ("(0 = what the longest test needs, as llama-bench sizes it: depth + prompt + generated). [default: 0]"
+            in flat_help("bench"))
 
 
 def test_ctx_size_above_the_training_context_warns_once():

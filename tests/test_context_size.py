@@ -84,3 +84,45 @@ def test_gpu_fit_loads_and_one_step_more_is_refused(long_model, monkeypatch):
         be.close()
     with pytest.raises(BackendUnavailableError, match="KV cache"):  # the buffers at 4,096 are smaller than at
         CudaBackend(long_model, 4096)  # 32,768 (token ids: 112 KiB), far from the 768 KiB more the cache takes
+
+
+def _ctx_of(command: list[str], path, monkeypatch, room: int, text_file=None) -> tuple[int, str]:
+    """(n_ctx, stderr) of `k4 <command>` on the numpy backend with RAM for `room` tokens of KV cache."""
+    import json
+
+    mf = open_model(path)
+    _, left, per_token = max_context(mf, mem_available=2**30)
+    monkeypatch.setattr(hostmem, "available_ram", lambda *a, **k: 2**30 - left + room * per_token)
+    args = [command[0], "--backend", "numpy", "-m", str(path), *command[1:]]
+    if command[0] == "run":
+        args += ["--json", "-n", "1", "Once"]
+    elif command[0] == "perplexity":
+        args += ["--json", "-f", str(text_file)]
+    elif command[0] == "bench":
+        args += ["-o", "json", "-r", "1", "-p", "8", "-n", "4"]
+    r = CliRunner().invoke(app, args, input="Hi\n")
+    assert r.exit_code == 0, r.output
+    if command[0] == "chat":
+        return int(METER.search(r.stderr).group(4).replace(",", "")), r.stderr
+    rec = json.loads(r.stdout)
+    return (rec[0] if command[0] == "bench" else rec)["n_ctx"], r.stderr
+
+
+@pytest.mark.parametrize("command", [["run"], ["run", "-c", "0"], ["chat", "-n", "2"], ["chat", "-c", "0", "-n", "2"],
+                                     ["perplexity", "-c", "0"]])
+def test_ctx_zero_is_the_same_fit_in_run_chat_and_perplexity(long_model, monkeypatch, tmp_path, command):
+    """Room for 300 tokens of KV cache: the 32,768-token training context does not fit, so each
+    command takes fit_context's 256 and prints its note (perplexity: chunks of 256)."""
+    text = tmp_path / "story.txt"
+    text.write_text("Once upon a time there was a little girl named Lily. She liked to play in the park. " * 40)
+    n_ctx, stderr = _ctx_of(command, long_model.path, monkeypatch, 300, text)
+    assert n_ctx == 256
+    assert "context 256 tokens instead of the model's 32,768" in stderr
+
+
+def test_bench_ctx_zero_is_what_the_tests_need(long_model, monkeypatch):
+    """bench -c 0 sizes the cache as llama-bench does (the longest test: 8 + 4 tokens, at least
+    16), not the training context, and prints no fit note; an explicit -c is taken as given."""
+    n_ctx, stderr = _ctx_of(["bench", "-c", "0"], long_model.path, monkeypatch, 300)
+    assert n_ctx == 16 and "instead of" not in stderr
+    assert _ctx_of(["bench", "-c", "200"], long_model.path, monkeypatch, 300)[0] == 200

@@ -14,7 +14,8 @@ from k4.cli.app import app
 from k4.runtime import kquants, quantize_pool
 from k4.runtime.errors import ModelFileError, UnsupportedModelError, UsageError
 from k4.runtime.model import open_model
-from k4.runtime.quantize import MIXES, choose_types, get_mix, llama_order, plan_quantization, quantize_model, use_more_bits
+from k4.runtime.quant_mix import MIXES, choose_types, get_mix, llama_order, use_more_bits
+from k4.runtime.quantize import plan_quantization, quantize_model
 from tests.ggml_quants_oracle import ORACLES, F, c_nearest_int, hard_blocks
 from tests.tiny import tiny_config, write_tiny
 

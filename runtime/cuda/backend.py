@@ -37,6 +37,7 @@ else:
     from .forward import Forward, ForwardOptions
     from .launch import GpuErrors
     from .runner import Runner
+    from .speculative import Verifier
     from .timer import DeviceTimer
     from .sizing import options, size_plan
     from .weights import WeightLoader, half_weights
@@ -90,6 +91,7 @@ class CudaBackend(TokenCache):
         check_shapes(cfg)
         kv_types.check(cfg.head_dim)
         self.config, self.n_ctx, self.trace, self.tokens, self.kv_types = cfg, n_ctx, Trace(), [], kv_types
+        self.verifier = None  # speculative decoding's verify step, made on first use
         self.flags = flags if flags is not None else Flags()
         self.gpu_errors = GpuErrors(self.trace)  # CUDA errors -> GpuError naming the phase
         self.mem = memory.DeviceMemory(self.trace)
@@ -219,6 +221,24 @@ class CudaBackend(TokenCache):
         self.tokens.extend(ids)
         return out
 
+    def verify(self, token_ids: Sequence[int]) -> list[int]:
+        """See runtime/backend.py: argmax, acceptance and the cache rollback run on the device
+        (runtime/cuda/speculative.py); one copy of m + 2 ids comes back."""
+        ids = [int(t) for t in token_ids]
+        if not 1 <= len(ids) <= self.chunk:
+            raise ValueError(f"verify() takes 1 to {self.chunk} tokens, got {len(ids)}")
+        self._check_room(len(ids))
+        r = self.runner
+        with self.trace.in_phase("verify") as c, r.stream, self.gpu_errors:
+            if self.verifier is None:
+                self.verifier = Verifier(r, self.chunk)
+            with self.timer.span(r.stream, step=True):
+                out = self.verifier.step(ids, self.n_past)
+            self.timer.collect()
+            c.steps += 1
+        self.tokens.extend(ids[: len(out)])  # t and the accepted drafts
+        return out
+
     def _start(self, ids: list[int], params: SamplingParams, history: Sequence[int]) -> int:
         """Prefill ids, sample the first token on the device, cache ids; its ring count."""
         ring_count = self.runner.start(ids, params, history, self.n_past)
@@ -290,6 +310,8 @@ class CudaBackend(TokenCache):
             self.runner.stream.synchronize()
             self.runner.copy_stream.synchronize()
         self.timer.collect()
+        if self.verifier is not None:
+            self.verifier.close()
         self.runner.close()
         if self.forward.blas is not None:
             self.forward.blas.close()

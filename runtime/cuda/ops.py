@@ -204,7 +204,8 @@ class Ops:
         """(file, kernel) of every kernel a model of head_dim launches: the small files' kernels,
         the RoPE + cache store, decode attention and the prefill attention kernel that
         attention() picks for head_dim, of the cache types self.kv only."""
-        out = [(f, n) for f, names in KERNELS.items() if not f.startswith(("attention", "moe", "rope")) for n in names]  # moe: moe.compile_jobs
+        # moe: moe.compile_jobs; speculative.cu: on the first verify step (runtime/cuda/speculative.py)
+        out = [(f, n) for f, names in KERNELS.items() if not f.startswith(("attention", "moe", "rope", "speculative")) for n in names]
         out += [("rope.cu", f"rope_qk_store<{kv_args(self.kv.k, self.kv.v)}>"), ("attention.cu", self.attention_kernel(1, head_dim)),
                 (FILE_OF[self.attention_kernel(2, head_dim)], self.attention_kernel(2, head_dim))]
         return list(dict.fromkeys(out))
