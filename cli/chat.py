@@ -427,10 +427,9 @@ def chat(
     params = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, c.resolve_seed(seed)).validate()
     c.check_n_predict(n_predict)
     check_reasoning(reasoning)
-    kv = c.kv_types(cache_type_k, cache_type_v)
     system_text = system_prompt(system, system_file)
     path = c.model_path(model)
-    loaded = c.load_session(path, backend, ctx_size, flags, kv)
+    loaded = c.load_session(path, backend, ctx_size, flags, c.kv_types(cache_type_k, cache_type_v))
     if chat_template is not None:
         template = ChatTemplate.from_file(chat_template, loaded.tokenizer)
     else:
