@@ -42,7 +42,7 @@ def test_expand_is_the_cartesian_product():
 
 def test_expand_crosses_cache_types_between_flags_and_depths():
     kv = [KVTypes(), KVTypes("q8_0", "q8_0")]
-    tests = expand([0], [64], [], [0, 16384], [parse_flags("K4_PDL=0")], kv)
+    tests = expand([0], [64], [], [0, 16384], [parse_flags("K4_PDL=0")], kv_sets=kv)
     assert [(t.name, t.kv) for t in tests] == [("tg64", kv[0]), ("tg64@d16384", kv[0]), ("tg64", kv[1]), ("tg64@d16384", kv[1])]
     assert expand([8], [0], [], [0], [])[0].kv == KVTypes()
     assert parse_cache_types(" f16, q8_0 ", "--cache-type-k") == ["f16", "q8_0"]
