@@ -27,6 +27,8 @@ def bench(
     depth: Annotated[str, typer.Option("-d", "--depth", help="KV cache depths before each test, comma list.")] = "0",
     reps: Annotated[int, typer.Option("-r", "--repetitions", help="Measured runs per test (after one warm-up).")] = 5,
     flags: Annotated[Optional[List[str]], typer.Option("--flags", help="A flag configuration \"K4_X=0;K4_Y=1\" (repeatable).")] = None,
+    cache_type_k: Annotated[str, typer.Option("-ctk", "--cache-type-k", help="KV cache types of the keys, comma list (f16, q8_0).")] = "f16",
+    cache_type_v: Annotated[str, typer.Option("-ctv", "--cache-type-v", help="KV cache types of the values, comma list (f16, q8_0).")] = "f16",
     output: Annotated[str, typer.Option("-o", "--output", help="table, md, csv, json or jsonl.")] = "table",
     backend: c.BackendOpt = "auto",
     ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = what the longest test needs, as llama-bench sizes it: depth + prompt + generated).")] = 0,
@@ -42,6 +44,7 @@ def bench(
     from k4.runtime.errors import UsageError
 
     from k4.runtime.flags import Flags
+    from k4.runtime.kv_types import KVTypes
 
     for warning in Flags().warnings():
         err.print(f"warning: {warning}", style="yellow")
@@ -59,9 +62,11 @@ def bench(
         raise UsageError("--pg takes a pair PROMPT,GEN, e.g. --pg 512,128")
     if lookup < 0 or draft_max < 1:
         raise UsageError(f"--lookup {lookup} / --draft-max {draft_max}: use --lookup >= 0 and --draft-max >= 1")
+    kv_sets = [KVTypes(k, v) for k in rb.parse_cache_types(cache_type_k, "--cache-type-k")
+               for v in rb.parse_cache_types(cache_type_v, "--cache-type-v")]
     tests = rb.expand(rb.parse_list(n_prompt, "-p"), rb.parse_list(n_gen, "-n"), pairs, rb.parse_list(depth, "--depth"),
                       [rb.parse_flags(f) for f in (flags or [])], rb.parse_list(verify, "--verify") if verify else (),
-                      lookup, draft_max)
+                      lookup, draft_max, kv_sets)
     if not tests:
         raise UsageError("nothing to run: every -p, -n and --pg is 0")
     if synthetic and model:
@@ -97,12 +102,12 @@ def _run(path: Path, tests, reps: int, output: str, backend: str, ctx_size: int,
         err.print(warning, style="yellow", markup=False)
     model_info = {"model_type": f"{cfg.arch} {cfg.name}", "model_size": mf.file_size, "model_n_params": mf.n_params,
                   "bandwidth_gbs": bandwidth}
-    bounds = {t: decode_bound(mf, t.depth, t.n_gen, bandwidth) for t in tests if t.n_gen and not t.n_prompt}
+    bounds = {t: decode_bound(mf, t.depth, t.n_gen, bandwidth, t.kv) for t in tests if t.n_gen and not t.n_prompt}
     results, env = [], None
     with Progress(console=err, transient=True, disable=not err.is_terminal) as prog:
         task = prog.add_task("benchmarking", total=len(tests) * reps)
         try:
-            for res in rb.iter_results(tests, lambda flags: make_backend(mf, backend, n_ctx, flags=flags), reps, cfg.n_vocab,
+            for res in rb.iter_results(tests, lambda flags, kv: make_backend(mf, backend, n_ctx, flags=flags, kv_types=kv), reps, cfg.n_vocab,
                                        on_rep=lambda: prog.advance(task)):
                 env = env or rb.environment(path, res.backend)
                 results.append(res)
@@ -144,15 +149,25 @@ def _print_json(records: list[dict], output: str) -> None:
         sys.stdout.write("".join(json_text(r) + "\n" for r in records))
 
 
+def _config(test) -> str:
+    """A test's backend configuration in the per-phase tables: its --flags and, when not f16,
+    its KV cache types; "-" for the defaults."""
+    parts = [test.flags_text] if test.flags_text else []
+    if test.kv.quantized:
+        parts.append(f"-ctk {test.kv.k} -ctv {test.kv.v}")
+    return " ".join(parts) or "-"
+
+
 def _summary_rows(records):
     for r in records:
         yield (Path(r["model"]).name, f"{r['model_size'] / 2**20:,.2f} MiB", f"{r['model_n_params'] / 1e6:,.2f} M",
-               r["backend"], r["flags"] or "-", r["test"], f"{rate_text(r['avg_ts'], ',.2f')} ± {rate_text(r['stddev_ts'], ',.2f')}",
+               r["backend"], r["flags"] or "-", r["type_k"], r["type_v"], r["test"],
+               f"{rate_text(r['avg_ts'], ',.2f')} ± {rate_text(r['stddev_ts'], ',.2f')}",
                rate_text(r["bound_ts"], ",.2f"), "-" if r["bound_fraction"] is None else f"{r['bound_fraction']:.1%}")
 
 
 # bound t/s: the tokens/s of reading the weights and KV cache once per token at --bandwidth (runtime/bound.py)
-SUMMARY_COLUMNS = ("model", "size", "params", "backend", "flags", "test", "t/s", "bound t/s", "% bound")
+SUMMARY_COLUMNS = ("model", "size", "params", "backend", "flags", "type_k", "type_v", "test", "t/s", "bound t/s", "% bound")
 
 
 def _markdown(records) -> str:
@@ -165,7 +180,7 @@ def _tables(results, records) -> None:
     env = records[0]
     out.print(f"[dim]{env['gpu'] or env['cpu']} | backend {env['backend']} | k4 {env['k4_version']} ({env['git_commit'] or 'no git'}) "
               f"| cupy {env['cupy'] or '-'} | driver {env.get('driver', '-')} | cuda {env.get('cuda_runtime', '-')}[/]")
-    out.print(table("throughput", SUMMARY_COLUMNS, _summary_rows(records), right=(1, 2, 6, 7, 8)))
+    out.print(table("throughput", SUMMARY_COLUMNS, _summary_rows(records), right=(1, 2, 8, 9, 10)))
     for r in records:  # speculative tests: what one verify step costs, what the drafts gave
         if r.get("verify_ratio"):
             n = r["test"].split("@")[0][2:]
@@ -187,10 +202,10 @@ def _tables(results, records) -> None:
             host, gpu = r.latency(p), r.latency(p, gpu=True)
             return "-" if host != host else f"{host:.3f}" + ("" if gpu != gpu else f" / {gpu:.3f}")
 
-        rows.append((r.test.name, r.test.flags_text or "-", f"{r.load.get('load', {}).get('ms', 0):,.0f}", ms("prefill"),
+        rows.append((r.test.name, _config(r.test), f"{r.load.get('load', {}).get('ms', 0):,.0f}", ms("prefill"),
                      ms("decode"), ms("sample"), q(0.5), q(0.99)))
     out.print(table("time per phase, ms: host clock / GPU time from CUDA events (last run; load once per configuration)",
-                    ("test", "flags", "load", "prefill", "decode", "sample", "token p50", "token p99"), rows, right=range(2, 8)))
+                    ("test", "config", "load", "prefill", "decode", "sample", "token p50", "token p99"), rows, right=range(2, 8)))
     rows = []
     for r in results:
         for phase, cnt in r.phases.items():
@@ -200,14 +215,14 @@ def _tables(results, records) -> None:
     out.print(table("copy traffic per phase (last run)",
                     ("test", "phase", "H2D bytes", "H2D #", "D2H bytes", "D2H #", "syncs", "launches", "graph replays", "D2H B/step"),
                     rows, right=range(2, 10)))
-    steps = {(r.test.flags_text or "-"): r.load_ms for r in results}
+    steps = {(_config(r.test)): r.load_ms for r in results}
     names = list(dict.fromkeys(k for v in steps.values() for k in v))
-    out.print(table("load steps (ms, once per configuration)", ("flags", *names, "total"),
+    out.print(table("load steps (ms, once per configuration)", ("config", *names, "total"),
                     [(f, *(f"{v.get(n, 0):,.1f}" for n in names), f"{sum(v.values()):,.1f}") for f, v in steps.items()],
                     right=range(1, len(names) + 2)))
-    for r in {(r.test.flags_text or "-"): r for r in results}.values():
+    for r in {(_config(r.test)): r for r in results}.values():
         if r.load_detail_ms:  # read and copy overlap inside read+upload
-            out.print(f"[dim]{r.test.flags_text or 'default'}: read+upload = "
+            out.print(f"[dim]{_config(r.test)}: read+upload = "
                       + "; ".join(f"{k} {v:,.1f} ms" for k, v in r.load_detail_ms.items()) + "[/]")
     mem = results[-1].memory
     if mem:
@@ -237,11 +252,17 @@ def _kernels(output: str) -> None:
                      "fraction_of_4.2TB/s": r["gb_s"] / 4200.0, "read_us": read["us"], "fraction_of_read": read["us"] / r["us"],
                      "dependent_read_us": dep["us"], "fraction_of_dependent_read": dep["us"] / r["us"]})
     # prefill (causal, from position 0) and decode (one query at a depth); 32 heads of 128 as Llama 2 7B
+    # (32 KV heads), or as Llama 3 8B (8 KV heads: GQA), over f16 and q8_0 keys and values
+    from k4.runtime.kv_types import KVTypes
+
     attn = []
-    for name, n_tok, n_ctx in (("prefill", 4096, 4096), ("prefill", 512, 512), ("decode", 1, 4096), ("decode", 1, 16384)):
-        r = bench_attention(n_tok, n_ctx)
-        attn.append({"kernel": f"attention {name}", "n_tok": n_tok, "n_ctx": n_ctx, "n_head": 32, "head_dim": 128,
-                     "us": r["us"], "tflop_s": r["tflop_s"], "gb_s": r["gb_s"]})
+    for name, n_tok, n_ctx, n_kv_head, kv in (
+            ("prefill", 4096, 4096, 32, "f16"), ("prefill", 512, 512, 32, "f16"), ("prefill", 4096, 4096, 32, "q8_0"),
+            ("decode", 1, 4096, 32, "f16"), ("decode", 1, 16384, 32, "f16"), ("decode", 1, 16384, 32, "q8_0"),
+            ("decode", 1, 131072, 8, "f16"), ("decode", 1, 131072, 8, "q8_0")):
+        r = bench_attention(n_tok, n_ctx, n_head_kv=n_kv_head, kv=KVTypes(kv, kv))
+        attn.append({"kernel": f"attention {name}", "kv_type": kv, "n_tok": n_tok, "n_ctx": n_ctx, "n_head": 32,
+                     "n_head_kv": n_kv_head, "head_dim": 128, "us": r["us"], "tflop_s": r["tflop_s"], "gb_s": r["gb_s"]})
     records = gemv + attn
     if output in ("json", "jsonl"):
         _print_json(records, output)
@@ -252,10 +273,10 @@ def _kernels(output: str) -> None:
                     [(r["type"], f"{r['n_out']}x{r['n_in']}", r["x"], f"{r['us']:.2f}", f"{r['gb_s']:,.0f}", f"{r['fraction_of_4.2TB/s']:.0%}",
                       f"{r['read_us']:.2f}", f"{r['fraction_of_read']:.0%}", f"{r['dependent_read_us']:.2f}",
                       f"{r['fraction_of_dependent_read']:.0%}") for r in gemv], right=(3, 4, 5, 6, 7, 8, 9)))
-    out.print(table("attention, fp16 KV, 32 heads of 128 (causal; TFLOP/s counts the causal half)",
-                    ("kernel", "queries", "keys", "µs", "TFLOP/s", "KV GB/s"),
-                    [(r["kernel"], r["n_tok"], r["n_ctx"], f"{r['us']:,.1f}", f"{r['tflop_s']:,.1f}", f"{r['gb_s']:,.0f}") for r in attn],
-                    right=(1, 2, 3, 4, 5)))
+    out.print(table("attention, 32 heads of 128 (causal; TFLOP/s counts the causal half; KV GB/s: quants and scales)",
+                    ("kernel", "KV type", "KV heads", "queries", "keys", "µs", "TFLOP/s", "KV GB/s"),
+                    [(r["kernel"], r["kv_type"], r["n_head_kv"], r["n_tok"], r["n_ctx"], f"{r['us']:,.1f}", f"{r['tflop_s']:,.1f}",
+                      f"{r['gb_s']:,.0f}") for r in attn], right=(2, 3, 4, 5, 6, 7)))
 
 
 def register(app: typer.Typer) -> None:

@@ -411,6 +411,8 @@ def chat(
     stop: Annotated[Optional[List[str]], typer.Option("--stop", help="End a reply when this text appears (repeatable).")] = None,
     reasoning: Annotated[str, typer.Option("--reasoning", help="<think> output: on (shown dimmed), hidden (generated, not shown), off (ask the model not to think where its template can).")] = "on",
     backend: c.BackendOpt = "auto",
+    cache_type_k: c.CacheTypeKOpt = "f16",
+    cache_type_v: c.CacheTypeVOpt = "f16",
     draft_model: DraftModelOpt = None,
     lookup: LookupOpt = 0,
     draft_max: DraftMaxOpt = 7,
@@ -427,7 +429,7 @@ def chat(
     check_reasoning(reasoning)
     system_text = system_prompt(system, system_file)
     path = c.model_path(model)
-    loaded = c.load_session(path, backend, ctx_size, flags)
+    loaded = c.load_session(path, backend, ctx_size, flags, c.kv_types(cache_type_k, cache_type_v))
     if chat_template is not None:
         template = ChatTemplate.from_file(chat_template, loaded.tokenizer)
     else:

@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from k4.runtime.errors import UsageError
+from k4.runtime.kv_types import CACHE_TYPES, F16, KVTypes
 from k4.runtime.model import SAMPLE_MODEL
 
 from .render import valid_text
@@ -34,6 +35,13 @@ SeedOpt = Annotated[int, typer.Option("-s", "--seed", help="Random seed (-1 = pi
 NoBosOpt = Annotated[bool, typer.Option("--no-bos", help="Do not add the BOS token even if the model asks for it.")]
 FileOpt = Annotated[Optional[Path], typer.Option("-f", "--file", help="Read the text from this file.", show_default=False)]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Print per-phase timing and copy-traffic tables.")]
+CacheTypeKOpt = Annotated[str, typer.Option("-ctk", "--cache-type-k", help=f"KV cache type of the keys: {', '.join(CACHE_TYPES)}.")]
+CacheTypeVOpt = Annotated[str, typer.Option("-ctv", "--cache-type-v", help=f"KV cache type of the values: {', '.join(CACHE_TYPES)}.")]
+
+
+def kv_types(cache_type_k: str, cache_type_v: str) -> KVTypes:
+    """The KVTypes of -ctk and -ctv. Raises UsageError (one line, the choices) for an unknown type."""
+    return KVTypes(cache_type_k, cache_type_v)
 
 
 def model_path(model: Optional[Path]) -> Path:
@@ -129,19 +137,19 @@ def check_ctx_size(ctx_size: Optional[int]) -> None:
         raise UsageError(f"--ctx-size {ctx_size} is too large; use at most {MAX_CTX:,} tokens")
 
 
-def resolve_ctx(ctx_size: Optional[int], mf, kind: str, flags=None) -> tuple[int, Optional[str]]:
+def resolve_ctx(ctx_size: Optional[int], mf, kind: str, flags=None, kv: KVTypes = F16) -> tuple[int, Optional[str]]:
     """(context size in tokens, note or None) for -c on backend `kind` ("cuda" or "numpy"):
     -c itself, or for None and 0 runtime.backend.fit_context's: the model's training context
     when its KV cache fits in free memory (GPU memory or RAM) beside the weights and buffers,
     else the largest multiple of 256 tokens that does, with a one-line note of the numbers.
-    The one place run, chat and perplexity take their context from. Raises UsageError for a
-    negative -c or one over MAX_CTX."""
+    The one place run, chat and perplexity take their context from; kv: the cache types the
+    KV bytes per token are counted for. Raises UsageError for a negative -c or one over MAX_CTX."""
     from k4.runtime.backend import fit_context
 
     check_ctx_size(ctx_size)
     if ctx_size:
         return ctx_size, None
-    return fit_context(mf, kind, flags)
+    return fit_context(mf, kind, flags, kv)
 
 
 def ctx_warning(n_ctx: int, n_ctx_train: int) -> Optional[str]:
@@ -152,10 +160,11 @@ def ctx_warning(n_ctx: int, n_ctx_train: int) -> Optional[str]:
             "output past it may degrade")
 
 
-def load_session(model: Optional[Path], backend: str, ctx_size: Optional[int], flags=None) -> Session:
+def load_session(model: Optional[Path], backend: str, ctx_size: Optional[int], flags=None, kv: KVTypes = F16) -> Session:
     """Open, validate and load a model on a backend with the context resolve_ctx gives for -c
-    (a warning on stderr when it exceeds the training context; a progress bar on stderr for
-    models over 100 MiB). Raises K4Error subclasses on bad input."""
+    and a KV cache of types kv (-ctk, -ctv) (a warning on stderr when the context exceeds the
+    training context; a progress bar on stderr for models over 100 MiB). Raises K4Error
+    subclasses on bad input."""
     from k4.runtime.backend import make_backend, resolve_kind
     from k4.runtime.model import open_model
     from k4.runtime.tokenizer import Tokenizer
@@ -166,7 +175,8 @@ def load_session(model: Optional[Path], backend: str, ctx_size: Optional[int], f
     t0 = time.perf_counter()
     mf = open_model(model_path(model))
     kind = resolve_kind(backend)
-    n_ctx, note = resolve_ctx(ctx_size, mf, kind, flags)
+    kv.check(mf.config.head_dim)
+    n_ctx, note = resolve_ctx(ctx_size, mf, kind, flags, kv)
     warning = ctx_warning(n_ctx, mf.config.n_ctx_train)
     for line, style in ((note, "yellow"), (warning, "yellow")):
         if line:
@@ -174,5 +184,5 @@ def load_session(model: Optional[Path], backend: str, ctx_size: Optional[int], f
     tok = Tokenizer.from_model(mf)
     with progress_bar(f"loading {mf.path.name}", min_bytes=PROGRESS_MIN_BYTES) as update:
         be = make_backend(mf, kind, n_ctx, progress=update, status=lambda text: err.print(text, style="dim", markup=False),
-                          flags=flags)
+                          flags=flags, kv_types=kv)
     return Session(mf, tok, be, (time.perf_counter() - t0) * 1e3)

@@ -22,6 +22,8 @@ def perplexity(
     model: c.ModelOpt = None,
     ctx_size: ChunkOpt = 512,
     backend: c.BackendOpt = "auto",
+    cache_type_k: c.CacheTypeKOpt = "f16",
+    cache_type_v: c.CacheTypeVOpt = "f16",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (running perplexity per chunk, PPL, its error) at the end.")] = False,
 ) -> None:
     """Perplexity of the text in -f FILE, in chunks of -c tokens (llama-perplexity's protocol).
@@ -34,11 +36,12 @@ def perplexity(
 
     if file is None:
         raise UsageError("perplexity needs a text file: pass -f FILE")
+    kv = c.kv_types(cache_type_k, cache_type_v)
     text = c.read_text(None, file, "text")
     flags = Flags()  # parsed (and a malformed value refused) before the model loads, as in run/chat/bench
     for warning in flags.warnings():
         err.print(f"warning: {warning}", style="yellow", markup=False)
-    s = c.load_session(model, backend, ctx_size, flags)
+    s = c.load_session(model, backend, ctx_size, flags, kv)
     ctx_size = s.backend.n_ctx  # -c 0: fit_context's, as run and chat take it
     tokens = s.tokenizer.encode(text)
     add_bos = s.tokenizer.add_bos and s.tokenizer.bos_id is not None
@@ -66,6 +69,8 @@ def _record(path, s: c.Session, n_tokens: int, results: list) -> dict:
         "model": str(path),
         "backend": s.backend.name,
         "n_ctx": s.backend.n_ctx,
+        "type_k": s.backend.kv_types.k,
+        "type_v": s.backend.kv_types.v,
         "n_tokens": n_tokens,
         "n_chunks": len(results),
         "n_scored": sum(r.n_scored for r in results),

@@ -36,6 +36,8 @@ def run(
     stop: Annotated[Optional[List[str]], typer.Option("--stop", help="Stop when this text appears (repeatable).")] = None,
     no_display_prompt: Annotated[bool, typer.Option("--no-display-prompt", help="Print only the generated text, not the prompt before it.")] = False,
     backend: c.BackendOpt = "auto",
+    cache_type_k: c.CacheTypeKOpt = "f16",
+    cache_type_v: c.CacheTypeVOpt = "f16",
     draft_model: DraftModelOpt = None,
     lookup: LookupOpt = 0,
     draft_max: DraftMaxOpt = 7,
@@ -51,8 +53,9 @@ def run(
         err.print(f"warning: {warning}", style="yellow")
     params = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, c.resolve_seed(seed)).validate()
     c.check_n_predict(n_predict)
+    kv = c.kv_types(cache_type_k, cache_type_v)
     text = c.read_prompt(prompt_arg, prompt, file)
-    s = c.load_session(model, backend, ctx_size, flags)
+    s = c.load_session(model, backend, ctx_size, flags, kv)
     ids = s.tokenizer.encode(text, add_bos=False if no_bos else None)
     if not ids:
         ids = [s.tokenizer.bos_id] if s.tokenizer.bos_id is not None else []

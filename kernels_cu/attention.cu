@@ -1,6 +1,7 @@
-// Attention of f32 queries over the fp16 KV cache, causal, with GQA (query head h reads KV head
-// h / (n_head / n_head_kv)). One kernel serves decode (n_tok = 1) and prefill (query t sits at
-// position pos0 + t and sees cache rows 0 .. pos0 + t).
+// Attention of f32 queries over the KV cache (keys KT, values VT: fp16 or q8_0, kv_cache.cuh),
+// causal, with GQA (query head h reads KV head h / (n_head / n_head_kv)). One kernel serves
+// decode (n_tok = 1) and prefill (query t sits at position pos0 + t and sees cache rows
+// 0 .. pos0 + t).
 //
 // Each block walks its key range in chunks of ATT_CHUNK positions with the online softmax of
 // Milakov & Gimelshein 2018 (as in FlashAttention). With n_split > 1 the key range is split over
@@ -12,12 +13,13 @@
 // Launched by runtime/cuda/ops.py (Ops.attention). ATT_THREADS, ATT_CHUNK and the shared-memory
 // size the launcher computes come from runtime/cuda/constants.py (constants.cuh); the sizes are
 // checked in attention_sizes.cuh.
-#include "ops_common.cuh"
+#include "kv_cache.cuh"
 #include "attention_sizes.cuh"
 
 #define ATT_KEYS 4  // keys whose loads one thread issues together
 
-// q: (n_tok, n_head, D) f32. k_cache, v_cache: (n_ctx, n_head_kv, D) fp16 (this layer).
+// q: (n_tok, n_head, D) f32. k_cache, v_cache: (n_ctx, n_head_kv, D) of KT::elem / VT::elem (this
+//   layer), k_d, v_d: their (n_ctx, n_head_kv, D / 32) fp16 scale planes (q8_0) or null (f16).
 // out: (n_tok, n_head, D) f32.
 // part: (n_tok, n_head, n_split, D + 2) f32 partials [m, l, acc[D]], written when n_split > 1
 //   by the splits that hold keys (the first ceil(n_kv / split_len)); ticket: (n_tok, n_head)
@@ -30,23 +32,27 @@
 //   token's unrotated q (n_head, D), k and v (n_head_kv, D) f32 from the projections: each block
 //   rotates q itself (with q_norm, k_norm (D,) or null, inv_freq (rope_dim/2,) f64, rope_dim,
 //   neox, eps, mscale as rope.cu), the block whose split holds the token's position takes its key and
-//   value from registers rounded to fp16 (exactly what the cache would hold), and of those the
-//   block of the first query head of each KV head stores them into the cache rows through
-//   k_store, v_store (the cache again; that row is read by no block of this launch).
+//   value from shared memory in the cache's form (rounded to fp16, or quantized to q8_0: exactly
+//   what the cache will hold), and of those the block of the first query head of each KV head
+//   stores them into the cache rows through k_store, kd_store, v_store, vd_store (the cache and
+//   its scale planes again; that row is read by no block of this launch).
 // Grid: (n_head, n_tok, n_split); block: ATT_THREADS. Dynamic shared memory: att_smem(D) bytes.
-//   Requires D % 8 == 0 and D <= 8 * ATT_THREADS.
+//   Requires D % 8 == 0 and D <= 8 * ATT_THREADS; D % 32 == 0 for a q8_0 plane.
 // Thread mapping: scores: groups of tpg lanes per key (tpg = largest power of two <= 32
 //   dividing D/8), each lane dotting 8-value slices of ATT_KEYS keys at a time; values: thread =
 //   (slice c, key lane kl), accumulating 8 output dims over keys kl, kl + n_kl, ...; key lanes
 //   are summed at the end.
 
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
-           float* __restrict__ out, float* __restrict__ part, int* __restrict__ ticket, const int* __restrict__ pos,
-           int n_head, int n_head_kv, int D, int split_len, float scale, int window, float softcap,
-           const float* __restrict__ fresh_q, const float* __restrict__ fresh_k, const float* __restrict__ fresh_v,
-           u16* k_store, u16* v_store, const float* __restrict__ q_norm, const float* __restrict__ k_norm,
-           const double* __restrict__ inv_freq, int rope_dim, int neox, float eps, float mscale) {
+template <class KT, class VT>
+__global__ void __launch_bounds__(ATT_THREADS)
+attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
+        const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d,
+        float* __restrict__ out, float* __restrict__ part, int* __restrict__ ticket, const int* __restrict__ pos,
+        int n_head, int n_head_kv, int D, int split_len, float scale, int window, float softcap,
+        const float* __restrict__ fresh_q, const float* __restrict__ fresh_k, const float* __restrict__ fresh_v,
+        typename KT::elem* k_store, u16* kd_store, typename VT::elem* v_store, u16* vd_store,
+        const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+        const double* __restrict__ inv_freq, int rope_dim, int neox, float eps, float mscale) {
     pdl_trigger();
     pdl_wait();
     const int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z;
@@ -61,32 +67,43 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
     const int begin = max(s * split_len, lo);
     const int end = min(n_kv, (s + 1) * split_len);  // this split's range, cut to the window's start above
     const size_t kv_stride = (size_t)n_head_kv * D;
-    const u16* kbase = k_cache + (size_t)hk * D;
-    const u16* vbase = v_cache + (size_t)hk * D;
+    const size_t head_off = (size_t)hk * D;  // element of this KV head's row at position 0
 
     extern __shared__ float smem[];
     float* qs = smem;            // (D,) query, pre-scaled
     float* sc = qs + D;          // (ATT_CHUNK,) scores, then probabilities
-    float* red = sc + ATT_CHUNK; // (n_kl, D) per-key-lane accumulators
-    u16* kcur = reinterpret_cast<u16*>(red + ATT_THREADS * 8);  // (D,) fp16 key of the fresh token
-    u16* vcur = kcur + D;                                         // (D,) its value
+    float* red = sc + ATT_CHUNK; // (n_kl, D) per-key-lane accumulators; first the fresh key in f32 (D,)
+    auto* kcur = reinterpret_cast<typename KT::elem*>(red + ATT_THREADS * 8);  // (D,) key of the fresh token, cache form
+    auto* vcur = reinterpret_cast<typename VT::elem*>(kcur + D);               // (D,) its value
+    u16* kdcur = reinterpret_cast<u16*>(vcur + D);  // (D / 32,) their q8_0 scales (q8_0 planes only)
+    u16* vdcur = kdcur + D / 32;
 
     const int p = n_kv - 1;  // this query's position
     const int cur = fresh_q && end == n_kv ? p : -1;  // the key taken from kcur / vcur, if in this split
     if (fresh_q) {
         const int warp = tid >> 5, lane = tid & 31;
         if (warp == 0) k4ops::rope_row(fresh_q + (size_t)h * D, qs, nullptr, q_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
-        if (cur >= 0 && warp == 1)
-            k4ops::rope_row(fresh_k + (size_t)hk * D, nullptr, kcur, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
-        if (cur >= 0 && warp == 2)
-            for (int i = lane; i < D; i += 32) vcur[i] = f32_to_f16(fresh_v[(size_t)hk * D + i]);
+        if (cur >= 0 && warp == 1) {
+            if constexpr (KT::SCALED) {  // rotated in f32 (in red, free until the end), then quantized as rope.cu does
+                k4ops::rope_row(fresh_k + head_off, red, nullptr, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
+                __syncwarp();
+                KT::store_row(red, D, kcur, kdcur, 0, lane);
+            } else {
+                k4ops::rope_row(fresh_k + head_off, nullptr, kcur, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
+            }
+        }
+        if (cur >= 0 && warp == 2) VT::store_row(fresh_v + head_off, D, vcur, vdcur, 0, lane);
         __syncthreads();
         for (int i = tid; i < D; i += ATT_THREADS) qs[i] *= scale;
         if (cur >= 0 && h % (n_head / n_head_kv) == 0) {
-            const size_t row = (size_t)p * kv_stride + (size_t)hk * D;
+            const size_t row = (size_t)p * kv_stride + head_off;
             for (int i = tid; i < D; i += ATT_THREADS) {
                 k_store[row + i] = kcur[i];
                 v_store[row + i] = vcur[i];
+            }
+            for (int i = tid; i < D / 32; i += ATT_THREADS) {
+                if constexpr (KT::SCALED) kd_store[row / 32 + i] = kdcur[i];
+                if constexpr (VT::SCALED) vd_store[row / 32 + i] = vdcur[i];
             }
         }
     } else {
@@ -117,21 +134,16 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
 #pragma unroll
             for (int u = 0; u < ATT_KEYS; ++u) d[u] = 0.0f;
             for (int cc = gl; cc < G; cc += tpg) {
-                uint4 raw[ATT_KEYS];
+                typename KT::raw8 raw[ATT_KEYS];
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {
                     const int j = j0 + grp + u * n_grp;
-                    raw[u] = j >= n           ? make_uint4(0, 0, 0, 0)
-                             : c0 + j == cur ? *reinterpret_cast<const uint4*>(kcur + cc * 8)
-                                             : ld_once16(kbase + (size_t)(c0 + j) * kv_stride + cc * 8);
+                    raw[u] = j >= n           ? KT::zero()
+                             : c0 + j == cur ? KT::load(kcur, kdcur, cc * 8)
+                                             : KT::load_once(k_cache, k_d, (size_t)(c0 + j) * kv_stride + head_off + cc * 8);
                 }
 #pragma unroll
-                for (int u = 0; u < ATT_KEYS; ++u) {
-                    float kv[8];
-                    k4ops::unpack_half8(raw[u], kv);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) d[u] += kv[e] * qs[cc * 8 + e];
-                }
+                for (int u = 0; u < ATT_KEYS; ++u) KT::dot8(raw[u], qs + cc * 8, d[u]);
             }
 #pragma unroll
             for (int u = 0; u < ATT_KEYS; ++u) {
@@ -160,22 +172,18 @@ attn_f16kv(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
         for (int u = 0; u < 8; ++u) acc[u] *= corr;
         if (v_active) {  // ATT_KEYS keys per round, loads first
             for (int j0 = kl; j0 < n; j0 += ATT_KEYS * n_kl) {
-                uint4 raw[ATT_KEYS];
+                typename VT::raw8 raw[ATT_KEYS];
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {
                     const int j = j0 + u * n_kl;
-                    raw[u] = j >= n           ? make_uint4(0, 0, 0, 0)
-                             : c0 + j == cur ? *reinterpret_cast<const uint4*>(vcur + c * 8)
-                                             : ld_once16(vbase + (size_t)(c0 + j) * kv_stride + c * 8);
+                    raw[u] = j >= n           ? VT::zero()
+                             : c0 + j == cur ? VT::load(vcur, vdcur, c * 8)
+                                             : VT::load_once(v_cache, v_d, (size_t)(c0 + j) * kv_stride + head_off + c * 8);
                 }
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {
                     const int j = j0 + u * n_kl;
-                    const float p = j < n ? sc[j] : 0.0f;
-                    float vv[8];
-                    k4ops::unpack_half8(raw[u], vv);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[e] += p * vv[e];
+                    VT::axpy8(raw[u], j < n ? sc[j] : 0.0f, acc);
                 }
             }
         }

@@ -1,5 +1,5 @@
 // Launched by runtime/cuda/ops.py (Ops.attention, flag K4_MMA_ATTN).
-#include "ops_common.cuh"
+#include "kv_cache.cuh"
 #include "attention_sizes.cuh"
 
 // ---- attn_mma: prefill attention on tensor cores ----------------------------------------------
@@ -60,6 +60,11 @@ __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// 16 bytes to shared memory at dst.
+__device__ __forceinline__ void st_shared16(u32 dst, uint4 v) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
 // Two floats rounded to fp16, lo in the low half.
 __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
     u32 r;
@@ -67,21 +72,38 @@ __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
     return r;
 }
 
+// Cache values e .. e + 7 of a plane of type T (kv_cache.cuh) as 8 fp16 at shared address dst;
+// valid = false stores zeros and reads nothing. fp16 planes are copied by cp.async (the caller
+// commits the group); q8_0 planes are loaded, dequantized (q * d rounded to fp16) and stored.
+template <class T>
+__device__ __forceinline__ void stage8(u32 dst, const typename T::elem* x, const u16* d, size_t e, bool valid) {
+    if constexpr (!T::SCALED) {
+        cp_async16(dst, x + e, valid);  // e = 0 when not valid
+    } else {
+        float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (valid) T::unpack(T::load(x, d, e), v);
+        st_shared16(dst, make_uint4(pack_f16x2(v[0], v[1]), pack_f16x2(v[2], v[3]), pack_f16x2(v[4], v[5]), pack_f16x2(v[6], v[7])));
+    }
+}
+
 }  // namespace k4mma
 
 
 // Causal attention of n_tok queries (query t at position pos0 + t, pos0 = *pos) over the cache
 // rows 0 .. pos0 + t, on tensor cores. q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx,
-// n_head_kv, D) fp16; scale, window, softcap: as attn_f16kv (tiles before the window of a block's or a
-// warp's first query are skipped; softcap applies to S in log2 units with cap * log2(e)). Grid: (n_head, ceil(n_tok / MMA_BQ)); block:
+// n_head_kv, D) of KT::elem / VT::elem with k_d, v_d their scale planes or null (kv_cache.cuh:
+// fp16 tiles are copied by cp.async; q8_0 ones are dequantized to fp16 through registers as
+// they are staged, so their next tile's loads are not asynchronous); scale, window, softcap: as
+// attn_kv (tiles before the window of a block's or a warp's first query are skipped; softcap
+// applies to S in log2 units with cap * log2(e)). Grid: (n_head, ceil(n_tok / MMA_BQ)); block:
 // MMA_THREADS; dynamic shared memory mma_smem(D, BK). Requires D % 16 == 0, BK % 16 == 0.
 // Thread mapping: lane = 4g + t holds rows g and g + 8 of its warp's 16 queries and, per 8-column
 // chunk of S or O, columns 2t and 2t + 1 (the mma accumulator layout).
-template <int D, int BK>
+template <int D, int BK, class KT, class VT>
 __global__ void __launch_bounds__(MMA_THREADS, 2)
-attn_mma(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
-         float* __restrict__ out, const int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, float scale,
-         int window, float softcap) {
+attn_mma(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
+         const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d, float* __restrict__ out,
+         const int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, float scale, int window, float softcap) {
     using namespace k4mma;
     constexpr int DP = D + 8;          // shared row stride (halves)
     constexpr int ROW_BYTES = 2 * DP;
@@ -103,8 +125,7 @@ attn_mma(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16
     const int n_keys = pos0 + q0 + nq;  // keys seen by the block's last query
     const int n_tiles = (n_keys + BK - 1) / BK;
     const size_t kv_stride = (size_t)n_head_kv * D;
-    const u16* kg = k_cache + (size_t)hk * D;
-    const u16* vg = v_cache + (size_t)hk * D;
+    const size_t head_off = (size_t)hk * D;  // element of this KV head's row at position 0
     const u32 qs_base = smem_u32(Qs), ks_base = smem_u32(Ks), vs_base = smem_u32(Vs);
     const float qscale = scale * 1.4426950408889634f;  // log2(e) / sqrt(D)
 
@@ -116,14 +137,14 @@ attn_mma(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16
     const u32 tile_dst = (u32)(r0 * ROW_BYTES + 16 * c0);
     auto load_tile = [&](int j) {  // keys and values j * BK .. + BK - 1 into stage j & 1
         const int k0 = j * BK + r0;
-        const size_t at = (size_t)k0 * kv_stride + 8 * c0;
+        const size_t at = head_off + (size_t)k0 * kv_stride + 8 * c0;
         const u32 dst = tile_dst + (u32)((j & 1) * BK * ROW_BYTES);
 #pragma unroll
         for (int it = 0; it < LOAD_ITERS; ++it) {
             const bool valid = k0 + LOAD_STEP * it < n_keys;
-            const size_t off = valid ? at + (size_t)(LOAD_STEP * it) * kv_stride : 0;
-            cp_async16(ks_base + dst + LOAD_STEP * it * ROW_BYTES, kg + off, valid);
-            cp_async16(vs_base + dst + LOAD_STEP * it * ROW_BYTES, vg + off, valid);
+            const size_t e = valid ? at + (size_t)(LOAD_STEP * it) * kv_stride : 0;
+            stage8<KT>(ks_base + dst + LOAD_STEP * it * ROW_BYTES, k_cache, k_d, e, valid);
+            stage8<VT>(vs_base + dst + LOAD_STEP * it * ROW_BYTES, v_cache, v_d, e, valid);
         }
         cp_async_commit();
     };

@@ -4,7 +4,8 @@
 #pragma once
 #include "constants.cuh"
 
-// attn_f16kv: qs, sc, red (floats), kcur and vcur (fp16).
+// attn_kv<KT, VT>: qs, sc, red (floats), kcur and vcur (the fresh key and value: fp16, or q8_0
+// quants and scales, 2 D + D / 8 bytes, less).
 __host__ __device__ constexpr int att_smem(int D) { return 4 * (D + ATT_CHUNK + ATT_THREADS * 8) + 2 * 2 * D; }
 
 // attn_tiled<D>: the Q, K and V tiles (rows padded by 4 floats) and the probabilities (TILE_PS

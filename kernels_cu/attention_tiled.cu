@@ -3,25 +3,27 @@
 // of one head and walks the keys in tiles of TILE_K staged in shared memory, so each key and
 // value is read once per TILE_Q queries (the tiling of FlashAttention-2, Dao 2023). TILE_*
 // come from runtime/cuda/constants.py (constants.cuh).
-#include "ops_common.cuh"
+#include "kv_cache.cuh"
 #include "attention_sizes.cuh"
 
 // TILE_Q queries per block, TILE_K keys per shared-memory tile, TILE_THREADS threads; TILE_PS:
 // the row stride of the probabilities (floats), TILE_K + 16 so the two half-warps hit other banks.
 
 // Causal attention of n_tok queries (query t at position pos0 + t, pos0 = *pos) over the cache
-// rows 0 .. pos0 + t. q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx, n_head_kv, D) fp16.
-// scale, window, softcap: as attn_f16kv (the block starts at the tile of its first query's window).
+// rows 0 .. pos0 + t. q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx, n_head_kv, D) of
+// KT::elem / VT::elem, k_d, v_d their scale planes or null (kv_cache.cuh: fp16 or q8_0, dequantized
+// to f32 as the tiles are staged).
+// scale, window, softcap: as attn_kv (the block starts at the tile of its first query's window).
 // Grid: (n_head, ceil(n_tok / TILE_Q)); block: TILE_THREADS; dynamic shared memory tiled_smem(D).
 // Thread mapping: thread (rg, kg) = (tid / 16, tid % 16) owns query rows rg + 8i (i < 4); for
 // scores the keys kg + 16j (j < 4) of the tile, for the output the columns 64c + 4kg .. + 3
 // (c < D / 64). The 16 lanes of a half-warp share their rows, so row max and sum reduce by
 // shuffles among them. Rows are padded by 4 floats so the 16-byte key reads are conflict-free.
-template <int D>
+template <int D, class KT, class VT>
 __global__ void __launch_bounds__(TILE_THREADS)
-attn_tiled(const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
-           float* __restrict__ out, const int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, float scale,
-           int window, float softcap) {
+attn_tiled(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
+           const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d, float* __restrict__ out,
+           const int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, float scale, int window, float softcap) {
     constexpr int DP = D + 4, NC = D / 64;
     extern __shared__ float4 tile_smem[];
     float* Qs = reinterpret_cast<float*>(tile_smem);  // (TILE_Q, DP) queries, pre-scaled
@@ -60,15 +62,16 @@ attn_tiled(const float* __restrict__ q, const u16* __restrict__ k_cache, const u
         __syncthreads();  // the previous tile is consumed (and Qs is written, the first time)
         for (int i = tid; i < TILE_K * D / 8; i += TILE_THREADS) {
             const int r = i / (D / 8), c8 = i % (D / 8);
-            uint4 kr = make_uint4(0, 0, 0, 0), vr = kr;
+            typename KT::raw8 kr = KT::zero();
+            typename VT::raw8 vr = VT::zero();
             if (k0 + r < n_keys) {
                 const size_t at = (size_t)(k0 + r) * kv_stride + (size_t)hk * D + 8 * c8;
-                kr = *reinterpret_cast<const uint4*>(k_cache + at);
-                vr = *reinterpret_cast<const uint4*>(v_cache + at);
+                kr = KT::load(k_cache, k_d, at);
+                vr = VT::load(v_cache, v_d, at);
             }
             float kf[8], vf[8];
-            k4ops::unpack_half8(kr, kf);
-            k4ops::unpack_half8(vr, vf);
+            KT::unpack(kr, kf);
+            VT::unpack(vr, vf);
             float4* kd = reinterpret_cast<float4*>(Ks + r * DP + 8 * c8);
             float4* vd = reinterpret_cast<float4*>(Vs + r * D + 8 * c8);
             kd[0] = make_float4(kf[0], kf[1], kf[2], kf[3]);

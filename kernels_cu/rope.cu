@@ -1,5 +1,6 @@
 // Rotary position embedding (Su et al. 2021, RoFormer) on q and k, fused with the optional
-// per-head q/k RMSNorm of qwen3 and the store of k and v into the fp16 KV cache.
+// per-head q/k RMSNorm of qwen3 and the store of k and v into the KV cache (fp16 or q8_0 keys and
+// values: KT, VT, kv_cache.cuh).
 //
 // Pair layouts, as llama.cpp's ggml_rope: "normal" (GGUF llama, whose q/k weights are permuted
 // for it) rotates (2i, 2i+1); NeoX (qwen2, qwen3) rotates (i, i + rope_dim/2). Dimensions at or
@@ -10,24 +11,29 @@
 // attention factor; 1.0 for unscaled models), the pass-through dimensions are not.
 // Launched by runtime/cuda/ops.py (Ops.rope_qk_store). In decode the attention kernel applies
 // the same rotation itself (attention.cu, flag K4_FUSE_ROPE).
-#include "ops_common.cuh"
+#include "kv_cache.cuh"
 
 // q_src: (n_tok, n_head, D) f32 with a row stride of ld_q floats per token (a view into the
 //   q | k | v product outputs); q_out: (n_tok, n_head, D) f32 contiguous, q normalized (when
 //   q_norm) and rotated; may be q_src itself (ld_q = n_head * D).
 // k_src, v_src: (n_tok, n_head_kv, D) f32, row strides ld_k, ld_v; read only.
-// k_cache, v_cache: (n_ctx, n_head_kv, D) fp16, this layer's slice; rows pos0 .. pos0+n_tok-1
-//   are written (k normalized and rotated, v as is).
+// k_cache, v_cache: (n_ctx, n_head_kv, D) of KT::elem / VT::elem, this layer's slice, with k_d,
+//   v_d their (n_ctx, n_head_kv, D / 32) fp16 scale planes (q8_0; null for f16); rows
+//   pos0 .. pos0+n_tok-1 are written (k normalized and rotated, v as is).
 // q_norm, k_norm: (D,) f32 or null. inv_freq: (rope_dim/2,) f64. pos: (1,) int32, pos0 = *pos.
 // mscale: factor on the rotated pairs' cos and sin.
 // Thread mapping: one warp per row; grid.x = ceil(n_tok * (n_head + n_head_kv) / warps per block).
-extern "C" __global__ void rope_qk_store(const float* q_src, int ld_q, const float* __restrict__ k_src, int ld_k,
-                                         const float* __restrict__ v_src, int ld_v, float* q_out,
-                                         u16* __restrict__ k_cache, u16* __restrict__ v_cache,
-                                         const float* __restrict__ q_norm, const float* __restrict__ k_norm,
-                                         const double* __restrict__ inv_freq, const int* __restrict__ pos,
-                                         int n_tok, int n_head, int n_head_kv, int D, int rope_dim, int neox,
-                                         float eps, float mscale) {
+// Dynamic shared memory: with a q8_0 key cache, D floats per warp (the rotated key, quantized
+// from there by blocks of 32); none otherwise.
+template <class KT, class VT>
+__global__ void rope_qk_store(const float* q_src, int ld_q, const float* __restrict__ k_src, int ld_k,
+                              const float* __restrict__ v_src, int ld_v, float* q_out,
+                              typename KT::elem* __restrict__ k_cache, u16* __restrict__ k_d,
+                              typename VT::elem* __restrict__ v_cache, u16* __restrict__ v_d,
+                              const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+                              const double* __restrict__ inv_freq, const int* __restrict__ pos,
+                              int n_tok, int n_head, int n_head_kv, int D, int rope_dim, int neox,
+                              float eps, float mscale) {
     pdl_trigger();
     pdl_wait();
     const int lane = threadIdx.x & 31;
@@ -43,8 +49,15 @@ extern "C" __global__ void rope_qk_store(const float* q_src, int ld_q, const flo
     }
     const int hk = j - n_head;
     const size_t dst = ((size_t)p * n_head_kv + hk) * D;
-    k4ops::rope_row(k_src + (size_t)t * ld_k + (size_t)hk * D, nullptr, k_cache + dst, k_norm, eps, inv_freq, (double)p, D,
-             rope_dim, neox, lane, mscale);
-    const float* vr = v_src + (size_t)t * ld_v + (size_t)hk * D;
-    for (int i = lane; i < D; i += 32) v_cache[dst + i] = f32_to_f16(vr[i]);
+    const float* kr = k_src + (size_t)t * ld_k + (size_t)hk * D;
+    if constexpr (KT::SCALED) {
+        extern __shared__ float rope_stage[];  // (warps, D) rotated keys
+        float* ks = rope_stage + (threadIdx.x >> 5) * D;
+        k4ops::rope_row(kr, ks, nullptr, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
+        __syncwarp();
+        KT::store_row(ks, D, k_cache, k_d, dst, lane);
+    } else {
+        k4ops::rope_row(kr, nullptr, k_cache + dst, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
+    }
+    VT::store_row(v_src + (size_t)t * ld_v + (size_t)hk * D, D, v_cache, v_d, dst, lane);
 }

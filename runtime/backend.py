@@ -10,6 +10,7 @@ from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
+from .kv_types import F16, KVTypes
 from .model import ModelConfig, ModelFile
 from .sampling import SamplingParams
 from .trace import Trace
@@ -21,6 +22,7 @@ class Backend(Protocol):
     name: str
     config: ModelConfig
     n_ctx: int
+    kv_types: KVTypes  # the KV cache's key and value types (-ctk, -ctv)
     trace: Trace
     tokens: list[int]
     load_ms: dict[str, float]  # wall time (ms) of each load step, in order
@@ -87,20 +89,21 @@ def resolve_kind(kind: str) -> str:
                                       "or use --backend numpy") from None
 
 
-def max_context(mf: ModelFile, kind: str, flags=None) -> tuple[int, int, int]:
+def max_context(mf: ModelFile, kind: str, flags=None, kv_types: KVTypes = F16) -> tuple[int, int, int]:
     """(largest n_ctx in tokens whose KV cache fits in free memory beside the weights and
     buffers, bytes free for the cache, KV bytes per token) on backend `kind` ("cuda": free GPU
-    memory, runtime/cuda/sizing.py; "numpy": available RAM, reference.max_context)."""
+    memory and the cache's kv_types, runtime/cuda/sizing.py; "numpy": available RAM for its
+    float32 cache, whatever kv_types, reference.max_context)."""
     if kind == "cuda":
         from .cuda.sizing import max_context as gpu_max
 
-        return gpu_max(mf, flags)
+        return gpu_max(mf, flags, kv_types=kv_types)
     from .reference import max_context as ram_max
 
     return ram_max(mf)
 
 
-def fit_context(mf: ModelFile, kind: str, flags=None) -> tuple[int, str | None]:
+def fit_context(mf: ModelFile, kind: str, flags=None, kv_types: KVTypes = F16) -> tuple[int, str | None]:
     """The context for -c 0 on backend `kind` ("cuda" or "numpy"): the training context when
     its KV cache fits beside the weights and buffers, else the largest multiple of CTX_STEP
     tokens that does, with a one-line note giving the numbers (None when nothing was cut). When
@@ -109,7 +112,7 @@ def fit_context(mf: ModelFile, kind: str, flags=None) -> tuple[int, str | None]:
     from .hostmem import mib
 
     train = mf.config.n_ctx_train
-    fits, free, per_token = max_context(mf, kind, flags)
+    fits, free, per_token = max_context(mf, kind, flags, kv_types)
     if fits >= train:
         return train, None
     if fits < CTX_STEP:
@@ -121,7 +124,8 @@ def fit_context(mf: ModelFile, kind: str, flags=None) -> tuple[int, str | None]:
                    f"({mib(per_token * CTX_STEP)} per {CTX_STEP} tokens); -c sets it")
 
 
-def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=None, status=None, flags=None) -> Backend:
+def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=None, status=None, flags=None,
+                 kv_types: KVTypes = F16) -> Backend:
     """Build the backend `kind` ("auto", "numpy", "cuda") for a loaded model.
 
     n_ctx = 0 means fit_context's: the model's training context when its KV cache fits in free
@@ -129,16 +133,18 @@ def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=Non
     picks cuda when a GPU and CuPy are present, else numpy. progress(done_bytes, total_bytes) is
     called while weights upload (cuda) or are read (numpy); status(text) says what a slow step
     is doing (cuda: kernels still compiling after the upload); flags: the K4_* switches, a
-    runtime.flags.Flags (default: the environment's). Raises BackendUnavailableError (cuda asked
+    runtime.flags.Flags (default: the environment's); kv_types: the KV cache's key and value
+    types (-ctk, -ctv; runtime/kv_types.py). Raises BackendUnavailableError (cuda asked
     for but not usable), OutOfMemoryError (numpy: the model does not fit in RAM) or UsageError
-    (unknown kind).
+    (unknown kind; a q8_0 cache for a head size that is not a multiple of 32).
     """
     from .errors import UsageError
 
     kind = resolve_kind(kind)
     assert mf.config is not None
+    kv_types.check(mf.config.head_dim)
     if n_ctx == 0:
-        n_ctx, note = fit_context(mf, kind, flags)
+        n_ctx, note = fit_context(mf, kind, flags, kv_types)
         if note and status is not None:
             status(note)
     if n_ctx < 1:
@@ -146,10 +152,10 @@ def make_backend(mf: ModelFile, kind: str = "auto", n_ctx: int = 0, progress=Non
     if kind == "cuda":
         from .cuda.backend import CudaBackend  # raises BackendUnavailableError without CuPy or a GPU
 
-        return CudaBackend(mf, n_ctx, progress=progress, status=status, flags=flags)
+        return CudaBackend(mf, n_ctx, progress=progress, status=status, flags=flags, kv_types=kv_types)
     from .reference import NumpyBackend
 
-    return NumpyBackend(mf, n_ctx, progress=progress)
+    return NumpyBackend(mf, n_ctx, progress=progress, kv_types=kv_types)
 
 
 def cuda_available() -> bool:

@@ -23,18 +23,21 @@ import numpy as np
 from .bound import DecodeBound
 from .errors import UsageError
 from .flags import FLAGS, Flags
+from .kv_types import F16, KVTypes, parse_cache_type
 from .bench_spec import VERIFY_STEPS, run_lookup, run_verify
 from .sampling import SamplingParams
 
 
 @dataclass(frozen=True)
 class BenchTest:
-    """One test instance: prompt tokens, generated tokens, KV depth, and a flag configuration."""
+    """One test instance: prompt tokens, generated tokens, KV depth, a flag configuration and
+    the KV cache types (-ctk, -ctv)."""
 
     n_prompt: int
     n_gen: int
     depth: int = 0
     flags: tuple[tuple[str, str], ...] = ()
+    kv: KVTypes = F16
     n_verify: int = 0  # tvN: a speculative verify step of N tokens (runtime/bench_spec.py)
     lookup: int = 0  # tgN with prompt lookup of n-grams up to this size, every draft right (bench_spec.py)
     draft_max: int = 7  # drafts per verify step with lookup
@@ -119,20 +122,29 @@ def parse_flags(text: str) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def parse_cache_types(text: str, option: str) -> list[str]:
+    """"f16,q8_0" -> ["f16", "q8_0"] for -ctk / -ctv (option). Raises UsageError for a type
+    outside kv_types.CACHE_TYPES or an empty list."""
+    values = [parse_cache_type(x.strip(), option) for x in str(text).split(",") if x.strip()]
+    if not values:
+        raise UsageError(f"{option} {text!r} lists no cache type; use e.g. f16,q8_0")
+    return values
+
+
 def expand(n_prompt: Sequence[int], n_gen: Sequence[int], pg: Sequence[tuple[int, int]],
            depths: Sequence[int], flag_sets: Sequence[tuple[tuple[str, str], ...]], verify: Sequence[int] = (),
-           lookup: int = 0, draft_max: int = 7) -> list[BenchTest]:
-    """Every combination, in llama-bench's order: per flag set and depth, the pp tests, the tg
-    tests (and with lookup each again with prompt lookup), the pp+tg pairs, then the tvN
-    verify steps of `verify`. Zero-sized tests are skipped."""
+           lookup: int = 0, draft_max: int = 7, kv_sets: Sequence[KVTypes] = (F16,)) -> list[BenchTest]:
+    """Every combination, in llama-bench's order: per flag set, KV cache types and depth, the pp
+    tests, the tg tests (and with lookup each again with prompt lookup), the pp+tg pairs, then
+    the tvN verify steps of `verify`. Zero-sized tests are skipped."""
     tests = []
-    for flags, depth in itertools.product(flag_sets or [()], depths or [0]):
-        tests += [BenchTest(p, 0, depth, flags) for p in n_prompt if p > 0]
-        tests += [BenchTest(0, n, depth, flags) for n in n_gen if n > 0]
+    for flags, kv, depth in itertools.product(flag_sets or [()], kv_sets or [F16], depths or [0]):
+        tests += [BenchTest(p, 0, depth, flags, kv) for p in n_prompt if p > 0]
+        tests += [BenchTest(0, n, depth, flags, kv) for n in n_gen if n > 0]
         if lookup:
-            tests += [BenchTest(0, n, depth, flags, lookup=lookup, draft_max=draft_max) for n in n_gen if n > 0]
-        tests += [BenchTest(p, n, depth, flags) for p, n in pg if p > 0 or n > 0]
-        tests += [BenchTest(0, 0, depth, flags, n_verify=v) for v in verify if v > 0]
+            tests += [BenchTest(0, n, depth, flags, kv, lookup=lookup, draft_max=draft_max) for n in n_gen if n > 0]
+        tests += [BenchTest(p, n, depth, flags, kv) for p, n in pg if p > 0 or n > 0]
+        tests += [BenchTest(0, 0, depth, flags, kv, n_verify=v) for v in verify if v > 0]
     return tests
 
 
@@ -252,6 +264,7 @@ def result_record(res: BenchResult, env: dict, model_info: dict, bound: DecodeBo
     return {
         **env, **model_info,
         "test": t.name, "n_prompt": t.n_prompt, "n_gen": t.n_gen, "n_depth": t.depth, "n_ctx": res.n_ctx, "flags": t.flags_text,
+        "type_k": t.kv.k, "type_v": t.kv.v,
         "reps": len(res.samples), "avg_ts": _measured(res.mean), "stddev_ts": res.sd, "samples_ts": list(res.samples),
         "token_ms_p50": _measured(res.latency(0.5)), "token_ms_p99": _measured(res.latency(0.99)),
         "token_gpu_ms_p50": _measured(res.latency(0.5, gpu=True)), "token_gpu_ms_p99": _measured(res.latency(0.99, gpu=True)),
@@ -262,15 +275,16 @@ def result_record(res: BenchResult, env: dict, model_info: dict, bound: DecodeBo
     }
 
 
-def iter_results(tests: Sequence[BenchTest], make_backend: Callable[[Flags], object], reps: int, n_vocab: int,
+def iter_results(tests: Sequence[BenchTest], make_backend: Callable[[Flags, KVTypes], object], reps: int, n_vocab: int,
                  on_rep: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter,
                  base: Flags | None = None) -> Iterator[BenchResult]:
-    """Run every test, building one backend per flag set: make_backend(flags) gets `base` (default:
-    the environment's Flags) with the test's --flags applied. clock: see run_once."""
+    """Run every test, building one backend per flag set and KV cache types: make_backend(flags,
+    kv) gets `base` (default: the environment's Flags) with the test's --flags applied and the
+    test's cache types. clock: see run_once."""
     base = base if base is not None else Flags()
-    for overrides, group in itertools.groupby(tests, key=lambda t: t.flags):
+    for (overrides, kv), group in itertools.groupby(tests, key=lambda t: (t.flags, t.kv)):
         flags = base.with_(overrides)
-        backend = make_backend(flags)
+        backend = make_backend(flags, kv)
         load = {name: c.as_dict() for name, c in backend.trace.phases.items()}
         for test in group:
             res = run_test(backend, test, reps, n_vocab, on_rep=on_rep, load=load, clock=clock)

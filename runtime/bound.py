@@ -9,20 +9,20 @@ every tensor once, except
     it (no output.weight), when the whole matrix is read once by the output product;
   - the routed experts of a mixture of experts (ffn_{gate,up,down}_exps): n_expert_used of the
     n_expert stacked experts; the router (ffn_gate_inp) and the shared expert count whole.
-KV cache read per step, per layer: n_head_kv * head_dim * 2 (keys and values) * 2 bytes (fp16, as
-runtime/cuda/buffers.py KVCache holds them) * the positions attended: p + 1 at position p, at
-most the window on a sliding-window layer (gemma; keys p - n_swa + 1 .. p as runtime/reference.py
-attends).
+KV cache read per step, per layer: n_head_kv * head_dim keys and as many values, at 2 bytes a
+value for f16 and 34/32 for q8_0 (-ctk/-ctv; runtime/kv_types.py, as runtime/cuda/kv_cache.py
+KVCache holds them) * the positions attended: p + 1 at position p, at most the window on a
+sliding-window layer (gemma; keys p - n_swa + 1 .. p as runtime/reference.py attends).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .kv_types import F16, KVTypes
 from .model import ModelConfig, ModelFile
 
 H200_BANDWIDTH_GBS = 4200.0  # GB/s (1e9 B/s): the H200's HBM3e figure
-KV_BYTES_PER_VALUE = 2  # fp16 keys and values
 EXPERT_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
@@ -44,11 +44,12 @@ def weight_bytes_per_token(mf: ModelFile) -> int:
     return total
 
 
-def kv_bytes(cfg: ModelConfig, n_keys: int) -> int:
-    """Bytes of KV cache one decode step reads when its token attends `n_keys` positions (its own
-    included): per layer n_head_kv * head_dim * 2 (k, v) * 2 bytes * min(n_keys, n_swa) on a
-    sliding layer, n_keys on the others."""
-    per_key = cfg.n_head_kv * cfg.head_dim * 2 * KV_BYTES_PER_VALUE
+def kv_bytes(cfg: ModelConfig, n_keys: int, kv: KVTypes = F16) -> int:
+    """Bytes of a KV cache of types kv one decode step reads when its token attends `n_keys`
+    positions (its own included): per layer one key and one value row of n_head_kv * head_dim
+    (KVTypes.bytes_per_token's bytes) * min(n_keys, n_swa) on a sliding layer, n_keys on the
+    others."""
+    per_key = kv.bytes_per_token(1, cfg.n_head_kv * cfg.head_dim)
     return sum(per_key * (min(n_keys, cfg.n_swa) if cfg.sliding(i) else n_keys) for i in range(cfg.n_layer))
 
 
@@ -78,10 +79,12 @@ class DecodeBound:
         return self.bandwidth / self.bytes_per_token
 
 
-def decode_bound(mf: ModelFile, depth: int, n_gen: int, bandwidth_gbs: float = H200_BANDWIDTH_GBS) -> DecodeBound:
+def decode_bound(mf: ModelFile, depth: int, n_gen: int, bandwidth_gbs: float = H200_BANDWIDTH_GBS,
+                 kv_types: KVTypes = F16) -> DecodeBound:
     """The bandwidth bound of decoding n_gen > 0 tokens after `depth` cached ones: weights per
-    token plus the KV bytes averaged over the steps (decode_keys), at bandwidth_gbs GB/s (1e9 B/s)."""
+    token plus the KV bytes of a cache of kv_types averaged over the steps (decode_keys), at
+    bandwidth_gbs GB/s (1e9 B/s)."""
     assert mf.config is not None and n_gen > 0
     keys = decode_keys(depth, n_gen)
-    kv = sum(kv_bytes(mf.config, k) for k in keys) / len(keys)
+    kv = sum(kv_bytes(mf.config, k, kv_types) for k in keys) / len(keys)
     return DecodeBound(weight_bytes_per_token(mf), kv, bandwidth_gbs * 1e9)

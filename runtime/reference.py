@@ -23,6 +23,7 @@ from .token_cache import TokenCache
 from .model import ModelConfig, ModelFile, Tensor, expected_shapes, expert_view, layer_matrices
 from .moe import MoeFfn
 from .rope import RopeTable, factor_tensor, rope_table
+from .kv_types import F16, KVTypes, round_trip
 from .sampling import SamplingParams, sample
 from .spec_accept import accept_greedy
 from .trace import Trace
@@ -200,7 +201,9 @@ class NumpyBackend(TokenCache):
     block_bytes of float32), unless all dequantized matrices fit in cache_bytes: then they are
     dequantized once at load and kept (small models, where dequantizing costs more than the
     product). The KV cache is float32, (n_layer, n_ctx, n_head_kv, head_dim) for keys and values
-    each. Peak RAM: the file's bytes + the kept matrices or one block + the KV cache.
+    each; with kv_types q8_0 for keys (values) each stored head row holds what llama.cpp's q8_0
+    gives back (runtime/kv_types.py round_trip), as the CUDA backend's q8_0 cache does.
+    Peak RAM: the file's bytes + the kept matrices or one block + the KV cache.
 
     progress(done_bytes, total_bytes) is called after each tensor is read at load.
     cached: whether the dequantized matrices are kept (they fit in cache_bytes).
@@ -213,10 +216,12 @@ class NumpyBackend(TokenCache):
     name = "numpy"
 
     def __init__(self, mf: ModelFile, n_ctx: int, progress: Callable[[int, int], None] | None = None,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES, block_bytes: int | None = None, mem_available: int | None = None):
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, block_bytes: int | None = None, mem_available: int | None = None,
+                 kv_types: KVTypes = F16):
         cfg = mf.config
         assert cfg is not None
-        self.config, self.n_ctx, self.trace = cfg, n_ctx, Trace()
+        kv_types.check(cfg.head_dim)
+        self.config, self.n_ctx, self.trace, self.kv_types = cfg, n_ctx, Trace(), kv_types
         t0 = time.perf_counter()
         with self.trace.in_phase("load"):
             tensors = [mf.tensor(name) for name in expected_shapes(cfg)]  # every tensor the forward reads
@@ -318,8 +323,8 @@ class NumpyBackend(TokenCache):
                 k = rms_norm(k, L.k_norm, cfg.rms_eps)
             q = apply_rope(q, c, s, cfg.rope_dim, cfg.rope_neox)
             k = apply_rope(k, c, s, cfg.rope_dim, cfg.rope_neox)
-            self.k_cache[li, p0 : p0 + T] = k
-            self.v_cache[li, p0 : p0 + T] = v.reshape(T, nkv, hd)
+            self.k_cache[li, p0 : p0 + T] = round_trip(k, self.kv_types.k)  # q8_0: quantized and back
+            self.v_cache[li, p0 : p0 + T] = round_trip(v.reshape(T, nkv, hd), self.kv_types.v)
             keys = self.k_cache[li, : p0 + T]  # (S, nkv, hd), S = p0 + T
             vals = self.v_cache[li, : p0 + T]  # (S, nkv, hd)
             attn = causal_attention(q.reshape(T, nkv, cfg.n_gqa, hd), keys, vals, p0, cfg.query_scale, window,

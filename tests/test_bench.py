@@ -13,7 +13,8 @@ from gguf.quants import dequantize
 from typer.testing import CliRunner
 
 from k4.cli.app import app
-from k4.runtime.bench import BenchTest, expand, parse_flags, parse_list
+from k4.runtime.bench import BenchTest, expand, parse_cache_types, parse_flags, parse_list
+from k4.runtime.kv_types import KVTypes
 from k4.runtime.errors import UsageError
 from k4.runtime.model import expected_shapes, open_model
 from k4.runtime.reference import NumpyBackend
@@ -37,6 +38,17 @@ def test_expand_is_the_cartesian_product():
     assert tests[4].name == "pp128@d4096"
     assert tests[-1].flags == (("K4_CUDA_GRAPH", "1"), ("K4_PINGPONG", "0"))
     assert expand([0], [0], [], [0], []) == []
+
+
+def test_expand_crosses_cache_types_between_flags_and_depths():
+    kv = [KVTypes(), KVTypes("q8_0", "q8_0")]
+    tests = expand([0], [64], [], [0, 16384], [parse_flags("K4_PDL=0")], kv_sets=kv)
+    assert [(t.name, t.kv) for t in tests] == [("tg64", kv[0]), ("tg64@d16384", kv[0]), ("tg64", kv[1]), ("tg64@d16384", kv[1])]
+    assert expand([8], [0], [], [0], [])[0].kv == KVTypes()
+    assert parse_cache_types(" f16, q8_0 ", "--cache-type-k") == ["f16", "q8_0"]
+    for bad in ("q8_0,q4_0", ","):
+        with pytest.raises(UsageError, match="^--cache-type-k "):
+            parse_cache_types(bad, "--cache-type-k")
 
 
 @pytest.mark.parametrize("text", ["12,x", "-1", ""])

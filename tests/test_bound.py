@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from k4.cli import render
 from k4.cli.app import app
 from k4.runtime.bound import decode_bound, decode_keys, kv_bytes, weight_bytes_per_token
+from k4.runtime.kv_types import KVTypes
 from k4.runtime.model import open_model
 
 runner = CliRunner()
@@ -70,6 +71,11 @@ def test_kv_term_by_hand(data):
     assert list(decode_keys(16, 4)) == [16, 17, 18, 19] and list(decode_keys(0, 3)) == [1, 2, 3]
     b = decode_bound(open_model(data / "oracles/tiny-gemma2.gguf"), 16, 4, bandwidth_gbs=1.0)
     assert b.kv_bytes == 2 * 1024 * 17.5 + 2 * 1024 * 8
+    # q8_0 keys and values: 34 bytes per 32 values instead of 64 (runtime/kv_types.py)
+    assert kv_bytes(cfg, 5, KVTypes("q8_0", "q8_0")) == 4 * 1024 * 5 * 34 // 64
+    assert kv_bytes(cfg, 5, KVTypes("q8_0", "f16")) == (2 * 1024 + 2 * 1024 * 34 // 64) * 5
+    q8 = decode_bound(open_model(data / "oracles/tiny-gemma2.gguf"), 16, 4, bandwidth_gbs=1.0, kv_types=KVTypes("q8_0", "q8_0"))
+    assert q8.kv_bytes == b.kv_bytes * 34 / 64 and q8.weight_bytes == b.weight_bytes
     assert b.tokens_per_s == pytest.approx(1e9 / (b.weight_bytes + 52224))
 
 

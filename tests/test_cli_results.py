@@ -119,8 +119,9 @@ def fake_bench(monkeypatch):
     backends the command built."""
     built: list[FakeBackend] = []
 
-    def make_fake(mf, kind="auto", n_ctx=0, progress=None, status=None, flags=None):
+    def make_fake(mf, kind="auto", n_ctx=0, progress=None, status=None, flags=None, kv_types=None):
         built.append(FakeBackend(n_ctx))
+        built[-1].kv_types = kv_types
         return built[-1]
 
     def fake_clock() -> float:
@@ -148,6 +149,18 @@ def test_bench_cli_depth_and_tokens_per_second(fake_bench):
             evals = timed_evals(run, depth)
             assert sum(n for _, n in evals) == x["n_prompt"] + x["n_gen"]
             assert evals[0][0] == (depth if x["n_prompt"] else max(depth - 1, 0))
+
+
+def test_bench_cli_cache_types_are_a_product_like_llama_bench(fake_bench):
+    r = runner.invoke(app, ["bench", "-m", str(SAMPLE_MODEL), "-p", "0", "-n", "4", "-r", "1", "-ctk", "f16,q8_0",
+                            "--cache-type-v", "q8_0", "-o", "json"])
+    assert r.exit_code == 0, r.output
+    recs = json.loads(r.stdout)
+    assert [(x["test"], x["type_k"], x["type_v"]) for x in recs] == [("tg4", "f16", "q8_0"), ("tg4", "q8_0", "q8_0")]
+    assert [(b.kv_types.k, b.kv_types.v) for b in fake_bench] == [("f16", "q8_0"), ("q8_0", "q8_0")]  # a backend each
+    r = runner.invoke(app, ["bench", "-m", str(SAMPLE_MODEL), "-p", "0", "-n", "4", "-r", "1", "-ctk", "f16,q8_0", "-o", "md"])
+    assert r.exit_code == 0, r.output
+    assert "| type_k | type_v |" in r.stdout and "| f16 | f16 | tg4 |" in r.stdout and "| q8_0 | f16 | tg4 |" in r.stdout
 
 
 def info_rows(output: str) -> dict[str, str]:

@@ -48,7 +48,8 @@ def test_bench_kernels_reports_bandwidth():
         assert x["fraction_of_dependent_read"] == pytest.approx(x["dependent_read_us"] / x["us"])
         assert x["fraction_of_4.2TB/s"] == pytest.approx(x["gb_s"] / 4200)
     attn = [x for x in recs if x["kernel"].startswith("attention")]
-    assert len(attn) == 4 and all(x["tflop_s"] > 0 and x["us"] > 0 for x in attn)
+    assert len(attn) == 8 and all(x["tflop_s"] > 0 and x["us"] > 0 for x in attn)
+    assert {(x["kv_type"], x["n_head_kv"]) for x in attn if x["n_ctx"] == 131072} == {("f16", 8), ("q8_0", 8)}
 
 
 def test_bench_read_streams_the_bytes():
@@ -68,3 +69,13 @@ def test_bench_attention_flop_count():
     # 256 queries see 256*257/2 (query, key) pairs; one decode query sees 256
     assert prefill["tflop_s"] * prefill["us"] * 1e6 == pytest.approx(4 * 64 * 4 * 256 * 257 / 2)
     assert decode["tflop_s"] * decode["us"] * 1e6 == pytest.approx(4 * 64 * 4 * 256)
+
+
+def test_bench_attention_counts_q8_0_bytes():
+    """A q8_0 cache is read as 34 bytes per 32 values (quants and scales), an f16 one as 64."""
+    from k4.runtime.cuda.microbench import bench_attention
+    from k4.runtime.kv_types import KVTypes
+
+    for kv, per_32 in ((KVTypes(), 64), (KVTypes("q8_0", "q8_0"), 34), (KVTypes("q8_0", "f16"), 49)):
+        r = bench_attention(1, 4096, n_head=8, n_head_kv=2, head_dim=128, iters=5, kv=kv)
+        assert r["gb_s"] * r["us"] * 1e3 == pytest.approx(2 * 4096 * 2 * 128 // 32 * per_32, rel=1e-6)

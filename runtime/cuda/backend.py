@@ -2,7 +2,7 @@
 
 This file assembles the pieces and implements the backend protocol (runtime/backend.py), in
 load order: availability check, the memory check (sizes from the buffer specs), the weights
-(runtime/cuda/weights.py), buffers and KV cache (buffers.py), kernels compiled while the
+(runtime/cuda/weights.py), buffers (buffers.py) and KV cache (kv_cache.py), kernels compiled while the
 weights upload (compile.py), the forward pass (forward.py) and the runner that replays it as
 prefill chunks and decode graphs with on-device sampling and ping-pong readback (runner.py).
 
@@ -19,6 +19,7 @@ import numpy as np
 
 from ..errors import BackendUnavailableError, UnsupportedModelError
 from ..flags import Flags
+from ..kv_types import F16, KVTypes
 from ..model import ModelConfig, ModelFile
 from ..sampling import SamplingParams
 from ..token_cache import TokenCache
@@ -30,7 +31,8 @@ except ModuleNotFoundError:  # require_cuda() says so
     cp = None
 else:
     from . import blas, matmul, memory, moe, ops, quant_kernels
-    from .buffers import KVCache, allocate, place, sampler_spec
+    from .buffers import allocate, place, sampler_spec
+    from .kv_cache import KVCache
     from .compile import compile_async
     from .forward import Forward, ForwardOptions
     from .launch import GpuErrors
@@ -72,7 +74,8 @@ class CudaBackend(TokenCache):
     mf: a validated ModelFile; n_ctx: KV cache positions; progress(done_bytes, total_bytes) is
     called while weights upload; status(text) once, if the kernels are still compiling when the
     upload ends (a first run on this GPU and k4 version: CuPy caches them on disk); flags: the
-    K4_* switches (default: the environment's, Flags()). Raises BackendUnavailableError (no
+    K4_* switches (default: the environment's, Flags()); kv_types: the KV cache's key and value
+    types (-ctk, -ctv; runtime/cuda/kv_cache.py). Raises BackendUnavailableError (no
     GPU/CuPy, model does not fit), UnsupportedModelError (head shapes the kernels do not take);
     load, eval and generate raise GpuError (runtime.cuda.launch) when a CUDA call fails, naming
     the phase and the kernel.
@@ -81,12 +84,13 @@ class CudaBackend(TokenCache):
     name = "cuda"
 
     def __init__(self, mf: ModelFile, n_ctx: int, progress: Callable[[int, int], None] | None = None,
-                 status: Callable[[str], None] | None = None, flags: Flags | None = None):
+                 status: Callable[[str], None] | None = None, flags: Flags | None = None, kv_types: KVTypes = F16):
         require_cuda()
         cfg = mf.config
         assert cfg is not None
         check_shapes(cfg)
-        self.config, self.n_ctx, self.trace, self.tokens = cfg, n_ctx, Trace(), []
+        kv_types.check(cfg.head_dim)
+        self.config, self.n_ctx, self.trace, self.tokens, self.kv_types = cfg, n_ctx, Trace(), [], kv_types
         self.verifier = None  # speculative decoding's verify step, made on first use
         self.flags = flags if flags is not None else Flags()
         self.gpu_errors = GpuErrors(self.trace)  # CUDA errors -> GpuError naming the phase
@@ -94,7 +98,7 @@ class CudaBackend(TokenCache):
         self.load_ms: dict[str, float] = {}  # wall time of each load step (the stream synchronized after each)
         self.load_detail_ms: dict[str, float] = {}  # inside read+upload, which overlap: see memory.Uploader
         w_opts, f_opts, o_opts = options(self.flags)
-        o = ops.Ops(self.trace, **o_opts)
+        o = ops.Ops(self.trace, kv=kv_types, **o_opts)
         # kernels compile on threads while the weights upload; the "compile" step waits for them
         matrix_types = {t.ggml_type for t in mf.tensors.values() if len(t.shape) == 2}
         compiling = compile_async(quant_kernels.compile_jobs(matrix_types, w_opts.matrix.evict_first, cfg.activation)
@@ -103,7 +107,7 @@ class CudaBackend(TokenCache):
         chunk = plan.chunk
         stream, copy_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
         with self.trace.in_phase("load"), stream, self.gpu_errors:
-            memory.check_fits(plan.weights, KVCache.nbytes(cfg, n_ctx), plan.buffers, n_ctx, memory.free_bytes())
+            memory.check_fits(plan.weights, KVCache.nbytes(cfg, n_ctx, kv_types), plan.buffers, n_ctx, memory.free_bytes())
             loader = WeightLoader(self.mem, self.trace, copy_stream, w_opts)
             self._timed(stream, "read+upload", lambda: setattr(self, "weights", loader.load(mf, cfg, progress, n_ctx)))
             self.load_detail_ms = loader.detail_ms
@@ -130,7 +134,7 @@ class CudaBackend(TokenCache):
             place(L.gate_up, act.gate_up, act.x0.shape[0])
             if act.ff_q8 is not None and L.gate_up and matmul.can_hand_off(L.gate_up[0].w, L.w_down):  # moe: no gate_up
                 L.ff_q8 = matmul.Q8Vector.for_weight(L.w_down, act.ff_q8)
-        self.kv = KVCache(self.mem, self.config, self.n_ctx)
+        self.kv = KVCache(self.mem, self.config, self.n_ctx, self.kv_types)
         self.timer = DeviceTimer(self.trace)  # device time of prefill and of each decode step
         smp = allocate(self.mem, sampler_spec(self.config))  # decode state, sampler buffers, token ring
         pos = smp.state[ops.ST_POS : ops.ST_POS + 1]

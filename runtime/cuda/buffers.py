@@ -1,6 +1,6 @@
 """The CUDA backend's buffers, all allocated before the first token: one spec per group
-(activations, sampler state, KV cache) from which both the up-front memory check and the
-allocation take their sizes, so the two cannot disagree.
+(activations, sampler state) from which both the up-front memory check and the allocation take
+their sizes, so the two cannot disagree (the KV cache: runtime/cuda/kv_cache.py).
 
 Shapes use P = rows of one prefill chunk, the model's n_embd, q_dim = n_head * head_dim,
 kv_dim = n_head_kv * head_dim, n_ff, n_vocab, and n_ctx positions.
@@ -105,24 +105,6 @@ def sampler_spec(cfg: ModelConfig, ring: int = RING_MIN) -> Spec:
 def staging_bytes(n_ctx: int, ring: int) -> int:
     """Pinned host bytes staging one call's uploads: ids (n_ctx), the ring, sampler parameters."""
     return 4 * (n_ctx + ring) + 8 * ops.SAMPLER_PARAM_WORDS
-
-
-class KVCache:
-    """Keys and values of every layer: fp16, (n_layer, n_ctx, n_head_kv, head_dim) each."""
-
-    def __init__(self, mem: DeviceMemory, cfg: ModelConfig, n_ctx: int):
-        shape = self.shape(cfg, n_ctx)
-        self.k = mem.empty(shape, cp.float16, "kv_cache")  # (n_layer, n_ctx, n_head_kv, head_dim)
-        self.v = mem.empty(shape, cp.float16, "kv_cache")  # (n_layer, n_ctx, n_head_kv, head_dim)
-
-    @staticmethod
-    def shape(cfg: ModelConfig, n_ctx: int) -> tuple[int, int, int, int]:
-        return cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim
-
-    @staticmethod
-    def nbytes(cfg: ModelConfig, n_ctx: int) -> int:
-        """Device bytes of the cache (keys and values)."""
-        return 2 * 2 * math.prod(KVCache.shape(cfg, n_ctx))
 
 
 def place(projections: tuple, flat: cp.ndarray, chunk: int) -> None:

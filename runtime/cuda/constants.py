@@ -19,8 +19,8 @@ from gguf.quants import IQ4_NL
 from .kernel_names import MMA_TILE_KEYS
 
 # ---- attention.cu ------------------------------------------------------------------------------
-ATT_THREADS = 128  # threads per block of attn_f16kv (decode and fallback prefill attention)
-ATT_CHUNK = 128  # keys per chunk of attn_f16kv's online softmax
+ATT_THREADS = 128  # threads per block of attn_kv (decode and fallback prefill attention)
+ATT_CHUNK = 128  # keys per chunk of attn_kv's online softmax
 TILE_Q, TILE_K, TILE_THREADS = 32, 64, 128  # attn_tiled: queries and keys per tile, threads per block
 TILE_PS = TILE_K + 16  # attn_tiled's row stride of probabilities (floats): the two half-warps hit other banks
 MMA_WARPS = 4  # attn_mma: warps per block, 16 query rows each
@@ -90,20 +90,21 @@ def q8x_bytes(n: int) -> int:
 
 
 def att_smem(D: int) -> int:
-    """Dynamic shared memory (bytes) of attn_f16kv for head_dim D: the query and the scores of a
-    chunk, ATT_THREADS * 8 accumulators (floats), the fresh key and value (fp16)."""
+    """Dynamic shared memory (bytes) of attn_kv for head_dim D: the query and the scores of a
+    chunk, ATT_THREADS * 8 accumulators (floats), the fresh key and value in the cache's form
+    (fp16: 4 D bytes; q8_0 quants and scales take less)."""
     return 4 * (D + ATT_CHUNK + ATT_THREADS * 8) + 2 * 2 * D
 
 
 def tiled_smem(D: int) -> int:
-    """Dynamic shared memory (bytes) of attn_tiled<D>: query and key tiles in rows of D + 4 floats,
-    the value tile, the probabilities in rows of TILE_PS floats."""
+    """Dynamic shared memory (bytes) of attn_tiled<D, KT, VT>: query and key tiles in rows of
+    D + 4 floats, the value tile, the probabilities in rows of TILE_PS floats."""
     return 4 * (TILE_Q * (D + 4) + TILE_K * (D + 4) + TILE_K * D + TILE_Q * TILE_PS)
 
 
 def mma_smem(D: int, BK: int) -> int:
-    """Dynamic shared memory (bytes) of attn_mma<D, BK>: the fp16 Q tile for D > 128, two K and
-    two V tiles of BK keys, rows of D + 8 halves."""
+    """Dynamic shared memory (bytes) of attn_mma<D, BK, KT, VT>: the fp16 Q tile for D > 128,
+    two K and two V tiles of BK keys (fp16 whatever the cache type), rows of D + 8 halves."""
     return 2 * (D + 8) * ((0 if D <= 128 else MMA_BQ) + 4 * BK)
 
 

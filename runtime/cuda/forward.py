@@ -18,8 +18,8 @@ import cupy as cp
 
 from ..model import ModelConfig
 from . import matmul, moe, ops
-from .buffers import KVCache
 from .gemv_batch import gemv_rows
+from .kv_cache import KVCache
 from .weights import LayerWeights, Weights
 
 
@@ -68,17 +68,18 @@ class Forward:
             # attention: norm, q/k/v projections (+bias), [q/k norm] + RoPE + cache store, attention, output + residual
             h, norm = self.normed(x, L.attn_norm, half)
             cols = self.qkv(L, h, norm, n)
-            k_cache, v_cache = self.kv.k[li], self.kv.v[li]  # (n_ctx, n_head_kv, head_dim)
+            k_cache, v_cache, scales = self.kv.layer(li)  # (n_ctx, n_head_kv, head_dim); q8_0: + scales
             rope = ops.RopeArgs(L.q_norm, L.k_norm, self.w.inv_freq, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps, self.w.rope_mscale)
             if cfg.sliding(li):  # gemma's sliding layers: their own RoPE base, no scaling
                 rope = ops.RopeArgs(L.q_norm, L.k_norm, self.w.inv_freq_swa, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps)
             if n == 1 and self.opts.fuse_rope:  # RoPE and the cache store inside the attention kernel
                 fresh = ops.FreshKV(cols["q"], cols["k"], cols["v"], rope)
             else:
-                o.rope_qk_store(cols["q"], cols["k"], cols["v"], k_cache, v_cache, rope, self.pos, q_out=q)
+                o.rope_qk_store(cols["q"], cols["k"], cols["v"], k_cache, v_cache, rope, self.pos, q_out=q, scales=scales)
                 fresh = None
-            o.attention(q, k_cache[:limit], v_cache[:limit], attn, self.pos, n_split, split_len, part, a.ticket, fresh,
-                        self.shapes[li])
+            k_rows, v_rows, row_scales = self.kv.layer(li, limit)  # the positions below the decode range's limit
+            o.attention(q, k_rows, v_rows, attn, self.pos, n_split, split_len, part, a.ticket, fresh, self.shapes[li],
+                        scales=row_scales)
             self.residual(L.wo, attn.reshape(n, cfg.q_dim), x, x1, L.attn_post_norm)
             if L.moe is not None:  # routed experts (+ shared expert) + residual: runtime/cuda/moe.py
                 moe.moe_ffn(self, L, x1, x, n)

@@ -15,22 +15,33 @@ MOE_QUANT_DECODERS = ("type_q4_K", "type_q5_K", "type_q6_K", "type_q8_0", "type_
                       "type_q3_K", "type_q4_0", "type_iq4_xs", "type_iq4_nl")
 MOE_FLOAT_DECODERS = ("type_f32", "type_f16", "type_bf16")
 
+# the KV cache's element types (runtime/kv_types.py CACHE_TYPES) -> their kernels_cu/kv_cache.cuh structs
+KV_STRUCTS = {"f16": "kv_f16", "q8_0": "kv_q8_0"}
+KV_PAIRS = tuple((k, v) for k in KV_STRUCTS for v in KV_STRUCTS)  # (key type, value type)
+
+
+def kv_args(k: str, v: str) -> str:
+    """The template arguments of the kernels over a cache of key type k and value type v
+    ("f16" or "q8_0"): "kv_f16, kv_q8_0"."""
+    return f"{KV_STRUCTS[k]}, {KV_STRUCTS[v]}"
+
+
 # name expressions of the kernels of each file (templates and extern "C" names alike)
 KERNELS = {
     "norm.cu": ("rms_norm<float>", "rms_norm<u16>", "rms_norm_add"),
-    "rope.cu": ("rope_qk_store",),
-    "attention.cu": ("attn_f16kv",),
-    "attention_tiled.cu": tuple(f"attn_tiled<{d}>" for d in TILED_HEAD_DIMS),
-    "attention_mma.cu": tuple(f"attn_mma<{d}, {bk}>" for d, bk in MMA_TILE_KEYS.items()),
+    "rope.cu": tuple(f"rope_qk_store<{kv_args(k, v)}>" for k, v in KV_PAIRS),
+    "attention.cu": tuple(f"attn_kv<{kv_args(k, v)}>" for k, v in KV_PAIRS),
+    "attention_tiled.cu": tuple(f"attn_tiled<{d}, {kv_args(k, v)}>" for d in TILED_HEAD_DIMS for k, v in KV_PAIRS),
+    "attention_mma.cu": tuple(f"attn_mma<{d}, {bk}, {kv_args(k, v)}>" for d, bk in MMA_TILE_KEYS.items() for k, v in KV_PAIRS),
     "elementwise.cu": ("swiglu<float>", "swiglu<u16>", "geglu<float>", "geglu<u16>", "scale_f32", "softcap_f32", "set_i32"),
     "sampling.cu": ("sample_penalty", "sample_argmax_partial", "sample_finish"),
     "speculative.cu": ("spec_argmax", "spec_accept"),
     "moe.cu": ("moe_topk", "moe_combine", *(f"moe_gemv_q<{d}>" for d in MOE_QUANT_DECODERS),
                *(f"moe_gemv_f<{d}>" for d in MOE_FLOAT_DECODERS)),
 }
-# Compile groups: one module per group, so a model compiles only the attention kernels of its
-# head_dim; the small files are one group each.
+# Compile groups: one module per group, so a model compiles only the attention and RoPE-store
+# kernels of its head_dim and KV cache types; the other small files are one group each.
 GROUPS: dict[str, tuple[tuple[str, ...], ...]] = {
-    f: tuple((n,) for n in names) if f.startswith(("attention", "moe")) else (names,) for f, names in KERNELS.items()}
+    f: tuple((n,) for n in names) if f.startswith(("attention", "moe", "rope")) else (names,) for f, names in KERNELS.items()}
 GROUP_OF = {(f, name): group for f, groups in GROUPS.items() for group in groups for name in group}
 FILE_OF = {name: f for f, names in KERNELS.items() for name in names}  # kernel -> its .cu file

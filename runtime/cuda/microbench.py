@@ -17,6 +17,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from k4.runtime.flags import Flags
+from k4.runtime.kv_types import F16, KVTypes, quantize_q8_0
 from k4.runtime.model import Tensor
 from k4.runtime.trace import Trace
 
@@ -247,14 +248,15 @@ def bench_matmul(ggml_type: str, n_tok: int, n_out: int, n_in: int, iters: int =
 
 def bench_attention(n_tok: int, n_ctx: int, n_head: int = 32, n_head_kv: int = 32, head_dim: int = 128,
                     iters: int = 20, *, split: bool | None = None, tiled: bool | None = None,
-                    mma: bool | None = None, flags: Flags | None = None) -> dict:
-    """Time causal attention of n_tok queries ending at position n_ctx - 1 over an fp16 KV cache
-    of n_ctx positions (one layer): n_tok == n_ctx is prefill from position 0, n_tok == 1 is a
+                    mma: bool | None = None, flags: Flags | None = None, kv: KVTypes = F16) -> dict:
+    """Time causal attention of n_tok queries ending at position n_ctx - 1 over a KV cache of
+    types kv (f16 or q8_0 keys and values, runtime/cuda/kv_cache.py) of n_ctx positions (one
+    layer): n_tok == n_ctx is prefill from position 0, n_tok == 1 is a
     decode step at depth n_ctx - 1. Random inputs; recorded in a CUDA graph, median of CUDA-event
     timings (device_time). split/tiled/mma: K4_SPLIT_ATTN/K4_TILED_ATTN/K4_MMA_ATTN (default:
     the flags; mma=False with tiled=True times attn_tiled). Returns {"us": µs, "tflop_s": 4 *
-    head_dim * n_head * (query, key) pairs / time, "gb_s": KV cache bytes read / time}. FLOP
-    count as FlashAttention's: causal halves the pairs.
+    head_dim * n_head * (query, key) pairs / time, "gb_s": KV cache bytes read (quants and
+    scales) / time}. FLOP count as FlashAttention's: causal halves the pairs.
     """
     import cupy as cp
 
@@ -266,15 +268,28 @@ def bench_attention(n_tok: int, n_ctx: int, n_head: int = 32, n_head_kv: int = 3
     mma = f.on("K4_MMA_ATTN") if mma is None else mma
     rng = np.random.default_rng(0)
     q = cp.asarray(rng.standard_normal((n_tok, n_head, head_dim), dtype=np.float32))  # (n_tok, n_head, D)
-    k_cache = cp.asarray(rng.standard_normal((n_ctx, n_head_kv, head_dim)).astype(np.float16))  # (n_ctx, n_head_kv, D)
-    v_cache = cp.asarray(rng.standard_normal((n_ctx, n_head_kv, head_dim)).astype(np.float16))
+    planes = [_plane(rng.standard_normal((n_ctx, n_head_kv, head_dim), dtype=np.float32), t) for t in (kv.k, kv.v)]
+    (k_cache, k_d), (v_cache, v_d) = planes  # (n_ctx, n_head_kv, D) each; q8_0: + (n_ctx, n_head_kv, D / 32) scales
+    kv_bytes = sum(a.nbytes for p in planes for a in p if a is not None)
     out = cp.empty_like(q)
     pos = cp.asarray(np.array([n_ctx - n_tok], dtype=np.int32))
-    ops = Ops(Trace(), pdl=False, tiled=tiled, mma=mma, evict_first=f.on("K4_EVICT_FIRST"))
+    ops = Ops(Trace(), pdl=False, tiled=tiled, mma=mma, evict_first=f.on("K4_EVICT_FIRST"), kv=kv)
     n_split, split_len = attention_split(n_ctx, split, ops.attention_capacity(head_dim) // n_head) if n_tok == 1 else (1, n_ctx)
     part = cp.empty((n_tok, n_head, n_split, head_dim + 2), cp.float32) if n_split > 1 else None
     ticket = cp.zeros(n_tok * n_head, cp.int32) if n_split > 1 else None
-    us = device_time(lambda i: ops.attention(q, k_cache, v_cache, out, pos, n_split, split_len, part, ticket), 1, iters, graph=True)
+    us = device_time(lambda i: ops.attention(q, k_cache, v_cache, out, pos, n_split, split_len, part, ticket,
+                                             scales=(k_d, v_d)), 1, iters, graph=True)
     p0 = n_ctx - n_tok
     pairs = n_tok * p0 + n_tok * (n_tok + 1) // 2
-    return {"us": us, "tflop_s": 4 * head_dim * n_head * pairs / us / 1e6, "gb_s": 2 * k_cache.nbytes / us / 1e3}
+    return {"us": us, "tflop_s": 4 * head_dim * n_head * pairs / us / 1e6, "gb_s": kv_bytes / us / 1e3}
+
+
+def _plane(x: np.ndarray, cache_type: str) -> tuple:
+    """A device cache plane of cache_type holding x (n_ctx, n_head_kv, D) f32: (fp16 values,
+    None) or (int8 quants, fp16 scales)."""
+    import cupy as cp
+
+    if cache_type == "f16":
+        return cp.asarray(x.astype(np.float16)), None
+    q, d = quantize_q8_0(x)
+    return cp.asarray(q), cp.asarray(d)

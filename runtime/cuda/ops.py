@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import cupy as cp
 import numpy as np
 
+from ..kv_types import F16, KVTypes
 from ..sampling import MASK64, SamplingParams
 from ..trace import Trace
 from .compile import module
@@ -26,7 +27,8 @@ from .constants import (ATT_THREADS, MMA_BQ, MMA_THREADS, SAMPLE_THREADS, SAMPLE
                         TILE_THREADS, att_smem, tiled_smem)
 from .constants import ST_DRAW, ST_POS, ST_RING, ST_TOK  # noqa: F401 (ops.ST_*: the decode state's words)
 from .constants import mma_smem as _mma_smem
-from .kernel_names import FILE_OF, GROUP_OF, KERNELS, MMA_TILE_KEYS, TILED_HEAD_DIMS
+from .kv_cache import NO_SCALES, cache_types, planes as _planes
+from .kernel_names import FILE_OF, GROUP_OF, KERNELS, MMA_TILE_KEYS, TILED_HEAD_DIMS, kv_args
 from .launch import blocks_per_sm, device_limits, launch
 
 NULL = np.uint64(0)  # a null device pointer argument
@@ -178,11 +180,14 @@ class Ops:
     programmatic dependent launch while a graph is being captured (module docstring, K4_PDL).
     Prefill attention: attn_mma with `mma` (K4_MMA_ATTN), else attn_tiled with `tiled`
     (K4_TILED_ATTN), where head_dim has an instance (attention_kernel). `evict_first`: decode
-    attention reads the KV cache with the L1 evict-first hint (K4_EVICT_FIRST)."""
+    attention reads the KV cache with the L1 evict-first hint (K4_EVICT_FIRST). `kv`: the model's
+    KV cache types (-ctk, -ctv), whose kernel instances kernels_for lists; the launchers take
+    the types of the planes they are given (cache_types)."""
 
-    def __init__(self, trace: Trace, pdl: bool = False, tiled: bool = True, mma: bool = True, evict_first: bool = True):
+    def __init__(self, trace: Trace, pdl: bool = False, tiled: bool = True, mma: bool = True, evict_first: bool = True,
+                 kv: KVTypes = F16):
         self.trace = trace
-        self.pdl, self.tiled, self.mma, self.evict_first = pdl, tiled, mma, evict_first
+        self.pdl, self.tiled, self.mma, self.evict_first, self.kv = pdl, tiled, mma, evict_first, kv
         self._functions: dict[tuple[str, str], object] = {}
 
     def function(self, filename: str, name: str):
@@ -196,10 +201,12 @@ class Ops:
 
     def kernels_for(self, head_dim: int) -> list[tuple[str, str]]:
         """(file, kernel) of every kernel a model of head_dim launches: the small files' kernels,
-        decode attention, and the prefill attention kernel that attention() picks for head_dim."""
+        the RoPE + cache store, decode attention and the prefill attention kernel that
+        attention() picks for head_dim, of the cache types self.kv only."""
         # moe: moe.compile_jobs; speculative.cu: on the first verify step (runtime/cuda/speculative.py)
-        out = [(f, n) for f, names in KERNELS.items() if not f.startswith(("attention", "moe", "speculative")) for n in names]
-        out += [("attention.cu", "attn_f16kv"), (FILE_OF[self.attention_kernel(2, head_dim)], self.attention_kernel(2, head_dim))]
+        out = [(f, n) for f, names in KERNELS.items() if not f.startswith(("attention", "moe", "rope", "speculative")) for n in names]
+        out += [("rope.cu", f"rope_qk_store<{kv_args(self.kv.k, self.kv.v)}>"), ("attention.cu", self.attention_kernel(1, head_dim)),
+                (FILE_OF[self.attention_kernel(2, head_dim)], self.attention_kernel(2, head_dim))]
         return list(dict.fromkeys(out))
 
     def compile_jobs(self, head_dim: int) -> list:
@@ -208,10 +215,11 @@ class Ops:
         return list(dict.fromkeys((f, GROUP_OF[(f, n)], self._defines()) for f, n in self.kernels_for(head_dim)))
 
     def attention_capacity(self, head_dim: int) -> int:
-        """Blocks of the decode attention kernel (attn_f16kv) resident on the GPU at once for
-        head_dim: what one round of split decode attention can run (attention_split max_split
-        = this / n_head)."""
-        return device_limits()[0] * blocks_per_sm(self.function("attention.cu", "attn_f16kv"), ATT_THREADS, att_smem(head_dim))
+        """Blocks of the decode attention kernel (attn_kv of the cache types self.kv) resident on
+        the GPU at once for head_dim: what one round of split decode attention can run
+        (attention_split max_split = this / n_head)."""
+        kernel = self.function("attention.cu", self.attention_kernel(1, head_dim))
+        return device_limits()[0] * blocks_per_sm(kernel, ATT_THREADS, att_smem(head_dim))
 
     def compile_all(self, head_dim: int) -> None:
         """Compile and load every kernel a model of head_dim launches, now (compilation cannot
@@ -235,15 +243,17 @@ class Ops:
         self._launch("norm.cu", f"rms_norm<{out}>", (n_rows,), (threads,), (x, w, y, np.int32(n), np.float32(eps)))
 
     def rope_qk_store(self, q: cp.ndarray, k: cp.ndarray, v: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
-                      rope: RopeArgs, pos: cp.ndarray, q_out: cp.ndarray | None = None) -> None:
+                      rope: RopeArgs, pos: cp.ndarray, q_out: cp.ndarray | None = None, scales: tuple = NO_SCALES) -> None:
         """RoPE on q and k (rope: optional per-head RMSNorm first), k and v stored in the cache.
 
         q_out: (n_tok, n_head, D) f32, receives q normalized and rotated; None: q itself (then
         contiguous). q: (n_tok, n_head, D) f32, or a 2-D (n_tok, n_head * D) view with contiguous
         rows (columns of a stacked q|k|v product); k, v: likewise (n_tok, n_head_kv, D) or
-        (n_tok, n_head_kv * D). k_cache, v_cache: (n_ctx, n_head_kv, D) fp16 (one layer); pos:
-        (1,) int32 device scalar, the position of token 0. The caller guarantees
-        pos + n_tok <= n_ctx (the kernel writes cache rows pos .. pos + n_tok - 1).
+        (n_tok, n_head_kv * D). k_cache, v_cache: (n_ctx, n_head_kv, D) fp16, or int8 quants of
+        a q8_0 plane with its scales in `scales` (cache_types; one layer); pos: (1,) int32 device
+        scalar, the position of token 0. The caller guarantees pos + n_tok <= n_ctx (the kernel
+        writes cache rows pos .. pos + n_tok - 1). A q8_0 plane gets llama.cpp's quantization of
+        each head row (kernels_cu/kv_cache.cuh; the same bits as runtime/kv_types.py).
         """
         q_out = q if q_out is None else q_out
         n_tok, n_head, D = q_out.shape
@@ -252,33 +262,40 @@ class Ops:
         ld_q = _row_stride(q, n_tok, n_head * D)
         ld_k = _row_stride(k, n_tok, n_head_kv * D)
         ld_v = _row_stride(v, n_tok, n_head_kv * D)
-        assert k_cache.dtype == v_cache.dtype == cp.float16 and k_cache.shape == v_cache.shape
-        assert k_cache.shape[1:] == (n_head_kv, D) and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous
+        types = cache_types(k_cache, v_cache, scales)
+        assert k_cache.shape[1:] == (n_head_kv, D)
         assert pos.dtype == cp.int32 and pos.size == 1
         rope.check(D)
         rows = n_tok * (n_head + n_head_kv)
-        self._launch("rope.cu", "rope_qk_store", (-(-rows // ROPE_WARPS),), (32 * ROPE_WARPS,),
-                     (q, np.int32(ld_q), k, np.int32(ld_k), v, np.int32(ld_v), q_out, k_cache, v_cache,
+        smem = 4 * D * ROPE_WARPS if types.k == "q8_0" else 0  # the rotated keys in f32, one row per warp
+        self._launch("rope.cu", f"rope_qk_store<{kv_args(types.k, types.v)}>", (-(-rows // ROPE_WARPS),), (32 * ROPE_WARPS,),
+                     (q, np.int32(ld_q), k, np.int32(ld_k), v, np.int32(ld_v), q_out, *_planes(k_cache, v_cache, scales),
                       *rope.kernel_args(), pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv), np.int32(D),
-                      np.int32(rope.rope_dim), np.int32(rope.neox), np.float32(rope.eps), np.float32(rope.mscale)))
+                      np.int32(rope.rope_dim), np.int32(rope.neox), np.float32(rope.eps), np.float32(rope.mscale)),
+                     shared_mem=smem)
 
-    def attention_kernel(self, n_tok: int, D: int) -> str:
-        """The attention kernel for n_tok queries of head_dim D (the selector): several queries
-        run attn_mma (tensor cores) with `mma`, else attn_tiled with `tiled`, where D has an
-        instance; one query, or a D without one, runs attn_f16kv."""
+    def attention_kernel(self, n_tok: int, D: int, kv: KVTypes | None = None) -> str:
+        """The attention kernel for n_tok queries of head_dim D over a cache of types kv (default
+        self.kv) (the selector): several queries run attn_mma (tensor cores) with `mma`, else
+        attn_tiled with `tiled`, where D has an instance; one query, or a D without one, runs
+        attn_kv."""
+        kv = kv or self.kv
+        types = kv_args(kv.k, kv.v)
         if n_tok > 1 and self.mma and D in MMA_TILE_KEYS:
-            return f"attn_mma<{D}, {MMA_TILE_KEYS[D]}>"
+            return f"attn_mma<{D}, {MMA_TILE_KEYS[D]}, {types}>"
         if n_tok > 1 and self.tiled and D in TILED_HEAD_DIMS:
-            return f"attn_tiled<{D}>"
-        return "attn_f16kv"
+            return f"attn_tiled<{D}, {types}>"
+        return f"attn_kv<{types}>"
 
     def attention(self, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, out: cp.ndarray, pos: cp.ndarray,
                   n_split: int = 1, split_len: int = 0, part: cp.ndarray | None = None,
-                  ticket: cp.ndarray | None = None, fresh: FreshKV | None = None, shape: AttnShape = PLAIN) -> None:
-        """Causal attention of q over the fp16 cache; query t sits at position pos + t.
+                  ticket: cp.ndarray | None = None, fresh: FreshKV | None = None, shape: AttnShape = PLAIN,
+                  scales: tuple = NO_SCALES) -> None:
+        """Causal attention of q over the cache; query t sits at position pos + t.
 
-        q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx, n_head_kv, D) fp16 (one layer);
-        pos: (1,) int32 device scalar. The kernel is attention_kernel's choice. For attn_f16kv,
+        q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx, n_head_kv, D) fp16, or int8
+        quants of a q8_0 plane with its scales in `scales` (cache_types; one layer); pos: (1,)
+        int32 device scalar. The kernel is attention_kernel's choice. For attn_kv,
         n_split > 1 splits each query's keys into blocks of split_len (n_split * split_len >=
         n_ctx) whose partials go to part: (n_tok, n_head, n_split, D + 2) f32, merged by the
         last block of each head to finish, counted in ticket: (n_tok * n_head,) int32, zeros
@@ -293,20 +310,23 @@ class Ops:
         n_ctx, n_head_kv, _ = k_cache.shape
         _f32(q, n_tok, n_head, D)
         _f32(out, n_tok, n_head, D)
-        assert k_cache.dtype == v_cache.dtype == cp.float16 and v_cache.shape == k_cache.shape == (n_ctx, n_head_kv, D)
+        types = cache_types(k_cache, v_cache, scales)
+        assert k_cache.shape == (n_ctx, n_head_kv, D)
         assert D % 8 == 0 and D <= MAX_HEAD_DIM and n_head % n_head_kv == 0
         assert pos.dtype == cp.int32 and pos.size == 1
-        name = self.attention_kernel(n_tok, D)
-        if name != "attn_f16kv":
+        name = self.attention_kernel(n_tok, D, types)
+        planes = _planes(k_cache, v_cache, scales)
+        if not name.startswith("attn_kv"):
             assert n_split == 1 and fresh is None
-            self._attention_tiles(name, q, k_cache, v_cache, out, pos, shape)
+            self._attention_tiles(name, q, planes, out, pos, shape)
         else:
-            self._attention_rows(q, k_cache, v_cache, out, pos, n_split, split_len, part, ticket, fresh, shape)
+            self._attention_rows(name, q, planes, out, pos, n_split, split_len, part, ticket, fresh, shape)
 
-    def _attention_tiles(self, name: str, q, k_cache, v_cache, out, pos, shape: AttnShape) -> None:
-        """Launch attn_mma or attn_tiled (several queries per block, keys staged in shared memory)."""
+    def _attention_tiles(self, name: str, q, planes: tuple, out, pos, shape: AttnShape) -> None:
+        """Launch attn_mma or attn_tiled (planes: k, k_d, v, v_d): several queries per block,
+        keys staged in shared memory."""
         n_tok, n_head, D = q.shape
-        n_head_kv = k_cache.shape[1]
+        n_head_kv = planes[0].shape[1]
         mma = name.startswith("attn_mma")
         smem = mma_smem(D) if mma else tiled_smem(D)
         kernel = self.function(FILE_OF[name], name)
@@ -314,15 +334,15 @@ class Ops:
             kernel.max_dynamic_shared_size_bytes = smem
         rows, threads = (MMA_BQ, MMA_THREADS) if mma else (TILE_Q, TILE_THREADS)
         self._launch(FILE_OF[name], name, (n_head, -(-n_tok // rows)), (threads,),
-                     (q, k_cache, v_cache, out, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv),
+                     (q, *planes, out, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv),
                       *shape.kernel_args(D)), shared_mem=smem)
 
-    def _attention_rows(self, q, k_cache, v_cache, out, pos, n_split: int, split_len: int, part, ticket,
+    def _attention_rows(self, name: str, q, planes: tuple, out, pos, n_split: int, split_len: int, part, ticket,
                         fresh: FreshKV | None, shape: AttnShape) -> None:
-        """Launch attn_f16kv: one block per (head, query, split), optionally with RoPE and the
-        cache store of the token fused in (fresh)."""
+        """Launch attn_kv (planes: k, k_d, v, v_d): one block per (head, query, split),
+        optionally with RoPE and the cache store of the token fused in (fresh)."""
         n_tok, n_head, D = q.shape
-        n_ctx, n_head_kv, _ = k_cache.shape
+        n_ctx, n_head_kv, _ = planes[0].shape
         if n_split == 1:
             split_len = n_ctx
         else:
@@ -330,7 +350,7 @@ class Ops:
             assert part is not None and ticket is not None
             _f32(part, n_tok, n_head, n_split, D + 2)
             assert ticket.dtype == cp.int32 and ticket.size == n_tok * n_head and ticket.flags.c_contiguous
-        rope = (NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, np.int32(0), np.int32(0), np.float32(0), np.float32(1))
+        rope = (NULL,) * 10 + (np.int32(0), np.int32(0), np.float32(0), np.float32(1))
         if fresh is not None:
             assert n_tok == 1
             _row_stride(fresh.q, 1, n_head * D)
@@ -338,10 +358,10 @@ class Ops:
             _row_stride(fresh.v, 1, n_head_kv * D)
             r = fresh.rope
             r.check(D)
-            rope = (fresh.q, fresh.k, fresh.v, k_cache, v_cache, *r.kernel_args(), np.int32(r.rope_dim), np.int32(r.neox),
+            rope = (fresh.q, fresh.k, fresh.v, *planes, *r.kernel_args(), np.int32(r.rope_dim), np.int32(r.neox),
                     np.float32(r.eps), np.float32(r.mscale))
-        self._launch("attention.cu", "attn_f16kv", (n_head, n_tok, n_split), (ATT_THREADS,),
-                     (q, k_cache, v_cache, out, NULL if n_split == 1 else part, NULL if n_split == 1 else ticket, pos,
+        self._launch("attention.cu", name, (n_head, n_tok, n_split), (ATT_THREADS,),
+                     (q, *planes, out, NULL if n_split == 1 else part, NULL if n_split == 1 else ticket, pos,
                       np.int32(n_head), np.int32(n_head_kv), np.int32(D), np.int32(split_len), *shape.kernel_args(D),
                       *rope), shared_mem=att_smem(D))
 

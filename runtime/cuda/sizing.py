@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..flags import Flags
+from ..kv_types import F16, KVTypes
 from ..model import ModelFile
 from ..trace import Trace
 from . import blas, layout, matmul, memory, ops
-from .buffers import KVCache, activation_spec, matmul_scratch_bytes, sampler_spec, spec_bytes
+from .buffers import activation_spec, matmul_scratch_bytes, sampler_spec, spec_bytes
+from .kv_cache import KVCache
 from .forward import ForwardOptions
 from .weights import WeightOptions, matrix_plan, weight_bytes
 
@@ -65,18 +67,21 @@ def size_plan(mf: ModelFile, n_ctx: int, flags: Flags, o: ops.Ops) -> SizePlan:
     return SizePlan(chunk, splits, act, weight_bytes(mf, cfg), spec_bytes(act) + spec_bytes(sampler_spec(cfg)) + workspace)
 
 
-def fixed_bytes(mf: ModelFile, flags: Flags) -> int:
+def fixed_bytes(mf: ModelFile, flags: Flags, kv_types: KVTypes = F16) -> int:
     """Device bytes the backend needs besides the KV cache (weights, buffers, cuBLAS workspace,
-    memory.RESERVED_BYTES), with buffers for a context of the training length."""
-    plan = size_plan(mf, mf.config.n_ctx_train, flags, ops.Ops(Trace(), **options(flags)[2]))
+    memory.RESERVED_BYTES), with buffers for a context of the training length (the decode
+    attention of kv_types sizes the split partials)."""
+    plan = size_plan(mf, mf.config.n_ctx_train, flags, ops.Ops(Trace(), kv=kv_types, **options(flags)[2]))
     return plan.weights + plan.buffers + memory.RESERVED_BYTES
 
 
-def max_context(mf: ModelFile, flags: Flags | None = None, free: int | None = None) -> tuple[int, int, int]:
-    """(largest n_ctx in tokens whose fp16 KV cache fits, bytes free for the cache, KV bytes per
-    token) on this GPU, free: device bytes available (default memory.free_bytes()). The first is
-    0 when not even the weights and buffers fit."""
+def max_context(mf: ModelFile, flags: Flags | None = None, free: int | None = None,
+                kv_types: KVTypes = F16) -> tuple[int, int, int]:
+    """(largest n_ctx in tokens whose KV cache of kv_types fits, bytes free for the cache, KV
+    bytes per token) on this GPU, free: device bytes available (default memory.free_bytes()).
+    The first is 0 when not even the weights and buffers fit. A q8_0 cache takes 34/32 bytes a
+    value against f16's 2 (runtime/cuda/kv_cache.py), so about 1.9 times the context fits."""
     flags = flags if flags is not None else Flags()
-    left = (memory.free_bytes() if free is None else free) - fixed_bytes(mf, flags)
-    per_token = KVCache.nbytes(mf.config, 1)
+    left = (memory.free_bytes() if free is None else free) - fixed_bytes(mf, flags, kv_types)
+    per_token = KVCache.nbytes(mf.config, 1, kv_types)
     return max(0, left // per_token), max(0, left), per_token

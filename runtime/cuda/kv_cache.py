@@ -1,0 +1,81 @@
+"""The KV cache on the device, by type (-ctk / -ctv, runtime/kv_types.py), and the checks the
+launchers of runtime/cuda/ops.py apply to one layer's cache planes.
+
+Layout (kernels_cu/kv_cache.cuh): an f16 plane is (n_layer, n_ctx, n_head_kv, head_dim) fp16,
+2 bytes a value. A q8_0 plane is llama.cpp's block_q8_0 split in two: the int8 quants
+(n_layer, n_ctx, n_head_kv, head_dim) and the fp16 scales (n_layer, n_ctx, n_head_kv,
+head_dim / 32), 34 bytes per 32 values as block_q8_0; value e is quants[e] * scales[e / 32].
+Bytes per token: n_layer * n_head_kv * head_dim * (2 + 2) for f16 keys and values,
+n_layer * n_head_kv * head_dim * (34/32 + 34/32) for q8_0 ones (KVTypes.bytes_per_token).
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from ..kv_types import F16, QK8_0, KVTypes
+from ..model import ModelConfig
+from .memory import DeviceMemory
+
+NULL = np.uint64(0)  # a null device pointer argument
+CACHE_DTYPES = {np.dtype(np.float16): "f16", np.dtype(np.int8): "q8_0"}  # a plane's dtype -> its cache type
+NO_SCALES = (None, None)  # the scales of fp16 key and value planes
+
+
+class KVCache:
+    """Keys and values of every layer, of types `types`: k, v (n_layer, n_ctx, n_head_kv,
+    head_dim) fp16 (f16) or int8 (q8_0 quants); k_d, v_d the q8_0 scales (n_layer, n_ctx,
+    n_head_kv, head_dim / 32) fp16, None for an f16 plane. All of memory kind "kv_cache"."""
+
+    def __init__(self, mem: DeviceMemory, cfg: ModelConfig, n_ctx: int, types: KVTypes = F16):
+        self.types = types
+        shape = self.shape(cfg, n_ctx)
+        self.k, self.k_d = self._plane(mem, shape, types.k)
+        self.v, self.v_d = self._plane(mem, shape, types.v)
+
+    @staticmethod
+    def _plane(mem: DeviceMemory, shape: tuple, cache_type: str) -> tuple:
+        if cache_type == "f16":
+            return mem.empty(shape, cp.float16, "kv_cache"), None
+        return mem.empty(shape, cp.int8, "kv_cache"), mem.empty((*shape[:-1], shape[-1] // QK8_0), cp.float16, "kv_cache")
+
+    def layer(self, li: int, limit: int | None = None) -> tuple:
+        """Layer li's planes, positions 0 .. limit - 1 (default all): (k, v, (k_d, v_d)), the
+        arguments of ops.rope_qk_store and ops.attention."""
+        cut = slice(None, limit)
+        scale = [None if d is None else d[li, cut] for d in (self.k_d, self.v_d)]
+        return self.k[li, cut], self.v[li, cut], tuple(scale)
+
+    @staticmethod
+    def shape(cfg: ModelConfig, n_ctx: int) -> tuple[int, int, int, int]:
+        return cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim
+
+    @staticmethod
+    def nbytes(cfg: ModelConfig, n_ctx: int, types: KVTypes = F16) -> int:
+        """Device bytes of the cache (keys and values, quants and scales)."""
+        return n_ctx * types.bytes_per_token(cfg.n_layer, cfg.n_head_kv * cfg.head_dim)
+
+
+def cache_types(k_cache: cp.ndarray, v_cache: cp.ndarray, scales: tuple) -> KVTypes:
+    """The KVTypes of one layer's cache planes, checked: k_cache, v_cache (n_ctx, n_head_kv, D),
+    fp16 (f16) or int8 (q8_0 quants); scales = (k_d, v_d), for each int8 plane its
+    (n_ctx, n_head_kv, D / 32) fp16 scales, None for an fp16 plane. All C-contiguous."""
+    types = []
+    for x, d in zip((k_cache, v_cache), scales):
+        assert x.dtype in CACHE_DTYPES and x.shape == k_cache.shape and x.flags.c_contiguous, (x.dtype, x.shape)
+        t = CACHE_DTYPES[x.dtype]
+        if t == "q8_0":
+            n_ctx, n_head_kv, D = x.shape
+            assert D % QK8_0 == 0 and d is not None and d.dtype == cp.float16 and d.flags.c_contiguous
+            assert d.shape == (n_ctx, n_head_kv, D // QK8_0), (d.shape, x.shape)
+        else:
+            assert d is None
+        types.append(t)
+    return KVTypes(*types)
+
+
+def planes(k_cache: cp.ndarray, v_cache: cp.ndarray, scales: tuple) -> tuple:
+    """Kernel arguments k, k_d, v, v_d of one layer's planes (NULL for an fp16 plane's scales)."""
+    k_d, v_d = scales
+    return k_cache, NULL if k_d is None else k_d, v_cache, NULL if v_d is None else v_d
