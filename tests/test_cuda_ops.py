@@ -149,6 +149,11 @@ ATTN_CASES = [
     (128, 64, 2, 1, 128, 192, False),
     (2, 5, 2, 2, 64, 16, False),
     (300, 1100, 2, 1, 128, 1500, False),
+    # decode of grouped-query shapes: 7 query heads per KV head (Qwen2.5 7B), head_dim 256 with 2
+    # (Gemma 3 12B), 16 per KV head; long splits
+    (1, 5000, 28, 4, 128, 8192, True),
+    (1, 3000, 16, 8, 256, 4096, True),
+    (1, 1000, 32, 2, 128, 2048, True),
 ]
 # attn_mma rounds the pre-scaled queries and the probabilities to fp16 (unit roundoff 2^-11 =
 # 4.9e-4) and accumulates in f32; emulating exactly those two roundings in float64 gives rel L2
