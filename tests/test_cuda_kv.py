@@ -27,6 +27,7 @@ from k4.runtime.reference import NumpyBackend
 from k4.runtime.sampling import SamplingParams
 from k4.runtime.tokenizer import Tokenizer
 from tests.tiny import tiny_config
+from tests.attention_ref import attention_reference
 from tests.wide_heads import write_wide_heads
 
 cp = cupy_or_skip()
@@ -138,21 +139,6 @@ def test_fused_decode_store_equals_rope_store_then_attention(ops, rng, kt, vt, a
     for p1, p2 in ((k1, k2), (v1, v2), (kd1, kd2), (vd1, vd2)):  # as bits: unused rows hold NaN
         assert (p1 is None and p2 is None) or cp.array_equal(p1.view(cp.int8), p2.view(cp.int8))
     assert not ticket.any()
-
-
-def attention_reference(q, kc, vc, pos0):
-    """q (T, H, D); kc, vc (n_kv, Hkv, D) f32 as the kernels read them -> (T, H, D) float64, causal."""
-    T, H, D = q.shape
-    g = H // kc.shape[1]
-    out = np.empty((T, H, D))
-    for t in range(T):
-        n = pos0 + t + 1
-        for h in range(H):
-            keys, vals = kc[:n, h // g].astype(np.float64), vc[:n, h // g].astype(np.float64)
-            s = keys @ q[t, h].astype(np.float64) / np.sqrt(D)
-            p = np.exp(s - s.max())
-            out[t, h] = p @ vals / p.sum()
-    return out
 
 
 ATTN_CASES = [

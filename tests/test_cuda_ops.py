@@ -16,6 +16,7 @@ from k4.runtime import reference
 from k4.runtime.rope import rope_table
 from k4.runtime.sampling import SamplingParams, apply_repeat_penalty, sample
 from tests.tiny import tiny_config
+from tests.attention_ref import attention_reference
 
 cp = cupy_or_skip()
 from k4.runtime.cuda.ops import FreshKV, RopeArgs  # noqa: E402  (needs CuPy)
@@ -116,21 +117,6 @@ def test_rope_reads_stacked_product_columns(ops, rng):
     ops.rope_qk_store(d[:, :a], d[:, a:b], d[:, b:], kc2, vc2, *args, q_out=q_out)
     assert cp.array_equal(q_out, want) and cp.array_equal(kc2, kc1) and cp.array_equal(vc2, vc1)
     assert cp.array_equal(d, cp.asarray(qkv))  # the product is only read
-
-
-def attention_reference(q, kc, vc, pos0):
-    """q (T, H, D); kc, vc (n_ctx, Hkv, D) -> (T, H, D) float64, query t at pos0 + t, causal."""
-    T, H, D = q.shape
-    g = H // kc.shape[1]
-    out = np.empty((T, H, D))
-    for t in range(T):
-        n = pos0 + t + 1
-        for h in range(H):
-            keys, vals = kc[:n, h // g].astype(np.float64), vc[:n, h // g].astype(np.float64)
-            s = keys @ q[t, h].astype(np.float64) / np.sqrt(D)
-            p = np.exp(s - s.max())
-            out[t, h] = p @ vals / p.sum()
-    return out
 
 
 ATTN_CASES = [
