@@ -42,6 +42,7 @@ def bench(
     """Measure prompt processing (ppN) and generation (tgN) speed, llama-bench style."""
     from k4.runtime import bench as rb
     from k4.runtime.errors import UsageError
+    from k4.runtime.speculative import DRAFT_LIMIT
 
     from k4.runtime.flags import Flags
     from k4.runtime.kv_types import KVTypes
@@ -60,8 +61,8 @@ def bench(
     pairs = [tuple(rb.parse_list(x, "--pg")) for x in (pg or [])]
     if any(len(p) != 2 for p in pairs):
         raise UsageError("--pg takes a pair PROMPT,GEN, e.g. --pg 512,128")
-    if lookup < 0 or draft_max < 1:
-        raise UsageError(f"--lookup {lookup} / --draft-max {draft_max}: use --lookup >= 0 and --draft-max >= 1")
+    if lookup < 0 or not 1 <= draft_max <= DRAFT_LIMIT:
+        raise UsageError(f"--lookup {lookup} / --draft-max {draft_max}: use --lookup >= 0 and --draft-max 1 to {DRAFT_LIMIT}")
     kv_sets = [KVTypes(k, v) for k in rb.parse_cache_types(cache_type_k, "--cache-type-k")
                for v in rb.parse_cache_types(cache_type_v, "--cache-type-v")]
     tests = rb.expand(rb.parse_list(n_prompt, "-p"), rb.parse_list(n_gen, "-n"), pairs, rb.parse_list(depth, "--depth"),

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from k4.runtime.errors import UsageError
-from k4.runtime.speculative import DRAFT_MAX, LookupDrafter, ModelDrafter, Speculator, SpecStats, check_draft_vocab
+from k4.runtime.speculative import DRAFT_LIMIT, DRAFT_MAX, LookupDrafter, ModelDrafter, Speculator, SpecStats, check_draft_vocab
 
 DraftModelOpt = Annotated[Optional[Path], typer.Option(
     "-md", "--draft-model", help="Speculative decoding: a small GGUF model with the same vocabulary drafts tokens.",
@@ -28,8 +28,8 @@ def make_speculator(session, draft_model: Optional[Path], lookup: int, draft_max
     whose vocabulary differs; K4Error subclasses for a bad draft file."""
     if lookup < 0:
         raise UsageError(f"--lookup {lookup} is invalid; use an n-gram size of at least 1 (0 = off)")
-    if draft_max < 0:
-        raise UsageError(f"--draft-max {draft_max} is invalid; use 0 or more tokens")
+    if not 0 <= draft_max <= DRAFT_LIMIT:
+        raise UsageError(f"--draft-max {draft_max} is invalid; use 0 to {DRAFT_LIMIT} tokens")
     if draft_model is not None and lookup:
         raise UsageError("--draft-model and --lookup are two ways to draft; give one of them")
     if lookup:

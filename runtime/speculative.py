@@ -22,7 +22,8 @@ from .generate import common_prefix
 from .sampling import SamplingParams, sample
 from .spec_accept import accept_sampled
 
-DRAFT_MAX = 7  # --draft-max default: a verify step of 8 tokens, the batched product's size
+DRAFT_MAX = 7  # --draft-max default: a verify step of 8 tokens
+DRAFT_LIMIT = 63  # the most drafts a verify step takes: 64 tokens, within a prefill chunk's buffers
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
 
 
@@ -131,8 +132,8 @@ class Speculator:
     Backend.generate (runtime/backend.py) and is what runtime/generate.Generator calls."""
 
     def __init__(self, drafter: Drafter, draft_max: int = DRAFT_MAX):
-        if draft_max < 0:
-            raise UsageError(f"--draft-max {draft_max} is invalid; use 0 or more tokens")
+        if not 0 <= draft_max <= DRAFT_LIMIT:
+            raise UsageError(f"--draft-max {draft_max} is invalid; use 0 to {DRAFT_LIMIT} tokens")
         self.drafter, self.draft_max, self.stats = drafter, draft_max, SpecStats()
 
     def generate(self, be: Backend, token_ids: Sequence[int], params: SamplingParams,

@@ -186,7 +186,8 @@ def test_draft_vocabulary_must_match():
 
 
 @pytest.mark.parametrize("args, message", [(["--lookup", "-1"], "--lookup -1"), (["--draft-max", "-2", "--lookup", "2"], "--draft-max -2"),
-                                           (["--lookup", "2", "-md", "X"], "give one of them")])
+                                           (["--lookup", "2", "-md", "X"], "give one of them"),
+                                           (["--lookup", "2", "--draft-max", "64"], "use 0 to 63")])
 def test_bad_options_get_one_line(data, args, message):
     args = [str(data / "models" / "stories260K.gguf") if a == "X" else a for a in args]
     result = runner.invoke(app, ["run", "--backend", "numpy", "-m", str(data / "models" / "stories260K.gguf"), "-n", "4", *args, "hi"])
