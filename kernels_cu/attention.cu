@@ -38,8 +38,9 @@
 //   its scale planes again; that row is read by no block of this launch).
 // Grid: (n_head, n_tok, n_split); block: ATT_THREADS. Dynamic shared memory: att_smem(D) bytes.
 //   Requires D % 8 == 0 and D <= 8 * ATT_THREADS; D % 32 == 0 for a q8_0 plane.
-// Thread mapping: scores: groups of tpg lanes per key (tpg = largest power of two <= 32
-//   dividing D/8), each lane dotting 8-value slices of ATT_KEYS keys at a time; values: thread =
+// Thread mapping: scores: groups of tpg lanes per key (tpg = largest power of two <= lanes (a
+//   power of two <= 32) dividing D/8), each lane dotting 8-value slices of ATT_KEYS keys at a
+//   time; fewer lanes per key, fewer shuffles per score (ops.py attention_lanes); values: thread =
 //   (slice c, key lane kl), accumulating 8 output dims over keys kl, kl + n_kl, ...; key lanes
 //   are summed at the end.
 
@@ -48,7 +49,7 @@ __global__ void __launch_bounds__(ATT_THREADS)
 attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
         const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d,
         float* __restrict__ out, float* __restrict__ part, int* __restrict__ ticket, const int* __restrict__ pos,
-        int n_head, int n_head_kv, int D, int split_len, float scale, int window, float softcap,
+        int n_head, int n_head_kv, int D, int split_len, int lanes, float scale, int window, float softcap,
         const float* __restrict__ fresh_q, const float* __restrict__ fresh_k, const float* __restrict__ fresh_v,
         typename KT::elem* k_store, u16* kd_store, typename VT::elem* v_store, u16* vd_store,
         const float* __restrict__ q_norm, const float* __restrict__ k_norm,
@@ -114,7 +115,7 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
 
     const int G = D / 8;  // 8-value slices per row
     int tpg = 1;
-    while (tpg < 32 && G % (tpg * 2) == 0) tpg *= 2;
+    while (tpg < lanes && G % (tpg * 2) == 0) tpg *= 2;
     const int grp = tid / tpg, gl = tid % tpg, n_grp = ATT_THREADS / tpg;
     const int n_kl = ATT_THREADS / G;  // key lanes for the value pass
     const int c = tid % G, kl = tid / G;
