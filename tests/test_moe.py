@@ -93,3 +93,24 @@ def test_qwen3_30b_a3b_preset():
     shapes = expected_shapes(cfg)
     assert shapes["blk.47.ffn_down_exps.weight"] == (128, 2048, 768)
     assert "blk.0.ffn_up.weight" not in shapes
+
+
+def test_cuda_compile_jobs_pick_the_q8_expert_products_and_a_float_x_router():
+    """runtime/cuda/moe.py compile_jobs (no GPU needed): quantized routed experts compile
+    moe_gemv.cu's 8-bit-x instance of their type, a quantized router moe.cu's float-x one, an
+    F32 router moe_gemv_f; only the types the model has."""
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType as T
+
+    from k4.runtime.cuda.moe import compile_jobs
+
+    cfg = PRESETS["qwen3-30b-a3b"].config("qwen3moe")
+    o = SimpleNamespace(_defines=lambda: ())
+    for router, router_kernel in ((T.F32, "moe_gemv_f<type_f32>"), (T.Q8_0, "moe_gemv_q<type_q8_0>")):
+        types = {"ffn_gate_inp": router, "ffn_gate_exps": T.Q4_K, "ffn_up_exps": T.Q4_K, "ffn_down_exps": T.Q6_K}
+        mf = SimpleNamespace(tensor=lambda name: SimpleNamespace(ggml_type=types[name.split(".")[2]], shape=()))
+        jobs = {(f, names) for f, names, _ in compile_jobs(mf, cfg, o)}
+        assert jobs == {("moe.cu", ("moe_topk",)), ("moe.cu", ("moe_combine",)), ("moe.cu", (router_kernel,)),
+                        ("moe_gemv.cu", ("moe_gemv_q8<type_q4_K, 16, 2, true>",)),
+                        ("moe_gemv.cu", ("moe_gemv_q8<type_q6_K, 16, 1, true>",))}
