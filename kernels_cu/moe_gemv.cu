@@ -16,13 +16,19 @@
 // The grid is not one wave in prefill (thousands of slots), so the kernel never triggers the
 // next launch early; it waits for the previous kernel before reading ids.
 //
+// GLU instances: w_up holds the up experts (same type and shape as w's gate experts) and slot s
+// writes silu(gate . x) * (up . x) (rounded as elementwise.cu swiglu rounds it): the warp takes
+// the gate row's chunks then the up row's as one row of 2 n_in, as gemv_q8's GLU instance takes
+// an interleaved gate/up pair, so a slot's y is bit for bit that instance's on the pair.
+//
 // Dynamic shared memory: q8x_bytes(n_in). The launcher validates types, shapes and alignment:
 // n_in a multiple of T::block_elems and of 32, x rows 16-byte aligned (x_stride a multiple of 4).
 #include "gemv_common.cuh"
 
-template <class T, int WARPS, int U, bool PF>
+template <class T, int WARPS, int U, bool PF, bool GLU>
 __global__ void __launch_bounds__(WARPS * 32, 1)
-moe_gemv_q8(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw blocks
+moe_gemv_q8(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw blocks (GLU: the gate experts)
+            const u8* __restrict__ w_up,   // GLU: the up experts, like w; else null (not read)
             i64 expert_bytes,              // bytes of one expert's matrix
             const int* __restrict__ ids,   // (n_slots,) expert of each slot
             const float* __restrict__ x,   // (n_slots / x_div rows, x_stride floats apart) of (n_in,)
@@ -38,6 +44,7 @@ moe_gemv_q8(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw
     constexpr int cpb = T::block_elems / T::chunk_elems;  // chunks per block
     const int lane = threadIdx.x & 31;
     const int n_chunks = n_in / T::chunk_elems;            // per row
+    const int out_chunks = (GLU ? 2 : 1) * n_chunks;       // per output (GLU: gate row, then up row)
     const int nblk_row = n_in / T::block_elems;
     const i64 nblk = (i64)n_out * nblk_row;                // blocks of one expert (unused by the raw layout)
     const int row0 = blockIdx.x + gridDim.x * (threadIdx.x >> 5), row_step = gridDim.x * WARPS;
@@ -45,12 +52,16 @@ moe_gemv_q8(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw
     typename T::chunk ch[U], nx[U];  // nx: the next U chunks, in flight during the dots of ch (PF)
     pdl_wait();  // ids and x are the previous kernels' outputs
     for (int slot = blockIdx.y; slot < n_slots; slot += gridDim.y) {
-        const u8* we = w + (i64)__ldg(ids + slot) * expert_bytes;
+        const i64 e_off = (i64)__ldg(ids + slot) * expert_bytes;
+        const u8* we = w + e_off;
+        const u8* wu = GLU ? w_up + e_off : nullptr;
         auto load = [&](typename T::chunk (&dst)[U], int r, int c0) {
 #pragma unroll
             for (int k = 0; k < U; ++k) {
                 const int c = c0 + 32 * k;
-                if (c < n_chunks) dst[k] = T::template load<false>(we, nblk, (i64)r * nblk_row + c / cpb, c % cpb);
+                const bool up = GLU && c >= n_chunks;
+                const int cr = up ? c - n_chunks : c;  // chunk within its row
+                if (c < out_chunks) dst[k] = T::template load<false>(up ? wu : we, nblk, (i64)r * nblk_row + cr / cpb, cr % cpb);
             }
         };
         int row = row0, c0 = lane;
@@ -59,10 +70,10 @@ moe_gemv_q8(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw
         __syncthreads();
 
         float* ys = y + (i64)slot * n_out;
-        float acc = 0.f;
+        float acc = 0.f, acc_up = 0.f;  // acc_up: the up row (GLU)
         while (row < n_out) {
             int next_row = row, next_c0 = c0 + 32 * U;
-            if (next_c0 >= n_chunks) {
+            if (next_c0 >= out_chunks) {
                 next_row += row_step;
                 next_c0 = lane;
             }
@@ -70,12 +81,21 @@ moe_gemv_q8(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw
 #pragma unroll
             for (int k = 0; k < U; ++k) {
                 const int c = c0 + 32 * k;
-                if (c < n_chunks) acc += T::dot(ch[k], c, xv);
+                if (c < n_chunks) {
+                    acc += T::dot(ch[k], c, xv);
+                } else if (GLU && c < out_chunks) {
+                    acc_up += T::dot(ch[k], c - n_chunks, xv);
+                }
             }
             if (next_row != row) {  // row done
                 acc = warp_sum(acc);
-                if (lane == 0) ys[row] = acc;
-                acc = 0.f;
+                if (GLU) {
+                    acc_up = warp_sum(acc_up);
+                    if (lane == 0) ys[row] = glu_act<false>(acc, acc_up);
+                } else if (lane == 0) {
+                    ys[row] = acc;
+                }
+                acc = acc_up = 0.f;
             }
             row = next_row;
             c0 = next_c0;

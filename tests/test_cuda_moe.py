@@ -9,7 +9,8 @@ router) within 1e-5 (float32 dot products of the same dequantized weights, anoth
 order); with 8-bit x (moe_gemv_q8) each slot's y bit for bit gemv's on that expert's matrix and
 x (same quantization, same summation order), within 1e-4 of the float64 product with x rounded
 as the kernels round it (test_cuda_matmul.q8_rounded) and 1e-2 of the float x product (the
-rounding of x: about 5e-3 on random data)."""
+rounding of x: about 5e-3 on random data). The SwiGLU launch (gate and up experts): bit for bit
+gemv's SwiGLU instance on the interleaved pair, twice those limits (two products)."""
 
 from __future__ import annotations
 
@@ -144,6 +145,60 @@ def test_q8_gathered_product_steps_over_slots_beyond_the_grid(o, ggml_type, monk
     raw, w, ids, x = _q8_case(ggml_type, 6, 200, 768, 64, 8, 7)
     got = _run_q8(o, ggml_type, raw, ids, x, 8, 200, 768)
     _check_q8(ggml_type, raw, w, ids, x, 8, got, f"{ggml_type.name}, grid.y 5")
+
+
+@pytest.mark.parametrize("rows,n_in,n_slots", [(200, 768, 8), (200, 768, 4096), (48, 8192, 8)])
+@pytest.mark.parametrize("ggml_type", list(QUANT), ids=lambda t: t.name)
+def test_q8_gathered_swiglu_is_gemv_of_the_interleaved_pair(o, ggml_type, rows, n_in, n_slots):
+    """gathered with up (one moe_gemv_q8 SwiGLU launch): each slot bit for bit gemv's SwiGLU
+    instance on the expert's interleaved gate/up pair; all slots within 2e-4 of the float64
+    silu(gate) * up of the q8-rounded x (twice the single product's limit: two products), 2e-2 of the float x."""
+    from k4.runtime.cuda import layout as lay
+    from k4.runtime.cuda import matmul as mm
+    from k4.runtime.model import Tensor
+    from tests.helpers_matmul import interleave_rows
+
+    seed = zlib.crc32(f"glu {ggml_type.name} {rows} {n_in} {n_slots}".encode())
+    raw_g, w_g, ids, x = _q8_case(ggml_type, 6, rows, n_in, n_slots, 8, seed)
+    raw_u, w_u, _, _ = _q8_case(ggml_type, 6, rows, n_in, n_slots, 8, seed + 1)
+    shape = (6, rows, n_in)
+    gate, up = (cmoe.Experts(cp.asarray(r.reshape(-1)), ggml_type, shape) for r in (raw_g, raw_u))
+    assert cmoe.fused_glu(gate, up, "silu") and not cmoe.fused_glu(gate, up, "gelu_tanh")
+    y = cp.full((n_slots, rows), np.nan, cp.float32)
+    cmoe.gathered(o, gate, cp.asarray(ids), cp.asarray(x), 8, x.shape[1], y, n_slots, up=up)
+    got = cp.asnumpy(y)
+
+    xs = x[np.arange(n_slots) // 8, :n_in]
+    want_q8, want = np.empty(got.shape), np.empty(got.shape)
+    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+    for e in np.unique(ids):
+        sel = ids == e
+        xq = q8_rounded(xs[sel].reshape(-1)).reshape(-1, n_in)
+        want_q8[sel] = silu(xq @ w_g[e].T) * (xq @ w_u[e].T)
+        xf = xs[sel].astype(np.float64)
+        want[sel] = silu(xf @ w_g[e].T) * (xf @ w_u[e].T)
+    rel = lambda a: float(np.linalg.norm(got - a) / np.linalg.norm(a))  # noqa: E731
+    assert rel(want_q8) < 2 * LIMIT_Q8_ROUNDED, f"{rel(want_q8):.2e} from the q8-rounded x (seed {seed})"
+    assert rel(want) < 2 * LIMIT_Q8, f"{rel(want):.2e} from the float x (seed {seed})"
+    pairs = {}
+    for s in [*range(min(n_slots, 64)), *range(64, n_slots, 97), n_slots - 1]:
+        e = int(ids[s])
+        if e not in pairs:
+            g, u = (Tensor(n, ggml_type, (rows, n_in), r[e].reshape(rows, -1)) for n, r in (("gate", raw_g), ("up", raw_u)))
+            t = interleave_rows(g, u, f"gate/up {e}")
+            pairs[e] = mm.make_weight(t, cp.asarray(lay.weight_layout(t, False)), False, glu=True)
+        ye = cp.full(rows, np.nan, cp.float32)
+        mm.gemv(pairs[e], cp.asarray(np.ascontiguousarray(x[s // 8, :n_in])), ye)
+        assert (cp.asnumpy(ye).view(np.uint32) == got[s].view(np.uint32)).all(), f"slot {s} differs from gemv (seed {seed})"
+
+
+def test_q8_gathered_swiglu_refuses_experts_it_cannot_fuse(o):
+    rng = np.random.default_rng(3)
+    q4, q5 = (cmoe.Experts(cp.asarray(random_blocks(t, 2 * 64, 256, rng, 0.1).reshape(-1)), t, (2, 64, 256))
+              for t in (T.Q4_K, T.Q5_K))
+    ids, x, y = cp.zeros(8, cp.int32), cp.zeros((1, 256), cp.float32), cp.zeros((8, 64), cp.float32)
+    with pytest.raises(ValueError, match="cannot run as one launch"):
+        cmoe.gathered(o, q4, ids, x, 8, 256, y, 8, up=q5)
 
 
 def test_combine_adds_the_weighted_experts_and_the_gated_shared_expert(o):
