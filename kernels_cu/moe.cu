@@ -5,14 +5,16 @@
 //    the numpy reference's stable sort), their probabilities [divided by their sum: renorm]
 //    into ids (k int32) and weights (k f32) in device memory (llama.cpp build_moe_ffn with
 //    softmax gating, argsort_top_k then get_rows; transformers' Qwen3MoeSparseMoeBlock).
-//  - moe_gemv_q / moe_gemv_f: the matrix-vector products of the selected experts only. The
+//  - moe_gemv_q / moe_gemv_f: the matrix-vector products of the selected experts on float x:
+//    float expert types and the router (quantized routed experts use moe_gemv.cu's 8-bit x). The
 //    stacked expert tensor (n_expert, n_out, n_in) sits on the device as in the file (raw ggml
 //    blocks, expert e at e * expert_bytes); the kernel reads e = ids[slot] itself, so one launch
 //    covers every (token, slot) pair: grid (row blocks, slots). Slot s reads its x at
 //    x + (s / x_div) * x_stride (the token's normed input for gate and up: x_div k; its own
 //    SwiGLU output for down: x_div 1) and writes y + s * n_out. Weights are decoded one ggml
 //    block at a time into the warp's shared buffer (T::dequant, exact to the gguf package's
-//    dequantization) and dotted with float x: no q8 rounding of x, a plain first version.
+//    dequantization) and dotted with float x: no q8 rounding of x, which could change the
+//    router's choice against the reference.
 //  - moe_combine: y = res + sum_k w_k d_k [+ sigmoid(gate_shexp . h) * shared] per token
 //    (qwen2moe's shared expert: the sigmoid gate of src/models/qwen2moe.cpp).
 #include "ops_common.cuh"  // (and common.cuh: MOE_WARPS, MOE_MAX_K from runtime/cuda/constants.py)

@@ -1,12 +1,20 @@
-"""The mixture-of-experts kernels (kernels_cu/moe.cu, runtime/cuda/moe.py) against the numpy
-reference (runtime/moe.py route; gguf's dequantization). The whole forward pass of qwen3moe and
-qwen2moe is checked against transformers in test_oracles.py (cuda backend, F32 experts).
+"""The mixture-of-experts kernels (kernels_cu/moe.cu, kernels_cu/moe_gemv.cu, runtime/cuda/moe.py)
+against the numpy reference (runtime/moe.py route; gguf's dequantization) and the dense gemv.
+The whole forward pass of qwen3moe and qwen2moe is checked against transformers in
+test_oracles.py (cuda backend, F32 experts).
 
 Limits: top-k ids equal and weights within 1e-5 relative (float32 softmax, __expf against
-numpy's exp); the gathered products within 1e-5 relative L2 (float32 dot products of the same
-dequantized weights, another summation order)."""
+numpy's exp). Gathered products, relative L2 over all slots: on float x (float types, the
+router) within 1e-5 (float32 dot products of the same dequantized weights, another summation
+order); with 8-bit x (moe_gemv_q8) each slot's y bit for bit gemv's on that expert's matrix and
+x (same quantization, same summation order), within 1e-4 of the float64 product with x rounded
+as the kernels round it (test_cuda_matmul.q8_rounded) and 1e-2 of the float x product (the
+rounding of x: about 5e-3 on random data). The SwiGLU launch (gate and up experts): bit for bit
+gemv's SwiGLU instance on the interleaved pair, twice those limits (two products)."""
 
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 import pytest
@@ -14,6 +22,9 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from tests.gpu import cupy_or_skip
+from tests.test_cuda_matmul import LIMIT_Q8, LIMIT_Q8_ROUNDED, q8_rounded
+from k4.runtime.cuda import moe as cmoe
+from k4.runtime.cuda.quant_kernels import QUANT
 from k4.runtime.moe import route
 from k4.runtime.synthetic import random_blocks
 from k4.runtime.trace import Trace
@@ -43,9 +54,8 @@ def test_topk_matches_the_reference(o, renorm, n_expert, k):
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q8_0, T.F32])
-def test_gathered_product_reads_the_selected_experts(o, ggml_type):
-    from k4.runtime.cuda.moe import Experts, gathered
-
+def test_float_x_gathered_product_reads_the_selected_experts(o, ggml_type):
+    """The router's path (Experts.float_x) and float expert types: float32 x."""
     E, rows, n_in, rng = 4, 96, 512, np.random.default_rng(1)
     if ggml_type == T.F32:
         raw = (rng.standard_normal((E * rows, n_in)) / np.sqrt(n_in)).astype(np.float32)
@@ -53,14 +63,142 @@ def test_gathered_product_reads_the_selected_experts(o, ggml_type):
     else:
         raw = random_blocks(ggml_type, E * rows, n_in, rng, 1 / np.sqrt(n_in))  # (E rows, bytes) uint8
         w = dequantize(raw, ggml_type).reshape(E, rows, n_in)
-    e = Experts(cp.asarray(raw.reshape(-1).view(np.uint8)), ggml_type, (E, rows, n_in))
+    e = cmoe.Experts(cp.asarray(raw.reshape(-1).view(np.uint8)), ggml_type, (E, rows, n_in), float_x=True)
     x = rng.standard_normal((2, n_in)).astype(np.float32)  # 2 tokens
     ids = np.array([3, 1, 0, 3], np.int32)  # token 0: experts 3, 1; token 1: 0, 3
     y = cp.zeros((4, rows), cp.float32)
-    gathered(o, e, cp.asarray(ids), cp.asarray(x), 2, n_in, y, 4)
+    cmoe.gathered(o, e, cp.asarray(ids), cp.asarray(x), 2, n_in, y, 4)
     want = np.stack([w[ids[s]] @ x[s // 2] for s in range(4)])
     got = cp.asnumpy(y)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+
+
+def _q8_case(ggml_type, E: int, rows: int, n_in: int, n_slots: int, x_div: int, seed: int):
+    """Random experts (E, rows, n_in) of ggml_type (raw bytes, dequantized float64), ids
+    (n_slots,) int32 with repeats, x rows (ceil(n_slots / x_div), n_in + 32) float32 (32 floats
+    of padding: x_stride is not n_in)."""
+    rng = np.random.default_rng(seed)
+    raw = random_blocks(ggml_type, E * rows, n_in, rng, 1 / np.sqrt(n_in), full_range=True)  # (E rows, bytes)
+    w = dequantize(raw, ggml_type).astype(np.float64).reshape(E, rows, n_in)
+    ids = rng.integers(0, E, n_slots).astype(np.int32)
+    x = rng.standard_normal((-(-n_slots // x_div), n_in + 32)).astype(np.float32)
+    return raw.reshape(E, -1), w, ids, x
+
+
+def _run_q8(o, ggml_type, raw, ids, x, x_div: int, rows: int, n_in: int):
+    """moe_gemv_q8 through gathered: y (n_slots, rows) float32 on the host (y starts as NaN)."""
+    e = cmoe.Experts(cp.asarray(raw.reshape(-1)), ggml_type, (raw.shape[0], rows, n_in))
+    assert e.kernel[0] == "moe_gemv.cu"
+    y = cp.full((len(ids), rows), np.nan, cp.float32)
+    cmoe.gathered(o, e, cp.asarray(ids), cp.asarray(x), x_div, x.shape[1], y, len(ids))
+    return cp.asnumpy(y)
+
+
+def _check_q8(ggml_type, raw, w, ids, x, x_div: int, got: np.ndarray, what: str) -> None:
+    """got against the float64 products (q8-rounded and float x, every slot) and bit for bit
+    against gemv on the slot's expert (every slot up to 64, then every 97th and the last)."""
+    from k4.runtime.cuda import layout as lay
+    from k4.runtime.cuda import matmul as mm
+    from k4.runtime.model import Tensor
+
+    n_slots, n_in = len(ids), w.shape[2]
+    xs = x[np.arange(n_slots) // x_div, :n_in]  # (n_slots, n_in) each slot's x
+    want_q8, want = np.empty(got.shape), np.empty(got.shape)
+    for e in np.unique(ids):
+        sel = ids == e
+        want_q8[sel] = q8_rounded(xs[sel].reshape(-1)).reshape(-1, n_in) @ w[e].T
+        want[sel] = xs[sel].astype(np.float64) @ w[e].T
+    rel = lambda a: float(np.linalg.norm(got - a) / np.linalg.norm(a))  # noqa: E731
+    assert rel(want_q8) < LIMIT_Q8_ROUNDED, f"{what}: {rel(want_q8):.2e} from the q8-rounded x product"
+    assert rel(want) < LIMIT_Q8, f"{what}: {rel(want):.2e} from the float x product"
+    weights = {}
+    for s in [*range(min(n_slots, 64)), *range(64, n_slots, 97), n_slots - 1]:
+        e = int(ids[s])
+        if e not in weights:
+            t = Tensor(f"expert {e}", ggml_type, (w.shape[1], n_in), raw[e].reshape(w.shape[1], -1))
+            weights[e] = mm.make_weight(t, cp.asarray(lay.weight_layout(t, False)), False)
+        y = cp.full(w.shape[1], np.nan, cp.float32)
+        mm.gemv(weights[e], cp.asarray(np.ascontiguousarray(x[s // x_div, :n_in])), y)
+        assert (cp.asnumpy(y).view(np.uint32) == got[s].view(np.uint32)).all(), f"{what}: slot {s} differs from gemv"
+
+
+# (rows, n_in, n_slots): decode (8 slots), one slot, prefill up to 4096 slots with repeated
+# experts; 8192 inputs step each lane over several chunk groups of a row (U * 32 chunks).
+Q8_CASES = [(200, 768, 1), (200, 768, 8), (200, 768, 64), (200, 768, 4096), (48, 8192, 8)]
+
+
+@pytest.mark.parametrize("x_div", [1, 8])
+@pytest.mark.parametrize("rows,n_in,n_slots", Q8_CASES)
+@pytest.mark.parametrize("ggml_type", list(QUANT), ids=lambda t: t.name)
+def test_q8_gathered_product_is_gemv_of_the_selected_expert(o, ggml_type, rows, n_in, n_slots, x_div):
+    seed = zlib.crc32(f"{ggml_type.name} {rows} {n_in} {n_slots} {x_div}".encode())
+    raw, w, ids, x = _q8_case(ggml_type, 6, rows, n_in, n_slots, x_div, seed)
+    got = _run_q8(o, ggml_type, raw, ids, x, x_div, rows, n_in)
+    _check_q8(ggml_type, raw, w, ids, x, x_div, got, f"{ggml_type.name} {rows}x{n_in}, {n_slots} slots, x_div {x_div}")
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_q8_gathered_product_steps_over_slots_beyond_the_grid(o, ggml_type, monkeypatch):
+    """Each block takes several slots when grid.y is capped (CUDA's 65535, here 5): x is
+    quantized again per slot without racing the previous slot's dots."""
+    monkeypatch.setattr(cmoe, "MAX_GRID_Y", 5)
+    raw, w, ids, x = _q8_case(ggml_type, 6, 200, 768, 64, 8, 7)
+    got = _run_q8(o, ggml_type, raw, ids, x, 8, 200, 768)
+    _check_q8(ggml_type, raw, w, ids, x, 8, got, f"{ggml_type.name}, grid.y 5")
+
+
+@pytest.mark.parametrize("rows,n_in,n_slots", [(200, 768, 8), (200, 768, 4096), (48, 8192, 8)])
+@pytest.mark.parametrize("ggml_type", list(QUANT), ids=lambda t: t.name)
+def test_q8_gathered_swiglu_is_gemv_of_the_interleaved_pair(o, ggml_type, rows, n_in, n_slots):
+    """gathered with up (one moe_gemv_q8 SwiGLU launch): each slot bit for bit gemv's SwiGLU
+    instance on the expert's interleaved gate/up pair; all slots within 2e-4 of the float64
+    silu(gate) * up of the q8-rounded x (twice the single product's limit: two products), 2e-2 of the float x."""
+    from k4.runtime.cuda import layout as lay
+    from k4.runtime.cuda import matmul as mm
+    from k4.runtime.model import Tensor
+    from tests.helpers_matmul import interleave_rows
+
+    seed = zlib.crc32(f"glu {ggml_type.name} {rows} {n_in} {n_slots}".encode())
+    raw_g, w_g, ids, x = _q8_case(ggml_type, 6, rows, n_in, n_slots, 8, seed)
+    raw_u, w_u, _, _ = _q8_case(ggml_type, 6, rows, n_in, n_slots, 8, seed + 1)
+    shape = (6, rows, n_in)
+    gate, up = (cmoe.Experts(cp.asarray(r.reshape(-1)), ggml_type, shape) for r in (raw_g, raw_u))
+    assert cmoe.fused_glu(gate, up, "silu") and not cmoe.fused_glu(gate, up, "gelu_tanh")
+    y = cp.full((n_slots, rows), np.nan, cp.float32)
+    cmoe.gathered(o, gate, cp.asarray(ids), cp.asarray(x), 8, x.shape[1], y, n_slots, up=up)
+    got = cp.asnumpy(y)
+
+    xs = x[np.arange(n_slots) // 8, :n_in]
+    want_q8, want = np.empty(got.shape), np.empty(got.shape)
+    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+    for e in np.unique(ids):
+        sel = ids == e
+        xq = q8_rounded(xs[sel].reshape(-1)).reshape(-1, n_in)
+        want_q8[sel] = silu(xq @ w_g[e].T) * (xq @ w_u[e].T)
+        xf = xs[sel].astype(np.float64)
+        want[sel] = silu(xf @ w_g[e].T) * (xf @ w_u[e].T)
+    rel = lambda a: float(np.linalg.norm(got - a) / np.linalg.norm(a))  # noqa: E731
+    assert rel(want_q8) < 2 * LIMIT_Q8_ROUNDED, f"{rel(want_q8):.2e} from the q8-rounded x (seed {seed})"
+    assert rel(want) < 2 * LIMIT_Q8, f"{rel(want):.2e} from the float x (seed {seed})"
+    pairs = {}
+    for s in [*range(min(n_slots, 64)), *range(64, n_slots, 97), n_slots - 1]:
+        e = int(ids[s])
+        if e not in pairs:
+            g, u = (Tensor(n, ggml_type, (rows, n_in), r[e].reshape(rows, -1)) for n, r in (("gate", raw_g), ("up", raw_u)))
+            t = interleave_rows(g, u, f"gate/up {e}")
+            pairs[e] = mm.make_weight(t, cp.asarray(lay.weight_layout(t, False)), False, glu=True)
+        ye = cp.full(rows, np.nan, cp.float32)
+        mm.gemv(pairs[e], cp.asarray(np.ascontiguousarray(x[s // 8, :n_in])), ye)
+        assert (cp.asnumpy(ye).view(np.uint32) == got[s].view(np.uint32)).all(), f"slot {s} differs from gemv (seed {seed})"
+
+
+def test_q8_gathered_swiglu_refuses_experts_it_cannot_fuse(o):
+    rng = np.random.default_rng(3)
+    q4, q5 = (cmoe.Experts(cp.asarray(random_blocks(t, 2 * 64, 256, rng, 0.1).reshape(-1)), t, (2, 64, 256))
+              for t in (T.Q4_K, T.Q5_K))
+    ids, x, y = cp.zeros(8, cp.int32), cp.zeros((1, 256), cp.float32), cp.zeros((8, 64), cp.float32)
+    with pytest.raises(ValueError, match="cannot run as one launch"):
+        cmoe.gathered(o, q4, ids, x, 8, 256, y, 8, up=q5)
 
 
 def test_combine_adds_the_weighted_experts_and_the_gated_shared_expert(o):

@@ -93,3 +93,38 @@ def test_qwen3_30b_a3b_preset():
     shapes = expected_shapes(cfg)
     assert shapes["blk.47.ffn_down_exps.weight"] == (128, 2048, 768)
     assert "blk.0.ffn_up.weight" not in shapes
+
+
+def test_cuda_compile_jobs_pick_the_q8_expert_products_and_a_float_x_router():
+    """runtime/cuda/moe.py compile_jobs (no GPU needed): quantized routed experts compile
+    moe_gemv.cu's 8-bit-x instance of their type (of every layer), gate and up of one type its
+    SwiGLU instance too, a quantized router moe.cu's float-x one, an F32 router moe_gemv_f; only
+    the types the model has."""
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType as T
+
+    from k4.runtime.cuda.moe import compile_jobs
+
+    cfg = PRESETS["qwen3-30b-a3b"].config("qwen3moe")
+    o = SimpleNamespace(_defines=lambda: ())
+    def q8(t: str, glu: str) -> tuple:
+        variant = "32, 1, false" if t == "type_q5_K" else "16, 2, true"
+        return "moe_gemv.cu", (f"moe_gemv_q8<{t}, {variant}, {glu}>",)
+
+    q6 = ("moe_gemv.cu", ("moe_gemv_q8<type_q6_K, 16, 1, true, false>",))
+    base = {("moe.cu", ("moe_topk",)), ("moe.cu", ("moe_combine",))}
+    cases = (  # router, up type, down type of layers other than 5 (5: Q6_K), expected kernels besides base and q6
+        (T.F32, T.Q4_K, T.Q4_K, {("moe.cu", ("moe_gemv_f<type_f32>",)), q8("type_q4_K", "false"), q8("type_q4_K", "true")}),
+        (T.Q8_0, T.Q4_K, T.Q6_K, {("moe.cu", ("moe_gemv_q<type_q8_0>",)), q8("type_q4_K", "false"), q8("type_q4_K", "true")}),
+        (T.F32, T.Q5_K, T.Q6_K, {("moe.cu", ("moe_gemv_f<type_f32>",)), q8("type_q4_K", "false"), q8("type_q5_K", "false")}),
+    )
+    for router, up, down, want in cases:
+        def tensor(name, router=router, up=up, down=down):
+            layer, kind = int(name.split(".")[1]), name.split(".")[2]
+            t = {"ffn_gate_inp": router, "ffn_gate_exps": T.Q4_K, "ffn_up_exps": up,
+                 "ffn_down_exps": T.Q6_K if layer == 5 else down}[kind]
+            return SimpleNamespace(ggml_type=t, shape=())
+
+        jobs = {(f, names) for f, names, _ in compile_jobs(SimpleNamespace(tensor=tensor), cfg, o)}
+        assert jobs == base | {q6} | want, (router, up, down)

@@ -14,6 +14,26 @@ MMA_TILE_KEYS = {64: 64, 128: 64, 256: 32}  # head_dim -> keys per shared-memory
 MOE_QUANT_DECODERS = ("type_q4_K", "type_q5_K", "type_q6_K", "type_q8_0", "type_q5_0", "type_q5_1", "type_q2_K",
                       "type_q3_K", "type_q4_0", "type_iq4_xs", "type_iq4_nl")
 MOE_FLOAT_DECODERS = ("type_f32", "type_f16", "type_bf16")
+# moe_gemv.cu moe_gemv_q8's (WARPS, U, PF) per decoder: warps per block, chunks in flight per lane,
+# next chunks loaded during the dots. Not yet measured on expert shapes (scripts/bench_moe.py
+# times them): gemv_q8's choices for the dense products (quant_kernels.QUANT gemv), except Q6_K
+# (16, 1, 1), as (16, 2, 1) spills 12 bytes with the slot loop (ptxas, sm_90) and rows of up
+# to 2048 weights (Qwen3-30B-A3B's experts) fill one chunk per lane anyway.
+MOE_Q8_VARIANTS = {"type_q4_K": (16, 2, 1), "type_q5_K": (32, 1, 0), "type_q6_K": (16, 1, 1), "type_q8_0": (32, 4, 0),
+                   "type_q5_0": (32, 4, 0), "type_q5_1": (32, 4, 0), "type_q2_K": (16, 2, 1), "type_q3_K": (16, 2, 1),
+                   "type_q4_0": (32, 4, 0), "type_iq4_xs": (16, 2, 1), "type_iq4_nl": (32, 4, 0)}
+# the SwiGLU instances' where they differ: with the up row's chunks these spill (ptxas, sm_90: Q8_0
+# 36 bytes, Q3_K 8), so gemv_q8's GLU choices (quant_kernels.QUANT glu)
+MOE_Q8_GLU_VARIANTS = {**MOE_Q8_VARIANTS, "type_q8_0": (32, 2, 0), "type_q3_K": (32, 1, 0)}
+
+
+def moe_q8_name(decoder: str, glu: bool = False) -> str:
+    """The moe_gemv.cu instance for expert tensors of a common.cuh decoder, with the SwiGLU
+    epilogue (gate and up experts in one launch) or without: "moe_gemv_q8<type_q4_K, 16, 2, true, false>"."""
+    warps, u, pf = (MOE_Q8_GLU_VARIANTS if glu else MOE_Q8_VARIANTS)[decoder]
+    b = lambda v: "true" if v else "false"  # noqa: E731
+    return f"moe_gemv_q8<{decoder}, {warps}, {u}, {b(pf)}, {b(glu)}>"
+
 
 # the KV cache's element types (runtime/kv_types.py CACHE_TYPES) -> their kernels_cu/kv_cache.cuh structs
 KV_STRUCTS = {"f16": "kv_f16", "q8_0": "kv_q8_0"}
@@ -38,6 +58,7 @@ KERNELS = {
     "speculative.cu": ("spec_argmax", "spec_accept"),
     "moe.cu": ("moe_topk", "moe_combine", *(f"moe_gemv_q<{d}>" for d in MOE_QUANT_DECODERS),
                *(f"moe_gemv_f<{d}>" for d in MOE_FLOAT_DECODERS)),
+    "moe_gemv.cu": tuple(moe_q8_name(d, glu) for d in MOE_QUANT_DECODERS for glu in (False, True)),
 }
 # Compile groups: one module per group, so a model compiles only the attention and RoPE-store
 # kernels of its head_dim and KV cache types; the other small files are one group each.

@@ -6,7 +6,8 @@ Weights: each stacked expert tensor (n_expert, n_out, n_in) goes to the device a
 matrices as ordinary DeviceWeights (weights.matrix_plan takes every 2-D tensor), the shared
 expert's gate as an f32 vector. Routing stays on the device (kernels_cu/moe.cu): router product,
 moe_topk writing (k ids, k weights) per token, the gathered products of the selected experts
-reading those ids (one launch per matrix over every (token, slot)), SwiGLU, moe_combine adding
+reading those ids (one launch per matrix over every (token, slot); quantized experts with 8-bit
+x and dp4a, kernels_cu/moe_gemv.cu, float ones and the router on float x), SwiGLU, moe_combine adding
 the weighted sum (and qwen2moe's sigmoid-gated shared expert) to the residual. No host round
 trip: decode is captured in the graph as the dense layers are. Prefill runs the same gathered
 products over all its tokens (every token's k experts read per token: correct, not fast).
@@ -14,13 +15,14 @@ products over all its tokens (every token's k experts read per token: correct, n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..model import ModelConfig, ModelFile
 from ..errors import UnsupportedModelError
-from .constants import MOE_MAX_K, MOE_WARPS as ROW_WARPS
+from .constants import MOE_MAX_K, MOE_WARPS as ROW_WARPS, q8x_bytes
+from .kernel_names import MOE_Q8_GLU_VARIANTS, MOE_Q8_VARIANTS, moe_q8_name
 from .quant_kernels import FLOAT, QUANT
 
 TOPK_THREADS = 128
@@ -30,20 +32,36 @@ COMBINE_THREADS = 256
 @dataclass
 class Experts:
     """One stacked expert tensor on the device: data (n_expert * expert_bytes,) uint8 in the
-    file's ggml blocks; shape (n_expert, n_out, n_in)."""
+    file's ggml blocks; shape (n_expert, n_out, n_in); float_x: its products run on float32 x
+    even when quantized (the router: 8-bit x could pick other experts than the reference)."""
 
     data: object
     ggml_type: object
     shape: tuple[int, int, int]
+    float_x: bool = False
+    _grids: dict = field(default_factory=dict, repr=False, compare=False)  # (n_slots, glu) -> gathered's launch plan
 
     @property
     def expert_bytes(self) -> int:
         return self.data.nbytes // self.shape[0]
 
     @property
-    def kernel(self) -> str:
+    def kernel(self) -> tuple[str, str]:
+        """(file, name) of the kernel of its gathered product: moe_gemv.cu moe_gemv_q8 for a
+        quantized type, else (or with float_x) moe.cu moe_gemv_q / moe_gemv_f."""
         t = self.ggml_type
-        return f"moe_gemv_q<{QUANT[t].decoder}>" if t in QUANT else f"moe_gemv_f<{FLOAT[t][0]}>"
+        if t in QUANT and self.float_x:
+            return "moe.cu", f"moe_gemv_q<{QUANT[t].decoder}>"
+        if t in QUANT:
+            return "moe_gemv.cu", moe_q8_name(QUANT[t].decoder)
+        return "moe.cu", f"moe_gemv_f<{FLOAT[t][0]}>"
+
+
+def fused_glu(gate: Experts, up: Experts, activation: str) -> bool:
+    """Whether gate and up run as one moe_gemv_q8 SwiGLU launch (gathered with up): both of one
+    quantized type and shape on 8-bit x, activation silu (ModelConfig.activation)."""
+    return (gate.kernel[0] == "moe_gemv.cu" and up.kernel == gate.kernel and up.shape == gate.shape
+            and activation == "silu")
 
 
 @dataclass
@@ -106,14 +124,16 @@ def upload_experts(mem, up, mf: ModelFile, cfg: ModelConfig) -> dict:
                 up.upload(buf.data.ptr, t.raw_bytes())
             else:
                 up.upload_file(buf.data.ptr, mf.path, t.file_offset, t.n_bytes)
-            out[t.name] = Experts(buf, t.ggml_type, t.shape if len(t.shape) == 3 else (1, *t.shape))
+            out[t.name] = Experts(buf, t.ggml_type, t.shape if len(t.shape) == 3 else (1, *t.shape), n == "ffn_gate_inp")
     return out
 
 
 def compile_jobs(mf: ModelFile, cfg: ModelConfig, o) -> list:
-    """compile.module() arguments of the moe.cu kernels a model launches (ops.Ops `o`'s defines):
-    none for a dense model; moe_topk, moe_combine and the expert product of each expert and
-    router tensor type. Raises UnsupportedModelError for more than MOE_MAX_K experts per token."""
+    """compile.module() arguments of the moe.cu and moe_gemv.cu kernels a model launches (ops.Ops
+    `o`'s defines): none for a dense model; moe_topk, moe_combine, the expert product of each
+    expert and router tensor type of every layer (Experts.kernel; Q4_K_M mixes Q4_K and Q6_K down
+    experts) and the SwiGLU instance where gate and up fuse (fused_glu). Raises
+    UnsupportedModelError for more than MOE_MAX_K experts per token."""
     from .kernel_names import GROUP_OF
 
     if not cfg.n_expert:
@@ -121,11 +141,14 @@ def compile_jobs(mf: ModelFile, cfg: ModelConfig, o) -> list:
     if cfg.n_expert_used > MOE_MAX_K:
         raise UnsupportedModelError(f"{mf.path.name}: {cfg.n_expert_used} experts per token; the cuda backend takes at most "
                                     f"{MOE_MAX_K}; use --backend numpy")
-    names = {"moe_topk", "moe_combine"}
-    for n in EXPERT_TENSORS:
-        t = mf.tensor(f"blk.0.{n}.weight").ggml_type
-        names.add(f"moe_gemv_q<{QUANT[t].decoder}>" if t in QUANT else f"moe_gemv_f<{FLOAT[t][0]}>")
-    return [("moe.cu", GROUP_OF[("moe.cu", name)], o._defines()) for name in sorted(names)]
+    kernels = {("moe.cu", "moe_topk"), ("moe.cu", "moe_combine")}
+    for i in range(cfg.n_layer):
+        tensors = {n: mf.tensor(f"blk.{i}.{n}.weight") for n in EXPERT_TENSORS}
+        e = {n: Experts(None, t.ggml_type, t.shape, n == "ffn_gate_inp") for n, t in tensors.items()}
+        kernels.update(x.kernel for x in e.values())
+        if fused_glu(e["ffn_gate_exps"], e["ffn_up_exps"], cfg.activation):
+            kernels.add(("moe_gemv.cu", moe_q8_name(QUANT[e["ffn_gate_exps"].ggml_type].decoder, glu=True)))
+    return [(f, GROUP_OF[(f, name)], o._defines()) for f, name in sorted(kernels)]
 
 
 def layer_moe(cfg: ModelConfig, i: int, dev: dict) -> MoeWeights | None:
@@ -141,14 +164,57 @@ def layer_moe(cfg: ModelConfig, i: int, dev: dict) -> MoeWeights | None:
     return m
 
 
-def gathered(o, e: Experts, ids, x, x_div: int, x_stride: int, y, n_slots: int) -> None:
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y: moe_gemv_q8 blocks step over the slots beyond it
+
+
+def gathered(o, e: Experts, ids, x, x_div: int, x_stride: int, y, n_slots: int, up: Experts | None = None) -> None:
     """y[s] (n_out,) = expert ids[s]'s matrix times x[s // x_div] (x rows x_stride floats apart),
-    for s < n_slots (kernels_cu/moe.cu moe_gemv_q / moe_gemv_f); y: (n_slots, n_out) f32."""
+    for s < n_slots; y: (n_slots, n_out) f32; ids: (n_slots,) int32; all on the device.
+    Quantized experts (not float_x): kernels_cu/moe_gemv.cu moe_gemv_q8, x quantized to 8 bits
+    per 32 values as gemv_q8 does (relative error about 5e-3 on random data; each slot's y bit
+    for bit runtime/cuda/matmul.py gemv's on that expert's matrix); float types and float_x:
+    moe.cu moe_gemv_f / moe_gemv_q in float32. With up (fused_glu(e, up, "silu")): e holds the
+    gate experts and y[s] = silu(gate product) * (up product), one launch (bit for bit gemv's
+    SwiGLU instance on the expert's interleaved gate/up pair). Raises ValueError when a q8
+    product's x rows are not 16-byte aligned (x's address or x_stride), n_in is not a multiple
+    of 32, or up cannot be fused with e."""
     _, n_out, n_in = e.shape
-    blocks = max(1, min(-(-n_out // ROW_WARPS), 1024 // max(1, n_slots) + 1))
-    o._launch("moe.cu", e.kernel, (blocks, n_slots), (ROW_WARPS * 32,),
-              (e.data, np.int64(e.expert_bytes), ids, x, np.int32(x_div), np.int64(x_stride), y, np.int32(n_out), np.int32(n_in)),
-              pdl=False)
+    f, name = e.kernel
+    if up is not None and not fused_glu(e, up, "silu"):
+        raise ValueError(f"gate experts {e.ggml_type.name} {e.shape} and up experts {up.ggml_type.name} {up.shape} "
+                         "cannot run as one launch: both must be of one quantized type and shape")
+    if f == "moe.cu":
+        args = (e.data, np.int64(e.expert_bytes), ids, x, np.int32(x_div), np.int64(x_stride), y, np.int32(n_out), np.int32(n_in))
+        blocks = max(1, min(-(-n_out // ROW_WARPS), 1024 // max(1, n_slots) + 1))
+        o._launch(f, name, (blocks, n_slots), (ROW_WARPS * 32,), args, pdl=False)
+        return
+    if x.data.ptr % 16 or x_stride % 4 or n_in % 32:
+        raise ValueError(f"the 8-bit expert product needs 16-byte aligned x rows and n_in a multiple of 32; got x at "
+                         f"{x.data.ptr:#x}, x_stride {x_stride}, n_in {n_in}")
+    name, grid, block, smem = _q8_plan(o, e, n_slots, up is not None)
+    args = (e.data, up.data if up is not None else np.uint64(0), np.int64(e.expert_bytes), ids, x, np.int32(x_div),
+            np.int64(x_stride), y, np.int32(n_out), np.int32(n_in), np.int32(n_slots))
+    o._launch(f, name, grid, block, args, shared_mem=smem, pdl=False)
+
+
+def _q8_plan(o, e: Experts, n_slots: int, glu: bool) -> tuple[str, tuple[int, int], tuple[int], int]:
+    """(kernel name, grid, block, shared bytes) of moe_gemv_q8 for n_slots slots, cached on e.
+    The row blocks per slot share the resident blocks among the slots (decode's 8 slots fill the
+    GPU), at most one per WARPS rows, at least one; grid.y is the slots up to CUDA's limit."""
+    plan = e._grids.get((n_slots, glu))
+    if plan is None:
+        from .launch import blocks_per_sm, device_limits
+
+        _, n_out, n_in = e.shape
+        decoder = QUANT[e.ggml_type].decoder
+        name, warps = moe_q8_name(decoder, glu), (MOE_Q8_GLU_VARIANTS if glu else MOE_Q8_VARIANTS)[decoder][0]
+        kernel, smem = o.function("moe_gemv.cu", name), q8x_bytes(n_in)
+        if smem > 48 << 10:
+            kernel.max_dynamic_shared_size_bytes = smem
+        resident = device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem)
+        row_blocks = max(1, min(-(-n_out // warps), resident // n_slots))
+        plan = e._grids[(n_slots, glu)] = (name, (row_blocks, min(n_slots, MAX_GRID_Y)), (32 * warps,), smem)
+    return plan
 
 
 def moe_ffn(fwd, L, x1, x, n: int) -> None:
@@ -165,9 +231,12 @@ def moe_ffn(fwd, L, x1, x, n: int) -> None:
     o._launch("moe.cu", "moe_topk", (n,), (TOPK_THREADS,), (logits, np.int32(E), np.int32(k), np.int32(cfg.expert_norm), ids, w),
               shared_mem=4 * E, pdl=False)
     g, u, d = a.moe_g[: n * k], a.moe_u[: n * k], a.moe_d[: n * k]
-    gathered(o, m.gate, ids, h, k, cfg.n_embd, g, n * k)
-    gathered(o, m.up, ids, h, k, cfg.n_embd, u, n * k)
-    o.swiglu(g, u, g, cfg.activation)  # (n k, n_ff_exp)
+    if fused_glu(m.gate, m.up, cfg.activation):
+        gathered(o, m.gate, ids, h, k, cfg.n_embd, g, n * k, up=m.up)  # silu(gate) * up, (n k, n_ff_exp)
+    else:
+        gathered(o, m.gate, ids, h, k, cfg.n_embd, g, n * k)
+        gathered(o, m.up, ids, h, k, cfg.n_embd, u, n * k)
+        o.swiglu(g, u, g, cfg.activation)  # (n k, n_ff_exp)
     gathered(o, m.down, ids, g, 1, cfg.n_ff_exp, d, n * k)
     null = np.uint64(0)
     shared, gate = null, null

@@ -1,0 +1,112 @@
+// The routed experts' matrix-vector products with 8-bit x (qwen3moe, qwen2moe; launched by
+// runtime/cuda/moe.py gathered): gemv.cu's gemv_q8 indexed by expert. The stacked expert tensor
+// (n_expert, n_out, n_in) sits on the device as in the file (raw ggml blocks of T, expert e's
+// matrix at w + e * expert_bytes). Slot s (one (token, chosen expert) pair) reads e = ids[s]
+// from device memory (moe.cu moe_topk wrote it), quantizes its x row x + (s / x_div) * x_stride
+// to 8 bits per 32 values in shared memory (gemv_common.cuh quantize_x: llama.cpp's q8_1 idea,
+// as its mmvq does for MUL_MAT_ID) and computes y + s * n_out with dp4a dot products.
+//
+// Thread mapping: grid (row blocks, slot blocks), WARPS warps per block. Block (bx, by) takes
+// slots by, by + gridDim.y, ...; for each, warp w computes rows bx + gridDim.x * w, stepping by
+// gridDim.x * WARPS, each row exactly as gemv_q8 (raw layout, no fusion) computes it: lane l
+// takes chunks l, l + 32, ... of the row, U chunks in flight, with PF the next U loaded during
+// the dots of the current ones; the lane sums in chunk order, then warp_sum. So a slot's y is
+// bit for bit gemv_q8's y for the same matrix and x (tests/test_cuda_moe.py checks it). The
+// first loads of a slot are issued before its x is quantized, so they overlap the quantization.
+// The grid is not one wave in prefill (thousands of slots), so the kernel never triggers the
+// next launch early; it waits for the previous kernel before reading ids.
+//
+// GLU instances: w_up holds the up experts (same type and shape as w's gate experts) and slot s
+// writes silu(gate . x) * (up . x) (rounded as elementwise.cu swiglu rounds it): the warp takes
+// the gate row's chunks then the up row's as one row of 2 n_in, as gemv_q8's GLU instance takes
+// an interleaved gate/up pair, so a slot's y is bit for bit that instance's on the pair.
+//
+// Dynamic shared memory: q8x_bytes(n_in). The launcher validates types, shapes and alignment:
+// n_in a multiple of T::block_elems and of 32, x rows 16-byte aligned (x_stride a multiple of 4).
+#include "gemv_common.cuh"
+
+template <class T, int WARPS, int U, bool PF, bool GLU>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+moe_gemv_q8(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw blocks (GLU: the gate experts)
+            const u8* __restrict__ w_up,   // GLU: the up experts, like w; else null (not read)
+            i64 expert_bytes,              // bytes of one expert's matrix
+            const int* __restrict__ ids,   // (n_slots,) expert of each slot
+            const float* __restrict__ x,   // (n_slots / x_div rows, x_stride floats apart) of (n_in,)
+            int x_div, i64 x_stride,
+            float* __restrict__ y,         // (n_slots, n_out)
+            int n_out, int n_in, int n_slots) {
+    extern __shared__ uint4 smem[];
+    u8* xq = reinterpret_cast<u8*>(smem);
+    float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
+    float* xs = xd + q8x_d_floats(n_in);
+    const q8x<T::x_swizzle> xv{xq, xd, xs};
+
+    constexpr int cpb = T::block_elems / T::chunk_elems;  // chunks per block
+    const int lane = threadIdx.x & 31;
+    const int n_chunks = n_in / T::chunk_elems;            // per row
+    const int out_chunks = (GLU ? 2 : 1) * n_chunks;       // per output (GLU: gate row, then up row)
+    const int nblk_row = n_in / T::block_elems;
+    const i64 nblk = (i64)n_out * nblk_row;                // blocks of one expert (unused by the raw layout)
+    const int row0 = blockIdx.x + gridDim.x * (threadIdx.x >> 5), row_step = gridDim.x * WARPS;
+
+    typename T::chunk ch[U], nx[U];  // nx: the next U chunks, in flight during the dots of ch (PF)
+    pdl_wait();  // ids and x are the previous kernels' outputs
+    for (int slot = blockIdx.y; slot < n_slots; slot += gridDim.y) {
+        const i64 e_off = (i64)__ldg(ids + slot) * expert_bytes;
+        const u8* we = w + e_off;
+        const u8* wu = GLU ? w_up + e_off : nullptr;
+        auto load = [&](typename T::chunk (&dst)[U], int r, int c0) {
+#pragma unroll
+            for (int k = 0; k < U; ++k) {
+                const int c = c0 + 32 * k;
+                const bool up = GLU && c >= n_chunks;
+                const int cr = up ? c - n_chunks : c;  // chunk within its row
+                if (c < out_chunks) dst[k] = T::template load<false>(up ? wu : we, nblk, (i64)r * nblk_row + cr / cpb, cr % cpb);
+            }
+        };
+        int row = row0, c0 = lane;
+        if (row < n_out) load(ch, row, c0);
+        quantize_x<T::x_swizzle>(x + (i64)(slot / x_div) * x_stride, n_in, nullptr, 0.f, xq, xd, xs);
+        __syncthreads();
+
+        float* ys = y + (i64)slot * n_out;
+        float acc = 0.f, acc_up = 0.f;  // acc_up: the up row (GLU)
+        while (row < n_out) {
+            int next_row = row, next_c0 = c0 + 32 * U;
+            if (next_c0 >= out_chunks) {
+                next_row += row_step;
+                next_c0 = lane;
+            }
+            if (PF && next_row < n_out) load(nx, next_row, next_c0);
+#pragma unroll
+            for (int k = 0; k < U; ++k) {
+                const int c = c0 + 32 * k;
+                if (c < n_chunks) {
+                    acc += T::dot(ch[k], c, xv);
+                } else if (GLU && c < out_chunks) {
+                    acc_up += T::dot(ch[k], c - n_chunks, xv);
+                }
+            }
+            if (next_row != row) {  // row done
+                acc = warp_sum(acc);
+                if (GLU) {
+                    acc_up = warp_sum(acc_up);
+                    if (lane == 0) ys[row] = glu_act<false>(acc, acc_up);
+                } else if (lane == 0) {
+                    ys[row] = acc;
+                }
+                acc = acc_up = 0.f;
+            }
+            row = next_row;
+            c0 = next_c0;
+            if (row >= n_out) break;
+            if (PF) {
+#pragma unroll
+                for (int k = 0; k < U; ++k) ch[k] = nx[k];
+            } else {
+                load(ch, row, c0);
+            }
+        }
+        __syncthreads();  // every warp is done with this slot's x before the next slot's overwrites it
+    }
+}
