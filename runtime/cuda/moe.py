@@ -75,6 +75,25 @@ class MoeWeights:
     down: Experts
     shared_gate: object = None
     shared: tuple | None = None
+    router_w: object = None  # the router as a dense matrix.DeviceWeight (router_weight), made on first use
+
+
+def router_weight(m: MoeWeights, o):
+    """The router of a float type (F32, F16, BF16: what convert_hf_to_gguf writes) as a dense
+    matmul.DeviceWeight over its uploaded bytes, so its product runs as the dense ones do in
+    float32: gemv_f for up to GEMV_MAX_TOKENS tokens (one block per row, instead of moe.cu's
+    per-slot kernel: a 128 x 2048 F32 router per layer), cuBLAS fp32 for more. None for a
+    quantized router, which stays on moe.cu's float-x kernel (8-bit x could change the experts
+    chosen). o: the ops.Ops whose PDL and evict-first switches the product takes."""
+    from . import matmul
+    from .layout import MatrixSpec
+
+    if m.router_w is None and m.router.ggml_type in FLOAT:
+        _, n_out, n_in = m.router.shape
+        spec = MatrixSpec("ffn_gate_inp.weight", m.router.ggml_type, (n_out, n_in))
+        opts = matmul.WeightOptions(tensor_cores=True, pdl=o.pdl, evict_first=o.evict_first)
+        m.router_w = matmul.make_weight(spec, m.router.data, repack=False, opts=opts)
+    return m.router_w
 
 
 def moe_spec(cfg: ModelConfig, P: int) -> dict:
@@ -226,7 +245,11 @@ def moe_ffn(fwd, L, x1, x, n: int) -> None:
     h = a.h[:n]  # (n, n_embd) f32
     o.rms_norm(x1, L.ffn_norm, h, cfg.rms_eps)
     logits = a.moe_logits[:n]  # (n, n_expert)
-    gathered(o, m.router, a.moe_zero[:n], h, 1, cfg.n_embd, logits, n)  # float32, ids all 0: the one router
+    router = router_weight(m, o)
+    if router is not None:  # a dense float32 product
+        fwd.linear(router, h, logits)
+    else:  # float32 x on the quantized router, ids all 0: the one "expert"
+        gathered(o, m.router, a.moe_zero[:n], h, 1, cfg.n_embd, logits, n)
     ids, w = a.moe_ids[: n * k], a.moe_w[: n * k]
     o._launch("moe.cu", "moe_topk", (n,), (TOPK_THREADS,), (logits, np.int32(E), np.int32(k), np.int32(cfg.expert_norm), ids, w),
               shared_mem=4 * E, pdl=False)
