@@ -42,11 +42,21 @@ class GenerationResult:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids a and b (lists of int) share. Runs on slice comparisons (C loops):
+    one when the shorter is a prefix of the longer, else a bisection on the first difference,
+    about 2 min(len) element comparisons; speculative decoding asks it every verify step over
+    contexts of up to n_ctx tokens."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class StopMatcher:

@@ -204,3 +204,24 @@ def test_chat_with_lookup_replies_as_without(data):
     assert plain.exit_code == spec.exit_code == 0, spec.output
     assert spec.stdout == plain.stdout and spec.stdout.strip()
     assert "accepted" in spec.stderr
+
+
+def test_common_prefix_agrees_with_the_plain_loop():
+    """generate.common_prefix (slice comparisons and a bisection) against an element loop, on
+    random pairs that share 0..n ids, either order, and the empty cases."""
+    import random
+
+    from k4.runtime.generate import common_prefix
+
+    def plain(a, b):
+        i = 0
+        while i < min(len(a), len(b)) and a[i] == b[i]:
+            i += 1
+        return i
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        a = [rng.randrange(3) for _ in range(rng.randrange(0, 50))]
+        b = a[: rng.randrange(0, len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 8))]
+        assert common_prefix(a, b) == common_prefix(b, a) == plain(a, b)
+    assert common_prefix([], [1]) == 0 and common_prefix([5] * 1000, [5] * 999 + [4]) == 999
