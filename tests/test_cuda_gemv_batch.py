@@ -21,6 +21,7 @@ from gguf.quants import dequantize
 
 from k4.runtime.cuda import layout as lay
 from k4.runtime.cuda import matmul as mm
+from k4.runtime.cuda import q8_handoff as hand
 from k4.runtime.cuda import quant_kernels as qk
 from k4.runtime.cuda.gemv_batch import gemv_batch, gemv_rows
 from k4.runtime.cuda.microbench import random_weight
@@ -256,7 +257,7 @@ def test_gemv_batch_variants_equal_the_default(type_name, variant, glu):
 @pytest.mark.cuda
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "IQ4_NL"])
 def test_x_quantized_once_gives_the_same_bytes_and_products(type_name):
-    """quantize_rows writes each row's q8 x exactly as matmul.q8x_host (the reference of gemv's
+    """quantize_rows writes each row's q8 x exactly as q8_handoff.q8x_host (the reference of gemv's
     q8 handoff) lays it out for the weight's swizzle, and gemv_batch given it (x_q8) produces
     the bits it produces from the float rows; a q8 x of another swizzle or row count is refused."""
     import cupy as cp
@@ -273,7 +274,7 @@ def test_x_quantized_once_gives_the_same_bytes_and_products(type_name):
         x[n_tok // 2, :32] = 0
         q8 = Q8Rows(cp.zeros(Q8Rows.nbytes(n_tok, n_in), cp.uint8), n_tok, n_in, swizzle)
         quantize_rows(X, q8)
-        assert np.array_equal(q8.data.get(), np.concatenate([mm.q8x_host(row, swizzle) for row in x])), f"n_tok {n_tok}"
+        assert np.array_equal(q8.data.get(), np.concatenate([hand.q8x_host(row, swizzle) for row in x])), f"n_tok {n_tok}"
         want, got = nan_like((n_tok, n_out)), nan_like((n_tok, n_out))
         gemv_batch(w, X, want)
         gemv_batch(w, nan_like((n_tok, n_in)), got, x_q8=q8)  # X not read

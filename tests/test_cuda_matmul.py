@@ -26,6 +26,7 @@ from gguf.quants import dequantize
 
 from k4.runtime.cuda import layout as lay
 from k4.runtime.cuda import matmul as mm
+from k4.runtime.cuda import q8_handoff as hand
 from k4.runtime.cuda import quant_kernels as qk
 from k4.runtime.cuda.microbench import bench_gemv, bench_matmul, random_weight
 from k4.runtime.model import Tensor
@@ -413,7 +414,7 @@ def test_q8x_host_is_q8_rounded_in_the_kernel_layout(swizzle):
     d * sum per 16, padding zero; its values are q8_rounded's. 416 values: 26 units padded to 32."""
     x = np.random.default_rng(3).standard_normal(416).astype(np.float32)
     x[32:64] = 0  # an all-zero group: d 0, quants 0
-    raw = mm.q8x_host(x, swizzle)
+    raw = hand.q8x_host(x, swizzle)
     assert raw.shape == (mm.q8x_bytes(416),) == (512 + 64 + 112,)
     u = np.arange(26)
     slot = (u & ~7) | ((u + swizzle * (u >> 3)) & 7)
@@ -443,14 +444,14 @@ def test_gemv_q8_handoff_is_the_quantization_of_y(glu_type, down_type, act):
         t = interleave_rows(gate, up, "ffn_gate_up")
         glu = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=True, glu_act=act)
         down, _ = weight(down_type, 300, n_ff, rng, True)
-        assert mm.can_hand_off(glu, down)
+        assert hand.can_hand_off(glu, down)
         x = cp.asarray(rng.standard_normal(n_in).astype(np.float32))
         y, y_plain = nan_like(n_ff), nan_like(n_ff)
-        q8 = mm.Q8Vector.for_weight(down, cp.zeros(mm.q8x_bytes(n_ff), cp.uint8))
+        q8 = hand.Q8Vector.for_weight(down, cp.zeros(mm.q8x_bytes(n_ff), cp.uint8))
         mm.gemv(glu, x, y, y_q8=q8)
         mm.gemv(glu, x, y_plain)
         assert cp.array_equal(y, y_plain), f"{glu_type} y_q8 changed y (seed {seed})"
-        np.testing.assert_array_equal(q8.data.get(), mm.q8x_host(y.get(), q8.swizzle))
+        np.testing.assert_array_equal(q8.data.get(), hand.q8x_host(y.get(), q8.swizzle))
         z, z_q8 = nan_like(300), nan_like(300)
         mm.gemv(down, y, z)
         mm.gemv(down, nan_like(n_ff), z_q8, x_q8=q8)
@@ -467,22 +468,22 @@ def test_gemv_q8_handoff_rejects_what_does_not_fit():
     buf = cp.zeros(mm.q8x_bytes(256), cp.uint8)
     x, y = cp.zeros(256, cp.float32), cp.zeros(64, cp.float32)
     with pytest.raises(ValueError, match="swizzle"):
-        mm.gemv(w, x, y, x_q8=mm.Q8Vector.for_weight(w6, buf))
+        mm.gemv(w, x, y, x_q8=hand.Q8Vector.for_weight(w6, buf))
     with pytest.raises(ValueError, match="no fused norm"):
-        mm.gemv(w, x, y, x_q8=mm.Q8Vector.for_weight(w, buf), norm=(x, 1e-6))
+        mm.gemv(w, x, y, x_q8=hand.Q8Vector.for_weight(w, buf), norm=(x, 1e-6))
     with pytest.raises(ValueError, match="glu"):
-        mm.gemv(w, x, y, y_q8=mm.Q8Vector(buf, 64, 1))
+        mm.gemv(w, x, y, y_q8=hand.Q8Vector(buf, 64, 1))
     with pytest.raises(ValueError, match="needs 352 uint8 bytes"):
-        mm.Q8Vector.for_weight(w, cp.zeros(100, cp.uint8))
+        hand.Q8Vector.for_weight(w, cp.zeros(100, cp.uint8))
     f32, _ = weight("F32", 64, 256, rng, True)
     with pytest.raises(ValueError, match="float x"):
-        mm.Q8Vector.for_weight(f32, buf)
+        hand.Q8Vector.for_weight(f32, buf)
     gate, up = (random_weight(T.Q5_0, 64, 256, rng) for _ in range(2))
     t = interleave_rows(gate, up, "ffn_gate_up")
     glu = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=True)
-    assert not mm.can_hand_off(glu, w6)
+    assert not hand.can_hand_off(glu, w6)
     with pytest.raises(ValueError, match="handoff"):
-        mm.gemv(glu, x, y, y_q8=mm.Q8Vector(buf, 64, 1))
+        mm.gemv(glu, x, y, y_q8=hand.Q8Vector(buf, 64, 1))
 
 
 @pytest.mark.cuda

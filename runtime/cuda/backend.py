@@ -30,7 +30,7 @@ try:
 except ModuleNotFoundError:  # require_cuda() says so
     cp = None
 else:
-    from . import blas, matmul, memory, moe, ops, quant_kernels
+    from . import blas, memory, moe, ops, q8_handoff, quant_kernels
     from .buffers import allocate, place, sampler_spec
     from .kv_cache import KVCache
     from .compile import compile_async
@@ -132,8 +132,8 @@ class CudaBackend(TokenCache):
         for L in self.weights.layers:
             place(L.qkv, act.qkv, act.x0.shape[0])
             place(L.gate_up, act.gate_up, act.x0.shape[0])
-            if act.ff_q8 is not None and L.gate_up and matmul.can_hand_off(L.gate_up[0].w, L.w_down):  # moe: no gate_up
-                L.ff_q8 = matmul.Q8Vector.for_weight(L.w_down, act.ff_q8)
+            if act.ff_q8 is not None and L.gate_up and q8_handoff.can_hand_off(L.gate_up[0].w, L.w_down):  # moe: no gate_up
+                L.ff_q8 = q8_handoff.Q8Vector.for_weight(L.w_down, act.ff_q8)
         self.kv = KVCache(self.mem, self.config, self.n_ctx, self.kv_types)
         self.timer = DeviceTimer(self.trace)  # device time of prefill and of each decode step
         smp = allocate(self.mem, sampler_spec(self.config))  # decode state, sampler buffers, token ring

@@ -149,7 +149,7 @@ class Forward:
         """Y = X W^T (+ bias) (+ residual). X: (n, n_in) f32 (or fp16 on the tensor-core path),
         Y and residual: (n, n_out) f32 views; a glu weight yields silu(gate) * up, (n, n_out / 2),
         on one row. One row: matmul.gemv, with norm = (norm_w, eps) folded into it and the q8
-        handoff x_q8, y_q8 (matmul.Q8Vector); more: matmul.matmul (tensor cores unless
+        handoff x_q8, y_q8 (q8_handoff.Q8Vector); more: matmul.matmul (tensor cores unless
         K4_PREFILL_TC=0; up to GEMV_MAX_TOKENS rows: gemv_batch, reading w once per BATCH_TOKENS rows)."""
         if X.shape[0] == 1:
             matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, norm=norm,

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 @dataclass
 class Q8Rows:
     """n_tok vectors of n float32 values quantized to 8 bits per 32 (llama.cpp's q8_1 scheme, as
-    matmul.Q8Vector), each q8x_bytes(n) bytes, one after another in `data` (cupy uint8), laid
+    q8_handoff.Q8Vector), each q8x_bytes(n) bytes, one after another in `data` (cupy uint8), laid
     out for the products of x swizzle `swizzle` (QuantKernels.x_swizzle): gemv_batch's X
     quantized once (quantize_rows) instead of in every thread block of the product."""
 

@@ -46,10 +46,11 @@ from gguf import GGMLQuantizationType as T
 from k4.runtime.model import Tensor
 from k4.runtime.trace import Trace
 
-from .constants import q8x_bytes, q8x_offsets
+from .constants import q8x_bytes
 from .gemv_batch import gemv_rows
 from .launch import blocks_per_sm, capturing, device_limits, launch, null_or
 from .layout import MatrixSpec, _check_matrix, layout_nbytes
+from .q8_handoff import Q8Vector, check_q8
 from .quant_kernels import (DEQUANT_CHUNK_BYTES, FLOAT, FLOAT_GEMV, GEMV_MAX_TOKENS, GLU_ACTS, QUANT, _dequant_name,
                             _gemv_f_name, _gemv_q8_name, _kernel)
 
@@ -144,31 +145,6 @@ def make_half(w: DeviceWeight, out, stream=None, trace: Trace | None = None) -> 
     w.half = out
 
 
-@dataclass
-class Q8Vector:
-    """A vector of n float32 values quantized to 8 bits per 32 (q8x_bytes(n) bytes in `data`, a
-    cupy uint8 array), laid out for the gemv_q8 instances of x_swizzle `swizzle`
-    (QuantKernels.x_swizzle): what a SwiGLU product hands the down product (gemv y_q8, x_q8), so
-    that it is quantized once instead of in every thread block of the next kernel. The scheme is
-    llama.cpp's q8_1 (ggml-quants.c quantize_row_q8_1): d = max|v| / 127, q = round(v / d)."""
-
-    data: object
-    n: int
-    swizzle: int
-
-    @staticmethod
-    def for_weight(w: "DeviceWeight", data) -> "Q8Vector":
-        """The q8 x of w's gemv_q8 kernel, (n_in,) values, in `data` (at least q8x_bytes(n_in)
-        bytes, may be shared with Q8Vectors used at other times). Raises ValueError for a float
-        weight type or a buffer that is too small."""
-        if w.ggml_type not in QUANT:
-            raise ValueError(f"{w.ggml_type.name} products take float x, not a q8 vector")
-        n = w.shape[1]
-        if data.dtype != np.uint8 or data.nbytes < q8x_bytes(n):
-            raise ValueError(f"a q8 vector of {n} values needs {q8x_bytes(n)} uint8 bytes, got {data.dtype} ({data.nbytes} bytes)")
-        return Q8Vector(data, n, QUANT[w.ggml_type].x_swizzle)
-
-
 def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, norm: bool = False):
     """(kernel, grid, block, shared_mem) for gemv on w, cached per variant and norm prologue.
     The grid is as many blocks as fit on the GPU at once, but at most one per output."""
@@ -252,7 +228,7 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
         if n_in % 4:
             raise ValueError(f"the fused RMSNorm needs n_in a multiple of 4, got {n_in}")
         _check_array("norm weight", norm_w, (n_in,), align16=True)
-    _check_q8(w, x_q8, y_q8, n_in, n_out, norm_w is not None)
+    check_q8(w, x_q8, y_q8, n_in, n_out, norm_w is not None)
     kernel, grid, block, smem = _gemv_plan(w, variant, norm_w is not None)
     args = (w.data, x, y, null_or(residual), null_or(bias), null_or(norm_w), np.float32(eps), np.int32(n_out), np.int32(n_in))
     if w.ggml_type in QUANT:
@@ -260,52 +236,6 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     if pdl is None:  # eagerly the driver-API launch costs more host time than it saves
         pdl = w.pdl and capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl)
-
-
-def q8x_host(x: np.ndarray, swizzle: int) -> np.ndarray:
-    """x (n,) float32, n a multiple of 32, quantized as the gemv_q8 kernels quantize it: the
-    (q8x_bytes(n),) uint8 bytes of a Q8Vector of that swizzle, padding zero. The reference the
-    kernels' handoff is tested against, and bench_gemv's pre-quantized x."""
-    x = np.asarray(x, np.float32)
-    n = x.shape[0]
-    g = x.reshape(-1, 32)
-    amax = np.abs(g).max(axis=1)
-    d = amax * np.float32(1 / 127)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    units = np.rint(g * inv[:, None]).astype(np.int8).reshape(-1, 16)
-    s = np.repeat(d, 2) * units.sum(axis=1, dtype=np.int32).astype(np.float32)
-    d_off, s_off, nbytes = q8x_offsets(n)
-    out = np.zeros(nbytes, np.uint8)
-    u = np.arange(units.shape[0])
-    slot = (u & ~7) | ((u + swizzle * (u >> 3)) & 7)
-    out[16 * slot[:, None] + np.arange(16)] = units.view(np.uint8)
-    out[d_off : d_off + 4 * d.size] = d.view(np.uint8)
-    out[s_off : s_off + 4 * s.size] = s.astype(np.float32).view(np.uint8)
-    return out
-
-
-def can_hand_off(glu: DeviceWeight, down: DeviceWeight) -> bool:
-    """Whether gemv on the gate/up weight `glu` can write its output quantized (y_q8) for gemv on
-    `down` to read (x_q8): both quantized, glu's type with a handoff, n_ff a multiple of 32."""
-    n_ff = down.shape[1]
-    return (glu.glu and glu.ggml_type in QUANT and QUANT[glu.ggml_type].handoff and down.ggml_type in QUANT
-            and n_ff % 32 == 0 and glu.shape[0] == 2 * n_ff)
-
-
-def _check_q8(w: DeviceWeight, x_q8: Q8Vector | None, y_q8: Q8Vector | None, n_in: int, n_out: int, norm: bool) -> None:
-    """gemv's checks of its q8 handoff arguments (ValueError)."""
-    q = QUANT.get(w.ggml_type)
-    if x_q8 is not None:
-        if q is None or norm:
-            raise ValueError("x_q8 needs a quantized weight and no fused norm")
-        if (x_q8.n, x_q8.swizzle) != (n_in, q.x_swizzle):
-            raise ValueError(f"x_q8 holds {x_q8.n} values for swizzle {x_q8.swizzle}; this product needs {n_in} for {q.x_swizzle}")
-    if y_q8 is not None:
-        if q is None or not (w.glu and q.handoff) or n_out % 32:
-            raise ValueError("y_q8 needs a gate/up (glu) weight of a type with a handoff and n_out a multiple of 32")
-        if y_q8.n != n_out:
-            raise ValueError(f"y_q8 holds {y_q8.n} values; this product writes {n_out}")
 
 
 # ---- embeddings: rows of a matrix ----------------------------------------------------------------

@@ -25,8 +25,8 @@ from .compile import module
 from .quant_kernels import BATCH_TOKENS
 from .launch import device_limits, launch
 from .layout import weight_layout
-from .matmul import (FLOAT, QUANT, DeviceWeight, Q8Vector, WeightOptions, gemv, make_weight, matmul,
-                     matmul_scratch_bytes, q8x_bytes, q8x_host)
+from .matmul import FLOAT, QUANT, DeviceWeight, WeightOptions, gemv, make_weight, matmul, matmul_scratch_bytes, q8x_bytes
+from .q8_handoff import Q8Vector, q8x_host
 
 
 def random_weight(ggml_type: T, n_out: int, n_in: int, rng: np.random.Generator) -> Tensor:

@@ -70,7 +70,7 @@ class LayerWeights:
     w_down: object  # (n_embd, n_ff)
     q_norm: object = None  # (head_dim,) qwen3
     k_norm: object = None  # (head_dim,)
-    ff_q8: object = None  # matmul.Q8Vector: decode's SwiGLU output quantized for w_down (K4_FUSE_QUANT)
+    ff_q8: object = None  # q8_handoff.Q8Vector: decode's SwiGLU output quantized for w_down (K4_FUSE_QUANT)
     attn_post_norm: object = None  # (n_embd,) gemma: RMSNorm of the attention output before the residual
     ffn_post_norm: object = None  # (n_embd,) gemma: of the feed-forward output
     moe: object = None  # moe.MoeWeights (qwen3moe, qwen2moe): the experts in place of gate_up and w_down
