@@ -38,8 +38,9 @@ def accept_sampled(logits: np.ndarray, ids: Sequence[int], params: SamplingParam
     random number; returns (emitted ids: the accepted drafts then one drawn token, the next
     draw number). Greedy params take accept_greedy's rule on the penalized logits."""
     out: list[int] = []
+    recent = list(history[max(0, len(history) - params.repeat_last_n) :])  # all the penalty can see of it
     for i in range(len(ids)):
-        seen = list(history) + list(ids[: i + 1])
+        seen = recent + list(ids[: i + 1])
         row = logits[i]
         if i + 1 == len(ids):  # every draft accepted: the last row's token, as the plain sampler draws it
             out.append(sample(row, params, seen, step))

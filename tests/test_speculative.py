@@ -225,3 +225,21 @@ def test_common_prefix_agrees_with_the_plain_loop():
         b = a[: rng.randrange(0, len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 8))]
         assert common_prefix(a, b) == common_prefix(b, a) == plain(a, b)
     assert common_prefix([], [1]) == 0 and common_prefix([5] * 1000, [5] * 999 + [4]) == 999
+
+
+def test_accept_sampled_penalizes_over_the_whole_history():
+    """Greedy with a repeat penalty (the host path): each row's token is the plain sampler's
+    choice with history + the batch so far behind it, also when history is longer than the
+    penalty's window."""
+    from k4.runtime.sampling import sample
+
+    rng = np.random.default_rng(11)
+    logits = rng.normal(0, 1, (4, 12)).astype(np.float32)
+    params = SamplingParams(temperature=0.0, repeat_penalty=1.8, repeat_last_n=5)
+    history = [int(t) for t in rng.integers(0, 12, 40)]
+    want = [sample(logits[0], params, history + [3], 0)]
+    ids = [3, want[0], 7, 2]
+    while len(want) < len(ids) and want[-1] == ids[len(want)]:
+        want.append(sample(logits[len(want)], params, history + ids[: len(want) + 1], 0))
+    got, _ = accept_sampled(logits, ids, params, history, 0)
+    assert got == want
