@@ -97,7 +97,7 @@ class Runner:
                 if last:
                     fwd.output(x[P - 1 :], fwd.act.logits[:1])
 
-            self.prefill_graphs[last] = self._captured(body)
+            self.prefill_graphs[last] = self.captured(body)
         graph, n_kernels = self.prefill_graphs[last]
         launch_graph(graph, self.stream, self.trace, n_kernels, "prefill graph")
 
@@ -125,10 +125,10 @@ class Runner:
         graph_launches keeps how many kernels one replay runs."""
         split = self.split_for(n_kv)
         if split[0] not in self.decode_graphs:
-            self.decode_graphs[split[0]] = self._captured(lambda: self.decode_body(split))
+            self.decode_graphs[split[0]] = self.captured(lambda: self.decode_body(split))
         self.graph, self.graph_launches = self.decode_graphs[split[0]]
 
-    def _captured(self, body) -> tuple:
+    def captured(self, body) -> tuple:
         """(graph, kernels per replay) of `body` captured on the stream; its launches count into
         a scratch Trace meanwhile."""
         counting, self.ops.trace = self.ops.trace, Trace(phase=self.trace.phase)

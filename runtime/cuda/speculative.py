@@ -52,7 +52,7 @@ class Verifier:
             graph, n_kernels = self.graphs[key]
             launch_graph(graph, r.stream, r.trace, n_kernels, "verify graph")
         elif key in self.ran and self._capturable(n):
-            self.graphs[key] = r._captured(lambda: self._body(n, split))
+            self.graphs[key] = r.captured(lambda: self._body(n, split))
             graph, n_kernels = self.graphs[key]
             launch_graph(graph, r.stream, r.trace, n_kernels, "verify graph")
         else:
