@@ -77,7 +77,7 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
     auto* kcur = reinterpret_cast<typename KT::elem*>(red + ATT_THREADS * 8);  // (D,) key of the fresh token, cache form
     auto* vcur = reinterpret_cast<typename VT::elem*>(kcur + D);               // (D,) its value
     u16* kdcur = reinterpret_cast<u16*>(vcur + D);  // (D / 32,) their q8_0 scales (q8_0 planes only)
-    u16* vdcur = kdcur + D / 32;
+    u16* vdcur = kdcur + D / QK8_0;
 
     const int p = n_kv - 1;  // this query's position
     const int cur = fresh_q && end == n_kv ? p : -1;  // the key taken from kcur / vcur, if in this split
@@ -102,9 +102,9 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
                 k_store[row + i] = kcur[i];
                 v_store[row + i] = vcur[i];
             }
-            for (int i = tid; i < D / 32; i += ATT_THREADS) {
-                if constexpr (KT::SCALED) kd_store[row / 32 + i] = kdcur[i];
-                if constexpr (VT::SCALED) vd_store[row / 32 + i] = vdcur[i];
+            for (int i = tid; i < D / QK8_0; i += ATT_THREADS) {
+                if constexpr (KT::SCALED) kd_store[row / QK8_0 + i] = kdcur[i];
+                if constexpr (VT::SCALED) vd_store[row / QK8_0 + i] = vdcur[i];
             }
         }
     } else {

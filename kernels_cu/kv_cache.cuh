@@ -70,6 +70,10 @@ struct kv_f16 {
     }
 };
 
+// QK8_0 (common.cuh) is gguf's block size, handed over by runtime/cuda/constants.py; store_row
+// quantizes a block with one warp, a lane per value.
+static_assert(QK8_0 == 32, "kv_q8_0::store_row takes a q8_0 block as one warp of 32 lanes");
+
 struct kv_q8_0 {
     using elem = signed char;
     static constexpr bool SCALED = true;
@@ -79,9 +83,9 @@ struct kv_q8_0 {
     };
     __device__ static raw8 zero() { return {make_uint2(0, 0), 0}; }
     __device__ static raw8 load(const elem* x, const u16* d, size_t e) {
-        return {*reinterpret_cast<const uint2*>(x + e), d[e / 32]};
+        return {*reinterpret_cast<const uint2*>(x + e), d[e / QK8_0]};
     }
-    __device__ static raw8 load_once(const elem* x, const u16* d, size_t e) { return {ld_once8(x + e), d[e / 32]}; }
+    __device__ static raw8 load_once(const elem* x, const u16* d, size_t e) { return {ld_once8(x + e), d[e / QK8_0]}; }
     __device__ static void unpack(const raw8& r, float* out) {  // q * d, as llama.cpp's dequantize_row_q8_0
         const float d = f16_to_f32(r.d);
         i8x4_to_f32(r.q.x, out);
@@ -107,13 +111,13 @@ struct kv_q8_0 {
     }
     // Lane l quantizes value 32b + l of each block b; e % 32 == 0, D % 32 == 0.
     __device__ static void store_row(const float* y, int D, elem* x, u16* d, size_t e, int lane) {
-        for (int b = 0; b < D / 32; ++b) {
-            const float v = y[32 * b + lane];
+        for (int b = 0; b < D / QK8_0; ++b) {
+            const float v = y[QK8_0 * b + lane];
             const float amax = ::warp_max(fabsf(v));
             const float db = __fdiv_rn(amax, 127.0f);
             const float id = db != 0.0f ? __frcp_rn(db) : 0.0f;
-            x[e + 32 * b + lane] = (elem)(int)roundf(__fmul_rn(v, id));
-            if (lane == 0) d[e / 32 + b] = f32_to_f16(db);
+            x[e + QK8_0 * b + lane] = (elem)(int)roundf(__fmul_rn(v, id));
+            if (lane == 0) d[e / QK8_0 + b] = f32_to_f16(db);
         }
     }
 };

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from .errors import UsageError
 
 CACHE_TYPES = ("f16", "q8_0")  # the -ctk / -ctv values
-QK8_0 = 32  # values per q8_0 block (ggml-common.h QK8_0)
-Q8_0_BLOCK_BYTES = 2 + QK8_0  # fp16 d + 32 int8 quants
+QK8_0, Q8_0_BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]  # 32 values, fp16 d + 32 int8 quants (ggml-common.h)
 
 
 def parse_cache_type(value: str, option: str) -> str:
