@@ -36,6 +36,15 @@
 #ifndef MMA_BQ
 #error "MMA_BQ comes from runtime/cuda/constants.py"
 #endif
+#ifndef ATT_MAX_SPLIT
+#error "ATT_MAX_SPLIT comes from runtime/cuda/constants.py"
+#endif
+#ifndef GQA_WARPS
+#error "GQA_WARPS comes from runtime/cuda/constants.py"
+#endif
+#ifndef GQA_THREADS
+#error "GQA_THREADS comes from runtime/cuda/constants.py"
+#endif
 #ifndef SAMPLE_THREADS
 #error "SAMPLE_THREADS comes from runtime/cuda/constants.py"
 #endif
@@ -120,8 +129,12 @@
 #ifndef K4_CHECK_MMA_SMEM
 #error "K4_CHECK_MMA_SMEM comes from runtime/cuda/constants.py"
 #endif
+#ifndef K4_CHECK_GQA_SMEM
+#error "K4_CHECK_GQA_SMEM comes from runtime/cuda/constants.py"
+#endif
 
 static_assert(MMA_THREADS == 32 * MMA_WARPS && MMA_BQ == 16 * MMA_WARPS, "attn_mma: 32 threads and 16 query rows per warp");
+static_assert(GQA_THREADS == 32 * GQA_WARPS, "attn_gqa: 32 threads per warp");
 static_assert(ST_TOK < STATE_WORDS && ST_POS < STATE_WORDS && ST_RING < STATE_WORDS && ST_DRAW < STATE_WORDS,
               "the decode state holds every ST_* word");
 

@@ -21,3 +21,16 @@ def attention_reference(q, kc, vc, pos0):
             p = np.exp(s - s.max())
             out[t, h] = p @ vals / p.sum()
     return out
+
+
+# The kernel choices the attention tests run a decode query (n_tok = 1) with, as (mma, tiled,
+# gqa) switches of Ops: attn_gqa twice where the shape has an instance (the tickets reset), then
+# attn_kv; several queries run each prefill kernel (mma, tiled, neither) with gqa left on.
+DECODE_KERNELS = [(False, True, True), (False, True, True), (False, True, False)]
+SPLIT_KEYS = 64  # a split length both decode kernels take: a multiple of attn_kv's 32 and attn_gqa's tile
+
+
+def tensor_cores(ops, n_tok: int, D: int, group: int) -> bool:
+    """Whether ops (its current switches) runs attention of n_tok queries of head_dim D, group
+    query heads per KV head, on tensor cores (attn_mma or attn_gqa: q and p rounded to fp16)."""
+    return ops.attention_kernel(n_tok, D, group=group).startswith(("attn_mma", "attn_gqa"))

@@ -342,7 +342,7 @@ def test_context_full_after_the_same_tokens_as_numpy(stories):
 
 
 def test_decode_attention_per_context_range_matches_eager_steps_and_numpy(data, monkeypatch):
-    """A step attending n keys uses the first range of ops.split_buckets that holds n (512, 768,
+    """A step attending n keys uses the first range of Ops.decode_splits that holds n (512, 768,
     1024, then n_ctx 1100), graph replays (a graph per range, captured on first use) and eager
     steps alike: decoding across the range boundaries gives the same sampled tokens both ways,
     and one-token evals in two ranges give numpy's logits."""

@@ -23,6 +23,7 @@ from k4.runtime import reference
 from k4.runtime.flags import Flags
 from k4.runtime.model import open_model
 from k4.runtime.reference import NumpyBackend
+from tests.attention_ref import DECODE_KERNELS, SPLIT_KEYS, tensor_cores
 from tests.gpu import cupy_or_skip
 from tests.test_gemma import GEMMA_CASES, attention_f64, gemma_tiny, rel_l2
 from tests.tiny import write_tiny
@@ -55,7 +56,8 @@ ATTN_CASES = [
 
 @pytest.mark.parametrize("n_tok,pos0,n_head,n_head_kv,D,n_ctx,split,window,cap", ATTN_CASES)
 def test_attention_window_scale_softcap(ops, rng, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split, window, cap):
-    from k4.runtime.cuda.ops import MMA_TILE_KEYS, AttnShape, attention_split
+    from k4.runtime.cuda.attention_launch import attention_split
+    from k4.runtime.cuda.op_args import AttnShape
 
     q = rng.standard_normal((n_tok, n_head, D)).astype(np.float32)
     n_kv = pos0 + n_tok
@@ -63,24 +65,24 @@ def test_attention_window_scale_softcap(ops, rng, n_tok, pos0, n_head, n_head_kv
     vc = np.full((n_ctx, n_head_kv, D), np.nan, np.float16)
     kc[:n_kv] = 2 * rng.standard_normal((n_kv, n_head_kv, D))
     vc[:n_kv] = rng.standard_normal((n_kv, n_head_kv, D))
-    n_split, split_len = attention_split(n_ctx, split)
+    n_split, split_len = attention_split(n_ctx, split, keys=SPLIT_KEYS)
     part = cp.empty((n_tok, n_head, n_split, D + 2), cp.float32) if n_split > 1 else None
     ticket = cp.zeros(n_tok * n_head, cp.int32)
     scale = 0.11
     want = attention_f64(q, kc, vc, pos0, scale, window, cap)
     shape = AttnShape(scale, window, cap)
-    kernels = [(True, True), (False, True), (False, False)] if n_tok > 1 else [(False, True), (False, True)]
+    kernels = [(True, True, True), (False, True, True), (False, False, True)] if n_tok > 1 else DECODE_KERNELS
     try:
-        for mma, tiled in kernels:
-            ops.mma, ops.tiled = mma, tiled
+        for mma, tiled, gqa in kernels:
+            ops.mma, ops.tiled, ops.gqa = mma, tiled, gqa
             out = cp.full((n_tok, n_head, D), np.nan, cp.float32)
             ops.attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, cp.asarray([pos0], dtype=cp.int32),
                           n_split, split_len, part, ticket, shape=shape)
-            limit = MMA_REL_L2 if mma and n_tok > 1 and D in MMA_TILE_KEYS else F32_REL_L2
-            assert rel_l2(out.get(), want) < limit, f"mma={mma} tiled={tiled}"
+            limit = MMA_REL_L2 if tensor_cores(ops, n_tok, D, n_head // n_head_kv) else F32_REL_L2
+            assert rel_l2(out.get(), want) < limit, f"mma={mma} tiled={tiled} gqa={gqa}"
             assert not ticket.any()  # every split's ticket reset, the skipped ones included
     finally:
-        ops.mma, ops.tiled = True, True
+        ops.mma, ops.tiled, ops.gqa = True, True, True
 
 
 @pytest.mark.parametrize("out_dtype", [np.float32, np.float16])

@@ -27,11 +27,11 @@ from k4.runtime.reference import NumpyBackend
 from k4.runtime.sampling import SamplingParams
 from k4.runtime.tokenizer import Tokenizer
 from tests.tiny import tiny_config
-from tests.attention_ref import attention_reference
+from tests.attention_ref import DECODE_KERNELS, SPLIT_KEYS, attention_reference, tensor_cores
 from tests.wide_heads import write_wide_heads
 
 cp = cupy_or_skip()
-from k4.runtime.cuda.ops import FreshKV, RopeArgs  # noqa: E402  (needs CuPy)
+from k4.runtime.cuda.op_args import FreshKV, RopeArgs  # noqa: E402  (needs CuPy)
 pytestmark = pytest.mark.cuda
 
 PAIRS = [("q8_0", "q8_0"), ("q8_0", "f16"), ("f16", "q8_0")]  # (keys, values) with a q8_0 plane
@@ -108,7 +108,7 @@ def test_rope_qk_store_writes_llama_cpp_q8_0_bytes(ops, rng, kt, vt, n_head, n_h
 def test_fused_decode_store_equals_rope_store_then_attention(ops, rng, kt, vt, arch, n_head, n_head_kv, D, pos0, n_ctx):
     """Decode with RoPE and the q8_0 store inside the attention kernel (split): the same cache
     bytes and the same output as rope_qk_store followed by attention."""
-    from k4.runtime.cuda.ops import attention_split
+    from k4.runtime.cuda.attention_launch import attention_split
     from k4.runtime.cuda.weights import rope_inv_freq
 
     cfg = tiny_config(arch, head_dim=D, rope_dim=D, n_head=n_head, n_head_kv=n_head_kv)
@@ -120,7 +120,7 @@ def test_fused_decode_store_equals_rope_store_then_attention(ops, rng, kt, vt, a
     pos = cp.asarray([pos0], dtype=cp.int32)
     (kx, kd), _ = fill(kt, rng.standard_normal((pos0, n_head_kv, D)).astype(np.float32), n_ctx)
     (vx, vd), _ = fill(vt, rng.standard_normal((pos0, n_head_kv, D)).astype(np.float32), n_ctx)
-    n_split, split_len = attention_split(n_ctx, True)
+    n_split, split_len = attention_split(n_ctx, True, keys=SPLIT_KEYS)
     part = cp.empty((1, n_head, n_split, D + 2), cp.float32) if n_split > 1 else None
     ticket = cp.zeros(n_head, cp.int32)
     copy = lambda: [None if p is None else p.copy() for p in (kx, vx, kd, vd)]  # noqa: E731
@@ -159,28 +159,28 @@ ATTN_CASES = [
 @pytest.mark.parametrize("kt,vt", PAIRS)
 @pytest.mark.parametrize("n_tok,pos0,n_head,n_head_kv,D,n_ctx,split", ATTN_CASES)
 def test_attention_over_q8_0_planes(ops, rng, kt, vt, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split):
-    from k4.runtime.cuda.ops import MMA_TILE_KEYS, attention_split
+    from k4.runtime.cuda.attention_launch import attention_split
 
     q = rng.standard_normal((n_tok, n_head, D)).astype(np.float32)
     n_kv = pos0 + n_tok
     (kx, kd), k_read = fill(kt, (2 * rng.standard_normal((n_kv, n_head_kv, D))).astype(np.float32), n_ctx)
     (vx, vd), v_read = fill(vt, rng.standard_normal((n_kv, n_head_kv, D)).astype(np.float32), n_ctx)
-    n_split, split_len = attention_split(n_ctx, split)
+    n_split, split_len = attention_split(n_ctx, split, keys=SPLIT_KEYS)
     part = cp.empty((n_tok, n_head, n_split, D + 2), cp.float32) if n_split > 1 else None
     ticket = cp.zeros(n_tok * n_head, cp.int32)
     want = attention_reference(q, k_read, v_read, pos0)
-    kernels = [(True, True), (False, True), (False, False)] if n_tok > 1 else [(False, True), (False, True)]
+    kernels = [(True, True, True), (False, True, True), (False, False, True)] if n_tok > 1 else DECODE_KERNELS
     try:
-        for mma, tiled in kernels:
-            ops.mma, ops.tiled = mma, tiled
+        for mma, tiled, gqa in kernels:
+            ops.mma, ops.tiled, ops.gqa = mma, tiled, gqa
             out = cp.full((n_tok, n_head, D), np.nan, cp.float32)
             ops.attention(cp.asarray(q), kx, vx, out, cp.asarray([pos0], dtype=cp.int32), n_split, split_len, part, ticket,
                           scales=(kd, vd))
-            limit = MMA_ATTN_REL_L2 if mma and D in MMA_TILE_KEYS else ATTN_REL_L2
-            assert rel_l2(out.get(), want) < limit, f"mma={mma} tiled={tiled}"
+            limit = MMA_ATTN_REL_L2 if tensor_cores(ops, n_tok, D, n_head // n_head_kv) else ATTN_REL_L2
+            assert rel_l2(out.get(), want) < limit, f"mma={mma} tiled={tiled} gqa={gqa}"
             assert not ticket.any()
     finally:
-        ops.mma, ops.tiled = True, True
+        ops.mma, ops.tiled, ops.gqa = True, True, True
 
 
 # ---- the backend end to end ---------------------------------------------------------------------

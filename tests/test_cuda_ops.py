@@ -16,10 +16,10 @@ from k4.runtime import reference
 from k4.runtime.rope import rope_table
 from k4.runtime.sampling import SamplingParams, apply_repeat_penalty, sample
 from tests.tiny import tiny_config
-from tests.attention_ref import attention_reference
+from tests.attention_ref import DECODE_KERNELS, SPLIT_KEYS, attention_reference, tensor_cores
 
 cp = cupy_or_skip()
-from k4.runtime.cuda.ops import FreshKV, RopeArgs  # noqa: E402  (needs CuPy)
+from k4.runtime.cuda.op_args import FreshKV, RopeArgs  # noqa: E402  (needs CuPy)
 pytestmark = pytest.mark.cuda
 
 
@@ -150,7 +150,7 @@ MMA_ATTN_REL_L2 = 2e-3
 
 @pytest.mark.parametrize("n_tok,pos0,n_head,n_head_kv,D,n_ctx,split", ATTN_CASES)
 def test_attention(ops, rng, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split):
-    from k4.runtime.cuda.ops import MMA_TILE_KEYS, attention_split
+    from k4.runtime.cuda.attention_launch import attention_split
 
     q = rng.standard_normal((n_tok, n_head, D)).astype(np.float32)
     n_kv = pos0 + n_tok
@@ -158,25 +158,25 @@ def test_attention(ops, rng, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split):
     vc = np.full((n_ctx, n_head_kv, D), np.nan, np.float16)
     kc[:n_kv] = 2 * rng.standard_normal((n_kv, n_head_kv, D))
     vc[:n_kv] = rng.standard_normal((n_kv, n_head_kv, D))
-    n_split, split_len = attention_split(n_ctx, split)
+    n_split, split_len = attention_split(n_ctx, split, keys=SPLIT_KEYS)
     part = cp.empty((n_tok, n_head, n_split, D + 2), cp.float32) if n_split > 1 else None
     ticket = cp.zeros(n_tok * n_head, cp.int32)
     want = attention_reference(q, kc, vc, pos0)
     # attn_mma (where D has an instance) and attn_tiled for several queries, and the per-query
     # kernel; split attention twice (the tickets reset)
-    kernels = [(True, True), (False, True), (False, False)] if n_tok > 1 else [(False, True), (False, True)]
+    kernels = [(True, True, True), (False, True, True), (False, False, True)] if n_tok > 1 else DECODE_KERNELS
     try:
-        for mma, tiled in kernels:
-            ops.mma, ops.tiled = mma, tiled
+        for mma, tiled, gqa in kernels:
+            ops.mma, ops.tiled, ops.gqa = mma, tiled, gqa
             out = nan_like((n_tok, n_head, D), cp.float32)
             ops.attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, cp.asarray([pos0], dtype=cp.int32),
                           n_split, split_len, part, ticket)
             # fp16 keys/values are exact on both sides; only attn_mma rounds q and p
-            limit = MMA_ATTN_REL_L2 if mma and D in MMA_TILE_KEYS else 2e-5
-            assert rel_l2(out.get(), want) < limit, f"mma={mma} tiled={tiled}"
+            limit = MMA_ATTN_REL_L2 if tensor_cores(ops, n_tok, D, n_head // n_head_kv) else 2e-5
+            assert rel_l2(out.get(), want) < limit, f"mma={mma} tiled={tiled} gqa={gqa}"
             assert not ticket.any()
     finally:  # the fixture's kernel choice, whatever failed
-        ops.mma, ops.tiled = True, True
+        ops.mma, ops.tiled, ops.gqa = True, True, True
 
 
 @pytest.mark.parametrize("arch,n_head,n_head_kv,D,pos0,n_ctx", [("llama", 8, 2, 64, 77, 256), ("qwen3", 4, 4, 128, 5, 4096),
@@ -185,7 +185,7 @@ def test_attention_with_fused_rope_equals_rope_then_attention(ops, rng, arch, n_
     """Decode: RoPE and the cache store inside the attention kernel give the same output and
     the same cache as rope_qk_store followed by attention."""
     from k4.runtime.cuda.weights import rope_inv_freq
-    from k4.runtime.cuda.ops import attention_split
+    from k4.runtime.cuda.attention_launch import attention_split
 
     cfg = tiny_config(arch, head_dim=D, rope_dim=D, n_head=n_head, n_head_kv=n_head_kv)
     qkv = cp.asarray(rng.standard_normal((1, (n_head + 2 * n_head_kv) * D)).astype(np.float32))
@@ -194,7 +194,7 @@ def test_attention_with_fused_rope_equals_rope_then_attention(ops, rng, arch, n_
     norms = [cp.asarray((1 + 0.2 * rng.standard_normal(D)).astype(np.float32)) if cfg.has_qk_norm else None for _ in range(2)]
     inv_freq, pos = cp.asarray(rope_inv_freq(cfg, None)), cp.asarray([pos0], dtype=cp.int32)
     cache = [cp.asarray(rng.standard_normal((n_ctx, n_head_kv, D)).astype(np.float16)) for _ in range(2)]
-    n_split, split_len = attention_split(n_ctx, True)
+    n_split, split_len = attention_split(n_ctx, True, keys=SPLIT_KEYS)
     part = cp.empty((1, n_head, n_split, D + 2), cp.float32) if n_split > 1 else None
     ticket = cp.zeros(n_head, cp.int32)
 
@@ -215,7 +215,7 @@ def test_attention_with_fused_rope_equals_rope_then_attention(ops, rng, arch, n_
 
 
 def test_attention_split_covers_context():
-    from k4.runtime.cuda.ops import ATT_SPLIT_KEYS, attention_split
+    from k4.runtime.cuda.attention_launch import ATT_SPLIT_KEYS, attention_split
 
     for max_split in (1, 28, 64, 500):
         for n_ctx in (1, 255, 256, 257, 4096, 16385, 131072):
@@ -227,7 +227,7 @@ def test_attention_split_covers_context():
 
 
 def test_split_buckets_grow_by_half_and_a_third_and_end_at_the_context():
-    from k4.runtime.cuda.ops import attention_split, split_buckets
+    from k4.runtime.cuda.attention_launch import attention_split, split_buckets
 
     assert split_buckets(4096, True, 28) == [(512, 16, 32), (768, 24, 32), (1024, 16, 64), (1536, 24, 64), (2048, 22, 96),
                                              (3072, 24, 128), (4096, 26, 160)]

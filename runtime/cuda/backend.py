@@ -31,6 +31,7 @@ except ModuleNotFoundError:  # require_cuda() says so
     cp = None
 else:
     from . import blas, memory, moe, ops, q8_handoff, quant_kernels
+    from .attention_launch import MAX_HEAD_DIM
     from .buffers import allocate, place, sampler_spec
     from .kv_cache import KVCache
     from .compile import compile_async
@@ -62,8 +63,8 @@ def require_cuda() -> None:
 
 def check_shapes(cfg: ModelConfig) -> None:
     """Raise UnsupportedModelError for head shapes the attention and RoPE kernels do not take."""
-    if cfg.head_dim % 8 or cfg.head_dim > ops.MAX_HEAD_DIM:
-        raise UnsupportedModelError(f"head_dim {cfg.head_dim} is not supported on cuda (needs a multiple of 8 up to {ops.MAX_HEAD_DIM}); use --backend numpy")
+    if cfg.head_dim % 8 or cfg.head_dim > MAX_HEAD_DIM:
+        raise UnsupportedModelError(f"head_dim {cfg.head_dim} is not supported on cuda (needs a multiple of 8 up to {MAX_HEAD_DIM}); use --backend numpy")
     if cfg.rope_dim % 2 or cfg.rope_dim > cfg.head_dim:
         raise UnsupportedModelError(f"rope dimension {cfg.rope_dim} does not fit head_dim {cfg.head_dim}; the file is inconsistent")
 
@@ -102,7 +103,7 @@ class CudaBackend(TokenCache):
         # kernels compile on threads while the weights upload; the "compile" step waits for them
         matrix_types = {t.ggml_type for t in mf.tensors.values() if len(t.shape) == 2}
         compiling = compile_async(quant_kernels.compile_jobs(matrix_types, w_opts.matrix.evict_first, cfg.activation)
-                                  + o.compile_jobs(cfg.head_dim) + moe.compile_jobs(mf, cfg, o))
+                                  + o.compile_jobs(cfg.head_dim, cfg.n_head // cfg.n_head_kv) + moe.compile_jobs(mf, cfg, o))
         plan = size_plan(mf, n_ctx, self.flags, o)
         chunk = plan.chunk
         stream, copy_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
@@ -150,7 +151,7 @@ class CudaBackend(TokenCache):
                    "first run on this GPU and k4 version, cached afterwards)")
         for fut in compiling:
             fut.result()
-        self.forward.ops.compile_all(self.config.head_dim)
+        self.forward.ops.compile_all(self.config.head_dim, self.config.n_head // self.config.n_head_kv)
 
     def _timed(self, stream, step: str, fn, *args) -> None:
         """Run one load step and record its wall time (ms) in load_ms, after synchronizing."""

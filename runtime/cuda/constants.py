@@ -16,16 +16,19 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import IQ4_NL
 
-from .kernel_names import MMA_TILE_KEYS
+from .kernel_names import GQA_TILE_KEYS, MMA_TILE_KEYS
 
 # ---- attention.cu ------------------------------------------------------------------------------
 ATT_THREADS = 128  # threads per block of attn_kv (decode and fallback prefill attention)
 ATT_CHUNK = 128  # keys per chunk of attn_kv's online softmax
+ATT_MAX_SPLIT = 64  # most splits of decode attention (split_merge.cuh merges them two per lane)
 TILE_Q, TILE_K, TILE_THREADS = 32, 64, 128  # attn_tiled: queries and keys per tile, threads per block
 TILE_PS = TILE_K + 16  # attn_tiled's row stride of probabilities (floats): the two half-warps hit other banks
 MMA_WARPS = 4  # attn_mma: warps per block, 16 query rows each
 MMA_THREADS = 32 * MMA_WARPS
 MMA_BQ = 16 * MMA_WARPS  # attn_mma: queries per block
+GQA_WARPS = 4  # attn_gqa: warps per block, 16 keys of each tile each (GQA_TILE_KEYS = 16 * GQA_WARPS)
+GQA_THREADS = 32 * GQA_WARPS
 
 # ---- sampling.cu -------------------------------------------------------------------------------
 SAMPLE_THREADS = 1024  # threads of sample_penalty and sample_finish (one block)
@@ -108,6 +111,13 @@ def mma_smem(D: int, BK: int) -> int:
     return 2 * (D + 8) * ((0 if D <= 128 else MMA_BQ) + 4 * BK)
 
 
+def gqa_smem(D: int, BK: int) -> int:
+    """Dynamic shared memory (bytes) of attn_gqa<D, BK, KT, VT>: 16 fp16 query rows, two K and
+    two V tiles of BK keys (fp16 whatever the cache type), rows of D + 8 halves; a row of D
+    floats per warp; the fresh key and value (2 D bytes each at most) and their q8_0 scales."""
+    return 2 * (D + 8) * (16 + 4 * BK) + 4 * GQA_WARPS * D + 4 * D + D // 8
+
+
 # arguments the size checks are evaluated at: the compiled instances and common model shapes
 _CHECK_HEAD_DIMS = (64, 80, 96, 128, 256)
 _CHECK_MMA = (*MMA_TILE_KEYS.items(), (128, 32))
@@ -138,9 +148,9 @@ def defines() -> tuple[str, ...]:
     constants.cuh compares with the kernels' formulas (K4_CHECK_*: flat lists of arguments, each
     followed by the result; lists as _list)."""
     out = [f"{name}={value}" for name, value in (
-        ("ATT_THREADS", ATT_THREADS), ("ATT_CHUNK", ATT_CHUNK), ("TILE_Q", TILE_Q), ("TILE_K", TILE_K),
+        ("ATT_THREADS", ATT_THREADS), ("ATT_CHUNK", ATT_CHUNK), ("ATT_MAX_SPLIT", ATT_MAX_SPLIT), ("TILE_Q", TILE_Q), ("TILE_K", TILE_K),
         ("TILE_THREADS", TILE_THREADS), ("TILE_PS", TILE_PS), ("MMA_WARPS", MMA_WARPS), ("MMA_THREADS", MMA_THREADS),
-        ("MMA_BQ", MMA_BQ), ("SAMPLE_THREADS", SAMPLE_THREADS), ("SAMPLE_CAP", SAMPLE_CAP),
+        ("MMA_BQ", MMA_BQ), ("GQA_WARPS", GQA_WARPS), ("GQA_THREADS", GQA_THREADS), ("SAMPLE_THREADS", SAMPLE_THREADS), ("SAMPLE_CAP", SAMPLE_CAP),
         ("SAMPLER_PARAM_WORDS", SAMPLER_PARAM_WORDS), ("STATE_WORDS", STATE_WORDS), ("ST_TOK", ST_TOK),
         ("ST_POS", ST_POS), ("ST_RING", ST_RING), ("ST_DRAW", ST_DRAW), ("MOE_WARPS", MOE_WARPS),
         ("MOE_MAX_K", MOE_MAX_K))]
@@ -154,6 +164,7 @@ def defines() -> tuple[str, ...]:
         "K4_CHECK_ATT_SMEM": [v for d in _CHECK_HEAD_DIMS for v in (d, att_smem(d))],
         "K4_CHECK_TILED_SMEM": [v for d in _CHECK_HEAD_DIMS for v in (d, tiled_smem(d))],
         "K4_CHECK_MMA_SMEM": [v for d, bk in _CHECK_MMA for v in (d, bk, mma_smem(d, bk))],
+        "K4_CHECK_GQA_SMEM": [v for d, bk in GQA_TILE_KEYS.items() for v in (d, bk, gqa_smem(d, bk))],
     }
     out += [f"{name}={_list(values)}" for name, values in tables.items()]
     out.append(f"K4_IQ4NL_VALUES={_list(IQ4NL_VALUES)}")

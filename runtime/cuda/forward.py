@@ -18,6 +18,7 @@ import cupy as cp
 
 from ..model import ModelConfig
 from . import matmul, moe, ops
+from .op_args import AttnShape, FreshKV, RopeArgs
 from .gemv_batch import gemv_rows
 from .kv_cache import KVCache
 from .weights import LayerWeights, Weights
@@ -34,7 +35,7 @@ class ForwardOptions:
 class Forward:
     """Enqueues forward passes of one model: weights `w`, activations `act` (buffers.activation_spec),
     cache `kv`, kernels `ops`, on `stream`. splits: the decode attention configurations
-    (limit, n_split, split_len) per range of context lengths (ops.split_buckets); pos: the
+    (limit, n_split, split_len) per range of context lengths (Ops.decode_splits); pos: the
     device int32 position of the first token (decode state). blas: cuBLAS handle for prefill
     graphs, or None."""
 
@@ -44,7 +45,7 @@ class Forward:
         self.splits, self.pos, self.stream = splits, pos, stream
         self.blas = None
         # per layer: the attention's query scale, window (sliding layers) and score soft-cap
-        self.shapes = [ops.AttnShape(cfg.query_scale, cfg.n_swa if cfg.sliding(li) else 0, cfg.attn_softcap)
+        self.shapes = [AttnShape(cfg.query_scale, cfg.n_swa if cfg.sliding(li) else 0, cfg.attn_softcap)
                        for li in range(cfg.n_layer)]
         self.n_ctx, self.chunk = kv.k.shape[1], act.x0.shape[0]
 
@@ -69,11 +70,11 @@ class Forward:
             h, norm = self.normed(x, L.attn_norm, half)
             cols = self.qkv(L, h, norm, n)
             k_cache, v_cache, scales = self.kv.layer(li)  # (n_ctx, n_head_kv, head_dim); q8_0: + scales
-            rope = ops.RopeArgs(L.q_norm, L.k_norm, self.w.inv_freq, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps, self.w.rope_mscale)
+            rope = RopeArgs(L.q_norm, L.k_norm, self.w.inv_freq, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps, self.w.rope_mscale)
             if cfg.sliding(li):  # gemma's sliding layers: their own RoPE base, no scaling
-                rope = ops.RopeArgs(L.q_norm, L.k_norm, self.w.inv_freq_swa, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps)
+                rope = RopeArgs(L.q_norm, L.k_norm, self.w.inv_freq_swa, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps)
             if n == 1 and self.opts.fuse_rope:  # RoPE and the cache store inside the attention kernel
-                fresh = ops.FreshKV(cols["q"], cols["k"], cols["v"], rope)
+                fresh = FreshKV(cols["q"], cols["k"], cols["v"], rope)
             else:
                 o.rope_qk_store(cols["q"], cols["k"], cols["v"], k_cache, v_cache, rope, self.pos, q_out=q, scales=scales)
                 fresh = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 TILED_HEAD_DIMS = (64, 128, 256)  # head_dim instances of attn_tiled
 MMA_TILE_KEYS = {64: 64, 128: 64, 256: 32}  # head_dim -> keys per shared-memory tile of its attn_mma instance
+GQA_TILE_KEYS = {64: 64, 128: 64, 256: 64}  # head_dim -> keys per tile of its attn_gqa instance (16 per warp)
 
 # the decoder structs of kernels_cu/common.cuh (quant_kernels.QUANT and FLOAT name the same): the
 # instances of moe.cu's expert products, one compile group each
@@ -53,6 +54,7 @@ KERNELS = {
     "attention.cu": tuple(f"attn_kv<{kv_args(k, v)}>" for k, v in KV_PAIRS),
     "attention_tiled.cu": tuple(f"attn_tiled<{d}, {kv_args(k, v)}>" for d in TILED_HEAD_DIMS for k, v in KV_PAIRS),
     "attention_mma.cu": tuple(f"attn_mma<{d}, {bk}, {kv_args(k, v)}>" for d, bk in MMA_TILE_KEYS.items() for k, v in KV_PAIRS),
+    "attention_gqa.cu": tuple(f"attn_gqa<{d}, {bk}, {kv_args(k, v)}>" for d, bk in GQA_TILE_KEYS.items() for k, v in KV_PAIRS),
     "elementwise.cu": ("swiglu<float>", "swiglu<u16>", "geglu<float>", "geglu<u16>", "scale_f32", "softcap_f32", "set_i32"),
     "sampling.cu": ("sample_penalty", "sample_argmax_partial", "sample_finish"),
     "speculative.cu": ("spec_argmax", "spec_accept"),

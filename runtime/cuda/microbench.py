@@ -248,24 +248,27 @@ def bench_matmul(ggml_type: str, n_tok: int, n_out: int, n_in: int, iters: int =
 
 def bench_attention(n_tok: int, n_ctx: int, n_head: int = 32, n_head_kv: int = 32, head_dim: int = 128,
                     iters: int = 20, *, split: bool | None = None, tiled: bool | None = None,
-                    mma: bool | None = None, flags: Flags | None = None, kv: KVTypes = F16) -> dict:
+                    mma: bool | None = None, flags: Flags | None = None, kv: KVTypes = F16, gqa: bool | None = None) -> dict:
     """Time causal attention of n_tok queries ending at position n_ctx - 1 over a KV cache of
     types kv (f16 or q8_0 keys and values, runtime/cuda/kv_cache.py) of n_ctx positions (one
     layer): n_tok == n_ctx is prefill from position 0, n_tok == 1 is a
     decode step at depth n_ctx - 1. Random inputs; recorded in a CUDA graph, median of CUDA-event
-    timings (device_time). split/tiled/mma: K4_SPLIT_ATTN/K4_TILED_ATTN/K4_MMA_ATTN (default:
-    the flags; mma=False with tiled=True times attn_tiled). Returns {"us": µs, "tflop_s": 4 *
+    timings (device_time). split/tiled/mma/gqa: K4_SPLIT_ATTN/K4_TILED_ATTN/K4_MMA_ATTN/K4_GQA_MMA
+    (default: the flags; mma=False with tiled=True times attn_tiled; gqa: decode of grouped
+    heads on attn_gqa). Returns {"us": µs, "tflop_s": 4 *
     head_dim * n_head * (query, key) pairs / time, "gb_s": KV cache bytes read (quants and
     scales) / time}. FLOP count as FlashAttention's: causal halves the pairs.
     """
     import cupy as cp
 
-    from .ops import Ops, attention_split
+    from .attention_launch import attention_split
+    from .ops import Ops
 
     f = Flags() if flags is None else flags
     split = f.on("K4_SPLIT_ATTN") if split is None else split
     tiled = f.on("K4_TILED_ATTN") if tiled is None else tiled
     mma = f.on("K4_MMA_ATTN") if mma is None else mma
+    gqa = f.on("K4_GQA_MMA") if gqa is None else gqa
     rng = np.random.default_rng(0)
     q = cp.asarray(rng.standard_normal((n_tok, n_head, head_dim), dtype=np.float32))  # (n_tok, n_head, D)
     planes = [_plane(rng.standard_normal((n_ctx, n_head_kv, head_dim), dtype=np.float32), t) for t in (kv.k, kv.v)]
@@ -273,8 +276,8 @@ def bench_attention(n_tok: int, n_ctx: int, n_head: int = 32, n_head_kv: int = 3
     kv_bytes = sum(a.nbytes for p in planes for a in p if a is not None)
     out = cp.empty_like(q)
     pos = cp.asarray(np.array([n_ctx - n_tok], dtype=np.int32))
-    ops = Ops(Trace(), pdl=False, tiled=tiled, mma=mma, evict_first=f.on("K4_EVICT_FIRST"), kv=kv)
-    n_split, split_len = attention_split(n_ctx, split, ops.attention_capacity(head_dim) // n_head) if n_tok == 1 else (1, n_ctx)
+    ops = Ops(Trace(), pdl=False, tiled=tiled, mma=mma, evict_first=f.on("K4_EVICT_FIRST"), kv=kv, gqa=gqa)
+    n_split, split_len = attention_split(n_ctx, split, *ops.decode_plan(head_dim, n_head, n_head_kv)) if n_tok == 1 else (1, n_ctx)
     part = cp.empty((n_tok, n_head, n_split, head_dim + 2), cp.float32) if n_split > 1 else None
     ticket = cp.zeros(n_tok * n_head, cp.int32) if n_split > 1 else None
     us = device_time(lambda i: ops.attention(q, k_cache, v_cache, out, pos, n_split, split_len, part, ticket,

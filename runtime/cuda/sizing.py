@@ -38,7 +38,7 @@ def options(flags: Flags, moe: bool = False) -> tuple:
     mat = matmul.WeightOptions(tensor_cores=on("K4_PREFILL_TC"), pdl=pdl, evict_first=on("K4_EVICT_FIRST"))
     w = WeightOptions(repack=on("K4_REPACK"), stack=on("K4_STACK"), glu=on("K4_FUSE_SWIGLU"), pinned=on("K4_PINNED_UPLOAD"), matrix=mat)
     f = ForwardOptions(fuse_norm=on("K4_FUSE_NORM"), fuse_rope=on("K4_FUSE_ROPE"))
-    o = dict(pdl=pdl, tiled=on("K4_TILED_ATTN"), mma=on("K4_MMA_ATTN"), evict_first=on("K4_EVICT_FIRST"))
+    o = dict(pdl=pdl, tiled=on("K4_TILED_ATTN"), mma=on("K4_MMA_ATTN"), evict_first=on("K4_EVICT_FIRST"), gqa=on("K4_GQA_MMA"))
     return w, f, o
 
 
@@ -46,7 +46,7 @@ def options(flags: Flags, moe: bool = False) -> tuple:
 class SizePlan:
     """What CudaBackend allocates for a context of n_ctx tokens, besides the KV cache: the weights'
     bytes (as in the file; vectors f32), the activation spec, the decode attention configurations
-    (limit, n_split, split_len) per range of context lengths (ops.split_buckets: a decode graph
+    (limit, n_split, split_len) per range of context lengths (Ops.decode_splits: a decode graph
     per range, eager steps take the last), and all buffers' bytes (activations, sampler, cuBLAS
     workspace)."""
 
@@ -63,7 +63,7 @@ def size_plan(mf: ModelFile, n_ctx: int, flags: Flags, o: ops.Ops) -> SizePlan:
     cfg = mf.config
     w_opts = options(flags)[0]
     chunk = min(n_ctx, PREFILL_CHUNK)
-    splits = ops.split_buckets(n_ctx, flags.on("K4_SPLIT_ATTN"), o.attention_capacity(cfg.head_dim) // cfg.n_head)
+    splits = o.decode_splits(n_ctx, flags.on("K4_SPLIT_ATTN"), cfg.head_dim, cfg.n_head, cfg.n_head_kv)
     n_split = max(n for _, n, _ in splits)  # the most splits of any range: the partials buffer
     specs = [layout.combined(tensors, tensors[0].name, glu) for _, tensors, glu in matrix_plan(mf, cfg, w_opts)]
     act = activation_spec(cfg, chunk, n_ctx, n_split, matmul_scratch_bytes(specs, chunk, w_opts.matrix.tensor_cores),

@@ -1,0 +1,365 @@
+// Launched by runtime/cuda/attention_launch.py (Ops.attention, flag K4_GQA_MMA).
+#include "mma_common.cuh"
+#include "attention_sizes.cuh"
+#include "split_merge.cuh"
+
+// ---- attn_gqa: decode attention of a grouped-query model on tensor cores --------------------
+// One token's query heads that share a KV head (G = n_head / n_head_kv, 2 <= G <= 16: Llama 3
+// 8B 4, Qwen3-30B-A3B 8) are the 16 rows of an mma tile (rows G .. 15 are zero and never
+// written), so each key and value is read and converted once for the whole group and the
+// per-(query, key) work runs on tensor cores (mma.sync.m16n8k16, fp16 inputs, f32 accumulators),
+// as llama.cpp's mma decode kernels group heads. attn_kv, one block per query head, spent its
+// time on the scalar dot products and their shuffles, not on the bytes (docs/PERF.md, session 8).
+//
+// Split over the sequence like attn_kv (flash-decoding, Dao et al. 2023): block (hk, s) takes the
+// keys of split s (split_len, a multiple of BK) in tiles of BK keys, double-buffered in shared
+// memory. fp16 planes are copied by cp.async; q8_0 planes are loaded into registers during the
+// tile before (16 quants and their block's scale per chunk) and dequantized to fp16 (q * d, as
+// attn_mma's staging) into the next stage at the top of the iteration. Rows outside the split's
+// visible range [begin, end) are zero-filled, so the cache's garbage never reaches an mma, and
+// masked to -inf in S.
+// Within the block, warp w takes keys 16w .. 16w + 15 of every tile with its own online softmax
+// (FlashAttention-2's: S = Q K^T with Q pre-scaled by log2(e) * scale, so S is in log2 units;
+// exp2; P rounded to fp16 as the A operand of O += P V); at the end the warps' (m, l, O) are
+// merged through shared memory. With n_split > 1 the block writes its (m, l, O) per head to
+// part (m in log2 units) and the last block of the group to finish (an atomic ticket, as attn_kv)
+// merges the splits.
+// fresh_q etc.: as attn_kv (the token's RoPE and cache store fused in): the block rotates the
+// group's query rows itself; the block whose split holds the token's position p rotates k,
+// writes k and v in the cache's form to cache row p (no other block reads that row) and puts
+// them, as the tile staging would have, into the row of p in its last tile.
+// Grid: (n_head_kv, n_split); block: GQA_THREADS = 32 * GQA_WARPS; dynamic shared memory
+// gqa_smem(D, BK) (attention_sizes.cuh). Requires BK == 16 * GQA_WARPS, D % 16 == 0, D % 32 == 0
+// for a q8_0 plane, one query (decode).
+// Thread mapping: lane = 4g + t holds, per 8-column chunk of S or O, rows g and g + 8 and columns
+// 2t, 2t + 1 (the mma accumulator layout); tile loads: thread tid copies 16-byte chunks tid,
+// tid + GQA_THREADS, ... of the tile, row-major (a row is D / 8 fp16 chunks or D / 16 q8_0 ones).
+
+namespace k4gqa {
+using namespace k4mma;
+
+// The staging of one plane (keys or values) of a tile. Rows of ROW_BYTES bytes in shared memory.
+template <class T, int D, int BK, int ROW_BYTES>
+struct Plane {
+    static constexpr int W = T::SCALED ? 16 : 8;  // values per 16-byte chunk of the cache
+    static constexpr int PER_ROW = D / W;
+    static constexpr int N = BK * PER_ROW / GQA_THREADS;  // chunks per thread and tile
+    static_assert(BK * PER_ROW % GQA_THREADS == 0, "a tile's chunks spread evenly over the block");
+    uint4 q[T::SCALED ? N : 1];  // q8_0: the next tile's quants
+    u16 d[T::SCALED ? N : 1];    // and their blocks' scales
+
+    // Keys k0 .. k0 + BK - 1 of this KV head (element head_off at position 0, kv_stride elements
+    // a position): fp16 by cp.async into the stage at shared address dst (the caller commits);
+    // q8_0 into registers. Keys outside [lo, hi) read nothing and stage zeros.
+    __device__ __forceinline__ void fetch(const typename T::elem* x, const u16* xd, size_t head_off, size_t kv_stride,
+                                          int k0, int lo, int hi, u32 dst, int tid) {
+#pragma unroll
+        for (int it = 0; it < N; ++it) {
+            const int i = tid + GQA_THREADS * it, row = i / PER_ROW, c = i % PER_ROW;
+            const int key = k0 + row;
+            const bool valid = key >= lo && key < hi;
+            const size_t e = valid ? head_off + (size_t)key * kv_stride + (size_t)(W * c) : 0;
+            if constexpr (!T::SCALED) {
+                cp_async16(dst + (u32)(row * ROW_BYTES + 16 * c), x + e, valid);
+            } else {
+                q[it] = valid ? ld_once16(x + e) : make_uint4(0, 0, 0, 0);
+                d[it] = valid ? xd[e / QK8_0] : (u16)0;
+            }
+        }
+    }
+
+    // q8_0: the fetched quants times their scale, rounded to fp16, into the stage at dst.
+    __device__ __forceinline__ void store(u32 dst, int tid) const {
+        if constexpr (T::SCALED) {
+#pragma unroll
+            for (int it = 0; it < N; ++it) {
+                const int i = tid + GQA_THREADS * it, row = i / PER_ROW, c = i % PER_ROW;
+                const float s = f16_to_f32(d[it]);
+                float v[16];
+                i8x4_to_f32(q[it].x, v);
+                i8x4_to_f32(q[it].y, v + 4);
+                i8x4_to_f32(q[it].z, v + 8);
+                i8x4_to_f32(q[it].w, v + 12);
+                u32 h[8];
+#pragma unroll
+                for (int k = 0; k < 8; ++k) h[k] = pack_f16x2(v[2 * k] * s, v[2 * k + 1] * s);
+                const u32 a = dst + (u32)(row * ROW_BYTES + 32 * c);
+                st_shared16(a, make_uint4(h[0], h[1], h[2], h[3]));
+                st_shared16(a + 16, make_uint4(h[4], h[5], h[6], h[7]));
+            }
+        }
+    }
+};
+
+}  // namespace k4gqa
+
+// q: (1, n_head, D) f32 (not read with fresh_q); k_cache, v_cache, k_d, v_d: as attn_kv (this
+// layer's planes, positions 0 .. n_ctx - 1); out: (1, n_head, D) f32. part: (1, n_head, n_split,
+// D + 2) f32 partials [m (log2 units), l, O[D]] of each (head, split) that holds keys, written
+// when n_split > 1; ticket: (n_head,) int32, zero on entry and left zero (entry hk * G counts the
+// group's splits). pos: (1,) int32, the query's position. split_len: keys per split, a multiple
+// of BK. scale, window, softcap, fresh_*, *_store, q_norm, k_norm, inv_freq, rope_dim, neox, eps,
+// mscale: as attn_kv.
+template <int D, int BK, class KT, class VT>
+__global__ void __launch_bounds__(GQA_THREADS, D <= 128 ? 3 : 1)
+attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
+         const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d,
+         float* __restrict__ out, float* __restrict__ part, int* __restrict__ ticket, const int* __restrict__ pos,
+         int n_head, int n_head_kv, int split_len, float scale, int window, float softcap,
+         const float* __restrict__ fresh_q, const float* __restrict__ fresh_k, const float* __restrict__ fresh_v,
+         typename KT::elem* k_store, u16* kd_store, typename VT::elem* v_store, u16* vd_store,
+         const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+         const double* __restrict__ inv_freq, int rope_dim, int neox, float eps, float mscale) {
+    using namespace k4mma;
+    static_assert(BK == 16 * GQA_WARPS, "each warp takes 16 keys of a tile");
+    static_assert(D % 16 == 0, "head_dim in 16-wide mma chunks");
+    static_assert(4 * GQA_WARPS * 16 * (D + 2) <= 2 * 2 * BK * (D + 8) * 2, "the warps' merge fits in the tiles' space");
+    constexpr int DP = D + 8;  // shared row stride (halves): ldmatrix rows hit all banks once
+    constexpr int ROW_BYTES = 2 * DP;
+    constexpr bool QREG = D <= 128;  // Q fragments live in registers
+    constexpr int NKC = D / 16, NOC = D / 8;
+    using KPlane = k4gqa::Plane<KT, D, BK, ROW_BYTES>;
+    using VPlane = k4gqa::Plane<VT, D, BK, ROW_BYTES>;
+    extern __shared__ uint4 gqa_buf[];
+    u16* Qs = reinterpret_cast<u16*>(gqa_buf);  // (16, DP) fp16 query rows, pre-scaled
+    u16* Ks = Qs + 16 * DP;                       // (2, BK, DP) keys, double-buffered
+    u16* Vs = Ks + 2 * BK * DP;                   // (2, BK, DP) values
+    float* scr = reinterpret_cast<float*>(Vs + 2 * BK * DP);  // (GQA_WARPS, D) a row in f32 per warp
+    auto* kcur = reinterpret_cast<typename KT::elem*>(scr + GQA_WARPS * D);  // (D,) the fresh key, cache form
+    auto* vcur = reinterpret_cast<typename VT::elem*>(reinterpret_cast<u16*>(kcur) + D);  // (D,) its value
+    u16* kdcur = reinterpret_cast<u16*>(vcur) + D;  // (D / 32,) their q8_0 scales (q8_0 planes only)
+    u16* vdcur = kdcur + D / QK8_0;
+    pdl_trigger();
+    pdl_wait();
+
+    const int hk = blockIdx.x, s = blockIdx.y, n_split = gridDim.y;
+    const int G = n_head / n_head_kv;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int n_kv = *pos + 1, p = n_kv - 1;
+    const int n_active = (n_kv + split_len - 1) / split_len;
+    const int lo = window > 0 ? max(0, n_kv - window) : 0;
+    const int first = lo / split_len;
+    if (s >= n_active || s < first) return;
+    const int begin = max(s * split_len, lo), end = min(n_kv, (s + 1) * split_len);
+    const size_t kv_stride = (size_t)n_head_kv * D;
+    const size_t head_off = (size_t)hk * D;
+    const u32 qs_base = smem_u32(Qs), ks_base = smem_u32(Ks), vs_base = smem_u32(Vs);
+    constexpr u32 STAGE = (u32)(BK * ROW_BYTES);
+
+    KPlane kp;
+    VPlane vp;
+    const int j_begin = begin / BK, n_tiles = (end + BK - 1) / BK;
+    auto fetch = [&](int j) {
+        const u32 st = (u32)(j & 1) * STAGE;
+        kp.fetch(k_cache, k_d, head_off, kv_stride, j * BK, begin, end, ks_base + st, tid);
+        vp.fetch(v_cache, v_d, head_off, kv_stride, j * BK, begin, end, vs_base + st, tid);
+        cp_async_commit();
+    };
+    fetch(j_begin);
+
+    // the group's query rows, rotated here (fresh) or read, times log2(e) * scale, as fp16
+    const float qscale = scale * 1.4426950408889634f;
+    const bool holds_p = fresh_q != nullptr && end == n_kv;  // this block stores and stages the token's k, v
+    float* wscr = scr + warp * D;
+    for (int r = warp; r < 16; r += GQA_WARPS) {
+        if (r < G && fresh_q != nullptr) {
+            k4ops::rope_row(fresh_q + (size_t)(hk * G + r) * D, wscr, nullptr, q_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
+            __syncwarp();
+        }
+        for (int i = lane; i < D; i += 32) {
+            const float v = r >= G ? 0.f : fresh_q != nullptr ? wscr[i] : q[(size_t)(hk * G + r) * D + i];
+            Qs[r * DP + i] = f32_to_f16(v * qscale);
+        }
+        __syncwarp();
+    }
+    if (holds_p && warp == 0) {
+        if constexpr (KT::SCALED) {  // rotated in f32, then quantized as rope.cu does
+            k4ops::rope_row(fresh_k + head_off, wscr, nullptr, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
+            __syncwarp();
+            KT::store_row(wscr, D, kcur, kdcur, 0, lane);
+        } else {
+            k4ops::rope_row(fresh_k + head_off, nullptr, kcur, k_norm, eps, inv_freq, (double)p, D, rope_dim, neox, lane, mscale);
+        }
+    }
+    if (holds_p && warp == 1) VT::store_row(fresh_v + head_off, D, vcur, vdcur, 0, lane);
+    __syncthreads();
+    if (holds_p) {  // cache row p: read by no block of this launch
+        const size_t row = (size_t)p * kv_stride + head_off;
+        for (int i = tid; i < D; i += GQA_THREADS) {
+            k_store[row + i] = kcur[i];
+            v_store[row + i] = vcur[i];
+        }
+        for (int i = tid; i < D / QK8_0; i += GQA_THREADS) {
+            if constexpr (KT::SCALED) kd_store[row / QK8_0 + i] = kdcur[i];
+            if constexpr (VT::SCALED) vd_store[row / QK8_0 + i] = vdcur[i];
+        }
+    }
+
+    u32 qf[QREG ? NKC : 1][4];  // A fragments of Q (D <= 128)
+    if constexpr (QREG) {
+#pragma unroll
+        for (int kc = 0; kc < NKC; ++kc)
+            ldsm_x4(qs_base + (u32)((lane & 15) * ROW_BYTES + 2 * (16 * kc + 8 * (lane >> 4))), qf[kc][0], qf[kc][1], qf[kc][2], qf[kc][3]);
+    }
+
+    float o[NOC][4], m[2], l[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        m[r] = -k4ops::inf_f32();
+        l[r] = 0.f;
+    }
+#pragma unroll
+    for (int c = 0; c < NOC; ++c)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[c][e] = 0.f;
+    const float cap2 = softcap * 1.4426950408889634f;  // the cap in log2 units
+    const int kw = 16 * warp;  // the warp's first key in a tile
+
+    for (int j = j_begin; j < n_tiles; ++j) {
+        const u32 st = (u32)(j & 1) * STAGE;
+        kp.store(ks_base + st, tid);  // q8_0: tile j, fetched during tile j - 1 (or above)
+        vp.store(vs_base + st, tid);
+        cp_async_wait_all();
+        __syncthreads();  // tile j is staged; every warp is done with tile j - 1
+        if (j + 1 < n_tiles) fetch(j + 1);
+        if (holds_p && j == n_tiles - 1) {  // the token's key and value, as staged from the cache
+            const int rp = p - j * BK;
+            for (int i = tid; i < D / 8; i += GQA_THREADS) {
+                stage8_now<KT>(ks_base + st + (u32)(rp * ROW_BYTES + 16 * i), kcur, kdcur, (size_t)(8 * i));
+                stage8_now<VT>(vs_base + st + (u32)(rp * ROW_BYTES + 16 * i), vcur, vdcur, (size_t)(8 * i));
+            }
+            __syncthreads();
+        }
+        const int k0 = j * BK + kw;
+        if (k0 >= end || k0 + 15 < begin) continue;  // none of the warp's 16 keys is visible
+        const u32 kb = ks_base + st, vb = vs_base + st;
+
+        float sc[2][4];
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sc[c][e] = 0.f;
+#pragma unroll
+        for (int kc = 0; kc < NKC; ++kc) {
+            u32 a[4];
+            if constexpr (QREG) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) a[e] = qf[kc][e];
+            } else {
+                ldsm_x4(qs_base + (u32)((lane & 15) * ROW_BYTES + 2 * (16 * kc + 8 * (lane >> 4))), a[0], a[1], a[2], a[3]);
+            }
+            u32 b0, b1, b2, b3;  // keys kw .. +7 (b0, b1) and +8 .. +15 (b2, b3), dims 16kc .. +15
+            ldsm_x4(kb + (u32)((kw + (lane & 7) + 8 * (lane >> 4)) * ROW_BYTES + 2 * (16 * kc + 8 * ((lane >> 3) & 1))), b0, b1, b2, b3);
+            mma16816(sc[0], a, b0, b1);
+            mma16816(sc[1], a, b2, b3);
+        }
+        if (softcap > 0.f) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sc[c][e] = cap2 * k4ops::tanh_f32(sc[c][e] / cap2);
+        }
+        if (k0 < begin || k0 + 15 >= end) {  // keys outside the visible range
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = k0 + 8 * c + 2 * t + (e & 1);
+                    if (key < begin || key >= end) sc[c][e] = -k4ops::inf_f32();
+                }
+        }
+        // online softmax: rows g (e = 0, 1) and g + 8 (e = 2, 3); a row's 4 lanes reduce by shuffles
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = fmaxf(m[r], fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]), fmaxf(sc[1][2 * r], sc[1][2 * r + 1])));
+            mx = fmaxf(mx, __shfl_xor_sync(k4ops::FULL_MASK, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(k4ops::FULL_MASK, mx, 2));
+            const float base = mx == -k4ops::inf_f32() ? 0.f : mx;  // no key yet: keep exp2 finite
+            const float corr = exp2f(m[r] - base);
+            m[r] = mx;
+            float rs = 0.f;
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                sc[c][2 * r] = exp2f(sc[c][2 * r] - base);
+                sc[c][2 * r + 1] = exp2f(sc[c][2 * r + 1] - base);
+                rs += sc[c][2 * r] + sc[c][2 * r + 1];
+            }
+            l[r] = l[r] * corr + rs;
+#pragma unroll
+            for (int c = 0; c < NOC; ++c) {
+                o[c][2 * r] *= corr;
+                o[c][2 * r + 1] *= corr;
+            }
+        }
+        // O += P V over the warp's 16 keys
+        const u32 a[4] = {pack_f16x2(sc[0][0], sc[0][1]), pack_f16x2(sc[0][2], sc[0][3]),
+                          pack_f16x2(sc[1][0], sc[1][1]), pack_f16x2(sc[1][2], sc[1][3])};
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+            u32 b0, b1, b2, b3;  // dims 16dp .. +7 (b0, b1) and +8 .. +15 (b2, b3), keys kw .. +15
+            ldsm_x4_trans(vb + (u32)((kw + (lane & 7) + 8 * ((lane >> 3) & 1)) * ROW_BYTES + 2 * (16 * dp + 8 * (lane >> 4))),
+                          b0, b1, b2, b3);
+            mma16816(o[2 * dp], a, b0, b1);
+            mma16816(o[2 * dp + 1], a, b2, b3);
+        }
+    }
+
+    // merge the warps: (m, l, O) of rows < G through shared memory (the tiles' space, now free)
+    float* wm = reinterpret_cast<float*>(Ks);  // (GQA_WARPS, 16) running max, log2 units
+    float* wl = wm + GQA_WARPS * 16;           // (GQA_WARPS, 16) sums
+    float* wo = wl + GQA_WARPS * 16;           // (GQA_WARPS, 16, D) unnormalized outputs
+    __syncthreads();  // every warp is done with the tiles
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float lr = l[r];
+        lr += __shfl_xor_sync(k4ops::FULL_MASK, lr, 1);
+        lr += __shfl_xor_sync(k4ops::FULL_MASK, lr, 2);
+        const int row = g + 8 * r;
+        if (row >= G) continue;
+        if (t == 0) {
+            wm[warp * 16 + row] = m[r];
+            wl[warp * 16 + row] = lr;
+        }
+        float* dst = wo + (warp * 16 + row) * D + 2 * t;
+#pragma unroll
+        for (int c = 0; c < NOC; ++c) *reinterpret_cast<float2*>(dst + 8 * c) = make_float2(o[c][2 * r], o[c][2 * r + 1]);
+    }
+    __syncthreads();
+    for (int i = tid; i < G * D; i += GQA_THREADS) {
+        const int r = i / D, c = i % D;
+        float M = -k4ops::inf_f32();
+#pragma unroll
+        for (int w = 0; w < GQA_WARPS; ++w) M = fmaxf(M, wm[w * 16 + r]);
+        float L = 0.f, a = 0.f;
+#pragma unroll
+        for (int w = 0; w < GQA_WARPS; ++w) {
+            const float f = exp2f(wm[w * 16 + r] - M);
+            L += wl[w * 16 + r] * f;
+            a += wo[(w * 16 + r) * D + c] * f;
+        }
+        const int h = hk * G + r;
+        if (n_split == 1) {
+            out[(size_t)h * D + c] = a / L;
+        } else {
+            float* pr = part + ((size_t)h * n_split + s) * (D + 2);
+            pr[2 + c] = a;
+            if (c == 0) {
+                pr[0] = M;
+                pr[1] = L;
+            }
+        }
+    }
+    if (n_split == 1) return;
+    // the last split of the group to finish merges the partials (split_merge.cuh)
+    __shared__ int is_last;
+    __syncthreads();
+    if (tid == 0) {
+        __threadfence();
+        is_last = atomicAdd(ticket + hk * G, 1) == n_active - first - 1;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    merge_splits<true>(part, hk * G, G, n_split, first, n_active, D, out, wm, tid, GQA_THREADS);
+    if (tid == 0) ticket[hk * G] = 0;
+}

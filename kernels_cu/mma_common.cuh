@@ -1,0 +1,83 @@
+// Tensor-core helpers of the attention kernels on mma.sync (attention_mma.cu: prefill,
+// attention_gqa.cu: grouped-query decode): shared-memory addresses, cp.async, ldmatrix, the
+// m16n8k16 fp16 mma with f32 accumulators (operand layouts: PTX ISA, "Matrix Fragments for
+// mma.m16n8k16 with floating point type"), fp16 packing, and the staging of 8 cache values
+// (kv_cache.cuh types) as fp16 into a shared tile.
+#pragma once
+#include "kv_cache.cuh"
+
+namespace k4mma {
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes global -> shared, asynchronously; valid = false writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// Four 8x8 fp16 matrices; lane i gives the row address of matrix i / 8, row i % 8.
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+// c (16x8 f32) += a (16x16 fp16, row) * b (16x8 fp16, col).
+__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 16 bytes to shared memory at dst.
+__device__ __forceinline__ void st_shared16(u32 dst, uint4 v) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// Two floats rounded to fp16, lo in the low half.
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Cache values e .. e + 7 of a plane of type T (kv_cache.cuh) as 8 fp16 at shared address dst;
+// valid = false stores zeros and reads nothing. fp16 planes are copied by cp.async (the caller
+// commits the group); q8_0 planes are loaded, dequantized (q * d rounded to fp16) and stored.
+template <class T>
+__device__ __forceinline__ void stage8(u32 dst, const typename T::elem* x, const u16* d, size_t e, bool valid) {
+    if constexpr (!T::SCALED) {
+        cp_async16(dst, x + e, valid);  // e = 0 when not valid
+    } else {
+        float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (valid) T::unpack(T::load(x, d, e), v);
+        st_shared16(dst, make_uint4(pack_f16x2(v[0], v[1]), pack_f16x2(v[2], v[3]), pack_f16x2(v[4], v[5]), pack_f16x2(v[6], v[7])));
+    }
+}
+
+// stage8 of values e .. e + 7 from any address (global or shared), synchronously.
+template <class T>
+__device__ __forceinline__ void stage8_now(u32 dst, const typename T::elem* x, const u16* d, size_t e) {
+    const typename T::raw8 r = T::load(x, d, e);
+    if constexpr (!T::SCALED) {
+        st_shared16(dst, r.h);
+    } else {
+        float v[8];
+        T::unpack(r, v);
+        st_shared16(dst, make_uint4(pack_f16x2(v[0], v[1]), pack_f16x2(v[2], v[3]), pack_f16x2(v[4], v[5]), pack_f16x2(v[6], v[7])));
+    }
+}
+
+}  // namespace k4mma

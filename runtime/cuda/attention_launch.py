@@ -1,0 +1,207 @@
+"""Launchers of k4's attention kernels (kernels_cu/attention.cu attn_kv, attention_tiled.cu,
+attention_mma.cu, attention_gqa.cu), the one selector among them (attention_kernel), and the
+sizing of decode attention's split over the sequence (flash-decoding): how many splits of how
+many keys, per range of context lengths.
+
+AttentionLaunchers is a part of ops.Ops (it uses its function(), _launch() and switches): the
+attention family's launchers live here, the other kernels' in ops.py. Shapes and dtypes are
+checked on the host; the kernels trust their inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cupy as cp
+import numpy as np
+
+from ..kv_types import KVTypes
+from .constants import ATT_MAX_SPLIT, ATT_THREADS, GQA_THREADS, MMA_BQ, MMA_THREADS, TILE_Q, TILE_THREADS, att_smem, gqa_smem, tiled_smem
+from .constants import mma_smem as _mma_smem
+from .kernel_names import FILE_OF, GQA_TILE_KEYS, MMA_TILE_KEYS, TILED_HEAD_DIMS, kv_args
+from .kv_cache import NO_SCALES, cache_types, planes as _planes
+from .launch import blocks_per_sm, device_limits
+from .op_args import NULL, PLAIN, AttnShape, FreshKV, check_f32, row_stride
+
+ATT_SPLIT_KEYS = 32  # attn_kv's decode splits are multiples of this many keys (one round of the kernel)
+MAX_HEAD_DIM = 8 * ATT_THREADS
+MAX_GROUP = 16  # attn_gqa: query heads per KV head, the rows of one mma tile
+
+
+def mma_smem(D: int) -> int:
+    """Dynamic shared memory (bytes) of the attn_mma instance for head_dim D (constants.mma_smem
+    with the instance's keys per tile, kernel_names.MMA_TILE_KEYS)."""
+    return _mma_smem(D, MMA_TILE_KEYS[D])
+
+
+def attention_split(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, keys: int = ATT_SPLIT_KEYS) -> tuple[int, int]:
+    """(n_split, split_len) for decode attention over a cache of n_ctx positions: at most
+    max_split splits (ATT_MAX_SPLIT at most), each a multiple of `keys` keys (the kernel's granularity:
+    ATT_SPLIT_KEYS for attn_kv, its tile for attn_gqa); (1, n_ctx) when split is off. Splits
+    past the current position exit at once. Measured on the H200 (attn_kv, 32 heads of 128, one
+    query): the best split is about the shortest whose blocks all fit on the GPU at once
+    (max_split = resident blocks / blocks per split, Ops.decode_plan): 1,100 keys 11.9 µs
+    (18 x 64) against 16.3 (35 x 32); 4,160 keys 26.8 (26 x 160) against 30.9 (44 x 96); 16,448
+    keys 73.7 (28 x 608) against 77.9 (58 x 288) and 104.4 (31 x 544, 992 blocks: two rounds)."""
+    if not split:
+        return 1, n_ctx
+    max_split = max(1, min(ATT_MAX_SPLIT, max_split))
+    split_len = -(-math.ceil(n_ctx / max_split) // keys) * keys
+    return -(-n_ctx // split_len), split_len
+
+
+def attention_lanes(n_head: int, n_head_kv: int) -> int:
+    """Lanes of attn_kv that dot one key with the query (its `lanes` argument): 8, or 4 for a
+    grouped-query model, whose query heads share their keys through L2 and so wait less on
+    memory than on the shuffles that sum a score (log2 lanes per key). Measured on the H200
+    (head_dim 128, tg32, GPU ms per token), 16 / 8 / 4 / 2 lanes: Llama 2 7B at depth 16,384
+    3.789 / 3.717 / 4.061 / 4.196; Llama 3 8B (4 query heads per KV head) at 32,768
+    5.030 / 4.595 / 4.435 / 5.068."""
+    return 4 if n_head > n_head_kv else 8
+
+
+def split_buckets(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, keys: int = ATT_SPLIT_KEYS) -> list[tuple[int, int, int]]:
+    """The decode attention configurations of a cache of n_ctx positions, one per range of
+    context lengths: [(limit, n_split, split_len)], limits ascending (512, 768, 1024, 1536, ...,
+    then n_ctx), each attention_split(limit, split, max_split, keys) and valid while the keys
+    attended (position + 1) are at most its limit. A step then launches the splits its length
+    needs, of a length suited to it, whatever n_ctx is. One entry when split is off."""
+    limits = []
+    limit = 512
+    while split and limit < n_ctx:
+        limits.append(limit)
+        limit = limit * 3 // 2 if limit & (limit - 1) == 0 else limit * 4 // 3  # 512, 768, 1024, 1536, ...
+    return [(L, *attention_split(L, split, max_split, keys)) for L in (*limits, n_ctx)]
+
+
+class AttentionLaunchers:
+    """The attention part of ops.Ops. Switches (Ops attributes): `mma` (K4_MMA_ATTN: prefill on
+    attn_mma), `tiled` (K4_TILED_ATTN: else attn_tiled), `gqa` (K4_GQA_MMA: decode of a
+    grouped-query model on attn_gqa), `kv` (the cache types the kernels are listed for)."""
+
+    def attention_kernel(self, n_tok: int, D: int, kv: KVTypes | None = None, group: int = 1) -> str:
+        """The attention kernel for n_tok queries of head_dim D over a cache of types kv (default
+        self.kv), group query heads per KV head (the selector): several queries run attn_mma
+        (tensor cores) with `mma`, else attn_tiled with `tiled`, where D has an instance; one
+        query of a grouped-query model (2 <= group <= MAX_GROUP) runs attn_gqa with `gqa` where
+        D has an instance; the rest runs attn_kv."""
+        kv = kv or self.kv
+        types = kv_args(kv.k, kv.v)
+        if n_tok > 1 and self.mma and D in MMA_TILE_KEYS:
+            return f"attn_mma<{D}, {MMA_TILE_KEYS[D]}, {types}>"
+        if n_tok > 1 and self.tiled and D in TILED_HEAD_DIMS:
+            return f"attn_tiled<{D}, {types}>"
+        if n_tok == 1 and self.gqa and 2 <= group <= MAX_GROUP and D in GQA_TILE_KEYS:
+            return f"attn_gqa<{D}, {GQA_TILE_KEYS[D]}, {types}>"
+        return f"attn_kv<{types}>"
+
+    def decode_plan(self, head_dim: int, n_head: int, n_head_kv: int) -> tuple[int, int]:
+        """(max_split, keys) of split decode attention for a model of this shape: the splits one
+        round of the decode kernel runs (its resident blocks on this GPU / its blocks per split:
+        n_head for attn_kv, n_head_kv for attn_gqa) and the keys a split length is a multiple of."""
+        name = self.attention_kernel(1, head_dim, group=n_head // n_head_kv)
+        kernel = self.function(FILE_OF[name], name)
+        if name.startswith("attn_gqa"):
+            smem = gqa_smem(head_dim, GQA_TILE_KEYS[head_dim])
+            if kernel.max_dynamic_shared_size_bytes < smem:
+                kernel.max_dynamic_shared_size_bytes = smem
+            blocks = device_limits()[0] * blocks_per_sm(kernel, GQA_THREADS, smem)
+            return max(1, blocks // n_head_kv), GQA_TILE_KEYS[head_dim]
+        blocks = device_limits()[0] * blocks_per_sm(kernel, ATT_THREADS, att_smem(head_dim))
+        return max(1, blocks // n_head), ATT_SPLIT_KEYS
+
+    def decode_splits(self, n_ctx: int, split: bool, head_dim: int, n_head: int, n_head_kv: int) -> list[tuple[int, int, int]]:
+        """split_buckets of a cache of n_ctx positions for a model of this shape (decode_plan)."""
+        max_split, keys = self.decode_plan(head_dim, n_head, n_head_kv) if split else (1, ATT_SPLIT_KEYS)
+        return split_buckets(n_ctx, split, max_split, keys)
+
+    def attention(self, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, out: cp.ndarray, pos: cp.ndarray,
+                  n_split: int = 1, split_len: int = 0, part: cp.ndarray | None = None,
+                  ticket: cp.ndarray | None = None, fresh: FreshKV | None = None, shape: AttnShape = PLAIN,
+                  scales: tuple = NO_SCALES) -> None:
+        """Causal attention of q over the cache; query t sits at position pos + t.
+
+        q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx, n_head_kv, D) fp16, or int8
+        quants of a q8_0 plane with its scales in `scales` (cache_types; one layer); pos: (1,)
+        int32 device scalar. The kernel is attention_kernel's choice. For attn_kv and attn_gqa
+        (one query), n_split > 1 splits each query's keys into blocks of split_len (n_split *
+        split_len >= n_ctx; a multiple of decode_plan's keys) whose partials go to part:
+        (n_tok, n_head, n_split, D + 2) f32, merged by the last block of each head (group) to
+        finish, counted in ticket: (n_tok * n_head,) int32, zeros (and left so); the prefill
+        kernels take n_split = 1. attn_mma and attn_gqa round Q and P to fp16 (f32 accumulation).
+
+        fresh: None, or for one query (decode) the RoPE and cache store of rope_qk_store done
+        inside the kernel (FreshKV); q is then not read, and the token's k and v are written to
+        cache row pos. shape: the query scale, sliding window and score soft-cap (AttnShape).
+        """
+        n_tok, n_head, D = q.shape
+        n_ctx, n_head_kv, _ = k_cache.shape
+        check_f32(q, n_tok, n_head, D)
+        check_f32(out, n_tok, n_head, D)
+        types = cache_types(k_cache, v_cache, scales)
+        assert k_cache.shape == (n_ctx, n_head_kv, D)
+        assert D % 8 == 0 and D <= MAX_HEAD_DIM and n_head % n_head_kv == 0
+        assert pos.dtype == cp.int32 and pos.size == 1
+        name = self.attention_kernel(n_tok, D, types, n_head // n_head_kv)
+        planes = _planes(k_cache, v_cache, scales)
+        if name.startswith(("attn_mma", "attn_tiled")):
+            assert n_split == 1 and fresh is None
+            self._attention_tiles(name, q, planes, out, pos, shape)
+        else:
+            self._attention_rows(name, q, planes, out, pos, n_split, split_len, part, ticket, fresh, shape)
+
+    def _attention_tiles(self, name: str, q, planes: tuple, out, pos, shape: AttnShape) -> None:
+        """Launch attn_mma or attn_tiled (planes: k, k_d, v, v_d): several queries per block,
+        keys staged in shared memory."""
+        n_tok, n_head, D = q.shape
+        n_head_kv = planes[0].shape[1]
+        mma = name.startswith("attn_mma")
+        smem = mma_smem(D) if mma else tiled_smem(D)
+        kernel = self.function(FILE_OF[name], name)
+        if kernel.max_dynamic_shared_size_bytes < smem:
+            kernel.max_dynamic_shared_size_bytes = smem
+        rows, threads = (MMA_BQ, MMA_THREADS) if mma else (TILE_Q, TILE_THREADS)
+        self._launch(FILE_OF[name], name, (n_head, -(-n_tok // rows)), (threads,),
+                     (q, *planes, out, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv),
+                      *shape.kernel_args(D)), shared_mem=smem)
+
+    def _attention_rows(self, name: str, q, planes: tuple, out, pos, n_split: int, split_len: int, part, ticket,
+                        fresh: FreshKV | None, shape: AttnShape) -> None:
+        """Launch attn_kv (one block per (head, query, split)) or attn_gqa (one block per (KV
+        head, split), one query) (planes: k, k_d, v, v_d), optionally with RoPE and the cache
+        store of the token fused in (fresh)."""
+        n_tok, n_head, D = q.shape
+        n_ctx, n_head_kv, _ = planes[0].shape
+        gqa = name.startswith("attn_gqa")
+        if n_split == 1:
+            split_len = n_ctx
+        else:
+            assert split_len > 0 and n_split * split_len >= n_ctx
+            assert not gqa or split_len % GQA_TILE_KEYS[D] == 0
+            assert part is not None and ticket is not None
+            check_f32(part, n_tok, n_head, n_split, D + 2)
+            assert ticket.dtype == cp.int32 and ticket.size == n_tok * n_head and ticket.flags.c_contiguous
+        rope = (NULL,) * 10 + (np.int32(0), np.int32(0), np.float32(0), np.float32(1))
+        if fresh is not None:
+            assert n_tok == 1
+            row_stride(fresh.q, 1, n_head * D)
+            row_stride(fresh.k, 1, n_head_kv * D)
+            row_stride(fresh.v, 1, n_head_kv * D)
+            r = fresh.rope
+            r.check(D)
+            rope = (fresh.q, fresh.k, fresh.v, *planes, *r.kernel_args(), np.int32(r.rope_dim), np.int32(r.neox),
+                    np.float32(r.eps), np.float32(r.mscale))
+        head = (q, *planes, out, NULL if n_split == 1 else part, NULL if n_split == 1 else ticket, pos)
+        if gqa:
+            assert n_tok == 1
+            smem = gqa_smem(D, GQA_TILE_KEYS[D])
+            kernel = self.function(FILE_OF[name], name)
+            if kernel.max_dynamic_shared_size_bytes < smem:
+                kernel.max_dynamic_shared_size_bytes = smem
+            self._launch(FILE_OF[name], name, (n_head_kv, n_split), (GQA_THREADS,),
+                         (*head, np.int32(n_head), np.int32(n_head_kv), np.int32(split_len), *shape.kernel_args(D), *rope),
+                         shared_mem=smem)
+            return
+        self._launch("attention.cu", name, (n_head, n_tok, n_split), (ATT_THREADS,),
+                     (*head, np.int32(n_head), np.int32(n_head_kv), np.int32(D), np.int32(split_len),
+                      np.int32(attention_lanes(n_head, n_head_kv)), *shape.kernel_args(D), *rope), shared_mem=att_smem(D))
