@@ -12,10 +12,11 @@
 // time on the scalar dot products and their shuffles, not on the bytes (docs/PERF.md, session 8).
 //
 // Split over the sequence like attn_kv (flash-decoding, Dao et al. 2023): block (hk, s) takes the
-// keys of split s (split_len, a multiple of BK) in tiles of BK keys, double-buffered in shared
-// memory. fp16 planes are copied by cp.async; q8_0 planes are loaded into registers during the
-// tile before (16 quants and their block's scale per chunk) and dequantized to fp16 (q * d, as
-// attn_mma's staging) into the next stage at the top of the iteration. Rows outside the split's
+// keys of split s (split_len, a multiple of BK) in tiles of BK keys, S tiles in flight in shared
+// memory (cp.async groups; S - 1 land while one is used: one tile in flight per block left the
+// loads waiting on the memory's latency, not its bandwidth). fp16 planes are copied into S fp16
+// stages; q8_0 planes' quants and scales into S raw stages, and the tile about to be used is
+// dequantized (q * d rounded to fp16, as attn_mma's staging) into one fp16 tile. Rows outside the split's
 // visible range [begin, end) are zero-filled, so the cache's garbage never reaches an mma, and
 // masked to -inf in S.
 // Within the block, warp w takes keys 16w .. 16w + 15 of every tile with its own online softmax
@@ -29,7 +30,7 @@
 // writes k and v in the cache's form to cache row p (no other block reads that row) and puts
 // them, as the tile staging would have, into the row of p in its last tile.
 // Grid: (n_head_kv, n_split); block: GQA_THREADS = 32 * GQA_WARPS; dynamic shared memory
-// gqa_smem(D, BK) (attention_sizes.cuh). Requires BK == 16 * GQA_WARPS, D % 16 == 0, D % 32 == 0
+// gqa_smem(D, BK, S, KT::SCALED, VT::SCALED) (attention_sizes.cuh). Requires BK == 16 * GQA_WARPS, D % 16 == 0, D % 32 == 0
 // for a q8_0 plane, one query (decode).
 // Thread mapping: lane = 4g + t holds, per 8-column chunk of S or O, rows g and g + 8 and columns
 // 2t, 2t + 1 (the mma accumulator layout); tile loads: thread tid copies 16-byte chunks tid,
@@ -38,57 +39,95 @@
 namespace k4gqa {
 using namespace k4mma;
 
-// The staging of one plane (keys or values) of a tile. Rows of ROW_BYTES bytes in shared memory.
-template <class T, int D, int BK, int ROW_BYTES>
-struct Plane {
-    static constexpr int W = T::SCALED ? 16 : 8;  // values per 16-byte chunk of the cache
-    static constexpr int PER_ROW = D / W;
-    static constexpr int N = BK * PER_ROW / GQA_THREADS;  // chunks per thread and tile
-    static_assert(BK * PER_ROW % GQA_THREADS == 0, "a tile's chunks spread evenly over the block");
-    uint4 q[T::SCALED ? N : 1];  // q8_0: the next tile's quants
-    u16 d[T::SCALED ? N : 1];    // and their blocks' scales
+// 4 int8 of a word times the fp16 scale d, as 4 fp16 in h[0] (values 0, 1) and h[1] (2, 3),
+// each q * d rounded once to nearest even: the bits that converting q and d to f32, multiplying
+// (exact: 8 by 11 significant bits) and rounding to fp16 give, in 3 instructions per pair
+// instead of 8. Byte b + 128 as the low mantissa bits of fp16 1024 is 1024 + b + 128 (one byte
+// permute for two values); minus 1152 is b, exactly; times d rounds once.
+__device__ __forceinline__ void i8x4_to_f16_scaled(u32 w, u32 d, u32* h) {
+    const u32 u = w ^ 0x80808080u, d2 = d | (d << 16);
+    const u32 lo = __byte_perm(u, 0x64646464u, 0x5140), hi = __byte_perm(u, 0x64646464u, 0x7362);
+    asm("{ .reg .b32 t; sub.rn.f16x2 t, %1, %2; mul.rn.f16x2 %0, t, %3; }" : "=r"(h[0]) : "r"(lo), "r"(0x64806480u), "r"(d2));
+    asm("{ .reg .b32 t; sub.rn.f16x2 t, %1, %2; mul.rn.f16x2 %0, t, %3; }" : "=r"(h[1]) : "r"(hi), "r"(0x64806480u), "r"(d2));
+}
+
+// The staging of one plane (keys or values) of S tiles in flight, for cache type T; rows of the
+// fp16 tile the mmas read are ROW_BYTES apart. Specialized below: fp16 planes copy straight into
+// S fp16 stages; q8_0 planes copy their quants and scales into S raw stages and dequantize the
+// tile about to be used into one fp16 tile (prepare).
+template <class T, int D, int BK, int S, int ROW_BYTES, bool SCALED = T::SCALED>
+struct Plane;
+
+template <class T, int D, int BK, int S, int ROW_BYTES>
+struct Plane<T, D, BK, S, ROW_BYTES, false> {
+    static constexpr int STAGE = BK * ROW_BYTES;
+    static constexpr int BYTES = S * STAGE;  // shared memory
+    static constexpr int N = BK * (D / 8) / GQA_THREADS;  // 16-byte chunks per thread and tile
+    static_assert(BK * (D / 8) % GQA_THREADS == 0, "a tile's chunks spread evenly over the block");
+    u32 base;
 
     // Keys k0 .. k0 + BK - 1 of this KV head (element head_off at position 0, kv_stride elements
-    // a position): fp16 by cp.async into the stage at shared address dst (the caller commits);
-    // q8_0 into registers. Keys outside [lo, hi) read nothing and stage zeros.
-    __device__ __forceinline__ void fetch(const typename T::elem* x, const u16* xd, size_t head_off, size_t kv_stride,
-                                          int k0, int lo, int hi, u32 dst, int tid) {
+    // a position) into stage j % S; keys outside [lo, hi) read nothing and stage zeros.
+    __device__ __forceinline__ void fetch(const typename T::elem* x, const u16*, size_t head_off, size_t kv_stride, int j,
+                                          int lo, int hi, int tid) const {
+        const u32 dst = base + (u32)((j % S) * STAGE);
 #pragma unroll
         for (int it = 0; it < N; ++it) {
-            const int i = tid + GQA_THREADS * it, row = i / PER_ROW, c = i % PER_ROW;
-            const int key = k0 + row;
+            const int i = tid + GQA_THREADS * it, row = i / (D / 8), c = i % (D / 8);
+            const int key = j * BK + row;
             const bool valid = key >= lo && key < hi;
-            const size_t e = valid ? head_off + (size_t)key * kv_stride + (size_t)(W * c) : 0;
-            if constexpr (!T::SCALED) {
-                cp_async16(dst + (u32)(row * ROW_BYTES + 16 * c), x + e, valid);
-            } else {
-                q[it] = valid ? ld_once16(x + e) : make_uint4(0, 0, 0, 0);
-                d[it] = valid ? xd[e / QK8_0] : (u16)0;
-            }
+            cp_async16(dst + (u32)(row * ROW_BYTES + 16 * c), x + (valid ? head_off + (size_t)key * kv_stride + 8 * c : 0), valid);
         }
     }
+    __device__ __forceinline__ void prepare(int, int) const {}
+    __device__ __forceinline__ u32 tile(int j) const { return base + (u32)((j % S) * STAGE); }
+};
 
-    // q8_0: the fetched quants times their scale, rounded to fp16, into the stage at dst.
-    __device__ __forceinline__ void store(u32 dst, int tid) const {
-        if constexpr (T::SCALED) {
+template <class T, int D, int BK, int S, int ROW_BYTES>
+struct Plane<T, D, BK, S, ROW_BYTES, true> {
+    static constexpr int SC_ROW = D / QK8_0 * 2;               // bytes of one row's scales (4, 8 or 16)
+    static constexpr int QUANTS = BK * D;                      // bytes of a stage's quants, rows of D
+    static constexpr int RAW = (QUANTS + BK * SC_ROW + 15) / 16 * 16;  // a raw stage: quants, then scales
+    static constexpr int BYTES = S * RAW + BK * ROW_BYTES;     // shared memory: S raw stages, one fp16 tile
+    static constexpr int N = BK * (D / 16) / GQA_THREADS;      // 16-quant chunks per thread and tile
+    static_assert(BK * (D / 16) % GQA_THREADS == 0, "a tile's chunks spread evenly over the block");
+    u32 base;  // the raw stages; the fp16 tile follows them
+
+    __device__ __forceinline__ void fetch(const typename T::elem* x, const u16* xd, size_t head_off, size_t kv_stride, int j,
+                                          int lo, int hi, int tid) const {
+        const u32 dst = base + (u32)((j % S) * RAW);
 #pragma unroll
-            for (int it = 0; it < N; ++it) {
-                const int i = tid + GQA_THREADS * it, row = i / PER_ROW, c = i % PER_ROW;
-                const float s = f16_to_f32(d[it]);
-                float v[16];
-                i8x4_to_f32(q[it].x, v);
-                i8x4_to_f32(q[it].y, v + 4);
-                i8x4_to_f32(q[it].z, v + 8);
-                i8x4_to_f32(q[it].w, v + 12);
-                u32 h[8];
-#pragma unroll
-                for (int k = 0; k < 8; ++k) h[k] = pack_f16x2(v[2 * k] * s, v[2 * k + 1] * s);
-                const u32 a = dst + (u32)(row * ROW_BYTES + 32 * c);
-                st_shared16(a, make_uint4(h[0], h[1], h[2], h[3]));
-                st_shared16(a + 16, make_uint4(h[4], h[5], h[6], h[7]));
-            }
+        for (int it = 0; it < N; ++it) {
+            const int i = tid + GQA_THREADS * it, row = i / (D / 16), c = i % (D / 16);
+            const int key = j * BK + row;
+            const bool valid = key >= lo && key < hi;
+            cp_async16(dst + (u32)(row * D + 16 * c), x + (valid ? head_off + (size_t)key * kv_stride + 16 * c : 0), valid);
+        }
+        for (int row = tid; row < BK; row += GQA_THREADS) {
+            const int key = j * BK + row;
+            const bool valid = key >= lo && key < hi;
+            cp_async_small<SC_ROW>(dst + (u32)(QUANTS + row * SC_ROW), xd + (valid ? (head_off + (size_t)key * kv_stride) / QK8_0 : 0), valid);
         }
     }
+    // Tile j's quants times their scales, rounded to fp16 (the bits of attn_mma's staging), into the fp16 tile.
+    __device__ __forceinline__ void prepare(int j, int tid) const {
+        const u32 src = base + (u32)((j % S) * RAW), dst = base + (u32)(S * RAW);
+#pragma unroll
+        for (int it = 0; it < N; ++it) {
+            const int i = tid + GQA_THREADS * it, row = i / (D / 16), c = i % (D / 16);
+            const uint4 q = ld_shared16(src + (u32)(row * D + 16 * c));
+            const u32 d = ld_shared_u16(src + (u32)(QUANTS + row * SC_ROW + 2 * (c / 2)));
+            u32 h[8];
+            i8x4_to_f16_scaled(q.x, d, h);
+            i8x4_to_f16_scaled(q.y, d, h + 2);
+            i8x4_to_f16_scaled(q.z, d, h + 4);
+            i8x4_to_f16_scaled(q.w, d, h + 6);
+            const u32 a = dst + (u32)(row * ROW_BYTES + 32 * c);
+            st_shared16(a, make_uint4(h[0], h[1], h[2], h[3]));
+            st_shared16(a + 16, make_uint4(h[4], h[5], h[6], h[7]));
+        }
+    }
+    __device__ __forceinline__ u32 tile(int) const { return base + (u32)(S * RAW); }
 };
 
 }  // namespace k4gqa
@@ -100,8 +139,8 @@ struct Plane {
 // group's splits). pos: (1,) int32, the query's position. split_len: keys per split, a multiple
 // of BK. scale, window, softcap, fresh_*, *_store, q_norm, k_norm, inv_freq, rope_dim, neox, eps,
 // mscale: as attn_kv.
-template <int D, int BK, class KT, class VT>
-__global__ void __launch_bounds__(GQA_THREADS, D <= 128 ? 3 : 1)
+template <int D, int BK, int S, class KT, class VT>
+__global__ void __launch_bounds__(GQA_THREADS, D <= 128 ? 2 : 1)
 attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
          const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d,
          float* __restrict__ out, float* __restrict__ part, int* __restrict__ ticket, const int* __restrict__ pos,
@@ -113,18 +152,20 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     using namespace k4mma;
     static_assert(BK == 16 * GQA_WARPS, "each warp takes 16 keys of a tile");
     static_assert(D % 16 == 0, "head_dim in 16-wide mma chunks");
-    static_assert(4 * GQA_WARPS * 16 * (D + 2) <= 2 * 2 * BK * (D + 8) * 2, "the warps' merge fits in the tiles' space");
     constexpr int DP = D + 8;  // shared row stride (halves): ldmatrix rows hit all banks once
     constexpr int ROW_BYTES = 2 * DP;
     constexpr bool QREG = D <= 128;  // Q fragments live in registers
     constexpr int NKC = D / 16, NOC = D / 8;
-    using KPlane = k4gqa::Plane<KT, D, BK, ROW_BYTES>;
-    using VPlane = k4gqa::Plane<VT, D, BK, ROW_BYTES>;
+    using KPlane = k4gqa::Plane<KT, D, BK, S, ROW_BYTES>;
+    using VPlane = k4gqa::Plane<VT, D, BK, S, ROW_BYTES>;
+    static_assert(S >= 2, "at least one tile in flight while another is used");
+    static_assert(4 * GQA_WARPS * 16 * (D + 2) <= KPlane::BYTES + VPlane::BYTES, "the warps' merge fits in the tiles' space");
+    static_assert(gqa_smem(D, BK, S, KT::SCALED, VT::SCALED) == 32 * DP + KPlane::BYTES + VPlane::BYTES + 4 * GQA_WARPS * D + 4 * D + D / 8,
+                  "attention_sizes.cuh gqa_smem is this layout");
     extern __shared__ uint4 gqa_buf[];
     u16* Qs = reinterpret_cast<u16*>(gqa_buf);  // (16, DP) fp16 query rows, pre-scaled
-    u16* Ks = Qs + 16 * DP;                       // (2, BK, DP) keys, double-buffered
-    u16* Vs = Ks + 2 * BK * DP;                   // (2, BK, DP) values
-    float* scr = reinterpret_cast<float*>(Vs + 2 * BK * DP);  // (GQA_WARPS, D) a row in f32 per warp
+    u8* planes = reinterpret_cast<u8*>(Qs + 16 * DP);  // the key plane's stages (KPlane::BYTES), then the value plane's
+    float* scr = reinterpret_cast<float*>(planes + KPlane::BYTES + VPlane::BYTES);  // (GQA_WARPS, D) a row in f32 per warp
     auto* kcur = reinterpret_cast<typename KT::elem*>(scr + GQA_WARPS * D);  // (D,) the fresh key, cache form
     auto* vcur = reinterpret_cast<typename VT::elem*>(reinterpret_cast<u16*>(kcur) + D);  // (D,) its value
     u16* kdcur = reinterpret_cast<u16*>(vcur) + D;  // (D / 32,) their q8_0 scales (q8_0 planes only)
@@ -143,19 +184,19 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     const int begin = max(s * split_len, lo), end = min(n_kv, (s + 1) * split_len);
     const size_t kv_stride = (size_t)n_head_kv * D;
     const size_t head_off = (size_t)hk * D;
-    const u32 qs_base = smem_u32(Qs), ks_base = smem_u32(Ks), vs_base = smem_u32(Vs);
-    constexpr u32 STAGE = (u32)(BK * ROW_BYTES);
-
-    KPlane kp;
-    VPlane vp;
+    const u32 qs_base = smem_u32(Qs);
+    const KPlane kp{smem_u32(planes)};
+    const VPlane vp{smem_u32(planes + KPlane::BYTES)};
     const int j_begin = begin / BK, n_tiles = (end + BK - 1) / BK;
-    auto fetch = [&](int j) {
-        const u32 st = (u32)(j & 1) * STAGE;
-        kp.fetch(k_cache, k_d, head_off, kv_stride, j * BK, begin, end, ks_base + st, tid);
-        vp.fetch(v_cache, v_d, head_off, kv_stride, j * BK, begin, end, vs_base + st, tid);
+    auto fetch = [&](int j) {  // tile j into its stages, as one cp.async group (empty past the last tile)
+        if (j < n_tiles) {
+            kp.fetch(k_cache, k_d, head_off, kv_stride, j, begin, end, tid);
+            vp.fetch(v_cache, v_d, head_off, kv_stride, j, begin, end, tid);
+        }
         cp_async_commit();
     };
-    fetch(j_begin);
+#pragma unroll
+    for (int u = 0; u < S - 1; ++u) fetch(j_begin + u);
 
     // the group's query rows, rotated here (fresh) or read, times log2(e) * scale, as fp16
     const float qscale = scale * 1.4426950408889634f;
@@ -216,23 +257,24 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     const int kw = 16 * warp;  // the warp's first key in a tile
 
     for (int j = j_begin; j < n_tiles; ++j) {
-        const u32 st = (u32)(j & 1) * STAGE;
-        kp.store(ks_base + st, tid);  // q8_0: tile j, fetched during tile j - 1 (or above)
-        vp.store(vs_base + st, tid);
-        cp_async_wait_all();
-        __syncthreads();  // tile j is staged; every warp is done with tile j - 1
-        if (j + 1 < n_tiles) fetch(j + 1);
-        if (holds_p && j == n_tiles - 1) {  // the token's key and value, as staged from the cache
+        cp_async_wait<S - 2>();  // tile j's group has landed (the S - 2 after it may not have)
+        __syncthreads();         // ... for every thread; every warp is done with tile j - 1
+        fetch(j + S - 1);        // into the stages tile j - 1 used
+        const u32 kb = kp.tile(j), vb = vp.tile(j);
+        kp.prepare(j, tid);  // q8_0: dequantized into the fp16 tile
+        vp.prepare(j, tid);
+        const bool patch = holds_p && j == n_tiles - 1;
+        if (patch) {  // the token's key and value, as staged from the cache (after the dequantization's stores)
+            if (KT::SCALED || VT::SCALED) __syncthreads();
             const int rp = p - j * BK;
             for (int i = tid; i < D / 8; i += GQA_THREADS) {
-                stage8_now<KT>(ks_base + st + (u32)(rp * ROW_BYTES + 16 * i), kcur, kdcur, (size_t)(8 * i));
-                stage8_now<VT>(vs_base + st + (u32)(rp * ROW_BYTES + 16 * i), vcur, vdcur, (size_t)(8 * i));
+                stage8_now<KT>(kb + (u32)(rp * ROW_BYTES + 16 * i), kcur, kdcur, (size_t)(8 * i));
+                stage8_now<VT>(vb + (u32)(rp * ROW_BYTES + 16 * i), vcur, vdcur, (size_t)(8 * i));
             }
-            __syncthreads();
         }
+        if (KT::SCALED || VT::SCALED || patch) __syncthreads();
         const int k0 = j * BK + kw;
         if (k0 >= end || k0 + 15 < begin) continue;  // none of the warp's 16 keys is visible
-        const u32 kb = ks_base + st, vb = vs_base + st;
 
         float sc[2][4];
 #pragma unroll
@@ -305,7 +347,8 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     }
 
     // merge the warps: (m, l, O) of rows < G through shared memory (the tiles' space, now free)
-    float* wm = reinterpret_cast<float*>(Ks);  // (GQA_WARPS, 16) running max, log2 units
+    cp_async_wait_all();  // the empty groups past the last tile
+    float* wm = reinterpret_cast<float*>(planes);  // (GQA_WARPS, 16) running max, log2 units
     float* wl = wm + GQA_WARPS * 16;           // (GQA_WARPS, 16) sums
     float* wo = wl + GQA_WARPS * 16;           // (GQA_WARPS, 16, D) unnormalized outputs
     __syncthreads();  // every warp is done with the tiles

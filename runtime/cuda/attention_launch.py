@@ -18,7 +18,7 @@ import numpy as np
 from ..kv_types import KVTypes
 from .constants import ATT_MAX_SPLIT, ATT_THREADS, GQA_THREADS, MMA_BQ, MMA_THREADS, TILE_Q, TILE_THREADS, att_smem, gqa_smem, tiled_smem
 from .constants import mma_smem as _mma_smem
-from .kernel_names import FILE_OF, GQA_TILE_KEYS, MMA_TILE_KEYS, TILED_HEAD_DIMS, kv_args
+from .kernel_names import FILE_OF, GQA_TILE_KEYS, MMA_TILE_KEYS, TILED_HEAD_DIMS, gqa_name, gqa_stages, kv_args
 from .kv_cache import NO_SCALES, cache_types, planes as _planes
 from .launch import blocks_per_sm, device_limits
 from .op_args import NULL, PLAIN, AttnShape, FreshKV, check_f32, row_stride
@@ -74,6 +74,11 @@ def split_buckets(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, keys:
     return [(L, *attention_split(L, split, max_split, keys)) for L in (*limits, n_ctx)]
 
 
+def _gqa_smem(D: int, kv: KVTypes) -> int:
+    """Dynamic shared memory (bytes) of the attn_gqa instance for head_dim D over cache types kv."""
+    return gqa_smem(D, GQA_TILE_KEYS[D], gqa_stages(kv.k, kv.v), kv.k == "q8_0", kv.v == "q8_0")
+
+
 class AttentionLaunchers:
     """The attention part of ops.Ops. Switches (Ops attributes): `mma` (K4_MMA_ATTN: prefill on
     attn_mma), `tiled` (K4_TILED_ATTN: else attn_tiled), `gqa` (K4_GQA_MMA: decode of a
@@ -92,7 +97,7 @@ class AttentionLaunchers:
         if n_tok > 1 and self.tiled and D in TILED_HEAD_DIMS:
             return f"attn_tiled<{D}, {types}>"
         if n_tok == 1 and self.gqa and 2 <= group <= MAX_GROUP and D in GQA_TILE_KEYS:
-            return f"attn_gqa<{D}, {GQA_TILE_KEYS[D]}, {types}>"
+            return gqa_name(D, kv.k, kv.v)
         return f"attn_kv<{types}>"
 
     def decode_plan(self, head_dim: int, n_head: int, n_head_kv: int) -> tuple[int, int]:
@@ -102,7 +107,7 @@ class AttentionLaunchers:
         name = self.attention_kernel(1, head_dim, group=n_head // n_head_kv)
         kernel = self.function(FILE_OF[name], name)
         if name.startswith("attn_gqa"):
-            smem = gqa_smem(head_dim, GQA_TILE_KEYS[head_dim])
+            smem = _gqa_smem(head_dim, self.kv)
             if kernel.max_dynamic_shared_size_bytes < smem:
                 kernel.max_dynamic_shared_size_bytes = smem
             blocks = device_limits()[0] * blocks_per_sm(kernel, GQA_THREADS, smem)
@@ -148,7 +153,7 @@ class AttentionLaunchers:
             assert n_split == 1 and fresh is None
             self._attention_tiles(name, q, planes, out, pos, shape)
         else:
-            self._attention_rows(name, q, planes, out, pos, n_split, split_len, part, ticket, fresh, shape)
+            self._attention_rows(name, q, planes, types, out, pos, n_split, split_len, part, ticket, fresh, shape)
 
     def _attention_tiles(self, name: str, q, planes: tuple, out, pos, shape: AttnShape) -> None:
         """Launch attn_mma or attn_tiled (planes: k, k_d, v, v_d): several queries per block,
@@ -165,10 +170,10 @@ class AttentionLaunchers:
                      (q, *planes, out, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv),
                       *shape.kernel_args(D)), shared_mem=smem)
 
-    def _attention_rows(self, name: str, q, planes: tuple, out, pos, n_split: int, split_len: int, part, ticket,
+    def _attention_rows(self, name: str, q, planes: tuple, types: KVTypes, out, pos, n_split: int, split_len: int, part, ticket,
                         fresh: FreshKV | None, shape: AttnShape) -> None:
         """Launch attn_kv (one block per (head, query, split)) or attn_gqa (one block per (KV
-        head, split), one query) (planes: k, k_d, v, v_d), optionally with RoPE and the cache
+        head, split), one query) (planes: k, k_d, v, v_d, of types), optionally with RoPE and the cache
         store of the token fused in (fresh)."""
         n_tok, n_head, D = q.shape
         n_ctx, n_head_kv, _ = planes[0].shape
@@ -194,7 +199,7 @@ class AttentionLaunchers:
         head = (q, *planes, out, NULL if n_split == 1 else part, NULL if n_split == 1 else ticket, pos)
         if gqa:
             assert n_tok == 1
-            smem = gqa_smem(D, GQA_TILE_KEYS[D])
+            smem = _gqa_smem(D, types)
             kernel = self.function(FILE_OF[name], name)
             if kernel.max_dynamic_shared_size_bytes < smem:
                 kernel.max_dynamic_shared_size_bytes = smem

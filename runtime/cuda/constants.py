@@ -16,7 +16,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import IQ4_NL
 
-from .kernel_names import GQA_TILE_KEYS, MMA_TILE_KEYS
+from .kernel_names import GQA_TILE_KEYS, KV_PAIRS, MMA_TILE_KEYS, gqa_stages
 
 # ---- attention.cu ------------------------------------------------------------------------------
 ATT_THREADS = 128  # threads per block of attn_kv (decode and fallback prefill attention)
@@ -111,11 +111,21 @@ def mma_smem(D: int, BK: int) -> int:
     return 2 * (D + 8) * ((0 if D <= 128 else MMA_BQ) + 4 * BK)
 
 
-def gqa_smem(D: int, BK: int) -> int:
-    """Dynamic shared memory (bytes) of attn_gqa<D, BK, KT, VT>: 16 fp16 query rows, two K and
-    two V tiles of BK keys (fp16 whatever the cache type), rows of D + 8 halves; a row of D
-    floats per warp; the fresh key and value (2 D bytes each at most) and their q8_0 scales."""
-    return 2 * (D + 8) * (16 + 4 * BK) + 4 * GQA_WARPS * D + 4 * D + D // 8
+def gqa_plane_bytes(D: int, BK: int, S: int, scaled: bool) -> int:
+    """Shared memory (bytes) of one plane of attn_gqa: S fp16 tiles of BK keys (rows of D + 8
+    halves), or for a q8_0 plane S raw tiles (BK rows of D int8 quants, then their fp16 scales,
+    padded to 16 bytes) and one fp16 tile."""
+    if scaled:
+        return S * ((BK * D + BK * (D // 32) * 2 + 15) // 16 * 16) + BK * 2 * (D + 8)
+    return S * BK * 2 * (D + 8)
+
+
+def gqa_smem(D: int, BK: int, S: int, k_scaled: bool, v_scaled: bool) -> int:
+    """Dynamic shared memory (bytes) of attn_gqa<D, BK, S, KT, VT>: 16 fp16 query rows of D + 8
+    halves, the key and value planes (gqa_plane_bytes), a row of D floats per warp, the fresh key
+    and value (2 D bytes each at most) and their q8_0 scales."""
+    planes = gqa_plane_bytes(D, BK, S, k_scaled) + gqa_plane_bytes(D, BK, S, v_scaled)
+    return 2 * (D + 8) * 16 + planes + 4 * GQA_WARPS * D + 4 * D + D // 8
 
 
 # arguments the size checks are evaluated at: the compiled instances and common model shapes
@@ -164,7 +174,9 @@ def defines() -> tuple[str, ...]:
         "K4_CHECK_ATT_SMEM": [v for d in _CHECK_HEAD_DIMS for v in (d, att_smem(d))],
         "K4_CHECK_TILED_SMEM": [v for d in _CHECK_HEAD_DIMS for v in (d, tiled_smem(d))],
         "K4_CHECK_MMA_SMEM": [v for d, bk in _CHECK_MMA for v in (d, bk, mma_smem(d, bk))],
-        "K4_CHECK_GQA_SMEM": [v for d, bk in GQA_TILE_KEYS.items() for v in (d, bk, gqa_smem(d, bk))],
+        "K4_CHECK_GQA_SMEM": [v for d, bk in GQA_TILE_KEYS.items() for k, vt in KV_PAIRS
+                              for v in (d, bk, gqa_stages(k, vt), int(k == "q8_0"), int(vt == "q8_0"),
+                                        gqa_smem(d, bk, gqa_stages(k, vt), k == "q8_0", vt == "q8_0"))],
     }
     out += [f"{name}={_list(values)}" for name, values in tables.items()]
     out.append(f"K4_IQ4NL_VALUES={_list(IQ4NL_VALUES)}")

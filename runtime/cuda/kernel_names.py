@@ -47,6 +47,19 @@ def kv_args(k: str, v: str) -> str:
     return f"{KV_STRUCTS[k]}, {KV_STRUCTS[v]}"
 
 
+def gqa_stages(k: str, v: str) -> int:
+    """Tiles attn_gqa keeps in flight per block over a cache of key type k and value type v: 3
+    with fp16 keys and values, 4 with both q8_0 (a raw q8_0 tile is about half an fp16 one), 3
+    mixed; each leaves the block's shared memory at about 109 KB for head_dim 128, two blocks per
+    multiprocessor (constants.gqa_smem)."""
+    return 4 if k == v == "q8_0" else 3
+
+
+def gqa_name(D: int, k: str, v: str) -> str:
+    """The attention_gqa.cu instance for head_dim D over a cache of key type k, value type v."""
+    return f"attn_gqa<{D}, {GQA_TILE_KEYS[D]}, {gqa_stages(k, v)}, {kv_args(k, v)}>"
+
+
 # name expressions of the kernels of each file (templates and extern "C" names alike)
 KERNELS = {
     "norm.cu": ("rms_norm<float>", "rms_norm<u16>", "rms_norm_add"),
@@ -54,7 +67,7 @@ KERNELS = {
     "attention.cu": tuple(f"attn_kv<{kv_args(k, v)}>" for k, v in KV_PAIRS),
     "attention_tiled.cu": tuple(f"attn_tiled<{d}, {kv_args(k, v)}>" for d in TILED_HEAD_DIMS for k, v in KV_PAIRS),
     "attention_mma.cu": tuple(f"attn_mma<{d}, {bk}, {kv_args(k, v)}>" for d, bk in MMA_TILE_KEYS.items() for k, v in KV_PAIRS),
-    "attention_gqa.cu": tuple(f"attn_gqa<{d}, {bk}, {kv_args(k, v)}>" for d, bk in GQA_TILE_KEYS.items() for k, v in KV_PAIRS),
+    "attention_gqa.cu": tuple(gqa_name(d, k, v) for d in GQA_TILE_KEYS for k, v in KV_PAIRS),
     "elementwise.cu": ("swiglu<float>", "swiglu<u16>", "geglu<float>", "geglu<u16>", "scale_f32", "softcap_f32", "set_i32"),
     "sampling.cu": ("sample_penalty", "sample_argmax_partial", "sample_finish"),
     "speculative.cu": ("spec_argmax", "spec_accept"),
