@@ -1,5 +1,5 @@
 """Which kernels serve each ggml type: the per-type decoder and launch variants of the matrix
-kernels (kernels_cu/gemv.cu, kernels_cu/gemv_batch.cu, kernels_cu/matmul.cu, decoders in kernels_cu/common.cuh and
+kernels (kernels_cu/gemv.cu, kernels_cu/gemv_batch.cu, kernels_cu/matmul.cu, decoders in kernels_cu/decoders.cuh and
 decoders_lowbit.cuh), the template-instance names the launchers use (the one list: NVRTC gets
 them as name expressions, the nvcc test instantiates exactly them), their compile groups, and
 the lookup of a compiled kernel. Importable without CuPy.
@@ -21,7 +21,7 @@ from .constants import QUANT_LAYOUTS
 class QuantKernels:
     """How kernels_cu handles one quantized ggml type.
 
-    decoder: the C++ decoder struct in kernels_cu/common.cuh.
+    decoder: the C++ decoder struct in kernels_cu/decoders.cuh (or decoders_lowbit.cuh).
     gemv:    (WARPS, U, PF) of the gemv_q8 instance used: warps per block, chunks in flight per
              lane, and whether the next U chunks load while the current ones are multiplied.
     glu:     the same for the SwiGLU-epilogue instance (Q8_0 holds fewer chunks: more spill), and
