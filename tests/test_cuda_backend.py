@@ -38,7 +38,7 @@ ALL_FLAGS = ("K4_CUDA_GRAPH", "K4_PINGPONG", "K4_PINNED_UPLOAD", "K4_REPACK", "K
 #   (llama.cpp's q8_1 scheme), compounded over the layers: at most 1.39e-2 -> 1.6e-2. A q/k norm
 #   applied after RoPE instead of before errs 2.4e-2 here and fails.
 #   Q2_K's random 2-bit blocks (llama-q2_k) amplify the same rounding more: 1.85e-2 -> 2.2e-2
-#   (its gemv is exact to 1e-4 against 8-bit-rounded input in test_cuda_matmul).
+#   (its gemv is exact to 1e-4 against 8-bit-rounded input in test_cuda_gemv).
 # - decode with float weights (F32/F16/BF16; float products, fp16 KV): at most 2.8e-4 -> 1e-3.
 LIMIT_PREFILL = 1.5e-3
 LIMIT_DECODE_Q8 = 1.6e-2

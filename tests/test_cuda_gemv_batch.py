@@ -5,7 +5,7 @@ Against gemv: EXACT equality, bit for bit. The batched kernel quantizes each x r
 does (the same q8_unit), and each output's lane sums run over the same chunks in the same order
 with the same warp_sum, so nothing may differ; a failure here means the kernel broke that
 design (fix the kernel, do not loosen the test). Against numpy (gguf's dequantize, float64 with
-x rounded as the kernels round it, q8_rounded): the gemv limits of tests/test_cuda_matmul.py,
+x rounded as the kernels round it, q8_rounded): the gemv limits of tests/matmul_ref.py,
 1e-4 relative L2 (2e-4 for the gate/up epilogue, whose act and product add one rounding each).
 Inputs are seeded by the test id; outputs are poisoned with NaN, and the columns around a
 strided Y view must stay NaN.
@@ -27,7 +27,7 @@ from k4.runtime.cuda.gemv_batch import gemv_batch, gemv_rows
 from k4.runtime.cuda.microbench import random_weight
 from k4.runtime.trace import Trace
 from tests.helpers_matmul import interleave_rows
-from tests.test_cuda_matmul import GLU_REF, LIMIT_Q8_ROUNDED, QUANTIZED, fresh_rng, nan_like, q8_rounded, rel_err, weight
+from tests.matmul_ref import GLU_REF, LIMIT_Q8_ROUNDED, QUANTIZED, fresh_rng, nan_like, q8_rounded, rel_err, weight
 
 LAYOUTS = pytest.mark.parametrize("repack", [True, False], ids=["planar", "raw"])
 
