@@ -27,6 +27,7 @@ from gguf.quants import dequantize
 from k4.runtime.cuda import layout as lay
 from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda.microbench import random_weight
+from tests.helpers_matmul import interleave_rows
 
 QUANTIZED = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_0", "IQ4_XS", "IQ4_NL"]
 FLOATS = ["F16", "BF16", "F32"]
@@ -78,6 +79,19 @@ def weight(type_name: str, n_out: int, n_in: int, rng, repack: bool):
     t = random_weight(T[type_name], n_out, n_in, rng)
     w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack)
     return w, dequantize(t.raw_bytes(), t.ggml_type).astype(np.float64)
+
+
+def glu_weight(ggml_type: T, n_ff: int, n_in: int, rng, repack: bool = True, act: str = "silu"):
+    """(device gate/up weight with the `act` epilogue, gate's and up's float64 references
+    (n_ff, n_in) each): random gate then up matrices of ggml_type, interleaved as DeviceWeight's
+    glu layout expects (tests/helpers_matmul.py interleave_rows)."""
+    import cupy as cp
+
+    gate, up = (random_weight(ggml_type, n_ff, n_in, rng) for _ in range(2))
+    t = interleave_rows(gate, up, "ffn_gate_up")
+    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack, glu=True, glu_act=act)
+    ref_g, ref_u = (dequantize(p.raw_bytes(), p.ggml_type).astype(np.float64) for p in (gate, up))
+    return w, ref_g, ref_u
 
 
 def nan_like(shape):

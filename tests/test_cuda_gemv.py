@@ -16,9 +16,9 @@ from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import quant_kernels as qk
 from k4.runtime.cuda.microbench import random_weight
 from k4.runtime.model import Tensor
-from tests.helpers_matmul import interleave_rows, stack_rows
-from tests.matmul_ref import (FLOATS, GLU_REF, LIMIT_Q8, LIMIT_Q8_ROUNDED, QUANTIZED, fresh_rng, gemv_ref, nan_like, q8_rounded,
-                              rel_err, rms_normed, shapes, silu, weight)
+from tests.helpers_matmul import stack_rows
+from tests.matmul_ref import (FLOATS, GLU_REF, LIMIT_Q8, LIMIT_Q8_ROUNDED, QUANTIZED, fresh_rng, gemv_ref, glu_weight, nan_like,
+                              q8_rounded, rel_err, rms_normed, shapes, silu, weight)
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("repack", [True, False], ids=["planar", "raw"])
@@ -172,10 +172,7 @@ def test_gemv_swiglu_epilogue(type_name, repack, act):
 
     rng, seed = fresh_rng()
     n_ff, n_in = shapes(type_name)[2]
-    gate, up = (random_weight(T[type_name], n_ff, n_in, rng) for _ in range(2))
-    t = interleave_rows(gate, up, "ffn_gate_up")
-    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack, glu=True, glu_act=act)
-    ref_g, ref_u = (dequantize(p.raw_bytes(), p.ggml_type).astype(np.float64) for p in (gate, up))
+    w, ref_g, ref_u = glu_weight(T[type_name], n_ff, n_in, rng, repack, act)
     x = rng.standard_normal(n_in).astype(np.float32)
     y = nan_like(n_ff)
     mm.gemv(w, cp.asarray(x), y)
@@ -199,13 +196,11 @@ def test_gemv_swiglu_variants_match_numpy(type_name, variant):
     import cupy as cp
 
     rng, seed = fresh_rng()
-    gate, up = (random_weight(type_name, 777, 1536, rng) for _ in range(2))
-    t = interleave_rows(gate, up, "ffn_gate_up")
-    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=True)
+    w, ref_g, ref_u = glu_weight(type_name, 777, 1536, rng)
     x = rng.standard_normal(1536).astype(np.float32)
     y = nan_like(777)
     mm.gemv(w, cp.asarray(x), y, variant=variant)
-    g, u = (dequantize(p.raw_bytes(), p.ggml_type).astype(np.float64) @ q8_rounded(x) for p in (gate, up))
+    g, u = ref_g @ q8_rounded(x), ref_u @ q8_rounded(x)
     assert rel_err(y.get(), silu(g) * u) < 2 * LIMIT_Q8_ROUNDED, f"seed {seed}"
 
 

@@ -8,14 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from gguf.quants import dequantize
 
-from k4.runtime.cuda import layout as lay
 from k4.runtime.cuda import matmul as mm
-from k4.runtime.cuda.microbench import bench_gemv, bench_matmul, random_weight
-from tests.helpers_matmul import interleave_rows
-from tests.matmul_ref import (FLOATS, LIMIT_F32, LIMIT_FP16, LIMIT_Q8_ROUNDED, QUANTIZED, fresh_rng, nan_like, q8_rounded, rel_err,
-                              shapes, weight)
+from k4.runtime.cuda.microbench import bench_gemv, bench_matmul
+from tests.matmul_ref import (FLOATS, LIMIT_F32, LIMIT_FP16, LIMIT_Q8_ROUNDED, QUANTIZED, fresh_rng, glu_weight, nan_like, q8_rounded,
+                              rel_err, shapes, weight)
 
 # ---- prefill: matmul ---------------------------------------------------------------------------
 
@@ -112,13 +109,11 @@ def test_matmul_of_a_glu_weight_gives_interleaved_products():
     import cupy as cp
 
     rng, seed = fresh_rng()
-    gate, up = (random_weight(T.Q4_K, 300, 512, rng) for _ in range(2))
-    t = interleave_rows(gate, up, "ffn_gate_up")
-    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=True)
+    w, ref_g, ref_u = glu_weight(T.Q4_K, 300, 512, rng)
     X = rng.standard_normal((9, 512)).astype(np.float32)
     Y = nan_like((9, 600))
     mm.matmul(w, cp.asarray(X), Y, scratch=cp.empty(mm.matmul_scratch_bytes([w], 9), cp.uint8))
-    ref = X.astype(np.float64) @ dequantize(t.raw_bytes(), T.Q4_K).astype(np.float64).T
+    ref = X.astype(np.float64) @ np.stack([ref_g, ref_u], axis=1).reshape(600, 512).T  # rows gate 0, up 0, gate 1, ...
     assert rel_err(Y.get(), ref) < LIMIT_FP16, f"seed {seed}"
     with pytest.raises(ValueError, match="runs through gemv"):
         mm.matmul(w, cp.asarray(X[:2]), Y[:2])

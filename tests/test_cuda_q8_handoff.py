@@ -9,12 +9,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from k4.runtime.cuda import layout as lay
 from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import q8_handoff as hand
-from k4.runtime.cuda.microbench import random_weight
-from tests.helpers_matmul import interleave_rows
-from tests.matmul_ref import GLU_REF, QUANTIZED, fresh_rng, nan_like, q8_rounded, weight
+from tests.matmul_ref import GLU_REF, QUANTIZED, fresh_rng, glu_weight, nan_like, q8_rounded, weight
 
 @pytest.mark.parametrize("swizzle", [1, 2])
 def test_q8x_host_is_q8_rounded_in_the_kernel_layout(swizzle):
@@ -48,9 +45,7 @@ def test_gemv_q8_handoff_is_the_quantization_of_y(glu_type, down_type, act):
     rng, seed = fresh_rng()
     for n_ff in (256, 4352):
         n_in = 512
-        gate, up = (random_weight(T[glu_type], n_ff, n_in, rng) for _ in range(2))
-        t = interleave_rows(gate, up, "ffn_gate_up")
-        glu = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=True, glu_act=act)
+        glu, _, _ = glu_weight(T[glu_type], n_ff, n_in, rng, act=act)
         down, _ = weight(down_type, 300, n_ff, rng, True)
         assert hand.can_hand_off(glu, down)
         x = cp.asarray(rng.standard_normal(n_in).astype(np.float32))
@@ -86,9 +81,7 @@ def test_gemv_q8_handoff_rejects_what_does_not_fit():
     f32, _ = weight("F32", 64, 256, rng, True)
     with pytest.raises(ValueError, match="float x"):
         hand.Q8Vector.for_weight(f32, buf)
-    gate, up = (random_weight(T.Q5_0, 64, 256, rng) for _ in range(2))
-    t = interleave_rows(gate, up, "ffn_gate_up")
-    glu = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=True)
+    glu, _, _ = glu_weight(T.Q5_0, 64, 256, rng)
     assert not hand.can_hand_off(glu, w6)
     with pytest.raises(ValueError, match="handoff"):
         mm.gemv(glu, x, y, y_q8=hand.Q8Vector(buf, 64, 1))
