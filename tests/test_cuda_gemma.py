@@ -133,7 +133,7 @@ def test_gemma_decode_step_kernels_and_fused_geglu(tmp_path, data, case):
     K4_FUSE_SWIGLU (the fused GeGLU epilogue saves one kernel per layer), and the two give the
     same decode logits within 1e-4 relative L2 (the same q8 dot products, the same gelu_tanh
     formula; only the kernel that applies it differs) and numpy's within 3e-2 (x quantized to
-    8 bits per 32 values in every product: test_cuda_backend's LIMIT_DECODE_Q8 is 1.6e-2 for one
+    8 bits per 32 values in every product: cuda_backend_cases's LIMIT_DECODE_Q8 is 1.6e-2 for one
     step; these are 6 on a cache the fp16 prefill wrote)."""
     from k4.runtime.cuda.backend import CudaBackend
 

@@ -202,6 +202,6 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
 @cache  # a RawModule lookup per launch showed in the prefill profile (host-bound)
 def _kernel(filename: str, name: str, evict_first: bool = True):
     """Kernel `name` of kernels_cu/`filename`, from the module of its compile group; evict_first:
-    its weight loads carry the L1 evict-first hint (common.cuh load16, flag K4_EVICT_FIRST)."""
+    its weight loads carry the L1 evict-first hint (device.cuh load16, flag K4_EVICT_FIRST)."""
     group = _GROUP_OF.get((filename, name))  # None: an extern "C" kernel
     return module(filename, group, _defines(evict_first) if group else ()).get_function(name)
