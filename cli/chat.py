@@ -13,14 +13,13 @@ Thinking (`<think>...</think>`, split in runtime/chat.py): --reasoning on shows 
 stderr), hidden does not show it, off asks the model not to think where the template can (Qwen3's
 enable_thinking) and hides what still comes; `/set think` changes it. It is never sent back.
 
-The conversation logic lives in runtime/chat.py; this module reads input, dispatches commands and
-renders.
+The conversation logic lives in runtime/chat.py; this module runs the loop (a turn: plan, stream,
+report) and the command; the slash commands are in cli/chat_commands.py, the terminal prompt in
+cli/chat_input.py.
 """
 
 from __future__ import annotations
 
-import os
-import shlex
 import signal
 import sys
 from pathlib import Path
@@ -34,56 +33,10 @@ from k4.runtime.flags import Flags
 from k4.runtime.sampling import SamplingParams
 
 from . import common as c
-from .render import clean, dim, err, errors_to_exit, generation_rates, out, rate_text, reply_stats, table, trace_table
+from .chat_commands import ACTIONS, think_notice
+from .chat_input import PROMPT, default_history, make_prompt, message_text
+from .render import clean, dim, err, errors_to_exit, reply_stats
 from .speculation import DraftMaxOpt, DraftModelOpt, LookupOpt, make_speculator, spec_text
-
-PROMPT, CONTINUATION = ">>> ", "... "
-BLOCK = '"""'
-
-COMMANDS = (
-    ("/help", "this list"),
-    ("/system [TEXT]", "set the system prompt (no TEXT: show it); applies from the next message"),
-    ("/set [PARAM VALUE]", "set temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed (-1 = random), max_tokens (-1 = no limit) or think (on: thinking shown dimmed, hidden, off: ask the model not to think); no PARAM: show them"),
-    ("/show [template]", "model, backend, context use, parameters and chat template (template: its source)"),
-    ("/clear", "start a new conversation (the system prompt stays)"),
-    ("/regen", "answer the last message again, replacing the last reply"),
-    ("/save FILE [--force]", "write the conversation as JSON messages (--force overwrites FILE)"),
-    ("/load FILE", "continue the conversation saved in FILE"),
-    ("/stats", "the last reply's timing and per-phase copy-traffic table"),
-    ("/bye, /exit, /quit", "leave (or press Ctrl-D)"),
-)
-
-
-def split_args(args: str, usage: str) -> list[str]:
-    """A slash command's arguments split as a shell would (quotes group words). Raises
-    UsageError for an unclosed quote or a trailing backslash."""
-    try:
-        return shlex.split(args)
-    except ValueError as exc:
-        raise UsageError(f"cannot read the arguments ({exc}); use {usage}, quoting a name with spaces") from None
-
-
-def default_history() -> Path:
-    """$XDG_STATE_HOME/k4/history, ~/.local/state/k4/history when XDG_STATE_HOME is unset or relative."""
-    state = os.environ.get("XDG_STATE_HOME", "")
-    base = Path(state) if state and Path(state).is_absolute() else Path.home() / ".local" / "state"
-    return base / "k4" / "history"
-
-
-def message_text(line: str) -> str:
-    """The message typed at the prompt: a \"\"\" block loses its delimiters; outer blank space goes."""
-    text = line.strip()
-    if text.startswith(BLOCK):
-        text = text[len(BLOCK):]
-        if text.endswith(BLOCK):
-            text = text[: -len(BLOCK)]
-    return text.strip()
-
-
-def in_open_block(text: str) -> bool:
-    """Whether the prompt holds a \"\"\" block still waiting for its closing \"\"\"."""
-    text = text.strip()
-    return text.startswith(BLOCK) and not (len(text) >= 2 * len(BLOCK) and text.endswith(BLOCK))
 
 
 class InterruptGuard:
@@ -120,7 +73,8 @@ class InterruptGuard:
 
 
 class Repl:
-    """The chat loop over a runtime.chat.ChatSession: input, slash commands, rendering."""
+    """The chat loop over a runtime.chat.ChatSession: input, turns, rendering; slash commands go to
+    cli/chat_commands.py ACTIONS."""
 
     def __init__(self, session, loaded: c.Session, model: Path, interactive: bool, stats: bool):
         self.session = session
@@ -128,10 +82,6 @@ class Repl:
         self.model = model
         self.interactive = interactive
         self.stats = stats
-        self.commands = {
-            "/help": self.help, "/system": self.system, "/set": self.set, "/show": self.show, "/clear": self.clear,
-            "/regen": self.regen, "/save": self.save, "/load": self.load, "/stats": self.last_stats,
-        }
 
     def handle(self, line: str) -> bool:
         """Act on one input line; False means leave. K4Errors are printed (interactive) or raised."""
@@ -151,12 +101,12 @@ class Repl:
         name, _, rest = line.strip().partition(" ")
         if name in ("/bye", "/exit", "/quit"):
             return False
-        action = self.commands.get(name)
+        action = ACTIONS.get(name)
         if action is None:
             err.print(f"unknown command {name}; /help lists the commands (start a message with a space to send text beginning with /)",
                       style="yellow", markup=False)
         else:
-            action(rest.strip())
+            action(self, rest.strip())
         return True
 
     def turn(self, text: str | None) -> None:
@@ -234,101 +184,6 @@ class Repl:
             err.print(reply_stats(result, s.n_used, s.n_ctx) + (f" {spec_text(spec.stats)}" if spec else ""), style="dim",
                       markup=False)
 
-    def help(self, _: str) -> None:
-        out.print(table("k4 chat commands", ["command", "what it does"], COMMANDS))
-        out.print(f"Messages: one line, or a block between {BLOCK} lines, or a paste. Ctrl-C stops a reply (the part "
-                  "written is kept). Ctrl-D leaves.", markup=False)
-
-    def system(self, text: str) -> None:
-        if not text:
-            out.print(clean(f"system prompt: {self.session.system!r}") if self.session.system is not None else "no system prompt",
-                      markup=False)
-            return
-        self.session.system = text
-        out.print("system prompt set; it applies from the next message", markup=False)
-
-    def set(self, args: str) -> None:
-        parts = args.split()
-        if not parts:
-            out.print(table("parameters", ["name", "value"], self.session.settings().items()))
-            return
-        if len(parts) != 2:
-            raise UsageError("use /set PARAM VALUE, e.g. /set temperature 0.7 (/set alone lists them)")
-        name, value = parts
-        if name == "seed" and value.lstrip("-").isdigit() and int(value) < 0:
-            value = str(c.resolve_seed(int(value)))
-        self.session.set_param(name, value)
-        out.print(f"{name} = {self.session.settings()[name]}", markup=False)
-        if name == "think":
-            self.think_notice()
-
-    def think_notice(self) -> None:
-        """Say so when thinking is off but the template has no switch to turn it off."""
-        if self.session.reasoning == "off" and not self.session.template.has_thinking_switch:
-            err.print("this chat template has no switch to turn thinking off; any thinking the model writes is hidden",
-                      style="dim", markup=False)
-
-    def show(self, what: str) -> None:
-        s, cfg = self.session, self.loaded.mf.config
-        if what == "template":
-            out.print(clean(f"chat template ({s.template.origin}):"), markup=False)
-            out.print(clean(s.template.source), markup=False)
-            return
-        if what:
-            raise UsageError(f"/show {what} is unknown; use /show or /show template")
-        in_window = len(s.messages) - s.start
-        rows = [
-            ("model", f"{self.model} ({cfg.name}, {cfg.arch})"),
-            ("backend", self.loaded.backend.name),
-            ("context", f"{s.backend.n_past:,} of {s.n_ctx:,} tokens cached; reply reserve {s.reply_reserve:,}"),
-            ("conversation", f"{len(s.messages)} messages, {in_window} in the context window"),
-            ("system prompt", repr(s.system) if s.system is not None else "none"),
-            ("chat template", s.template.origin + (" (k4's fallback: the model has none)" if s.template.is_fallback else "")),
-        ]
-        rows += [(name, str(value)) for name, value in s.settings().items()]
-        shown = table(None, ["", ""], rows)
-        shown.show_header = False
-        out.print(shown)
-
-    def clear(self, _: str) -> None:
-        self.session.clear()
-        out.print("new conversation (the system prompt stays)", markup=False)
-
-    def regen(self, _: str) -> None:
-        self.turn(None)
-
-    def save(self, args: str) -> None:
-        words = split_args(args, "/save FILE [--force]")
-        force = "--force" in words
-        paths = [w for w in words if w != "--force"]
-        if len(paths) != 1:
-            raise UsageError("use /save FILE (add --force to overwrite an existing FILE)")
-        self.session.save(Path(paths[0]), overwrite=force)
-        out.print(f"saved {len(self.session.conversation())} messages to {paths[0]}", markup=False)
-
-    def load(self, args: str) -> None:
-        words = split_args(args, "/load FILE")
-        if len(words) != 1:
-            raise UsageError("use /load FILE")
-        self.session.load(Path(words[0]))
-        n = len(self.session.messages)
-        out.print(f"loaded {n} messages from {words[0]}; your next message continues the conversation", markup=False)
-
-    def last_stats(self, _: str) -> None:
-        last = self.session.last
-        if last is None:
-            out.print("no reply yet", markup=False)
-            return
-        r = last.result
-        prompt_tps, gen_tps = generation_rates(r)
-        rows = [
-            ("prompt", f"{r.prompt_tokens:,} tok", f"{r.prompt_tokens - r.prefill_tokens:,} from the cache, {r.prefill_tokens:,} evaluated",
-             f"{r.prompt_ms:,.1f} ms", f"{rate_text(prompt_tps)} t/s"),
-            ("reply", f"{len(r.token_ids):,} tok", f"stop: {r.stop_reason}", f"{r.gen_ms:,.1f} ms", f"{rate_text(gen_tps)} t/s"),
-        ]
-        out.print(table("last reply", ["phase", "tokens", "", "time", "rate"], rows, right=(1, 3, 4)))
-        out.print(trace_table(last.trace, "per-phase counters (last reply)"))
-
     def run_interactive(self, history: Path) -> None:
         prompt = make_prompt(history)
         cfg = self.loaded.mf.config
@@ -361,26 +216,6 @@ class Repl:
                 raise UsageError(f"an input line holds more than {c.MAX_TEXT_BYTES // 2**20} MiB; k4 chat reads messages of at most that size")
             if not self.handle(raw.decode("utf-8", "replace").rstrip("\r\n")):
                 return
-
-
-def make_prompt(history: Path):
-    """A prompt_toolkit PromptSession with a file history at `history` (in memory, with a warning,
-    when the file cannot be created) that takes several lines inside a \"\"\" block."""
-    from prompt_toolkit import PromptSession
-    from prompt_toolkit.application import get_app
-    from prompt_toolkit.filters import Condition
-    from prompt_toolkit.history import FileHistory, InMemoryHistory
-
-    try:
-        history.parent.mkdir(parents=True, exist_ok=True)
-        history.touch()
-        store = FileHistory(str(history))
-    except OSError as exc:
-        err.print(f"warning: cannot use the history file {history} ({exc.strerror or exc}); pass --history FILE to keep one",
-                  style="yellow", markup=False)
-        store = InMemoryHistory()
-    multiline = Condition(lambda: in_open_block(get_app().current_buffer.text))
-    return PromptSession(history=store, multiline=multiline, prompt_continuation=CONTINUATION)
 
 
 def system_prompt(text: Optional[str], file: Optional[Path]) -> Optional[str]:
@@ -446,7 +281,7 @@ def chat(
                           spec)
     interactive = sys.stdin is not None and not sys.stdin.closed and sys.stdin.isatty()
     repl = Repl(session, loaded, path, interactive=interactive, stats=not no_stats)
-    repl.think_notice()
+    think_notice(session)
     if repl.interactive:
         repl.run_interactive(history if history is not None else default_history())
     else:

@@ -1,7 +1,7 @@
-// The block layouts and per-type decoders (common.cuh's interface: chunk, load, dot, dequant) of
+// The block layouts and per-type decoders (decoders.cuh's interface: chunk, load, dot, dequant) of
 // the types of the smaller quantized files: Q2_K and Q3_K (Q2_K and Q3_K_M files), Q4_0 (Gemma 3
 // QAT releases), IQ4_XS, and IQ4_NL (llama.cpp's fallback in those files for rows that are not a
-// multiple of 256). Included at the end of common.cuh's decoder section.
+// multiple of 256). Included by decoders.cuh after its own types.
 //
 // Block layouts: ggml-common.h (block_q2_K, block_q3_K, block_q4_0, block_iq4_xs, block_iq4_nl,
 // kvalues_iq4nl). The values: ggml-quants.c dequantize_row_q2_K / _q3_K / _q4_0 / _iq4_xs / _iq4_nl,

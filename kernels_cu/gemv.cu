@@ -1,5 +1,5 @@
 // Matrix-vector products for decode: y[n_out] = W[n_out, n_in] @ x[n_in] (+ bias) (+ residual),
-// x, y, bias, residual float32; W in its ggml encoding (raw or planar, see common.cuh).
+// x, y, bias, residual float32; W in its ggml encoding (raw or planar, see quant_layouts.cuh).
 //
 // gemv_q8 (quantized types, matmul.py QUANT): each thread block first quantizes x to 8 bits per 32
 // values in shared memory (the q8_1 idea of llama.cpp's mmvq), then every warp computes whole

@@ -7,7 +7,7 @@
 // lookup (token_embd.weight rows), exact to the gguf package's numpy dequantize.
 //
 // Thread mapping: dequant_q, one thread per run of 16 weights (the threads of a chunk of T,
-// common.cuh, each load the chunk and write one run, so a warp's stores are contiguous);
+// decoders.cuh, each load the chunk and write one run, so a warp's stores are contiguous);
 // dequant_f, one thread per weight; convert_f32_f16 and add_rows, one thread per element. The launcher validates everything.
 #include "common.cuh"
 

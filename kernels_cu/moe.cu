@@ -86,7 +86,7 @@ extern "C" __global__ void moe_topk(const float* __restrict__ logits,  // (n_tok
     }
 }
 
-// Quantized experts (T a common.cuh decoder, raw layout). Block MOE_WARPS warps, grid
+// Quantized experts (T a decoders.cuh decoder, raw layout). Block MOE_WARPS warps, grid
 // (row blocks, n_slots); each warp takes rows blockIdx.x * MOE_WARPS + warp, stepping by the grid.
 template <class T>
 __global__ void __launch_bounds__(MOE_WARPS * 32)

@@ -1,5 +1,5 @@
 // Helpers shared by the non-matmul kernels (norm, rope, attention, elementwise, sampling), on
-// top of common.cuh (integer types, fp16 conversion, float warp reductions): block reductions,
+// top of common.cuh (device.cuh: integer types, fp16 conversion, float warp reductions): block reductions,
 // double and int warp reductions, an infinity constant (NVRTC has no <cmath>), 8-wide fp16
 // unpacking, and the RoPE of one head row (rope.cu, attention.cu).
 //

@@ -1,9 +1,42 @@
-"""The float64 attention the attention kernels' tests compare against (tests/test_cuda_ops.py,
-tests/test_cuda_kv.py)."""
+"""What the attention kernels' tests share (tests/test_cuda_ops.py, tests/test_cuda_kv.py,
+tests/test_cuda_gemma.py): their random inputs, the float64 attention they compare against, and
+the run of every kernel that serves a shape (check_attention_kernels) with its error limits."""
 
 from __future__ import annotations
 
 import numpy as np
+
+# attn_mma rounds the pre-scaled queries and the probabilities to fp16 (unit roundoff 2^-11 =
+# 4.9e-4) and accumulates in f32; emulating exactly those two roundings in float64 gives rel L2
+# errors of 3e-4 to 4e-4 on test_cuda_ops's cases, so 2e-3 leaves 5x margin and still catches any
+# wrong index, mask or rescale (those give errors of order 1e-1); attn_gqa rounds the same two.
+# The other kernels compute in f32 on exactly the values of the cache: 2e-5.
+MMA_ATTN_REL_L2 = 2e-3
+ATTN_REL_L2 = 2e-5
+
+
+def rel_l2(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def attention_inputs(rng, n_tok: int, pos0: int, n_head: int, n_head_kv: int, D: int):
+    """Random inputs of an attention test, drawn from rng in this order: q (n_tok, n_head, D)
+    float32, then the keys and the values of the n_kv = pos0 + n_tok positions a causal query of
+    the batch can see, (n_kv, n_head_kv, D) float64 each, the keys with twice the values' spread."""
+    q = rng.standard_normal((n_tok, n_head, D)).astype(np.float32)
+    n_kv = pos0 + n_tok
+    keys = 2 * rng.standard_normal((n_kv, n_head_kv, D))
+    values = rng.standard_normal((n_kv, n_head_kv, D))
+    return q, keys, values
+
+
+def f16_plane(rows: np.ndarray, n_ctx: int) -> np.ndarray:
+    """An fp16 cache plane (n_ctx, n_head_kv, D) whose first len(rows) rows hold `rows` rounded
+    to fp16 and the rest NaN: rows past the causal range must stay unread."""
+    plane = np.full((n_ctx, *rows.shape[1:]), np.nan, np.float16)
+    plane[: len(rows)] = rows
+    return plane
 
 
 def attention_reference(q, kc, vc, pos0):
@@ -23,10 +56,11 @@ def attention_reference(q, kc, vc, pos0):
     return out
 
 
-# The kernel choices the attention tests run a decode query (n_tok = 1) with, as (mma, tiled,
-# gqa) switches of Ops: attn_gqa twice where the shape has an instance (the tickets reset), then
-# attn_kv; several queries run each prefill kernel (mma, tiled, neither) with gqa left on.
+# The kernel choices a decode query (n_tok = 1) runs with, as (mma, tiled, gqa) switches of Ops:
+# attn_gqa twice where the shape has an instance (the tickets must reset), then attn_kv; several
+# queries run each prefill kernel (mma, tiled, neither).
 DECODE_KERNELS = [(False, True, True), (False, True, True), (False, True, False)]
+PREFILL_KERNELS = [(True, True, True), (False, True, True), (False, False, True)]
 SPLIT_KEYS = 64  # a split length both decode kernels take: a multiple of attn_kv's 32 and attn_gqa's tile
 
 
@@ -34,3 +68,34 @@ def tensor_cores(ops, n_tok: int, D: int, group: int) -> bool:
     """Whether ops (its current switches) runs attention of n_tok queries of head_dim D, group
     query heads per KV head, on tensor cores (attn_mma or attn_gqa: q and p rounded to fp16)."""
     return ops.attention_kernel(n_tok, D, group=group).startswith(("attn_mma", "attn_gqa"))
+
+
+def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, split: bool, want: np.ndarray, **options) -> None:
+    """ops.attention (runtime/cuda/attention_launch.py) on q (n_tok, n_head, D) float32 and the
+    device planes kc, vc (n_ctx rows, n_head_kv heads) with every kernel that serves the shape,
+    each output poisoned (NaN) first and compared with want (n_tok, n_head, D): several queries
+    through attn_mma, attn_tiled and the per-query kernel; one query (split if `split`, in
+    SPLIT_KEYS multiples) through attn_gqa twice (so the split tickets must reset) where the
+    shape has an instance, then attn_kv. Relative L2 limits: MMA_ATTN_REL_L2 for the tensor-core
+    kernels, ATTN_REL_L2 otherwise. options: ops.attention's keywords (scales, shape). Leaves ops
+    with the `ops` fixture's kernel choice (mma, tiled and gqa on), whatever failed."""
+    import cupy as cp
+
+    from k4.runtime.cuda.attention_launch import attention_split
+
+    n_tok, n_head, D = q.shape
+    group = n_head // kc.shape[1]
+    n_split, split_len = attention_split(n_ctx, split, keys=SPLIT_KEYS)
+    part = cp.empty((n_tok, n_head, n_split, D + 2), cp.float32) if n_split > 1 else None
+    ticket = cp.zeros(n_tok * n_head, cp.int32)
+    try:
+        for mma, tiled, gqa in PREFILL_KERNELS if n_tok > 1 else DECODE_KERNELS:
+            ops.mma, ops.tiled, ops.gqa = mma, tiled, gqa
+            out = cp.full((n_tok, n_head, D), np.nan, cp.float32)
+            ops.attention(cp.asarray(q), kc, vc, out, cp.asarray([pos0], dtype=cp.int32), n_split, split_len, part, ticket,
+                          **options)
+            limit = MMA_ATTN_REL_L2 if tensor_cores(ops, n_tok, D, group) else ATTN_REL_L2
+            assert rel_l2(out.get(), want) < limit, f"mma={mma} tiled={tiled} gqa={gqa}"
+            assert not ticket.any()  # every split's ticket reset, the skipped ones included
+    finally:
+        ops.mma, ops.tiled, ops.gqa = True, True, True

@@ -1,5 +1,5 @@
-"""Shared test setup: the test data folder (tests/data, provenance in its README) and the
-`cuda` marker's skip rule.
+"""Shared test setup: the test data folder (tests/data, provenance in its README), the
+`cuda` marker's skip rule, and the fixtures several `cuda` test modules share.
 
 Without a GPU, `cuda` tests are skipped. With K4_REQUIRE_GPU=1 (set it on GPU machines) a
 would-be skip is a failure instead, so a broken CuPy or driver cannot pass as "no GPU".
@@ -69,3 +69,58 @@ def ops():
 def rng(request):
     """A generator seeded by the test's name: fresh inputs per test, the same on every run."""
     return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+# ---- the CUDA backend tests (test_cuda_backend, test_cuda_runner, test_cuda_switches) -------------
+
+@pytest.fixture
+def unset_backend_flags(monkeypatch):
+    """Every switch the CUDA backend tests vary (tests/cuda_backend_cases.py ALL_FLAGS) unset: each
+    test starts from the defaults and sets only what it varies."""
+    from tests.cuda_backend_cases import ALL_FLAGS
+
+    for name in ALL_FLAGS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def stories(data):
+    """(ModelFile, Tokenizer, CudaBackend of n_ctx 256) of tests/data/models/stories260K.gguf (F32);
+    the module's tests share the backend (each resets it)."""
+    from k4.runtime.model import open_model
+    from k4.runtime.tokenizer import Tokenizer
+    from tests.cuda_backend_cases import cuda
+
+    mf = open_model(data / "models" / "stories260K.gguf")
+    return mf, Tokenizer.from_model(mf), cuda(mf, 256)
+
+
+@pytest.fixture(scope="module")
+def stories_q4(data):
+    """As `stories`, of stories260K-pad-q4_k_m.gguf (Q4_K_M)."""
+    from k4.runtime.model import open_model
+    from k4.runtime.tokenizer import Tokenizer
+    from tests.cuda_backend_cases import cuda
+
+    mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
+    return mf, Tokenizer.from_model(mf), cuda(mf, 256)
+
+
+@pytest.fixture
+def tiny_model(data, tmp_path, monkeypatch):
+    """Write a tiny random model of one ARCH_CASES entry (tests/cuda_backend_cases.py; blocks by
+    tests/quant_blocks.py): make(case) -> its ModelFile."""
+    from k4.runtime.model import open_model
+    from tests import tiny
+    from tests.cuda_backend_cases import ARCH_CASES
+    from tests.quant_blocks import blocks_like
+
+    monkeypatch.setattr(tiny, "quantize", blocks_like)
+
+    def make(case: str):
+        arch, ttype, over = ARCH_CASES[case]
+        cfg = tiny.tiny_config(arch, **over)
+        path = tiny.write_tiny(tmp_path / f"{case}.gguf", data / "models" / "stories260K.gguf", cfg, ttype, seed=7)
+        return open_model(path)
+
+    return make

@@ -6,9 +6,9 @@ the CUDA backend against the numpy backend, prefill and decode, with the fusions
 the kernels of a decode step (GeGLU in the gate/up product's epilogue, the embedding scale in
 the lookup) on a Q8_0 tiny gemma, fused against unfused.
 
-Limits: attn_mma rounds the pre-scaled queries and the probabilities to fp16 (2e-3, as
-test_cuda_ops.MMA_ATTN_REL_L2); the other attention kernels are f32 over the same fp16 cache as
-the float64 formula (2e-5). Element-wise kernels: tanhf/expf against numpy's float32 within a
+Limits: attn_mma rounds the pre-scaled queries and the probabilities to fp16 (2e-3,
+tests/attention_ref.py MMA_ATTN_REL_L2); the other attention kernels are f32 over the same fp16
+cache as the float64 formula (2e-5). Element-wise kernels: tanhf/expf against numpy's float32 within a
 few ulps (rtol 1e-5). Models: 1e-3 relative L2, as the transformers oracle's CUDA limit
 (tests/test_oracles.py: F32 weights, fp16 KV cache and fp16 tensor-core prefill)."""
 
@@ -23,7 +23,7 @@ from k4.runtime import reference
 from k4.runtime.flags import Flags
 from k4.runtime.model import open_model
 from k4.runtime.reference import NumpyBackend
-from tests.attention_ref import DECODE_KERNELS, SPLIT_KEYS, tensor_cores
+from tests.attention_ref import attention_inputs, check_attention_kernels, f16_plane
 from tests.gpu import cupy_or_skip
 from tests.test_gemma import GEMMA_CASES, attention_f64, gemma_tiny, rel_l2
 from tests.tiny import write_tiny
@@ -31,8 +31,6 @@ from tests.tiny import write_tiny
 cp = cupy_or_skip()
 pytestmark = pytest.mark.cuda
 
-MMA_REL_L2 = 2e-3
-F32_REL_L2 = 2e-5
 MODEL_REL_L2 = 1e-3
 
 
@@ -56,33 +54,13 @@ ATTN_CASES = [
 
 @pytest.mark.parametrize("n_tok,pos0,n_head,n_head_kv,D,n_ctx,split,window,cap", ATTN_CASES)
 def test_attention_window_scale_softcap(ops, rng, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split, window, cap):
-    from k4.runtime.cuda.attention_launch import attention_split
     from k4.runtime.cuda.op_args import AttnShape
 
-    q = rng.standard_normal((n_tok, n_head, D)).astype(np.float32)
-    n_kv = pos0 + n_tok
-    kc = np.full((n_ctx, n_head_kv, D), np.nan, np.float16)  # rows past the causal range stay unread
-    vc = np.full((n_ctx, n_head_kv, D), np.nan, np.float16)
-    kc[:n_kv] = 2 * rng.standard_normal((n_kv, n_head_kv, D))
-    vc[:n_kv] = rng.standard_normal((n_kv, n_head_kv, D))
-    n_split, split_len = attention_split(n_ctx, split, keys=SPLIT_KEYS)
-    part = cp.empty((n_tok, n_head, n_split, D + 2), cp.float32) if n_split > 1 else None
-    ticket = cp.zeros(n_tok * n_head, cp.int32)
+    q, keys, values = attention_inputs(rng, n_tok, pos0, n_head, n_head_kv, D)
+    kc, vc = f16_plane(keys, n_ctx), f16_plane(values, n_ctx)
     scale = 0.11
     want = attention_f64(q, kc, vc, pos0, scale, window, cap)
-    shape = AttnShape(scale, window, cap)
-    kernels = [(True, True, True), (False, True, True), (False, False, True)] if n_tok > 1 else DECODE_KERNELS
-    try:
-        for mma, tiled, gqa in kernels:
-            ops.mma, ops.tiled, ops.gqa = mma, tiled, gqa
-            out = cp.full((n_tok, n_head, D), np.nan, cp.float32)
-            ops.attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, cp.asarray([pos0], dtype=cp.int32),
-                          n_split, split_len, part, ticket, shape=shape)
-            limit = MMA_REL_L2 if tensor_cores(ops, n_tok, D, n_head // n_head_kv) else F32_REL_L2
-            assert rel_l2(out.get(), want) < limit, f"mma={mma} tiled={tiled} gqa={gqa}"
-            assert not ticket.any()  # every split's ticket reset, the skipped ones included
-    finally:
-        ops.mma, ops.tiled, ops.gqa = True, True, True
+    check_attention_kernels(ops, q, cp.asarray(kc), cp.asarray(vc), pos0, n_ctx, split, want, shape=AttnShape(scale, window, cap))
 
 
 @pytest.mark.parametrize("out_dtype", [np.float32, np.float16])
@@ -155,7 +133,7 @@ def test_gemma_decode_step_kernels_and_fused_geglu(tmp_path, data, case):
     K4_FUSE_SWIGLU (the fused GeGLU epilogue saves one kernel per layer), and the two give the
     same decode logits within 1e-4 relative L2 (the same q8 dot products, the same gelu_tanh
     formula; only the kernel that applies it differs) and numpy's within 3e-2 (x quantized to
-    8 bits per 32 values in every product: test_cuda_backend's LIMIT_DECODE_Q8 is 1.6e-2 for one
+    8 bits per 32 values in every product: cuda_backend_cases's LIMIT_DECODE_Q8 is 1.6e-2 for one
     step; these are 6 on a cache the fp16 prefill wrote)."""
     from k4.runtime.cuda.backend import CudaBackend
 

@@ -5,7 +5,7 @@ Against gemv: EXACT equality, bit for bit. The batched kernel quantizes each x r
 does (the same q8_unit), and each output's lane sums run over the same chunks in the same order
 with the same warp_sum, so nothing may differ; a failure here means the kernel broke that
 design (fix the kernel, do not loosen the test). Against numpy (gguf's dequantize, float64 with
-x rounded as the kernels round it, q8_rounded): the gemv limits of tests/test_cuda_matmul.py,
+x rounded as the kernels round it, q8_rounded): the gemv limits of tests/matmul_ref.py,
 1e-4 relative L2 (2e-4 for the gate/up epilogue, whose act and product add one rounding each).
 Inputs are seeded by the test id; outputs are poisoned with NaN, and the columns around a
 strided Y view must stay NaN.
@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
-from gguf.quants import dequantize
 
 from k4.runtime.cuda import layout as lay
 from k4.runtime.cuda import matmul as mm
@@ -26,8 +25,7 @@ from k4.runtime.cuda import quant_kernels as qk
 from k4.runtime.cuda.gemv_batch import gemv_batch, gemv_rows
 from k4.runtime.cuda.microbench import random_weight
 from k4.runtime.trace import Trace
-from tests.helpers_matmul import interleave_rows
-from tests.test_cuda_matmul import GLU_REF, LIMIT_Q8_ROUNDED, QUANTIZED, fresh_rng, nan_like, q8_rounded, rel_err, weight
+from tests.matmul_ref import GLU_REF, LIMIT_Q8_ROUNDED, QUANTIZED, fresh_rng, glu_weight, nan_like, q8_rounded, rel_err, weight
 
 LAYOUTS = pytest.mark.parametrize("repack", [True, False], ids=["planar", "raw"])
 
@@ -131,14 +129,9 @@ def test_gemv_batch_residual_and_bias(type_name):
 @pytest.mark.parametrize("type_name", QUANTIZED)
 def test_gemv_batch_glu_epilogue(type_name, repack, act):
     """A gate/up interleaved weight: Y[t] = act(gate x_t) * (up x_t), act silu or gelu_tanh."""
-    import cupy as cp
-
     rng, seed = fresh_rng()
     n_ff, n_in = shapes(type_name)[0]
-    gate, up = (random_weight(T[type_name], n_ff, n_in, rng) for _ in range(2))
-    t = interleave_rows(gate, up, "ffn_gate_up")
-    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack, glu=True, glu_act=act)
-    ref_g, ref_u = (dequantize(p.raw_bytes(), p.ggml_type).astype(np.float64) for p in (gate, up))
+    w, ref_g, ref_u = glu_weight(T[type_name], n_ff, n_in, rng, repack, act)
     X, x = strided_rows(rng, qk.BATCH_TOKENS, n_in)
     want = per_token(w, X, n_ff)
     f = GLU_REF[act]
@@ -170,9 +163,7 @@ def test_matmul_runs_few_tokens_through_gemv_batch(tensor_cores):
         mm.matmul(w, X, Y, trace=trace)
         assert trace.get("load").launches == -(-n_tok // qk.BATCH_TOKENS)
         assert np.array_equal(Y.get(), per_token(w, X, 300)), f"n_tok {n_tok} (seed {seed})"
-    gate, up = (random_weight(T.Q6_K, 64, 256, rng) for _ in range(2))
-    t = interleave_rows(gate, up, "ffn_gate_up")
-    glu = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=True)
+    glu, _, _ = glu_weight(T.Q6_K, 64, 256, rng)
     X = cp.asarray(rng.standard_normal((11, 256)).astype(np.float32))
     Y = nan_like((11, 64))
     gemv_rows(glu, X, Y)

@@ -9,7 +9,7 @@ Limits: the store is bit-exact. Attention over q8_0 planes is compared with floa
 over the same dequantized values: attn_kv and attn_tiled compute in f32 on exactly those
 values (2e-5, as the fp16 tests of test_cuda_ops.py); attn_mma also rounds each dequantized
 value q * d to fp16 (relative 2^-12 on average) on top of its fp16 Q and P, so its limit stays
-test_cuda_ops's MMA_ATTN_REL_L2 = 2e-3 (fp16 planes: 3e-4 to 4e-4 measured)."""
+tests/attention_ref.py MMA_ATTN_REL_L2 = 2e-3 (fp16 planes: 3e-4 to 4e-4 measured)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from k4.runtime.reference import NumpyBackend
 from k4.runtime.sampling import SamplingParams
 from k4.runtime.tokenizer import Tokenizer
 from tests.tiny import tiny_config
-from tests.attention_ref import DECODE_KERNELS, SPLIT_KEYS, attention_reference, tensor_cores
+from tests.attention_ref import SPLIT_KEYS, attention_inputs, attention_reference, check_attention_kernels
 from tests.wide_heads import write_wide_heads
 
 cp = cupy_or_skip()
@@ -35,8 +35,6 @@ from k4.runtime.cuda.op_args import FreshKV, RopeArgs  # noqa: E402  (needs CuPy
 pytestmark = pytest.mark.cuda
 
 PAIRS = [("q8_0", "q8_0"), ("q8_0", "f16"), ("f16", "q8_0")]  # (keys, values) with a q8_0 plane
-ATTN_REL_L2 = 2e-5
-MMA_ATTN_REL_L2 = 2e-3
 PPL_LIMIT = 0.005  # q8_0's perplexity over f16's (the issue: within 0.5%)
 Q8 = KVTypes("q8_0", "q8_0")
 
@@ -159,28 +157,10 @@ ATTN_CASES = [
 @pytest.mark.parametrize("kt,vt", PAIRS)
 @pytest.mark.parametrize("n_tok,pos0,n_head,n_head_kv,D,n_ctx,split", ATTN_CASES)
 def test_attention_over_q8_0_planes(ops, rng, kt, vt, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split):
-    from k4.runtime.cuda.attention_launch import attention_split
-
-    q = rng.standard_normal((n_tok, n_head, D)).astype(np.float32)
-    n_kv = pos0 + n_tok
-    (kx, kd), k_read = fill(kt, (2 * rng.standard_normal((n_kv, n_head_kv, D))).astype(np.float32), n_ctx)
-    (vx, vd), v_read = fill(vt, rng.standard_normal((n_kv, n_head_kv, D)).astype(np.float32), n_ctx)
-    n_split, split_len = attention_split(n_ctx, split, keys=SPLIT_KEYS)
-    part = cp.empty((n_tok, n_head, n_split, D + 2), cp.float32) if n_split > 1 else None
-    ticket = cp.zeros(n_tok * n_head, cp.int32)
-    want = attention_reference(q, k_read, v_read, pos0)
-    kernels = [(True, True, True), (False, True, True), (False, False, True)] if n_tok > 1 else DECODE_KERNELS
-    try:
-        for mma, tiled, gqa in kernels:
-            ops.mma, ops.tiled, ops.gqa = mma, tiled, gqa
-            out = cp.full((n_tok, n_head, D), np.nan, cp.float32)
-            ops.attention(cp.asarray(q), kx, vx, out, cp.asarray([pos0], dtype=cp.int32), n_split, split_len, part, ticket,
-                          scales=(kd, vd))
-            limit = MMA_ATTN_REL_L2 if tensor_cores(ops, n_tok, D, n_head // n_head_kv) else ATTN_REL_L2
-            assert rel_l2(out.get(), want) < limit, f"mma={mma} tiled={tiled} gqa={gqa}"
-            assert not ticket.any()
-    finally:
-        ops.mma, ops.tiled, ops.gqa = True, True, True
+    q, keys, values = attention_inputs(rng, n_tok, pos0, n_head, n_head_kv, D)
+    (kx, kd), k_read = fill(kt, keys.astype(np.float32), n_ctx)
+    (vx, vd), v_read = fill(vt, values.astype(np.float32), n_ctx)
+    check_attention_kernels(ops, q, kx, vx, pos0, n_ctx, split, attention_reference(q, k_read, v_read, pos0), scales=(kd, vd))
 
 
 # ---- the backend end to end ---------------------------------------------------------------------

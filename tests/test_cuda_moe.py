@@ -8,7 +8,7 @@ numpy's exp). Gathered products, relative L2 over all slots: on float x (float t
 router) within 1e-5 (float32 dot products of the same dequantized weights, another summation
 order); with 8-bit x (moe_gemv_q8) each slot's y bit for bit gemv's on that expert's matrix and
 x (same quantization, same summation order), within 1e-4 of the float64 product with x rounded
-as the kernels round it (test_cuda_matmul.q8_rounded) and 1e-2 of the float x product (the
+as the kernels round it (matmul_ref.q8_rounded) and 1e-2 of the float x product (the
 rounding of x: about 5e-3 on random data). The SwiGLU launch (gate and up experts): bit for bit
 gemv's SwiGLU instance on the interleaved pair, twice those limits (two products)."""
 
@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from tests.gpu import cupy_or_skip
-from tests.test_cuda_matmul import LIMIT_Q8, LIMIT_Q8_ROUNDED, q8_rounded
+from tests.matmul_ref import LIMIT_Q8, LIMIT_Q8_ROUNDED, q8_rounded
 from k4.runtime.cuda import moe as cmoe
 from k4.runtime.cuda.quant_kernels import QUANT
 from k4.runtime.moe import route

@@ -26,7 +26,7 @@ from k4.runtime.reference import apply_rope, rope_tables
 from k4.runtime.rope import rope_table
 from tests.helpers_matmul import interleave_rows
 from tests.norm_inputs import RATIOS, eps_outside_sqrt64, eps_rows, norm_weight, rms_norm64, row_errors
-from tests.test_cuda_matmul import q8_rounded
+from tests.matmul_ref import q8_rounded
 from tests.tiny import tiny_config
 
 pytestmark = pytest.mark.cuda
@@ -39,10 +39,10 @@ LIMIT_F32 = 2e-6
 # 1e-3, below the 5e-3 of the mildest mistake.
 LIMIT_FP16 = 1e-3
 # gemv on float weights: the norm above plus a float32 dot product over n_in terms; limit 1e-5
-# (test_cuda_matmul's float limit).
+# (matmul_ref's float limit).
 LIMIT_GEMV_FLOAT = 1e-5
 # gemv on quantized weights against the product with x normalized in float64 and rounded to q8
-# as the kernel does (q8_rounded): float32 rounding (1e-4, test_cuda_matmul's LIMIT_Q8_ROUNDED),
+# as the kernel does (q8_rounded): float32 rounding (1e-4, matmul_ref's LIMIT_Q8_ROUNDED),
 # plus the values whose q8 rounding flips because the kernel's scale differs from numpy's in its
 # last bits (about 1 value in 25,000; each moves y by one q8 step of one x value,
 # 2.5 / (127 sqrt(n_in)) = 7e-4 at n_in 896). 2e-3 allows two such flips in one vector. (The

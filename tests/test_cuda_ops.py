@@ -1,8 +1,8 @@
 """Each non-matmul CUDA kernel (runtime/cuda/ops.py) against numpy on fresh random inputs, at
 shapes that are and are not multiples of the block and tile sizes. Limits are relative L2
 errors: 1e-5 for float32 paths, 1e-3 where values pass through fp16 (2e-3 for the tensor-core
-attention, MMA_ATTN_REL_L2). Outputs are poisoned (NaN) before each launch, so an element the
-kernel fails to write fails the test.
+attention, tests/attention_ref.py MMA_ATTN_REL_L2). Outputs are poisoned (NaN) before each
+launch, so an element the kernel fails to write fails the test.
 The numpy side is runtime/reference.py (the oracle) and runtime/sampling.py."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from k4.runtime import reference
 from k4.runtime.rope import rope_table
 from k4.runtime.sampling import SamplingParams, apply_repeat_penalty, sample
 from tests.tiny import tiny_config
-from tests.attention_ref import DECODE_KERNELS, SPLIT_KEYS, attention_reference, tensor_cores
+from tests.attention_ref import SPLIT_KEYS, attention_inputs, attention_reference, check_attention_kernels, f16_plane
 
 cp = cupy_or_skip()
 from k4.runtime.cuda.op_args import FreshKV, RopeArgs  # noqa: E402  (needs CuPy)
@@ -141,42 +141,15 @@ ATTN_CASES = [
     (1, 3000, 16, 8, 256, 4096, True),
     (1, 1000, 32, 2, 128, 2048, True),
 ]
-# attn_mma rounds the pre-scaled queries and the probabilities to fp16 (unit roundoff 2^-11 =
-# 4.9e-4) and accumulates in f32; emulating exactly those two roundings in float64 gives rel L2
-# errors of 3e-4 to 4e-4 on these cases, so 2e-3 leaves 5x margin and still catches any
-# wrong index, mask or rescale (those give errors of order 1e-1).
-MMA_ATTN_REL_L2 = 2e-3
 
 
 @pytest.mark.parametrize("n_tok,pos0,n_head,n_head_kv,D,n_ctx,split", ATTN_CASES)
 def test_attention(ops, rng, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split):
-    from k4.runtime.cuda.attention_launch import attention_split
-
-    q = rng.standard_normal((n_tok, n_head, D)).astype(np.float32)
-    n_kv = pos0 + n_tok
-    kc = np.full((n_ctx, n_head_kv, D), np.nan, np.float16)  # rows past the causal range must stay unread
-    vc = np.full((n_ctx, n_head_kv, D), np.nan, np.float16)
-    kc[:n_kv] = 2 * rng.standard_normal((n_kv, n_head_kv, D))
-    vc[:n_kv] = rng.standard_normal((n_kv, n_head_kv, D))
-    n_split, split_len = attention_split(n_ctx, split, keys=SPLIT_KEYS)
-    part = cp.empty((n_tok, n_head, n_split, D + 2), cp.float32) if n_split > 1 else None
-    ticket = cp.zeros(n_tok * n_head, cp.int32)
-    want = attention_reference(q, kc, vc, pos0)
-    # attn_mma (where D has an instance) and attn_tiled for several queries, and the per-query
-    # kernel; split attention twice (the tickets reset)
-    kernels = [(True, True, True), (False, True, True), (False, False, True)] if n_tok > 1 else DECODE_KERNELS
-    try:
-        for mma, tiled, gqa in kernels:
-            ops.mma, ops.tiled, ops.gqa = mma, tiled, gqa
-            out = nan_like((n_tok, n_head, D), cp.float32)
-            ops.attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), out, cp.asarray([pos0], dtype=cp.int32),
-                          n_split, split_len, part, ticket)
-            # fp16 keys/values are exact on both sides; only attn_mma rounds q and p
-            limit = MMA_ATTN_REL_L2 if tensor_cores(ops, n_tok, D, n_head // n_head_kv) else 2e-5
-            assert rel_l2(out.get(), want) < limit, f"mma={mma} tiled={tiled} gqa={gqa}"
-            assert not ticket.any()
-    finally:  # the fixture's kernel choice, whatever failed
-        ops.mma, ops.tiled, ops.gqa = True, True, True
+    """Every kernel serving the shape against the float64 formula (tests/attention_ref.py): the
+    fp16 keys and values are exact on both sides; only attn_mma rounds q and p."""
+    q, keys, values = attention_inputs(rng, n_tok, pos0, n_head, n_head_kv, D)
+    kc, vc = f16_plane(keys, n_ctx), f16_plane(values, n_ctx)
+    check_attention_kernels(ops, q, cp.asarray(kc), cp.asarray(vc), pos0, n_ctx, split, attention_reference(q, kc, vc, pos0))
 
 
 @pytest.mark.parametrize("arch,n_head,n_head_kv,D,pos0,n_ctx", [("llama", 8, 2, 64, 77, 256), ("qwen3", 4, 4, 128, 5, 4096),

@@ -5,8 +5,9 @@ dequantize_row_* written here, bit for bit; a tiny model of each type through th
 against an F32 file holding the same weights decoded by that transcription; `k4 info` and the
 quantize planner on such a file; runtime.synthetic.random_blocks for these types.
 
-The CUDA decoders of these types are tested in tests/test_cuda_matmul.py (gemv, matmul,
-dequant_rows against gguf) and tests/test_cuda_backend.py (ARCH_CASES, whole models)."""
+The CUDA decoders of these types are tested in tests/test_cuda_gemv.py and
+tests/test_cuda_matmul.py (gemv, matmul, dequant_rows against gguf) and tests/test_cuda_backend.py
+(whole models: tests/cuda_backend_cases.py ARCH_CASES)."""
 
 from __future__ import annotations
 

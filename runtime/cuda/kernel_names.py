@@ -10,7 +10,7 @@ TILED_HEAD_DIMS = (64, 128, 256)  # head_dim instances of attn_tiled
 MMA_TILE_KEYS = {64: 64, 128: 64, 256: 32}  # head_dim -> keys per shared-memory tile of its attn_mma instance
 GQA_TILE_KEYS = {64: 64, 128: 64, 256: 64}  # head_dim -> keys per tile of its attn_gqa instance (16 per warp)
 
-# the decoder structs of kernels_cu/common.cuh (quant_kernels.QUANT and FLOAT name the same): the
+# the decoder structs of kernels_cu/decoders.cuh (quant_kernels.QUANT and FLOAT name the same): the
 # instances of moe.cu's expert products, one compile group each
 MOE_QUANT_DECODERS = ("type_q4_K", "type_q5_K", "type_q6_K", "type_q8_0", "type_q5_0", "type_q5_1", "type_q2_K",
                       "type_q3_K", "type_q4_0", "type_iq4_xs", "type_iq4_nl")
@@ -29,7 +29,7 @@ MOE_Q8_GLU_VARIANTS = {**MOE_Q8_VARIANTS, "type_q8_0": (32, 2, 0), "type_q3_K": 
 
 
 def moe_q8_name(decoder: str, glu: bool = False) -> str:
-    """The moe_gemv.cu instance for expert tensors of a common.cuh decoder, with the SwiGLU
+    """The moe_gemv.cu instance for expert tensors of a decoders.cuh decoder, with the SwiGLU
     epilogue (gate and up experts in one launch) or without: "moe_gemv_q8<type_q4_K, 16, 2, true, false>"."""
     warps, u, pf = (MOE_Q8_GLU_VARIANTS if glu else MOE_Q8_VARIANTS)[decoder]
     b = lambda v: "true" if v else "false"  # noqa: E731

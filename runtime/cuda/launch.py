@@ -7,7 +7,7 @@ allocates nothing and never synchronizes, so launches can be captured in a CUDA 
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, sm_90): the kernel may start while
 the previous kernel in the stream is still running, so its launch latency and its first loads
 overlap that kernel's tail. Only kernels that execute `griddepcontrol.wait` (pdl_wait in
-kernels_cu/common.cuh) before touching anything an earlier kernel writes may be launched so.
+kernels_cu/device.cuh) before touching anything an earlier kernel writes may be launched so.
 
 CUDA errors become runtime.errors.GpuError here. A launch the driver refuses names the kernel
 (its C++ name, demangled), the grid, the block and the trace phase. Most faults surface later,

@@ -1,5 +1,5 @@
 """Which kernels serve each ggml type: the per-type decoder and launch variants of the matrix
-kernels (kernels_cu/gemv.cu, kernels_cu/gemv_batch.cu, kernels_cu/matmul.cu, decoders in kernels_cu/common.cuh and
+kernels (kernels_cu/gemv.cu, kernels_cu/gemv_batch.cu, kernels_cu/matmul.cu, decoders in kernels_cu/decoders.cuh and
 decoders_lowbit.cuh), the template-instance names the launchers use (the one list: NVRTC gets
 them as name expressions, the nvcc test instantiates exactly them), their compile groups, and
 the lookup of a compiled kernel. Importable without CuPy.
@@ -21,7 +21,7 @@ from .constants import QUANT_LAYOUTS
 class QuantKernels:
     """How kernels_cu handles one quantized ggml type.
 
-    decoder: the C++ decoder struct in kernels_cu/common.cuh.
+    decoder: the C++ decoder struct in kernels_cu/decoders.cuh (or decoders_lowbit.cuh).
     gemv:    (WARPS, U, PF) of the gemv_q8 instance used: warps per block, chunks in flight per
              lane, and whether the next U chunks load while the current ones are multiplied.
     glu:     the same for the SwiGLU-epilogue instance (Q8_0 holds fewer chunks: more spill), and
@@ -202,6 +202,6 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
 @cache  # a RawModule lookup per launch showed in the prefill profile (host-bound)
 def _kernel(filename: str, name: str, evict_first: bool = True):
     """Kernel `name` of kernels_cu/`filename`, from the module of its compile group; evict_first:
-    its weight loads carry the L1 evict-first hint (common.cuh load16, flag K4_EVICT_FIRST)."""
+    its weight loads carry the L1 evict-first hint (device.cuh load16, flag K4_EVICT_FIRST)."""
     group = _GROUP_OF.get((filename, name))  # None: an extern "C" kernel
     return module(filename, group, _defines(evict_first) if group else ()).get_function(name)

@@ -1,0 +1,87 @@
+"""Decode's 8-bit handoff between products (K4_FUSE_QUANT; runtime/cuda/q8_handoff.py): q8x_host,
+the host reference of the kernels' q8 x layout; a SwiGLU/GeGLU product writing its output as q8 x
+and the down product reading it, to the bit the same as down on the float output; the checks of
+what does not fit. Inputs: tests/matmul_ref.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from k4.runtime.cuda import matmul as mm
+from k4.runtime.cuda import q8_handoff as hand
+from tests.matmul_ref import GLU_REF, QUANTIZED, fresh_rng, glu_weight, nan_like, q8_rounded, weight
+
+@pytest.mark.parametrize("swizzle", [1, 2])
+def test_q8x_host_is_q8_rounded_in_the_kernel_layout(swizzle):
+    """q8x_host (the handoff's reference): unit u's 16 quants at slot x_unit_slot(u), d per 32,
+    d * sum per 16, padding zero; its values are q8_rounded's. 416 values: 26 units padded to 32."""
+    x = np.random.default_rng(3).standard_normal(416).astype(np.float32)
+    x[32:64] = 0  # an all-zero group: d 0, quants 0
+    raw = hand.q8x_host(x, swizzle)
+    assert raw.shape == (mm.q8x_bytes(416),) == (512 + 64 + 112,)
+    u = np.arange(26)
+    slot = (u & ~7) | ((u + swizzle * (u >> 3)) & 7)
+    assert (slot != u).any()
+    quants = raw[16 * slot[:, None] + np.arange(16)].view(np.int8).reshape(-1, 32)
+    d, s = raw[512:564].view(np.float32), raw[576:680].view(np.float32)
+    np.testing.assert_array_equal((quants * d[:, None]).astype(np.float64).reshape(-1), q8_rounded(x))
+    np.testing.assert_array_equal(s, np.repeat(d, 2) * quants.reshape(-1, 16).sum(axis=1).astype(np.float32))
+    pad = np.r_[16 * np.setdiff1d(np.arange(32), slot)[:, None] + np.arange(16)].reshape(-1)
+    assert not raw[pad].any() and not raw[564:576].any() and not raw[680:].any() and d[1] == 0 and np.abs(quants).max() == 127
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("act", list(GLU_REF))
+@pytest.mark.parametrize("down_type", QUANTIZED)
+@pytest.mark.parametrize("glu_type", [t for t in QUANTIZED if mm.QUANT[T[t]].handoff])
+def test_gemv_q8_handoff_is_the_quantization_of_y(glu_type, down_type, act):
+    """y_q8 from a SwiGLU (or GeGLU) product holds y quantized (q8_rounded) in the down type's layout;
+    down with x_q8 = it equals down on y itself to the bit, and never reads x. 4352 outputs =
+    136 groups of 32: more than the grid has blocks, so blocks take unequal runs."""
+    import cupy as cp
+
+    rng, seed = fresh_rng()
+    for n_ff in (256, 4352):
+        n_in = 512
+        glu, _, _ = glu_weight(T[glu_type], n_ff, n_in, rng, act=act)
+        down, _ = weight(down_type, 300, n_ff, rng, True)
+        assert hand.can_hand_off(glu, down)
+        x = cp.asarray(rng.standard_normal(n_in).astype(np.float32))
+        y, y_plain = nan_like(n_ff), nan_like(n_ff)
+        q8 = hand.Q8Vector.for_weight(down, cp.zeros(mm.q8x_bytes(n_ff), cp.uint8))
+        mm.gemv(glu, x, y, y_q8=q8)
+        mm.gemv(glu, x, y_plain)
+        assert cp.array_equal(y, y_plain), f"{glu_type} y_q8 changed y (seed {seed})"
+        np.testing.assert_array_equal(q8.data.get(), hand.q8x_host(y.get(), q8.swizzle))
+        z, z_q8 = nan_like(300), nan_like(300)
+        mm.gemv(down, y, z)
+        mm.gemv(down, nan_like(n_ff), z_q8, x_q8=q8)
+        assert cp.array_equal(z, z_q8), f"{glu_type} -> {down_type} n_ff {n_ff} (seed {seed})"
+
+
+@pytest.mark.cuda
+def test_gemv_q8_handoff_rejects_what_does_not_fit():
+    import cupy as cp
+
+    rng = np.random.default_rng(0)
+    w, _ = weight("Q4_K", 64, 256, rng, True)
+    w6, _ = weight("Q6_K", 64, 256, rng, True)
+    buf = cp.zeros(mm.q8x_bytes(256), cp.uint8)
+    x, y = cp.zeros(256, cp.float32), cp.zeros(64, cp.float32)
+    with pytest.raises(ValueError, match="swizzle"):
+        mm.gemv(w, x, y, x_q8=hand.Q8Vector.for_weight(w6, buf))
+    with pytest.raises(ValueError, match="no fused norm"):
+        mm.gemv(w, x, y, x_q8=hand.Q8Vector.for_weight(w, buf), norm=(x, 1e-6))
+    with pytest.raises(ValueError, match="glu"):
+        mm.gemv(w, x, y, y_q8=hand.Q8Vector(buf, 64, 1))
+    with pytest.raises(ValueError, match="needs 352 uint8 bytes"):
+        hand.Q8Vector.for_weight(w, cp.zeros(100, cp.uint8))
+    f32, _ = weight("F32", 64, 256, rng, True)
+    with pytest.raises(ValueError, match="float x"):
+        hand.Q8Vector.for_weight(f32, buf)
+    glu, _, _ = glu_weight(T.Q5_0, 64, 256, rng)
+    assert not hand.can_hand_off(glu, w6)
+    with pytest.raises(ValueError, match="handoff"):
+        mm.gemv(glu, x, y, y_q8=hand.Q8Vector(buf, 64, 1))

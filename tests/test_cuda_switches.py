@@ -1,0 +1,114 @@
+"""The optimization switches (K4_* flags) of the CUDA backend: all off gives the same tokens; each
+alone keeps llama.cpp's greedy tokens and the numpy backend's logits, and (the fusions) the
+kernel count of a decode step; the 8-bit handoff changes no bit of the logits. Limits and cases:
+tests/cuda_backend_cases.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from k4.runtime.model import open_model
+from k4.runtime.reference import NumpyBackend
+from k4.runtime.tokenizer import Tokenizer
+from tests.cuda_backend_cases import (ALL_FLAGS, FUSIONS, GREEDY, LIMIT_PREFILL, continuation, cuda, decode_limit, greedy_cases,
+                                      rel_l2, take)
+from tests.gpu import cupy_or_skip
+
+cp = cupy_or_skip()
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("unset_backend_flags")]
+
+
+def test_every_flag_off_gives_the_same_tokens(stories, monkeypatch):
+    mf, tok, be = stories
+    prompt = tok.encode("The little dog")
+    be.reset()
+    want = take(be.generate(prompt, GREEDY), 30)
+    for name in ALL_FLAGS:
+        monkeypatch.setenv(name, "0")
+    off = cuda(mf, 256)
+    assert off.graph is None and off.n_split == 1
+    assert take(off.generate(prompt, GREEDY), 30) == want
+    d = off.trace.get("decode")
+    assert d.syncs == d.steps and d.graph_replays == 0 and d.h2d_bytes == 0
+
+
+# ---- each fusion switched off --------------------------------------------------------------------
+
+def step_kernels(mf, flag: str | None) -> int:
+    """Kernels of one decode step with `flag` off: per layer the q/k/v products (one per run of
+    one type when stacked), attention (with RoPE and the cache store, its splits merged in the
+    kernel), output, gate/up with SwiGLU, down; then the embedding, lm_head (the final norm
+    folded into both), and 3 sampling kernels. Each switch off adds its kernels."""
+    from k4.runtime.cuda.weights import runs_of_one_type
+
+    n = mf.config.n_layer
+    qkv = sum(len(runs_of_one_type([mf.tensor(f"blk.{i}.attn_{p}.weight").ggml_type for p in "qkv"], flag != "K4_STACK"))
+              for i in range(n))
+    extra = {"K4_FUSE_SWIGLU": n, "K4_FUSE_ROPE": n, "K4_FUSE_NORM": 2 * n + 1}.get(flag, 0)
+    return qkv + 4 * n + 5 + extra
+
+
+SWITCHES = [None, *(f"{name}=0" for name in ALL_FLAGS), "K4_FUSE_QUANT=1"]  # default, each off alone, the one default-off on
+
+
+def family_cases(data) -> list[dict]:
+    """llama.cpp's greedy completions for stories260K as qwen2 and as llama + rope_freqs."""
+    return json.loads((data / "golden" / "families.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("switch", SWITCHES)
+def test_each_switch_keeps_golden_tokens_and_numpy_logits(data, tiny_model, monkeypatch, switch):
+    """Every K4_* switch alone: llama.cpp's greedy tokens on the Q4_K_M model and on the qwen2
+    and rope_freqs family models, numpy's logits on tiny models of each family, and (for the
+    fusions) the kernel count of a decode step."""
+    flag = None
+    if switch:
+        flag, value = switch.split("=")
+        monkeypatch.setenv(flag, value)
+    mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
+    tok, be = Tokenizer.from_model(mf), cuda(mf, 256)
+    if flag is None or (flag in FUSIONS and flag != "K4_PREFILL_F16_CACHE"):
+        assert be.graph_launches == step_kernels(mf, flag)
+    assert (be.memory_report()["prefill_f16"] > 0) == (flag not in ("K4_PREFILL_F16_CACHE", "K4_PREFILL_TC"))
+    for case in greedy_cases(data, "stories260K-pad-q4_k_m.gguf"):
+        be.reset()
+        ids = tok.encode(case["prompt"])
+        out = take(be.generate(ids, GREEDY), 16)
+        assert case["completion"].startswith(continuation(tok, ids, out)), case["prompt"]
+    be.close()
+    for family in family_cases(data):
+        fm = open_model(data / "golden" / "families" / family["model"])
+        ftok, fbe = Tokenizer.from_model(fm), cuda(fm, 256)
+        for case in family["greedy"]:
+            ids = ftok.encode(case["prompt"])
+            fbe.reset()
+            out = take(fbe.generate(ids, GREEDY), 24)
+            assert case["completion"].startswith(continuation(ftok, ids, out)), (family["model"], case["prompt"])
+        fbe.close()
+    for case in ("qwen2-q8_0-bias", "qwen3-q5_k", "llama-f16-tied", "qwen2-q8_0-hd64", "llama-f32-rope-freqs"):
+        small = tiny_model(case)
+        prompt = np.random.default_rng(4).integers(3, small.config.n_vocab, size=19).tolist()
+        got, ref = cuda(small, 64), NumpyBackend(small, 64)
+        # without tensor cores, prefill multiplies each token as decode does (8-bit activations)
+        prefill_limit = decode_limit(small) if flag == "K4_PREFILL_TC" else LIMIT_PREFILL
+        assert rel_l2(got.eval(prompt, all_logits=True), ref.eval(prompt, all_logits=True)) < prefill_limit, case
+        assert rel_l2(got.eval([7]), ref.eval([7])) < decode_limit(small), case
+        got.close()
+
+
+def test_q8_handoff_changes_no_bit_of_the_decode_logits(data, monkeypatch):
+    """K4_FUSE_QUANT: the down product copies the SwiGLU output that the gate/up epilogue
+    quantized instead of quantizing it in every block; the bytes are the same, so are the logits."""
+    mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
+    prompt = Tokenizer.from_model(mf).encode("Once upon a time")
+    logits = {}
+    for on in (True, False):
+        monkeypatch.setenv("K4_FUSE_QUANT", str(int(on)))
+        be = cuda(mf, 64)
+        assert all((L.ff_q8 is not None) == on for L in be.layers)
+        be.eval(prompt)
+        logits[on] = [be.eval([t]) for t in (7, 8, 9)]
+    assert all(np.array_equal(a, b) for a, b in zip(logits[True], logits[False]))
