@@ -7,8 +7,7 @@
 // Milakov & Gimelshein 2018 (as in FlashAttention). With n_split > 1 the key range is split over
 // blocks (flash-decoding, Dao et al. 2023): each block writes its running max m, sum l and
 // unnormalized accumulator, and the last block of a query head to finish (an atomic ticket,
-// the threadFenceReduction pattern of the CUDA samples) merges them (split_merge.cuh), so no second
-// kernel runs.
+// the threadFenceReduction pattern of the CUDA samples) merges them, so no second kernel runs.
 // Prefill runs attn_mma (tensor cores, attention_mma.cu) or attn_tiled (CUDA cores,
 // attention_tiled.cu) where head_dim has an instance; this kernel serves decode and the rest.
 // Launched by runtime/cuda/ops.py (Ops.attention). ATT_THREADS, ATT_CHUNK and the shared-memory
@@ -16,7 +15,6 @@
 // checked in attention_sizes.cuh.
 #include "kv_cache.cuh"
 #include "attention_sizes.cuh"
-#include "split_merge.cuh"
 
 #define ATT_KEYS 4  // keys whose loads one thread issues together
 
@@ -211,7 +209,8 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
         dst[-2] = m;
         dst[-1] = l;
     }
-    // the last split of this (token, head) to finish merges the partials (split_merge.cuh)
+    // the last split of this (token, head) to finish merges the partials:
+    // out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
     __shared__ int is_last;
     __syncthreads();
     if (tid == 0) {
@@ -221,6 +220,16 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    merge_splits<false>(part, (int)row, 1, n_split, first, n_active, D, out, red, tid, ATT_THREADS);
+    const float* pr = part + row * n_split * (D + 2);
+    float M = -k4ops::inf_f32();
+    for (int j = first; j < n_active; ++j) M = fmaxf(M, __ldcg(pr + j * (D + 2)));
+    float L = 0.0f;
+    for (int j = first; j < n_active; ++j) L += __ldcg(pr + j * (D + 2) + 1) * __expf(__ldcg(pr + j * (D + 2)) - M);
+    const float inv_L = 1.0f / L;
+    for (int i = tid; i < D; i += ATT_THREADS) {
+        float a = 0.0f;
+        for (int j = first; j < n_active; ++j) a += __ldcg(pr + j * (D + 2) + 2 + i) * __expf(__ldcg(pr + j * (D + 2)) - M);
+        out[row * D + i] = a * inv_L;
+    }
     if (tid == 0) ticket[row] = 0;
 }

@@ -1,15 +1,15 @@
 // The merge of split decode attention's partials (flash-decoding, Dao et al. 2023), run by the
-// last block of a head (attention.cu attn_kv) or of a query group (attention_gqa.cu attn_gqa) to
-// finish: out = sum_s w_s O_s / sum_s w_s l_s with w_s = e^(m_s - M) (2^ in log2 units), M the
+// last block of a query group (attention_gqa.cu attn_gqa) to finish: out = sum_s w_s O_s / sum_s w_s l_s with w_s = e^(m_s - M) (2^ in log2 units), M the
 // largest m_s.
 //
 // A warp per head first reads the splits' (m, l) pairs with a lane per split (two loads per
 // lane, all in flight together) and leaves the weights w_s / L in shared memory; then every
 // thread sums its outputs' O_s over the splits, four independent loads per round. The splits'
 // partials are in L2 (written by this launch), so the merge costs a few L2 round trips rather
-// than two per split, which is what a loop over the splits with the max, the sum and the
-// outputs in turn had cost (about 12 us for 18 splits on the H200, more than the keys' reads at
-// short depth).
+// than two per split, as a loop over the splits with the max, then the sums, would (attn_kv's
+// merge, kept there: its bits are what the CUDA goldens were checked with, and it measured the
+// same speed with this merge). On the H200, attn_gqa at 4,096 keys (8 KV heads of 128, 32
+// splits): 22.2 us with attn_kv's loop, 14.0 with this merge.
 #pragma once
 #include "ops_common.cuh"
 #include "constants.cuh"
