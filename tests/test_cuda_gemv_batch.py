@@ -162,7 +162,7 @@ def test_matmul_runs_few_tokens_through_gemv_batch(tensor_cores):
 
     rng, seed = fresh_rng()
     w, _ = weight("Q4_K", 300, 512, rng, True)
-    w.prefill_tc = tensor_cores
+    w.prefill_tc, w.mma8 = tensor_cores, False  # with K4_MMA8 these go to gemv_mma (tests/test_cuda_gemv_mma.py)
     for n_tok in (2, mm.GEMV_MAX_TOKENS) if tensor_cores else (19,):
         X = cp.asarray(rng.standard_normal((n_tok, 512)).astype(np.float32))
         trace = Trace()
@@ -172,7 +172,7 @@ def test_matmul_runs_few_tokens_through_gemv_batch(tensor_cores):
         assert np.array_equal(Y.get(), per_token(w, X, 300)), f"n_tok {n_tok} (seed {seed})"
     gate, up = (random_weight(T.Q6_K, 64, 256, rng) for _ in range(2))
     t = interleave_rows(gate, up, "ffn_gate_up")
-    glu = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=True)
+    glu = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=True, opts=mm.WeightOptions(mma8=False))
     X = cp.asarray(rng.standard_normal((11, 256)).astype(np.float32))
     Y = nan_like((11, 64))
     gemv_rows(glu, X, Y)
