@@ -12,7 +12,9 @@
 //   Q6_K, m16n8k16 per group i of 16:    d * sc_i * dx * (dot - 32 * sum(x quants)), the -32 sum
 //         entering as the mma's C operand, so the int32 result is the dot with q - 32.
 // x is quantized as gemv_q8 quantizes it (q8_unit: per 32 values d = max|x| / 127, quants
-// rint(x * 127 / max|x|), llama.cpp's q8_1 idea), by every block into its shared memory.
+// rint(x * 127 / max|x|), llama.cpp's q8_1 idea), by every block into its shared memory, or
+// copied from X quantized once by quantize_q8_rows (x_q8: 1.25 instead of 4 bytes of L2 reads per
+// value and token in every block, the prologue's cost: 8 x 4 x 11008 bytes per block for down).
 // Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k32" / "for mma.m16n8k16" with .s8
 // integers: lane = 4 g + t holds A rows g and g + 8 at k 4t..4t+3 (and 16+4t..16+4t+3 for k32),
 // B token g at the same k, C rows g, g + 8 x tokens 2t, 2t + 1.
@@ -29,7 +31,10 @@
 // one's mma and epilogue (also across steps). At the end of a step the warps' partial sums meet
 // in shared memory (two buffers: one __syncthreads per step) and TILES * 128 threads, one per
 // (row, token), add the KS partials and write Y with the epilogue. Steps: blockIdx.x, + gridDim.x,
-// ... Rows of a tile past the matrix load the last row again and are not written. With GLU the
+// ... Each warp asks L2 for all its blocks of a step one step ahead (prefetch.global.L2; the
+// first step before the wait for X), so the weights stream from memory while X is staged and
+// while a step's partials are summed. Rows of a tile past the matrix load the last row again and
+// are not written. With GLU the
 // weight rows interleave gate and up (2 n_out rows): the thread of a gate row reads its up row's
 // sums too.
 //
@@ -68,6 +73,9 @@ __device__ __forceinline__ uint4 quad_transpose(const uint4& v, int t) {
     return odd ? make_uint4(r0, a.y, r1, a.w) : make_uint4(a.x, r0, a.z, r1);
 }
 
+// Bring the 128-byte line holding p into L2 (a hint: no register, no wait).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // d = a (16x32 s8, row) * b (32x8 s8, col), exact int32.
 __device__ __forceinline__ void mma_k32(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};"
@@ -95,6 +103,13 @@ struct mma_q4_K {
         constexpr int A = PLANAR ? 16 : T::raw_align;
         const u8* qs = group_at<T, 1, PLANAR>(w, nblk, blk) + 16 * t;
         return {load16<A>(group_at<T, 0, PLANAR>(w, nblk, blk)), load16<A>(qs), load16<A>(qs + 64)};
+    }
+    template <bool PLANAR>
+    __device__ static void prefetch(const u8* w, i64 nblk, i64 blk, int t) {  // the lines load reads
+        const u8* qs = group_at<T, 1, PLANAR>(w, nblk, blk) + 16 * t;
+        prefetch_l2(group_at<T, 0, PLANAR>(w, nblk, blk));
+        prefetch_l2(qs);
+        prefetch_l2(qs + 64);
     }
     // acc (C order: rows g, g + 8 x tokens 2t, 2t + 1) += the block's products of rows r0 (g) and
     // r1 (g + 8) with the x of its 8 sub-blocks at xq, xsc (the layouts of the file's header).
@@ -155,6 +170,15 @@ struct mma_q6_K {
         return {load16<A>(ql), load16<A>(ql + 64), load16<A>(group_at<T, 1, PLANAR>(w, nblk, blk) + 16 * t),
                 load16<A>(group_at<T, 2, PLANAR>(w, nblk, blk)), load2(group_at<T, 3, PLANAR>(w, nblk, blk))};
     }
+    template <bool PLANAR>
+    __device__ static void prefetch(const u8* w, i64 nblk, i64 blk, int t) {  // the lines load reads
+        const u8* ql = group_at<T, 0, PLANAR>(w, nblk, blk) + 16 * t;
+        prefetch_l2(ql);
+        prefetch_l2(ql + 64);
+        prefetch_l2(group_at<T, 1, PLANAR>(w, nblk, blk) + 16 * t);
+        prefetch_l2(group_at<T, 2, PLANAR>(w, nblk, blk));
+        prefetch_l2(group_at<T, 3, PLANAR>(w, nblk, blk));
+    }
     // quants 4t..4t+3 of group i (0..63 each), from word t of the ql and qh pieces (l: ql halves, h: qh)
     __device__ static u32 quants(const uint4 (&l)[2], const uint4& h, int i) {
         const int half = i >> 3, m = (i >> 1) & 3, lr = i & 1;
@@ -195,38 +219,53 @@ struct mma_q6_K {
 
 // X (n_tok rows of n_in floats, x_stride apart, 16-byte aligned, n_in a multiple of 32) quantized
 // into xq, xsc for MMA8_TOKENS tokens (tokens n_tok.. all zero), by the whole block (blockDim.x a
-// multiple of 32). Thread f takes 16 values: unit h = f & 1 of sub-block s = f >> 4 of token
-// (f >> 1) & 7; the two units of a sub-block sit in adjacent lanes (one scale, as q8_unit), which
-// swap halves so that each stores 16 consecutive bytes of xq (a warp writes 512 contiguous bytes).
-__device__ void mma8_quantize(const float* __restrict__ x, int x_stride, int n_tok, int n_in, u8* xq, u32* xsc) {
+// multiple of 32); or, with x_q8 non-null, the same quants and scales copied from X quantized
+// beforehand (gemv_batch.cu quantize_q8_rows: n_tok q8 x of q8x_bytes(n_in) bytes, swizzle SWZ),
+// the sums recomputed from the quants: the same bytes. Thread f takes 16 values: unit h = f & 1
+// of sub-block s = f >> 4 of token (f >> 1) & 7; the two units of a sub-block sit in adjacent
+// lanes (one scale, as q8_unit), which swap halves so that each stores 16 consecutive bytes of xq
+// (a warp writes 512 contiguous bytes).
+template <int SWZ>
+__device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8* __restrict__ x_q8, int n_tok, int n_in,
+                             u8* xq, u32* xsc) {
     const int total = MMA8_TOKENS * (n_in >> 4);
     for (int base = 0; base < total; base += blockDim.x) {  // warp-uniform trip count
         const int f = base + threadIdx.x;
         const int h = f & 1, tok = (f >> 1) & (MMA8_TOKENS - 1), s = f >> 4;
         const bool ok = f < total && tok < n_tok;
-        const float4* src = reinterpret_cast<const float4*>(x + (i64)(ok ? tok : 0) * x_stride) + (ok ? 4 * (2 * s + h) : 0);
-        float v[16];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const float4 g = ok ? __ldg(src + k) : make_float4(0.f, 0.f, 0.f, 0.f);
-            v[4 * k] = g.x; v[4 * k + 1] = g.y; v[4 * k + 2] = g.z; v[4 * k + 3] = g.w;
-        }
-        float amax = 0.f;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        const float d = amax * (1.f / 127.f);
-        const float id = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;  // as q8_unit
         u32 q[4];  // word k: values 4k..4k+3 of the unit
         int sum = 0;
+        float d;
+        if (x_q8) {  // block-uniform
+            const u8* row = x_q8 + (i64)(ok ? tok : 0) * q8x_bytes(n_in);
+            const uint4 v = ok ? __ldg(reinterpret_cast<const uint4*>(row + 16 * x_unit_slot(2 * s + h, SWZ))) : make_uint4(0, 0, 0, 0);
+            d = ok ? __ldg(reinterpret_cast<const float*>(row + q8x_bytes_q(n_in)) + s) : 0.f;
+            q[0] = v.x; q[1] = v.y; q[2] = v.z; q[3] = v.w;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            q[k] = 0;
+            for (int k = 0; k < 4; ++k) sum = dp4a((int)q[k], 0x01010101, sum);
+        } else {
+            const float4* src = reinterpret_cast<const float4*>(x + (i64)(ok ? tok : 0) * x_stride) + (ok ? 4 * (2 * s + h) : 0);
+            float v[16];
 #pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                const int qi = __float2int_rn(v[4 * k + b] * id);
-                sum += qi;
-                q[k] |= (u32)(qi & 0xFF) << (8 * b);
+            for (int k = 0; k < 4; ++k) {
+                const float4 g = ok ? __ldg(src + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+                v[4 * k] = g.x; v[4 * k + 1] = g.y; v[4 * k + 2] = g.z; v[4 * k + 3] = g.w;
+            }
+            float amax = 0.f;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+            d = amax * (1.f / 127.f);
+            const float id = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;  // as q8_unit
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                q[k] = 0;
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    const int qi = __float2int_rn(v[4 * k + b] * id);
+                    sum += qi;
+                    q[k] |= (u32)(qi & 0xFF) << (8 * b);
+                }
             }
         }
         // xq bytes 0..15 of (s, tok) are words 0, 1 of both units (unit 0's first), 16..31 words 2, 3:
@@ -258,7 +297,8 @@ gemv_mma(const u8* __restrict__ w,        // (n_out, n_in) in M::T's blocks, raw
          const float* residual,           // (n_tok, n_out) rows r_stride apart, or null; may alias y (not with GLU)
          int r_stride,
          const float* __restrict__ bias,  // (n_out,) or null, added to every row (not with GLU)
-         int n_out, int n_in, int n_tok) {  // 1 <= n_tok <= MMA8_TOKENS, n_in a multiple of QK_K
+         int n_out, int n_in, int n_tok,  // 1 <= n_tok <= MMA8_TOKENS, n_in a multiple of QK_K
+         const u8* __restrict__ x_q8) {   // n_tok * q8x_bytes(n_in) (quantize_q8_rows, swizzle M::T::x_swizzle) or null: X already quantized (then not read)
     constexpr int TILES = WARPS / KS;  // 16-row tiles per step
     static_assert(WARPS % KS == 0 && TILES * 128 <= WARPS * 32, "one thread per (row, token) of a step's tiles");
     extern __shared__ uint4 smem[];
@@ -280,14 +320,24 @@ gemv_mma(const u8* __restrict__ w,        // (n_out, n_in) in M::T's blocks, raw
         r0 = M::template load<PLANAR>(w, nblk, (i64)min(row, n_rows - 1) * nblk_row + kb, lane & 3);
         r1 = M::template load<PLANAR>(w, nblk, (i64)min(row + 8, n_rows - 1) * nblk_row + kb, lane & 3);
     };
+    auto prefetch_step = [&](int step) {  // this warp's blocks of a step into L2
+        if (step >= n_steps) return;
+        const int row = 16 * (TILES * step + slot) + (lane >> 2);
+        for (int kb = kl; kb < nblk_row; kb += KS) {
+            M::template prefetch<PLANAR>(w, nblk, (i64)min(row, n_rows - 1) * nblk_row + kb, lane & 3);
+            M::template prefetch<PLANAR>(w, nblk, (i64)min(row + 8, n_rows - 1) * nblk_row + kb, lane & 3);
+        }
+    };
     pdl_trigger();
     if ((int)blockIdx.x < n_steps && kl < nblk_row) load(cur0, cur1, blockIdx.x, kl);  // weights only: before the wait
+    prefetch_step(blockIdx.x);  // the first step streams from memory while X is staged
     pdl_wait();
-    mma8_quantize(x, x_stride, n_tok, n_in, xq, xsc);
+    mma8_stage_x<M::T::x_swizzle>(x, x_stride, x_q8, n_tok, n_in, xq, xsc);
     __syncthreads();
 
     int buf = 0;
     for (int step = blockIdx.x; step < n_steps; step += gridDim.x) {  // block-uniform
+        prefetch_step(step + gridDim.x);  // the next step streams during this one
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         for (int kb = kl; kb < nblk_row; kb += KS) {
             int next_step = step, next_kb = kb + KS;

@@ -10,7 +10,9 @@ Timings: microbench.bench_gemv_batch (CUDA graphs with PDL, weights streamed fro
 median of CUDA-event timings).
 
 Usage (from the repository root, k4 importable): python scripts/bench_gemv_mma.py [--iters N]
-[--variant 8,8] (a gemv_mma instance WARPS,KS of quant_kernels.EXTRA_MMA8_VARIANTS)
+[--variant 8,8] (a gemv_mma instance WARPS,KS of quant_kernels.EXTRA_MMA8_VARIANTS) [--x-q8] (X
+given quantized by quantize_rows beforehand, to both products: their time without the
+prologue that reads and quantizes X in every block)
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=200, help="graph replays per timing (default 200)")
     ap.add_argument("--variant", help="a gemv_mma instance WARPS,KS (default: quant_kernels.MMA8_VARIANT)")
+    ap.add_argument("--x-q8", action="store_true", help="X comes quantized (x_q8, made before the timing)")
     args = ap.parse_args()
     variant = tuple(int(v) for v in args.variant.split(",")) if args.variant else None
     tokens = tuple(range(1, BATCH_TOKENS + 1))
@@ -42,7 +45,7 @@ def main() -> None:
         for name, n_out, n_in, glu, count in SHAPES:
             for kind in ("batch", "mma8"):
                 r = bench_gemv_batch(qtype, n_out, n_in, tokens, args.iters, glu=glu, mma8=kind == "mma8",
-                                     variant=variant if kind == "mma8" else None)
+                                     variant=variant if kind == "mma8" else None, x_q8=args.x_q8)
                 step[kind, 0] += count * r["gemv_us"]
                 cells = []
                 for row in r["rows"]:

@@ -136,6 +136,32 @@ def test_gemv_mma_glu_epilogue(type_name, repack, act):
 
 
 @pytest.mark.cuda
+@TYPES
+def test_x_quantized_once_gives_the_same_products(type_name):
+    """gemv_mma given X quantized by quantize_rows (x_q8) stages the quants and scales its own
+    quantization makes: the same bits of Y, X not read; an x_q8 of another swizzle is refused."""
+    import cupy as cp
+
+    from k4.runtime.cuda.gemv_batch import Q8Rows, quantize_rows
+
+    rng, seed = fresh_rng()
+    n_out, n_in = ODD
+    w, _ = weight(type_name, n_out, n_in, rng, True)
+    swizzle = qk.QUANT[T[type_name]].x_swizzle
+    for n_tok in (1, 3, MMA8_TOKENS):
+        X, _ = strided_rows(rng, n_tok, n_in)
+        X[n_tok // 2, :32] = 0  # an all-zero sub-block: d 0
+        q8 = Q8Rows(cp.zeros(Q8Rows.nbytes(n_tok, n_in), cp.uint8), n_tok, n_in, swizzle)
+        quantize_rows(X, q8)
+        want, got = nan_like((n_tok, n_out)), nan_like((n_tok, n_out))
+        gemv_mma(w, X, want)
+        gemv_mma(w, nan_like((n_tok, n_in)), got, x_q8=q8)  # X not read
+        assert np.array_equal(got.get(), want.get()), f"{type_name} n_tok {n_tok} (seed {seed})"
+    with pytest.raises(ValueError, match="swizzle"):
+        gemv_mma(w, X, got, x_q8=Q8Rows(q8.data, n_tok, n_in, swizzle + 1))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("glu", [False, True], ids=["plain", "glu"])
 @pytest.mark.parametrize("variant", qk.EXTRA_MMA8_VARIANTS)
 @TYPES
@@ -211,6 +237,7 @@ def test_bench_gemv_batch_times_gemv_mma():
     r = bench_gemv_batch("Q4_K", 512, 1024, (1, 8), iters=20, mma8=True)
     assert [row["n_tok"] for row in r["rows"]] == [1, 8] and all(row["us"] > 0 for row in r["rows"])
     assert bench_gemv_batch("Q6_K", 512, 1024, (3,), iters=20, glu=True, mma8=True, variant=(8, 8))["rows"][0]["us"] > 0
+    assert bench_gemv_batch("Q4_K", 512, 1024, (8,), iters=20, mma8=True, x_q8=True)["rows"][0]["us"] > 0
     with pytest.raises(ValueError, match="not Q5_K"):
         bench_gemv_batch("Q5_K", 64, 256, mma8=True)
 

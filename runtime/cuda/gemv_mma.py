@@ -24,11 +24,12 @@ import numpy as np
 from k4.runtime.trace import Trace
 
 from .batch_args import check_products
-from .constants import MMA8_TOKENS, mma8_smem
+from .constants import MMA8_TOKENS, mma8_smem, q8x_bytes
 from .launch import blocks_per_sm, capturing, device_limits, launch, null_or
-from .quant_kernels import MMA8_DECODERS, MMA8_VARIANT, _gemv_mma_name, _kernel
+from .quant_kernels import MMA8_DECODERS, MMA8_VARIANT, QUANT, _gemv_mma_name, _kernel
 
 if TYPE_CHECKING:
+    from .gemv_batch import Q8Rows
     from .matmul import DeviceWeight
 
 SMEM_LIMIT = 227 << 10  # sm_90: the most dynamic shared memory a block may opt in to (bytes)
@@ -65,7 +66,7 @@ def _mma_plan(w: DeviceWeight, variant: tuple[int, int] | None):
 
 
 def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, trace: Trace | None = None,
-             pdl: bool | None = None, variant: tuple[int, int] | None = None) -> None:
+             pdl: bool | None = None, variant: tuple[int, int] | None = None, x_q8: Q8Rows | None = None) -> None:
     """Y[t] = w @ X[t] (+ bias) (+ residual[t]) for n_tok = 1 .. MMA8_TOKENS tokens, one kernel
     launch reading w once, on int8 tensor cores; with w.glu, Y[t] = act(gate @ X[t]) * (up @
     X[t]), act w.glu_act (silu or gelu_tanh).
@@ -78,9 +79,12 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
     variant: another compiled (WARPS, KS) instance (quant_kernels.EXTRA_MMA8_VARIANTS). x is
     quantized to 8 bits per 32 values as gemv quantizes it (llama.cpp's q8_1 idea); Y differs
     from gemv's only by float32 rounding (sums in another order), within the gemv tests' limit
-    against numpy with x rounded the same way (1e-4 relative L2).
+    against numpy with x rounded the same way (1e-4 relative L2). x_q8: X already quantized by
+    gemv_batch.quantize_rows for w's swizzle (n_tok rows of n_in), copied by every block instead
+    of reading and quantizing X (not read then, still checked): the same quants, the same Y.
     Raises ValueError on another weight type, n_tok outside 1..MMA8_TOKENS, an n_in whose x does
-    not fit in shared memory, wrong shapes, dtypes, strides or alignment, residual/bias with w.glu.
+    not fit in shared memory, wrong shapes, dtypes, strides or alignment, residual/bias with w.glu,
+    or an x_q8 of other rows, swizzle or size.
     """
     if w.ggml_type not in MMA8_DECODERS:
         raise ValueError(f"gemv_mma multiplies {', '.join(t.name for t in MMA8_DECODERS)} weights, not {w.ggml_type.name}")
@@ -90,9 +94,13 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
     if mma8_smem(n_in, warps) > SMEM_LIMIT:
         raise ValueError(f"gemv_mma holds the x of {MMA8_TOKENS} tokens in shared memory: {mma8_smem(n_in, warps)} bytes "
                          f"for n_in {n_in}, more than {SMEM_LIMIT}")
+    swizzle = QUANT[w.ggml_type].x_swizzle
+    if x_q8 is not None and ((x_q8.n_tok, x_q8.n, x_q8.swizzle) != (n_tok, n_in, swizzle) or x_q8.data.nbytes < n_tok * q8x_bytes(n_in)):
+        raise ValueError(f"x_q8 holds {x_q8.n_tok} rows of {x_q8.n} for swizzle {x_q8.swizzle} ({x_q8.data.nbytes} bytes); "
+                         f"this product needs {n_tok} of {n_in} for {swizzle} ({n_tok * q8x_bytes(n_in)} bytes)")
     kernel, grid, block, smem = _mma_plan(w, variant)
     args = (w.data, X, np.int32(x_stride), Y, np.int32(y_stride), null_or(residual), np.int32(r_stride), null_or(bias),
-            np.int32(n_out), np.int32(n_in), np.int32(n_tok))
+            np.int32(n_out), np.int32(n_in), np.int32(n_tok), null_or(x_q8 and x_q8.data))
     if pdl is None:  # as gemv: eagerly the driver-API launch costs more host time than it saves
         pdl = w.pdl and capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl)

@@ -155,13 +155,13 @@ def bench_gemv_batch(ggml_type: str, n_out: int, n_in: int, tokens: Sequence[int
     `ggml_type`; with mma8, gemv_mma (runtime/cuda/gemv_mma.py, Q4_K and Q6_K) instead.
     glu: the rows are interleaved gate/up pairs (the gate/up epilogue, n_out / 2
     outputs); variant: see gemv_batch (quant_kernels.EXTRA_BATCH_VARIANTS), with mma8 gemv_mma
-    (EXTRA_MMA8_VARIANTS); x_q8 (not with mma8): X comes
+    (EXTRA_MMA8_VARIANTS); x_q8: X comes
     quantized (gemv_batch x_q8, made once by quantize_rows before the timing, as bench_gemv's
     x_q8: the product's time without its producer's). Timed as bench_gemv times (CUDA graph of PDL launches over copies of W exceeding
     4x the L2, warm-up, median of CUDA-event timings). Returns {"gemv_us": µs of one gemv,
     "rows": [{"n_tok", "us": µs per launch, "ratio": us / gemv_us, "tb_s": (weight bytes + 4 *
     n_tok * (n_in + outputs)) / us in TB/s, X counted as floats even with x_q8}]}. Raises ValueError for a type without kernels or a
-    float type (with mma8: a type without gemv_mma, or x_q8), n_tok outside 1..BATCH_TOKENS, or
+    float type (with mma8: a type without gemv_mma), n_tok outside 1..BATCH_TOKENS, or
     glu with an odd n_out.
     """
     import cupy as cp
@@ -172,9 +172,8 @@ def bench_gemv_batch(ggml_type: str, n_out: int, n_in: int, tokens: Sequence[int
     t = _type(ggml_type)
     if t not in QUANT:
         raise ValueError(f"gemv_batch multiplies quantized weights, not {ggml_type}")
-    if mma8 and (t not in MMA8_DECODERS or x_q8):
-        raise ValueError(f"gemv_mma multiplies {', '.join(d.name for d in MMA8_DECODERS)} weights from float X, not {ggml_type}"
-                         + (" with x_q8" if x_q8 else ""))
+    if mma8 and t not in MMA8_DECODERS:
+        raise ValueError(f"gemv_mma multiplies {', '.join(d.name for d in MMA8_DECODERS)} weights, not {ggml_type}")
     if not tokens or any(not 1 <= n <= BATCH_TOKENS for n in tokens):
         raise ValueError(f"token counts must be 1 to {BATCH_TOKENS}, got {list(tokens)}")
     if glu and n_out % 2:
@@ -199,7 +198,7 @@ def bench_gemv_batch(ggml_type: str, n_out: int, n_in: int, tokens: Sequence[int
     rows = []
     for n in tokens:
         if mma8:
-            us = timed(lambda w, n=n: gemv_mma(w, X[:n], Y[:n], variant=variant))
+            us = timed(lambda w, n=n: gemv_mma(w, X[:n], Y[:n], variant=variant, x_q8=q8.get(n)))
         else:
             us = timed(lambda w, n=n: gemv_batch(w, X[:n], Y[:n], variant=variant, x_q8=q8.get(n)))
         rows.append({"n_tok": n, "us": us, "ratio": us / gemv_us, "tb_s": (weights[0].nbytes + 4 * n * (n_in + n_y)) / us / 1e6})
