@@ -31,10 +31,10 @@
 // one's mma and epilogue (also across steps). At the end of a step the warps' partial sums meet
 // in shared memory (two buffers: one __syncthreads per step) and TILES * 128 threads, one per
 // (row, token), add the KS partials and write Y with the epilogue. Steps: blockIdx.x, + gridDim.x,
-// ... Each warp asks L2 for all its blocks of a step one step ahead (prefetch.global.L2; the
-// first step before the wait for X), so the weights stream from memory while X is staged and
-// while a step's partials are summed. Rows of a tile past the matrix load the last row again and
-// are not written. With GLU the
+// ... Each warp asks L2 for its blocks PREFETCH_AHEAD blocks ahead of their use
+// (prefetch.global.L2; the first ones before the wait for X), so the weights stream from memory
+// while X is staged and while a step's partials are summed. Rows of a tile past the matrix load
+// the last row again and are not written. With GLU the
 // weight rows interleave gate and up (2 n_out rows): the thread of a gate row reads its up row's
 // sums too.
 //
@@ -51,7 +51,9 @@
 static_assert(MMA8_TOKENS == 8, "MMA8_TOKENS (runtime/cuda/constants.py) is the n of the mma shapes used here");
 
 // xq and xsc: per 32 inputs 32 bytes and 4 words per token; red: two float4 per lane of each warp.
-__host__ __device__ constexpr int mma8_smem(int n_in, int warps) { return (n_in / 32) * MMA8_TOKENS * (32 + 16) + warps * 32 * 16 * 2; }
+__host__ __device__ constexpr int mma8_smem(int n_in, int warps) {
+    return (n_in / 32) * MMA8_TOKENS * (32 + 16) + warps * 32 * 16 * 2;
+}
 
 __host__ __device__ constexpr bool mma8_smem_agrees() {
     constexpr int rows[] = {K4_CHECK_MMA8_SMEM};  // n_in, warps, bytes
@@ -195,7 +197,7 @@ struct mma_q6_K {
         for (int s = 0; s < 8; ++s) {  // sub-block s of 32: groups 2s, 2s + 1
             const uint2 b = *reinterpret_cast<const uint2*>(xq + 256 * s + 8 * lane);
             const float2 dx = *reinterpret_cast<const float2*>(xsc + 32 * s + 8 * t);     // tokens 2t, 2t + 1
-            const int4 c32 = *reinterpret_cast<const int4*>(xsc + 32 * s + 8 * t + 4);   // -32 * sums: group 2s (x, y), 2s + 1 (z, w)
+            const int4 c32 = *reinterpret_cast<const int4*>(xsc + 32 * s + 8 * t + 4);  // -32 sums: 2s (x, y), 2s + 1 (z, w)
 #pragma unroll
             for (int k = 0; k < 2; ++k) {
                 const int i = 2 * s + k;
@@ -238,7 +240,8 @@ __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8
         float d;
         if (x_q8) {  // block-uniform
             const u8* row = x_q8 + (i64)(ok ? tok : 0) * q8x_bytes(n_in);
-            const uint4 v = ok ? __ldg(reinterpret_cast<const uint4*>(row + 16 * x_unit_slot(2 * s + h, SWZ))) : make_uint4(0, 0, 0, 0);
+            const uint4* unit = reinterpret_cast<const uint4*>(row + 16 * x_unit_slot(2 * s + h, SWZ));
+            const uint4 v = ok ? __ldg(unit) : make_uint4(0, 0, 0, 0);
             d = ok ? __ldg(reinterpret_cast<const float*>(row + q8x_bytes_q(n_in)) + s) : 0.f;
             q[0] = v.x; q[1] = v.y; q[2] = v.z; q[3] = v.w;
 #pragma unroll
@@ -286,6 +289,11 @@ __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8
     }
 }
 
+// Blocks (256 weights x 16 rows) each warp asks of L2 ahead of their use: 8 warps x 8 x 2.3 KB
+// (Q4_K) to 3.4 KB (Q6_K) per multiprocessor, 19-28 MB in all, under the H200's L2 whatever the
+// matrix (a whole step ahead would be the whole 37 MB of a 4096 x 11008 Q6_K matrix).
+constexpr int PREFETCH_AHEAD = 8;
+
 // Dynamic shared memory: mma8_smem(n_in, WARPS) bytes. M: mma_q4_K or mma_q6_K.
 template <class M, bool PLANAR, int WARPS, int KS, bool GLU, bool GELU = false>
 __global__ void __launch_bounds__(WARPS * 32, 1)
@@ -298,7 +306,8 @@ gemv_mma(const u8* __restrict__ w,        // (n_out, n_in) in M::T's blocks, raw
          int r_stride,
          const float* __restrict__ bias,  // (n_out,) or null, added to every row (not with GLU)
          int n_out, int n_in, int n_tok,  // 1 <= n_tok <= MMA8_TOKENS, n_in a multiple of QK_K
-         const u8* __restrict__ x_q8) {   // n_tok * q8x_bytes(n_in) (quantize_q8_rows, swizzle M::T::x_swizzle) or null: X already quantized (then not read)
+         const u8* __restrict__ x_q8) {   // n_tok * q8x_bytes(n_in) (quantize_q8_rows, swizzle M::T::x_swizzle) or null
+                                          // (X already quantized: X is then not read)
     constexpr int TILES = WARPS / KS;  // 16-row tiles per step
     static_assert(WARPS % KS == 0 && TILES * 128 <= WARPS * 32, "one thread per (row, token) of a step's tiles");
     extern __shared__ uint4 smem[];
@@ -320,31 +329,37 @@ gemv_mma(const u8* __restrict__ w,        // (n_out, n_in) in M::T's blocks, raw
         r0 = M::template load<PLANAR>(w, nblk, (i64)min(row, n_rows - 1) * nblk_row + kb, lane & 3);
         r1 = M::template load<PLANAR>(w, nblk, (i64)min(row + 8, n_rows - 1) * nblk_row + kb, lane & 3);
     };
-    auto prefetch_step = [&](int step) {  // this warp's blocks of a step into L2
-        if (step >= n_steps) return;
-        const int row = 16 * (TILES * step + slot) + (lane >> 2);
-        for (int kb = kl; kb < nblk_row; kb += KS) {
-            M::template prefetch<PLANAR>(w, nblk, (i64)min(row, n_rows - 1) * nblk_row + kb, lane & 3);
-            M::template prefetch<PLANAR>(w, nblk, (i64)min(row + 8, n_rows - 1) * nblk_row + kb, lane & 3);
+    // This warp's blocks in order: (step, kb), kb = kl, kl + KS, ... then the next step.
+    auto advance = [&](int& step, int& kb) {
+        kb += KS;
+        if (kb >= nblk_row) {
+            step += gridDim.x;
+            kb = kl;
         }
+    };
+    int pf_step = blockIdx.x, pf_kb = kl;  // the next block of the sequence to ask of L2
+    auto prefetch_next = [&]() {
+        if (pf_step >= n_steps || kl >= nblk_row) return;
+        const int row = 16 * (TILES * pf_step + slot) + (lane >> 2);
+        M::template prefetch<PLANAR>(w, nblk, (i64)min(row, n_rows - 1) * nblk_row + pf_kb, lane & 3);
+        M::template prefetch<PLANAR>(w, nblk, (i64)min(row + 8, n_rows - 1) * nblk_row + pf_kb, lane & 3);
+        advance(pf_step, pf_kb);
     };
     pdl_trigger();
     if ((int)blockIdx.x < n_steps && kl < nblk_row) load(cur0, cur1, blockIdx.x, kl);  // weights only: before the wait
-    prefetch_step(blockIdx.x);  // the first step streams from memory while X is staged
+#pragma unroll 1
+    for (int i = 0; i < PREFETCH_AHEAD; ++i) prefetch_next();  // streaming from memory while X is staged
     pdl_wait();
     mma8_stage_x<M::T::x_swizzle>(x, x_stride, x_q8, n_tok, n_in, xq, xsc);
     __syncthreads();
 
     int buf = 0;
     for (int step = blockIdx.x; step < n_steps; step += gridDim.x) {  // block-uniform
-        prefetch_step(step + gridDim.x);  // the next step streams during this one
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         for (int kb = kl; kb < nblk_row; kb += KS) {
-            int next_step = step, next_kb = kb + KS;
-            if (next_kb >= nblk_row) {
-                next_step += gridDim.x;
-                next_kb = kl;
-            }
+            prefetch_next();  // PREFETCH_AHEAD blocks ahead of this one
+            int next_step = step, next_kb = kb;
+            advance(next_step, next_kb);
             const bool more = next_step < n_steps;
             if (more) load(nx0, nx1, next_step, next_kb);
             M::dot(cur0, cur1, xq + 256 * 8 * kb, xsc + 32 * 8 * kb, lane, acc);

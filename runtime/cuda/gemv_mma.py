@@ -95,9 +95,10 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
         raise ValueError(f"gemv_mma holds the x of {MMA8_TOKENS} tokens in shared memory: {mma8_smem(n_in, warps)} bytes "
                          f"for n_in {n_in}, more than {SMEM_LIMIT}")
     swizzle = QUANT[w.ggml_type].x_swizzle
-    if x_q8 is not None and ((x_q8.n_tok, x_q8.n, x_q8.swizzle) != (n_tok, n_in, swizzle) or x_q8.data.nbytes < n_tok * q8x_bytes(n_in)):
+    need = n_tok * q8x_bytes(n_in)
+    if x_q8 is not None and ((x_q8.n_tok, x_q8.n, x_q8.swizzle) != (n_tok, n_in, swizzle) or x_q8.data.nbytes < need):
         raise ValueError(f"x_q8 holds {x_q8.n_tok} rows of {x_q8.n} for swizzle {x_q8.swizzle} ({x_q8.data.nbytes} bytes); "
-                         f"this product needs {n_tok} of {n_in} for {swizzle} ({n_tok * q8x_bytes(n_in)} bytes)")
+                         f"this product needs {n_tok} of {n_in} for {swizzle} ({need} bytes)")
     kernel, grid, block, smem = _mma_plan(w, variant)
     args = (w.data, X, np.int32(x_stride), Y, np.int32(y_stride), null_or(residual), np.int32(r_stride), null_or(bias),
             np.int32(n_out), np.int32(n_in), np.int32(n_tok), null_or(x_q8 and x_q8.data))

@@ -346,10 +346,11 @@ def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, str
     Tensor-core path: X and W in fp16 (W from w.half when made), fp32 accumulation (relative
     error about 1e-3); F32 weights run in float32 through cuBLAS; when uses_gemv (the flag
     K4_PREFILL_TC off, n_tok <= GEMV_MAX_TOKENS, or up to 8 tokens on int8 tensor cores with
-    K4_MMA8), matrix-vector products instead (quantized: gemv_batch.gemv_rows, up to BATCH_TOKENS tokens per launch; float types: gemv per token; not for a glu
-    weight: call gemv or gemv_rows, which apply the SwiGLU). blas: a runtime.cuda.blas.Blas for the cuBLAS calls, so they can be
-    captured in a CUDA graph (None: CuPy's handle, which refuses capture). Raises ValueError on
-    wrong shapes, dtypes or scratch size.
+    K4_MMA8), matrix-vector products instead (quantized: gemv_batch.gemv_rows, up to
+    BATCH_TOKENS tokens per launch; float types: gemv per token; not for a glu weight: call gemv
+    or gemv_rows, which apply the SwiGLU). blas: a runtime.cuda.blas.Blas for the cuBLAS calls,
+    so they can be captured in a CUDA graph (None: CuPy's handle, which refuses capture). Raises
+    ValueError on wrong shapes, dtypes or scratch size.
     """
     import cupy as cp
 

@@ -1,8 +1,8 @@
 """Which kernels serve each ggml type: the per-type decoder and launch variants of the matrix
-kernels (kernels_cu/gemv.cu, kernels_cu/gemv_batch.cu, kernels_cu/gemv_mma.cu, kernels_cu/matmul.cu, decoders in kernels_cu/common.cuh and
-decoders_lowbit.cuh), the template-instance names the launchers use (the one list: NVRTC gets
-them as name expressions, the nvcc test instantiates exactly them), their compile groups, and
-the lookup of a compiled kernel. Importable without CuPy.
+kernels (kernels_cu/gemv.cu, kernels_cu/gemv_batch.cu, kernels_cu/gemv_mma.cu, kernels_cu/matmul.cu,
+decoders in kernels_cu/common.cuh and decoders_lowbit.cuh), the template-instance names the
+launchers use (the one list: NVRTC gets them as name expressions, the nvcc test instantiates
+exactly them), their compile groups, and the lookup of a compiled kernel. Importable without CuPy.
 """
 
 from __future__ import annotations
