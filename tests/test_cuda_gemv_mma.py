@@ -271,12 +271,12 @@ def test_flag_k4_mma8_reaches_the_weight_options():
 
 def test_mma8_instances_compile_with_the_model_types_one_module_each():
     """gemv_mma.cu's instances for a model: per Q4_K/Q6_K type both layouts, plain and SwiGLU,
-    GeGLU only for a gelu_tanh model, none for other types, each its own module."""
+    GeGLU only for a gelu_tanh model, none for other types or with K4_MMA8=0, each its own module."""
     assert qk._gemv_mma_name(T.Q6_K, True, (8, 8), True) == "gemv_mma<mma_q6_K, true, 8, 8, true>"
-    jobs = lambda types, act: [g for f, g, _ in qk.compile_jobs(types, True, act) if f == "gemv_mma.cu"]  # noqa: E731
+    jobs = lambda types, act, on=True: [g for f, g, _ in qk.compile_jobs(types, True, act, on) if f == "gemv_mma.cu"]  # noqa: E731
     silu = jobs([T.Q4_K, T.Q8_0, T.F16], "silu")
     assert len(silu) == 4 and all(len(g) == 1 and g[0].startswith("gemv_mma<mma_q4_K, ") for g in silu)
     gelu = jobs([T.Q6_K], "gelu_tanh")
     assert len(gelu) == 6 and all(n.endswith("true, true>") for (n,) in gelu[4:])
-    assert jobs([T.Q5_K, T.Q8_0], "silu") == []
+    assert jobs([T.Q5_K, T.Q8_0], "silu") == [] and jobs([T.Q4_K, T.Q6_K], "silu", False) == []
     assert qk.MMA8_VARIANT[0] % qk.MMA8_VARIANT[1] == 0 and qk.MMA8_VARIANT[1] >= 4

@@ -205,11 +205,12 @@ def _defines(evict_first: bool) -> tuple[str, ...]:
     return () if evict_first else ("K4_EVICT_FIRST=0",)
 
 
-def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str = "silu") -> list:
+def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str = "silu", mma8: bool = True) -> list:
     """compile.module() arguments for the matrix kernels of weights of `types` (ggml types with
     CUDA kernels; others are skipped): their gemv, gemv_batch (quantized types), gemv_mma
     (MMA8_DECODERS) and dequantization instances, and matmul.cu's conversions; with activation "gelu_tanh"
-    (ModelConfig.activation) also the GeGLU-epilogue instances. For compile.compile_async at
+    (ModelConfig.activation) also the GeGLU-epilogue instances; mma8 False (flag K4_MMA8 off):
+    no gemv_mma instances. For compile.compile_async at
     load: each gemv_batch and gemv_mma instance is a job of its own (~1 s each with nvcc), so the compile
     threads build them in parallel with the rest."""
     present = [t for t in dict.fromkeys(types) if t in QUANT or t in FLOAT]
@@ -223,7 +224,7 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
         if t in QUANT:
             names = _batch_names(t) + (_batch_names(t, activation) if gelu else ())
             jobs += [("gemv_batch.cu", (name,), _defines(evict_first)) for name in names]
-        if t in MMA8_DECODERS:
+        if mma8 and t in MMA8_DECODERS:
             names = _mma8_names(t) + (_mma8_names(t, activation) if gelu else ())
             jobs += [("gemv_mma.cu", (name,), _defines(evict_first)) for name in names]
     return jobs
