@@ -41,7 +41,7 @@ REAL = [(4096, 4096), (11008, 4096), (4096, 11008)]
 ODD = (301, 1024)
 
 
-def check_products(w, ref_w, X, x, n_out: int, case: str) -> None:
+def assert_products(w, ref_w, X, x, n_out: int, case: str) -> None:
     """gemv_mma of 1..8 rows of X into a column view of NaNs: within the limits of numpy and of
     gemv per token, nothing written beside the view."""
     want = per_token(w, X, n_out)
@@ -63,7 +63,7 @@ def test_gemv_mma_matches_numpy_on_real_shapes(type_name, shape):
     rng, seed = fresh_rng()
     w, ref_w = weight(type_name, *shape, rng, True)
     X, x = strided_rows(rng, MMA8_TOKENS, shape[1])
-    check_products(w, ref_w, X, x, shape[0], f"{type_name} {shape} (seed {seed})")
+    assert_products(w, ref_w, X, x, shape[0], f"{type_name} {shape} (seed {seed})")
 
 
 @pytest.mark.cuda
@@ -76,7 +76,7 @@ def test_gemv_mma_odd_rows_both_layouts(type_name, repack):
     X, x = strided_rows(rng, MMA8_TOKENS, ODD[1])
     X[3, :64] = 0  # an all-zero sub-block: scale 0
     x[3, :64] = 0
-    check_products(w, ref_w, X, x, ODD[0], f"{type_name} {ODD} repack {repack} (seed {seed})")
+    assert_products(w, ref_w, X, x, ODD[0], f"{type_name} {ODD} repack {repack} (seed {seed})")
 
 
 @pytest.mark.cuda
