@@ -75,6 +75,9 @@
 #ifndef MOE_MAX_K
 #error "MOE_MAX_K comes from runtime/cuda/constants.py"
 #endif
+#ifndef MMA8_TOKENS
+#error "MMA8_TOKENS comes from runtime/cuda/constants.py"
+#endif
 
 // Per quantized type T: K4_QK_T (weights per block), K4_BLOCK_BYTES_T, K4_GROUPS_T (planar
 // group offsets), K4_X_SWIZZLE_T, K4_HANDOFF_T (common.cuh checks and uses them).
@@ -116,7 +119,7 @@
 #error "K4_IQ4NL_VALUES (IQ4_XS's value table) comes from runtime/cuda/constants.py"
 #endif
 
-// Tables of sizes computed by runtime/cuda/constants.py, checked against gemv.cu and attention.cu.
+// Tables of sizes computed by runtime/cuda/constants.py, checked against gemv.cu, gemv_mma.cu and attention.cu.
 #ifndef K4_CHECK_Q8X
 #error "K4_CHECK_Q8X comes from runtime/cuda/constants.py"
 #endif
@@ -131,6 +134,9 @@
 #endif
 #ifndef K4_CHECK_GQA_SMEM
 #error "K4_CHECK_GQA_SMEM comes from runtime/cuda/constants.py"
+#endif
+#ifndef K4_CHECK_MMA8_SMEM
+#error "K4_CHECK_MMA8_SMEM comes from runtime/cuda/constants.py"
 #endif
 
 static_assert(MMA_THREADS == 32 * MMA_WARPS && MMA_BQ == 16 * MMA_WARPS, "attn_mma: 32 threads and 16 query rows per warp");

@@ -155,7 +155,7 @@ def test_matmul_runs_few_tokens_through_gemv_batch(tensor_cores):
 
     rng, seed = fresh_rng()
     w, _ = weight("Q4_K", 300, 512, rng, True)
-    w.prefill_tc = tensor_cores
+    w.prefill_tc, w.mma8 = tensor_cores, False  # with K4_MMA8 these go to gemv_mma (tests/test_cuda_gemv_mma.py)
     for n_tok in (2, mm.GEMV_MAX_TOKENS) if tensor_cores else (19,):
         X = cp.asarray(rng.standard_normal((n_tok, 512)).astype(np.float32))
         trace = Trace()
@@ -164,6 +164,7 @@ def test_matmul_runs_few_tokens_through_gemv_batch(tensor_cores):
         assert trace.get("load").launches == -(-n_tok // qk.BATCH_TOKENS)
         assert np.array_equal(Y.get(), per_token(w, X, 300)), f"n_tok {n_tok} (seed {seed})"
     glu, _, _ = glu_weight(T.Q6_K, 64, 256, rng)
+    glu.mma8 = False  # with K4_MMA8 these go to gemv_mma (tests/test_cuda_gemv_mma.py)
     X = cp.asarray(rng.standard_normal((11, 256)).astype(np.float32))
     Y = nan_like((11, 64))
     gemv_rows(glu, X, Y)

@@ -102,7 +102,8 @@ class CudaBackend(TokenCache):
         o = ops.Ops(self.trace, kv=kv_types, **o_opts)
         # kernels compile on threads while the weights upload; the "compile" step waits for them
         matrix_types = {t.ggml_type for t in mf.tensors.values() if len(t.shape) == 2}
-        compiling = compile_async(quant_kernels.compile_jobs(matrix_types, w_opts.matrix.evict_first, cfg.activation)
+        compiling = compile_async(quant_kernels.compile_jobs(matrix_types, w_opts.matrix.evict_first, cfg.activation,
+                                                             w_opts.matrix.mma8)
                                   + o.compile_jobs(cfg.head_dim, cfg.n_head // cfg.n_head_kv) + moe.compile_jobs(mf, cfg, o))
         plan = size_plan(mf, n_ctx, self.flags, o)
         chunk = plan.chunk

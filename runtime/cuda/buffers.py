@@ -55,10 +55,11 @@ def allocate(mem: DeviceMemory, spec: Spec) -> SimpleNamespace:
     return out
 
 
-def matmul_scratch_bytes(specs, chunk: int, tensor_cores: bool) -> int:
+def matmul_scratch_bytes(specs, chunk: int, opts: matmul.WeightOptions) -> int:
     """matmul.matmul_scratch_bytes for weights described by `specs` (objects with ggml_type and
-    shape: matmul.MatrixSpec or DeviceWeight) before they are uploaded."""
-    sized = [SimpleNamespace(ggml_type=s.ggml_type, shape=s.shape, prefill_tc=tensor_cores) for s in specs]
+    shape: matmul.MatrixSpec or DeviceWeight) before they are uploaded, with options `opts`
+    (its tensor_cores and mma8 switches choose the products' paths)."""
+    sized = [SimpleNamespace(ggml_type=s.ggml_type, shape=s.shape, prefill_tc=opts.tensor_cores, mma8=opts.mma8) for s in specs]
     return matmul.matmul_scratch_bytes(sized, chunk)
 
 

@@ -38,6 +38,10 @@ STATE_WORDS = 4  # int32 words of the decode state
 ST_TOK, ST_POS, ST_RING, ST_DRAW = range(STATE_WORDS)  # token, its position, ring count, draws made
 
 
+# ---- gemv_mma.cu -------------------------------------------------------------------------------
+MMA8_TOKENS = 8  # tokens per gemv_mma launch: the n of its mma.sync shapes (m16n8k32, m16n8k16)
+
+
 # ---- quantized weights (common.cuh) ------------------------------------------------------------
 @dataclass(frozen=True)
 class QuantLayout:
@@ -128,10 +132,18 @@ def gqa_smem(D: int, BK: int, S: int, k_scaled: bool, v_scaled: bool) -> int:
     return 2 * (D + 8) * 16 + planes + 4 * GQA_WARPS * D + 4 * D + D // 8
 
 
+def mma8_smem(n_in: int, warps: int) -> int:
+    """Dynamic shared memory (bytes) of gemv_mma<M, PLANAR, warps, ...> for rows of n_in inputs:
+    per 32 inputs the MMA8_TOKENS tokens' int8 quants (32 bytes each) and their scale, sum and
+    two half sums (16 bytes each), then two buffers of the warps' partial sums (a float4 per lane)."""
+    return (n_in // 32) * MMA8_TOKENS * (32 + 16) + 2 * warps * 32 * 16
+
+
 # arguments the size checks are evaluated at: the compiled instances and common model shapes
 _CHECK_HEAD_DIMS = (64, 80, 96, 128, 256)
 _CHECK_MMA = (*MMA_TILE_KEYS.items(), (128, 32))
 _CHECK_Q8X_N = (32, 256, 2048, 4096, 5632, 11008, 14336, 18944)
+_CHECK_MMA8 = ((256, 8), (4096, 8), (11008, 8), (14336, 16))  # (n_in, warps)
 
 
 def _list(values) -> str:
@@ -163,7 +175,7 @@ def defines() -> tuple[str, ...]:
         ("MMA_BQ", MMA_BQ), ("GQA_WARPS", GQA_WARPS), ("GQA_THREADS", GQA_THREADS), ("SAMPLE_THREADS", SAMPLE_THREADS), ("SAMPLE_CAP", SAMPLE_CAP),
         ("SAMPLER_PARAM_WORDS", SAMPLER_PARAM_WORDS), ("STATE_WORDS", STATE_WORDS), ("ST_TOK", ST_TOK),
         ("ST_POS", ST_POS), ("ST_RING", ST_RING), ("ST_DRAW", ST_DRAW), ("MOE_WARPS", MOE_WARPS),
-        ("MOE_MAX_K", MOE_MAX_K))]
+        ("MOE_MAX_K", MOE_MAX_K), ("MMA8_TOKENS", MMA8_TOKENS))]
     for t, q in QUANT_LAYOUTS.items():
         elems, nbytes = _ggml(t)
         out += [f"K4_QK_{t.name}={elems}", f"K4_BLOCK_BYTES_{t.name}={nbytes}",
@@ -177,6 +189,7 @@ def defines() -> tuple[str, ...]:
         "K4_CHECK_GQA_SMEM": [v for d, bk in GQA_TILE_KEYS.items() for k, vt in KV_PAIRS
                               for v in (d, bk, gqa_stages(k, vt), int(k == "q8_0"), int(vt == "q8_0"),
                                         gqa_smem(d, bk, gqa_stages(k, vt), k == "q8_0", vt == "q8_0"))],
+        "K4_CHECK_MMA8_SMEM": [v for n, w in _CHECK_MMA8 for v in (n, w, mma8_smem(n, w))],
     }
     out += [f"{name}={_list(values)}" for name, values in tables.items()]
     out.append(f"K4_IQ4NL_VALUES={_list(IQ4NL_VALUES)}")

@@ -5,7 +5,8 @@ gemv on each of n tokens reads all of W n times; gemv_batch reads it once and mu
 weight chunk with up to BATCH_TOKENS x vectors, quantized as gemv quantizes its x (llama.cpp's
 q8_1 idea), so each token's result is bit-identical to gemv on that token alone. matmul.matmul's
 gemv path (at most GEMV_MAX_TOKENS tokens, or every prefill with K4_PREFILL_TC=0) and
-forward.py's gate/up epilogue path call gemv_rows, which runs groups of up to BATCH_TOKENS rows.
+forward.py's gate/up epilogue path call gemv_rows, which runs groups of up to BATCH_TOKENS rows,
+on int8 tensor cores (runtime/cuda/gemv_mma.py) where that applies.
 Decode (one token) keeps matmul.gemv with its fused norm and q8 handoff. quantize_rows writes X
 quantized once (Q8Rows) for gemv_batch's x_q8, so its blocks copy 1.4 bytes per value instead
 of reading 4 bytes per value of every row from L2 (docs/PERF.md).
@@ -24,7 +25,9 @@ import numpy as np
 
 from k4.runtime.trace import Trace
 
+from .batch_args import check_products, check_rows
 from .constants import q8x_bytes
+from .gemv_mma import gemv_mma, uses_mma8
 from .launch import blocks_per_sm, capturing, device_limits, launch, null_or
 from .quant_kernels import BATCH_TOKENS, BATCH_VARIANT, QUANT, _gemv_batch_name, _kernel
 
@@ -58,7 +61,7 @@ def quantize_rows(X, out: Q8Rows, stream=None, trace: Trace | None = None, pdl: 
     stream is captured). Raises ValueError on wrong shapes, dtypes, alignment or size."""
     if out.n % 32 or out.n_tok < 1:
         raise ValueError(f"quantized rows need n a multiple of 32 and at least one row, got {out.n_tok} x {out.n}")
-    x_stride = _check_rows("X", X, (out.n_tok, out.n), align16=True)
+    x_stride = check_rows("X", X, (out.n_tok, out.n), align16=True)
     need = Q8Rows.nbytes(out.n_tok, out.n)
     if out.data.dtype != np.uint8 or out.data.nbytes < need:
         raise ValueError(f"{out.n_tok} quantized rows of {out.n} need {need} uint8 bytes, got {out.data.dtype} ({out.data.nbytes} bytes)")
@@ -90,23 +93,6 @@ def _batch_plan(w: DeviceWeight, n_tok: int, variant: tuple[int, int, int, int] 
     return plan
 
 
-def _check_rows(name: str, a, shape: tuple[int, int], align16: bool = False) -> int:
-    """Check a (rows, cols) float32 cupy array whose rows are contiguous and may be any whole
-    number of floats apart (a row range or column range of a bigger array), not overlapping;
-    returns that row stride in floats. align16: the start and the stride are 16-byte multiples."""
-    import cupy as cp
-
-    if not isinstance(a, cp.ndarray) or a.dtype != np.float32 or a.shape != shape or (a.strides[1] != 4 and shape[1] > 1):
-        got = f"{a.dtype} {a.shape} strides {a.strides}" if isinstance(a, cp.ndarray) else type(a).__name__
-        raise ValueError(f"{name} must be a float32 cupy array of shape {shape} with contiguous rows, got {got}")
-    stride = a.strides[0] if shape[0] > 1 else 4 * shape[1]
-    if stride % 4 or stride < 4 * shape[1]:
-        raise ValueError(f"{name}: rows {stride} bytes apart, need a multiple of 4 and at least {4 * shape[1]}")
-    if align16 and (a.data.ptr % 16 or stride % 16):
-        raise ValueError(f"{name} must start at a 16-byte aligned address with rows a multiple of 16 bytes apart")
-    return stride // 4
-
-
 def gemv_batch(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, trace: Trace | None = None,
                pdl: bool | None = None, variant: tuple[int, int, int, int] | None = None, x_q8: Q8Rows | None = None) -> None:
     """Y[t] = w @ X[t] (+ bias) (+ residual[t]) for n_tok = 1 .. BATCH_TOKENS tokens, one kernel
@@ -127,23 +113,8 @@ def gemv_batch(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, 
     """
     if w.ggml_type not in QUANT:
         raise ValueError(f"gemv_batch multiplies quantized weights; {w.ggml_type.name} runs one gemv per token")
-    n_out, n_in = w.shape
-    n_tok = X.shape[0] if getattr(X, "ndim", 0) == 2 else -1
-    if not 1 <= n_tok <= BATCH_TOKENS:
-        raise ValueError(f"gemv_batch multiplies 1 to {BATCH_TOKENS} tokens at once, got X of shape {getattr(X, 'shape', None)}")
-    if w.glu:
-        n_out //= 2
-        if residual is not None or bias is not None:
-            raise ValueError("a gate/up (glu) product takes no residual and no bias")
-    x_stride = _check_rows("X", X, (n_tok, n_in), align16=True)
-    y_stride = _check_rows("Y", Y, (n_tok, n_out))
-    r_stride = 0
-    if residual is not None:
-        r_stride = _check_rows("residual", residual, (n_tok, n_out))
-        if residual.data.ptr == Y.data.ptr and r_stride != y_stride:
-            raise ValueError("a residual at Y's address must be Y itself (the same row stride)")
-    if bias is not None:
-        _check_rows("bias", bias.reshape(1, -1) if getattr(bias, "ndim", 0) == 1 else bias, (1, n_out))
+    n_tok, n_out, x_stride, y_stride, r_stride = check_products("gemv_batch", w, X, Y, residual, bias, BATCH_TOKENS)
+    n_in = w.shape[1]
     if x_q8 is not None and (x_q8.n_tok, x_q8.n, x_q8.swizzle) != (n_tok, n_in, QUANT[w.ggml_type].x_swizzle):
         raise ValueError(f"x_q8 holds {x_q8.n_tok} rows of {x_q8.n} for swizzle {x_q8.swizzle}; this product needs "
                          f"{n_tok} of {n_in} for {QUANT[w.ggml_type].x_swizzle}")
@@ -158,13 +129,15 @@ def gemv_batch(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, 
 
 
 def gemv_rows(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, trace: Trace | None = None) -> None:
-    """gemv_batch over any number of tokens: rows of X in groups of up to BATCH_TOKENS, one
-    launch each (ceil(n_tok / BATCH_TOKENS) reads of w). Arguments as gemv_batch, any n_tok >= 1.
-    Raises ValueError as gemv_batch."""
+    """The few-token products over any number of tokens: rows of X in groups of up to
+    BATCH_TOKENS, one launch each (ceil(n_tok / BATCH_TOKENS) reads of w): gemv_mma.gemv_mma
+    where gemv_mma.uses_mma8 says so (Q4_K and Q6_K, 2 or more rows, flag K4_MMA8), else
+    gemv_batch. Arguments as gemv_batch, any n_tok >= 1. Raises ValueError as gemv_batch."""
     n_tok = X.shape[0] if getattr(X, "ndim", 0) == 2 else 0
     if n_tok < 1:
         raise ValueError(f"X must be a 2-D array of at least one row, got shape {getattr(X, 'shape', None)}")
     for i in range(0, n_tok, BATCH_TOKENS):
         rows = slice(i, i + BATCH_TOKENS)
-        gemv_batch(w, X[rows], Y[rows], residual=None if residual is None else residual[rows], bias=bias,
-                   stream=stream, trace=trace)
+        product = gemv_mma if uses_mma8(w, min(BATCH_TOKENS, n_tok - i)) else gemv_batch
+        product(w, X[rows], Y[rows], residual=None if residual is None else residual[rows], bias=bias,
+                stream=stream, trace=trace)

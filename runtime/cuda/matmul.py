@@ -48,6 +48,7 @@ from k4.runtime.trace import Trace
 
 from .constants import q8x_bytes
 from .gemv_batch import gemv_rows
+from .gemv_mma import uses_mma8
 from .launch import blocks_per_sm, capturing, device_limits, launch, null_or
 from .layout import MatrixSpec, _check_matrix, layout_nbytes
 from .q8_handoff import Q8Vector, check_q8
@@ -68,7 +69,9 @@ class DeviceWeight:
     glu: the rows interleave ffn_gate and ffn_up (combined(glu=True)), so gemv yields
     act(gate) * up, (n_out / 2,), and matmul the interleaved (n_tok, n_out) products;
     glu_act: that act, a quant_kernels.GLU_ACTS key: "silu" (SwiGLU) or "gelu_tanh" (GeGLU);
-    half: None or a cupy float16 (n_out, n_in) copy that matmul multiplies directly (make_half).
+    half: None or a cupy float16 (n_out, n_in) copy that matmul multiplies directly (make_half);
+    mma8: products of 2 to 8 tokens run on int8 tensor cores where gemv_mma.uses_mma8 allows
+    (flag K4_MMA8).
     """
 
     ggml_type: T
@@ -81,6 +84,7 @@ class DeviceWeight:
     evict_first: bool = True
     half: object = None
     glu_act: str = "silu"
+    mma8: bool = True
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -100,6 +104,7 @@ class WeightOptions:
     tensor_cores: bool = True  # K4_PREFILL_TC: prefill products on tensor cores
     pdl: bool = True  # K4_PDL: programmatic dependent launch inside graph capture
     evict_first: bool = True  # K4_EVICT_FIRST: weight loads with the L1 evict-first hint
+    mma8: bool = True  # K4_MMA8: products of 2 to 8 tokens on int8 tensor cores (Q4_K, Q6_K)
 
 
 def make_weight(t: Tensor | MatrixSpec, device_bytes, repack: bool, glu: bool = False,
@@ -122,7 +127,7 @@ def make_weight(t: Tensor | MatrixSpec, device_bytes, repack: bool, glu: bool = 
     if glu_act not in GLU_ACTS:
         raise ValueError(f"{t.name}: no gate/up epilogue for activation {glu_act!r} (have {', '.join(GLU_ACTS)})")
     return DeviceWeight(t.ggml_type, (n_out, n_in), device_bytes, planar, opts.tensor_cores, opts.pdl, glu,
-                        evict_first=opts.evict_first, glu_act=glu_act)
+                        evict_first=opts.evict_first, glu_act=glu_act, mma8=opts.mma8)
 
 
 def half_bytes(w: DeviceWeight) -> int:
@@ -279,9 +284,10 @@ def _chunk_rows(w: DeviceWeight) -> int:
 
 
 def uses_gemv(w: DeviceWeight, n_tok: int) -> bool:
-    """Whether matmul of n_tok tokens on w runs as matrix-vector products (K4_PREFILL_TC off, or
-    at most GEMV_MAX_TOKENS tokens): gemv_batch.gemv_rows for quantized w, gemv per token else."""
-    return not w.prefill_tc or n_tok <= GEMV_MAX_TOKENS
+    """Whether matmul of n_tok tokens on w runs as matrix-vector products (K4_PREFILL_TC off, at
+    most GEMV_MAX_TOKENS tokens, or a product gemv_mma.uses_mma8 takes: up to 8 tokens of Q4_K
+    or Q6_K with K4_MMA8): gemv_batch.gemv_rows for quantized w, gemv per token else."""
+    return not w.prefill_tc or n_tok <= GEMV_MAX_TOKENS or uses_mma8(w, n_tok)
 
 
 def takes_half(w: DeviceWeight, n_tok: int) -> bool:
@@ -338,12 +344,13 @@ def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, str
     n_out) float32 or None, may be Y itself; bias: (n_out,) float32 or None; scratch: cupy uint8
     array of at least matmul_scratch_bytes([w, ...], n_tok) bytes (None only when that is 0).
     Tensor-core path: X and W in fp16 (W from w.half when made), fp32 accumulation (relative
-    error about 1e-3); F32 weights run in float32 through cuBLAS; when the flag K4_PREFILL_TC
-    is off or n_tok <= GEMV_MAX_TOKENS, matrix-vector products instead (quantized: gemv_batch.
-    gemv_rows, up to BATCH_TOKENS tokens per launch; float types: gemv per token; not for a glu
-    weight: call gemv or gemv_rows, which apply the SwiGLU). blas: a runtime.cuda.blas.Blas for the cuBLAS calls, so they can be
-    captured in a CUDA graph (None: CuPy's handle, which refuses capture). Raises ValueError on
-    wrong shapes, dtypes or scratch size.
+    error about 1e-3); F32 weights run in float32 through cuBLAS; when uses_gemv (the flag
+    K4_PREFILL_TC off, n_tok <= GEMV_MAX_TOKENS, or up to 8 tokens on int8 tensor cores with
+    K4_MMA8), matrix-vector products instead (quantized: gemv_batch.gemv_rows, up to
+    BATCH_TOKENS tokens per launch; float types: gemv per token; not for a glu weight: call gemv
+    or gemv_rows, which apply the SwiGLU). blas: a runtime.cuda.blas.Blas for the cuBLAS calls,
+    so they can be captured in a CUDA graph (None: CuPy's handle, which refuses capture). Raises
+    ValueError on wrong shapes, dtypes or scratch size.
     """
     import cupy as cp
 

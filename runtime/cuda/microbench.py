@@ -22,7 +22,7 @@ from k4.runtime.model import Tensor
 from k4.runtime.trace import Trace
 
 from .compile import module
-from .quant_kernels import BATCH_TOKENS
+from .quant_kernels import BATCH_TOKENS, MMA8_DECODERS
 from .launch import device_limits, launch
 from .layout import weight_layout
 from .matmul import FLOAT, QUANT, DeviceWeight, WeightOptions, gemv, make_weight, matmul, matmul_scratch_bytes, q8x_bytes
@@ -46,12 +46,12 @@ def random_weight(ggml_type: T, n_out: int, n_in: int, rng: np.random.Generator)
 
 def _copies(t: Tensor, repack: bool, f: Flags, factor: float, cap: int, glu: bool = False) -> list[DeviceWeight]:
     """Enough device copies of t to exceed `factor` times the L2, so timings stream from memory;
-    their options from the flags K4_PREFILL_TC, K4_PDL, K4_EVICT_FIRST of `f`; glu: the rows
+    their options from the flags K4_PREFILL_TC, K4_PDL, K4_EVICT_FIRST, K4_MMA8 of `f`; glu: the rows
     count as interleaved gate/up pairs (make_weight glu)."""
     import cupy as cp
 
     host = weight_layout(t, repack)
-    opts = WeightOptions(f.on("K4_PREFILL_TC"), f.on("K4_PDL"), f.on("K4_EVICT_FIRST"))
+    opts = WeightOptions(f.on("K4_PREFILL_TC"), f.on("K4_PDL"), f.on("K4_EVICT_FIRST"), f.on("K4_MMA8"))
     return [make_weight(t, cp.asarray(host), repack, glu, opts) for _ in range(_n_copies(host.nbytes, factor, cap))]
 
 
@@ -148,26 +148,32 @@ def bench_gemv(ggml_type: str, n_out: int, n_in: int, iters: int = 200, *, repac
 
 
 def bench_gemv_batch(ggml_type: str, n_out: int, n_in: int, tokens: Sequence[int] = tuple(range(1, BATCH_TOKENS + 1)),
-                     iters: int = 200, *, glu: bool = False, variant: tuple[int, int, int, int] | None = None,
-                     x_q8: bool = False, repack: bool | None = None, flags: Flags | None = None) -> dict:
+                     iters: int = 200, *, glu: bool = False, variant: tuple[int, ...] | None = None,
+                     x_q8: bool = False, repack: bool | None = None, flags: Flags | None = None, mma8: bool = False) -> dict:
     """Time gemv_batch (runtime/cuda/gemv_batch.py) of n_tok tokens, for each n_tok in `tokens`,
     against one gemv (one token) on the same random (n_out, n_in) weight of quantized type
-    `ggml_type`; glu: the rows are interleaved gate/up pairs (the gate/up epilogue, n_out / 2
-    outputs); variant: see gemv_batch (quant_kernels.EXTRA_BATCH_VARIANTS); x_q8: X comes
+    `ggml_type`; with mma8, gemv_mma (runtime/cuda/gemv_mma.py, Q4_K and Q6_K) instead.
+    glu: the rows are interleaved gate/up pairs (the gate/up epilogue, n_out / 2
+    outputs); variant: see gemv_batch (quant_kernels.EXTRA_BATCH_VARIANTS), with mma8 gemv_mma
+    (EXTRA_MMA8_VARIANTS); x_q8: X comes
     quantized (gemv_batch x_q8, made once by quantize_rows before the timing, as bench_gemv's
     x_q8: the product's time without its producer's). Timed as bench_gemv times (CUDA graph of PDL launches over copies of W exceeding
     4x the L2, warm-up, median of CUDA-event timings). Returns {"gemv_us": µs of one gemv,
     "rows": [{"n_tok", "us": µs per launch, "ratio": us / gemv_us, "tb_s": (weight bytes + 4 *
     n_tok * (n_in + outputs)) / us in TB/s, X counted as floats even with x_q8}]}. Raises ValueError for a type without kernels or a
-    float type, n_tok outside 1..BATCH_TOKENS, or glu with an odd n_out.
+    float type (with mma8: a type without gemv_mma), n_tok outside 1..BATCH_TOKENS, or
+    glu with an odd n_out.
     """
     import cupy as cp
 
     from .gemv_batch import Q8Rows, gemv_batch, quantize_rows
+    from .gemv_mma import gemv_mma
 
     t = _type(ggml_type)
     if t not in QUANT:
         raise ValueError(f"gemv_batch multiplies quantized weights, not {ggml_type}")
+    if mma8 and t not in MMA8_DECODERS:
+        raise ValueError(f"gemv_mma multiplies {', '.join(d.name for d in MMA8_DECODERS)} weights, not {ggml_type}")
     if not tokens or any(not 1 <= n <= BATCH_TOKENS for n in tokens):
         raise ValueError(f"token counts must be 1 to {BATCH_TOKENS}, got {list(tokens)}")
     if glu and n_out % 2:
@@ -191,7 +197,10 @@ def bench_gemv_batch(ggml_type: str, n_out: int, n_in: int, tokens: Sequence[int
         quantize_rows(X[:n], q8[n])
     rows = []
     for n in tokens:
-        us = timed(lambda w, n=n: gemv_batch(w, X[:n], Y[:n], variant=variant, x_q8=q8.get(n)))
+        if mma8:
+            us = timed(lambda w, n=n: gemv_mma(w, X[:n], Y[:n], variant=variant, x_q8=q8.get(n)))
+        else:
+            us = timed(lambda w, n=n: gemv_batch(w, X[:n], Y[:n], variant=variant, x_q8=q8.get(n)))
         rows.append({"n_tok": n, "us": us, "ratio": us / gemv_us, "tb_s": (weights[0].nbytes + 4 * n * (n_in + n_y)) / us / 1e6})
     return {"gemv_us": gemv_us, "rows": rows}
 

@@ -1,8 +1,8 @@
 """Which kernels serve each ggml type: the per-type decoder and launch variants of the matrix
-kernels (kernels_cu/gemv.cu, kernels_cu/gemv_batch.cu, kernels_cu/matmul.cu, decoders in kernels_cu/decoders.cuh and
-decoders_lowbit.cuh), the template-instance names the launchers use (the one list: NVRTC gets
-them as name expressions, the nvcc test instantiates exactly them), their compile groups, and
-the lookup of a compiled kernel. Importable without CuPy.
+kernels (kernels_cu/gemv.cu, kernels_cu/gemv_batch.cu, kernels_cu/gemv_mma.cu, kernels_cu/matmul.cu,
+decoders in kernels_cu/decoders.cuh and decoders_lowbit.cuh), the template-instance names the
+launchers use (the one list: NVRTC gets them as name expressions, the nvcc test instantiates
+exactly them), their compile groups, and the lookup of a compiled kernel. Importable without CuPy.
 """
 
 from __future__ import annotations
@@ -90,6 +90,15 @@ EXTRA_BATCH_VARIANTS: dict[T, tuple[tuple[int, int, int, int], ...]] = {
 # work), while a tensor-core verify step of 5 to 8 tokens costs about 2.7x a decode step, flat:
 # the batch wins up to 4 tokens.
 GEMV_MAX_TOKENS = 4
+# gemv_mma (kernels_cu/gemv_mma.cu): products of 2..MMA8_TOKENS tokens on int8 tensor cores, for
+# the types it decodes (its mma_* structs), with (WARPS, KS): warps per block, warps splitting
+# each 16-row tile's blocks (KS >= 4: the step's epilogue has a thread per output). Not yet
+# measured: (8, 4) puts 2 tiles per step, so a 4096-row matrix is 128 steps, one per
+# multiprocessor, each warp taking every fourth 256-weight block. The extra variants (the "bench"
+# group) are for scripts/bench_gemv_mma.py.
+MMA8_DECODERS: dict[T, str] = {T.Q4_K: "mma_q4_K", T.Q6_K: "mma_q6_K"}
+MMA8_VARIANT = (8, 4)
+EXTRA_MMA8_VARIANTS: tuple[tuple[int, int], ...] = ((8, 8), (12, 4))  # 16 warps: at most 128 registers, Q6_K spills
 DEQUANT_CHUNK_BYTES = 32 << 20  # fp16 rows dequantized per cuBLAS call (fits the H200's 60 MB L2)
 
 
@@ -112,6 +121,12 @@ def _gemv_batch_name(t: T, planar: bool, variant: tuple[int, int, int, int] | No
     warps, u, pf, r = variant or BATCH_VARIANT[t]
     return (f"gemv_q8_batch<{QUANT[t].decoder}, {_bool(planar)}, {warps}, {u}, {_bool(pf)}, {r}, {BATCH_TOKENS}, "
             f"{_bool(glu)}{GLU_ACTS[act] if glu else ''}>")
+
+
+def _gemv_mma_name(t: T, planar: bool, variant: tuple[int, int] | None = None, glu: bool = False,
+                   act: str = "silu") -> str:
+    warps, ks = variant or MMA8_VARIANT
+    return f"gemv_mma<{MMA8_DECODERS[t]}, {_bool(planar)}, {warps}, {ks}, {_bool(glu)}{GLU_ACTS[act] if glu else ''}>"
 
 
 def _gemv_f_name(t: T, vec: bool, glu: bool = False, act: str = "silu") -> str:
@@ -148,6 +163,13 @@ def _batch_names(t: T, act: str = "silu") -> tuple[str, ...]:
     return tuple(_gemv_batch_name(t, p, None, glu) for glu in (False, True) for p in (False, True))
 
 
+def _mma8_names(t: T, act: str = "silu") -> tuple[str, ...]:
+    """The gemv_mma.cu instances of type t (MMA8_DECODERS), as _batch_names."""
+    if act != "silu":
+        return tuple(_gemv_mma_name(t, p, None, True, act) for p in (False, True))
+    return tuple(_gemv_mma_name(t, p, None, glu) for glu in (False, True) for p in (False, True))
+
+
 def _matmul_names(t: T) -> tuple[str, ...]:
     """The matmul.cu dequantization instances of type t (both output types, both layouts)."""
     layouts = (False, True) if t in QUANT else (False,)
@@ -169,6 +191,11 @@ GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
         "bench": tuple(_gemv_batch_name(t, p, v, glu) for t, vs in EXTRA_BATCH_VARIANTS.items() for v in vs
                        for glu in (False, True) for p in (False, True)),
     },
+    "gemv_mma.cu": {  # one instance per group, as gemv_batch.cu's
+        **{name: (name,) for t in MMA8_DECODERS for act in GLU_ACTS for name in _mma8_names(t, act)},
+        "bench": tuple(_gemv_mma_name(t, p, v, glu) for t in MMA8_DECODERS for v in EXTRA_MMA8_VARIANTS
+                       for glu in (False, True) for p in (False, True)),
+    },
     "matmul.cu": {**{t.name: _matmul_names(t) for t in (*QUANT, *FLOAT)}, "common": ("convert_f32_f16", "add_rows")},
 }
 _GROUP_OF = {(f, name): names for f, groups in GROUPS.items() for names in groups.values() for name in names}
@@ -178,12 +205,13 @@ def _defines(evict_first: bool) -> tuple[str, ...]:
     return () if evict_first else ("K4_EVICT_FIRST=0",)
 
 
-def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str = "silu") -> list:
+def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str = "silu", mma8: bool = True) -> list:
     """compile.module() arguments for the matrix kernels of weights of `types` (ggml types with
-    CUDA kernels; others are skipped): their gemv, gemv_batch (quantized types) and
-    dequantization instances, and matmul.cu's conversions; with activation "gelu_tanh"
-    (ModelConfig.activation) also the GeGLU-epilogue instances. For compile.compile_async at
-    load: each gemv_batch instance is a job of its own (~1 s each with nvcc), so the compile
+    CUDA kernels; others are skipped): their gemv, gemv_batch (quantized types), gemv_mma
+    (MMA8_DECODERS) and dequantization instances, and matmul.cu's conversions; with activation "gelu_tanh"
+    (ModelConfig.activation) also the GeGLU-epilogue instances; mma8 False (flag K4_MMA8 off):
+    no gemv_mma instances. For compile.compile_async at
+    load: each gemv_batch and gemv_mma instance is a job of its own (~1 s each with nvcc), so the compile
     threads build them in parallel with the rest."""
     present = [t for t in dict.fromkeys(types) if t in QUANT or t in FLOAT]
     jobs = [("matmul.cu", GROUPS["matmul.cu"]["common"], ())]
@@ -196,6 +224,9 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
         if t in QUANT:
             names = _batch_names(t) + (_batch_names(t, activation) if gelu else ())
             jobs += [("gemv_batch.cu", (name,), _defines(evict_first)) for name in names]
+        if mma8 and t in MMA8_DECODERS:
+            names = _mma8_names(t) + (_mma8_names(t, activation) if gelu else ())
+            jobs += [("gemv_mma.cu", (name,), _defines(evict_first)) for name in names]
     return jobs
 
 

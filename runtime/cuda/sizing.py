@@ -35,7 +35,7 @@ def options(flags: Flags, moe: bool = False) -> tuple:
     kernels, finds nothing. The race behind it is not found yet (docs/PERF.md, session 8)."""
     on = flags.on
     pdl = on("K4_PDL") and not moe
-    mat = matmul.WeightOptions(tensor_cores=on("K4_PREFILL_TC"), pdl=pdl, evict_first=on("K4_EVICT_FIRST"))
+    mat = matmul.WeightOptions(tensor_cores=on("K4_PREFILL_TC"), pdl=pdl, evict_first=on("K4_EVICT_FIRST"), mma8=on("K4_MMA8"))
     w = WeightOptions(repack=on("K4_REPACK"), stack=on("K4_STACK"), glu=on("K4_FUSE_SWIGLU"), pinned=on("K4_PINNED_UPLOAD"), matrix=mat)
     f = ForwardOptions(fuse_norm=on("K4_FUSE_NORM"), fuse_rope=on("K4_FUSE_ROPE"))
     o = dict(pdl=pdl, tiled=on("K4_TILED_ATTN"), mma=on("K4_MMA_ATTN"), evict_first=on("K4_EVICT_FIRST"), gqa=on("K4_GQA_MMA"))
@@ -66,7 +66,7 @@ def size_plan(mf: ModelFile, n_ctx: int, flags: Flags, o: ops.Ops) -> SizePlan:
     splits = o.decode_splits(n_ctx, flags.on("K4_SPLIT_ATTN"), cfg.head_dim, cfg.n_head, cfg.n_head_kv)
     n_split = max(n for _, n, _ in splits)  # the most splits of any range: the partials buffer
     specs = [layout.combined(tensors, tensors[0].name, glu) for _, tensors, glu in matrix_plan(mf, cfg, w_opts)]
-    act = activation_spec(cfg, chunk, n_ctx, n_split, matmul_scratch_bytes(specs, chunk, w_opts.matrix.tensor_cores),
+    act = activation_spec(cfg, chunk, n_ctx, n_split, matmul_scratch_bytes(specs, chunk, w_opts.matrix),
                           flags.on("K4_FUSE_QUANT"))
     workspace = blas.WORKSPACE_BYTES if flags.on("K4_PREFILL_GRAPH") else 0
     return SizePlan(chunk, splits, act, weight_bytes(mf, cfg), spec_bytes(act) + spec_bytes(sampler_spec(cfg)) + workspace)

@@ -1,0 +1,107 @@
+"""Products of a few tokens on int8 tensor cores, reading the weights once (kernels_cu/gemv_mma.cu
+gemv_mma), for Q4_K and Q6_K weights: speculative decoding's verify step of up to 8 tokens.
+
+gemv_batch (runtime/cuda/gemv_batch.py) multiplies each weight chunk with every token's x on
+dp4a, which is bound by that integer work (8 tokens: 3.6x one gemv on the H200). gemv_mma does
+the same products as mma.sync with the weights' quants as A (16 rows x one scale group) and
+the 8 tokens' q8 x as B, so the integer work moves to the tensor cores and what is left per
+weight is the float epilogue of each scale group (docs/PERF.md). x is quantized to 8 bits per
+32 values as gemv quantizes it; the sums run in another order than gemv's, so results agree
+with gemv to float rounding, not bit for bit (tests/test_cuda_gemv_mma.py states the limits).
+
+matmul.matmul (through gemv_batch.gemv_rows) and forward.py's gate/up path use it for 2 to
+MMA8_TOKENS tokens when the weight's mma8 option is on (flag K4_MMA8) and uses_mma8 says the
+product fits. Like matmul.py's entry points: validates on the host (ValueError: programming
+errors of the caller), allocates nothing, never synchronizes, can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from k4.runtime.trace import Trace
+
+from .batch_args import check_products
+from .constants import MMA8_TOKENS, mma8_smem, q8x_bytes
+from .launch import blocks_per_sm, capturing, device_limits, launch, null_or
+from .quant_kernels import MMA8_DECODERS, MMA8_VARIANT, QUANT, _gemv_mma_name, _kernel
+
+if TYPE_CHECKING:
+    from .gemv_batch import Q8Rows
+    from .matmul import DeviceWeight
+
+SMEM_LIMIT = 227 << 10  # sm_90: the most dynamic shared memory a block may opt in to (bytes)
+
+
+def uses_mma8(w: DeviceWeight, n_tok: int, variant: tuple[int, int] | None = None) -> bool:
+    """Whether a product of n_tok tokens on w runs as gemv_mma: w's mma8 option is on (K4_MMA8),
+    its type has an mma decoder (quant_kernels.MMA8_DECODERS: Q4_K, Q6_K), 2 <= n_tok <=
+    MMA8_TOKENS, and the 8 tokens' quantized x fits in one block's shared memory (n_in up to
+    about 18,900; mma8_smem)."""
+    warps = (variant or MMA8_VARIANT)[0]
+    return (w.mma8 and w.ggml_type in MMA8_DECODERS and 2 <= n_tok <= MMA8_TOKENS
+            and mma8_smem(w.shape[1], warps) <= SMEM_LIMIT)
+
+
+def _mma_plan(w: DeviceWeight, variant: tuple[int, int] | None):
+    """(kernel, grid, block, shared_mem) of gemv_mma on w, cached in w._plans: one block per
+    multiprocessor (the shared memory holds all of X), at most one per step of WARPS / KS tiles
+    of 16 weight rows."""
+    key = ("mma8", variant)
+    plan = w._plans.get(key)
+    if plan is not None:
+        return plan
+    warps, ks = variant or MMA8_VARIANT
+    kernel = _kernel("gemv_mma.cu", _gemv_mma_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act), w.evict_first)
+    smem = mma8_smem(w.shape[1], warps)
+    if smem > 48 << 10 and kernel.max_dynamic_shared_size_bytes < smem:  # never lowered: other weights share the kernel
+        kernel.max_dynamic_shared_size_bytes = smem
+    steps = -(-w.shape[0] // (16 * (warps // ks)))  # weight rows: a glu weight's gate and up rows alike
+    grid = min(device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem), steps)
+    plan = (kernel, (grid,), (32 * warps,), smem)
+    w._plans[key] = plan
+    return plan
+
+
+def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, trace: Trace | None = None,
+             pdl: bool | None = None, variant: tuple[int, int] | None = None, x_q8: Q8Rows | None = None) -> None:
+    """Y[t] = w @ X[t] (+ bias) (+ residual[t]) for n_tok = 1 .. MMA8_TOKENS tokens, one kernel
+    launch reading w once, on int8 tensor cores; with w.glu, Y[t] = act(gate @ X[t]) * (up @
+    X[t]), act w.glu_act (silu or gelu_tanh).
+
+    w: a matmul.DeviceWeight of type Q4_K or Q6_K (MMA8_DECODERS), raw or planar, n_in at most
+    what uses_mma8 allows. X: (n_tok, n_in) float32, rows contiguous, 16-byte aligned, any
+    multiple of 16 bytes apart. Y: (n_tok, n_out) float32 ((n_tok, n_out / 2) for w.glu), rows
+    any whole number of floats apart. residual: like Y or None, may be Y itself; bias: (n_out,)
+    float32 or None, added to every row; neither with w.glu. pdl, stream, trace: as matmul.gemv.
+    variant: another compiled (WARPS, KS) instance (quant_kernels.EXTRA_MMA8_VARIANTS). x is
+    quantized to 8 bits per 32 values as gemv quantizes it (llama.cpp's q8_1 idea); Y differs
+    from gemv's only by float32 rounding (sums in another order), within the gemv tests' limit
+    against numpy with x rounded the same way (1e-4 relative L2). x_q8: X already quantized by
+    gemv_batch.quantize_rows for w's swizzle (n_tok rows of n_in), copied by every block instead
+    of reading and quantizing X (not read then, still checked): the same quants, the same Y.
+    Raises ValueError on another weight type, n_tok outside 1..MMA8_TOKENS, an n_in whose x does
+    not fit in shared memory, wrong shapes, dtypes, strides or alignment, residual/bias with w.glu,
+    or an x_q8 of other rows, swizzle or size.
+    """
+    if w.ggml_type not in MMA8_DECODERS:
+        raise ValueError(f"gemv_mma multiplies {', '.join(t.name for t in MMA8_DECODERS)} weights, not {w.ggml_type.name}")
+    n_tok, n_out, x_stride, y_stride, r_stride = check_products("gemv_mma", w, X, Y, residual, bias, MMA8_TOKENS)
+    n_in = w.shape[1]
+    warps = (variant or MMA8_VARIANT)[0]
+    if mma8_smem(n_in, warps) > SMEM_LIMIT:
+        raise ValueError(f"gemv_mma holds the x of {MMA8_TOKENS} tokens in shared memory: {mma8_smem(n_in, warps)} bytes "
+                         f"for n_in {n_in}, more than {SMEM_LIMIT}")
+    swizzle = QUANT[w.ggml_type].x_swizzle
+    need = n_tok * q8x_bytes(n_in)
+    if x_q8 is not None and ((x_q8.n_tok, x_q8.n, x_q8.swizzle) != (n_tok, n_in, swizzle) or x_q8.data.nbytes < need):
+        raise ValueError(f"x_q8 holds {x_q8.n_tok} rows of {x_q8.n} for swizzle {x_q8.swizzle} ({x_q8.data.nbytes} bytes); "
+                         f"this product needs {n_tok} of {n_in} for {swizzle} ({need} bytes)")
+    kernel, grid, block, smem = _mma_plan(w, variant)
+    args = (w.data, X, np.int32(x_stride), Y, np.int32(y_stride), null_or(residual), np.int32(r_stride), null_or(bias),
+            np.int32(n_out), np.int32(n_in), np.int32(n_tok), null_or(x_q8 and x_q8.data))
+    if pdl is None:  # as gemv: eagerly the driver-API launch costs more host time than it saves
+        pdl = w.pdl and capturing(stream)
+    launch(kernel, grid, block, args, smem, stream, trace, pdl)
