@@ -31,7 +31,7 @@ from k4.runtime.flags import Flags
 from k4.runtime.trace import Trace
 from tests.helpers_matmul import interleave_rows
 from tests.test_cuda_gemv_batch import assert_outside_untouched, column_view, per_token, strided_rows
-from tests.test_cuda_matmul import GLU_REF, LIMIT_Q8_ROUNDED, fresh_rng, nan_like, q8_rounded, rel_err, weight
+from tests.matmul_ref import GLU_REF, LIMIT_Q8_ROUNDED, fresh_rng, nan_like, q8_rounded, rel_err, weight
 
 TYPES = pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 LIMIT_VS_GEMV = 1e-5
@@ -183,9 +183,9 @@ def test_gemv_mma_variants_agree_with_the_default(type_name, variant, glu):
 @pytest.mark.cuda
 @pytest.mark.parametrize("mma8", [True, False], ids=["K4_MMA8=1", "K4_MMA8=0"])
 @TYPES
-def test_matmul_takes_gemv_mma_for_2_to_8_tokens_with_the_flag(type_name, mma8, monkeypatch):
-    """With K4_MMA8 matmul runs 2..8 tokens of Q4_K/Q6_K as one gemv_mma launch; without it
-    2..GEMV_MAX_TOKENS as gemv_batch and more on fp16 tensor cores (no gemv_mma). Either way
+def test_matmul_takes_gemv_mma_for_5_to_8_tokens_with_the_flag(type_name, mma8, monkeypatch):
+    """2..GEMV_MAX_TOKENS tokens of Q4_K/Q6_K run as gemv_batch; with K4_MMA8 matmul runs
+    GEMV_MAX_TOKENS + 1 .. 8 as one gemv_mma launch, without it on fp16 tensor cores. Either way
     within the limits of its path against numpy."""
     import cupy as cp
 
@@ -206,7 +206,7 @@ def test_matmul_takes_gemv_mma_for_2_to_8_tokens_with_the_flag(type_name, mma8, 
         assert rel_err(Y.get(), ref) < limit, f"{type_name} n_tok {n_tok} mma8 {mma8} (seed {seed})"
         if not tensor_cores:
             assert trace.get("load").launches == 1
-    assert calls == (list(range(2, MMA8_TOKENS + 1)) if mma8 else [])
+    assert calls == (list(range(mm.GEMV_MAX_TOKENS + 1, MMA8_TOKENS + 1)) if mma8 else [])
 
 
 @pytest.mark.cuda
@@ -248,9 +248,9 @@ def _spec(type_name: str, n_in: int = 4096, mma8: bool = True, prefill_tc: bool 
     return SimpleNamespace(ggml_type=T[type_name], shape=(4096, n_in), mma8=mma8, prefill_tc=prefill_tc)
 
 
-def test_uses_mma8_for_2_to_8_tokens_of_q4_k_and_q6_k_that_fit():
+def test_uses_mma8_for_5_to_8_tokens_of_q4_k_and_q6_k_that_fit():
     for name in ("Q4_K", "Q6_K"):
-        assert [n for n in range(1, 12) if uses_mma8(_spec(name), n)] == list(range(2, 9))
+        assert [n for n in range(1, 12) if uses_mma8(_spec(name), n)] == list(range(5, 9))
         assert [n for n in range(1, 12) if mm.uses_gemv(_spec(name), n)] == list(range(1, 9))
         assert not any(uses_mma8(_spec(name, mma8=False), n) for n in range(1, 9))
         assert [n for n in range(1, 12) if mm.uses_gemv(_spec(name, mma8=False), n)] == [1, 2, 3, 4]

@@ -26,7 +26,7 @@ from k4.runtime.trace import Trace
 from .batch_args import check_products
 from .constants import MMA8_TOKENS, mma8_smem, q8x_bytes
 from .launch import blocks_per_sm, capturing, device_limits, launch, null_or
-from .quant_kernels import MMA8_DECODERS, MMA8_VARIANT, QUANT, _gemv_mma_name, _kernel
+from .quant_kernels import GEMV_MAX_TOKENS, MMA8_DECODERS, MMA8_VARIANT, QUANT, _gemv_mma_name, _kernel
 
 if TYPE_CHECKING:
     from .gemv_batch import Q8Rows
@@ -37,11 +37,14 @@ SMEM_LIMIT = 227 << 10  # sm_90: the most dynamic shared memory a block may opt 
 
 def uses_mma8(w: DeviceWeight, n_tok: int, variant: tuple[int, int] | None = None) -> bool:
     """Whether a product of n_tok tokens on w runs as gemv_mma: w's mma8 option is on (K4_MMA8),
-    its type has an mma decoder (quant_kernels.MMA8_DECODERS: Q4_K, Q6_K), 2 <= n_tok <=
-    MMA8_TOKENS, and the 8 tokens' quantized x fits in one block's shared memory (n_in up to
-    about 18,900; mma8_smem)."""
+    its type has an mma decoder (quant_kernels.MMA8_DECODERS: Q4_K, Q6_K), GEMV_MAX_TOKENS <
+    n_tok <= MMA8_TOKENS, and the 8 tokens' quantized x fits in one block's shared memory (n_in
+    up to about 18,900; mma8_smem). Measured on the H200 (scripts/bench_gemv_mma.py, Llama 2 7B's
+    products): gemv_mma costs about 2.3-2.9x one gemv whatever the token count, so gemv_batch
+    (1.1x at 2 tokens, 2.5x at 5) keeps the fewer tokens; from 5 it replaces the fp16 tensor-core
+    path (7B verify step of 8 tokens: 2.38x a one-token step against 2.64x, docs/PERF.md)."""
     warps = (variant or MMA8_VARIANT)[0]
-    return (w.mma8 and w.ggml_type in MMA8_DECODERS and 2 <= n_tok <= MMA8_TOKENS
+    return (w.mma8 and w.ggml_type in MMA8_DECODERS and GEMV_MAX_TOKENS < n_tok <= MMA8_TOKENS
             and mma8_smem(w.shape[1], warps) <= SMEM_LIMIT)
 
 
