@@ -54,7 +54,10 @@ __device__ __forceinline__ void i8x4_to_f16_scaled(u32 w, u32 d, u32* h) {
 // The staging of one plane (keys or values) of S tiles in flight, for cache type T; rows of the
 // fp16 tile the mmas read are ROW_BYTES apart. Specialized below: fp16 planes copy straight into
 // S fp16 stages; q8_0 planes copy their quants and scales into S raw stages and dequantize the
-// tile about to be used into one fp16 tile (prepare).
+// tile about to be used into one fp16 tile (prepare). Thread tid copies the 16-byte chunks
+// tid, tid + GQA_THREADS, ... of a tile, row-major: column c = tid % PER_ROW of rows r0 =
+// tid / PER_ROW, r0 + RSTEP, ...; its addresses at position 0 are computed once (the
+// constructor), a tile adds j * BK positions, and tiles wholly inside [lo, hi) skip the row checks.
 template <class T, int D, int BK, int S, int ROW_BYTES, bool SCALED = T::SCALED>
 struct Plane;
 
@@ -62,21 +65,31 @@ template <class T, int D, int BK, int S, int ROW_BYTES>
 struct Plane<T, D, BK, S, ROW_BYTES, false> {
     static constexpr int STAGE = BK * ROW_BYTES;
     static constexpr int BYTES = S * STAGE;  // shared memory
-    static constexpr int N = BK * (D / 8) / GQA_THREADS;  // 16-byte chunks per thread and tile
-    static_assert(BK * (D / 8) % GQA_THREADS == 0, "a tile's chunks spread evenly over the block");
-    u32 base;
+    static constexpr int PER_ROW = D / 8, RSTEP = GQA_THREADS / PER_ROW, N = BK / RSTEP;  // 16-byte chunks
+    static_assert(GQA_THREADS % PER_ROW == 0 && BK % RSTEP == 0, "a tile's chunks spread evenly over the block");
+    u32 base, dst0;                    // the stages; this thread's first chunk in a stage
+    const typename T::elem* src0;     // its first chunk at position 0
+    size_t stride;                    // elements a position
+    int r0;                           // its first row
 
-    // Keys k0 .. k0 + BK - 1 of this KV head (element head_off at position 0, kv_stride elements
-    // a position) into stage j % S; keys outside [lo, hi) read nothing and stage zeros.
-    __device__ __forceinline__ void fetch(const typename T::elem* x, const u16*, size_t head_off, size_t kv_stride, int j,
-                                          int lo, int hi, int tid) const {
-        const u32 dst = base + (u32)((j % S) * STAGE);
+    // x: the plane (element head_off at position 0 is this KV head's), kv_stride elements a position.
+    __device__ __forceinline__ Plane(u32 smem, const typename T::elem* x, const u16*, size_t head_off, size_t kv_stride, int tid)
+        : base(smem), stride(kv_stride), r0(tid / PER_ROW) {
+        const int c = tid % PER_ROW;
+        dst0 = (u32)(r0 * ROW_BYTES + 16 * c);
+        src0 = x + head_off + (size_t)r0 * kv_stride + 8 * c;
+    }
+
+    // Keys j * BK .. + BK - 1 into stage j % S; keys outside [lo, hi) read nothing and stage zeros.
+    __device__ __forceinline__ void fetch(int j, int lo, int hi) const {
+        const u32 dst = base + (u32)((j % S) * STAGE) + dst0;
+        const typename T::elem* src = src0 + (size_t)j * BK * stride;
+        const int k0 = j * BK + r0;
+        const bool inside = j * BK >= lo && j * BK + BK <= hi;
 #pragma unroll
         for (int it = 0; it < N; ++it) {
-            const int i = tid + GQA_THREADS * it, row = i / (D / 8), c = i % (D / 8);
-            const int key = j * BK + row;
-            const bool valid = key >= lo && key < hi;
-            cp_async16(dst + (u32)(row * ROW_BYTES + 16 * c), x + (valid ? head_off + (size_t)key * kv_stride + 8 * c : 0), valid);
+            const bool valid = inside || (k0 + RSTEP * it >= lo && k0 + RSTEP * it < hi);
+            cp_async16(dst + (u32)(RSTEP * it * ROW_BYTES), valid ? src + (size_t)RSTEP * it * stride : src0, valid);
         }
     }
     __device__ __forceinline__ void prepare(int, int) const {}
@@ -89,32 +102,44 @@ struct Plane<T, D, BK, S, ROW_BYTES, true> {
     static constexpr int QUANTS = BK * D;                      // bytes of a stage's quants, rows of D
     static constexpr int RAW = (QUANTS + BK * SC_ROW + 15) / 16 * 16;  // a raw stage: quants, then scales
     static constexpr int BYTES = S * RAW + BK * ROW_BYTES;     // shared memory: S raw stages, one fp16 tile
-    static constexpr int N = BK * (D / 16) / GQA_THREADS;      // 16-quant chunks per thread and tile
-    static_assert(BK * (D / 16) % GQA_THREADS == 0, "a tile's chunks spread evenly over the block");
-    u32 base;  // the raw stages; the fp16 tile follows them
+    static constexpr int PER_ROW = D / 16, RSTEP = GQA_THREADS / PER_ROW, N = BK / RSTEP;  // 16-quant chunks
+    static_assert(GQA_THREADS % PER_ROW == 0 && BK % RSTEP == 0 && BK <= GQA_THREADS, "a tile's chunks spread evenly over the block");
+    u32 base, dst0;                    // the raw stages (the fp16 tile follows them); this thread's first chunk in a stage
+    const typename T::elem* src0;     // its first chunk at position 0
+    const u16* sc0;                   // the scales of row tid (tid < BK) at position 0
+    size_t stride;
+    int r0, c;
 
-    __device__ __forceinline__ void fetch(const typename T::elem* x, const u16* xd, size_t head_off, size_t kv_stride, int j,
-                                          int lo, int hi, int tid) const {
+    __device__ __forceinline__ Plane(u32 smem, const typename T::elem* x, const u16* xd, size_t head_off, size_t kv_stride, int tid)
+        : base(smem), stride(kv_stride), r0(tid / PER_ROW), c(tid % PER_ROW) {
+        dst0 = (u32)(r0 * D + 16 * c);
+        src0 = x + head_off + (size_t)r0 * kv_stride + 16 * c;
+        sc0 = xd + (head_off + (size_t)tid * kv_stride) / QK8_0;
+    }
+
+    __device__ __forceinline__ void fetch(int j, int lo, int hi) const {
         const u32 dst = base + (u32)((j % S) * RAW);
+        const typename T::elem* src = src0 + (size_t)j * BK * stride;
+        const int k0 = j * BK + r0;
+        const bool inside = j * BK >= lo && j * BK + BK <= hi;
 #pragma unroll
         for (int it = 0; it < N; ++it) {
-            const int i = tid + GQA_THREADS * it, row = i / (D / 16), c = i % (D / 16);
-            const int key = j * BK + row;
-            const bool valid = key >= lo && key < hi;
-            cp_async16(dst + (u32)(row * D + 16 * c), x + (valid ? head_off + (size_t)key * kv_stride + 16 * c : 0), valid);
+            const bool valid = inside || (k0 + RSTEP * it >= lo && k0 + RSTEP * it < hi);
+            cp_async16(dst + dst0 + (u32)(RSTEP * it * D), valid ? src + (size_t)RSTEP * it * stride : src0, valid);
         }
-        for (int row = tid; row < BK; row += GQA_THREADS) {
-            const int key = j * BK + row;
+        const int tid = r0 * PER_ROW + c;
+        if (tid < BK) {  // row tid's scales
+            const int key = j * BK + tid;
             const bool valid = key >= lo && key < hi;
-            cp_async_small<SC_ROW>(dst + (u32)(QUANTS + row * SC_ROW), xd + (valid ? (head_off + (size_t)key * kv_stride) / QK8_0 : 0), valid);
+            cp_async_small<SC_ROW>(dst + (u32)(QUANTS + tid * SC_ROW), valid ? sc0 + (size_t)j * BK * stride / QK8_0 : sc0, valid);
         }
     }
     // Tile j's quants times their scales, rounded to fp16 (the bits of attn_mma's staging), into the fp16 tile.
-    __device__ __forceinline__ void prepare(int j, int tid) const {
+    __device__ __forceinline__ void prepare(int j, int) const {
         const u32 src = base + (u32)((j % S) * RAW), dst = base + (u32)(S * RAW);
 #pragma unroll
         for (int it = 0; it < N; ++it) {
-            const int i = tid + GQA_THREADS * it, row = i / (D / 16), c = i % (D / 16);
+            const int row = r0 + RSTEP * it;
             const uint4 q = ld_shared16(src + (u32)(row * D + 16 * c));
             const u32 d = ld_shared_u16(src + (u32)(QUANTS + row * SC_ROW + 2 * (c / 2)));
             u32 h[8];
@@ -140,7 +165,7 @@ struct Plane<T, D, BK, S, ROW_BYTES, true> {
 // of BK. scale, window, softcap, fresh_*, *_store, q_norm, k_norm, inv_freq, rope_dim, neox, eps,
 // mscale: as attn_kv.
 template <int D, int BK, int S, class KT, class VT>
-__global__ void __launch_bounds__(GQA_THREADS, D <= 128 ? 2 : 1)
+__global__ void __launch_bounds__(GQA_THREADS, D > 128 ? 1 : S == 2 ? 3 : 2)  // S = 2: three blocks fit in shared memory
 attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
          const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d,
          float* __restrict__ out, float* __restrict__ part, int* __restrict__ ticket, const int* __restrict__ pos,
@@ -171,7 +196,12 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     u16* kdcur = reinterpret_cast<u16*>(vcur) + D;  // (D / 32,) their q8_0 scales (q8_0 planes only)
     u16* vdcur = kdcur + D / QK8_0;
     pdl_trigger();
-    pdl_wait();
+    // With the token's q, k, v fused in, the kernel before (the q/k/v product) writes nothing this
+    // block reads until the query rows: the cache rows below p are older, row p is this
+    // kernel's own, pos is the step's. So the first tiles' loads are issued before waiting for
+    // it (programmatic dependent launch), and overlap its tail. Without them, q and cache row p
+    // come from the kernels before: wait first.
+    if (fresh_q == nullptr) pdl_wait();
 
     const int hk = blockIdx.x, s = blockIdx.y, n_split = gridDim.y;
     const int G = n_head / n_head_kv;
@@ -185,18 +215,19 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     const size_t kv_stride = (size_t)n_head_kv * D;
     const size_t head_off = (size_t)hk * D;
     const u32 qs_base = smem_u32(Qs);
-    const KPlane kp{smem_u32(planes)};
-    const VPlane vp{smem_u32(planes + KPlane::BYTES)};
+    const KPlane kp(smem_u32(planes), k_cache, k_d, head_off, kv_stride, tid);
+    const VPlane vp(smem_u32(planes + KPlane::BYTES), v_cache, v_d, head_off, kv_stride, tid);
     const int j_begin = begin / BK, n_tiles = (end + BK - 1) / BK;
     auto fetch = [&](int j) {  // tile j into its stages, as one cp.async group (empty past the last tile)
         if (j < n_tiles) {
-            kp.fetch(k_cache, k_d, head_off, kv_stride, j, begin, end, tid);
-            vp.fetch(v_cache, v_d, head_off, kv_stride, j, begin, end, tid);
+            kp.fetch(j, begin, end);
+            vp.fetch(j, begin, end);
         }
         cp_async_commit();
     };
 #pragma unroll
     for (int u = 0; u < S - 1; ++u) fetch(j_begin + u);
+    if (fresh_q != nullptr) pdl_wait();
 
     // the group's query rows, rotated here (fresh) or read, times log2(e) * scale, as fp16
     const float qscale = scale * 1.4426950408889634f;
@@ -311,13 +342,14 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
                 }
         }
         // online softmax: rows g (e = 0, 1) and g + 8 (e = 2, 3); a row's 4 lanes reduce by shuffles
+        float corr[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float mx = fmaxf(m[r], fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]), fmaxf(sc[1][2 * r], sc[1][2 * r + 1])));
             mx = fmaxf(mx, __shfl_xor_sync(k4ops::FULL_MASK, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(k4ops::FULL_MASK, mx, 2));
             const float base = mx == -k4ops::inf_f32() ? 0.f : mx;  // no key yet: keep exp2 finite
-            const float corr = exp2f(m[r] - base);
+            corr[r] = exp2f(m[r] - base);
             m[r] = mx;
             float rs = 0.f;
 #pragma unroll
@@ -326,11 +358,16 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
                 sc[c][2 * r + 1] = exp2f(sc[c][2 * r + 1] - base);
                 rs += sc[c][2 * r] + sc[c][2 * r + 1];
             }
-            l[r] = l[r] * corr + rs;
+            l[r] = l[r] * corr[r] + rs;
+        }
+        // rescale O only when some row's max moved (deep in a sequence it seldom does)
+        if (__any_sync(k4ops::FULL_MASK, corr[0] != 1.f || corr[1] != 1.f)) {
 #pragma unroll
             for (int c = 0; c < NOC; ++c) {
-                o[c][2 * r] *= corr;
-                o[c][2 * r + 1] *= corr;
+                o[c][0] *= corr[0];
+                o[c][1] *= corr[0];
+                o[c][2] *= corr[1];
+                o[c][3] *= corr[1];
             }
         }
         // O += P V over the warp's 16 keys

@@ -84,7 +84,9 @@ __device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float((u3
 // ---- programmatic dependent launch (sm_90; both are no-ops in a kernel launched without it) ----
 // pdl_trigger: the next kernel in the stream may begin launching. pdl_wait: block until the
 // previous kernel has completed and its writes are visible. Before pdl_wait a kernel may read
-// only what no earlier kernel writes (weights). See runtime/cuda/launch.py.
+// only what no earlier kernel of the chain writes: weights, and (attention_gqa.cu) the KV cache
+// rows and the position that earlier steps wrote, each step's graph launching after the step
+// before has completed. See runtime/cuda/launch.py.
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
