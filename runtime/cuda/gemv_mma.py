@@ -9,9 +9,9 @@ weight is the float epilogue of each scale group (docs/PERF.md). x is quantized 
 32 values as gemv quantizes it; the sums run in another order than gemv's, so results agree
 with gemv to float rounding, not bit for bit (tests/test_cuda_gemv_mma.py states the limits).
 
-matmul.matmul (through gemv_batch.gemv_rows) and forward.py's gate/up path use it for 2 to
-MMA8_TOKENS tokens when the weight's mma8 option is on (flag K4_MMA8) and uses_mma8 says the
-product fits. Like matmul.py's entry points: validates on the host (ValueError: programming
+matmul.matmul (through gemv_batch.gemv_rows) and forward.py's gate/up path use it for
+GEMV_MAX_TOKENS + 1 to MMA8_TOKENS tokens when the weight's mma8 option is on (flag K4_MMA8,
+off by default) and uses_mma8 says the product fits. Like matmul.py's entry points: validates on the host (ValueError: programming
 errors of the caller), allocates nothing, never synchronizes, can be captured in a CUDA graph.
 """
 

@@ -205,7 +205,7 @@ def _defines(evict_first: bool) -> tuple[str, ...]:
     return () if evict_first else ("K4_EVICT_FIRST=0",)
 
 
-def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str = "silu", mma8: bool = True) -> list:
+def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str = "silu", mma8: bool = False) -> list:
     """compile.module() arguments for the matrix kernels of weights of `types` (ggml types with
     CUDA kernels; others are skipped): their gemv, gemv_batch (quantized types), gemv_mma
     (MMA8_DECODERS) and dequantization instances, and matmul.cu's conversions; with activation "gelu_tanh"
