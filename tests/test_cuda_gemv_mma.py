@@ -265,7 +265,8 @@ def test_uses_mma8_for_5_to_8_tokens_of_q4_k_and_q6_k_that_fit():
 def test_flag_k4_mma8_reaches_the_weight_options():
     from k4.runtime.cuda.sizing import options
 
-    assert options(Flags({}))[0].matrix.mma8 is True
+    assert options(Flags({}))[0].matrix.mma8 is False  # off by default (runtime/flags.py)
+    assert options(Flags({"K4_MMA8": "1"}))[0].matrix.mma8 is True
     assert options(Flags({"K4_MMA8": "0"}))[0].matrix.mma8 is False
 
 
