@@ -96,17 +96,9 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
         if (cur >= 0 && warp == 2) VT::store_row(fresh_v + head_off, D, vcur, vdcur, 0, lane);
         __syncthreads();
         for (int i = tid; i < D; i += ATT_THREADS) qs[i] *= scale;
-        if (cur >= 0 && h % (n_head / n_head_kv) == 0) {
-            const size_t row = (size_t)p * kv_stride + head_off;
-            for (int i = tid; i < D; i += ATT_THREADS) {
-                k_store[row + i] = kcur[i];
-                v_store[row + i] = vcur[i];
-            }
-            for (int i = tid; i < D / QK8_0; i += ATT_THREADS) {
-                if constexpr (KT::SCALED) kd_store[row / QK8_0 + i] = kdcur[i];
-                if constexpr (VT::SCALED) vd_store[row / QK8_0 + i] = vdcur[i];
-            }
-        }
+        if (cur >= 0 && h % (n_head / n_head_kv) == 0)
+            store_fresh_row<KT, VT>(k_store, kd_store, v_store, vd_store, (size_t)p * kv_stride + head_off, kcur, kdcur, vcur, vdcur, D,
+                                    tid, ATT_THREADS);
     } else {
         const float* qh = q + ((size_t)t * n_head + h) * D;
         for (int i = tid; i < D; i += ATT_THREADS) qs[i] = qh[i] * scale;

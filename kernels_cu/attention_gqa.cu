@@ -255,17 +255,9 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     }
     if (holds_p && warp == 1) VT::store_row(fresh_v + head_off, D, vcur, vdcur, 0, lane);
     __syncthreads();
-    if (holds_p) {  // cache row p: read by no block of this launch
-        const size_t row = (size_t)p * kv_stride + head_off;
-        for (int i = tid; i < D; i += GQA_THREADS) {
-            k_store[row + i] = kcur[i];
-            v_store[row + i] = vcur[i];
-        }
-        for (int i = tid; i < D / QK8_0; i += GQA_THREADS) {
-            if constexpr (KT::SCALED) kd_store[row / QK8_0 + i] = kdcur[i];
-            if constexpr (VT::SCALED) vd_store[row / QK8_0 + i] = vdcur[i];
-        }
-    }
+    if (holds_p)  // cache row p: read by no block of this launch
+        store_fresh_row<KT, VT>(k_store, kd_store, v_store, vd_store, (size_t)p * kv_stride + head_off, kcur, kdcur, vcur, vdcur, D,
+                                tid, GQA_THREADS);
 
     u32 qf[QREG ? NKC : 1][4];  // A fragments of Q (D <= 128)
     if constexpr (QREG) {
@@ -275,15 +267,7 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     }
 
     float o[NOC][4], m[2], l[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        m[r] = -k4ops::inf_f32();
-        l[r] = 0.f;
-    }
-#pragma unroll
-    for (int c = 0; c < NOC; ++c)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[c][e] = 0.f;
+    softmax_state_init(o, m, l);
     const float cap2 = softcap * 1.4426950408889634f;  // the cap in log2 units
     const int kw = 16 * warp;  // the warp's first key in a tile
 

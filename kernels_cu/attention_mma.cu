@@ -115,15 +115,7 @@ attn_mma(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     }
 
     float o[NOC][4], m[2], l[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        m[r] = -k4ops::inf_f32();
-        l[r] = 0.f;
-    }
-#pragma unroll
-    for (int c = 0; c < NOC; ++c)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[c][e] = 0.f;
+    softmax_state_init(o, m, l);
     const int row_pos = pos0 + q0 + wrow;  // position of the warp's first query
 
     const float cap2 = softcap * 1.4426950408889634f;  // the cap in log2 units

@@ -121,3 +121,21 @@ struct kv_q8_0 {
         }
     }
 };
+
+// The decode token's key and value, in the cache's form in shared memory (kcur and vcur, D values;
+// kdcur and vdcur, their q8_0 scales), to the element `row` (its head's first value at its
+// position) of the planes k, kd, v, vd: attention's fused store (attention.cu, attention_gqa.cu).
+// Threads tid, tid + n_threads, ... of the block share it.
+template <class KT, class VT>
+__device__ __forceinline__ void store_fresh_row(typename KT::elem* k, u16* kd, typename VT::elem* v, u16* vd, size_t row,
+                                                const typename KT::elem* kcur, const u16* kdcur,
+                                                const typename VT::elem* vcur, const u16* vdcur, int D, int tid, int n_threads) {
+    for (int i = tid; i < D; i += n_threads) {
+        k[row + i] = kcur[i];
+        v[row + i] = vcur[i];
+    }
+    for (int i = tid; i < D / QK8_0; i += n_threads) {
+        if constexpr (KT::SCALED) kd[row / QK8_0 + i] = kdcur[i];
+        if constexpr (VT::SCALED) vd[row / QK8_0 + i] = vdcur[i];
+    }
+}

@@ -91,6 +91,21 @@ __device__ __forceinline__ void stage8(u32 dst, const typename T::elem* x, const
     }
 }
 
+// The online softmax state of a warp's 16 rows (FlashAttention-2): O (NOC 8-column chunks in the
+// accumulator layout) zero, the running max of rows g and g + 8 -inf, their partial sums 0.
+template <int NOC>
+__device__ __forceinline__ void softmax_state_init(float (&o)[NOC][4], float (&m)[2], float (&l)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        m[r] = -k4ops::inf_f32();
+        l[r] = 0.f;
+    }
+#pragma unroll
+    for (int c = 0; c < NOC; ++c)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[c][e] = 0.f;
+}
+
 // stage8 of values e .. e + 7 from any address (global or shared), synchronously.
 template <class T>
 __device__ __forceinline__ void stage8_now(u32 dst, const typename T::elem* x, const u16* d, size_t e) {

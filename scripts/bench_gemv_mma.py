@@ -22,11 +22,7 @@ import argparse
 from k4.runtime.cuda.microbench import bench_gemv_batch
 from k4.runtime.cuda.quant_kernels import BATCH_TOKENS
 
-# (name, n_out, n_in, gate/up interleaved, products per forward pass): Llama 2 7B, 32 layers
-SHAPES = (("q/k/v 12288x4096", 12288, 4096, False, 32), ("wo 4096x4096", 4096, 4096, False, 32),
-          ("gate/up 22016x4096 glu", 22016, 4096, True, 32), ("down 4096x11008", 4096, 11008, False, 32),
-          ("output 32000x4096", 32000, 4096, False, 1))
-TYPES = ("Q4_K", "Q6_K")
+from bench_gemv_batch import SHAPES, TYPES  # scripts/bench_gemv_batch.py: the same Llama 2 7B products
 
 
 def main() -> None:
