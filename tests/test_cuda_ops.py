@@ -192,9 +192,10 @@ def test_attention_split_covers_context():
 
     for max_split in (1, 28, 64, 500):
         for n_ctx in (1, 255, 256, 257, 4096, 16385, 131072):
-            n_split, split_len = attention_split(n_ctx, True, max_split)
-            assert split_len % ATT_SPLIT_KEYS == 0
-            assert n_split * split_len >= n_ctx > (n_split - 1) * split_len and n_split <= min(max_split, 64)
+            for keys in (ATT_SPLIT_KEYS, 64):  # attn_kv's granularity, attn_gqa's tile
+                n_split, split_len = attention_split(n_ctx, True, max_split, keys)
+                assert split_len % keys == 0
+                assert n_split * split_len >= n_ctx > (n_split - 1) * split_len and n_split <= min(max_split, 64)
     assert attention_split(4096, False) == (1, 4096)
     assert attention_split(16448, True, 28) == (28, 608) and attention_split(1100, True, 28) == (18, 64)
 
