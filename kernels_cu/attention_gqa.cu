@@ -12,13 +12,14 @@
 // time on the scalar dot products and their shuffles, not on the bytes (docs/PERF.md, session 8).
 //
 // Split over the sequence like attn_kv (flash-decoding, Dao et al. 2023): block (hk, s) takes the
-// keys of split s (split_len, a multiple of BK) in tiles of BK keys, S tiles in flight in shared
-// memory (cp.async groups; S - 1 land while one is used: one tile in flight per block left the
-// loads waiting on the memory's latency, not its bandwidth). fp16 planes are copied into S fp16
-// stages; q8_0 planes' quants and scales into S raw stages, and the tile about to be used is
-// dequantized (q * d rounded to fp16, as attn_mma's staging) into one fp16 tile. Rows outside the split's
-// visible range [begin, end) are zero-filled, so the cache's garbage never reaches an mma, and
-// masked to -inf in S.
+// keys of split s (split_len, a multiple of BK) in tiles of BK keys, S stages in shared memory
+// (cp.async groups: S - 1 tiles land while one is used; kernel_names.gqa_stages, with its
+// measurements). fp16 planes are copied into S fp16 stages; q8_0 planes' quants and scales into
+// S raw stages, and the tile about to be used is dequantized (q * d rounded to fp16, the bits of
+// attn_mma's staging) into one fp16 tile. Rows outside the split's visible range [begin, end)
+// are zero-filled, so the cache's garbage never reaches an mma, and masked to -inf in S. With
+// the token fused in, the first tiles' loads are issued before the programmatic-dependent-launch
+// wait (see there).
 // Within the block, warp w takes keys 16w .. 16w + 15 of every tile with its own online softmax
 // (FlashAttention-2's: S = Q K^T with Q pre-scaled by log2(e) * scale, so S is in log2 units;
 // exp2; P rounded to fp16 as the A operand of O += P V); at the end the warps' (m, l, O) are
@@ -30,8 +31,8 @@
 // writes k and v in the cache's form to cache row p (no other block reads that row) and puts
 // them, as the tile staging would have, into the row of p in its last tile.
 // Grid: (n_head_kv, n_split); block: GQA_THREADS = 32 * GQA_WARPS; dynamic shared memory
-// gqa_smem(D, BK, S, KT::SCALED, VT::SCALED) (attention_sizes.cuh). Requires BK == 16 * GQA_WARPS, D % 16 == 0, D % 32 == 0
-// for a q8_0 plane, one query (decode).
+// gqa_smem(D, BK, S, KT::SCALED, VT::SCALED) (attention_sizes.cuh). Requires BK == 16 *
+// GQA_WARPS, D % 16 == 0, D % 32 == 0 for a q8_0 plane, one query (decode).
 // Thread mapping: lane = 4g + t holds, per 8-column chunk of S or O, rows g and g + 8 and columns
 // 2t, 2t + 1 (the mma accumulator layout); tile loads: thread tid copies 16-byte chunks tid,
 // tid + GQA_THREADS, ... of the tile, row-major (a row is D / 8 fp16 chunks or D / 16 q8_0 ones).
