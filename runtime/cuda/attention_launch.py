@@ -20,7 +20,7 @@ from .constants import ATT_MAX_SPLIT, ATT_THREADS, GQA_THREADS, MMA_BQ, MMA_THRE
 from .constants import mma_smem as _mma_smem
 from .kernel_names import FILE_OF, GQA_TILE_KEYS, MMA_TILE_KEYS, TILED_HEAD_DIMS, gqa_name, gqa_stages, kv_args
 from .kv_cache import NO_SCALES, cache_types, planes as _planes
-from .launch import blocks_per_sm, device_limits
+from .launch import allow_shared, blocks_per_sm, device_limits
 from .op_args import NULL, PLAIN, AttnShape, FreshKV, check_f32, row_stride
 
 ATT_SPLIT_KEYS = 32  # attn_kv's decode splits are multiples of this many keys (one round of the kernel)
@@ -108,8 +108,7 @@ class AttentionLaunchers:
         kernel = self.function(FILE_OF[name], name)
         if name.startswith("attn_gqa"):
             smem = _gqa_smem(head_dim, self.kv)
-            if kernel.max_dynamic_shared_size_bytes < smem:
-                kernel.max_dynamic_shared_size_bytes = smem
+            allow_shared(kernel, smem)
             blocks = device_limits()[0] * blocks_per_sm(kernel, GQA_THREADS, smem)
             return max(1, blocks // n_head_kv), GQA_TILE_KEYS[head_dim]
         blocks = device_limits()[0] * blocks_per_sm(kernel, ATT_THREADS, att_smem(head_dim))
@@ -162,9 +161,7 @@ class AttentionLaunchers:
         n_head_kv = planes[0].shape[1]
         mma = name.startswith("attn_mma")
         smem = mma_smem(D) if mma else tiled_smem(D)
-        kernel = self.function(FILE_OF[name], name)
-        if kernel.max_dynamic_shared_size_bytes < smem:
-            kernel.max_dynamic_shared_size_bytes = smem
+        allow_shared(self.function(FILE_OF[name], name), smem)
         rows, threads = (MMA_BQ, MMA_THREADS) if mma else (TILE_Q, TILE_THREADS)
         self._launch(FILE_OF[name], name, (n_head, -(-n_tok // rows)), (threads,),
                      (q, *planes, out, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv),
@@ -200,9 +197,7 @@ class AttentionLaunchers:
         if gqa:
             assert n_tok == 1
             smem = _gqa_smem(D, types)
-            kernel = self.function(FILE_OF[name], name)
-            if kernel.max_dynamic_shared_size_bytes < smem:
-                kernel.max_dynamic_shared_size_bytes = smem
+            allow_shared(self.function(FILE_OF[name], name), smem)
             self._launch(FILE_OF[name], name, (n_head_kv, n_split), (GQA_THREADS,),
                          (*head, np.int32(n_head), np.int32(n_head_kv), np.int32(split_len), *shape.kernel_args(D), *rope),
                          shared_mem=smem)

@@ -28,7 +28,7 @@ from k4.runtime.trace import Trace
 from .batch_args import check_products, check_rows
 from .constants import q8x_bytes
 from .gemv_mma import gemv_mma, uses_mma8
-from .launch import blocks_per_sm, capturing, device_limits, launch, null_or
+from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
 from .quant_kernels import BATCH_TOKENS, BATCH_VARIANT, QUANT, _gemv_batch_name, _kernel
 
 if TYPE_CHECKING:
@@ -85,8 +85,7 @@ def _batch_plan(w: DeviceWeight, n_tok: int, variant: tuple[int, int, int, int] 
     warps, _, _, rows = variant or BATCH_VARIANT[w.ggml_type]
     kernel = _kernel("gemv_batch.cu", _gemv_batch_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act), w.evict_first)
     smem = n_tok * q8x_bytes(n_in)
-    if smem > 48 << 10 and kernel.max_dynamic_shared_size_bytes < smem:  # never lowered: other weights share the kernel
-        kernel.max_dynamic_shared_size_bytes = smem
+    allow_shared(kernel, smem)
     grid = min(device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem), -(-n_out // rows))
     plan = (kernel, (grid,), (32 * warps,), smem)
     w._plans[key] = plan

@@ -25,7 +25,7 @@ from k4.runtime.trace import Trace
 
 from .batch_args import check_products
 from .constants import MMA8_TOKENS, mma8_smem, q8x_bytes
-from .launch import blocks_per_sm, capturing, device_limits, launch, null_or
+from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
 from .quant_kernels import GEMV_MAX_TOKENS, MMA8_DECODERS, MMA8_VARIANT, QUANT, _gemv_mma_name, _kernel
 
 if TYPE_CHECKING:
@@ -59,8 +59,7 @@ def _mma_plan(w: DeviceWeight, variant: tuple[int, int] | None):
     warps, ks = variant or MMA8_VARIANT
     kernel = _kernel("gemv_mma.cu", _gemv_mma_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act), w.evict_first)
     smem = mma8_smem(w.shape[1], warps)
-    if smem > 48 << 10 and kernel.max_dynamic_shared_size_bytes < smem:  # never lowered: other weights share the kernel
-        kernel.max_dynamic_shared_size_bytes = smem
+    allow_shared(kernel, smem)
     steps = -(-w.shape[0] // (16 * (warps // ks)))  # weight rows: a glu weight's gate and up rows alike
     grid = min(device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem), steps)
     plan = (kernel, (grid,), (32 * warps,), smem)

@@ -153,6 +153,14 @@ def blocks_per_sm(kernel, threads: int, smem: int) -> int:
     return max(1, min(2048 // threads, 65536 // (regs * threads), (228 << 10) // (smem + (1 << 10))))
 
 
+def allow_shared(kernel, smem: int) -> None:
+    """Let kernel launch with smem bytes of dynamic shared memory: its limit raised past the
+    default 48 KB where smem needs it, never lowered (weights and layers of other sizes share a
+    compiled kernel, and a lower limit would fail their launches)."""
+    if smem > 48 << 10 and kernel.max_dynamic_shared_size_bytes < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+
+
 def null_or(a):
     """A kernel's pointer argument: the array a, or a null pointer for None."""
     return np.uint64(0) if a is None else a

@@ -49,7 +49,7 @@ from k4.runtime.trace import Trace
 from .constants import q8x_bytes
 from .gemv_batch import gemv_rows
 from .gemv_mma import uses_mma8
-from .launch import blocks_per_sm, capturing, device_limits, launch, null_or
+from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
 from .layout import MatrixSpec, _check_matrix, layout_nbytes
 from .q8_handoff import Q8Vector, check_q8
 from .quant_kernels import (DEQUANT_CHUNK_BYTES, FLOAT, FLOAT_GEMV, GEMV_MAX_TOKENS, GLU_ACTS, QUANT, _dequant_name,
@@ -172,8 +172,7 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         warps = FLOAT_GEMV[0]
         kernel = _kernel("gemv.cu", _gemv_f_name(w.ggml_type, (n_in * FLOAT[w.ggml_type][1]) % 16 == 0, w.glu, w.glu_act))
         smem = 4 * n_in if norm else 0
-    if smem > 48 << 10:
-        kernel.max_dynamic_shared_size_bytes = smem
+    allow_shared(kernel, smem)
     grid = min(device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem), n_out)
     plan = (kernel, (grid,), (32 * warps,), smem)
     w._plans[(variant, norm)] = plan

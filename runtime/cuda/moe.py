@@ -222,14 +222,13 @@ def _q8_plan(o, e: Experts, n_slots: int, glu: bool) -> tuple[str, tuple[int, in
     GPU), at most one per WARPS rows, at least one; grid.y is the slots up to CUDA's limit."""
     plan = e._grids.get((n_slots, glu))
     if plan is None:
-        from .launch import blocks_per_sm, device_limits
+        from .launch import allow_shared, blocks_per_sm, device_limits
 
         _, n_out, n_in = e.shape
         decoder = QUANT[e.ggml_type].decoder
         name, warps = moe_q8_name(decoder, glu), (MOE_Q8_GLU_VARIANTS if glu else MOE_Q8_VARIANTS)[decoder][0]
         kernel, smem = o.function("moe_gemv.cu", name), q8x_bytes(n_in)
-        if smem > 48 << 10:
-            kernel.max_dynamic_shared_size_bytes = smem
+        allow_shared(kernel, smem)
         resident = device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem)
         row_blocks = max(1, min(-(-n_out // warps), resident // n_slots))
         plan = e._grids[(n_slots, glu)] = (name, (row_blocks, min(n_slots, MAX_GRID_Y)), (32 * warps,), smem)
