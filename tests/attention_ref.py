@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from k4.runtime.cuda.kernel_names import GQA_TILE_KEYS
+
 # attn_mma rounds the pre-scaled queries and the probabilities to fp16 (unit roundoff 2^-11 =
 # 4.9e-4) and accumulates in f32; emulating exactly those two roundings in float64 gives rel L2
 # errors of 3e-4 to 4e-4 on test_cuda_ops's cases, so 2e-3 leaves 5x margin and still catches any
@@ -61,7 +63,9 @@ def attention_reference(q, kc, vc, pos0):
 # queries run each prefill kernel (mma, tiled, neither).
 DECODE_KERNELS = [(False, True, True), (False, True, True), (False, True, False)]
 PREFILL_KERNELS = [(True, True, True), (False, True, True), (False, False, True)]
-SPLIT_KEYS = 64  # a split length both decode kernels take: a multiple of attn_kv's 32 and attn_gqa's tile
+# a split length both decode kernels take: attn_gqa's tile, a multiple of attn_kv's ATT_SPLIT_KEYS
+# (checked in check_attention_kernels; attention_launch needs CuPy, kernel_names does not)
+SPLIT_KEYS = max(GQA_TILE_KEYS.values())
 
 
 def tensor_cores(ops, n_tok: int, D: int, group: int) -> bool:
@@ -81,8 +85,9 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
     with the `ops` fixture's kernel choice (mma, tiled and gqa on), whatever failed."""
     import cupy as cp
 
-    from k4.runtime.cuda.attention_launch import attention_split
+    from k4.runtime.cuda.attention_launch import ATT_SPLIT_KEYS, attention_split
 
+    assert SPLIT_KEYS % ATT_SPLIT_KEYS == 0 and all(SPLIT_KEYS % bk == 0 for bk in GQA_TILE_KEYS.values())
     n_tok, n_head, D = q.shape
     group = n_head // kc.shape[1]
     n_split, split_len = attention_split(n_ctx, split, keys=SPLIT_KEYS)

@@ -189,10 +189,11 @@ def test_attention_with_fused_rope_equals_rope_then_attention(ops, rng, arch, n_
 
 def test_attention_split_covers_context():
     from k4.runtime.cuda.attention_launch import ATT_SPLIT_KEYS, attention_split
+    from k4.runtime.cuda.kernel_names import GQA_TILE_KEYS
 
     for max_split in (1, 28, 64, 500):
         for n_ctx in (1, 255, 256, 257, 4096, 16385, 131072):
-            for keys in (ATT_SPLIT_KEYS, 64):  # attn_kv's granularity, attn_gqa's tile
+            for keys in (ATT_SPLIT_KEYS, *GQA_TILE_KEYS.values()):  # attn_kv's granularity, attn_gqa's tiles
                 n_split, split_len = attention_split(n_ctx, True, max_split, keys)
                 assert split_len % keys == 0
                 assert n_split * split_len >= n_ctx > (n_split - 1) * split_len and n_split <= min(max_split, 64)
