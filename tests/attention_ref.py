@@ -82,7 +82,8 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
     SPLIT_KEYS multiples) through attn_gqa twice (so the split tickets must reset) where the
     shape has an instance, then attn_kv. Relative L2 limits: MMA_ATTN_REL_L2 for the tensor-core
     kernels, ATTN_REL_L2 otherwise. options: ops.attention's keywords (scales, shape). Leaves ops
-    with the `ops` fixture's kernel choice (mma, tiled and gqa on), whatever failed."""
+    with the `ops` fixture's kernel choice (mma, tiled and gqa on), whatever failed. attn_gqa runs
+    for every group it takes (2 and up), below the selector's gqa_min_group too."""
     import cupy as cp
 
     from k4.runtime.cuda.attention_launch import ATT_SPLIT_KEYS, attention_split
@@ -93,6 +94,7 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
     n_split, split_len = attention_split(n_ctx, split, keys=SPLIT_KEYS)
     part = cp.empty((n_tok, n_head, n_split, D + 2), cp.float32) if n_split > 1 else None
     ticket = cp.zeros(n_tok * n_head, cp.int32)
+    min_group, ops.gqa_min_group = ops.gqa_min_group, 2
     try:
         for mma, tiled, gqa in PREFILL_KERNELS if n_tok > 1 else DECODE_KERNELS:
             ops.mma, ops.tiled, ops.gqa = mma, tiled, gqa
@@ -103,4 +105,4 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
             assert rel_l2(out.get(), want) < limit, f"mma={mma} tiled={tiled} gqa={gqa}"
             assert not ticket.any()  # every split's ticket reset, the skipped ones included
     finally:
-        ops.mma, ops.tiled, ops.gqa = True, True, True
+        ops.mma, ops.tiled, ops.gqa, ops.gqa_min_group = True, True, True, min_group

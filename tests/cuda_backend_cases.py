@@ -82,7 +82,8 @@ ARCH_CASES = {
     "llama-q4_k": ("llama", T.Q4_K, K_CFG),
     "qwen3-q5_k": ("qwen3", T.Q5_K, K_CFG),
     "llama-q6_k-tied": ("llama", T.Q6_K, {**K_CFG, "tied_embeddings": True}),
-    "qwen2-q8_0-hd64": ("qwen2", T.Q8_0, {"n_embd": 128, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "rope_dim": 64}),
+    # 4 query heads per KV head: decode attention on attn_gqa (attention_launch.GQA_MIN_GROUP)
+    "qwen2-q8_0-hd64": ("qwen2", T.Q8_0, {"n_embd": 128, "n_head": 8, "n_head_kv": 2, "head_dim": 64, "rope_dim": 64}),
     # Q2_K, Q3_K, IQ4_XS, IQ4_NL: random valid blocks (tests/quant_blocks.py); Q4_0 from gguf's quantizer
     "llama-q2_k": ("llama", T.Q2_K, K_CFG),
     "qwen3-q3_k": ("qwen3", T.Q3_K, K_CFG),

@@ -100,7 +100,8 @@ def test_stacked_rows_multiply_as_one_matrix():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("type_name,variant", [(t, v) for t, vs in qk.EXTRA_GEMV_VARIANTS.items() for v in vs])
+@pytest.mark.parametrize("type_name,variant", [(t, v) for t, vs in qk.EXTRA_GEMV_VARIANTS.items() for v in vs]
+                         + list(qk.ROW_BLOCKS_VARIANT.items()))
 def test_gemv_variants_match_numpy(type_name, variant):
     import cupy as cp
 

@@ -365,3 +365,20 @@ def test_same_seed_same_token(ops, rng):
     again = [s.draw(logits, params, [], step)[0] for step in range(20)]
     assert first == again
     assert len(set(first)) > 5  # draws do move with the step
+
+
+@pytest.mark.cuda
+def test_decode_attention_selector_keeps_small_groups_on_attn_kv(ops):
+    """attn_gqa serves a decode query from GQA_MIN_GROUP query heads per KV head (measured: two
+    heads per KV head run faster on attn_kv); below that only when the policy is lowered."""
+    from k4.runtime.cuda.attention_launch import GQA_MIN_GROUP
+
+    assert ops.attention_kernel(1, 128, group=GQA_MIN_GROUP - 1).startswith("attn_kv")
+    assert ops.attention_kernel(1, 128, group=GQA_MIN_GROUP).startswith("attn_gqa")
+    assert ops.attention_kernel(1, 128, group=16).startswith("attn_gqa")
+    assert ops.attention_kernel(1, 128, group=1).startswith("attn_kv")
+    min_group, ops.gqa_min_group = ops.gqa_min_group, 2
+    try:
+        assert ops.attention_kernel(1, 256, group=2).startswith("attn_gqa")
+    finally:
+        ops.gqa_min_group = min_group

@@ -26,6 +26,13 @@ from .op_args import NULL, PLAIN, AttnShape, FreshKV, check_f32, row_stride
 ATT_SPLIT_KEYS = 32  # attn_kv's decode splits are multiples of this many keys (one round of the kernel)
 MAX_HEAD_DIM = 8 * ATT_THREADS
 MAX_GROUP = 16  # attn_gqa: query heads per KV head, the rows of one mma tile
+# The fewest query heads per KV head that decode on attn_gqa by default (Ops.gqa_min_group; the
+# kernel takes 2 and up). Measured on the H200 (synthetic Q4_K_M, tg64 at depth 0 / 4,096 / 16,384,
+# t/s, attn_gqa against attn_kv): Gemma 3 12B (2 query heads per KV head, head_dim 256) 254.2 /
+# 223.7 / 183.7 against 277.2 / 241.6 / 188.1; Phi-4 (4 per KV head, head_dim 128) 250.9 / 234.8 /
+# 202.9 against 253.8 / 209.1 / 167.8. Two query heads fill 2 of the tile's 16 rows: attn_kv's
+# second read of each key, from L2, costs less than the tile's work.
+GQA_MIN_GROUP = 4
 
 
 def mma_smem(D: int) -> int:
@@ -82,21 +89,24 @@ def _gqa_smem(D: int, kv: KVTypes) -> int:
 class AttentionLaunchers:
     """The attention part of ops.Ops. Switches (Ops attributes): `mma` (K4_MMA_ATTN: prefill on
     attn_mma), `tiled` (K4_TILED_ATTN: else attn_tiled), `gqa` (K4_GQA_MMA: decode of a
-    grouped-query model on attn_gqa), `kv` (the cache types the kernels are listed for)."""
+    grouped-query model of at least `gqa_min_group` query heads per KV head on attn_gqa), `kv`
+    (the cache types the kernels are listed for)."""
+
+    gqa_min_group = GQA_MIN_GROUP
 
     def attention_kernel(self, n_tok: int, D: int, kv: KVTypes | None = None, group: int = 1) -> str:
         """The attention kernel for n_tok queries of head_dim D over a cache of types kv (default
         self.kv), group query heads per KV head (the selector): several queries run attn_mma
         (tensor cores) with `mma`, else attn_tiled with `tiled`, where D has an instance; one
-        query of a grouped-query model (2 <= group <= MAX_GROUP) runs attn_gqa with `gqa` where
-        D has an instance; the rest runs attn_kv."""
+        query of a grouped-query model (gqa_min_group <= group <= MAX_GROUP) runs attn_gqa with
+        `gqa` where D has an instance; the rest runs attn_kv."""
         kv = kv or self.kv
         types = kv_args(kv.k, kv.v)
         if n_tok > 1 and self.mma and D in MMA_TILE_KEYS:
             return f"attn_mma<{D}, {MMA_TILE_KEYS[D]}, {types}>"
         if n_tok > 1 and self.tiled and D in TILED_HEAD_DIMS:
             return f"attn_tiled<{D}, {types}>"
-        if n_tok == 1 and self.gqa and 2 <= group <= MAX_GROUP and D in GQA_TILE_KEYS:
+        if n_tok == 1 and self.gqa and max(2, self.gqa_min_group) <= group <= MAX_GROUP and D in GQA_TILE_KEYS:
             return gqa_name(D, kv.k, kv.v)
         return f"attn_kv<{types}>"
 

@@ -53,7 +53,7 @@ from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launc
 from .layout import MatrixSpec, _check_matrix, layout_nbytes
 from .q8_handoff import Q8Vector, check_q8
 from .quant_kernels import (DEQUANT_CHUNK_BYTES, FLOAT, FLOAT_GEMV, GEMV_MAX_TOKENS, GLU_ACTS, QUANT, _dequant_name,
-                            _gemv_f_name, _gemv_q8_name, _kernel)
+                            _gemv_f_name, _gemv_q8_name, _kernel, gemv_variant)
 
 
 # ---- device weights ----------------------------------------------------------------------------
@@ -161,7 +161,7 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         n_out //= 2
     if w.ggml_type in QUANT:
         q = QUANT[w.ggml_type]
-        variant = variant or (q.glu if w.glu else q.gemv)
+        variant = variant or gemv_variant(w.ggml_type, n_in, w.glu)
         warps = variant[0]
         kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act), w.evict_first)
         smem = q8x_bytes(n_in)

@@ -13,6 +13,7 @@ from functools import cache
 
 from gguf import GGMLQuantizationType as T
 
+from ..kquants import QK_K
 from .compile import module
 from .constants import QUANT_LAYOUTS
 
@@ -69,7 +70,18 @@ FLOAT: dict[T, tuple[str, int]] = {T.F32: ("type_f32", 4), T.F16: ("type_f16", 2
 # 4.02 TB/s; Q4_K (16, 3, 1) is no faster than (16, 2, 1). Llama 2 7B tg128: 456 t/s without PF,
 # 550 with it (docs/PERF.md).
 EXTRA_GEMV_VARIANTS: dict[T, tuple[tuple[int, int, int], ...]] = {
-    T.Q4_K: ((16, 2, 0), (32, 2, 0), (16, 1, 1)), T.Q6_K: ((32, 1, 0), (32, 2, 0), (16, 1, 1))}
+    T.Q4_K: ((16, 2, 0), (16, 1, 1), (32, 1, 0)), T.Q6_K: ((32, 1, 0), (16, 1, 1), (16, 2, 0)),
+    T.Q5_K: ((16, 2, 1), (16, 1, 1))}
+# The gemv variant of a product without SwiGLU whose rows hold more than 16 QK_K blocks and 1 to 7
+# over a multiple of 16 (ROW_BLOCKS_SLOW): there (16, 2, 1) runs at half to two thirds of its
+# speed, whatever the row count. Measured on the H200 (bench_gemv, 8192 and 5120 rows, n_in 2,048
+# to 28,672 in steps of 512, and the odd counts 17 to 53 blocks), Q4_K (16, 2, 1) against (32, 2,
+# 0), TB/s: 4352 / 5120 / 5376 / 8960 / 17,920 inputs (17 / 20 / 21 / 35 / 70 blocks) 1.31 / 1.55 /
+# 1.61 / 1.76 / 2.11 against 1.88 / 2.21 / 2.30 / 2.65 / 3.25; Q6_K alike. At 8 to 15 (and 0) over
+# a multiple of 16, and at 16 blocks or fewer, (16, 2, 1) is the faster by 5-20%. A SwiGLU pair
+# reads two rows per output and keeps its variant: Phi-4's 2 x 17920 x 5120 gate/up runs at 3.3 TB/s.
+ROW_BLOCKS_SLOW = range(1, 8)
+ROW_BLOCKS_VARIANT: dict[T, tuple[int, int, int]] = {T.Q4_K: (32, 2, 0), T.Q6_K: (32, 2, 0)}
 # SwiGLU-epilogue variants compiled besides the default
 EXTRA_GLU_VARIANTS: dict[T, tuple[tuple[int, int, int], ...]] = {T.Q4_K: ((16, 2, 0),)}
 FLOAT_GEMV = (8, 4)  # gemv_f: warps per block, 16-byte chunks in flight per lane
@@ -111,6 +123,16 @@ def _bool(b: bool) -> str:
 GLU_ACTS: dict[str, str] = {"silu": "", "gelu_tanh": ", true"}
 
 
+def gemv_variant(t: T, n_in: int, glu: bool = False) -> tuple[int, int, int]:
+    """(WARPS, U, PF) of the gemv_q8 instance for a matrix of quantized type t with rows of n_in
+    inputs: QUANT[t]'s gemv (glu for a SwiGLU pair), or ROW_BLOCKS_VARIANT[t] where a row holds
+    more than 16 QK_K blocks, ROW_BLOCKS_SLOW over a multiple of 16."""
+    blocks = n_in // QK_K
+    if not glu and t in ROW_BLOCKS_VARIANT and blocks > 16 and blocks % 16 in ROW_BLOCKS_SLOW:
+        return ROW_BLOCKS_VARIANT[t]
+    return QUANT[t].glu if glu else QUANT[t].gemv
+
+
 def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool = False, act: str = "silu") -> str:
     warps, u, pf = variant
     return f"gemv_q8<{QUANT[t].decoder}, {_bool(planar)}, {warps}, {u}, {_bool(pf)}, {_bool(glu)}{GLU_ACTS[act] if glu else ''}>"
@@ -142,8 +164,10 @@ def _dequant_name(t: T, planar: bool, out: str) -> str:
 def _gemv_names(t: T) -> tuple[str, ...]:
     """The gemv.cu instances a matrix of type t uses (both layouts, with and without SwiGLU)."""
     if t in QUANT:
-        return tuple(_gemv_q8_name(t, p, v, glu) for glu, v in ((False, QUANT[t].gemv), (True, QUANT[t].glu))
-                     for p in (False, True))
+        variants = ((False, QUANT[t].gemv), (True, QUANT[t].glu))
+        if t in ROW_BLOCKS_VARIANT:
+            variants += ((False, ROW_BLOCKS_VARIANT[t]),)
+        return tuple(_gemv_q8_name(t, p, v, glu) for glu, v in variants for p in (False, True))
     return tuple(_gemv_f_name(t, vec, glu) for vec in (True, False) for glu in (False, True))
 
 
