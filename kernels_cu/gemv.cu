@@ -69,7 +69,10 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         int n_out, int n_in,
         const u8* __restrict__ x_q8,       // q8x_bytes(n_in) or null: x already quantized (then not read; no norm_w)
         u8* __restrict__ y_q8,             // GLU only: q8x_bytes(n_out) or null: y also quantized, for a product of swizzle y_swz
-        int y_swz) {
+        int y_swz,
+        const float* __restrict__ post_t,  // (n_in,) or null: the input is x + rmsnorm(post_t) * post_w (with norm_w; no x_q8)
+        const float* __restrict__ post_w,  // (n_in,) or null
+        float* x_out) {                    // (n_in,) or null (with post_t): block 0 writes that input here
     extern __shared__ uint4 smem[];
     u8* xq = reinterpret_cast<u8*>(smem);
     float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
@@ -116,7 +119,9 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     if (x_q8) {
         copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);
     } else {
-        quantize_x<T::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs);
+        // with post_t: the input kept in shared memory after x's q8 (the y_q8 outputs reuse it)
+        quantize_x<T::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs,
+                                 PostNorm{post_t, post_w, x_out, reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in))});
     }
     __syncthreads();
 
@@ -203,11 +208,18 @@ __device__ __forceinline__ float row_dot_f(const u8* __restrict__ wr, const floa
 }
 
 // x (n_in,) into xn (n_in,) shared memory, normalized (x * rms_scale(x) * norm_w) when norm_w is
-// non-null; returns the vector the rows multiply (x itself, or xn). Every thread must call it.
-__device__ const float* normalized_x(const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int n_in, float* xn) {
+// non-null, with post.t non-null the post-norm's input (post_prologue, into xn) in place of x;
+// returns the vector the rows multiply (x itself, or xn). Every thread must call it.
+__device__ const float* normalized_x(const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int n_in, float* xn,
+                                     const PostNorm& post) {
     if (!norm_w) return x;
-    const float scale = rms_scale(x, n_in, eps);
-    for (int i = threadIdx.x; i < n_in; i += blockDim.x) xn[i] = __ldg(x + i) * scale * __ldg(norm_w + i);
+    if (post.t) {
+        const float scale = post_prologue(x, n_in, eps, post);  // post.xf is xn
+        for (int i = threadIdx.x; i < n_in; i += blockDim.x) xn[i] = xn[i] * scale * __ldg(norm_w + i);
+    } else {
+        const float scale = rms_scale(x, n_in, eps);
+        for (int i = threadIdx.x; i < n_in; i += blockDim.x) xn[i] = __ldg(x + i) * scale * __ldg(norm_w + i);
+    }
     __syncthreads();
     return xn;
 }
@@ -218,12 +230,13 @@ __global__ void __launch_bounds__(WARPS * 32)
 gemv_f(const u8* __restrict__ w,           // (n_out, n_in) of T, GLU: (2 n_out, n_in) interleaved; VEC: rows 16-byte aligned
        const float* __restrict__ x,        // (n_in,), 16-byte aligned
        float* y, const float* residual, const float* __restrict__ bias,
-       const float* __restrict__ norm_w, float eps, int n_out, int n_in) {
+       const float* __restrict__ norm_w, float eps, int n_out, int n_in,
+       const float* __restrict__ post_t, const float* __restrict__ post_w, float* x_out) {  // as gemv_q8's (with norm_w)
     extern __shared__ float xn[];
     const int lane = threadIdx.x & 31;
     pdl_trigger();
     pdl_wait();
-    const float* xv = normalized_x(x, norm_w, eps, n_in, xn);
+    const float* xv = normalized_x(x, norm_w, eps, n_in, xn, PostNorm{post_t, post_w, x_out, xn});
     const i64 row_bytes = (i64)n_in * T::elem_bytes;
     for (int row = blockIdx.x + gridDim.x * (threadIdx.x >> 5); row < n_out; row += gridDim.x * WARPS) {
         if (GLU) {

@@ -67,13 +67,48 @@ __device__ __forceinline__ void q8_unit(const float (&v)[16], bool ok, int u, in
     }
 }
 
+// Gemma's post-norm of the product before, folded into this product's prologue (post_prologue):
+// the product's input is x + t * rms_scale(t) * w, what norm.cu rms_norm_add writes as the new
+// residual stream. t null: none. out: where block 0 writes that input (the residual stream the
+// later adds read); xf: shared memory (n_in floats) where every block keeps it.
+struct PostNorm {
+    const float* t;
+    const float* w;
+    float* out;
+    float* xf;
+};
+
+// post_prologue: xf = x + t * rms_scale(t) * w (all n_in floats, 16-byte aligned; block 0 also
+// writes it to out), summed in the order of the expression rms_norm_add evaluates. Returns
+// rms_scale of that input (for the product's own RMSNorm). Every thread of the block calls it.
+__device__ float post_prologue(const float* __restrict__ x, int n_in, float eps, const PostNorm& post) {
+    __shared__ float part[32];
+    const float ts = rms_scale(post.t, n_in, eps);
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n_in / 4; i += blockDim.x) {
+        const float4 f = __ldg(reinterpret_cast<const float4*>(x) + i);
+        const float4 a = __ldg(reinterpret_cast<const float4*>(post.t) + i), g = __ldg(reinterpret_cast<const float4*>(post.w) + i);
+        const float4 v = make_float4(f.x + a.x * ts * g.x, f.y + a.y * ts * g.y, f.z + a.z * ts * g.z, f.w + a.w * ts * g.w);
+        reinterpret_cast<float4*>(post.xf)[i] = v;
+        if (blockIdx.x == 0) reinterpret_cast<float4*>(post.out)[i] = v;
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();  // also publishes xf
+    ss = warp_sum((int)(threadIdx.x & 31) < (int)(blockDim.x >> 5) ? part[threadIdx.x & 31] : 0.f);
+    return rsqrtf(ss / (float)n_in + eps);
+}
+
 // Quantize x (n_in floats, n_in a multiple of 32, 16-byte aligned) into the q8x arrays in
-// shared memory; with norm_w (n_in,) non-null, x * rms_scale(x) * norm_w instead. One thread
-// per 16-value unit.
+// shared memory; with norm_w (n_in,) non-null, x * rms_scale(x) * norm_w instead; with post.t
+// non-null, the post-norm's input (post_prologue) in place of x. One thread per 16-value unit.
 template <int SWZ>
 __device__ void quantize_x(const float* __restrict__ x, int n_in, const float* __restrict__ norm_w, float eps,
-                           u8* xq, float* xd, float* xs) {
-    const float scale = norm_w ? rms_scale(x, n_in, eps) : 1.f;
+                           u8* xq, float* xd, float* xs, PostNorm post = PostNorm{nullptr, nullptr, nullptr, nullptr}) {
+    const bool fold = post.t != nullptr;
+    const float rs = fold ? post_prologue(x, n_in, eps, post) : norm_w ? rms_scale(x, n_in, eps) : 1.f;
+    const float scale = norm_w ? rs : 1.f;
     const int n_units = n_in >> 4;
     for (int base = 0; base < n_units; base += blockDim.x) {  // warp-uniform trip count
         const int u = base + threadIdx.x;
@@ -81,7 +116,9 @@ __device__ void quantize_x(const float* __restrict__ x, int n_in, const float* _
         float v[16];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            float4 f = ok ? __ldg(reinterpret_cast<const float4*>(x) + 4 * u + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+            float4 f = !ok  ? make_float4(0.f, 0.f, 0.f, 0.f)
+                       : fold ? reinterpret_cast<const float4*>(post.xf)[4 * u + k]
+                              : __ldg(reinterpret_cast<const float4*>(x) + 4 * u + k);
             if (norm_w && ok) {
                 const float4 g = __ldg(reinterpret_cast<const float4*>(norm_w) + 4 * u + k);
                 f = make_float4(f.x * scale * g.x, f.y * scale * g.y, f.z * scale * g.z, f.w * scale * g.w);

@@ -114,17 +114,18 @@ def test_tiny_gemma_matches_numpy(tmp_path, data, case, flags):
 
 def gemma_step_kernels(mf, fuse_glu: bool) -> int:
     """Kernels of one gemma decode step: per layer the q/k/v products (one per run of one type),
-    attention (RoPE, q/k norms and the cache store inside), output, the post-attention norm with
-    the residual add, gate/up with GeGLU in its epilogue (a separate geglu kernel without
-    K4_FUSE_SWIGLU), down, the post-FFN norm with the residual add; then the embedding (its
-    sqrt(n_embd) scale inside), lm_head (the final norm folded in), gemma 2's logit soft-cap,
-    and 3 sampling kernels. Before the GeGLU epilogue and the scale fold: 7 per layer + 6."""
+    attention (RoPE, q/k norms and the cache store inside), output, gate/up with GeGLU in its
+    epilogue (a separate geglu kernel without K4_FUSE_SWIGLU), down; the post-attention and
+    post-FFN norms with their residual adds are folded into the next products' prologue; then
+    the embedding (its sqrt(n_embd) scale inside), lm_head (the final norm and the last post-FFN
+    norm folded in), gemma 2's logit soft-cap, and 3 sampling kernels. Before the GeGLU epilogue
+    and the scale fold: 7 per layer + 6; before the post-norm fold: 6 per layer + 5."""
     from k4.runtime.cuda.weights import runs_of_one_type
 
     cfg = mf.config
     qkv = sum(len(runs_of_one_type([mf.tensor(f"blk.{i}.attn_{p}.weight").ggml_type for p in "qkv"], True))
               for i in range(cfg.n_layer))
-    return qkv + (6 if fuse_glu else 7) * cfg.n_layer + 5 + (1 if cfg.final_softcap else 0)
+    return qkv + (4 if fuse_glu else 5) * cfg.n_layer + 5 + (1 if cfg.final_softcap else 0)
 
 
 @pytest.mark.parametrize("case", list(GEMMA_CASES))

@@ -235,3 +235,39 @@ def test_gemv_rejects_bad_arguments():
         mm.gemv(w, cp.zeros(256, cp.float32), cp.zeros(8, cp.float64))
     with pytest.raises(ValueError, match="16-byte aligned"):
         mm.gemv(w, cp.zeros(260, cp.float32)[1:257], cp.zeros(8, cp.float32))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "F32"])
+def test_gemv_folded_post_norm(type_name):
+    """Gemma's post-norm folded into the next product (gemv post): the input is x + rmsnorm(t) *
+    post_w (what rms_norm_add writes), normed again by the product's own RMSNorm; the first block
+    writes that input to x_out. Against float64: x_out to float32 rounding, y within the fused
+    norm's limits; a gate/up pair (GeGLU) takes it too, with its q8 handoff's shared memory after it."""
+    import cupy as cp
+
+    rng, seed = fresh_rng()
+    eps = 1e-6
+    for n_out, n_in in ((300, 512), (4133, 5120)):
+        w, ref_w = weight(type_name, n_out, n_in, rng, True)
+        x, t = (3 * rng.standard_normal((2, n_in)) + 0.5).astype(np.float32)
+        post_w, norm_w = (1 + 0.3 * rng.standard_normal((2, n_in))).astype(np.float32)
+        x_out = nan_like(n_in)
+        y = nan_like(n_out)
+        mm.gemv(w, cp.asarray(x), y, norm=(cp.asarray(norm_w), eps), post=(cp.asarray(t), cp.asarray(post_w), x_out))
+        want_x = x.astype(np.float64) + rms_normed(t, post_w, eps)
+        what = f"{type_name} {n_out}x{n_in} (seed {seed})"
+        assert rel_err(x_out.get(), want_x) < 1e-6, what
+        err = rel_err(y.get(), ref_w @ rms_normed(want_x, norm_w, eps))
+        assert err < (LIMIT_Q8 if type_name in QUANTIZED else 1e-5), f"{what}: {err:.2e}"
+    if type_name in ("Q4_K", "F32"):
+        n_ff, n_in = 96, 512
+        w, ref_g, ref_u = glu_weight(T[type_name], n_ff, n_in, rng, True, "gelu_tanh")
+        x, t = rng.standard_normal((2, n_in)).astype(np.float32)
+        x_out, y = nan_like(n_in), nan_like(n_ff)
+        mm.gemv(w, cp.asarray(x), y, norm=(cp.asarray(post_w[:n_in]), eps), post=(cp.asarray(t), cp.asarray(norm_w[:n_in]), x_out))
+        xn = rms_normed(x.astype(np.float64) + rms_normed(t, norm_w[:n_in], eps), post_w[:n_in], eps)
+        err = rel_err(y.get(), GLU_REF["gelu_tanh"](ref_g @ xn) * (ref_u @ xn))
+        assert err < (3 * LIMIT_Q8 if type_name in QUANTIZED else 2e-5), f"{type_name} gelu pair: {err:.2e} (seed {seed})"
+    with pytest.raises(ValueError, match="post-norm"):
+        mm.gemv(w, cp.asarray(x), y, post=(cp.asarray(t), cp.asarray(norm_w[:n_in]), x_out))  # no norm

@@ -48,6 +48,8 @@ class Forward:
         self.shapes = [AttnShape(cfg.query_scale, cfg.n_swa if cfg.sliding(li) else 0, cfg.attn_softcap)
                        for li in range(cfg.n_layer)]
         self.n_ctx, self.chunk = kv.k.shape[1], act.x0.shape[0]
+        # one token with fuse_norm: a post-norm (t, post_w, res, Y) the next products fold in (normed)
+        self.post: tuple | None = None
 
     def layers(self, n: int, row_ids: cp.ndarray, split: tuple[int, int, int] | None = None) -> cp.ndarray:
         """Enqueue the layers for n tokens (ids row_ids (n,) int32 on the device) at positions
@@ -63,6 +65,7 @@ class Forward:
         part = None
         if n_split > 1:
             part = a.part[: cfg.n_head * n_split * (cfg.head_dim + 2)].reshape(1, cfg.n_head, n_split, cfg.head_dim + 2)
+        self.post = None  # a pending post-norm of an earlier pass that no output() took: x is rewritten below
         # gemma: the embedding rows times sqrt(n_embd), inside the lookup (embed_scale 1: none)
         matmul.dequant_rows(self.w.token_embd, row_ids, x, stream=self.stream, trace=o.trace, scale=cfg.embed_scale)
         for li, L in enumerate(self.w.layers):
@@ -83,6 +86,7 @@ class Forward:
                         scales=row_scales)
             self.residual(L.wo, attn.reshape(n, cfg.q_dim), x, x1, L.attn_post_norm)
             if L.moe is not None:  # routed experts (+ shared expert) + residual: runtime/cuda/moe.py
+                self.settle()
                 moe.moe_ffn(self, L, x1, x, n)
                 continue
             # feed-forward: norm, gate and up with SwiGLU (GeGLU), down (+ post-norm) + residual
@@ -92,13 +96,23 @@ class Forward:
 
     def residual(self, w, X: cp.ndarray, res: cp.ndarray, Y: cp.ndarray, post_norm, x_q8=None) -> None:
         """Y = res + X W^T, or with a post-norm weight (gemma) Y = res + rmsnorm(X W^T) * post_norm:
-        the product into the scratch h, then rms_norm_add. X: (n, n_in); res, Y: (n, n_embd) f32."""
+        the product into the scratch h, then rms_norm_add, or for one token with fuse_norm the
+        next products' prologue (self.post, taken by normed). X: (n, n_in); res, Y: (n, n_embd) f32."""
         if post_norm is None:
             self.linear(w, X, Y, residual=res, x_q8=x_q8)
             return
         t = self.act.h[: X.shape[0]]  # (n, n_embd) f32: free once the q/k/v (or gate/up) products have read it
         self.linear(w, X, t, x_q8=x_q8)
-        self.ops.rms_norm_add(t, post_norm, res, Y, self.cfg.rms_eps)
+        self.post = (t, post_norm, res, Y)
+        if X.shape[0] > 1 or not self.opts.fuse_norm:
+            self.settle()
+
+    def settle(self) -> None:
+        """Apply a pending post-norm (self.post) with the rms_norm_add kernel."""
+        if self.post is not None:
+            t, post_norm, res, Y = self.post
+            self.post = None
+            self.ops.rms_norm_add(t, post_norm, res, Y, self.cfg.rms_eps)
 
     def output(self, x: cp.ndarray, logits: cp.ndarray) -> None:
         """logits (n, n_vocab) = output · rmsnorm(x (n, n_embd)) * output_norm."""
@@ -153,19 +167,30 @@ class Forward:
         handoff x_q8, y_q8 (q8_handoff.Q8Vector); more: matmul.matmul (tensor cores unless
         K4_PREFILL_TC=0; up to GEMV_MAX_TOKENS rows: gemv_batch, reading w once per BATCH_TOKENS rows)."""
         if X.shape[0] == 1:
+            post = None
+            if norm is not None and len(norm) == 3:  # normed's folded post-norm
+                norm, post = norm[:2], norm[2]
             matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, norm=norm,
-                        stream=self.stream, trace=self.ops.trace, x_q8=x_q8, y_q8=y_q8)
+                        stream=self.stream, trace=self.ops.trace, x_q8=x_q8, y_q8=y_q8, post=post)
         else:
             matmul.matmul(w, X, Y, residual=residual, bias=bias, scratch=self.act.mm_scratch, stream=self.stream,
                           trace=self.ops.trace, blas=self.blas)
 
     def normed(self, x: cp.ndarray, norm_w: cp.ndarray, half: bool):
         """The input of the products after an RMSNorm of x (n, n_embd): (X, norm) for linear.
-        One row with fuse_norm: x itself, the norm folded into the product; otherwise the norm
-        kernel's output, fp16 when `half`."""
+        One row with fuse_norm: x itself, the norm folded into the product, and a pending
+        post-norm whose result x is (self.post) folded in too: then (res, (norm_w, eps, (t,
+        post_w, x))), the products computing x and writing it; otherwise the norm kernel's output,
+        fp16 when `half`."""
         n = x.shape[0]
         if n == 1 and self.opts.fuse_norm:
+            post, self.post = self.post, None
+            if post is not None:
+                t, post_w, res, y = post
+                assert y.data.ptr == x.data.ptr and y.shape == x.shape
+                return res, (norm_w, self.cfg.rms_eps, (t[0], post_w, x[0]))
             return x, (norm_w, self.cfg.rms_eps)
+        self.settle()
         h = (self.act.h16 if half else self.act.h)[:n]
         self.ops.rms_norm(x, norm_w, h, self.cfg.rms_eps)
         return h, None

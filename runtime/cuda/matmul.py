@@ -150,10 +150,11 @@ def make_half(w: DeviceWeight, out, stream=None, trace: Trace | None = None) -> 
     w.half = out
 
 
-def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, norm: bool = False):
-    """(kernel, grid, block, shared_mem) for gemv on w, cached per variant and norm prologue.
-    The grid is as many blocks as fit on the GPU at once, but at most one per output."""
-    plan = w._plans.get((variant, norm))
+def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, norm: bool = False, post: bool = False):
+    """(kernel, grid, block, shared_mem) for gemv on w, cached per variant, norm prologue and
+    post-norm prologue (post: the input kept as floats after x's q8). The grid is as many blocks
+    as fit on the GPU at once, but at most one per output."""
+    plan = w._plans.get((variant, norm, post))
     if plan is not None:
         return plan
     n_out, n_in = w.shape
@@ -165,9 +166,11 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         warps = variant[0]
         kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act), w.evict_first)
         smem = q8x_bytes(n_in)
+        after = 4 * n_in if post else 0  # the post-norm's input (floats), then free
         if w.glu and QUANT[w.ggml_type].handoff:  # room for one block's outputs (y_q8): its 32-output groups
             groups = -(-n_out // 32)
-            smem += 4 * 32 * -(-groups // min(device_limits()[0], n_out))  # the grid has at least this many blocks
+            after = max(after, 4 * 32 * -(-groups // min(device_limits()[0], n_out)))  # the grid has at least this many blocks
+        smem += after
     else:
         warps = FLOAT_GEMV[0]
         kernel = _kernel("gemv.cu", _gemv_f_name(w.ggml_type, (n_in * FLOAT[w.ggml_type][1]) % 16 == 0, w.glu, w.glu_act))
@@ -175,7 +178,7 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
     allow_shared(kernel, smem)
     grid = min(device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem), n_out)
     plan = (kernel, (grid,), (32 * warps,), smem)
-    w._plans[(variant, norm)] = plan
+    w._plans[(variant, norm, post)] = plan
     return plan
 
 
@@ -195,7 +198,7 @@ def _check_array(name: str, a, shape: tuple[int, ...], dtype=np.float32, align16
 
 def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=None, trace: Trace | None = None,
          variant: tuple[int, int, int] | None = None, pdl: bool | None = None, x_q8: Q8Vector | None = None,
-         y_q8: Q8Vector | None = None) -> None:
+         y_q8: Q8Vector | None = None, post=None) -> None:
     """y = w @ x (+ bias) (+ residual), one kernel launch; with w.glu, y = act(gate @ x) * (up @ x),
     act w.glu_act (silu, or gelu_tanh for gemma).
 
@@ -214,7 +217,11 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     norm. y_q8: w.glu only, a type with QuantKernels.handoff, n_out a multiple of 32: y is also
     written quantized into y_q8 (made for the weight of the product that will read it), the same
     bytes that product would compute from y itself.
-    Raises ValueError on wrong shapes, dtypes or alignment, and for x_q8 or y_q8 where they do not apply.
+    post: None or (t, post_w, x_out), each (n_in,) float32, 16-byte aligned, with norm (Gemma's
+    post-norm of the product before, folded in): the input is x + RMSNorm(t) * post_w (norm.cu
+    rms_norm_add's residual add, same eps) instead of x, and the kernel's first block writes it
+    to x_out (the new residual stream; not x or t).
+    Raises ValueError on wrong shapes, dtypes or alignment, and for x_q8, y_q8 or post where they do not apply.
     """
     n_out, n_in = w.shape
     if w.glu:
@@ -233,13 +240,29 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
             raise ValueError(f"the fused RMSNorm needs n_in a multiple of 4, got {n_in}")
         _check_array("norm weight", norm_w, (n_in,), align16=True)
     check_q8(w, x_q8, y_q8, n_in, n_out, norm_w is not None)
-    kernel, grid, block, smem = _gemv_plan(w, variant, norm_w is not None)
+    post_t, post_w, x_out = _check_post(post, x, n_in, norm_w is not None, x_q8 is not None)
+    kernel, grid, block, smem = _gemv_plan(w, variant, norm_w is not None, post is not None)
     args = (w.data, x, y, null_or(residual), null_or(bias), null_or(norm_w), np.float32(eps), np.int32(n_out), np.int32(n_in))
     if w.ggml_type in QUANT:
         args += (null_or(x_q8 and x_q8.data), null_or(y_q8 and y_q8.data), np.int32(y_q8.swizzle if y_q8 else 0))
+    args += (null_or(post_t), null_or(post_w), null_or(x_out))
     if pdl is None:  # eagerly the driver-API launch costs more host time than it saves
         pdl = w.pdl and capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl)
+
+
+def _check_post(post, x, n_in: int, norm: bool, x_q8: bool) -> tuple:
+    """gemv's post argument checked: (t, post_w, x_out), or three Nones."""
+    if post is None:
+        return None, None, None
+    if not norm or x_q8:
+        raise ValueError("a folded post-norm needs the fused RMSNorm (norm) and no x_q8")
+    t, post_w, x_out = post
+    for name, a in (("post-norm input", t), ("post-norm weight", post_w), ("post-norm output", x_out)):
+        _check_array(name, a, (n_in,), align16=True)
+    if x_out.data.ptr in (x.data.ptr, t.data.ptr):
+        raise ValueError("the post-norm output must not be x or t")
+    return t, post_w, x_out
 
 
 # ---- embeddings: rows of a matrix ----------------------------------------------------------------
