@@ -57,14 +57,17 @@ def attention_split(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, key
     return -(-n_ctx // split_len), split_len
 
 
-def attention_lanes(n_head: int, n_head_kv: int) -> int:
+def attention_lanes(n_head: int, n_head_kv: int, head_dim: int) -> int:
     """Lanes of attn_kv that dot one key with the query (its `lanes` argument): 8, or 4 for a
-    grouped-query model, whose query heads share their keys through L2 and so wait less on
-    memory than on the shuffles that sum a score (log2 lanes per key). Measured on the H200
-    (head_dim 128, tg32, GPU ms per token), 16 / 8 / 4 / 2 lanes: Llama 2 7B at depth 16,384
-    3.789 / 3.717 / 4.061 / 4.196; Llama 3 8B (4 query heads per KV head) at 32,768
-    5.030 / 4.595 / 4.435 / 5.068."""
-    return 4 if n_head > n_head_kv else 8
+    grouped-query model of head_dim 128 or less, whose query heads share their keys through L2
+    and so wait less on memory than on the shuffles that sum a score (log2 lanes per key). Each
+    lane loads head_dim / 8 / lanes slices of a key one after another, so longer heads keep 8.
+    Measured on the H200 (tg32, GPU ms per token), 16 / 8 / 4 / 2 lanes: Llama 2 7B at depth
+    16,384 3.789 / 3.717 / 4.061 / 4.196; Llama 3 8B (4 query heads per KV head, head_dim 128)
+    at 32,768 5.030 / 4.595 / 4.435 / 5.068. Gemma 3 12B (2 per KV head, head_dim 256; tg128 t/s
+    at depth 0 / 2,048 / 16,384), 32 / 16 / 8 / 4 lanes: 308.4 / 272.4 / 183.8, 312.3 / 279.7 /
+    199.5, 308.0 / 283.2 / 206.2, 299.2 / 275.2 / 202.7."""
+    return 4 if n_head > n_head_kv and head_dim <= 128 else 8
 
 
 def split_buckets(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, keys: int = ATT_SPLIT_KEYS) -> list[tuple[int, int, int]]:
@@ -214,4 +217,4 @@ class AttentionLaunchers:
             return
         self._launch("attention.cu", name, (n_head, n_tok, n_split), (ATT_THREADS,),
                      (*head, np.int32(n_head), np.int32(n_head_kv), np.int32(D), np.int32(split_len),
-                      np.int32(attention_lanes(n_head, n_head_kv)), *shape.kernel_args(D), *rope), shared_mem=att_smem(D))
+                      np.int32(attention_lanes(n_head, n_head_kv, D)), *shape.kernel_args(D), *rope), shared_mem=att_smem(D))
