@@ -167,7 +167,7 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act), w.evict_first)
         smem = q8x_bytes(n_in)
         after = 4 * n_in if post else 0  # the post-norm's input (floats), then free
-        if w.glu and QUANT[w.ggml_type].handoff:  # room for one block's outputs (y_q8): its 32-output groups
+        if w.glu and q.handoff:  # room for one block's outputs (y_q8): its 32-output groups
             groups = -(-n_out // 32)
             after = max(after, 4 * 32 * -(-groups // min(device_limits()[0], n_out)))  # the grid has at least this many blocks
         smem += after
