@@ -28,6 +28,9 @@
 // window > 0: a sliding layer (Gemma): the query at position p sees keys p - window + 1 .. p only;
 //   splits wholly before that hold no keys (they exit, and the merge skips them). softcap > 0:
 //   scores -> softcap * tanh(score / softcap) (Gemma 2). window = 0, softcap = 0: plain causal.
+// ring: -1 for a plain cache (position p at row p), or for a sliding layer's ring (its last
+//   ring + 1 positions only, ring + 1 a power of two; runtime/swa_ring.py) the mask of the row:
+//   position p lives at row p & ring. Every cache address below goes through that mask.
 // fresh_q, fresh_k, fresh_v: null, or (decode, n_tok = 1, RoPE fused; q is then not read) the
 //   token's unrotated q (n_head, D), k and v (n_head_kv, D) f32 from the projections: each block
 //   rotates q itself (with q_norm, k_norm (D,) or null, inv_freq (rope_dim/2,) f64, rope_dim,
@@ -49,7 +52,7 @@ __global__ void __launch_bounds__(ATT_THREADS)
 attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
         const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d,
         float* __restrict__ out, float* __restrict__ part, int* __restrict__ ticket, const int* __restrict__ pos,
-        int n_head, int n_head_kv, int D, int split_len, int lanes, float scale, int window, float softcap,
+        int n_head, int n_head_kv, int D, int split_len, int lanes, float scale, int window, float softcap, int ring,
         const float* __restrict__ fresh_q, const float* __restrict__ fresh_k, const float* __restrict__ fresh_v,
         typename KT::elem* k_store, u16* kd_store, typename VT::elem* v_store, u16* vd_store,
         const float* __restrict__ q_norm, const float* __restrict__ k_norm,
@@ -97,7 +100,7 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
         __syncthreads();
         for (int i = tid; i < D; i += ATT_THREADS) qs[i] *= scale;
         if (cur >= 0 && h % (n_head / n_head_kv) == 0)
-            store_fresh_row<KT, VT>(k_store, kd_store, v_store, vd_store, (size_t)p * kv_stride + head_off, kcur, kdcur, vcur, vdcur, D,
+            store_fresh_row<KT, VT>(k_store, kd_store, v_store, vd_store, (size_t)(p & ring) * kv_stride + head_off, kcur, kdcur, vcur, vdcur, D,
                                     tid, ATT_THREADS);
     } else {
         const float* qh = q + ((size_t)t * n_head + h) * D;
@@ -133,7 +136,7 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
                     const int j = j0 + grp + u * n_grp;
                     raw[u] = j >= n           ? KT::zero()
                              : c0 + j == cur ? KT::load(kcur, kdcur, cc * 8)
-                                             : KT::load_once(k_cache, k_d, (size_t)(c0 + j) * kv_stride + head_off + cc * 8);
+                                             : KT::load_once(k_cache, k_d, (size_t)((c0 + j) & ring) * kv_stride + head_off + cc * 8);
                 }
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) KT::dot8(raw[u], qs + cc * 8, d[u]);
@@ -171,7 +174,7 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
                     const int j = j0 + u * n_kl;
                     raw[u] = j >= n           ? VT::zero()
                              : c0 + j == cur ? VT::load(vcur, vdcur, c * 8)
-                                             : VT::load_once(v_cache, v_d, (size_t)(c0 + j) * kv_stride + head_off + c * 8);
+                                             : VT::load_once(v_cache, v_d, (size_t)((c0 + j) & ring) * kv_stride + head_off + c * 8);
                 }
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS; ++u) {

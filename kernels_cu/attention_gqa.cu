@@ -58,7 +58,7 @@ __device__ __forceinline__ void i8x4_to_f16_scaled(u32 w, u32 d, u32* h) {
 // tile about to be used into one fp16 tile (prepare). Thread tid copies the 16-byte chunks
 // tid, tid + GQA_THREADS, ... of a tile, row-major: column c = tid % PER_ROW of rows r0 =
 // tid / PER_ROW, r0 + RSTEP, ...; its addresses at position 0 are computed once (the
-// constructor), a tile adds j * BK positions, and tiles wholly inside [lo, hi) skip the row checks.
+// constructor), a tile adds (j * BK) & ring rows, and tiles wholly inside [lo, hi) skip the row checks.
 template <class T, int D, int BK, int S, int ROW_BYTES, bool SCALED = T::SCALED>
 struct Plane;
 
@@ -82,9 +82,10 @@ struct Plane<T, D, BK, S, ROW_BYTES, false> {
     }
 
     // Keys j * BK .. + BK - 1 into stage j % S; keys outside [lo, hi) read nothing and stage zeros.
-    __device__ __forceinline__ void fetch(int j, int lo, int hi) const {
+    // ring: attn_kv's (-1, or the row mask of a sliding layer's ring, whose rows BK divides).
+    __device__ __forceinline__ void fetch(int j, int lo, int hi, int ring) const {
         const u32 dst = base + (u32)((j % S) * STAGE) + dst0;
-        const typename T::elem* src = src0 + (size_t)j * BK * stride;
+        const typename T::elem* src = src0 + (size_t)((j * BK) & ring) * stride;
         const int k0 = j * BK + r0;
         const bool inside = j * BK >= lo && j * BK + BK <= hi;
 #pragma unroll
@@ -118,9 +119,10 @@ struct Plane<T, D, BK, S, ROW_BYTES, true> {
         sc0 = xd + (head_off + (size_t)tid * kv_stride) / QK8_0;
     }
 
-    __device__ __forceinline__ void fetch(int j, int lo, int hi) const {
+    __device__ __forceinline__ void fetch(int j, int lo, int hi, int ring) const {
         const u32 dst = base + (u32)((j % S) * RAW);
-        const typename T::elem* src = src0 + (size_t)j * BK * stride;
+        const size_t row = (size_t)((j * BK) & ring);  // the tile's first row
+        const typename T::elem* src = src0 + row * stride;
         const int k0 = j * BK + r0;
         const bool inside = j * BK >= lo && j * BK + BK <= hi;
 #pragma unroll
@@ -132,7 +134,7 @@ struct Plane<T, D, BK, S, ROW_BYTES, true> {
         if (tid < BK) {  // row tid's scales
             const int key = j * BK + tid;
             const bool valid = key >= lo && key < hi;
-            cp_async_small<SC_ROW>(dst + (u32)(QUANTS + tid * SC_ROW), valid ? sc0 + (size_t)j * BK * stride / QK8_0 : sc0, valid);
+            cp_async_small<SC_ROW>(dst + (u32)(QUANTS + tid * SC_ROW), valid ? sc0 + row * stride / QK8_0 : sc0, valid);
         }
     }
     // Tile j's quants times their scales, rounded to fp16 (the bits of attn_mma's staging), into the fp16 tile.
@@ -163,14 +165,14 @@ struct Plane<T, D, BK, S, ROW_BYTES, true> {
 // D + 2) f32 partials [m (log2 units), l, O[D]] of each (head, split) that holds keys, written
 // when n_split > 1; ticket: (n_head,) int32, zero on entry and left zero (entry hk * G counts the
 // group's splits). pos: (1,) int32, the query's position. split_len: keys per split, a multiple
-// of BK. scale, window, softcap, fresh_*, *_store, q_norm, k_norm, inv_freq, rope_dim, neox, eps,
+// of BK. scale, window, softcap, ring, fresh_*, *_store, q_norm, k_norm, inv_freq, rope_dim, neox, eps,
 // mscale: as attn_kv.
 template <int D, int BK, int S, class KT, class VT>
 __global__ void __launch_bounds__(GQA_THREADS, D > 128 ? 1 : S == 2 ? 3 : 2)  // S = 2: three blocks fit in shared memory
 attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
          const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d,
          float* __restrict__ out, float* __restrict__ part, int* __restrict__ ticket, const int* __restrict__ pos,
-         int n_head, int n_head_kv, int split_len, float scale, int window, float softcap,
+         int n_head, int n_head_kv, int split_len, float scale, int window, float softcap, int ring,
          const float* __restrict__ fresh_q, const float* __restrict__ fresh_k, const float* __restrict__ fresh_v,
          typename KT::elem* k_store, u16* kd_store, typename VT::elem* v_store, u16* vd_store,
          const float* __restrict__ q_norm, const float* __restrict__ k_norm,
@@ -221,8 +223,8 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     const int j_begin = begin / BK, n_tiles = (end + BK - 1) / BK;
     auto fetch = [&](int j) {  // tile j into its stages, as one cp.async group (empty past the last tile)
         if (j < n_tiles) {
-            kp.fetch(j, begin, end);
-            vp.fetch(j, begin, end);
+            kp.fetch(j, begin, end, ring);
+            vp.fetch(j, begin, end, ring);
         }
         cp_async_commit();
     };
@@ -257,7 +259,7 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     if (holds_p && warp == 1) VT::store_row(fresh_v + head_off, D, vcur, vdcur, 0, lane);
     __syncthreads();
     if (holds_p)  // cache row p: read by no block of this launch
-        store_fresh_row<KT, VT>(k_store, kd_store, v_store, vd_store, (size_t)p * kv_stride + head_off, kcur, kdcur, vcur, vdcur, D,
+        store_fresh_row<KT, VT>(k_store, kd_store, v_store, vd_store, (size_t)(p & ring) * kv_stride + head_off, kcur, kdcur, vcur, vdcur, D,
                                 tid, GQA_THREADS);
 
     u32 qf[QREG ? NKC : 1][4];  // A fragments of Q (D <= 128)

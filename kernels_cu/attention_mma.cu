@@ -39,7 +39,7 @@ template <int D, int BK, class KT, class VT>
 __global__ void __launch_bounds__(MMA_THREADS, 2)
 attn_mma(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
          const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d, float* __restrict__ out,
-         const int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, float scale, int window, float softcap) {
+         const int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, float scale, int window, float softcap, int ring) {
     using namespace k4mma;
     constexpr int DP = D + 8;          // shared row stride (halves)
     constexpr int ROW_BYTES = 2 * DP;
@@ -73,7 +73,7 @@ attn_mma(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     const u32 tile_dst = (u32)(r0 * ROW_BYTES + 16 * c0);
     auto load_tile = [&](int j) {  // keys and values j * BK .. + BK - 1 into stage j & 1
         const int k0 = j * BK + r0;
-        const size_t at = head_off + (size_t)k0 * kv_stride + 8 * c0;
+        const size_t at = head_off + (size_t)(((j * BK) & ring) + r0) * kv_stride + 8 * c0;  // BK divides a ring's rows
         const u32 dst = tile_dst + (u32)((j & 1) * BK * ROW_BYTES);
 #pragma unroll
         for (int it = 0; it < LOAD_ITERS; ++it) {

@@ -23,7 +23,7 @@ template <int D, class KT, class VT>
 __global__ void __launch_bounds__(TILE_THREADS)
 attn_tiled(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
            const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d, float* __restrict__ out,
-           const int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, float scale, int window, float softcap) {
+           const int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, float scale, int window, float softcap, int ring) {
     constexpr int DP = D + 4, NC = D / 64;
     extern __shared__ float4 tile_smem[];
     float* Qs = reinterpret_cast<float*>(tile_smem);  // (TILE_Q, DP) queries, pre-scaled
@@ -65,7 +65,7 @@ attn_tiled(const float* __restrict__ q, const typename KT::elem* __restrict__ k_
             typename KT::raw8 kr = KT::zero();
             typename VT::raw8 vr = VT::zero();
             if (k0 + r < n_keys) {
-                const size_t at = (size_t)(k0 + r) * kv_stride + (size_t)hk * D + 8 * c8;
+                const size_t at = (size_t)((k0 & ring) + r) * kv_stride + (size_t)hk * D + 8 * c8;  // k0: a multiple of TILE_K, which divides a ring's rows
                 kr = KT::load(k_cache, k_d, at);
                 vr = VT::load(v_cache, v_d, at);
             }

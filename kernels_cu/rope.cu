@@ -21,7 +21,8 @@
 //   v_d their (n_ctx, n_head_kv, D / 32) fp16 scale planes (q8_0; null for f16); rows
 //   pos0 .. pos0+n_tok-1 are written (k normalized and rotated, v as is).
 // q_norm, k_norm: (D,) f32 or null. inv_freq: (rope_dim/2,) f64. pos: (1,) int32, pos0 = *pos.
-// mscale: factor on the rotated pairs' cos and sin.
+// mscale: factor on the rotated pairs' cos and sin. ring: as attention.cu's (-1: position p at
+//   row p; else at row p & ring, a sliding layer's ring).
 // Thread mapping: one warp per row; grid.x = ceil(n_tok * (n_head + n_head_kv) / warps per block).
 // Dynamic shared memory: with a q8_0 key cache, D floats per warp (the rotated key, quantized
 // from there by blocks of 32); none otherwise.
@@ -33,7 +34,7 @@ __global__ void rope_qk_store(const float* q_src, int ld_q, const float* __restr
                               const float* __restrict__ q_norm, const float* __restrict__ k_norm,
                               const double* __restrict__ inv_freq, const int* __restrict__ pos,
                               int n_tok, int n_head, int n_head_kv, int D, int rope_dim, int neox,
-                              float eps, float mscale) {
+                              float eps, float mscale, int ring) {
     pdl_trigger();
     pdl_wait();
     const int lane = threadIdx.x & 31;
@@ -48,7 +49,7 @@ __global__ void rope_qk_store(const float* q_src, int ld_q, const float* __restr
         return;
     }
     const int hk = j - n_head;
-    const size_t dst = ((size_t)p * n_head_kv + hk) * D;
+    const size_t dst = ((size_t)(p & ring) * n_head_kv + hk) * D;
     const float* kr = k_src + (size_t)t * ld_k + (size_t)hk * D;
     if constexpr (KT::SCALED) {
         extern __shared__ float rope_stage[];  // (warps, D) rotated keys

@@ -37,8 +37,12 @@ class Backend(Protocol):
     def reset(self) -> None:
         """Empty the KV cache."""
 
+    def reusable(self, n: int) -> int:
+        """The longest prefix of at most n cached positions truncate() can keep: n, or 0 where a
+        sliding layer's ring cache (runtime/swa_ring.py) no longer holds what a pass from n reads."""
+
     def truncate(self, n: int) -> None:
-        """Keep the first n cached positions (0 <= n <= n_past), drop the rest."""
+        """Keep the first n cached positions (0 <= n <= n_past, reusable(n) == n), drop the rest."""
 
     def eval(self, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Run the model over token_ids after the cached ones and cache them.
@@ -89,18 +93,20 @@ def resolve_kind(kind: str) -> str:
                                       "or use --backend numpy") from None
 
 
-def max_context(mf: ModelFile, kind: str, flags=None, kv_types: KVTypes = F16) -> tuple[int, int, int]:
+def max_context(mf: ModelFile, kind: str, flags=None, kv_types: KVTypes = F16) -> tuple[int, int, int, int]:
     """(largest n_ctx in tokens whose KV cache fits in free memory beside the weights and
-    buffers, bytes free for the cache, KV bytes per token) on backend `kind` ("cuda": free GPU
-    memory and the cache's kv_types, runtime/cuda/sizing.py; "numpy": available RAM for its
-    float32 cache, whatever kv_types, reference.max_context)."""
+    buffers, bytes free for the cache, KV bytes per token (past the rings of sliding layers),
+    the cache's bytes at the training context) on backend `kind` ("cuda": free GPU memory and
+    the cache's kv_types, runtime/cuda/sizing.py; "numpy": available RAM for its float32 cache,
+    whatever kv_types, reference.max_context)."""
     if kind == "cuda":
         from .cuda.sizing import max_context as gpu_max
 
         return gpu_max(mf, flags, kv_types=kv_types)
     from .reference import max_context as ram_max
 
-    return ram_max(mf)
+    fits, free, per_token = ram_max(mf)
+    return fits, free, per_token, per_token * mf.config.n_ctx_train
 
 
 def fit_context(mf: ModelFile, kind: str, flags=None, kv_types: KVTypes = F16) -> tuple[int, str | None]:
@@ -112,7 +118,7 @@ def fit_context(mf: ModelFile, kind: str, flags=None, kv_types: KVTypes = F16) -
     from .hostmem import mib
 
     train = mf.config.n_ctx_train
-    fits, free, per_token = max_context(mf, kind, flags, kv_types)
+    fits, free, per_token, need = max_context(mf, kind, flags, kv_types)
     if fits >= train:
         return train, None
     if fits < CTX_STEP:
@@ -120,7 +126,7 @@ def fit_context(mf: ModelFile, kind: str, flags=None, kv_types: KVTypes = F16) -
     n_ctx = fits // CTX_STEP * CTX_STEP
     where = "GPU memory" if kind == "cuda" else "RAM"
     return n_ctx, (f"context {n_ctx:,} tokens instead of the model's {train:,}: its KV cache would need "
-                   f"{mib(train * per_token)} but {mib(free)} of {where} is free beside the weights and buffers "
+                   f"{mib(need)} but {mib(free)} of {where} is free beside the weights and buffers "
                    f"({mib(per_token * CTX_STEP)} per {CTX_STEP} tokens); -c sets it")
 
 

@@ -41,6 +41,7 @@ FLAGS: dict[str, Flag] = {
         Flag("K4_GQA_MMA", 1, "Decode attention of grouped-query models with 4 or more query heads per KV head on tensor cores: the query heads of a KV head as the rows of one mma tile, each key and value read once for them; 0 uses one block per query head."),
         Flag("K4_TILED_ATTN", 1, "Prefill attention in tiles of 32 queries x 64 keys staged in shared memory (keys read once per tile, not per query)."),
         Flag("K4_PREFILL_GRAPH", 1, "Replay full prefill chunks as CUDA graphs (cuBLAS through k4's own handle); 0 launches every kernel from Python."),
+        Flag("K4_SWA_RING", 1, "Keep a sliding-window layer's KV cache (Gemma) as a ring of its window plus one prefill chunk of positions (rounded up to a power of two); 0 keeps the whole context on every layer (llama.cpp's --swa-full)."),
         Flag("K4_PREFILL_F16_CACHE", 1, "Keep an fp16 copy of the weights for prefill when it takes under 25% of free GPU memory; 0 dequantizes per call."),
     )
 }

@@ -120,7 +120,7 @@ class Generator:
             raise ContextFullError(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {be.n_ctx}; raise --ctx-size or shorten the prompt"
             )
-        keep = min(common_prefix(be.tokens, prompt_ids), len(prompt_ids) - 1)
+        keep = be.reusable(min(common_prefix(be.tokens, prompt_ids), len(prompt_ids) - 1))
         be.truncate(keep)
         res = self.result = GenerationResult(prompt_tokens=len(prompt_ids), prefill_tokens=len(prompt_ids) - keep)
         history = prompt_ids[:keep]

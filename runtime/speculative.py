@@ -82,7 +82,7 @@ class ModelDrafter:
 
     def draft(self, context: Sequence[int], k: int) -> list[int]:
         be = self.backend
-        keep = min(common_prefix(be.tokens, context), len(context) - 1)
+        keep = be.reusable(min(common_prefix(be.tokens, context), len(context) - 1))
         be.truncate(keep)
         k = min(k, be.n_ctx - len(context))  # the draft model's own cache holds context and k - 1 drafts
         if k <= 0:

@@ -242,10 +242,10 @@ def test_q8_0_logits_and_cache_match_numpy_backend(wide, kv):
     n = len(prompt) + 3
     for t, x, d, raw in ((kv.k, be.kv.k, be.kv.k_d, f32.k_cache), (kv.v, be.kv.v, be.kv.v_d, f32.v_cache)):
         if t == "f16":
-            assert x.dtype == cp.float16 and d is None
+            assert x[0].dtype == cp.float16 and d[0] is None
             continue
         q, s = quantize_q8_0(raw[0, :n])  # layer 0 as llama.cpp's q8_0 of the float32 keys / values
-        got_q, got_s = x[0, :n].get(), d[0, :n].get()
+        got_q, got_s = x[0][:n].get(), d[0][:n].get()
         assert np.abs(got_q.astype(np.int32) - q).max() <= 1 and (got_q != q).mean() < 0.01
         assert np.allclose(got_s.astype(np.float32), s.astype(np.float32), rtol=2e-3, atol=0)
 
@@ -259,10 +259,11 @@ def test_q8_0_cache_bytes_and_context_fit(wide):
     be = cuda(mf, 512, Q8)
     per_token = cfg.n_layer * 2 * cfg.n_head_kv * cfg.head_dim * 34 // 32
     assert be.memory_report()["kv_cache"] == KVCache.nbytes(cfg, 512, Q8) == 512 * per_token
-    assert be.kv.k.dtype == cp.int8 and be.kv.k_d.shape == (cfg.n_layer, 512, cfg.n_head_kv, cfg.head_dim // 32)
+    assert len(be.kv.k) == len(be.kv.k_d) == cfg.n_layer
+    assert be.kv.k[0].dtype == cp.int8 and be.kv.k_d[0].shape == (512, cfg.n_head_kv, cfg.head_dim // 32)
     free = 2**30
-    n16, left16, pt16 = max_context(mf, free=free)
-    n8, left8, pt8 = max_context(mf, free=free, kv_types=Q8)
+    n16, left16, pt16, _ = max_context(mf, free=free)
+    n8, left8, pt8, _ = max_context(mf, free=free, kv_types=Q8)
     assert pt8 == per_token and pt16 * 34 == pt8 * 64
     # the rest differs only by the split partials (decode attention's occupancy may differ by type)
     assert n8 == left8 // pt8 and n8 / n16 == pytest.approx(64 / 34, rel=1e-2)

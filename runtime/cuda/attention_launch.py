@@ -16,7 +16,7 @@ import cupy as cp
 import numpy as np
 
 from ..kv_types import KVTypes
-from .constants import ATT_MAX_SPLIT, ATT_THREADS, GQA_THREADS, MMA_BQ, MMA_THREADS, TILE_Q, TILE_THREADS, att_smem, gqa_smem, tiled_smem
+from .constants import ATT_MAX_SPLIT, ATT_THREADS, GQA_THREADS, MMA_BQ, MMA_THREADS, TILE_K, TILE_Q, TILE_THREADS, att_smem, gqa_smem, tiled_smem
 from .constants import mma_smem as _mma_smem
 from .kernel_names import FILE_OF, GQA_TILE_KEYS, MMA_TILE_KEYS, TILED_HEAD_DIMS, gqa_name, gqa_stages, kv_args
 from .kv_cache import NO_SCALES, cache_types, planes as _planes
@@ -33,6 +33,7 @@ MAX_GROUP = 16  # attn_gqa: query heads per KV head, the rows of one mma tile
 # 202.9 against 253.8 / 209.1 / 167.8. Two query heads fill 2 of the tile's 16 rows: attn_kv's
 # second read of each key, from L2, costs less than the tile's work.
 GQA_MIN_GROUP = 4
+RING_ONE_SPLIT = 1 << 30  # split_len of an unsplit decode over a ring: past any position (a multiple of every tile)
 
 
 def mma_smem(D: int) -> int:
@@ -149,10 +150,14 @@ class AttentionLaunchers:
 
         fresh: None, or for one query (decode) the RoPE and cache store of rope_qk_store done
         inside the kernel (FreshKV); q is then not read, and the token's k and v are written to
-        cache row pos. shape: the query scale, sliding window and score soft-cap (AttnShape).
+        cache row pos. shape: the query scale, sliding window, score soft-cap and the ring of
+        a sliding layer's cache (AttnShape; a ring's rows are a multiple of every kernel's key
+        tile).
         """
         n_tok, n_head, D = q.shape
         n_ctx, n_head_kv, _ = k_cache.shape
+        assert not shape.ring or (n_ctx == shape.ring and shape.ring % max(TILE_K, *MMA_TILE_KEYS.values(),
+                                                                            *GQA_TILE_KEYS.values()) == 0)
         check_f32(q, n_tok, n_head, D)
         check_f32(out, n_tok, n_head, D)
         types = cache_types(k_cache, v_cache, scales)
@@ -188,10 +193,10 @@ class AttentionLaunchers:
         n_tok, n_head, D = q.shape
         n_ctx, n_head_kv, _ = planes[0].shape
         gqa = name.startswith("attn_gqa")
-        if n_split == 1:
-            split_len = n_ctx
+        if n_split == 1:  # one split over every position (a ring's rows are fewer than the positions)
+            split_len = RING_ONE_SPLIT if shape.ring else n_ctx
         else:
-            assert split_len > 0 and n_split * split_len >= n_ctx
+            assert split_len > 0 and (shape.ring or n_split * split_len >= n_ctx)
             assert not gqa or split_len % GQA_TILE_KEYS[D] == 0
             assert part is not None and ticket is not None
             check_f32(part, n_tok, n_head, n_split, D + 2)

@@ -109,7 +109,9 @@ class CudaBackend(TokenCache):
         chunk = plan.chunk
         stream, copy_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
         with self.trace.in_phase("load"), stream, self.gpu_errors:
-            memory.check_fits(plan.weights, KVCache.nbytes(cfg, n_ctx, kv_types), plan.buffers, n_ctx, memory.free_bytes())
+            ring = self.flags.on("K4_SWA_RING")
+            memory.check_fits(plan.weights, KVCache.nbytes(cfg, n_ctx, kv_types, chunk, ring), plan.buffers, n_ctx,
+                              memory.free_bytes())
             loader = WeightLoader(self.mem, self.trace, copy_stream, w_opts)
             self._timed(stream, "read+upload", lambda: setattr(self, "weights", loader.load(mf, cfg, progress, n_ctx)))
             self.load_detail_ms = loader.detail_ms
@@ -136,7 +138,8 @@ class CudaBackend(TokenCache):
             place(L.gate_up, act.gate_up, act.x0.shape[0])
             if act.ff_q8 is not None and L.gate_up and q8_handoff.can_hand_off(L.gate_up[0].w, L.w_down):  # moe: no gate_up
                 L.ff_q8 = q8_handoff.Q8Vector.for_weight(L.w_down, act.ff_q8)
-        self.kv = KVCache(self.mem, self.config, self.n_ctx, self.kv_types)
+        self.kv = KVCache(self.mem, self.config, self.n_ctx, self.kv_types, act.x0.shape[0], self.flags.on("K4_SWA_RING"))
+        self.rewind_slack = self.kv.slack
         self.timer = DeviceTimer(self.trace)  # device time of prefill and of each decode step
         smp = allocate(self.mem, sampler_spec(self.config))  # decode state, sampler buffers, token ring
         pos = smp.state[ops.ST_POS : ops.ST_POS + 1]
@@ -238,6 +241,7 @@ class CudaBackend(TokenCache):
                 out = self.verifier.step(ids, self.n_past)
             self.timer.collect()
             c.steps += 1
+        self.written = max(self.written, self.n_past + len(ids))  # the rejected drafts' keys were stored too
         self.tokens.extend(ids[: len(out)])  # t and the accepted drafts
         return out
 
@@ -299,6 +303,7 @@ class CudaBackend(TokenCache):
                     self.tokens.append(tok)
         finally:
             if ahead:  # the step evaluating the last token is still in flight: finish it, so that
+                self.written = max(self.written, self.n_past)  # (its key is stored all the same)
                 self.tokens.pop()  # freeing or reusing buffers after close cannot race with it
                 with self.trace.in_phase("close"):
                     self.runner.stream.synchronize()

@@ -44,10 +44,10 @@ class Forward:
         self.cfg, self.w, self.act, self.kv, self.ops, self.opts = cfg, w, act, kv, o, opts
         self.splits, self.pos, self.stream = splits, pos, stream
         self.blas = None
-        # per layer: the attention's query scale, window (sliding layers) and score soft-cap
-        self.shapes = [AttnShape(cfg.query_scale, cfg.n_swa if cfg.sliding(li) else 0, cfg.attn_softcap)
+        # per layer: the attention's query scale, window (sliding layers), score soft-cap and cache ring
+        self.shapes = [AttnShape(cfg.query_scale, cfg.n_swa if cfg.sliding(li) else 0, cfg.attn_softcap, kv.rings[li])
                        for li in range(cfg.n_layer)]
-        self.n_ctx, self.chunk = kv.k.shape[1], act.x0.shape[0]
+        self.n_ctx, self.chunk = kv.n_ctx, act.x0.shape[0]
         # one token with fuse_norm: a post-norm (t, post_w, res, Y) the next products fold in (normed)
         self.post: tuple | None = None
 
@@ -72,14 +72,15 @@ class Forward:
             # attention: norm, q/k/v projections (+bias), [q/k norm] + RoPE + cache store, attention, output + residual
             h, norm = self.normed(x, L.attn_norm, half)
             cols = self.qkv(L, h, norm, n)
-            k_cache, v_cache, scales = self.kv.layer(li)  # (n_ctx, n_head_kv, head_dim); q8_0: + scales
+            k_cache, v_cache, scales = self.kv.layer(li)  # (n_ctx or ring rows, n_head_kv, head_dim); q8_0: + scales
             rope = RopeArgs(L.q_norm, L.k_norm, self.w.inv_freq, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps, self.w.rope_mscale)
             if cfg.sliding(li):  # gemma's sliding layers: their own RoPE base, no scaling
                 rope = RopeArgs(L.q_norm, L.k_norm, self.w.inv_freq_swa, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps)
             if n == 1 and self.opts.fuse_rope:  # RoPE and the cache store inside the attention kernel
                 fresh = FreshKV(cols["q"], cols["k"], cols["v"], rope)
             else:
-                o.rope_qk_store(cols["q"], cols["k"], cols["v"], k_cache, v_cache, rope, self.pos, q_out=q, scales=scales)
+                o.rope_qk_store(cols["q"], cols["k"], cols["v"], k_cache, v_cache, rope, self.pos, q_out=q, scales=scales,
+                                ring=self.kv.rings[li])
                 fresh = None
             k_rows, v_rows, row_scales = self.kv.layer(li, limit)  # the positions below the decode range's limit
             o.attention(q, k_rows, v_rows, attn, self.pos, n_split, split_len, part, a.ticket, fresh, self.shapes[li],

@@ -72,17 +72,26 @@ class RopeArgs:
 class AttnShape:
     """What a layer's attention computes beyond plain causal softmax (Gemma): scale of q.k (None:
     1/sqrt(head_dim)); window > 0: the query at position p sees keys p - window + 1 .. p only
-    (a sliding layer); softcap > 0: scores -> softcap * tanh(score / softcap) (Gemma 2). The
-    default is the llama families' attention, with the same kernels and arguments' effect."""
+    (a sliding layer); softcap > 0: scores -> softcap * tanh(score / softcap) (Gemma 2); ring > 0:
+    the layer's cache is a ring of that many rows (a power of two; position p at row p & (ring -
+    1), runtime/swa_ring.py), 0 a plain cache (row p). The default is the llama families'
+    attention, with the same kernels and arguments' effect."""
 
     scale: float | None = None
     window: int = 0
     softcap: float = 0.0
+    ring: int = 0
 
     def kernel_args(self, D: int) -> tuple:
-        assert self.window >= 0 and self.softcap >= 0
+        """The kernels' (scale, window, softcap, ring) arguments; ring as the row mask, -1 for none."""
+        assert self.window >= 0 and self.softcap >= 0 and self.ring & (self.ring - 1) == 0
         scale = 1.0 / math.sqrt(D) if self.scale is None else self.scale
-        return np.float32(scale), np.int32(self.window), np.float32(self.softcap)
+        return np.float32(scale), np.int32(self.window), np.float32(self.softcap), ring_mask(self.ring)
+
+
+def ring_mask(ring: int) -> np.int32:
+    """The kernels' `ring` argument for a cache of `ring` rows as a ring (0: a plain cache, -1)."""
+    return np.int32(ring - 1 if ring else -1)
 
 
 PLAIN = AttnShape()

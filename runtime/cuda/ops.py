@@ -26,7 +26,7 @@ from .constants import ST_DRAW, ST_POS, ST_RING, ST_TOK  # noqa: F401 (ops.ST_*:
 from .kernel_names import FILE_OF, GROUP_OF, KERNELS, kv_args
 from .kv_cache import NO_SCALES, cache_types, planes as _planes
 from .launch import launch
-from .op_args import OUT_TYPES, RopeArgs, check_f32, check_out, row_stride
+from .op_args import OUT_TYPES, RopeArgs, check_f32, check_out, ring_mask, row_stride
 
 
 # Launch parameters of the host only; what the kernels share is in constants.py.
@@ -114,7 +114,8 @@ class Ops(AttentionLaunchers):
         self._launch("norm.cu", f"rms_norm<{out}>", (n_rows,), (threads,), (x, w, y, np.int32(n), np.float32(eps)))
 
     def rope_qk_store(self, q: cp.ndarray, k: cp.ndarray, v: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray,
-                      rope: RopeArgs, pos: cp.ndarray, q_out: cp.ndarray | None = None, scales: tuple = NO_SCALES) -> None:
+                      rope: RopeArgs, pos: cp.ndarray, q_out: cp.ndarray | None = None, scales: tuple = NO_SCALES,
+                      ring: int = 0) -> None:
         """RoPE on q and k (rope: optional per-head RMSNorm first), k and v stored in the cache.
 
         q_out: (n_tok, n_head, D) f32, receives q normalized and rotated; None: q itself (then
@@ -123,8 +124,10 @@ class Ops(AttentionLaunchers):
         (n_tok, n_head_kv * D). k_cache, v_cache: (n_ctx, n_head_kv, D) fp16, or int8 quants of
         a q8_0 plane with its scales in `scales` (cache_types; one layer); pos: (1,) int32 device
         scalar, the position of token 0. The caller guarantees pos + n_tok <= n_ctx (the kernel
-        writes cache rows pos .. pos + n_tok - 1). A q8_0 plane gets llama.cpp's quantization of
-        each head row (kernels_cu/kv_cache.cuh; the same bits as runtime/kv_types.py).
+        writes cache rows pos .. pos + n_tok - 1). ring > 0: the planes are a sliding layer's
+        ring of that many rows (AttnShape.ring), position p written to row p & (ring - 1). A
+        q8_0 plane gets llama.cpp's quantization of each head row (kernels_cu/kv_cache.cuh; the
+        same bits as runtime/kv_types.py).
         """
         q_out = q if q_out is None else q_out
         n_tok, n_head, D = q_out.shape
@@ -134,7 +137,7 @@ class Ops(AttentionLaunchers):
         ld_k = row_stride(k, n_tok, n_head_kv * D)
         ld_v = row_stride(v, n_tok, n_head_kv * D)
         types = cache_types(k_cache, v_cache, scales)
-        assert k_cache.shape[1:] == (n_head_kv, D)
+        assert k_cache.shape[1:] == (n_head_kv, D) and (not ring or k_cache.shape[0] == ring)
         assert pos.dtype == cp.int32 and pos.size == 1
         rope.check(D)
         rows = n_tok * (n_head + n_head_kv)
@@ -142,7 +145,7 @@ class Ops(AttentionLaunchers):
         self._launch("rope.cu", f"rope_qk_store<{kv_args(types.k, types.v)}>", (-(-rows // ROPE_WARPS),), (32 * ROPE_WARPS,),
                      (q, np.int32(ld_q), k, np.int32(ld_k), v, np.int32(ld_v), q_out, *_planes(k_cache, v_cache, scales),
                       *rope.kernel_args(), pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv), np.int32(D),
-                      np.int32(rope.rope_dim), np.int32(rope.neox), np.float32(rope.eps), np.float32(rope.mscale)),
+                      np.int32(rope.rope_dim), np.int32(rope.neox), np.float32(rope.eps), np.float32(rope.mscale), ring_mask(ring)),
                      shared_mem=smem)
 
     def _swiglu(self, gate: cp.ndarray, up: cp.ndarray, out: cp.ndarray, n_tok: int, n_ff: int, ld: int, step: int,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ..flags import Flags
 from ..kv_types import F16, KVTypes
+from .. import swa_ring
 from ..model import ModelFile
 from ..trace import Trace
 from . import blas, layout, matmul, memory, ops
@@ -81,12 +82,18 @@ def fixed_bytes(mf: ModelFile, flags: Flags, kv_types: KVTypes = F16) -> int:
 
 
 def max_context(mf: ModelFile, flags: Flags | None = None, free: int | None = None,
-                kv_types: KVTypes = F16) -> tuple[int, int, int]:
+                kv_types: KVTypes = F16) -> tuple[int, int, int, int]:
     """(largest n_ctx in tokens whose KV cache of kv_types fits, bytes free for the cache, KV
-    bytes per token) on this GPU, free: device bytes available (default memory.free_bytes()).
-    The first is 0 when not even the weights and buffers fit. A q8_0 cache takes 34/32 bytes a
-    value against f16's 2 (runtime/cuda/kv_cache.py), so about 1.9 times the context fits."""
+    bytes per token past the sliding layers' rings, the cache's bytes at the training context)
+    on this GPU, free: device bytes available (default memory.free_bytes()). The first is 0 when
+    not even the weights and buffers fit. A q8_0 cache takes 34/32 bytes a value against f16's 2
+    (runtime/cuda/kv_cache.py), so about 1.9 times the context fits; a sliding layer's ring
+    (K4_SWA_RING, runtime/swa_ring.py) stops growing at its window plus one prefill chunk."""
     flags = flags if flags is not None else Flags()
+    cfg, ring = mf.config, flags.on("K4_SWA_RING")
     left = (memory.free_bytes() if free is None else free) - fixed_bytes(mf, flags, kv_types)
-    per_token = KVCache.nbytes(mf.config, 1, kv_types)
-    return max(0, left // per_token), max(0, left), per_token
+    n_ctx = swa_ring.max_context(cfg, left, kv_types, PREFILL_CHUNK, ring)
+    rings = swa_ring.layer_rings(cfg, cfg.n_ctx_train, PREFILL_CHUNK, ring)
+    per_token = kv_types.bytes_per_token(sum(1 for r in rings if not r), cfg.n_head_kv * cfg.head_dim)
+    need = KVCache.nbytes(cfg, cfg.n_ctx_train, kv_types, min(cfg.n_ctx_train, PREFILL_CHUNK), ring)
+    return n_ctx, max(0, left), per_token, need
