@@ -22,11 +22,13 @@
 //   layer), k_d, v_d: their (n_ctx, n_head_kv, D / 32) fp16 scale planes (q8_0) or null (f16).
 // out: (n_tok, n_head, D) f32.
 // part: (n_tok, n_head, n_split, D + 2) f32 partials [m, l, acc[D]], written when n_split > 1
-//   by the splits that hold keys (the first ceil(n_kv / split_len)); ticket: (n_tok, n_head)
+//   by the splits that hold keys (the first ceil((n_kv - lo) / split_len), lo below); ticket: (n_tok, n_head)
 //   int32, zero on entry and left zero, counts the splits done.
 // pos: (1,) int32, the position of query 0. split_len: keys per split. scale: of q.k.
-// window > 0: a sliding layer (Gemma): the query at position p sees keys p - window + 1 .. p only;
-//   splits wholly before that hold no keys (they exit, and the merge skips them). softcap > 0:
+// window > 0: a sliding layer (Gemma): the query at position p sees keys p - window + 1 .. p only,
+//   and the splits are counted from that first key (split s takes keys lo + s * split_len .., lo
+//   = max(0, p + 1 - window)), so a decode configuration sized for the window serves any depth;
+//   splits past the last key exit (and the merge skips them). softcap > 0:
 //   scores -> softcap * tanh(score / softcap) (Gemma 2). window = 0, softcap = 0: plain causal.
 // ring: -1 for a plain cache (position p at row p), or for a sliding layer's ring (its last
 //   ring + 1 positions only, ring + 1 a power of two; runtime/swa_ring.py) the mask of the row:
@@ -64,12 +66,11 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
     const int tid = threadIdx.x;
     const int hk = h / (n_head / n_head_kv);
     const int n_kv = *pos + t + 1;
-    const int n_active = (n_kv + split_len - 1) / split_len;  // splits up to the last key
     const int lo = window > 0 ? max(0, n_kv - window) : 0;    // the first key this query sees
-    const int first = lo / split_len;                         // the first split holding keys
-    if (s >= n_active || s < first) return;
-    const int begin = max(s * split_len, lo);
-    const int end = min(n_kv, (s + 1) * split_len);  // this split's range, cut to the window's start above
+    const int n_active = (n_kv - lo + split_len - 1) / split_len;  // splits holding keys, from lo
+    if (s >= n_active) return;
+    const int begin = lo + s * split_len;
+    const int end = min(n_kv, begin + split_len);  // this split's range
     const size_t kv_stride = (size_t)n_head_kv * D;
     const size_t head_off = (size_t)hk * D;  // element of this KV head's row at position 0
 
@@ -210,20 +211,20 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
     __syncthreads();
     if (tid == 0) {
         __threadfence();
-        is_last = atomicAdd(ticket + row, 1) == n_active - first - 1;
+        is_last = atomicAdd(ticket + row, 1) == n_active - 1;
     }
     __syncthreads();
     if (!is_last) return;
     __threadfence();
     const float* pr = part + row * n_split * (D + 2);
     float M = -k4ops::inf_f32();
-    for (int j = first; j < n_active; ++j) M = fmaxf(M, __ldcg(pr + j * (D + 2)));
+    for (int j = 0; j < n_active; ++j) M = fmaxf(M, __ldcg(pr + j * (D + 2)));
     float L = 0.0f;
-    for (int j = first; j < n_active; ++j) L += __ldcg(pr + j * (D + 2) + 1) * __expf(__ldcg(pr + j * (D + 2)) - M);
+    for (int j = 0; j < n_active; ++j) L += __ldcg(pr + j * (D + 2) + 1) * __expf(__ldcg(pr + j * (D + 2)) - M);
     const float inv_L = 1.0f / L;
     for (int i = tid; i < D; i += ATT_THREADS) {
         float a = 0.0f;
-        for (int j = first; j < n_active; ++j) a += __ldcg(pr + j * (D + 2) + 2 + i) * __expf(__ldcg(pr + j * (D + 2)) - M);
+        for (int j = 0; j < n_active; ++j) a += __ldcg(pr + j * (D + 2) + 2 + i) * __expf(__ldcg(pr + j * (D + 2)) - M);
         out[row * D + i] = a * inv_L;
     }
     if (tid == 0) ticket[row] = 0;

@@ -210,11 +210,10 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     const int G = n_head / n_head_kv;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int n_kv = *pos + 1, p = n_kv - 1;
-    const int n_active = (n_kv + split_len - 1) / split_len;
-    const int lo = window > 0 ? max(0, n_kv - window) : 0;
-    const int first = lo / split_len;
-    if (s >= n_active || s < first) return;
-    const int begin = max(s * split_len, lo), end = min(n_kv, (s + 1) * split_len);
+    const int lo = window > 0 ? max(0, n_kv - window) : 0;  // splits count from the first key seen, as attn_kv's
+    const int n_active = (n_kv - lo + split_len - 1) / split_len;
+    if (s >= n_active) return;
+    const int begin = lo + s * split_len, end = min(n_kv, begin + split_len);
     const size_t kv_stride = (size_t)n_head_kv * D;
     const size_t head_off = (size_t)hk * D;
     const u32 qs_base = smem_u32(Qs);
@@ -422,11 +421,11 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     __syncthreads();
     if (tid == 0) {
         __threadfence();
-        is_last = atomicAdd(ticket + hk * G, 1) == n_active - first - 1;
+        is_last = atomicAdd(ticket + hk * G, 1) == n_active - 1;
     }
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    merge_splits<true>(part, hk * G, G, n_split, first, n_active, D, out, wm, tid, GQA_THREADS);
+    merge_splits<true>(part, hk * G, G, n_split, 0, n_active, D, out, wm, tid, GQA_THREADS);
     if (tid == 0) ticket[hk * G] = 0;
 }

@@ -214,6 +214,9 @@ def test_split_buckets_grow_by_half_and_a_third_and_end_at_the_context():
         assert buckets[-1] == (n_ctx, *attention_split(n_ctx, True, 30))
         assert all(n * length >= limit for limit, n, length in buckets)
         assert [b[0] for b in buckets] == sorted({b[0] for b in buckets})
+    # a sliding layer's: the same ranges, each split over at most the window's keys
+    assert split_buckets(4096, True, 28, window=1000) == [(512, 16, 32), (768, 24, 32), (1024, 16, 64), (1536, 16, 64),
+                                                          (2048, 16, 64), (3072, 16, 64), (4096, 16, 64)]
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1000), (5, 11008), (2, 96)])

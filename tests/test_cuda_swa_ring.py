@@ -72,8 +72,11 @@ def test_attention_over_a_ring(ops, rng, kt, vt, n_tok, pos0, n_head, n_head_kv,
     assert 0 < rows < n_kv
     (rk, rkd), (rv, rvd) = ring_of(kt, kx, kd, n_kv, rows), ring_of(vt, vx, vd, n_kv, rows)
     want = attention_f64(q, k_read, v_read, pos0, 0.09, window, cap)
-    check_attention_kernels(ops, q, rk, rv, pos0, n_ctx, split, want, scales=(rkd, rvd),
-                            shape=AttnShape(0.09, window, cap, rows))
+    # split over the whole context (the full layers' configuration), then over the window's keys
+    # (the sliding layers': splits count from the window's first key)
+    for keys in (n_ctx, window) if split else (n_ctx,):
+        check_attention_kernels(ops, q, rk, rv, pos0, keys, split, want, scales=(rkd, rvd),
+                                shape=AttnShape(0.09, window, cap, rows))
 
 
 @pytest.mark.parametrize("kt,vt", TYPES)

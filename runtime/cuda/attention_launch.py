@@ -71,18 +71,21 @@ def attention_lanes(n_head: int, n_head_kv: int, head_dim: int) -> int:
     return 4 if n_head > n_head_kv and head_dim <= 128 else 8
 
 
-def split_buckets(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, keys: int = ATT_SPLIT_KEYS) -> list[tuple[int, int, int]]:
+def split_buckets(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, keys: int = ATT_SPLIT_KEYS,
+                  window: int = 0) -> list[tuple[int, int, int]]:
     """The decode attention configurations of a cache of n_ctx positions, one per range of
     context lengths: [(limit, n_split, split_len)], limits ascending (512, 768, 1024, 1536, ...,
     then n_ctx), each attention_split(limit, split, max_split, keys) and valid while the keys
     attended (position + 1) are at most its limit. A step then launches the splits its length
-    needs, of a length suited to it, whatever n_ctx is. One entry when split is off."""
+    needs, of a length suited to it, whatever n_ctx is. One entry when split is off. window > 0:
+    for a sliding layer, whose splits count from the first key it sees (attention.cu): each
+    range's configuration is attention_split(min(limit, window)), the same limits."""
     limits = []
     limit = 512
     while split and limit < n_ctx:
         limits.append(limit)
         limit = limit * 3 // 2 if limit & (limit - 1) == 0 else limit * 4 // 3  # 512, 768, 1024, 1536, ...
-    return [(L, *attention_split(L, split, max_split, keys)) for L in (*limits, n_ctx)]
+    return [(L, *attention_split(min(L, window) if window else L, split, max_split, keys)) for L in (*limits, n_ctx)]
 
 
 def _gqa_smem(D: int, kv: KVTypes) -> int:
@@ -128,10 +131,12 @@ class AttentionLaunchers:
         blocks = device_limits()[0] * blocks_per_sm(kernel, ATT_THREADS, att_smem(head_dim))
         return max(1, blocks // n_head), ATT_SPLIT_KEYS
 
-    def decode_splits(self, n_ctx: int, split: bool, head_dim: int, n_head: int, n_head_kv: int) -> list[tuple[int, int, int]]:
-        """split_buckets of a cache of n_ctx positions for a model of this shape (decode_plan)."""
+    def decode_splits(self, n_ctx: int, split: bool, head_dim: int, n_head: int, n_head_kv: int,
+                      window: int = 0) -> list[tuple[int, int, int]]:
+        """split_buckets of a cache of n_ctx positions for a model of this shape (decode_plan);
+        window > 0: those of its sliding layers (split_buckets window)."""
         max_split, keys = self.decode_plan(head_dim, n_head, n_head_kv) if split else (1, ATT_SPLIT_KEYS)
-        return split_buckets(n_ctx, split, max_split, keys)
+        return split_buckets(n_ctx, split, max_split, keys, window)
 
     def attention(self, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, out: cp.ndarray, pos: cp.ndarray,
                   n_split: int = 1, split_len: int = 0, part: cp.ndarray | None = None,
@@ -195,8 +200,8 @@ class AttentionLaunchers:
         gqa = name.startswith("attn_gqa")
         if n_split == 1:  # one split over every position (a ring's rows are fewer than the positions)
             split_len = RING_ONE_SPLIT if shape.ring else n_ctx
-        else:
-            assert split_len > 0 and (shape.ring or n_split * split_len >= n_ctx)
+        else:  # the splits cover the keys a query sees: at most the window (a sliding layer's count from its first)
+            assert split_len > 0 and (shape.ring or n_split * split_len >= min(n_ctx, shape.window or n_ctx))
             assert not gqa or split_len % GQA_TILE_KEYS[D] == 0
             assert part is not None and ticket is not None
             check_f32(part, n_tok, n_head, n_split, D + 2)

@@ -115,7 +115,7 @@ class CudaBackend(TokenCache):
             loader = WeightLoader(self.mem, self.trace, copy_stream, w_opts)
             self._timed(stream, "read+upload", lambda: setattr(self, "weights", loader.load(mf, cfg, progress, n_ctx)))
             self.load_detail_ms = loader.detail_ms
-            self._timed(stream, "buffers", lambda: self._buffers(plan.act_spec, o, f_opts, plan.splits, stream, copy_stream))
+            self._timed(stream, "buffers", lambda: self._buffers(plan, o, f_opts, stream, copy_stream))
             if self.flags.on("K4_PREFILL_F16_CACHE"):
                 self._timed(stream, "prefill fp16 copy", half_weights, self.weights, self.mem, chunk, stream, self.trace)
             self._timed(stream, "compile", self._finish_compile, compiling, status)
@@ -129,10 +129,10 @@ class CudaBackend(TokenCache):
             if self.flags.on("K4_CUDA_GRAPH"):
                 self._timed(stream, "graph capture", self.runner.capture)
 
-    def _buffers(self, act_spec, o, f_opts: ForwardOptions, splits, stream, copy_stream) -> None:
+    def _buffers(self, plan, o, f_opts: ForwardOptions, stream, copy_stream) -> None:
         """Allocate the activations, the KV cache and the runner's buffers; place each layer's
         projection outputs; give the layers that hand their SwiGLU output on in 8 bits its buffer."""
-        act = allocate(self.mem, act_spec)
+        act = allocate(self.mem, plan.act_spec)
         for L in self.weights.layers:
             place(L.qkv, act.qkv, act.x0.shape[0])
             place(L.gate_up, act.gate_up, act.x0.shape[0])
@@ -143,7 +143,7 @@ class CudaBackend(TokenCache):
         self.timer = DeviceTimer(self.trace)  # device time of prefill and of each decode step
         smp = allocate(self.mem, sampler_spec(self.config))  # decode state, sampler buffers, token ring
         pos = smp.state[ops.ST_POS : ops.ST_POS + 1]
-        self.forward = Forward(self.config, self.weights, act, self.kv, o, f_opts, splits, pos, stream)
+        self.forward = Forward(self.config, self.weights, act, self.kv, o, f_opts, plan.splits, pos, stream, plan.swa_splits)
         self.runner = Runner(self.forward, smp, self.mem, self.trace, stream, copy_stream)
 
     def _finish_compile(self, compiling: list, status) -> None:

@@ -35,14 +35,16 @@ class ForwardOptions:
 class Forward:
     """Enqueues forward passes of one model: weights `w`, activations `act` (buffers.activation_spec),
     cache `kv`, kernels `ops`, on `stream`. splits: the decode attention configurations
-    (limit, n_split, split_len) per range of context lengths (Ops.decode_splits); pos: the
+    (limit, n_split, split_len) per range of context lengths (Ops.decode_splits), swa_splits
+    the sliding layers' (n_split, split_len) per range limit (default: splits'); pos: the
     device int32 position of the first token (decode state). blas: cuBLAS handle for prefill
     graphs, or None."""
 
     def __init__(self, cfg: ModelConfig, w: Weights, act, kv: KVCache, o: ops.Ops, opts: ForwardOptions,
-                 splits: list[tuple[int, int, int]], pos: cp.ndarray, stream):
+                 splits: list[tuple[int, int, int]], pos: cp.ndarray, stream, swa_splits: dict | None = None):
         self.cfg, self.w, self.act, self.kv, self.ops, self.opts = cfg, w, act, kv, o, opts
         self.splits, self.pos, self.stream = splits, pos, stream
+        self.swa_splits = swa_splits or {limit: (n, length) for limit, n, length in splits}
         self.blas = None
         # per layer: the attention's query scale, window (sliding layers), score soft-cap and cache ring
         self.shapes = [AttnShape(cfg.query_scale, cfg.n_swa if cfg.sliding(li) else 0, cfg.attn_softcap, kv.rings[li])
@@ -62,9 +64,10 @@ class Forward:
         half = n > 1 and self.half(n)
         ff = (a.ff16 if half else a.ff)[:n]  # (n, n_ff)
         limit, n_split, split_len = (split or self.splits[-1]) if n == 1 else (self.n_ctx, 1, self.n_ctx)
-        part = None
-        if n_split > 1:
-            part = a.part[: cfg.n_head * n_split * (cfg.head_dim + 2)].reshape(1, cfg.n_head, n_split, cfg.head_dim + 2)
+        # per layer kind (full, sliding): its decode attention's (n_split, split_len) and partials
+        configs = {False: (n_split, split_len), True: self.swa_splits[limit] if n == 1 else (1, self.n_ctx)}
+        parts = {k: None if c[0] == 1 else a.part[: cfg.n_head * c[0] * (cfg.head_dim + 2)].reshape(1, cfg.n_head, c[0], cfg.head_dim + 2)
+                 for k, c in configs.items()}
         self.post = None  # a pending post-norm of an earlier pass that no output() took: x is rewritten below
         # gemma: the embedding rows times sqrt(n_embd), inside the lookup (embed_scale 1: none)
         matmul.dequant_rows(self.w.token_embd, row_ids, x, stream=self.stream, trace=o.trace, scale=cfg.embed_scale)
@@ -83,7 +86,8 @@ class Forward:
                                 ring=self.kv.rings[li])
                 fresh = None
             k_rows, v_rows, row_scales = self.kv.layer(li, limit)  # the positions below the decode range's limit
-            o.attention(q, k_rows, v_rows, attn, self.pos, n_split, split_len, part, a.ticket, fresh, self.shapes[li],
+            sliding = cfg.sliding(li)
+            o.attention(q, k_rows, v_rows, attn, self.pos, *configs[sliding], parts[sliding], a.ticket, fresh, self.shapes[li],
                         scales=row_scales)
             self.residual(L.wo, attn.reshape(n, cfg.q_dim), x, x1, L.attn_post_norm)
             if L.moe is not None:  # routed experts (+ shared expert) + residual: runtime/cuda/moe.py

@@ -48,14 +48,15 @@ class SizePlan:
     """What CudaBackend allocates for a context of n_ctx tokens, besides the KV cache: the weights'
     bytes (as in the file; vectors f32), the activation spec, the decode attention configurations
     (limit, n_split, split_len) per range of context lengths (Ops.decode_splits: a decode graph
-    per range, eager steps take the last), and all buffers' bytes (activations, sampler, cuBLAS
-    workspace)."""
+    per range, eager steps take the last), all buffers' bytes (activations, sampler, cuBLAS
+    workspace), and per range the sliding layers' configuration (swa_splits)."""
 
     chunk: int
     splits: list
     act_spec: dict
     weights: int
     buffers: int
+    swa_splits: dict  # range limit -> (n_split, split_len) of the sliding layers (splits counted from the window's start)
 
 
 def size_plan(mf: ModelFile, n_ctx: int, flags: Flags, o: ops.Ops) -> SizePlan:
@@ -64,13 +65,16 @@ def size_plan(mf: ModelFile, n_ctx: int, flags: Flags, o: ops.Ops) -> SizePlan:
     cfg = mf.config
     w_opts = options(flags)[0]
     chunk = min(n_ctx, PREFILL_CHUNK)
-    splits = o.decode_splits(n_ctx, flags.on("K4_SPLIT_ATTN"), cfg.head_dim, cfg.n_head, cfg.n_head_kv)
-    n_split = max(n for _, n, _ in splits)  # the most splits of any range: the partials buffer
+    split = flags.on("K4_SPLIT_ATTN")
+    splits = o.decode_splits(n_ctx, split, cfg.head_dim, cfg.n_head, cfg.n_head_kv)
+    swa = o.decode_splits(n_ctx, split, cfg.head_dim, cfg.n_head, cfg.n_head_kv, cfg.n_swa) if cfg.n_swa else splits
+    n_split = max(n for _, n, _ in splits + swa)  # the most splits of any range: the partials buffer
     specs = [layout.combined(tensors, tensors[0].name, glu) for _, tensors, glu in matrix_plan(mf, cfg, w_opts)]
     act = activation_spec(cfg, chunk, n_ctx, n_split, matmul_scratch_bytes(specs, chunk, w_opts.matrix),
                           flags.on("K4_FUSE_QUANT"))
     workspace = blas.WORKSPACE_BYTES if flags.on("K4_PREFILL_GRAPH") else 0
-    return SizePlan(chunk, splits, act, weight_bytes(mf, cfg), spec_bytes(act) + spec_bytes(sampler_spec(cfg)) + workspace)
+    return SizePlan(chunk, splits, act, weight_bytes(mf, cfg), spec_bytes(act) + spec_bytes(sampler_spec(cfg)) + workspace,
+                    {limit: (n, length) for limit, n, length in swa})
 
 
 def fixed_bytes(mf: ModelFile, flags: Flags, kv_types: KVTypes = F16) -> int:
