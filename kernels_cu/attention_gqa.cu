@@ -37,128 +37,8 @@
 // 2t, 2t + 1 (the mma accumulator layout); tile loads: thread tid copies 16-byte chunks tid,
 // tid + GQA_THREADS, ... of the tile, row-major (a row is D / 8 fp16 chunks or D / 16 q8_0 ones).
 
-namespace k4gqa {
-using namespace k4mma;
-
-// 4 int8 of a word times the fp16 scale d, as 4 fp16 in h[0] (values 0, 1) and h[1] (2, 3),
-// each q * d rounded once to nearest even: the bits that converting q and d to f32, multiplying
-// (exact: 8 by 11 significant bits) and rounding to fp16 give, in 3 instructions per pair
-// instead of 8. Byte b + 128 as the low mantissa bits of fp16 1024 is 1024 + b + 128 (one byte
-// permute for two values); minus 1152 is b, exactly; times d rounds once.
-__device__ __forceinline__ void i8x4_to_f16_scaled(u32 w, u32 d, u32* h) {
-    const u32 u = w ^ 0x80808080u, d2 = d | (d << 16);
-    const u32 lo = __byte_perm(u, 0x64646464u, 0x5140), hi = __byte_perm(u, 0x64646464u, 0x7362);
-    asm("{ .reg .b32 t; sub.rn.f16x2 t, %1, %2; mul.rn.f16x2 %0, t, %3; }" : "=r"(h[0]) : "r"(lo), "r"(0x64806480u), "r"(d2));
-    asm("{ .reg .b32 t; sub.rn.f16x2 t, %1, %2; mul.rn.f16x2 %0, t, %3; }" : "=r"(h[1]) : "r"(hi), "r"(0x64806480u), "r"(d2));
-}
-
-// The staging of one plane (keys or values) of S tiles in flight, for cache type T; rows of the
-// fp16 tile the mmas read are ROW_BYTES apart. Specialized below: fp16 planes copy straight into
-// S fp16 stages; q8_0 planes copy their quants and scales into S raw stages and dequantize the
-// tile about to be used into one fp16 tile (prepare). Thread tid copies the 16-byte chunks
-// tid, tid + GQA_THREADS, ... of a tile, row-major: column c = tid % PER_ROW of rows r0 =
-// tid / PER_ROW, r0 + RSTEP, ...; its addresses at position 0 are computed once (the
-// constructor), a tile adds (j * BK) & ring rows, and tiles wholly inside [lo, hi) skip the row checks.
-template <class T, int D, int BK, int S, int ROW_BYTES, bool SCALED = T::SCALED>
-struct Plane;
-
-template <class T, int D, int BK, int S, int ROW_BYTES>
-struct Plane<T, D, BK, S, ROW_BYTES, false> {
-    static constexpr int STAGE = BK * ROW_BYTES;
-    static constexpr int BYTES = S * STAGE;  // shared memory
-    static constexpr int PER_ROW = D / 8, RSTEP = GQA_THREADS / PER_ROW, N = BK / RSTEP;  // 16-byte chunks
-    static_assert(GQA_THREADS % PER_ROW == 0 && BK % RSTEP == 0, "a tile's chunks spread evenly over the block");
-    u32 base, dst0;                    // the stages; this thread's first chunk in a stage
-    const typename T::elem* src0;     // its first chunk at position 0
-    size_t stride;                    // elements a position
-    int r0;                           // its first row
-
-    // x: the plane (element head_off at position 0 is this KV head's), kv_stride elements a position.
-    __device__ __forceinline__ Plane(u32 smem, const typename T::elem* x, const u16*, size_t head_off, size_t kv_stride, int tid)
-        : base(smem), stride(kv_stride), r0(tid / PER_ROW) {
-        const int c = tid % PER_ROW;
-        dst0 = (u32)(r0 * ROW_BYTES + 16 * c);
-        src0 = x + head_off + (size_t)r0 * kv_stride + 8 * c;
-    }
-
-    // Keys j * BK .. + BK - 1 into stage j % S; keys outside [lo, hi) read nothing and stage zeros.
-    // ring: attn_kv's (-1, or the row mask of a sliding layer's ring, whose rows BK divides).
-    __device__ __forceinline__ void fetch(int j, int lo, int hi, int ring) const {
-        const u32 dst = base + (u32)((j % S) * STAGE) + dst0;
-        const typename T::elem* src = src0 + (size_t)((j * BK) & ring) * stride;
-        const int k0 = j * BK + r0;
-        const bool inside = j * BK >= lo && j * BK + BK <= hi;
-#pragma unroll
-        for (int it = 0; it < N; ++it) {
-            const bool valid = inside || (k0 + RSTEP * it >= lo && k0 + RSTEP * it < hi);
-            cp_async16(dst + (u32)(RSTEP * it * ROW_BYTES), valid ? src + (size_t)RSTEP * it * stride : src0, valid);
-        }
-    }
-    __device__ __forceinline__ void prepare(int, int) const {}
-    __device__ __forceinline__ u32 tile(int j) const { return base + (u32)((j % S) * STAGE); }
-};
-
-template <class T, int D, int BK, int S, int ROW_BYTES>
-struct Plane<T, D, BK, S, ROW_BYTES, true> {
-    static constexpr int SC_ROW = D / QK8_0 * 2;               // bytes of one row's scales (4, 8 or 16)
-    static constexpr int QUANTS = BK * D;                      // bytes of a stage's quants, rows of D
-    static constexpr int RAW = (QUANTS + BK * SC_ROW + 15) / 16 * 16;  // a raw stage: quants, then scales
-    static constexpr int BYTES = S * RAW + BK * ROW_BYTES;     // shared memory: S raw stages, one fp16 tile
-    static constexpr int PER_ROW = D / 16, RSTEP = GQA_THREADS / PER_ROW, N = BK / RSTEP;  // 16-quant chunks
-    static_assert(GQA_THREADS % PER_ROW == 0 && BK % RSTEP == 0 && BK <= GQA_THREADS, "a tile's chunks spread evenly over the block");
-    u32 base, dst0;                    // the raw stages (the fp16 tile follows them); this thread's first chunk in a stage
-    const typename T::elem* src0;     // its first chunk at position 0
-    const u16* sc0;                   // the scales of row tid (tid < BK) at position 0
-    size_t stride;
-    int r0, c;
-
-    __device__ __forceinline__ Plane(u32 smem, const typename T::elem* x, const u16* xd, size_t head_off, size_t kv_stride, int tid)
-        : base(smem), stride(kv_stride), r0(tid / PER_ROW), c(tid % PER_ROW) {
-        dst0 = (u32)(r0 * D + 16 * c);
-        src0 = x + head_off + (size_t)r0 * kv_stride + 16 * c;
-        sc0 = xd + (head_off + (size_t)tid * kv_stride) / QK8_0;
-    }
-
-    __device__ __forceinline__ void fetch(int j, int lo, int hi, int ring) const {
-        const u32 dst = base + (u32)((j % S) * RAW);
-        const size_t row = (size_t)((j * BK) & ring);  // the tile's first row
-        const typename T::elem* src = src0 + row * stride;
-        const int k0 = j * BK + r0;
-        const bool inside = j * BK >= lo && j * BK + BK <= hi;
-#pragma unroll
-        for (int it = 0; it < N; ++it) {
-            const bool valid = inside || (k0 + RSTEP * it >= lo && k0 + RSTEP * it < hi);
-            cp_async16(dst + dst0 + (u32)(RSTEP * it * D), valid ? src + (size_t)RSTEP * it * stride : src0, valid);
-        }
-        const int tid = r0 * PER_ROW + c;
-        if (tid < BK) {  // row tid's scales
-            const int key = j * BK + tid;
-            const bool valid = key >= lo && key < hi;
-            cp_async_small<SC_ROW>(dst + (u32)(QUANTS + tid * SC_ROW), valid ? sc0 + row * stride / QK8_0 : sc0, valid);
-        }
-    }
-    // Tile j's quants times their scales, rounded to fp16 (the bits of attn_mma's staging), into the fp16 tile.
-    __device__ __forceinline__ void prepare(int j, int) const {
-        const u32 src = base + (u32)((j % S) * RAW), dst = base + (u32)(S * RAW);
-#pragma unroll
-        for (int it = 0; it < N; ++it) {
-            const int row = r0 + RSTEP * it;
-            const uint4 q = ld_shared16(src + (u32)(row * D + 16 * c));
-            const u32 d = ld_shared_u16(src + (u32)(QUANTS + row * SC_ROW + 2 * (c / 2)));
-            u32 h[8];
-            i8x4_to_f16_scaled(q.x, d, h);
-            i8x4_to_f16_scaled(q.y, d, h + 2);
-            i8x4_to_f16_scaled(q.z, d, h + 4);
-            i8x4_to_f16_scaled(q.w, d, h + 6);
-            const u32 a = dst + (u32)(row * ROW_BYTES + 32 * c);
-            st_shared16(a, make_uint4(h[0], h[1], h[2], h[3]));
-            st_shared16(a + 16, make_uint4(h[4], h[5], h[6], h[7]));
-        }
-    }
-    __device__ __forceinline__ u32 tile(int) const { return base + (u32)(S * RAW); }
-};
-
-}  // namespace k4gqa
+#include "gqa_stage.cuh"
+#include "gqa_cols.cuh"
 
 // q: (1, n_head, D) f32 (not read with fresh_q); k_cache, v_cache, k_d, v_d: as attn_kv (this
 // layer's planes, positions 0 .. n_ctx - 1); out: (1, n_head, D) f32. part: (1, n_head, n_split,
@@ -167,7 +47,7 @@ struct Plane<T, D, BK, S, ROW_BYTES, true> {
 // group's splits). pos: (1,) int32, the query's position. split_len: keys per split, a multiple
 // of BK. scale, window, softcap, ring, fresh_*, *_store, q_norm, k_norm, inv_freq, rope_dim, neox, eps,
 // mscale: as attn_kv.
-template <int D, int BK, int S, class KT, class VT>
+template <int D, int BK, int S, class KT, class VT, bool COLS>
 __global__ void __launch_bounds__(GQA_THREADS, D > 128 ? 1 : S == 2 ? 3 : 2)  // S = 2: three blocks fit in shared memory
 attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
          const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d,
@@ -261,14 +141,16 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
         store_fresh_row<KT, VT>(k_store, kd_store, v_store, vd_store, (size_t)(p & ring) * kv_stride + head_off, kcur, kdcur, vcur, vdcur, D,
                                 tid, GQA_THREADS);
 
-    u32 qf[QREG ? NKC : 1][4];  // A fragments of Q (D <= 128)
-    if constexpr (QREG) {
+    u32 qf[QREG || COLS ? NKC : 1][COLS ? 2 : 4];  // Q's A fragments (rows; D <= 128), or Q^T's B fragments (COLS)
+    if constexpr (COLS) {
+        k4gqa::cols_query<D, ROW_BYTES>(qf, qs_base, lane);
+    } else if constexpr (QREG) {
 #pragma unroll
         for (int kc = 0; kc < NKC; ++kc)
             ldsm_x4(qs_base + (u32)((lane & 15) * ROW_BYTES + 2 * (16 * kc + 8 * (lane >> 4))), qf[kc][0], qf[kc][1], qf[kc][2], qf[kc][3]);
     }
 
-    float o[NOC][4], m[2], l[2];
+    float o[COLS ? D / 16 : NOC][4], m[2], l[2];  // O (rows: queries), or O^T (COLS: dims 16i + g, 16i + g + 8)
     softmax_state_init(o, m, l);
     const float cap2 = softcap * 1.4426950408889634f;  // the cap in log2 units
     const int kw = 16 * warp;  // the warp's first key in a tile
@@ -292,6 +174,10 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
         if (KT::SCALED || VT::SCALED || patch) __syncthreads();
         const int k0 = j * BK + kw;
         if (k0 >= end || k0 + 15 < begin) continue;  // none of the warp's 16 keys is visible
+        if constexpr (COLS) {
+            k4gqa::cols_tile<D, ROW_BYTES>(o, m, l, qf, kb, vb, kw, k0, begin, end, softcap > 0.f ? cap2 : 0.f, lane);
+            continue;
+        }
 
         float sc[2][4];
 #pragma unroll
@@ -375,20 +261,24 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     float* wl = wm + GQA_WARPS * 16;           // (GQA_WARPS, 16) sums
     float* wo = wl + GQA_WARPS * 16;           // (GQA_WARPS, 16, D) unnormalized outputs
     __syncthreads();  // every warp is done with the tiles
+    if constexpr (COLS) {
+        k4gqa::cols_store<D>(o, m, l, wm, wl, wo, warp, G, lane);
+    } else {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float lr = l[r];
-        lr += __shfl_xor_sync(k4ops::FULL_MASK, lr, 1);
-        lr += __shfl_xor_sync(k4ops::FULL_MASK, lr, 2);
-        const int row = g + 8 * r;
-        if (row >= G) continue;
-        if (t == 0) {
-            wm[warp * 16 + row] = m[r];
-            wl[warp * 16 + row] = lr;
+        for (int r = 0; r < 2; ++r) {
+            float lr = l[r];
+            lr += __shfl_xor_sync(k4ops::FULL_MASK, lr, 1);
+            lr += __shfl_xor_sync(k4ops::FULL_MASK, lr, 2);
+            const int row = g + 8 * r;
+            if (row >= G) continue;
+            if (t == 0) {
+                wm[warp * 16 + row] = m[r];
+                wl[warp * 16 + row] = lr;
+            }
+            float* dst = wo + (warp * 16 + row) * D + 2 * t;
+#pragma unroll
+            for (int c = 0; c < NOC; ++c) *reinterpret_cast<float2*>(dst + 8 * c) = make_float2(o[c][2 * r], o[c][2 * r + 1]);
         }
-        float* dst = wo + (warp * 16 + row) * D + 2 * t;
-#pragma unroll
-        for (int c = 0; c < NOC; ++c) *reinterpret_cast<float2*>(dst + 8 * c) = make_float2(o[c][2 * r], o[c][2 * r + 1]);
     }
     __syncthreads();
     for (int i = tid; i < G * D; i += GQA_THREADS) {

@@ -58,11 +58,12 @@ def attention_reference(q, kc, vc, pos0):
     return out
 
 
-# The kernel choices a decode query (n_tok = 1) runs with, as (mma, tiled, gqa) switches of Ops:
-# attn_gqa twice where the shape has an instance (the tickets must reset), then attn_kv; several
-# queries run each prefill kernel (mma, tiled, neither).
-DECODE_KERNELS = [(False, True, True), (False, True, True), (False, True, False)]
-PREFILL_KERNELS = [(True, True, True), (False, True, True), (False, False, True)]
+# The kernel choices a decode query (n_tok = 1) runs with, as (mma, tiled, gqa, gqa_cols) switches
+# of Ops: attn_gqa twice where the shape has an instance (the tickets must reset; its column
+# instance for groups of up to 8), its row instance, then attn_kv; several queries run each
+# prefill kernel (mma, tiled, neither).
+DECODE_KERNELS = [(False, True, True, True), (False, True, True, True), (False, True, True, False), (False, True, False, True)]
+PREFILL_KERNELS = [(True, True, True, True), (False, True, True, True), (False, False, True, True)]
 # a split length both decode kernels take: attn_gqa's tile, a multiple of attn_kv's ATT_SPLIT_KEYS
 # (checked in check_attention_kernels; attention_launch needs CuPy, kernel_names does not)
 SPLIT_KEYS = max(GQA_TILE_KEYS.values())
@@ -80,7 +81,8 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
     each output poisoned (NaN) first and compared with want (n_tok, n_head, D): several queries
     through attn_mma, attn_tiled and the per-query kernel; one query (split if `split`, in
     SPLIT_KEYS multiples) through attn_gqa twice (so the split tickets must reset) where the
-    shape has an instance, then attn_kv. Relative L2 limits: MMA_ATTN_REL_L2 for the tensor-core
+    shape has an instance (the column instance for groups of up to 8), its row instance, then
+    attn_kv. Relative L2 limits: MMA_ATTN_REL_L2 for the tensor-core
     kernels, ATTN_REL_L2 otherwise. options: ops.attention's keywords (scales, shape). Leaves ops
     with the `ops` fixture's kernel choice (mma, tiled and gqa on), whatever failed. attn_gqa runs
     for every group it takes (2 and up), below the selector's gqa_min_group too."""
@@ -96,13 +98,13 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
     ticket = cp.zeros(n_tok * n_head, cp.int32)
     min_group, ops.gqa_min_group = ops.gqa_min_group, 2
     try:
-        for mma, tiled, gqa in PREFILL_KERNELS if n_tok > 1 else DECODE_KERNELS:
-            ops.mma, ops.tiled, ops.gqa = mma, tiled, gqa
+        for mma, tiled, gqa, cols in PREFILL_KERNELS if n_tok > 1 else DECODE_KERNELS:
+            ops.mma, ops.tiled, ops.gqa, ops.gqa_cols = mma, tiled, gqa, cols
             out = cp.full((n_tok, n_head, D), np.nan, cp.float32)
             ops.attention(cp.asarray(q), kc, vc, out, cp.asarray([pos0], dtype=cp.int32), n_split, split_len, part, ticket,
                           **options)
             limit = MMA_ATTN_REL_L2 if tensor_cores(ops, n_tok, D, group) else ATTN_REL_L2
-            assert rel_l2(out.get(), want) < limit, f"mma={mma} tiled={tiled} gqa={gqa}"
+            assert rel_l2(out.get(), want) < limit, f"mma={mma} tiled={tiled} gqa={gqa} cols={cols}"
             assert not ticket.any()  # every split's ticket reset, the skipped ones included
     finally:
-        ops.mma, ops.tiled, ops.gqa, ops.gqa_min_group = True, True, True, min_group
+        ops.mma, ops.tiled, ops.gqa, ops.gqa_cols, ops.gqa_min_group = True, True, True, True, min_group

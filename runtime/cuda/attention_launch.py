@@ -96,8 +96,9 @@ def _gqa_smem(D: int, kv: KVTypes) -> int:
 class AttentionLaunchers:
     """The attention part of ops.Ops. Switches (Ops attributes): `mma` (K4_MMA_ATTN: prefill on
     attn_mma), `tiled` (K4_TILED_ATTN: else attn_tiled), `gqa` (K4_GQA_MMA: decode of a
-    grouped-query model of at least `gqa_min_group` query heads per KV head on attn_gqa), `kv`
-    (the cache types the kernels are listed for)."""
+    grouped-query model of at least `gqa_min_group` query heads per KV head on attn_gqa),
+    `gqa_cols` (K4_GQA_COLS: attn_gqa with a group of up to 8 query heads as the mma's columns,
+    else as its rows), `kv` (the cache types the kernels are listed for)."""
 
     gqa_min_group = GQA_MIN_GROUP
 
@@ -106,7 +107,8 @@ class AttentionLaunchers:
         self.kv), group query heads per KV head (the selector): several queries run attn_mma
         (tensor cores) with `mma`, else attn_tiled with `tiled`, where D has an instance; one
         query of a grouped-query model (gqa_min_group <= group <= MAX_GROUP) runs attn_gqa with
-        `gqa` where D has an instance; the rest runs attn_kv."""
+        `gqa` where D has an instance (its column instance for groups of up to GQA_COLS_GROUP
+        with `gqa_cols`); the rest runs attn_kv."""
         kv = kv or self.kv
         types = kv_args(kv.k, kv.v)
         if n_tok > 1 and self.mma and D in MMA_TILE_KEYS:
@@ -114,7 +116,7 @@ class AttentionLaunchers:
         if n_tok > 1 and self.tiled and D in TILED_HEAD_DIMS:
             return f"attn_tiled<{D}, {types}>"
         if n_tok == 1 and self.gqa and max(2, self.gqa_min_group) <= group <= MAX_GROUP and D in GQA_TILE_KEYS:
-            return gqa_name(D, kv.k, kv.v)
+            return gqa_name(D, kv.k, kv.v, group if self.gqa_cols else MAX_GROUP)
         return f"attn_kv<{types}>"
 
     def decode_plan(self, head_dim: int, n_head: int, n_head_kv: int) -> tuple[int, int]:

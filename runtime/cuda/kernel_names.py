@@ -57,9 +57,15 @@ def gqa_stages(k: str, v: str) -> int:
     return 3 if k == v == "f16" else 2
 
 
-def gqa_name(D: int, k: str, v: str) -> str:
-    """The attention_gqa.cu instance for head_dim D over a cache of key type k, value type v."""
-    return f"attn_gqa<{D}, {GQA_TILE_KEYS[D]}, {gqa_stages(k, v)}, {kv_args(k, v)}>"
+GQA_COLS_GROUP = 8  # attn_gqa: groups of up to this many query heads run with them as the mma's columns (gqa_cols.cuh)
+
+
+def gqa_name(D: int, k: str, v: str, group: int = GQA_COLS_GROUP) -> str:
+    """The attention_gqa.cu instance for head_dim D over a cache of key type k, value type v, for
+    `group` query heads per KV head (the query heads as the mma's columns up to GQA_COLS_GROUP,
+    as its rows above)."""
+    cols = "true" if group <= GQA_COLS_GROUP else "false"
+    return f"attn_gqa<{D}, {GQA_TILE_KEYS[D]}, {gqa_stages(k, v)}, {kv_args(k, v)}, {cols}>"
 
 
 # name expressions of the kernels of each file (templates and extern "C" names alike)
@@ -69,7 +75,7 @@ KERNELS = {
     "attention.cu": tuple(f"attn_kv<{kv_args(k, v)}>" for k, v in KV_PAIRS),
     "attention_tiled.cu": tuple(f"attn_tiled<{d}, {kv_args(k, v)}>" for d in TILED_HEAD_DIMS for k, v in KV_PAIRS),
     "attention_mma.cu": tuple(f"attn_mma<{d}, {bk}, {kv_args(k, v)}>" for d, bk in MMA_TILE_KEYS.items() for k, v in KV_PAIRS),
-    "attention_gqa.cu": tuple(gqa_name(d, k, v) for d in GQA_TILE_KEYS for k, v in KV_PAIRS),
+    "attention_gqa.cu": tuple(gqa_name(d, k, v, g) for d in GQA_TILE_KEYS for k, v in KV_PAIRS for g in (GQA_COLS_GROUP, 16)),
     "elementwise.cu": ("swiglu<float>", "swiglu<u16>", "geglu<float>", "geglu<u16>", "scale_f32", "softcap_f32", "set_i32"),
     "sampling.cu": ("sample_penalty", "sample_argmax_partial", "sample_finish"),
     "speculative.cu": ("spec_argmax", "spec_accept"),

@@ -63,9 +63,10 @@ class Ops(AttentionLaunchers):
     the types of the planes they are given (cache_types)."""
 
     def __init__(self, trace: Trace, pdl: bool = False, tiled: bool = True, mma: bool = True, evict_first: bool = True,
-                 kv: KVTypes = F16, gqa: bool = True):
+                 kv: KVTypes = F16, gqa: bool = True, gqa_cols: bool = True):
         self.trace = trace
         self.pdl, self.tiled, self.mma, self.evict_first, self.kv, self.gqa = pdl, tiled, mma, evict_first, kv, gqa
+        self.gqa_cols = gqa_cols
         self._functions: dict[tuple[str, str], object] = {}
 
     def function(self, filename: str, name: str):
