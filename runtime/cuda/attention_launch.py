@@ -181,7 +181,12 @@ class AttentionLaunchers:
 
     def _attention_tiles(self, name: str, q, planes: tuple, out, pos, shape: AttnShape) -> None:
         """Launch attn_mma or attn_tiled (planes: k, k_d, v, v_d): several queries per block,
-        keys staged in shared memory."""
+        keys staged in shared memory. Without programmatic dependent launch, whatever the Ops'
+        switch: with it, the prefill graph of 512 tokens of the synthetic Qwen3-30B-A3B stopped
+        with an illegal address (H200; from session 8 to 10 MoE models ran without PDL at all).
+        Session 11's bisection: PDL off for these launches alone ended it; off for the RoPE
+        store, the norms, the products or the element-wise kernels did not. The mechanism is not
+        found; a prefill chunk loses one overlapped launch per layer (docs/PERF.md)."""
         n_tok, n_head, D = q.shape
         n_head_kv = planes[0].shape[1]
         mma = name.startswith("attn_mma")
@@ -190,7 +195,7 @@ class AttentionLaunchers:
         rows, threads = (MMA_BQ, MMA_THREADS) if mma else (TILE_Q, TILE_THREADS)
         self._launch(FILE_OF[name], name, (n_head, -(-n_tok // rows)), (threads,),
                      (q, *planes, out, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv),
-                      *shape.kernel_args(D)), shared_mem=smem)
+                      *shape.kernel_args(D)), shared_mem=smem, pdl=False)
 
     def _attention_rows(self, name: str, q, planes: tuple, types: KVTypes, out, pos, n_split: int, split_len: int, part, ticket,
                         fresh: FreshKV | None, shape: AttnShape) -> None:

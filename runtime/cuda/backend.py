@@ -98,7 +98,7 @@ class CudaBackend(TokenCache):
         self.mem = memory.DeviceMemory(self.trace)
         self.load_ms: dict[str, float] = {}  # wall time of each load step (the stream synchronized after each)
         self.load_detail_ms: dict[str, float] = {}  # inside read+upload, which overlap: see memory.Uploader
-        w_opts, f_opts, o_opts = options(self.flags, moe=bool(cfg.n_expert))
+        w_opts, f_opts, o_opts = options(self.flags)
         o = ops.Ops(self.trace, kv=kv_types, **o_opts)
         # kernels compile on threads while the weights upload; the "compile" step waits for them
         matrix_types = {t.ggml_type for t in mf.tensors.values() if len(t.shape) == 2}

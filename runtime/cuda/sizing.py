@@ -28,14 +28,10 @@ from .weights import WeightOptions, matrix_plan, weight_bytes
 PREFILL_CHUNK = 512  # tokens per prefill batch (rows of the activation buffers)
 
 
-def options(flags: Flags, moe: bool = False) -> tuple:
-    """(WeightOptions, ForwardOptions, Ops keyword arguments) of a Flags value. moe: the model
-    routes experts, and then runs without programmatic dependent launch whatever K4_PDL says: on
-    the H200 the qwen3moe prefill graph of 200 or more tokens (synthetic Qwen3-30B-A3B) stopped
-    with an illegal address with PDL and ran without it; compute-sanitizer, which serializes the
-    kernels, finds nothing. The race behind it is not found yet (docs/PERF.md, session 8)."""
+def options(flags: Flags) -> tuple:
+    """(WeightOptions, ForwardOptions, Ops keyword arguments) of a Flags value."""
     on = flags.on
-    pdl = on("K4_PDL") and not moe
+    pdl = on("K4_PDL")
     mat = matmul.WeightOptions(tensor_cores=on("K4_PREFILL_TC"), pdl=pdl, evict_first=on("K4_EVICT_FIRST"), mma8=on("K4_MMA8"))
     w = WeightOptions(repack=on("K4_REPACK"), stack=on("K4_STACK"), glu=on("K4_FUSE_SWIGLU"), pinned=on("K4_PINNED_UPLOAD"), matrix=mat)
     f = ForwardOptions(fuse_norm=on("K4_FUSE_NORM"), fuse_rope=on("K4_FUSE_ROPE"))
