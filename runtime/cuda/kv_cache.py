@@ -30,13 +30,13 @@ class KVCache:
     passes of at most `chunk` tokens. Per layer li: k[li], v[li] (rows, n_head_kv, head_dim)
     fp16 (f16) or int8 (q8_0 quants); k_d[li], v_d[li] the q8_0 scales (rows, n_head_kv,
     head_dim / 32) fp16, None for an f16 plane; rings[li] the rows of its ring (0: rows = n_ctx,
-    a plain cache). ring=False (K4_SWA_RING=0) gives every layer n_ctx rows. All of memory kind
-    "kv_cache"."""
+    a plain cache). ring=False (K4_SWA_RING=0) gives every layer n_ctx rows, and so does a chunk
+    left None (a pass may then take the whole context). All of memory kind "kv_cache"."""
 
-    def __init__(self, mem: DeviceMemory, cfg: ModelConfig, n_ctx: int, types: KVTypes = F16, chunk: int = 1,
+    def __init__(self, mem: DeviceMemory, cfg: ModelConfig, n_ctx: int, types: KVTypes = F16, chunk: int | None = None,
                  ring: bool = True):
         self.types, self.n_ctx = types, n_ctx
-        self.rings = layer_rings(cfg, n_ctx, chunk, ring)
+        self.rings = layer_rings(cfg, n_ctx, chunk or n_ctx, ring)
         self.slack = rewind_slack(cfg, self.rings)
         self.k, self.k_d, self.v, self.v_d = [], [], [], []
         for r in self.rings:
@@ -61,9 +61,9 @@ class KVCache:
         return self.k[li][cut], self.v[li][cut], tuple(scale)
 
     @staticmethod
-    def nbytes(cfg: ModelConfig, n_ctx: int, types: KVTypes = F16, chunk: int = 1, ring: bool = True) -> int:
-        """Device bytes of the cache (keys and values, quants and scales; rings as allocated)."""
-        return cache_bytes(cfg, n_ctx, types, layer_rings(cfg, n_ctx, chunk, ring))
+    def nbytes(cfg: ModelConfig, n_ctx: int, types: KVTypes = F16, chunk: int | None = None, ring: bool = True) -> int:
+        """Device bytes of the cache (keys and values, quants and scales; rings as __init__ allocates them)."""
+        return cache_bytes(cfg, n_ctx, types, layer_rings(cfg, n_ctx, chunk or n_ctx, ring))
 
 
 def cache_types(k_cache: cp.ndarray, v_cache: cp.ndarray, scales: tuple) -> KVTypes:
