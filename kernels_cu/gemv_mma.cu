@@ -19,14 +19,16 @@
 // integers: lane = 4 g + t holds A rows g and g + 8 at k 4t..4t+3 (and 16+4t..16+4t+3 for k32),
 // B token g at the same k, C rows g, g + 8 x tokens 2t, 2t + 1.
 //
-// Weights: per weight row and 256-weight block, the four lanes of a quad load the block's quants
-// as 16-byte pieces (lane t piece t and t + 4 of Q4_K's qs and Q6_K's ql, piece t of Q6_K's qh)
-// and swap words among themselves (quad_transpose) so that lane t holds word t (quants 4t..4t+3)
-// of every piece: the k order of the mma fragments, with no gathering loads. The scale bytes are
-// loaded by all four lanes (one transaction).
+// Weights: per weight row and 256-weight block, Q4_K: lane t of a quad loads 8 bytes of each
+// 32-byte piece of qs, which are the fragment's k 4t..4t+3 and 16+4t..16+4t+3 in a permuted k
+// order that x's natural layout matches (mma_q4_K); Q6_K: the four lanes load the quants as
+// 16-byte pieces (lane t piece t and t + 4 of ql, piece t of qh) and swap words among themselves
+// (quad_transpose) so that lane t holds word t (quants 4t..4t+3) of every piece: the k order of
+// the mma fragments. The scale bytes are loaded by all four lanes (one transaction).
 //
 // Thread mapping: the block's WARPS warps take TILES = WARPS / KS tiles of 16 weight rows at a
-// step (tile TILES * step + w / KS); the KS warps of a tile split its 256-weight blocks (warp w
+// step (tile TILES * step + w / KS; KS chosen per matrix by the launcher, so that the steps
+// spread over the grid: runtime/cuda/gemv_mma.py mma_ks); the KS warps of a tile split its 256-weight blocks (warp w
 // takes blocks w % KS, w % KS + KS, ...), the next block's weights loading during the current
 // one's mma and epilogue (also across steps). At the end of a step the warps' partial sums meet
 // in shared memory (two buffers: one __syncthreads per step) and TILES * 128 threads, one per
@@ -40,10 +42,15 @@
 //
 // Shared memory (mma8_smem bytes, runtime/cuda/constants.py): for S = n_in / 32 sub-blocks
 //   xq  (S, 8, 32) int8: token n's quants of sub-block s at 256 s + 32 n, value p (0..31) at byte
-//       8 ((p & 15) >> 2) + 4 (p >> 4) + (p & 3), so lane 4g + t reads its B fragment (values
-//       4t..4t+3, 16+4t..16+4t+3 of token g) as the 8 bytes at 256 s + 8 lane: conflict-free;
-//   xsc (S, 4, 8) words: at 32 s + 8 t for tokens 2t, 2t + 1: dx (float, the 32 values' q8 scale),
-//       dx * sum of the 32 quants (float), -32 * the sum of quants 0..15 (int), of 16..31 (int);
+//       p (Q4_K: NATURAL_X) or 8 ((p & 15) >> 2) + 4 (p >> 4) + (p & 3) (Q6_K), so lane 4g + t
+//       reads its B fragment as the 8 bytes at 256 s + 8 lane (conflict-free): values 8t..8t+7 of
+//       token g (Q4_K), 4t..4t+3 and 16+4t..16+4t+3 (Q6_K);
+//   xsc, 32 S words: Q6_K: (S, 4, 8) words: at 32 s + 8 t for tokens 2t, 2t + 1: dx (float, the 32
+//       values' q8 scale), dx * sum of the 32 quants (float), -32 * the sum of quants 0..15 (int),
+//       of 16..31 (int); Q4_K (NATURAL_X): dx (S, 8 tokens) floats, then per 256-weight block
+//       (S / 8, 32 lanes) float4: for lane 4g + t, sx = dx * the sum of quants of sub-blocks t and
+//       t + 4 of token g, rounded to tf32 (hi), then their remainders sx - hi (the B fragments of
+//       mma_q4_K's mins product); the rest unused;
 //   red (2, WARPS, 32) float4: the warps' partial sums, in their C fragment order.
 // The launcher validates shapes, strides, alignment and that the shared memory fits.
 #include "gemv_common.cuh"
@@ -92,19 +99,53 @@ __device__ __forceinline__ void mma_k16(int (&d)[4], u32 a0, u32 a1, u32 b0, int
         : "r"(a0), "r"(a1), "r"(b0), "r"(c0), "r"(c1));
 }
 
+// d = a (16x32 u8, row) * b (32x8 s8, col), exact int32: Q4_K's quants as unsigned bytes, so a
+// high nibble masked in place (16 q, 0..240) needs no shift.
+__device__ __forceinline__ void mma_k32_u8(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+}
+
+// d += a (16x8 tf32, row) * b (8x8 tf32, col) in float32 (the operands' low 13 mantissa bits unused).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], float a0, float a1, float a2, float a3, float b0, float b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(__float_as_uint(a0)), "r"(__float_as_uint(a1)), "r"(__float_as_uint(a2)), "r"(__float_as_uint(a3)),
+          "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
+
+// v rounded to tf32 (nearest, ties away: cvt.rna), as a float: the high part of a two-term split.
+__device__ __forceinline__ float tf32_hi(float v) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+    return __uint_as_float(r);
+}
+
+// (float)v for |v| < 2^22, exactly: v added to the bits of 1.5 * 2^23 (whose last mantissa bit
+// is 1), minus 1.5 * 2^23. Two full-rate instructions (and the add folds into an IMAD) instead
+// of I2F, which sm_90 issues at a quarter of the FP32 rate: the products' epilogue converts
+// 4 of them per mma.
+__device__ __forceinline__ float magic_int_to_float(int v) { return __int_as_float(0x4B400000 + v) - 12582912.f; }
+
 // Q4_K (ggml-common.h block_q4_K): sub-block j = 2c + h of a block is the low (h 0) or high (h 1)
-// nibbles of qs[32c .. 32c + 31]; its value p in byte 32c + p, i.e. in 16-byte piece 2c + p / 16.
+// nibbles of qs[32c .. 32c + 31], its value p in byte 32c + p. A dot product may take its terms in
+// any order, so lane t of a quad loads bytes 8t .. 8t + 7 of each 32-byte piece c (one 8-byte
+// load, no exchange between lanes) and gives them to the mma as k 4t .. 4t + 3 (the first word)
+// and 16 + 4t .. 16 + 4t + 3 (the second); x is stored in its natural order (NATURAL_X), so the
+// same lane's B fragment, the 8 bytes at 8t of token g's 32 quants, holds the x of the same values.
 struct mma_q4_K {
     using T = type_q4_K;
+    static constexpr bool NATURAL_X = true;
     struct row {         // one weight row's share of a block, for lane t of a quad
         uint4 meta;      // d, dmin (fp16), scales[12]: the same in the quad's four lanes
-        uint4 qa, qb;    // qs pieces t and t + 4 (bytes 16t .. 16t + 15, 64 + 16t ..)
+        uint2 q[4];      // qs bytes 32c + 8t .. 32c + 8t + 7, c = 0..3
     };
     template <bool PLANAR>
     __device__ static row load(const u8* w, i64 nblk, i64 blk, int t) {
         constexpr int A = PLANAR ? 16 : T::raw_align;
-        const u8* qs = group_at<T, 1, PLANAR>(w, nblk, blk) + 16 * t;
-        return {load16<A>(group_at<T, 0, PLANAR>(w, nblk, blk)), load16<A>(qs), load16<A>(qs + 64)};
+        const u8* qs = group_at<T, 1, PLANAR>(w, nblk, blk) + 8 * t;
+        return {load16<A>(group_at<T, 0, PLANAR>(w, nblk, blk)), {load8(qs), load8(qs + 32), load8(qs + 64), load8(qs + 96)}};
     }
     template <bool PLANAR>
     __device__ static void prefetch(const u8* w, i64 nblk, i64 blk, int t) {  // the lines load reads
@@ -113,44 +154,58 @@ struct mma_q4_K {
         prefetch_l2(qs);
         prefetch_l2(qs + 64);
     }
+    // The 6-bit scales (sc) and mins (m) of sub-blocks 0..3 and 4..7 as four packed bytes each
+    // (get_scale_min_k4's bits, four at a time).
+    struct scales {
+        u32 sc_lo, sc_hi, m_lo, m_hi;
+        __device__ explicit scales(const uint4& meta)
+            : sc_lo(meta.y & 0x3F3F3F3Fu), sc_hi((meta.w & 0x0F0F0F0Fu) | ((meta.y >> 2) & 0x30303030u)),
+              m_lo(meta.z & 0x3F3F3F3Fu), m_hi(((meta.w >> 4) & 0x0F0F0F0Fu) | ((meta.z >> 2) & 0x30303030u)) {}
+        __device__ int sc(int j) const { return ((j < 4 ? sc_lo : sc_hi) >> (8 * (j & 3))) & 0xFF; }
+    };
     // acc (C order: rows g, g + 8 x tokens 2t, 2t + 1) += the block's products of rows r0 (g) and
-    // r1 (g + 8) with the x of its 8 sub-blocks at xq, xsc (the layouts of the file's header).
-    __device__ static void dot(const row& r0, const row& r1, const u8* xq, const u32* xsc, int lane, float (&acc)[4]) {
+    // r1 (g + 8) with the x of its 8 sub-blocks (block kb of xq, xsc: the layouts of the file's
+    // header). Per sub-block j: the int8 mma, then d * sc_j * dx_j * dot (a high nibble's dot comes
+    // out 16 times too large, masked in place, and is shifted back: exact). The mins' part,
+    // dmin * sum_j m_j * (dx_j * sum of x quants of j), is one 16 x 8 x 8 product of the rows' m
+    // (exact in tf32) with the tokens' sums, split in a tf32 high and low part (two mma): the
+    // float32 sum to about 2^-21.
+    __device__ static void dot(const row& r0, const row& r1, const u8* xq, const u32* xsc, int n_sub, int kb, int lane,
+                               float (&acc)[4]) {
         const int t = lane & 3;
-        const uint4 p0[2] = {quad_transpose(r0.qa, t), quad_transpose(r0.qb, t)};  // word t of pieces 0..3, 4..7
-        const uint4 p1[2] = {quad_transpose(r1.qa, t), quad_transpose(r1.qb, t)};
-        float dot_s[4] = {0.f, 0.f, 0.f, 0.f}, min_s[4] = {0.f, 0.f, 0.f, 0.f};
+        const scales s0(r0.meta), s1(r1.meta);
+        const float* dx = reinterpret_cast<const float*>(xsc) + 8 * 8 * kb + 2 * t;  // tokens 2t, 2t + 1 of sub-block 8 kb
+        float dot_s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const int c = j >> 1, sh = 4 * (j & 1);
-            const uint4& q0 = p0[c >> 1];
-            const uint4& q1 = p1[c >> 1];
-            const int w0 = 2 * (c & 1);  // words of pieces 2c (values 4t..) and 2c + 1 (16 + 4t ..)
-            const uint2 b = *reinterpret_cast<const uint2*>(xq + 256 * j + 8 * lane);
+            const u32 mask = j & 1 ? 0xF0F0F0F0u : 0x0F0F0F0Fu;
+            const uint2 b = *reinterpret_cast<const uint2*>(xq + 256 * (8 * kb + j) + 8 * lane);
             int d[4];
-            mma_k32(d, (word(q0, w0) >> sh) & 0x0F0F0F0Fu, (word(q1, w0) >> sh) & 0x0F0F0F0Fu,
-                    (word(q0, w0 + 1) >> sh) & 0x0F0F0F0Fu, (word(q1, w0 + 1) >> sh) & 0x0F0F0F0Fu, b.x, b.y);
-            int sc0, sc1, m0, m1, sc2, sc3, m2, m3;  // row g: sc0/sc1, m0/m1 of sub-blocks 2c, 2c + 1; row g + 8: sc2/sc3, m2/m3
-            get_scale_min_k4(c, r0.meta.y, r0.meta.z, r0.meta.w, sc0, sc1, m0, m1);
-            get_scale_min_k4(c, r1.meta.y, r1.meta.z, r1.meta.w, sc2, sc3, m2, m3);
-            const int sa = j & 1 ? sc1 : sc0, sb = j & 1 ? sc3 : sc2;
-            const float ma = (float)(j & 1 ? m1 : m0), mb = (float)(j & 1 ? m3 : m2);
-            const float4 xs = *reinterpret_cast<const float4*>(xsc + 32 * j + 8 * t);  // dx, dx', sx, sx' (tokens 2t, 2t + 1)
-            dot_s[0] += xs.x * (float)(sa * d[0]);
-            dot_s[1] += xs.y * (float)(sa * d[1]);
-            dot_s[2] += xs.x * (float)(sb * d[2]);
-            dot_s[3] += xs.y * (float)(sb * d[3]);
-            min_s[0] += ma * xs.z;
-            min_s[1] += ma * xs.w;
-            min_s[2] += mb * xs.z;
-            min_s[3] += mb * xs.w;
+            mma_k32_u8(d, r0.q[c].x & mask, r1.q[c].x & mask, r0.q[c].y & mask, r1.q[c].y & mask, b.x, b.y);
+            const int sa = s0.sc(j), sb = s1.sc(j);
+            const float2 xs = *reinterpret_cast<const float2*>(dx + 8 * j);
+            dot_s[0] += xs.x * magic_int_to_float(sa * (d[0] >> sh));
+            dot_s[1] += xs.y * magic_int_to_float(sa * (d[1] >> sh));
+            dot_s[2] += xs.x * magic_int_to_float(sb * (d[2] >> sh));
+            dot_s[3] += xs.y * magic_int_to_float(sb * (d[3] >> sh));
         }
+        // A: m of sub-blocks t and t + 4 of rows g and g + 8 (the tf32 fragment's k = t, t + 4)
+        const u32 sel = 0x7540u + t;  // byte t into the low byte of 2^23's bits
+        const float a0 = __int_as_float(__byte_perm(s0.m_lo, 0x4B000000u, sel)) - 8388608.f;
+        const float a1 = __int_as_float(__byte_perm(s1.m_lo, 0x4B000000u, sel)) - 8388608.f;
+        const float a2 = __int_as_float(__byte_perm(s0.m_hi, 0x4B000000u, sel)) - 8388608.f;
+        const float a3 = __int_as_float(__byte_perm(s1.m_hi, 0x4B000000u, sel)) - 8388608.f;
+        const float4 bs = reinterpret_cast<const float4*>(xsc + 8 * n_sub)[32 * kb + lane];  // hi (t, t + 4), lo (t, t + 4)
+        float mins[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_tf32(mins, a0, a1, a2, a3, bs.x, bs.y);
+        mma_tf32(mins, a0, a1, a2, a3, bs.z, bs.w);
         const float d0 = f16_to_f32(r0.meta.x & 0xFFFF), dmin0 = f16_to_f32(r0.meta.x >> 16);
         const float d1 = f16_to_f32(r1.meta.x & 0xFFFF), dmin1 = f16_to_f32(r1.meta.x >> 16);
-        acc[0] += d0 * dot_s[0] - dmin0 * min_s[0];
-        acc[1] += d0 * dot_s[1] - dmin0 * min_s[1];
-        acc[2] += d1 * dot_s[2] - dmin1 * min_s[2];
-        acc[3] += d1 * dot_s[3] - dmin1 * min_s[3];
+        acc[0] += d0 * dot_s[0] - dmin0 * mins[0];
+        acc[1] += d0 * dot_s[1] - dmin0 * mins[1];
+        acc[2] += d1 * dot_s[2] - dmin1 * mins[2];
+        acc[3] += d1 * dot_s[3] - dmin1 * mins[3];
     }
 };
 
@@ -159,6 +214,7 @@ struct mma_q4_K {
 // high bits 2m, 2m + 1 of qh[32h + 16l + e], qh piece 2h + l (type_q6_K's order).
 struct mma_q6_K {
     using T = type_q6_K;
+    static constexpr bool NATURAL_X = false;
     struct row {         // one weight row's share of a block, for lane t of a quad
         uint4 la, lb;    // ql pieces t and t + 4 (bytes 16t .., 64 + 16t ..)
         uint4 h;         // qh piece t
@@ -188,7 +244,10 @@ struct mma_q6_K {
         return lo | type_q6_K::hbits(word(h, 2 * half + lr), m);
     }
     // as mma_q4_K::dot
-    __device__ static void dot(const row& r0, const row& r1, const u8* xq, const u32* xsc, int lane, float (&acc)[4]) {
+    __device__ static void dot(const row& r0, const row& r1, const u8* xq, const u32* xsc, int n_sub, int kb, int lane,
+                               float (&acc)[4]) {
+        xq += 256 * 8 * kb;
+        xsc += 32 * 8 * kb;
         const int t = lane & 3;
         const uint4 l0[2] = {quad_transpose(r0.la, t), quad_transpose(r0.lb, t)}, h0 = quad_transpose(r0.h, t);
         const uint4 l1[2] = {quad_transpose(r1.la, t), quad_transpose(r1.lb, t)}, h1 = quad_transpose(r1.h, t);
@@ -226,8 +285,9 @@ struct mma_q6_K {
 // the sums recomputed from the quants: the same bytes. Thread f takes 16 values: unit h = f & 1
 // of sub-block s = f >> 4 of token (f >> 1) & 7; the two units of a sub-block sit in adjacent
 // lanes (one scale, as q8_unit), which swap halves so that each stores 16 consecutive bytes of xq
-// (a warp writes 512 contiguous bytes).
-template <int SWZ>
+// (a warp writes 512 contiguous bytes). NATURAL (the decoder's NATURAL_X): xq holds token n's
+// value p of sub-block s at 256 s + 32 n + p instead, each unit stored as it is.
+template <int SWZ, bool NATURAL>
 __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8* __restrict__ x_q8, int n_tok, int n_in,
                              u8* xq, u32* xsc) {
     const int total = MMA8_TOKENS * (n_in >> 4);
@@ -273,18 +333,32 @@ __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8
         }
         // xq bytes 0..15 of (s, tok) are words 0, 1 of both units (unit 0's first), 16..31 words 2, 3:
         // unit 0 keeps words 0, 1 and receives unit 1's; unit 1 keeps words 2, 3 and receives unit 0's
-        const u32 s0 = __shfl_xor_sync(0xffffffffu, h ? q[0] : q[2], 1);
-        const u32 s1 = __shfl_xor_sync(0xffffffffu, h ? q[1] : q[3], 1);
+        // (NATURAL: each unit's 16 bytes as they are, values in order)
+        const u32 s0 = NATURAL ? 0 : __shfl_xor_sync(0xffffffffu, h ? q[0] : q[2], 1);
+        const u32 s1 = NATURAL ? 0 : __shfl_xor_sync(0xffffffffu, h ? q[1] : q[3], 1);
         const int other = __shfl_xor_sync(0xffffffffu, sum, 1);
         if (f < total) {
-            const uint4 out = h ? make_uint4(s0, q[2], s1, q[3]) : make_uint4(q[0], s0, q[1], s1);
+            const uint4 out = NATURAL ? make_uint4(q[0], q[1], q[2], q[3])
+                              : h     ? make_uint4(s0, q[2], s1, q[3])
+                                      : make_uint4(q[0], s0, q[1], s1);
             *reinterpret_cast<uint4*>(xq + 256 * s + 32 * tok + 16 * h) = out;
-            u32* sc = xsc + 32 * s + 8 * (tok >> 1) + (tok & 1);
-            if (!h) {
-                sc[0] = __float_as_uint(d);
-                sc[2] = __float_as_uint(d * (float)(sum + other));
+            if (NATURAL) {  // mma_q4_K's layout (the header): dx, and dx * the sum split in tf32 high and low
+                if (!h) {
+                    float* dxs = reinterpret_cast<float*>(xsc);
+                    const float sx = d * (float)(sum + other), hi = tf32_hi(sx);
+                    dxs[8 * s + tok] = d;
+                    float* mb = dxs + 8 * (n_in >> 5) + 128 * (s >> 3) + 4 * (4 * tok + (s & 3)) + ((s >> 2) & 1);
+                    mb[0] = hi;
+                    mb[2] = sx - hi;
+                }
+            } else {
+                u32* sc = xsc + 32 * s + 8 * (tok >> 1) + (tok & 1);
+                if (!h) {
+                    sc[0] = __float_as_uint(d);
+                    sc[2] = __float_as_uint(d * (float)(sum + other));
+                }
+                sc[4 + 2 * h] = (u32)(-32 * sum);
             }
-            sc[4 + 2 * h] = (u32)(-32 * sum);
         }
     }
 }
@@ -295,7 +369,7 @@ __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8
 constexpr int PREFETCH_AHEAD = 8;
 
 // Dynamic shared memory: mma8_smem(n_in, WARPS) bytes. M: mma_q4_K or mma_q6_K.
-template <class M, bool PLANAR, int WARPS, int KS, bool GLU, bool GELU = false>
+template <class M, bool PLANAR, int WARPS, bool GLU, bool GELU = false>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 gemv_mma(const u8* __restrict__ w,        // (n_out, n_in) in M::T's blocks, raw or planar; GLU: (2 n_out, n_in) interleaved
          const float* __restrict__ x,     // (n_tok, n_in) rows x_stride floats apart, 16-byte aligned
@@ -306,10 +380,10 @@ gemv_mma(const u8* __restrict__ w,        // (n_out, n_in) in M::T's blocks, raw
          int r_stride,
          const float* __restrict__ bias,  // (n_out,) or null, added to every row (not with GLU)
          int n_out, int n_in, int n_tok,  // 1 <= n_tok <= MMA8_TOKENS, n_in a multiple of QK_K
+         int KS,                          // warps per tile: a divisor of WARPS, at least 4 (gemv_mma.py mma_ks)
          const u8* __restrict__ x_q8) {   // n_tok * q8x_bytes(n_in) (quantize_q8_rows, swizzle M::T::x_swizzle) or null
                                           // (X already quantized: X is then not read)
-    constexpr int TILES = WARPS / KS;  // 16-row tiles per step
-    static_assert(WARPS % KS == 0 && TILES * 128 <= WARPS * 32, "one thread per (row, token) of a step's tiles");
+    const int TILES = WARPS / KS;  // 16-row tiles per step; TILES * 128 <= WARPS * 32: a thread per (row, token) of them
     extern __shared__ uint4 smem[];
     const int n_sub = n_in / 32;
     u8* xq = reinterpret_cast<u8*>(smem);
@@ -324,10 +398,21 @@ gemv_mma(const u8* __restrict__ w,        // (n_out, n_in) in M::T's blocks, raw
     const int n_steps = (n_rows + 16 * TILES - 1) / (16 * TILES);
 
     typename M::row cur0, cur1, nx0, nx1;  // rows g, g + 8 of this warp's tile: the block in use, the next one
-    auto load = [&](typename M::row& r0, typename M::row& r1, int step, int kb) {
+    // The first blocks of rows g and g + 8 of a step's tile (recomputed when the step changes).
+    struct rows_at {
+        int step = -1;
+        i64 b0 = 0, b1 = 0;
+    };
+    auto locate = [&](rows_at& at, int step) {
+        if (step == at.step) return;
         const int row = 16 * (TILES * step + slot) + (lane >> 2);
-        r0 = M::template load<PLANAR>(w, nblk, (i64)min(row, n_rows - 1) * nblk_row + kb, lane & 3);
-        r1 = M::template load<PLANAR>(w, nblk, (i64)min(row + 8, n_rows - 1) * nblk_row + kb, lane & 3);
+        at = {step, (i64)min(row, n_rows - 1) * nblk_row, (i64)min(row + 8, n_rows - 1) * nblk_row};
+    };
+    rows_at ld_at, pf_at;
+    auto load = [&](typename M::row& r0, typename M::row& r1, int step, int kb) {
+        locate(ld_at, step);
+        r0 = M::template load<PLANAR>(w, nblk, ld_at.b0 + kb, lane & 3);
+        r1 = M::template load<PLANAR>(w, nblk, ld_at.b1 + kb, lane & 3);
     };
     // This warp's blocks in order: (step, kb), kb = kl, kl + KS, ... then the next step.
     auto advance = [&](int& step, int& kb) {
@@ -340,9 +425,9 @@ gemv_mma(const u8* __restrict__ w,        // (n_out, n_in) in M::T's blocks, raw
     int pf_step = blockIdx.x, pf_kb = kl;  // the next block of the sequence to ask of L2
     auto prefetch_next = [&]() {
         if (pf_step >= n_steps || kl >= nblk_row) return;
-        const int row = 16 * (TILES * pf_step + slot) + (lane >> 2);
-        M::template prefetch<PLANAR>(w, nblk, (i64)min(row, n_rows - 1) * nblk_row + pf_kb, lane & 3);
-        M::template prefetch<PLANAR>(w, nblk, (i64)min(row + 8, n_rows - 1) * nblk_row + pf_kb, lane & 3);
+        locate(pf_at, pf_step);
+        M::template prefetch<PLANAR>(w, nblk, pf_at.b0 + pf_kb, lane & 3);
+        M::template prefetch<PLANAR>(w, nblk, pf_at.b1 + pf_kb, lane & 3);
         advance(pf_step, pf_kb);
     };
     pdl_trigger();
@@ -350,23 +435,28 @@ gemv_mma(const u8* __restrict__ w,        // (n_out, n_in) in M::T's blocks, raw
 #pragma unroll 1
     for (int i = 0; i < PREFETCH_AHEAD; ++i) prefetch_next();  // streaming from memory while X is staged
     pdl_wait();
-    mma8_stage_x<M::T::x_swizzle>(x, x_stride, x_q8, n_tok, n_in, xq, xsc);
+    mma8_stage_x<M::T::x_swizzle, M::NATURAL_X>(x, x_stride, x_q8, n_tok, n_in, xq, xsc);
     __syncthreads();
 
     int buf = 0;
     for (int step = blockIdx.x; step < n_steps; step += gridDim.x) {  // block-uniform
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int kb = kl; kb < nblk_row; kb += KS) {
+        // block kb of the step, in a0/a1, while the next one of the sequence loads into b0/b1
+        auto item = [&](const typename M::row& a0, const typename M::row& a1, typename M::row& b0, typename M::row& b1, int kb) {
             prefetch_next();  // PREFETCH_AHEAD blocks ahead of this one
             int next_step = step, next_kb = kb;
             advance(next_step, next_kb);
-            const bool more = next_step < n_steps;
-            if (more) load(nx0, nx1, next_step, next_kb);
-            M::dot(cur0, cur1, xq + 256 * 8 * kb, xsc + 32 * 8 * kb, lane, acc);
-            if (more) {
+            if (next_step < n_steps) load(b0, b1, next_step, next_kb);
+            M::dot(a0, a1, xq, xsc, n_sub, kb, lane, acc);
+        };
+        for (int kb = kl; kb < nblk_row; kb += 2 * KS) {  // two blocks a trip, the buffers trading roles
+            item(cur0, cur1, nx0, nx1, kb);
+            if (kb + KS >= nblk_row) {  // an odd count: the next block is in nx
                 cur0 = nx0;
                 cur1 = nx1;
+                break;
             }
+            item(nx0, nx1, cur0, cur1, kb + KS);
         }
         red[(buf * WARPS + warp) * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
         __syncthreads();
@@ -375,14 +465,12 @@ gemv_mma(const u8* __restrict__ w,        // (n_out, n_in) in M::T's blocks, raw
             const int sl = f >> 7, ln = (f >> 2) & 31, reg = f & 3;
             const float* part = reinterpret_cast<const float*>(red + (buf * WARPS + sl * KS) * 32);
             float v = 0.f;
-#pragma unroll
             for (int k = 0; k < KS; ++k) v += part[128 * k + 4 * ln + reg];
             const int row = 16 * (TILES * step + sl) + (ln >> 2) + 8 * (reg >> 1);  // weight row
             const int tok = 2 * (ln & 3) + (reg & 1);
             if (GLU) {
                 if (!(row & 1) && row < n_rows && tok < n_tok) {  // a gate row: its up row is the next, lane ln + 4
                     float u = 0.f;
-#pragma unroll
                     for (int k = 0; k < KS; ++k) u += part[128 * k + 4 * (ln + 4) + reg];
                     y[(i64)tok * y_stride + row / 2] = glu_act<GELU>(v, u);
                 }

@@ -10,7 +10,8 @@ Timings: microbench.bench_gemv_batch (CUDA graphs with PDL, weights streamed fro
 median of CUDA-event timings).
 
 Usage (from the repository root, k4 importable): python scripts/bench_gemv_mma.py [--iters N]
-[--variant 8,8] (a gemv_mma instance WARPS,KS of quant_kernels.EXTRA_MMA8_VARIANTS) [--x-q8] (X
+[--variant 8,0] (a gemv_mma instance WARPS of quant_kernels.EXTRA_MMA8_WARPS and KS, 0 for the
+launcher's choice; Q4_K only) [--x-q8] (X
 given quantized by quantize_rows beforehand, to both products: their time without the
 prologue that reads and quantizes X in every block)
 """
@@ -28,7 +29,7 @@ from bench_gemv_batch import SHAPES, TYPES  # scripts/bench_gemv_batch.py: the s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=200, help="graph replays per timing (default 200)")
-    ap.add_argument("--variant", help="a gemv_mma instance WARPS,KS (default: quant_kernels.MMA8_VARIANT)")
+    ap.add_argument("--variant", help="a gemv_mma instance WARPS,KS for Q4_K (default: quant_kernels.MMA8_WARPS, gemv_mma.mma_ks)")
     ap.add_argument("--x-q8", action="store_true", help="X comes quantized (x_q8, made before the timing)")
     args = ap.parse_args()
     variant = tuple(int(v) for v in args.variant.split(",")) if args.variant else None
@@ -41,7 +42,7 @@ def main() -> None:
         for name, n_out, n_in, glu, count in SHAPES:
             for kind in ("batch", "mma8"):
                 r = bench_gemv_batch(qtype, n_out, n_in, tokens, args.iters, glu=glu, mma8=kind == "mma8",
-                                     variant=variant if kind == "mma8" else None, x_q8=args.x_q8)
+                                     variant=variant if kind == "mma8" and qtype == "Q4_K" else None, x_q8=args.x_q8)
                 step[kind, 0] += count * r["gemv_us"]
                 cells = []
                 for row in r["rows"]:

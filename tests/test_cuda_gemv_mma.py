@@ -163,10 +163,11 @@ def test_x_quantized_once_gives_the_same_products(type_name):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("glu", [False, True], ids=["plain", "glu"])
-@pytest.mark.parametrize("variant", qk.EXTRA_MMA8_VARIANTS)
-@TYPES
+@pytest.mark.parametrize("type_name,variant", [(t.name, (w, ks)) for t, ws in qk.EXTRA_MMA8_WARPS.items() for w in ws for ks in (0, 4)]
+                         + [(t.name, (w, w)) for t, w in qk.MMA8_WARPS.items()])
 def test_gemv_mma_variants_agree_with_the_default(type_name, variant, glu):
-    """The bench group's instances (other WARPS, KS) sum the same partials in another grouping."""
+    """The bench group's instances (other WARPS) and other splits of a tile's blocks (KS) sum the
+    same partials in another grouping."""
     import cupy as cp
 
     rng, seed = fresh_rng()
@@ -258,7 +259,8 @@ def test_uses_mma8_for_5_to_8_tokens_of_q4_k_and_q6_k_that_fit():
         assert not uses_mma8(_spec(name, n_in=28672), 8)  # Llama 3 70B's down does not fit
     for name in ("Q5_K", "Q8_0", "F16"):
         assert not any(uses_mma8(_spec(name), n) for n in range(1, 9))
-    assert mma8_smem(14336, qk.MMA8_VARIANT[0]) <= SMEM_LIMIT < mma8_smem(28672, qk.MMA8_VARIANT[0])
+    for warps in qk.MMA8_WARPS.values():
+        assert mma8_smem(14336, warps) <= SMEM_LIMIT < mma8_smem(28672, warps)
 
 
 @pytest.mark.cuda  # runtime/cuda/sizing.py imports CuPy
@@ -273,11 +275,27 @@ def test_flag_k4_mma8_reaches_the_weight_options():
 def test_mma8_instances_compile_with_the_model_types_one_module_each():
     """gemv_mma.cu's instances for a model: per Q4_K/Q6_K type both layouts, plain and SwiGLU,
     GeGLU only for a gelu_tanh model, none for other types or with K4_MMA8=0, each its own module."""
-    assert qk._gemv_mma_name(T.Q6_K, True, (8, 8), True) == "gemv_mma<mma_q6_K, true, 8, 8, true>"
+    assert qk._gemv_mma_name(T.Q6_K, True, 12, True) == "gemv_mma<mma_q6_K, true, 12, true>"
     jobs = lambda types, act, on=True: [g for f, g, _ in qk.compile_jobs(types, True, act, on) if f == "gemv_mma.cu"]  # noqa: E731
     silu = jobs([T.Q4_K, T.Q8_0, T.F16], "silu")
     assert len(silu) == 4 and all(len(g) == 1 and g[0].startswith("gemv_mma<mma_q4_K, ") for g in silu)
     gelu = jobs([T.Q6_K], "gelu_tanh")
     assert len(gelu) == 6 and all(n.endswith("true, true>") for (n,) in gelu[4:])
     assert jobs([T.Q5_K, T.Q8_0], "silu") == [] and jobs([T.Q4_K, T.Q6_K], "silu", False) == []
-    assert qk.MMA8_VARIANT[0] % qk.MMA8_VARIANT[1] == 0 and qk.MMA8_VARIANT[1] >= 4
+
+
+def test_mma_ks_spreads_the_steps_over_the_grid():
+    """KS divides WARPS, is at least 4, and is the split whose busiest warp has the fewest blocks:
+    a 4096-row matrix on 16 warps takes 2 tiles per step (128 steps), not 4 (64 steps, half the
+    grid idle); a matrix too small for the grid takes fewer blocks, one per step."""
+    from k4.runtime.cuda.gemv_mma import mma_ks
+
+    assert mma_ks(4096, 4096, 16, 132) == (8, 128)
+    assert mma_ks(22016, 4096, 16, 132) == (4, 132)
+    assert mma_ks(4096, 11008, 16, 132) == (8, 128)
+    assert mma_ks(32000, 4096, 16, 132) == (4, 132)
+    assert mma_ks(256, 4096, 8, 264) == (8, 16)
+    for rows, n_in in ((12288, 4096), (4096, 11008), (778, 1536)):
+        for warps in (8, 12, 16):
+            ks, grid = mma_ks(rows, n_in, warps, 132)
+            assert ks >= 4 and warps % ks == 0 and 1 <= grid <= 132

@@ -26,7 +26,7 @@ from k4.runtime.trace import Trace
 from .batch_args import check_products
 from .constants import MMA8_TOKENS, mma8_smem, q8x_bytes
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
-from .quant_kernels import GEMV_MAX_TOKENS, MMA8_DECODERS, MMA8_VARIANT, QUANT, _gemv_mma_name, _kernel
+from .quant_kernels import GEMV_MAX_TOKENS, MMA8_DECODERS, MMA8_WARPS, QUANT, _gemv_mma_name, _kernel
 
 if TYPE_CHECKING:
     from .gemv_batch import Q8Rows
@@ -43,26 +43,61 @@ def uses_mma8(w: DeviceWeight, n_tok: int, variant: tuple[int, int] | None = Non
     products): gemv_mma costs about 2.3-2.9x one gemv whatever the token count, so gemv_batch
     (1.1x at 2 tokens, 2.5x at 5) keeps the fewer tokens; from 5 it replaces the fp16 tensor-core
     path (7B verify step of 8 tokens: 2.38x a one-token step against 2.64x, docs/PERF.md)."""
-    warps = (variant or MMA8_VARIANT)[0]
+    warps = _warps(w, variant)
     return (w.mma8 and w.ggml_type in MMA8_DECODERS and GEMV_MAX_TOKENS < n_tok <= MMA8_TOKENS
             and mma8_smem(w.shape[1], warps) <= SMEM_LIMIT)
 
 
+STEP_COST = 2  # mma_ks: a step's end (barrier, partial sums) in 256-weight blocks of one warp
+
+
+def _warps(w: DeviceWeight, variant: tuple[int, int] | None) -> int:
+    return variant[0] if variant else MMA8_WARPS.get(w.ggml_type, 8)
+
+
+def mma_ks(n_rows: int, n_in: int, warps: int, resident: int) -> tuple[int, int]:
+    """(KS, grid) for gemv_mma on a matrix of n_rows weight rows (a gate/up weight's rows of both)
+    of n_in inputs: KS, the warps that split each 16-row tile's 256-weight blocks, among the
+    divisors of `warps` from 4 up (a step's epilogue needs a thread per (row, token) of its
+    warps / KS tiles), the one whose busiest warp has the least work: steps per block x (blocks per
+    warp and tile + STEP_COST, a step's barrier and partial sums counted as that many blocks), the
+    smallest on a tie; grid: at most `resident` blocks, at most one per step. For example with 16
+    warps on 132 multiprocessors a 4096 x 4096 matrix takes KS 8 (128 steps of 2 tiles, 2 blocks
+    per warp) where KS 4 would leave 68 multiprocessors idle (64 steps of 4 tiles, 4 blocks per
+    warp), and 22016 x 4096 keeps KS 4 (3 steps of 4 blocks per warp, not 11 of 1). Measured on
+    the H200 (docs/PERF.md): with a cost of 0 per step KS 16 took 22016 x 4096 at 35.7 µs against
+    KS 4's 28.7."""
+    tiles, nblk_row = -(-n_rows // 16), n_in // 256
+    best = None
+    for ks in range(4, warps + 1):
+        if warps % ks:
+            continue
+        steps = -(-tiles // (warps // ks))
+        grid = min(resident, steps)
+        cost = -(-steps // grid) * (-(-nblk_row // ks) + STEP_COST)
+        if best is None or cost < best[0]:
+            best = (cost, ks, grid)
+    return best[1], best[2]
+
+
 def _mma_plan(w: DeviceWeight, variant: tuple[int, int] | None):
-    """(kernel, grid, block, shared_mem) of gemv_mma on w, cached in w._plans: one block per
-    multiprocessor (the shared memory holds all of X), at most one per step of WARPS / KS tiles
-    of 16 weight rows."""
+    """(kernel, grid, block, shared_mem, KS) of gemv_mma on w, cached in w._plans: one block
+    per multiprocessor or more where the shared memory and registers allow, KS from mma_ks unless
+    the variant names one."""
     key = ("mma8", variant)
     plan = w._plans.get(key)
     if plan is not None:
         return plan
-    warps, ks = variant or MMA8_VARIANT
-    kernel = _kernel("gemv_mma.cu", _gemv_mma_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act), w.evict_first)
+    warps = _warps(w, variant)
+    kernel = _kernel("gemv_mma.cu", _gemv_mma_name(w.ggml_type, w.planar, warps, w.glu, w.glu_act), w.evict_first)
     smem = mma8_smem(w.shape[1], warps)
     allow_shared(kernel, smem)
-    steps = -(-w.shape[0] // (16 * (warps // ks)))  # weight rows: a glu weight's gate and up rows alike
-    grid = min(device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem), steps)
-    plan = (kernel, (grid,), (32 * warps,), smem)
+    resident = device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem)
+    ks, grid = mma_ks(w.shape[0], w.shape[1], warps, resident)  # weight rows: a glu weight's gate and up rows alike
+    if variant and variant[1]:
+        ks = variant[1]
+        grid = min(resident, -(-w.shape[0] // (16 * (warps // ks))))
+    plan = (kernel, (grid,), (32 * warps,), smem, ks)
     w._plans[key] = plan
     return plan
 
@@ -78,7 +113,8 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
     multiple of 16 bytes apart. Y: (n_tok, n_out) float32 ((n_tok, n_out / 2) for w.glu), rows
     any whole number of floats apart. residual: like Y or None, may be Y itself; bias: (n_out,)
     float32 or None, added to every row; neither with w.glu. pdl, stream, trace: as matmul.gemv.
-    variant: another compiled (WARPS, KS) instance (quant_kernels.EXTRA_MMA8_VARIANTS). x is
+    variant: (WARPS, KS): another compiled instance of WARPS warps (quant_kernels.EXTRA_MMA8_WARPS),
+    KS 0 for mma_ks's choice, else a divisor of WARPS from 4 up. x is
     quantized to 8 bits per 32 values as gemv quantizes it (llama.cpp's q8_1 idea); Y differs
     from gemv's only by float32 rounding (sums in another order), within the gemv tests' limit
     against numpy with x rounded the same way (1e-4 relative L2). x_q8: X already quantized by
@@ -92,7 +128,9 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
         raise ValueError(f"gemv_mma multiplies {', '.join(t.name for t in MMA8_DECODERS)} weights, not {w.ggml_type.name}")
     n_tok, n_out, x_stride, y_stride, r_stride = check_products("gemv_mma", w, X, Y, residual, bias, MMA8_TOKENS)
     n_in = w.shape[1]
-    warps = (variant or MMA8_VARIANT)[0]
+    warps = _warps(w, variant)
+    if variant and variant[1] and (variant[1] < 4 or warps % variant[1]):
+        raise ValueError(f"gemv_mma variant {variant}: KS must divide WARPS and be at least 4")
     if mma8_smem(n_in, warps) > SMEM_LIMIT:
         raise ValueError(f"gemv_mma holds the x of {MMA8_TOKENS} tokens in shared memory: {mma8_smem(n_in, warps)} bytes "
                          f"for n_in {n_in}, more than {SMEM_LIMIT}")
@@ -101,9 +139,9 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
     if x_q8 is not None and ((x_q8.n_tok, x_q8.n, x_q8.swizzle) != (n_tok, n_in, swizzle) or x_q8.data.nbytes < need):
         raise ValueError(f"x_q8 holds {x_q8.n_tok} rows of {x_q8.n} for swizzle {x_q8.swizzle} ({x_q8.data.nbytes} bytes); "
                          f"this product needs {n_tok} of {n_in} for {swizzle} ({need} bytes)")
-    kernel, grid, block, smem = _mma_plan(w, variant)
+    kernel, grid, block, smem, ks = _mma_plan(w, variant)
     args = (w.data, X, np.int32(x_stride), Y, np.int32(y_stride), null_or(residual), np.int32(r_stride), null_or(bias),
-            np.int32(n_out), np.int32(n_in), np.int32(n_tok), null_or(x_q8 and x_q8.data))
+            np.int32(n_out), np.int32(n_in), np.int32(n_tok), np.int32(ks), null_or(x_q8 and x_q8.data))
     if pdl is None:  # as gemv: eagerly the driver-API launch costs more host time than it saves
         pdl = w.pdl and capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl)

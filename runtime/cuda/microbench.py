@@ -155,7 +155,7 @@ def bench_gemv_batch(ggml_type: str, n_out: int, n_in: int, tokens: Sequence[int
     `ggml_type`; with mma8, gemv_mma (runtime/cuda/gemv_mma.py, Q4_K and Q6_K) instead.
     glu: the rows are interleaved gate/up pairs (the gate/up epilogue, n_out / 2
     outputs); variant: see gemv_batch (quant_kernels.EXTRA_BATCH_VARIANTS), with mma8 gemv_mma
-    (EXTRA_MMA8_VARIANTS); x_q8: X comes
+    ((WARPS, KS), gemv_mma.gemv_mma); x_q8: X comes
     quantized (gemv_batch x_q8, made once by quantize_rows before the timing, as bench_gemv's
     x_q8: the product's time without its producer's). Timed as bench_gemv times (CUDA graph of PDL launches over copies of W exceeding
     4x the L2, warm-up, median of CUDA-event timings). Returns {"gemv_us": µs of one gemv,

@@ -103,14 +103,13 @@ EXTRA_BATCH_VARIANTS: dict[T, tuple[tuple[int, int, int, int], ...]] = {
 # the batch wins up to 4 tokens.
 GEMV_MAX_TOKENS = 4
 # gemv_mma (kernels_cu/gemv_mma.cu): products of 2..MMA8_TOKENS tokens on int8 tensor cores, for
-# the types it decodes (its mma_* structs), with (WARPS, KS): warps per block, warps splitting
-# each 16-row tile's blocks (KS >= 4: the step's epilogue has a thread per output). Not yet
-# measured: (8, 4) puts 2 tiles per step, so a 4096-row matrix is 128 steps, one per
-# multiprocessor, each warp taking every fourth 256-weight block. The extra variants (the "bench"
-# group) are for scripts/bench_gemv_mma.py.
+# the types it decodes (its mma_* structs), with WARPS warps per block (how many of them split each
+# 16-row tile's blocks is chosen per matrix at launch: gemv_mma.mma_ks). Q4_K takes 16 warps (120
+# registers, one block per multiprocessor); Q6_K's decoder spills at 16 warps' 128 registers and
+# keeps 8. The extra instances (the "bench" group) are for scripts/bench_gemv_mma.py.
 MMA8_DECODERS: dict[T, str] = {T.Q4_K: "mma_q4_K", T.Q6_K: "mma_q6_K"}
-MMA8_VARIANT = (8, 4)
-EXTRA_MMA8_VARIANTS: tuple[tuple[int, int], ...] = ((8, 8), (12, 4))  # 16 warps: at most 128 registers, Q6_K spills
+MMA8_WARPS: dict[T, int] = {T.Q4_K: 16, T.Q6_K: 8}
+EXTRA_MMA8_WARPS: dict[T, tuple[int, ...]] = {T.Q4_K: (8, 12), T.Q6_K: (12,)}
 DEQUANT_CHUNK_BYTES = 32 << 20  # fp16 rows dequantized per cuBLAS call (fits the H200's 60 MB L2)
 
 
@@ -145,10 +144,8 @@ def _gemv_batch_name(t: T, planar: bool, variant: tuple[int, int, int, int] | No
             f"{_bool(glu)}{GLU_ACTS[act] if glu else ''}>")
 
 
-def _gemv_mma_name(t: T, planar: bool, variant: tuple[int, int] | None = None, glu: bool = False,
-                   act: str = "silu") -> str:
-    warps, ks = variant or MMA8_VARIANT
-    return f"gemv_mma<{MMA8_DECODERS[t]}, {_bool(planar)}, {warps}, {ks}, {_bool(glu)}{GLU_ACTS[act] if glu else ''}>"
+def _gemv_mma_name(t: T, planar: bool, warps: int | None = None, glu: bool = False, act: str = "silu") -> str:
+    return f"gemv_mma<{MMA8_DECODERS[t]}, {_bool(planar)}, {warps or MMA8_WARPS[t]}, {_bool(glu)}{GLU_ACTS[act] if glu else ''}>"
 
 
 def _gemv_f_name(t: T, vec: bool, glu: bool = False, act: str = "silu") -> str:
@@ -217,7 +214,7 @@ GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "gemv_mma.cu": {  # one instance per group, as gemv_batch.cu's
         **{name: (name,) for t in MMA8_DECODERS for act in GLU_ACTS for name in _mma8_names(t, act)},
-        "bench": tuple(_gemv_mma_name(t, p, v, glu) for t in MMA8_DECODERS for v in EXTRA_MMA8_VARIANTS
+        "bench": tuple(_gemv_mma_name(t, p, v, glu) for t in MMA8_DECODERS for v in EXTRA_MMA8_WARPS[t]
                        for glu in (False, True) for p in (False, True)),
     },
     "matmul.cu": {**{t.name: _matmul_names(t) for t in (*QUANT, *FLOAT)}, "common": ("convert_f32_f16", "add_rows")},
