@@ -1,4 +1,4 @@
-"""gemv_mma (runtime/cuda/gemv_mma.py, kernels_cu/gemv_mma.cu): up to 8 tokens per read of a Q4_K
+"""gemv_mma (runtime/cuda/gemv_mma.py, kernels_cu/gemv_mma_q4k.cu and gemv_mma.cu): up to 8 tokens per read of a Q4_K
 or Q6_K weight on int8 tensor cores, against numpy and against gemv on each token alone; its
 selection by matmul (flag K4_MMA8).
 
@@ -164,7 +164,8 @@ def test_x_quantized_once_gives_the_same_products(type_name):
 @pytest.mark.cuda
 @pytest.mark.parametrize("glu", [False, True], ids=["plain", "glu"])
 @pytest.mark.parametrize("type_name,variant", [(t.name, (w, ks)) for t, ws in qk.EXTRA_MMA8_WARPS.items() for w in ws for ks in (0, 4)]
-                         + [(t.name, (w, w)) for t, w in qk.MMA8_WARPS.items()])
+                         + [(t.name, (w, w)) for t, ws in qk.MMA8_WARPS.items() for w in ws]
+                         + [("Q4_K", (w, 4, st)) for w in qk.MMA8_WARPS[T.Q4_K] for st in (2, 3)])
 def test_gemv_mma_variants_agree_with_the_default(type_name, variant, glu):
     """The bench group's instances (other WARPS) and other splits of a tile's blocks (KS) sum the
     same partials in another grouping."""
@@ -259,8 +260,11 @@ def test_uses_mma8_for_5_to_8_tokens_of_q4_k_and_q6_k_that_fit():
         assert not uses_mma8(_spec(name, n_in=28672), 8)  # Llama 3 70B's down does not fit
     for name in ("Q5_K", "Q8_0", "F16"):
         assert not any(uses_mma8(_spec(name), n) for n in range(1, 9))
-    for warps in qk.MMA8_WARPS.values():
-        assert mma8_smem(14336, warps) <= SMEM_LIMIT < mma8_smem(28672, warps)
+    from k4.runtime.cuda.gemv_mma import mma_shape
+
+    for t in qk.MMA8_FILES:
+        assert mma_shape(t, 14336) is not None and mma_shape(t, 28672) is None
+    assert mma_shape(T.Q4_K, 4096) == (16, 4) and mma_shape(T.Q4_K, 11008) == (16, 2) and mma_shape(T.Q4_K, 14336) == (8, 2)
 
 
 @pytest.mark.cuda  # runtime/cuda/sizing.py imports CuPy
@@ -273,14 +277,16 @@ def test_flag_k4_mma8_reaches_the_weight_options():
 
 
 def test_mma8_instances_compile_with_the_model_types_one_module_each():
-    """gemv_mma.cu's instances for a model: per Q4_K/Q6_K type both layouts, plain and SwiGLU,
-    GeGLU only for a gelu_tanh model, none for other types or with K4_MMA8=0, each its own module."""
+    """The gemv_mma instances for a model: per Q4_K (gemv_mma_q4k.cu, 16 and 8 warps) and Q6_K
+    (gemv_mma.cu) both layouts, plain and SwiGLU, GeGLU only for a gelu_tanh model, none for other
+    types or with K4_MMA8=0, each its own module."""
     assert qk._gemv_mma_name(T.Q6_K, True, 12, True) == "gemv_mma<mma_q6_K, true, 12, true>"
-    jobs = lambda types, act, on=True: [g for f, g, _ in qk.compile_jobs(types, True, act, on) if f == "gemv_mma.cu"]  # noqa: E731
+    assert qk._gemv_mma_name(T.Q4_K, False, 8, True, "gelu_tanh") == "gemv_mma_q4k<false, 8, true, true>"
+    jobs = lambda types, act, on=True: [(f, g) for f, g, _ in qk.compile_jobs(types, True, act, on) if "gemv_mma" in f]  # noqa: E731
     silu = jobs([T.Q4_K, T.Q8_0, T.F16], "silu")
-    assert len(silu) == 4 and all(len(g) == 1 and g[0].startswith("gemv_mma<mma_q4_K, ") for g in silu)
+    assert len(silu) == 8 and all(f == "gemv_mma_q4k.cu" and len(g) == 1 and g[0].startswith("gemv_mma_q4k<") for f, g in silu)
     gelu = jobs([T.Q6_K], "gelu_tanh")
-    assert len(gelu) == 6 and all(n.endswith("true, true>") for (n,) in gelu[4:])
+    assert len(gelu) == 6 and all(f == "gemv_mma.cu" for f, _ in gelu) and all(n.endswith("true, true>") for _, (n,) in gelu[4:])
     assert jobs([T.Q5_K, T.Q8_0], "silu") == [] and jobs([T.Q4_K, T.Q6_K], "silu", False) == []
 
 

@@ -40,6 +40,7 @@ ST_TOK, ST_POS, ST_RING, ST_DRAW = range(STATE_WORDS)  # token, its position, ri
 
 # ---- gemv_mma.cu -------------------------------------------------------------------------------
 MMA8_TOKENS = 8  # tokens per gemv_mma launch: the n of its mma.sync shapes (m16n8k32, m16n8k16)
+MMA8_STAGE_BYTES = 16 * 144  # gemv_mma_q4k.cu: one ring stage, 16 rows of one block_q4_K
 
 
 # ---- quantized weights (common.cuh) ------------------------------------------------------------
@@ -139,6 +140,12 @@ def mma8_smem(n_in: int, warps: int) -> int:
     return (n_in // 32) * MMA8_TOKENS * (32 + 16) + 2 * warps * 32 * 16
 
 
+def mma8_q4k_smem(n_in: int, warps: int, stages: int) -> int:
+    """Dynamic shared memory (bytes) of gemv_mma_q4k<PLANAR, warps, ...> with `stages` ring stages
+    per warp: mma8_smem's x and partial sums, then each warp's ring of MMA8_STAGE_BYTES stages."""
+    return mma8_smem(n_in, warps) + warps * stages * MMA8_STAGE_BYTES
+
+
 # arguments the size checks are evaluated at: the compiled instances and common model shapes
 _CHECK_HEAD_DIMS = (64, 80, 96, 128, 256)
 _CHECK_MMA = (*MMA_TILE_KEYS.items(), (128, 32))
@@ -175,7 +182,8 @@ def defines() -> tuple[str, ...]:
         ("MMA_BQ", MMA_BQ), ("GQA_WARPS", GQA_WARPS), ("GQA_THREADS", GQA_THREADS), ("SAMPLE_THREADS", SAMPLE_THREADS), ("SAMPLE_CAP", SAMPLE_CAP),
         ("SAMPLER_PARAM_WORDS", SAMPLER_PARAM_WORDS), ("STATE_WORDS", STATE_WORDS), ("ST_TOK", ST_TOK),
         ("ST_POS", ST_POS), ("ST_RING", ST_RING), ("ST_DRAW", ST_DRAW), ("MOE_WARPS", MOE_WARPS),
-        ("MOE_MAX_K", MOE_MAX_K), ("MMA8_TOKENS", MMA8_TOKENS))]
+        ("MOE_MAX_K", MOE_MAX_K), ("MMA8_TOKENS", MMA8_TOKENS),
+        ("MMA8_STAGE_BYTES", MMA8_STAGE_BYTES))]
     for t, q in QUANT_LAYOUTS.items():
         elems, nbytes = _ggml(t)
         out += [f"K4_QK_{t.name}={elems}", f"K4_BLOCK_BYTES_{t.name}={nbytes}",

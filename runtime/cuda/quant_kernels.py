@@ -102,14 +102,16 @@ EXTRA_BATCH_VARIANTS: dict[T, tuple[tuple[int, int, int, int], ...]] = {
 # work), while a tensor-core verify step of 5 to 8 tokens costs about 2.7x a decode step, flat:
 # the batch wins up to 4 tokens.
 GEMV_MAX_TOKENS = 4
-# gemv_mma (kernels_cu/gemv_mma.cu): products of 2..MMA8_TOKENS tokens on int8 tensor cores, for
-# the types it decodes (its mma_* structs), with WARPS warps per block (how many of them split each
-# 16-row tile's blocks is chosen per matrix at launch: gemv_mma.mma_ks). Q4_K takes 16 warps (120
-# registers, one block per multiprocessor); Q6_K's decoder spills at 16 warps' 128 registers and
-# keeps 8. The extra instances (the "bench" group) are for scripts/bench_gemv_mma.py.
-MMA8_DECODERS: dict[T, str] = {T.Q4_K: "mma_q4_K", T.Q6_K: "mma_q6_K"}
-MMA8_WARPS: dict[T, int] = {T.Q4_K: 16, T.Q6_K: 8}
-EXTRA_MMA8_WARPS: dict[T, tuple[int, ...]] = {T.Q4_K: (8, 12), T.Q6_K: (12,)}
+# gemv_mma (kernels_cu/gemv_mma_q4k.cu for Q4_K, gemv_mma.cu for Q6_K: MMA8_FILES): products of
+# 2..MMA8_TOKENS tokens on int8 tensor cores. MMA8_WARPS: the compiled warps per block, the
+# launcher taking the first whose shared memory fits the matrix (gemv_mma.mma_plan); how many warps
+# split each 16-row tile's blocks is chosen per matrix (gemv_mma.mma_ks). Q4_K: 16 warps, 8 for
+# rows past about 11,500 inputs; Q6_K's decoder spills at 16 warps' 128 registers and keeps 8.
+# EXTRA_MMA8_WARPS (the "bench" group) are for scripts/bench_gemv_mma.py.
+MMA8_FILES: dict[T, str] = {T.Q4_K: "gemv_mma_q4k.cu", T.Q6_K: "gemv_mma.cu"}
+MMA8_DECODERS = tuple(MMA8_FILES)  # the types with a gemv_mma kernel
+MMA8_WARPS: dict[T, tuple[int, ...]] = {T.Q4_K: (16, 8), T.Q6_K: (8,)}
+EXTRA_MMA8_WARPS: dict[T, tuple[int, ...]] = {T.Q4_K: (), T.Q6_K: (12,)}
 DEQUANT_CHUNK_BYTES = 32 << 20  # fp16 rows dequantized per cuBLAS call (fits the H200's 60 MB L2)
 
 
@@ -145,7 +147,9 @@ def _gemv_batch_name(t: T, planar: bool, variant: tuple[int, int, int, int] | No
 
 
 def _gemv_mma_name(t: T, planar: bool, warps: int | None = None, glu: bool = False, act: str = "silu") -> str:
-    return f"gemv_mma<{MMA8_DECODERS[t]}, {_bool(planar)}, {warps or MMA8_WARPS[t]}, {_bool(glu)}{GLU_ACTS[act] if glu else ''}>"
+    """The gemv_mma instance of type t (MMA8_FILES[t]) with `warps` warps (default its first)."""
+    args = f"{_bool(planar)}, {warps or MMA8_WARPS[t][0]}, {_bool(glu)}{GLU_ACTS[act] if glu else ''}"
+    return f"gemv_mma_q4k<{args}>" if t == T.Q4_K else f"gemv_mma<mma_{t.name[:2].lower()}_K, {args}>"
 
 
 def _gemv_f_name(t: T, vec: bool, glu: bool = False, act: str = "silu") -> str:
@@ -185,10 +189,10 @@ def _batch_names(t: T, act: str = "silu") -> tuple[str, ...]:
 
 
 def _mma8_names(t: T, act: str = "silu") -> tuple[str, ...]:
-    """The gemv_mma.cu instances of type t (MMA8_DECODERS), as _batch_names."""
+    """The gemv_mma instances of type t (MMA8_FILES), every MMA8_WARPS count, as _batch_names."""
     if act != "silu":
-        return tuple(_gemv_mma_name(t, p, None, True, act) for p in (False, True))
-    return tuple(_gemv_mma_name(t, p, None, glu) for glu in (False, True) for p in (False, True))
+        return tuple(_gemv_mma_name(t, p, w, True, act) for w in MMA8_WARPS[t] for p in (False, True))
+    return tuple(_gemv_mma_name(t, p, w, glu) for w in MMA8_WARPS[t] for glu in (False, True) for p in (False, True))
 
 
 def _matmul_names(t: T) -> tuple[str, ...]:
@@ -212,11 +216,11 @@ GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
         "bench": tuple(_gemv_batch_name(t, p, v, glu) for t, vs in EXTRA_BATCH_VARIANTS.items() for v in vs
                        for glu in (False, True) for p in (False, True)),
     },
-    "gemv_mma.cu": {  # one instance per group, as gemv_batch.cu's
-        **{name: (name,) for t in MMA8_DECODERS for act in GLU_ACTS for name in _mma8_names(t, act)},
-        "bench": tuple(_gemv_mma_name(t, p, v, glu) for t in MMA8_DECODERS for v in EXTRA_MMA8_WARPS[t]
+    **{f: {  # one instance per group, as gemv_batch.cu's
+        **{name: (name,) for t in MMA8_FILES if MMA8_FILES[t] == f for act in GLU_ACTS for name in _mma8_names(t, act)},
+        "bench": tuple(_gemv_mma_name(t, p, v, glu) for t in MMA8_FILES if MMA8_FILES[t] == f for v in EXTRA_MMA8_WARPS[t]
                        for glu in (False, True) for p in (False, True)),
-    },
+    } for f in dict.fromkeys(MMA8_FILES.values())},
     "matmul.cu": {**{t.name: _matmul_names(t) for t in (*QUANT, *FLOAT)}, "common": ("convert_f32_f16", "add_rows")},
 }
 _GROUP_OF = {(f, name): names for f, groups in GROUPS.items() for names in groups.values() for name in names}
@@ -247,7 +251,7 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
             jobs += [("gemv_batch.cu", (name,), _defines(evict_first)) for name in names]
         if mma8 and t in MMA8_DECODERS:
             names = _mma8_names(t) + (_mma8_names(t, activation) if gelu else ())
-            jobs += [("gemv_mma.cu", (name,), _defines(evict_first)) for name in names]
+            jobs += [(MMA8_FILES[t], (name,), _defines(evict_first)) for name in names]
     return jobs
 
 

@@ -1,0 +1,186 @@
+// What the int8 tensor-core products of a few tokens share (kernels_cu/gemv_mma.cu for Q6_K,
+// kernels_cu/gemv_mma_q4k.cu for Q4_K; runtime/cuda/gemv_mma.py): the mma.sync wrappers, two
+// exact conversions, the shared-memory size, the 8 tokens' x quantized into shared memory in
+// either kernel's layout, and a step's end (the warps' partial sums added, Y written).
+//
+// x is quantized as gemv_q8 quantizes it (q8_unit: per 32 values d = max|x| / 127, quants
+// rint(x * 127 / max|x|), llama.cpp's q8_1 idea), by every block into its shared memory, or
+// copied from X quantized once by quantize_q8_rows (x_q8: 1.25 instead of 4 bytes of L2 reads per
+// value and token in every block). Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k32",
+// "for mma.m16n8k16" (.s8, .u8) and "for mma.m16n8k8" (.tf32): lane = 4 g + t holds A rows g and
+// g + 8, B column (token) g, C rows g, g + 8 x tokens 2t, 2t + 1.
+#pragma once
+#include "gemv_common.cuh"
+
+static_assert(MMA8_TOKENS == 8, "MMA8_TOKENS (runtime/cuda/constants.py) is the n of the mma shapes used here");
+
+// x of the 8 tokens (xq, xsc) and the warps' partial sums (red, two buffers): per 32 inputs 32
+// bytes and 4 words per token; two float4 per lane of each warp. gemv_mma_q4k.cu adds its rings.
+__host__ __device__ constexpr int mma8_smem(int n_in, int warps) {
+    return (n_in / 32) * MMA8_TOKENS * (32 + 16) + warps * 32 * 16 * 2;
+}
+
+__host__ __device__ constexpr bool mma8_smem_agrees() {
+    constexpr int rows[] = {K4_CHECK_MMA8_SMEM};  // n_in, warps, bytes
+    for (int i = 0; i < (int)(sizeof(rows) / sizeof(int)); i += 3)
+        if (mma8_smem(rows[i], rows[i + 1]) != rows[i + 2]) return false;
+    return true;
+}
+static_assert(mma8_smem_agrees(), "gemv_mma's shared memory differs from runtime/cuda/constants.py mma8_smem");
+
+// The Q4_K layout's dx words per 256-weight block: 4 token pairs, each 16 words padded to 20 so
+// that the four pairs' 16-byte reads fall in different banks.
+constexpr int Q4X_DX_T_WORDS = 20, Q4X_DX_WORDS = 4 * Q4X_DX_T_WORDS;
+static_assert(Q4X_DX_WORDS + 128 <= 8 * 4 * MMA8_TOKENS, "the Q4_K x layout fits in xsc's 32 words per sub-block");
+
+// Bring the 128-byte line holding p into L2 (a hint: no register, no wait).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// d = a (16x16 s8, row) * b (16x8 s8, col) + c, exact int32.
+__device__ __forceinline__ void mma_k16(int (&d)[4], u32 a0, u32 a1, u32 b0, int c0, int c1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %7, %8};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(b0), "r"(c0), "r"(c1));
+}
+
+// d = a (16x32 u8, row) * b (32x8 s8, col), exact int32: Q4_K's quants as unsigned bytes, so a
+// high nibble masked in place (16 q, 0..240) needs no shift.
+__device__ __forceinline__ void mma_k32_u8(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+}
+
+// d += a (16x8 tf32, row) * b (8x8 tf32, col) in float32 (the operands' low 13 mantissa bits unused).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], float a0, float a1, float a2, float a3, float b0, float b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(__float_as_uint(a0)), "r"(__float_as_uint(a1)), "r"(__float_as_uint(a2)), "r"(__float_as_uint(a3)),
+          "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
+
+// v rounded to tf32 (nearest, ties away: cvt.rna), as a float: the high part of a two-term split.
+__device__ __forceinline__ float tf32_hi(float v) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+    return __uint_as_float(r);
+}
+
+// (float)v for |v| < 2^22, exactly: v added to the bits of 1.5 * 2^23 (whose last mantissa bit
+// is 1), minus 1.5 * 2^23. Two full-rate instructions (and the add folds into an IMAD) instead
+// of I2F, which sm_90 issues at a quarter of the FP32 rate: the products' epilogue converts
+// 4 of them per mma.
+__device__ __forceinline__ float magic_int_to_float(int v) { return __int_as_float(0x4B400000 + v) - 12582912.f; }
+
+// X (n_tok rows of n_in floats, x_stride apart, 16-byte aligned, n_in a multiple of 32) quantized
+// into xq, xsc for MMA8_TOKENS tokens (tokens n_tok.. all zero), by the whole block (blockDim.x a
+// multiple of 32); or, with x_q8 non-null, the same quants and scales copied from X quantized
+// beforehand (gemv_batch.cu quantize_q8_rows: n_tok q8 x of q8x_bytes(n_in) bytes, swizzle SWZ),
+// the sums recomputed from the quants: the same bytes. Thread f takes 16 values: unit h = f & 1
+// of sub-block s = f >> 4 of token (f >> 1) & 7; the two units of a sub-block sit in adjacent
+// lanes (one scale, as q8_unit), which swap halves so that each stores 16 consecutive bytes of xq
+// (a warp writes 512 contiguous bytes). NATURAL: the Q4_K layout of gemv_mma_q4k.cu instead (its
+// header), each unit's words stored as they are.
+template <int SWZ, bool NATURAL>
+__device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8* __restrict__ x_q8, int n_tok, int n_in,
+                             u8* xq, u32* xsc) {
+    const int total = MMA8_TOKENS * (n_in >> 4);
+    for (int base = 0; base < total; base += blockDim.x) {  // warp-uniform trip count
+        const int f = base + threadIdx.x;
+        const int h = f & 1, tok = (f >> 1) & (MMA8_TOKENS - 1), s = f >> 4;
+        const bool ok = f < total && tok < n_tok;
+        u32 q[4];  // word k: values 4k..4k+3 of the unit
+        int sum = 0;
+        float d;
+        if (x_q8) {  // block-uniform
+            const u8* row = x_q8 + (i64)(ok ? tok : 0) * q8x_bytes(n_in);
+            const uint4* unit = reinterpret_cast<const uint4*>(row + 16 * x_unit_slot(2 * s + h, SWZ));
+            const uint4 v = ok ? __ldg(unit) : make_uint4(0, 0, 0, 0);
+            d = ok ? __ldg(reinterpret_cast<const float*>(row + q8x_bytes_q(n_in)) + s) : 0.f;
+            q[0] = v.x; q[1] = v.y; q[2] = v.z; q[3] = v.w;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) sum = dp4a((int)q[k], 0x01010101, sum);
+        } else {
+            const float4* src = reinterpret_cast<const float4*>(x + (i64)(ok ? tok : 0) * x_stride) + (ok ? 4 * (2 * s + h) : 0);
+            float v[16];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const float4 g = ok ? __ldg(src + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+                v[4 * k] = g.x; v[4 * k + 1] = g.y; v[4 * k + 2] = g.z; v[4 * k + 3] = g.w;
+            }
+            float amax = 0.f;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+            d = amax * (1.f / 127.f);
+            const float id = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;  // as q8_unit
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                q[k] = 0;
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    const int qi = __float2int_rn(v[4 * k + b] * id);
+                    sum += qi;
+                    q[k] |= (u32)(qi & 0xFF) << (8 * b);
+                }
+            }
+        }
+        // xq bytes 0..15 of (s, tok) are words 0, 1 of both units (unit 0's first), 16..31 words 2, 3:
+        // unit 0 keeps words 0, 1 and receives unit 1's; unit 1 keeps words 2, 3 and receives unit 0's
+        // (NATURAL: each unit's words as they are)
+        const u32 s0 = NATURAL ? 0 : __shfl_xor_sync(0xffffffffu, h ? q[0] : q[2], 1);
+        const u32 s1 = NATURAL ? 0 : __shfl_xor_sync(0xffffffffu, h ? q[1] : q[3], 1);
+        const int other = __shfl_xor_sync(0xffffffffu, sum, 1);
+        if (f < total) {
+            const uint4 out = h ? make_uint4(s0, q[2], s1, q[3]) : make_uint4(q[0], s0, q[1], s1);
+            if (NATURAL) {  // the Q4_K layout (gemv_mma_q4k.cu): B pairs, padded dx, the mins' B split in tf32 high and low
+                const int kb = s >> 3, j = s & 7;
+                uint2* pair = reinterpret_cast<uint2*>(xq + 2048 * kb + 512 * (j >> 1) + 8 * (j & 1));
+                pair[2 * (4 * tok + 2 * h)] = make_uint2(q[0], q[1]);      // values 16h .. 16h + 7: lane 4 tok + 2h
+                pair[2 * (4 * tok + 2 * h + 1)] = make_uint2(q[2], q[3]);  // 16h + 8 .. 16h + 15: the next lane
+                if (!h) {
+                    float* xs = reinterpret_cast<float*>(xsc);
+                    const float sx = d * (float)(sum + other), hi = tf32_hi(sx);
+                    xs[Q4X_DX_WORDS * kb + Q4X_DX_T_WORDS * (tok >> 1) + 2 * j + (tok & 1)] = d;
+                    float* mb = xs + Q4X_DX_WORDS * (n_in >> 8) + 128 * kb + 4 * (4 * tok + (j & 3)) + (j >> 2);
+                    mb[0] = hi;
+                    mb[2] = sx - hi;
+                }
+            } else {
+                *reinterpret_cast<uint4*>(xq + 256 * s + 32 * tok + 16 * h) = out;
+                u32* sc = xsc + 32 * s + 8 * (tok >> 1) + (tok & 1);
+                if (!h) {
+                    sc[0] = __float_as_uint(d);
+                    sc[2] = __float_as_uint(d * (float)(sum + other));
+                }
+                sc[4 + 2 * h] = (u32)(-32 * sum);
+            }
+        }
+    }
+}
+
+// The end of a step: TILES * 128 threads, one per (tile slot, row, token) of the step's TILES
+// tiles, add the KS warps' partial sums from red (WARPS, 32) float4, warp slot * KS + k holding
+// tile slot's k-th share in C order, and write Y (the GLU epilogue from a gate row and its up row,
+// the next weight row, lane + 4).
+template <bool GLU, bool GELU>
+__device__ void mma8_step_out(const float4* red, int KS, int TILES, int step, int n_rows, int n_out, int n_tok,
+                              float* y, int y_stride, const float* residual, int r_stride, const float* __restrict__ bias) {
+    const int f = threadIdx.x;  // (tile slot, lane, C register) of one output
+    if (f >= TILES * 128) return;
+    const int sl = f >> 7, ln = (f >> 2) & 31, reg = f & 3;
+    const float* part = reinterpret_cast<const float*>(red + sl * KS * 32);
+    float v = 0.f;
+    for (int k = 0; k < KS; ++k) v += part[128 * k + 4 * ln + reg];
+    const int row = 16 * (TILES * step + sl) + (ln >> 2) + 8 * (reg >> 1);  // weight row
+    const int tok = 2 * (ln & 3) + (reg & 1);
+    if (GLU) {
+        if (!(row & 1) && row < n_rows && tok < n_tok) {  // a gate row: its up row is the next, lane ln + 4
+            float u = 0.f;
+            for (int k = 0; k < KS; ++k) u += part[128 * k + 4 * (ln + 4) + reg];
+            y[(i64)tok * y_stride + row / 2] = glu_act<GELU>(v, u);
+        }
+    } else if (row < n_out && tok < n_tok) {
+        write_row(y + (i64)tok * y_stride, residual ? residual + (i64)tok * r_stride : nullptr, bias, row, v);
+    }
+}
