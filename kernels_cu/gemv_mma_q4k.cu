@@ -13,9 +13,10 @@
 //
 // Weights reach the mma through shared memory: each warp keeps a ring of S stages (S = 2..4,
 // chosen by the launcher from the shared memory left), one (16 rows x 256-weight block) item each,
-// filled by cp.async 16 bytes at a time (the 144 bytes of each row's block, 4.5 copies a lane),
+// filled by cp.async 16 bytes at a time (4 rows' 128 bytes of qs per copy instruction, and the
+// rows' scale bytes),
 // S - 1 items ahead of the one it multiplies, so the loads neither hold registers nor wait for the
-// compiler's schedule, and a copy covers whole 32-byte sectors of a row. In a stage, row r's block
+// compiler's schedule. In a stage, row r's block
 // sits at 144 sigma(r), sigma(r) = 2 (r & 3) + ((r >> 2) & 1) + 8 (r >> 3): the four rows that a
 // half warp reads together start 8 banks apart (conflict-free 8-byte reads). Lane t of a quad reads
 // 8 bytes of each 32-byte piece c of qs (bytes 32c + 8t ..): the fragment's k 4t..4t+3 and
@@ -157,21 +158,32 @@ gemv_mma_q4k(const u8* __restrict__ w,        // (n_out, n_in) block_q4_K, raw o
             kb = kl;
         }
     };
-    // Copy the next item of the sequence (if any) into stage st, as one cp.async group.
-    int is_step = blockIdx.x, is_kb = kl;
+    // Copy the next item of the sequence (if any) into stage st, as one cp.async group: the qs of
+    // rows a + 4i (a = lane / 8, i = 0..3), 16 bytes at 16 (lane % 8), so each copy instruction takes
+    // 4 rows' 128 contiguous bytes; lanes 0..15 also copy row lane's d, dmin and scales. Stage rows:
+    // sigma(a + 4i) = 2a + (i & 1) + 8 (i >> 1). The rows' addresses are found once per step.
+    constexpr int META_STEP = PLANAR ? 16 : K4_BLOCK_BYTES_Q4_K, QS_STEP = PLANAR ? QK_K / 2 : K4_BLOCK_BYTES_Q4_K;
+    const int qa = lane >> 3;
+    const u32 qs_dst = ring_s + K4_BLOCK_BYTES_Q4_K * 2 * qa + 16 + 16 * (lane & 7);
+    const u32 meta_dst = ring_s + K4_BLOCK_BYTES_Q4_K * stage_row(lane & 15);
+    int is_step = blockIdx.x, is_kb = kl, at_step = -1;
+    const u8* qs_src[4];  // block 0 of rows qa + 4i, at this lane's 16 bytes
+    const u8* meta_src;   // block 0 of row lane (lanes 0..15)
     auto issue = [&](int st) {
         if (is_step < n_steps && kl < nblk_row) {
-            const int row0 = 16 * (TILES * is_step + slot);
+            if (is_step != at_step) {
+                at_step = is_step;
+                const int row0 = 16 * (TILES * is_step + slot);
 #pragma unroll
-            for (int i = 0; i < 5; ++i) {  // 144 pieces of 16 bytes: row r = c / 9, piece c % 9 (0: d, dmin, scales)
-                const int c = lane + 32 * i;
-                if (c < 16 * 9) {
-                    const int r = (c * 57) >> 9, p = c - 9 * r;  // c / 9 for c < 144
-                    const i64 blk = (i64)min(row0 + r, n_rows - 1) * nblk_row + is_kb;
-                    const u8* src = p == 0 ? group_at<T, 0, PLANAR>(w, nblk, blk) : group_at<T, 1, PLANAR>(w, nblk, blk) + 16 * (p - 1);
-                    cp_async16(ring_s + st * MMA8_STAGE_BYTES + K4_BLOCK_BYTES_Q4_K * stage_row(r) + 16 * p, src);
-                }
+                for (int i = 0; i < 4; ++i)
+                    qs_src[i] = group_at<T, 1, PLANAR>(w, nblk, (i64)min(row0 + qa + 4 * i, n_rows - 1) * nblk_row) + 16 * (lane & 7);
+                meta_src = group_at<T, 0, PLANAR>(w, nblk, (i64)min(row0 + (lane & 15), n_rows - 1) * nblk_row);
             }
+            const u32 off = st * MMA8_STAGE_BYTES;
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                cp_async16(qs_dst + off + K4_BLOCK_BYTES_Q4_K * ((i & 1) + 8 * (i >> 1)), qs_src[i] + (i64)is_kb * QS_STEP);
+            if (lane < 16) cp_async16(meta_dst + off, meta_src + (i64)is_kb * META_STEP);
             advance(is_step, is_kb);
         }
         cp_async_commit();  // every call commits a group, empty or not: the counts below stay uniform
