@@ -185,10 +185,10 @@ def test_gemv_mma_variants_agree_with_the_default(type_name, variant, glu):
 @pytest.mark.cuda
 @pytest.mark.parametrize("mma8", [True, False], ids=["K4_MMA8=1", "K4_MMA8=0"])
 @TYPES
-def test_matmul_takes_gemv_mma_for_5_to_8_tokens_with_the_flag(type_name, mma8, monkeypatch):
-    """2..GEMV_MAX_TOKENS tokens of Q4_K/Q6_K run as gemv_batch; with K4_MMA8 matmul runs
-    GEMV_MAX_TOKENS + 1 .. 8 as one gemv_mma launch, without it on fp16 tensor cores. Either way
-    within the limits of its path against numpy."""
+def test_matmul_takes_gemv_mma_for_4_to_8_tokens_with_the_flag(type_name, mma8, monkeypatch):
+    """With K4_MMA8 matmul runs MMA8_MIN_TOKENS .. 8 tokens of Q4_K/Q6_K as one gemv_mma launch
+    and fewer as gemv_batch; without it up to GEMV_MAX_TOKENS as gemv_batch, more on fp16 tensor
+    cores. Either way within the limits of its path against numpy."""
     import cupy as cp
 
     calls = []
@@ -208,7 +208,7 @@ def test_matmul_takes_gemv_mma_for_5_to_8_tokens_with_the_flag(type_name, mma8, 
         assert rel_err(Y.get(), ref) < limit, f"{type_name} n_tok {n_tok} mma8 {mma8} (seed {seed})"
         if not tensor_cores:
             assert trace.get("load").launches == 1
-    assert calls == (list(range(mm.GEMV_MAX_TOKENS + 1, MMA8_TOKENS + 1)) if mma8 else [])
+    assert calls == (list(range(qk.MMA8_MIN_TOKENS, MMA8_TOKENS + 1)) if mma8 else [])
 
 
 @pytest.mark.cuda
@@ -250,9 +250,9 @@ def _spec(type_name: str, n_in: int = 4096, mma8: bool = True, prefill_tc: bool 
     return SimpleNamespace(ggml_type=T[type_name], shape=(4096, n_in), mma8=mma8, prefill_tc=prefill_tc)
 
 
-def test_uses_mma8_for_5_to_8_tokens_of_q4_k_and_q6_k_that_fit():
+def test_uses_mma8_for_4_to_8_tokens_of_q4_k_and_q6_k_that_fit():
     for name in ("Q4_K", "Q6_K"):
-        assert [n for n in range(1, 12) if uses_mma8(_spec(name), n)] == list(range(5, 9))
+        assert [n for n in range(1, 12) if uses_mma8(_spec(name), n)] == list(range(qk.MMA8_MIN_TOKENS, 9)) == [4, 5, 6, 7, 8]
         assert [n for n in range(1, 12) if mm.uses_gemv(_spec(name), n)] == list(range(1, 9))
         assert not any(uses_mma8(_spec(name, mma8=False), n) for n in range(1, 9))
         assert [n for n in range(1, 12) if mm.uses_gemv(_spec(name, mma8=False), n)] == [1, 2, 3, 4]
@@ -271,7 +271,7 @@ def test_uses_mma8_for_5_to_8_tokens_of_q4_k_and_q6_k_that_fit():
 def test_flag_k4_mma8_reaches_the_weight_options():
     from k4.runtime.cuda.sizing import options
 
-    assert options(Flags({}))[0].matrix.mma8 is False  # off by default (runtime/flags.py)
+    assert options(Flags({}))[0].matrix.mma8 is True  # on by default (runtime/flags.py)
     assert options(Flags({"K4_MMA8": "1"}))[0].matrix.mma8 is True
     assert options(Flags({"K4_MMA8": "0"}))[0].matrix.mma8 is False
 

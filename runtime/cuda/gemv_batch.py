@@ -130,7 +130,7 @@ def gemv_batch(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, 
 def gemv_rows(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, trace: Trace | None = None) -> None:
     """The few-token products over any number of tokens: rows of X in groups of up to
     BATCH_TOKENS, one launch each (ceil(n_tok / BATCH_TOKENS) reads of w): gemv_mma.gemv_mma
-    where gemv_mma.uses_mma8 says so (Q4_K and Q6_K, 5 to 8 rows, flag K4_MMA8), else
+    where gemv_mma.uses_mma8 says so (Q4_K and Q6_K, 4 to 8 rows, flag K4_MMA8), else
     gemv_batch. Arguments as gemv_batch, any n_tok >= 1. Raises ValueError as gemv_batch."""
     n_tok = X.shape[0] if getattr(X, "ndim", 0) == 2 else 0
     if n_tok < 1:

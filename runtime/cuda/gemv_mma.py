@@ -10,8 +10,8 @@ weight is the float epilogue of each scale group (docs/PERF.md). x is quantized 
 with gemv to float rounding, not bit for bit (tests/test_cuda_gemv_mma.py states the limits).
 
 matmul.matmul (through gemv_batch.gemv_rows) and forward.py's gate/up path use it for
-GEMV_MAX_TOKENS + 1 to MMA8_TOKENS tokens when the weight's mma8 option is on (flag K4_MMA8,
-off by default) and uses_mma8 says the product fits. Like matmul.py's entry points: validates on the host (ValueError: programming
+MMA8_MIN_TOKENS to MMA8_TOKENS tokens when the weight's mma8 option is on (flag K4_MMA8, on by
+default) and uses_mma8 says the product fits. Like matmul.py's entry points: validates on the host (ValueError: programming
 errors of the caller), allocates nothing, never synchronizes, can be captured in a CUDA graph.
 """
 
@@ -27,7 +27,7 @@ from k4.runtime.trace import Trace
 from .batch_args import check_products
 from .constants import MMA8_TOKENS, mma8_q4k_smem, mma8_smem, q8x_bytes
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
-from .quant_kernels import GEMV_MAX_TOKENS, MMA8_DECODERS, MMA8_FILES, MMA8_WARPS, QUANT, _gemv_mma_name, _kernel
+from .quant_kernels import MMA8_DECODERS, MMA8_FILES, MMA8_MIN_TOKENS, MMA8_WARPS, QUANT, _gemv_mma_name, _kernel
 
 if TYPE_CHECKING:
     from .gemv_batch import Q8Rows
@@ -38,11 +38,11 @@ SMEM_LIMIT = 227 << 10  # sm_90: the most dynamic shared memory a block may opt 
 
 def uses_mma8(w: DeviceWeight, n_tok: int, variant: tuple[int, ...] | None = None) -> bool:
     """Whether a product of n_tok tokens on w runs as gemv_mma: w's mma8 option is on (K4_MMA8),
-    its type has an mma kernel (quant_kernels.MMA8_FILES: Q4_K, Q6_K), GEMV_MAX_TOKENS < n_tok <=
+    its type has an mma kernel (quant_kernels.MMA8_FILES: Q4_K, Q6_K), MMA8_MIN_TOKENS <= n_tok <=
     MMA8_TOKENS, and the 8 tokens' quantized x (and Q4_K's rings) fit in one block's shared memory
     (mma_shape: n_in up to about 18,900 for Q6_K, 15,200 for Q4_K). Measured on the H200
     (scripts/bench_gemv_mma.py, Llama 2 7B's products; docs/PERF.md): see MMA8_FILES' kernels."""
-    return (w.mma8 and w.ggml_type in MMA8_FILES and GEMV_MAX_TOKENS < n_tok <= MMA8_TOKENS
+    return (w.mma8 and w.ggml_type in MMA8_FILES and MMA8_MIN_TOKENS <= n_tok <= MMA8_TOKENS
             and mma_shape(w.ggml_type, w.shape[1], variant) is not None)
 
 

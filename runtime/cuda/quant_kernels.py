@@ -100,8 +100,10 @@ EXTRA_BATCH_VARIANTS: dict[T, tuple[tuple[int, int, int, int], ...]] = {
 # H200 (scripts/bench_gemv_batch.py, the 7B's Q4_K products) a batch of n costs 1.12, 1.43,
 # 1.80, 2.15, 2.51, 2.87, 3.23, 3.58x one token's gemv for n = 1..8 (dp4a-bound: 8x the integer
 # work), while a tensor-core verify step of 5 to 8 tokens costs about 2.7x a decode step, flat:
-# the batch wins up to 4 tokens.
+# the batch wins up to 4 tokens. Q4_K and Q6_K go to gemv_mma (int8 tensor cores, about 1.7-2.2x
+# one gemv whatever the count) from MMA8_MIN_TOKENS on: batches of 2 and 3 stay on gemv_batch.
 GEMV_MAX_TOKENS = 4
+MMA8_MIN_TOKENS = 4
 # gemv_mma (kernels_cu/gemv_mma_q4k.cu for Q4_K, gemv_mma.cu for Q6_K: MMA8_FILES): products of
 # 2..MMA8_TOKENS tokens on int8 tensor cores. MMA8_WARPS: the compiled warps per block, the
 # launcher taking the first whose shared memory fits the matrix (gemv_mma.mma_plan); how many warps
