@@ -1,8 +1,8 @@
-// Products of 1 to 8 tokens of Q6_K weights on int8 tensor cores, reading the weights once: for
-// each of n_tok rows of X, Y[t] = W @ X[t] (+ bias) (+ residual[t]), or with GLU the gate/up
-// epilogue of gemv_q8 (act(gate . x) * (up . x), act silu or with GELU gelu_tanh). Raw or planar
-// weights (quant_layouts.cuh). Speculative decoding's verify step (runtime/cuda/gemv_mma.py);
-// gemv_mma_q4k.cu does the same for Q4_K, mma8_common.cuh holds what they share.
+// Products of 1 to 8 tokens of raw Q6_K weights on int8 tensor cores, reading the weights once:
+// for each of n_tok rows of X, Y[t] = W @ X[t] (+ bias) (+ residual[t]), or with GLU the gate/up
+// epilogue of gemv_q8 (act(gate . x) * (up . x), act silu or with GELU gelu_tanh). Raw weights
+// (quant_layouts.cuh; planar ones too, but gemv_mma_staged.cu takes those, and Q4_K). Speculative
+// decoding's verify step (runtime/cuda/gemv_mma.py); mma8_common.cuh holds what they share.
 //
 // Per 16 weight rows and group i of 16 inputs: one m16n8k16 mma of the rows' quants (A) with the
 // 8 tokens' 8-bit x (B; tokens past n_tok are zeros), whose int32 result, with -32 * the sum of
@@ -49,9 +49,7 @@ __device__ __forceinline__ uint4 quad_transpose(const uint4& v, int t) {
     return odd ? make_uint4(r0, a.y, r1, a.w) : make_uint4(a.x, r0, a.z, r1);
 }
 
-// Q6_K (ggml-common.h block_q6_K): group i = 8h + 2m + l of 16 values (scale scales[i]) has value
-// e at ql[64h + 32 (m & 1) + 16l + e] (nibble m >> 1), i.e. ql piece 4h + 2 (m & 1) + l, and the
-// high bits 2m, 2m + 1 of qh[32h + 16l + e], qh piece 2h + l (type_q6_K's order).
+// Q6_K (ggml-common.h block_q6_K), loaded by quads of lanes; the product is mma8_common.cuh q6k_dot.
 struct mma_q6_K {
     using T = type_q6_K;
     struct row {         // one weight row's share of a block, for lane t of a quad
@@ -76,50 +74,19 @@ struct mma_q6_K {
         prefetch_l2(group_at<T, 2, PLANAR>(w, nblk, blk));
         prefetch_l2(group_at<T, 3, PLANAR>(w, nblk, blk));
     }
-    // quants 4t..4t+3 of group i (0..63 each), from word t of the ql and qh pieces (l: ql halves, h: qh)
-    __device__ static u32 quants(const uint4 (&l)[2], const uint4& h, int i) {
-        const int half = i >> 3, m = (i >> 1) & 3, lr = i & 1;
-        const u32 lo = (word(l[half], 2 * (m & 1) + lr) >> (4 * (m >> 1))) & 0x0F0F0F0Fu;
-        return lo | type_q6_K::hbits(word(h, 2 * half + lr), m);
-    }
     // acc (C order: rows g, g + 8 x tokens 2t, 2t + 1) += the products of block kb of rows r0 (g)
     // and r1 (g + 8) with the x of its 8 sub-blocks (the header's layouts).
-    __device__ static void dot(const row& r0, const row& r1, const u8* xq, const u32* xsc, int n_sub, int kb, int lane,
+    __device__ static void dot(const row& r0, const row& r1, const u8* xq, const u32* xsc, int, int kb, int lane,
                                float (&acc)[4]) {
-        xq += 256 * 8 * kb;
-        xsc += 32 * 8 * kb;
         const int t = lane & 3;
         const uint4 l0[2] = {quad_transpose(r0.la, t), quad_transpose(r0.lb, t)}, h0 = quad_transpose(r0.h, t);
         const uint4 l1[2] = {quad_transpose(r1.la, t), quad_transpose(r1.lb, t)}, h1 = quad_transpose(r1.h, t);
-        float dot_s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int s = 0; s < 8; ++s) {  // sub-block s of 32: groups 2s, 2s + 1
-            const uint2 b = *reinterpret_cast<const uint2*>(xq + 256 * s + 8 * lane);
-            const float2 dx = *reinterpret_cast<const float2*>(xsc + 32 * s + 8 * t);     // tokens 2t, 2t + 1
-            const int4 c32 = *reinterpret_cast<const int4*>(xsc + 32 * s + 8 * t + 4);  // -32 sums: 2s (x, y), 2s + 1 (z, w)
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                const int i = 2 * s + k;
-                int d[4];
-                mma_k16(d, quants(l0, h0, i), quants(l1, h1, i), k ? b.y : b.x, k ? c32.z : c32.x, k ? c32.w : c32.y);
-                const int sa = (int)(i8)(word(r0.sc, i >> 2) >> (8 * (i & 3)));
-                const int sb = (int)(i8)(word(r1.sc, i >> 2) >> (8 * (i & 3)));
-                dot_s[0] += dx.x * (float)(sa * d[0]);
-                dot_s[1] += dx.y * (float)(sa * d[1]);
-                dot_s[2] += dx.x * (float)(sb * d[2]);
-                dot_s[3] += dx.y * (float)(sb * d[3]);
-            }
-        }
-        const float d0 = f16_to_f32(r0.d), d1 = f16_to_f32(r1.d);
-        acc[0] += d0 * dot_s[0];
-        acc[1] += d0 * dot_s[1];
-        acc[2] += d1 * dot_s[2];
-        acc[3] += d1 * dot_s[3];
+        q6k_dot(l0, h0, r0.sc, f16_to_f32(r0.d), l1, h1, r1.sc, f16_to_f32(r1.d), xq + 256 * 8 * kb, xsc + 32 * 8 * kb, lane, acc);
     }
 };
 
-// Blocks (256 weights x 16 rows) each warp asks of L2 ahead of their use: 8 warps x 8 x 2.3 KB
-// (Q4_K) to 3.4 KB (Q6_K) per multiprocessor, 19-28 MB in all, under the H200's L2 whatever the
+// Blocks (256 weights x 16 rows) each warp asks of L2 ahead of their use: 8 warps x 8 x 3.4 KB
+// (Q6_K) per multiprocessor, 28 MB in all, under the H200's L2 whatever the
 // matrix (a whole step ahead would be the whole 37 MB of a 4096 x 11008 Q6_K matrix).
 constexpr int PREFETCH_AHEAD = 8;
 

@@ -1,7 +1,7 @@
-// What the int8 tensor-core products of a few tokens share (kernels_cu/gemv_mma.cu for Q6_K,
-// kernels_cu/gemv_mma_q4k.cu for Q4_K; runtime/cuda/gemv_mma.py): the mma.sync wrappers, two
-// exact conversions, the shared-memory size, the 8 tokens' x quantized into shared memory in
-// either kernel's layout, and a step's end (the warps' partial sums added, Y written).
+// What the int8 tensor-core products of a few tokens share (kernels_cu/gemv_mma_staged.cu, and
+// gemv_mma.cu for raw Q6_K; runtime/cuda/gemv_mma.py): the mma.sync wrappers, two exact
+// conversions, the shared-memory size, the 8 tokens' x quantized into shared memory in either
+// layout, Q6_K's block product, and a step's end (the warps' partial sums added, Y written).
 //
 // x is quantized as gemv_q8 quantizes it (q8_unit: per 32 values d = max|x| / 127, quants
 // rint(x * 127 / max|x|), llama.cpp's q8_1 idea), by every block into its shared memory, or
@@ -15,7 +15,7 @@
 static_assert(MMA8_TOKENS == 8, "MMA8_TOKENS (runtime/cuda/constants.py) is the n of the mma shapes used here");
 
 // x of the 8 tokens (xq, xsc) and the warps' partial sums (red, two buffers): per 32 inputs 32
-// bytes and 4 words per token; two float4 per lane of each warp. gemv_mma_q4k.cu adds its rings.
+// bytes and 4 words per token; two float4 per lane of each warp. gemv_mma_staged.cu adds its rings.
 __host__ __device__ constexpr int mma8_smem(int n_in, int warps) {
     return (n_in / 32) * MMA8_TOKENS * (32 + 16) + warps * 32 * 16 * 2;
 }
@@ -79,7 +79,7 @@ __device__ __forceinline__ float magic_int_to_float(int v) { return __int_as_flo
 // the sums recomputed from the quants: the same bytes. Thread f takes 16 values: unit h = f & 1
 // of sub-block s = f >> 4 of token (f >> 1) & 7; the two units of a sub-block sit in adjacent
 // lanes (one scale, as q8_unit), which swap halves so that each stores 16 consecutive bytes of xq
-// (a warp writes 512 contiguous bytes). NATURAL: the Q4_K layout of gemv_mma_q4k.cu instead (its
+// (a warp writes 512 contiguous bytes). NATURAL: the Q4_K layout of gemv_mma_staged.cu instead (its
 // header), each unit's words stored as they are.
 template <int SWZ, bool NATURAL>
 __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8* __restrict__ x_q8, int n_tok, int n_in,
@@ -133,7 +133,7 @@ __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8
         const int other = __shfl_xor_sync(0xffffffffu, sum, 1);
         if (f < total) {
             const uint4 out = h ? make_uint4(s0, q[2], s1, q[3]) : make_uint4(q[0], s0, q[1], s1);
-            if (NATURAL) {  // the Q4_K layout (gemv_mma_q4k.cu): B pairs, padded dx, the mins' B split in tf32 high and low
+            if (NATURAL) {  // the Q4_K layout (gemv_mma_staged.cu): B pairs, padded dx, the mins' B split in tf32 high and low
                 const int kb = s >> 3, j = s & 7;
                 uint2* pair = reinterpret_cast<uint2*>(xq + 2048 * kb + 512 * (j >> 1) + 8 * (j & 1));
                 pair[2 * (4 * tok + 2 * h)] = make_uint2(q[0], q[1]);      // values 16h .. 16h + 7: lane 4 tok + 2h
@@ -157,6 +157,50 @@ __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8
             }
         }
     }
+}
+
+// Q6_K (ggml-common.h block_q6_K): group i = 8h + 2m + l of 16 values (scale scales[i]) has value
+// e at ql[64h + 32 (m & 1) + 16l + e] (nibble m >> 1), i.e. ql piece 4h + 2 (m & 1) + l, and the
+// high bits 2m, 2m + 1 of qh[32h + 16l + e], qh piece 2h + l (type_q6_K's order). Quants 4t..4t+3
+// of group i (0..63 each), from word t of the ql pieces (l[0]: 0..3, l[1]: 4..7) and qh pieces (h).
+__device__ __forceinline__ u32 q6k_quants(const uint4 (&l)[2], const uint4& h, int i) {
+    const int half = i >> 3, m = (i >> 1) & 3, lr = i & 1;
+    const u32 lo = (word(l[half], 2 * (m & 1) + lr) >> (4 * (m >> 1))) & 0x0F0F0F0Fu;
+    return lo | type_q6_K::hbits(word(h, 2 * half + lr), m);
+}
+
+// acc (C order: rows g, g + 8 x tokens 2t, 2t + 1) += one Q6_K block of rows g (l0, h0: word t
+// of its ql and qh pieces, sc0 its 16 scales, d0 its scale) and g + 8 (l1, h1, sc1, d1) times the
+// x of its 8 sub-blocks at xq, xsc (gemv_mma.cu's layout): per group one m16n8k16 mma with -32 *
+// the sum of x's quants as C (the dot with q - 32, |dot| <= 16 * 32 * 127 < 2^22), then
+// dx * sc * dot in float (sc * dot exact: < 2^24).
+__device__ __forceinline__ void q6k_dot(const uint4 (&l0)[2], const uint4& h0, const uint4& sc0, float d0,
+                                        const uint4 (&l1)[2], const uint4& h1, const uint4& sc1, float d1,
+                                        const u8* xq, const u32* xsc, int lane, float (&acc)[4]) {
+    const int t = lane & 3;
+    float dot_s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {  // sub-block s of 32: groups 2s, 2s + 1
+        const uint2 b = *reinterpret_cast<const uint2*>(xq + 256 * s + 8 * lane);
+        const float2 dx = *reinterpret_cast<const float2*>(xsc + 32 * s + 8 * t);     // tokens 2t, 2t + 1
+        const int4 c32 = *reinterpret_cast<const int4*>(xsc + 32 * s + 8 * t + 4);  // -32 sums: 2s (x, y), 2s + 1 (z, w)
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int i = 2 * s + k;
+            int d[4];
+            mma_k16(d, q6k_quants(l0, h0, i), q6k_quants(l1, h1, i), k ? b.y : b.x, k ? c32.z : c32.x, k ? c32.w : c32.y);
+            const float sa = magic_int_to_float((int)(i8)(word(sc0, i >> 2) >> (8 * (i & 3))));
+            const float sb = magic_int_to_float((int)(i8)(word(sc1, i >> 2) >> (8 * (i & 3))));
+            dot_s[0] += dx.x * (sa * magic_int_to_float(d[0]));
+            dot_s[1] += dx.y * (sa * magic_int_to_float(d[1]));
+            dot_s[2] += dx.x * (sb * magic_int_to_float(d[2]));
+            dot_s[3] += dx.y * (sb * magic_int_to_float(d[3]));
+        }
+    }
+    acc[0] += d0 * dot_s[0];
+    acc[1] += d0 * dot_s[1];
+    acc[2] += d1 * dot_s[2];
+    acc[3] += d1 * dot_s[3];
 }
 
 // The end of a step: TILES * 128 threads, one per (tile slot, row, token) of the step's TILES

@@ -1,4 +1,4 @@
-"""gemv_mma (runtime/cuda/gemv_mma.py, kernels_cu/gemv_mma_q4k.cu and gemv_mma.cu): up to 8 tokens per read of a Q4_K
+"""gemv_mma (runtime/cuda/gemv_mma.py, kernels_cu/gemv_mma_staged.cu and gemv_mma.cu): up to 8 tokens per read of a Q4_K
 or Q6_K weight on int8 tensor cores, against numpy and against gemv on each token alone; its
 selection by matmul (flag K4_MMA8).
 
@@ -161,19 +161,21 @@ def test_x_quantized_once_gives_the_same_products(type_name):
         gemv_mma(w, X, got, x_q8=Q8Rows(q8.data, n_tok, n_in, swizzle + 1))
 
 
+_VARIANTS = ([("Q6_K", False, (w, ks)) for w in (12, 8) for ks in (0, 4, w)]  # the register kernel, raw
+             + [(t.name, True, (w, ks, st)) for t in qk.MMA8_DECODERS for w in (16, 8) for ks, st in ((w, 0), (4, 2), (4, 3))])
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("glu", [False, True], ids=["plain", "glu"])
-@pytest.mark.parametrize("type_name,variant", [(t.name, (w, ks)) for t, ws in qk.EXTRA_MMA8_WARPS.items() for w in ws for ks in (0, 4)]
-                         + [(t.name, (w, w)) for t, ws in qk.MMA8_WARPS.items() for w in ws]
-                         + [("Q4_K", (w, 4, st)) for w in qk.MMA8_WARPS[T.Q4_K] for st in (2, 3)])
-def test_gemv_mma_variants_agree_with_the_default(type_name, variant, glu):
-    """The bench group's instances (other WARPS) and other splits of a tile's blocks (KS) sum the
-    same partials in another grouping."""
+@pytest.mark.parametrize("type_name,planar,variant", _VARIANTS)
+def test_gemv_mma_variants_agree_with_the_default(type_name, planar, variant, glu):
+    """The bench group's instances (other WARPS), other splits of a tile's blocks (KS) and ring
+    depths (STAGES) sum the same partials in another grouping."""
     import cupy as cp
 
     rng, seed = fresh_rng()
     t = random_weight(T[type_name], 778, 1536, rng)
-    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=glu)
+    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, planar)), planar, glu=glu)
     X, _ = strided_rows(rng, MMA8_TOKENS, 1536)
     n_y = 389 if glu else 778
     want, got = nan_like((MMA8_TOKENS, n_y)), nan_like((MMA8_TOKENS, n_y))
@@ -247,7 +249,7 @@ def test_bench_gemv_batch_times_gemv_mma():
 # ---- CPU: selection, flag, compile jobs ----------------------------------------------------------
 
 def _spec(type_name: str, n_in: int = 4096, mma8: bool = True, prefill_tc: bool = True):
-    return SimpleNamespace(ggml_type=T[type_name], shape=(4096, n_in), mma8=mma8, prefill_tc=prefill_tc)
+    return SimpleNamespace(ggml_type=T[type_name], shape=(4096, n_in), mma8=mma8, prefill_tc=prefill_tc, planar=True)
 
 
 def test_uses_mma8_for_4_to_8_tokens_of_q4_k_and_q6_k_that_fit():
@@ -262,9 +264,13 @@ def test_uses_mma8_for_4_to_8_tokens_of_q4_k_and_q6_k_that_fit():
         assert not any(uses_mma8(_spec(name), n) for n in range(1, 9))
     from k4.runtime.cuda.gemv_mma import mma_shape
 
-    for t in qk.MMA8_FILES:
-        assert mma_shape(t, 14336) is not None and mma_shape(t, 28672) is None
-    assert mma_shape(T.Q4_K, 4096) == (16, 4) and mma_shape(T.Q4_K, 11008) == (16, 2) and mma_shape(T.Q4_K, 14336) == (8, 2)
+    for t in qk.MMA8_DECODERS:
+        for planar in (False, True):
+            assert mma_shape(t, 14336, planar) is not None and mma_shape(t, 28672, planar) is None
+    assert mma_shape(T.Q4_K, 4096, True) == (True, 16, 4) and mma_shape(T.Q4_K, 11008, False) == (True, 16, 2)
+    assert mma_shape(T.Q4_K, 14336, True) == (True, 8, 2) and mma_shape(T.Q6_K, 4096, False) == (False, 8, 0)
+    assert mma_shape(T.Q6_K, 4096, True) == (True, 16, 2) and mma_shape(T.Q6_K, 11008, True) == (True, 8, 3)
+    assert mma_shape(T.Q6_K, 14336, True) == (False, 8, 0)  # the rings do not fit beside x: the register kernel
 
 
 @pytest.mark.cuda  # runtime/cuda/sizing.py imports CuPy
@@ -277,16 +283,19 @@ def test_flag_k4_mma8_reaches_the_weight_options():
 
 
 def test_mma8_instances_compile_with_the_model_types_one_module_each():
-    """The gemv_mma instances for a model: per Q4_K (gemv_mma_q4k.cu, 16 and 8 warps) and Q6_K
-    (gemv_mma.cu) both layouts, plain and SwiGLU, GeGLU only for a gelu_tanh model, none for other
-    types or with K4_MMA8=0, each its own module."""
-    assert qk._gemv_mma_name(T.Q6_K, True, 12, True) == "gemv_mma<mma_q6_K, true, 12, true>"
-    assert qk._gemv_mma_name(T.Q4_K, False, 8, True, "gelu_tanh") == "gemv_mma_q4k<false, 8, true, true>"
+    """The gemv_mma instances for a model: Q4_K (both layouts) and planar Q6_K in gemv_mma_staged.cu,
+    16 and 8 warps; Q6_K (both layouts) in gemv_mma.cu; plain and SwiGLU, GeGLU only for a gelu_tanh model,
+    none for other types or with K4_MMA8=0, each its own module."""
+    assert qk._gemv_mma_name(T.Q6_K, False, 12, True, staged=False) == "gemv_mma<mma_q6_K, false, 12, true>"
+    assert qk._gemv_mma_name(T.Q6_K, True, 16, True) == "gemv_mma_staged<staged_q6_K, true, 16, true>"
+    assert qk._gemv_mma_name(T.Q4_K, False, 8, True, "gelu_tanh") == "gemv_mma_staged<staged_q4_K, false, 8, true, true>"
     jobs = lambda types, act, on=True: [(f, g) for f, g, _ in qk.compile_jobs(types, True, act, on) if "gemv_mma" in f]  # noqa: E731
     silu = jobs([T.Q4_K, T.Q8_0, T.F16], "silu")
-    assert len(silu) == 8 and all(f == "gemv_mma_q4k.cu" and len(g) == 1 and g[0].startswith("gemv_mma_q4k<") for f, g in silu)
+    assert len(silu) == 8 and all(f == "gemv_mma_staged.cu" and len(g) == 1 and g[0].startswith("gemv_mma_staged<staged_q4_K, ")
+                                  for f, g in silu)
     gelu = jobs([T.Q6_K], "gelu_tanh")
-    assert len(gelu) == 6 and all(f == "gemv_mma.cu" for f, _ in gelu) and all(n.endswith("true, true>") for _, (n,) in gelu[4:])
+    assert [f for f, _ in gelu] == ["gemv_mma_staged.cu"] * 4 + ["gemv_mma.cu"] * 4 + ["gemv_mma_staged.cu"] * 2 + ["gemv_mma.cu"] * 2
+    assert all(n.endswith("true, true>") for _, (n,) in gelu[8:])
     assert jobs([T.Q5_K, T.Q8_0], "silu") == [] and jobs([T.Q4_K, T.Q6_K], "silu", False) == []
 
 

@@ -40,7 +40,8 @@ ST_TOK, ST_POS, ST_RING, ST_DRAW = range(STATE_WORDS)  # token, its position, ri
 
 # ---- gemv_mma.cu -------------------------------------------------------------------------------
 MMA8_TOKENS = 8  # tokens per gemv_mma launch: the n of its mma.sync shapes (m16n8k32, m16n8k16)
-MMA8_STAGE_BYTES = 16 * 144  # gemv_mma_q4k.cu: one ring stage, 16 rows of one block_q4_K
+MMA8_STAGE_BYTES = 16 * 144  # gemv_mma_staged.cu: one Q4_K ring stage, 16 rows of one block_q4_K
+MMA8_STAGE_BYTES_Q6_K = 16 * 208 + 16 * 16  # one Q6_K stage: 16 rows' ql, qh, scales, then their d chunks
 
 
 # ---- quantized weights (common.cuh) ------------------------------------------------------------
@@ -140,10 +141,11 @@ def mma8_smem(n_in: int, warps: int) -> int:
     return (n_in // 32) * MMA8_TOKENS * (32 + 16) + 2 * warps * 32 * 16
 
 
-def mma8_q4k_smem(n_in: int, warps: int, stages: int) -> int:
-    """Dynamic shared memory (bytes) of gemv_mma_q4k<PLANAR, warps, ...> with `stages` ring stages
-    per warp: mma8_smem's x and partial sums, then each warp's ring of MMA8_STAGE_BYTES stages."""
-    return mma8_smem(n_in, warps) + warps * stages * MMA8_STAGE_BYTES
+def mma8_staged_smem(n_in: int, warps: int, stages: int, stage_bytes: int) -> int:
+    """Dynamic shared memory (bytes) of gemv_mma_staged<D, PLANAR, warps, ...> with `stages` ring
+    stages per warp of stage_bytes each (MMA8_STAGE_BYTES for Q4_K, MMA8_STAGE_BYTES_Q6_K):
+    mma8_smem's x and partial sums, then each warp's ring."""
+    return mma8_smem(n_in, warps) + warps * stages * stage_bytes
 
 
 # arguments the size checks are evaluated at: the compiled instances and common model shapes
@@ -183,7 +185,7 @@ def defines() -> tuple[str, ...]:
         ("SAMPLER_PARAM_WORDS", SAMPLER_PARAM_WORDS), ("STATE_WORDS", STATE_WORDS), ("ST_TOK", ST_TOK),
         ("ST_POS", ST_POS), ("ST_RING", ST_RING), ("ST_DRAW", ST_DRAW), ("MOE_WARPS", MOE_WARPS),
         ("MOE_MAX_K", MOE_MAX_K), ("MMA8_TOKENS", MMA8_TOKENS),
-        ("MMA8_STAGE_BYTES", MMA8_STAGE_BYTES))]
+        ("MMA8_STAGE_BYTES", MMA8_STAGE_BYTES), ("MMA8_STAGE_BYTES_Q6_K", MMA8_STAGE_BYTES_Q6_K))]
     for t, q in QUANT_LAYOUTS.items():
         elems, nbytes = _ggml(t)
         out += [f"K4_QK_{t.name}={elems}", f"K4_BLOCK_BYTES_{t.name}={nbytes}",

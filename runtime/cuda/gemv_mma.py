@@ -1,5 +1,6 @@
-"""Products of a few tokens on int8 tensor cores, reading the weights once (kernels_cu/gemv_mma_q4k.cu
-for Q4_K, kernels_cu/gemv_mma.cu for Q6_K): speculative decoding's verify step of up to 8 tokens.
+"""Products of a few tokens on int8 tensor cores, reading the weights once (kernels_cu/gemv_mma_staged.cu
+for Q4_K and planar Q6_K, kernels_cu/gemv_mma.cu for raw Q6_K): speculative decoding's verify step
+of up to 8 tokens.
 
 gemv_batch (runtime/cuda/gemv_batch.py) multiplies each weight chunk with every token's x on
 dp4a, which is bound by that integer work (8 tokens: 3.6x one gemv on the H200). gemv_mma does
@@ -25,9 +26,9 @@ from gguf import GGMLQuantizationType as T
 from k4.runtime.trace import Trace
 
 from .batch_args import check_products
-from .constants import MMA8_TOKENS, mma8_q4k_smem, mma8_smem, q8x_bytes
+from .constants import MMA8_STAGE_BYTES, MMA8_STAGE_BYTES_Q6_K, MMA8_TOKENS, mma8_smem, mma8_staged_smem, q8x_bytes
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
-from .quant_kernels import MMA8_DECODERS, MMA8_FILES, MMA8_MIN_TOKENS, MMA8_WARPS, QUANT, _gemv_mma_name, _kernel
+from .quant_kernels import EXTRA_MMA8_WARPS, MMA8_DECODERS, MMA8_KERNELS, MMA8_MIN_TOKENS, QUANT, _gemv_mma_name, _kernel, mma8_file
 
 if TYPE_CHECKING:
     from .gemv_batch import Q8Rows
@@ -38,33 +39,41 @@ SMEM_LIMIT = 227 << 10  # sm_90: the most dynamic shared memory a block may opt 
 
 def uses_mma8(w: DeviceWeight, n_tok: int, variant: tuple[int, ...] | None = None) -> bool:
     """Whether a product of n_tok tokens on w runs as gemv_mma: w's mma8 option is on (K4_MMA8),
-    its type has an mma kernel (quant_kernels.MMA8_FILES: Q4_K, Q6_K), MMA8_MIN_TOKENS <= n_tok <=
-    MMA8_TOKENS, and the 8 tokens' quantized x (and Q4_K's rings) fit in one block's shared memory
-    (mma_shape: n_in up to about 18,900 for Q6_K, 15,200 for Q4_K). Measured on the H200
-    (scripts/bench_gemv_mma.py, Llama 2 7B's products; docs/PERF.md): see MMA8_FILES' kernels."""
-    return (w.mma8 and w.ggml_type in MMA8_FILES and MMA8_MIN_TOKENS <= n_tok <= MMA8_TOKENS
-            and mma_shape(w.ggml_type, w.shape[1], variant) is not None)
+    its type has an mma kernel (quant_kernels.MMA8_DECODERS: Q4_K, Q6_K), MMA8_MIN_TOKENS <= n_tok
+    <= MMA8_TOKENS, and the 8 tokens' quantized x (and the staged kernel's rings) fit in one
+    block's shared memory (mma_shape: n_in up to about 15,000). Measured on the H200
+    (scripts/bench_gemv_mma.py, Llama 2 7B's products; docs/PERF.md)."""
+    return (w.mma8 and w.ggml_type in MMA8_DECODERS and MMA8_MIN_TOKENS <= n_tok <= MMA8_TOKENS
+            and mma_shape(w.ggml_type, w.shape[1], w.planar, variant) is not None)
 
 
 STEP_COST = 2  # mma_ks: a step's end (barrier, partial sums) in 256-weight blocks of one warp
-Q4K_STAGES = (4, 3, 2)  # gemv_mma_q4k ring stages per warp, the most that fit first
+STAGES = (4, 3, 2)  # gemv_mma_staged ring stages per warp, the most that fit first
+STAGE_BYTES = {T.Q4_K: MMA8_STAGE_BYTES, T.Q6_K: MMA8_STAGE_BYTES_Q6_K}
 
 
-def mma_shape(t, n_in: int, variant: tuple[int, ...] | None = None) -> tuple[int, int] | None:
-    """(warps, stages) of the gemv_mma instance for rows of n_in inputs of type t, or None where
-    no instance's shared memory fits (SMEM_LIMIT): Q4_K: the first of MMA8_WARPS, then the most
-    ring stages (Q4K_STAGES), that fit (mma8_q4k_smem); Q6_K: its warps, stages 0 (no ring).
-    variant (WARPS, KS[, STAGES]) fixes the warps and, if non-zero, the stages."""
-    warps_list = (variant[0],) if variant else MMA8_WARPS[t]
-    for warps in warps_list:
-        if t != T.Q4_K:
-            if mma8_smem(n_in, warps) <= SMEM_LIMIT:
-                return warps, 0
+def mma_shape(t, n_in: int, planar: bool, variant: tuple[int, ...] | None = None) -> tuple[bool, int, int] | None:
+    """(staged, warps, stages) of the gemv_mma instance for rows of n_in inputs of type t in its
+    layout, or None where none fits: the first of quant_kernels.MMA8_KERNELS[t] for the layout whose
+    shared memory fits (SMEM_LIMIT) with one of its warp counts, in order: the staged kernel with the
+    most ring stages (STAGES) that fit (mma8_staged_smem), the register kernel with stages 0
+    (mma8_smem). variant (WARPS, KS[, STAGES]) fixes the warps (the first kernel compiled with
+    them, EXTRA_MMA8_WARPS for the register kernel) and, if non-zero, the stages."""
+    for staged, layouts, warp_list in MMA8_KERNELS[t]:
+        if planar not in layouts:
             continue
-        stages = (variant[2],) if variant and len(variant) > 2 and variant[2] else Q4K_STAGES
-        for st in stages:
-            if mma8_q4k_smem(n_in, warps, st) <= SMEM_LIMIT:
-                return warps, st
+        if variant:
+            if variant[0] not in (*warp_list, *(() if staged else EXTRA_MMA8_WARPS.get(t, ()))):
+                continue
+            warp_list = (variant[0],)
+        for warps in warp_list:
+            if not staged:
+                if mma8_smem(n_in, warps) <= SMEM_LIMIT:
+                    return False, warps, 0
+                continue
+            for st in (variant[2],) if variant and len(variant) > 2 and variant[2] else STAGES:
+                if mma8_staged_smem(n_in, warps, st, STAGE_BYTES[t]) <= SMEM_LIMIT:
+                    return True, warps, st
     return None
 
 
@@ -101,9 +110,9 @@ def _mma_plan(w: DeviceWeight, variant: tuple[int, ...] | None):
     plan = w._plans.get(key)
     if plan is not None:
         return plan
-    warps, stages = mma_shape(w.ggml_type, w.shape[1], variant)
-    kernel = _kernel(MMA8_FILES[w.ggml_type], _gemv_mma_name(w.ggml_type, w.planar, warps, w.glu, w.glu_act), w.evict_first)
-    smem = mma8_q4k_smem(w.shape[1], warps, stages) if stages else mma8_smem(w.shape[1], warps)
+    staged, warps, stages = mma_shape(w.ggml_type, w.shape[1], w.planar, variant)
+    kernel = _kernel(mma8_file(staged), _gemv_mma_name(w.ggml_type, w.planar, warps, w.glu, w.glu_act, staged), w.evict_first)
+    smem = mma8_staged_smem(w.shape[1], warps, stages, STAGE_BYTES[w.ggml_type]) if stages else mma8_smem(w.shape[1], warps)
     allow_shared(kernel, smem)
     resident = device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem)
     ks, grid = mma_ks(w.shape[0], w.shape[1], warps, resident)  # weight rows: a glu weight's gate and up rows alike
@@ -121,14 +130,14 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
     launch reading w once, on int8 tensor cores; with w.glu, Y[t] = act(gate @ X[t]) * (up @
     X[t]), act w.glu_act (silu or gelu_tanh).
 
-    w: a matmul.DeviceWeight of type Q4_K or Q6_K (MMA8_FILES), raw or planar, n_in at most
+    w: a matmul.DeviceWeight of type Q4_K or Q6_K (MMA8_DECODERS), raw or planar, n_in at most
     what uses_mma8 allows. X: (n_tok, n_in) float32, rows contiguous, 16-byte aligned, any
     multiple of 16 bytes apart. Y: (n_tok, n_out) float32 ((n_tok, n_out / 2) for w.glu), rows
     any whole number of floats apart. residual: like Y or None, may be Y itself; bias: (n_out,)
     float32 or None, added to every row; neither with w.glu. pdl, stream, trace: as matmul.gemv.
     variant: (WARPS, KS[, STAGES]): another compiled instance of WARPS warps
     (quant_kernels.MMA8_WARPS, EXTRA_MMA8_WARPS), KS 0 for mma_ks's choice, else a divisor of WARPS
-    from 4 up, STAGES (Q4_K) 0 for mma_shape's choice, else 2 to 4. x is
+    from 4 up, STAGES (staged kernel) 0 for mma_shape's choice, else 2 to 4. x is
     quantized to 8 bits per 32 values as gemv quantizes it (llama.cpp's q8_1 idea); Y differs
     from gemv's only by float32 rounding (sums in another order), within the gemv tests' limit
     against numpy with x rounded the same way (1e-4 relative L2). x_q8: X already quantized by
@@ -144,7 +153,7 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
     n_in = w.shape[1]
     if variant and variant[1] and (variant[1] < 4 or variant[0] % variant[1]):
         raise ValueError(f"gemv_mma variant {variant}: KS must divide WARPS and be at least 4")
-    if mma_shape(w.ggml_type, n_in, variant) is None:
+    if mma_shape(w.ggml_type, n_in, w.planar, variant) is None:
         raise ValueError(f"gemv_mma holds the x of {MMA8_TOKENS} tokens in shared memory: {mma8_smem(n_in, 8)} bytes or more "
                          f"for n_in {n_in}, more than {SMEM_LIMIT} with its rings")
     swizzle = QUANT[w.ggml_type].x_swizzle
@@ -153,7 +162,7 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
         raise ValueError(f"x_q8 holds {x_q8.n_tok} rows of {x_q8.n} for swizzle {x_q8.swizzle} ({x_q8.data.nbytes} bytes); "
                          f"this product needs {n_tok} of {n_in} for {swizzle} ({need} bytes)")
     kernel, grid, block, smem, ks, stages = _mma_plan(w, variant)
-    ring = (np.int32(stages),) if stages else ()  # gemv_mma_q4k's stages per warp
+    ring = (np.int32(stages),) if stages else ()  # gemv_mma_staged's stages per warp
     args = (w.data, X, np.int32(x_stride), Y, np.int32(y_stride), null_or(residual), np.int32(r_stride), null_or(bias),
             np.int32(n_out), np.int32(n_in), np.int32(n_tok), np.int32(ks), *ring, null_or(x_q8 and x_q8.data))
     if pdl is None:  # as gemv: eagerly the driver-API launch costs more host time than it saves

@@ -104,16 +104,27 @@ EXTRA_BATCH_VARIANTS: dict[T, tuple[tuple[int, int, int, int], ...]] = {
 # one gemv whatever the count) from MMA8_MIN_TOKENS on: batches of 2 and 3 stay on gemv_batch.
 GEMV_MAX_TOKENS = 4
 MMA8_MIN_TOKENS = 4
-# gemv_mma (kernels_cu/gemv_mma_q4k.cu for Q4_K, gemv_mma.cu for Q6_K: MMA8_FILES): products of
-# 2..MMA8_TOKENS tokens on int8 tensor cores. MMA8_WARPS: the compiled warps per block, the
-# launcher taking the first whose shared memory fits the matrix (gemv_mma.mma_plan); how many warps
-# split each 16-row tile's blocks is chosen per matrix (gemv_mma.mma_ks). Q4_K: 16 warps, 8 for
-# rows past about 11,500 inputs; Q6_K's decoder spills at 16 warps' 128 registers and keeps 8.
-# EXTRA_MMA8_WARPS (the "bench" group) are for scripts/bench_gemv_mma.py.
-MMA8_FILES: dict[T, str] = {T.Q4_K: "gemv_mma_q4k.cu", T.Q6_K: "gemv_mma.cu"}
-MMA8_DECODERS = tuple(MMA8_FILES)  # the types with a gemv_mma kernel
-MMA8_WARPS: dict[T, tuple[int, ...]] = {T.Q4_K: (16, 8), T.Q6_K: (8,)}
-EXTRA_MMA8_WARPS: dict[T, tuple[int, ...]] = {T.Q4_K: (), T.Q6_K: (12,)}
+# gemv_mma: products of MMA8_MIN_TOKENS..MMA8_TOKENS tokens on int8 tensor cores. MMA8_KERNELS[t]:
+# (staged, layouts, warps) in the order the launcher tries them (gemv_mma.mma_shape: the first
+# whose shared memory fits the matrix): gemv_mma_staged.cu (weights through cp.async rings; Q4_K
+# raw or planar, Q6_K planar: raw Q6_K blocks are not 16-byte aligned), then gemv_mma.cu (weights
+# through registers; Q6_K, also planar where the staged kernel's rings do not fit beside x, past
+# about 11,500 inputs). How many warps split each 16-row tile's blocks is chosen per matrix
+# (gemv_mma.mma_ks). The register kernel's Q6_K decoder spills at 16 warps' 128 registers and keeps
+# 8. EXTRA_MMA8_WARPS (the "bench" group, the register kernel) are for scripts/bench_gemv_mma.py.
+MMA8_KERNELS: dict[T, tuple[tuple[bool, tuple[bool, ...], tuple[int, ...]], ...]] = {
+    T.Q4_K: ((True, (False, True), (16, 8)),),
+    T.Q6_K: ((True, (True,), (16, 8)), (False, (False, True), (8,))),
+}
+MMA8_DECODERS = tuple(MMA8_KERNELS)  # the types with a gemv_mma kernel
+EXTRA_MMA8_WARPS: dict[T, tuple[int, ...]] = {T.Q6_K: (12,)}
+
+
+def mma8_file(staged: bool) -> str:
+    """The kernels_cu file of the staged or the register gemv_mma kernel."""
+    return "gemv_mma_staged.cu" if staged else "gemv_mma.cu"
+
+
 DEQUANT_CHUNK_BYTES = 32 << 20  # fp16 rows dequantized per cuBLAS call (fits the H200's 60 MB L2)
 
 
@@ -148,10 +159,10 @@ def _gemv_batch_name(t: T, planar: bool, variant: tuple[int, int, int, int] | No
             f"{_bool(glu)}{GLU_ACTS[act] if glu else ''}>")
 
 
-def _gemv_mma_name(t: T, planar: bool, warps: int | None = None, glu: bool = False, act: str = "silu") -> str:
-    """The gemv_mma instance of type t (MMA8_FILES[t]) with `warps` warps (default its first)."""
-    args = f"{_bool(planar)}, {warps or MMA8_WARPS[t][0]}, {_bool(glu)}{GLU_ACTS[act] if glu else ''}"
-    return f"gemv_mma_q4k<{args}>" if t == T.Q4_K else f"gemv_mma<mma_{t.name[:2].lower()}_K, {args}>"
+def _gemv_mma_name(t: T, planar: bool, warps: int, glu: bool = False, act: str = "silu", staged: bool = True) -> str:
+    """The gemv_mma instance of type t and layout, the staged or the register kernel (mma8_file)."""
+    args = f"{_bool(planar)}, {warps}, {_bool(glu)}{GLU_ACTS[act] if glu else ''}"
+    return f"gemv_mma_staged<staged_{t.name[:2].lower()}_K, {args}>" if staged else f"gemv_mma<mma_{t.name[:2].lower()}_K, {args}>"
 
 
 def _gemv_f_name(t: T, vec: bool, glu: bool = False, act: str = "silu") -> str:
@@ -190,11 +201,12 @@ def _batch_names(t: T, act: str = "silu") -> tuple[str, ...]:
     return tuple(_gemv_batch_name(t, p, None, glu) for glu in (False, True) for p in (False, True))
 
 
-def _mma8_names(t: T, act: str = "silu") -> tuple[str, ...]:
-    """The gemv_mma instances of type t (MMA8_FILES), every MMA8_WARPS count, as _batch_names."""
-    if act != "silu":
-        return tuple(_gemv_mma_name(t, p, w, True, act) for w in MMA8_WARPS[t] for p in (False, True))
-    return tuple(_gemv_mma_name(t, p, w, glu) for w in MMA8_WARPS[t] for glu in (False, True) for p in (False, True))
+def _mma8_names(t: T, act: str = "silu") -> tuple[tuple[str, str], ...]:
+    """(file, name) of the gemv_mma instances of type t, every MMA8_KERNELS entry, layout and warp
+    count: plain and SwiGLU, or with act "gelu_tanh" the GeGLU ones only (as _batch_names)."""
+    glus = (True,) if act != "silu" else (False, True)
+    return tuple((mma8_file(staged), _gemv_mma_name(t, p, w, glu, act if glu else "silu", staged))
+                 for staged, layouts, warps in MMA8_KERNELS[t] for p in layouts for w in warps for glu in glus)
 
 
 def _matmul_names(t: T) -> tuple[str, ...]:
@@ -219,10 +231,10 @@ GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
                        for glu in (False, True) for p in (False, True)),
     },
     **{f: {  # one instance per group, as gemv_batch.cu's
-        **{name: (name,) for t in MMA8_FILES if MMA8_FILES[t] == f for act in GLU_ACTS for name in _mma8_names(t, act)},
-        "bench": tuple(_gemv_mma_name(t, p, v, glu) for t in MMA8_FILES if MMA8_FILES[t] == f for v in EXTRA_MMA8_WARPS[t]
-                       for glu in (False, True) for p in (False, True)),
-    } for f in dict.fromkeys(MMA8_FILES.values())},
+        **{name: (name,) for t in MMA8_DECODERS for act in GLU_ACTS for nf, name in _mma8_names(t, act) if nf == f},
+        "bench": tuple(_gemv_mma_name(t, False, v, glu, staged=False) for t, vs in EXTRA_MMA8_WARPS.items()
+                       if f == "gemv_mma.cu" for v in vs for glu in (False, True)),
+    } for f in ("gemv_mma_staged.cu", "gemv_mma.cu")},
     "matmul.cu": {**{t.name: _matmul_names(t) for t in (*QUANT, *FLOAT)}, "common": ("convert_f32_f16", "add_rows")},
 }
 _GROUP_OF = {(f, name): names for f, groups in GROUPS.items() for names in groups.values() for name in names}
@@ -253,7 +265,7 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
             jobs += [("gemv_batch.cu", (name,), _defines(evict_first)) for name in names]
         if mma8 and t in MMA8_DECODERS:
             names = _mma8_names(t) + (_mma8_names(t, activation) if gelu else ())
-            jobs += [(MMA8_FILES[t], (name,), _defines(evict_first)) for name in names]
+            jobs += [(f, (name,), _defines(evict_first)) for f, name in names]
     return jobs
 
 

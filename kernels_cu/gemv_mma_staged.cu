@@ -1,0 +1,303 @@
+// Products of 1 to 8 tokens on int8 tensor cores with the weights staged in shared memory: for
+// each of n_tok rows of X, Y[t] = W @ X[t] (+ bias) (+ residual[t]), or with GLU the gate/up
+// epilogue of gemv_q8 (act(gate . x) * (up . x), act silu or with GELU gelu_tanh). Q4_K weights
+// raw or planar (staged_q4_K), Q6_K planar (staged_q6_K; raw Q6_K, whose 210-byte blocks are not
+// 16-byte aligned, runs gemv_mma.cu's register kernel). Speculative decoding's verify step
+// (runtime/cuda/gemv_mma.py); mma8_common.cuh holds what the kernels share.
+//
+// Q4_K, per 16 weight rows and sub-block j of 32 inputs: one m16n8k32 mma of the rows' 4-bit
+// quants (u8, A) with the 8 tokens' 8-bit x (s8, B; tokens past n_tok are zeros), then
+// d * sc_j * dx_j * dot per (row, token); the mins' part, dmin * sum_j m_j * (dx_j * the sum of
+// token's quants of j), is one 16 x 8 x 8 float product per block (two tf32 mma: the tokens' sums
+// split in a tf32 high and low part, m_j exact). Q6_K, per group i of 16: one m16n8k16 mma of the
+// 6-bit quants (u8) with x, -32 * the sum of x's quants as the C operand (the dot with q - 32),
+// then d * sc_i * dx * dot. Either way gemv_q8's integer dots scaled in float32, summed in another
+// order (tests/test_cuda_gemv_mma.py states the limits).
+//
+// Weights reach the mma through shared memory: each warp keeps a ring of S stages (S = 2..4,
+// chosen by the launcher from the shared memory left), one item (16 rows x one 256-weight block)
+// each, filled by cp.async 16 bytes at a time, S - 1 items ahead of the one it multiplies, so the
+// loads neither hold registers nor wait for the compiler's schedule. Each decoder's copier takes
+// 128 contiguous bytes of 4 rows per copy instruction where it can, and finds the rows'
+// addresses once per step. Its item() reads the fragments from the stage conflict-free.
+//
+// Thread mapping (as gemv_mma.cu): the block's WARPS warps take TILES = WARPS / KS tiles of 16
+// weight rows at a step (tile TILES * step + w / KS; KS from runtime/cuda/gemv_mma.py mma_ks); the
+// KS warps of a tile split its blocks (warp w takes blocks w % KS, w % KS + KS, ...); steps
+// blockIdx.x, + gridDim.x, ...; at a step's end the partial sums meet in shared memory and
+// mma8_step_out writes Y. Rows of a tile past the matrix load the last row again and are not
+// written. With GLU the weight rows interleave gate and up (2 n_out rows).
+//
+// Shared memory: mma8_smem(n_in, WARPS) + WARPS * S * D::STAGE (runtime/cuda/constants.py
+// mma8_staged_smem, MMA8_STAGE_BYTES):
+//   Q4_K (NATURAL_X): xq (n_in / 256, 4, 32 lanes, 2, 8) int8: for 256-weight block kb, sub-blocks
+//       j = 2i, 2i + 1 and lane 4g + t the 16 bytes at 2048 kb + 512 i + 16 lane: token g's quants
+//       8t..8t+7 of j = 2i, then of j = 2i + 1 (one conflict-free 16-byte read, two B fragments);
+//       xsc: per block, dx at Q4X_DX_WORDS kb + Q4X_DX_T_WORDS t + 2 j + (tok & 1) for tokens 2t,
+//       2t + 1; after all blocks' dx, per block (32 lanes) float4: for lane 4g + t, sx = dx * the
+//       sum of quants of sub-blocks t and t + 4 of token g rounded to tf32, then their remainders
+//       (the mins product's B fragments);
+//   Q6_K: gemv_mma.cu's layout (its header);
+//   red (2, WARPS, 32) float4: the warps' partial sums in C order; then the rings.
+#include "mma8_common.cuh"
+
+static_assert(MMA8_STAGE_BYTES == 16 * K4_BLOCK_BYTES_Q4_K, "a Q4_K ring stage is 16 rows of one block_q4_K");
+static_assert(MMA8_STAGE_BYTES_Q6_K == 16 * (K4_BLOCK_BYTES_Q6_K - 2) + 16 * 16, "a Q6_K stage: 16 rows' ql, qh, scales and 16-byte d chunks");
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Until at most `pending` (1..3) of this thread's newest groups are in flight.
+__device__ __forceinline__ void cp_async_wait_pending(int pending) {
+    if (pending <= 1) cp_async_wait<1>();
+    else if (pending == 2) cp_async_wait<2>();
+    else cp_async_wait<3>();
+}
+
+// ---- Q4_K --------------------------------------------------------------------------------------
+// In a stage, row r's block (144 bytes) sits at 144 sigma(r), sigma(r) = 2 (r & 3) + ((r >> 2) & 1)
+// + 8 (r >> 3): the four rows that a half warp reads together start 8 banks apart (conflict-free
+// 8-byte reads). Lane t of a quad reads 8 bytes of each 32-byte piece c of qs (bytes 32c + 8t ..):
+// the fragment's k 4t..4t+3 and 16+4t..16+4t+3 in a permuted k order that x's layout matches.
+struct staged_q4_K {
+    using T = type_q4_K;
+    static constexpr bool NATURAL_X = true;
+    static constexpr int STAGE = MMA8_STAGE_BYTES;
+    __device__ static int stage_row(int r) { return 2 * (r & 3) + ((r >> 2) & 1) + 8 * (r >> 3); }
+
+    // The qs of rows a + 4i (a = lane / 8, i = 0..3), 16 bytes at 16 (lane % 8): 4 rows' 128
+    // contiguous bytes per copy instruction; lanes 0..15 also copy row lane's d, dmin and scales.
+    template <bool PLANAR>
+    struct copier {
+        const u8* qs[4];  // block 0 of rows a + 4i, at this lane's 16 bytes
+        const u8* meta;   // block 0 of row lane (lanes 0..15)
+        __device__ void locate(const u8* w, i64 nblk, int row0, int n_rows, int nblk_row, int lane) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                qs[i] = group_at<T, 1, PLANAR>(w, nblk, (i64)min(row0 + (lane >> 3) + 4 * i, n_rows - 1) * nblk_row) + 16 * (lane & 7);
+            meta = group_at<T, 0, PLANAR>(w, nblk, (i64)min(row0 + (lane & 15), n_rows - 1) * nblk_row);
+        }
+        __device__ void copy(u32 st, int kb, int lane) const {  // st: the stage's shared address
+            constexpr int META_STEP = PLANAR ? 16 : K4_BLOCK_BYTES_Q4_K, QS_STEP = PLANAR ? QK_K / 2 : K4_BLOCK_BYTES_Q4_K;
+            const u32 qs_dst = st + K4_BLOCK_BYTES_Q4_K * 2 * (lane >> 3) + 16 + 16 * (lane & 7);  // sigma(a + 4i) = 2a + (i & 1) + 8 (i >> 1)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) cp_async16(qs_dst + K4_BLOCK_BYTES_Q4_K * ((i & 1) + 8 * (i >> 1)), qs[i] + (i64)kb * QS_STEP);
+            if (lane < 16) cp_async16(st + K4_BLOCK_BYTES_Q4_K * stage_row(lane), meta + (i64)kb * META_STEP);
+        }
+    };
+
+    // acc (C order: rows g, g + 8 x tokens 2t, 2t + 1) += the products of the item in stage st
+    // (block kb of the tile's rows) with the x of block kb (the header's layouts).
+    __device__ static void item(const u8* st, const u8* xq, const u32* xsc_w, int nblk_row, int kb, int, int, int lane,
+                                float (&acc)[4]) {
+        const float* xsc = reinterpret_cast<const float*>(xsc_w);
+        const int g = lane >> 2, t = lane & 3;
+        const u8* w0 = st + K4_BLOCK_BYTES_Q4_K * stage_row(g);
+        const u8* w1 = st + K4_BLOCK_BYTES_Q4_K * stage_row(g + 8);
+        const uint4 m0 = *reinterpret_cast<const uint4*>(w0), m1 = *reinterpret_cast<const uint4*>(w1);  // d, dmin, scales
+        uint2 q0[4], q1[4];  // qs bytes 32c + 8t ..
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            q0[c] = *reinterpret_cast<const uint2*>(w0 + 16 + 32 * c + 8 * t);
+            q1[c] = *reinterpret_cast<const uint2*>(w1 + 16 + 32 * c + 8 * t);
+        }
+        // 6-bit scales and mins of sub-blocks 0..3, 4..7, four to a word (get_scale_min_k4's bits)
+        const u32 sc0_lo = m0.y & 0x3F3F3F3Fu, sc0_hi = (m0.w & 0x0F0F0F0Fu) | ((m0.y >> 2) & 0x30303030u);
+        const u32 sc1_lo = m1.y & 0x3F3F3F3Fu, sc1_hi = (m1.w & 0x0F0F0F0Fu) | ((m1.y >> 2) & 0x30303030u);
+        const u32 mn0_lo = m0.z & 0x3F3F3F3Fu, mn0_hi = ((m0.w >> 4) & 0x0F0F0F0Fu) | ((m0.z >> 2) & 0x30303030u);
+        const u32 mn1_lo = m1.z & 0x3F3F3F3Fu, mn1_hi = ((m1.w >> 4) & 0x0F0F0F0Fu) | ((m1.z >> 2) & 0x30303030u);
+        const uint4* xb = reinterpret_cast<const uint4*>(xq + 2048 * kb) + lane;                           // B pairs
+        const float4* dxp = reinterpret_cast<const float4*>(xsc + Q4X_DX_WORDS * kb + Q4X_DX_T_WORDS * t);  // dx pairs
+        float dot[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // sub-blocks 2i (low nibbles of piece i) and 2i + 1 (high nibbles)
+            const uint4 b = xb[32 * i];
+            const float4 dx = dxp[i];  // tokens 2t, 2t + 1 of sub-block 2i, then of 2i + 1
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int j = 2 * i + h;
+                const u32 mask = h ? 0xF0F0F0F0u : 0x0F0F0F0Fu;
+                int d[4];
+                mma_k32_u8(d, q0[i].x & mask, q1[i].x & mask, q0[i].y & mask, q1[i].y & mask, h ? b.z : b.x, h ? b.w : b.y);
+                const int sh = 8 * (j & 3);
+                const int sa = ((j < 4 ? sc0_lo : sc0_hi) >> sh) & 0xFF, sb = ((j < 4 ? sc1_lo : sc1_hi) >> sh) & 0xFF;
+                const float da = h ? dx.z : dx.x, db = h ? dx.w : dx.y;
+                const int s4 = 4 * h;  // a high nibble's dot comes out 16 times too large: shifted back (exact)
+                dot[0] += da * magic_int_to_float(sa * (d[0] >> s4));  // |sc * dot| <= 63 * 32 * 15 * 127 < 2^22
+                dot[1] += db * magic_int_to_float(sa * (d[1] >> s4));
+                dot[2] += da * magic_int_to_float(sb * (d[2] >> s4));
+                dot[3] += db * magic_int_to_float(sb * (d[3] >> s4));
+            }
+        }
+        // the mins: A = m of sub-blocks t, t + 4 of rows g, g + 8 (exact small integers), B = sx hi, lo
+        const u32 sel = 0x7540u + t;  // byte t into the low byte of 2^23's bits
+        const float a0 = __int_as_float(__byte_perm(mn0_lo, 0x4B000000u, sel)) - 8388608.f;
+        const float a1 = __int_as_float(__byte_perm(mn1_lo, 0x4B000000u, sel)) - 8388608.f;
+        const float a2 = __int_as_float(__byte_perm(mn0_hi, 0x4B000000u, sel)) - 8388608.f;
+        const float a3 = __int_as_float(__byte_perm(mn1_hi, 0x4B000000u, sel)) - 8388608.f;
+        const float4 bs = reinterpret_cast<const float4*>(xsc + Q4X_DX_WORDS * nblk_row)[32 * kb + lane];
+        float mins[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_tf32(mins, a0, a1, a2, a3, bs.x, bs.y);
+        mma_tf32(mins, a0, a1, a2, a3, bs.z, bs.w);
+        const float d0 = f16_to_f32(m0.x & 0xFFFF), dmin0 = f16_to_f32(m0.x >> 16);
+        const float d1 = f16_to_f32(m1.x & 0xFFFF), dmin1 = f16_to_f32(m1.x >> 16);
+        acc[0] += d0 * dot[0] - dmin0 * mins[0];
+        acc[1] += d0 * dot[1] - dmin0 * mins[1];
+        acc[2] += d1 * dot[2] - dmin1 * mins[2];
+        acc[3] += d1 * dot[3] - dmin1 * mins[3];
+    }
+};
+
+// ---- Q6_K (planar) -----------------------------------------------------------------------------
+// In a stage, row r's ql, qh and scales (208 bytes) at 208 r, then per row the 16-byte aligned
+// chunk of the d plane holding its d (at 16 * 208 + 16 r; the d at byte 2 (blk & 7) of it). Row
+// stride 208 bytes = 52 words puts the 8 rows of a warp's 4-byte reads (lane t: word t of a piece)
+// in distinct banks.
+struct staged_q6_K {
+    using T = type_q6_K;
+    static constexpr bool NATURAL_X = false;
+    static constexpr int STAGE = MMA8_STAGE_BYTES_Q6_K;
+    static constexpr int ROW = QK_K / 2 + QK_K / 4 + QK_K / 16;  // ql, qh, scales: 208
+
+    // ql: rows a + 4i (a = lane / 8), 16 bytes at 16 (lane % 8); qh: rows lane / 4 + 8i, 16 bytes at
+    // 16 (lane % 4); lanes 0..15: row lane's scales, lanes 16..31: the d chunk of row lane - 16.
+    template <bool PLANAR>
+    struct copier {
+        static_assert(PLANAR, "raw Q6_K blocks are not 16-byte aligned: gemv_mma.cu's kernel reads them");
+        const u8* ql[4];
+        const u8* qh[2];
+        const u8* sd;  // scales (lanes 0..15) or d (16..31) of block 0 of the lane's row
+        __device__ void locate(const u8* w, i64 nblk, int row0, int n_rows, int nblk_row, int lane) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                ql[i] = group_at<T, 0, true>(w, nblk, (i64)min(row0 + (lane >> 3) + 4 * i, n_rows - 1) * nblk_row) + 16 * (lane & 7);
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+                qh[i] = group_at<T, 1, true>(w, nblk, (i64)min(row0 + (lane >> 2) + 8 * i, n_rows - 1) * nblk_row) + 16 * (lane & 3);
+            const i64 blk = (i64)min(row0 + (lane & 15), n_rows - 1) * nblk_row;
+            sd = lane < 16 ? group_at<T, 2, true>(w, nblk, blk) : group_at<T, 3, true>(w, nblk, blk);
+        }
+        __device__ void copy(u32 st, int kb, int lane) const {
+            const u32 ql_dst = st + ROW * (lane >> 3) + 16 * (lane & 7);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) cp_async16(ql_dst + ROW * 4 * i, ql[i] + (i64)kb * (QK_K / 2));
+            const u32 qh_dst = st + ROW * (lane >> 2) + QK_K / 2 + 16 * (lane & 3);
+#pragma unroll
+            for (int i = 0; i < 2; ++i) cp_async16(qh_dst + ROW * 8 * i, qh[i] + (i64)kb * (QK_K / 4));
+            if (lane < 16) {
+                cp_async16(st + ROW * lane + QK_K / 2 + QK_K / 4, sd + (i64)kb * (QK_K / 16));
+            } else {  // the aligned 16 bytes holding d (the plane is padded to 16: never past it)
+                const unsigned long long d = reinterpret_cast<unsigned long long>(sd + (i64)kb * 2);
+                cp_async16(st + 16 * ROW + 16 * (lane - 16), reinterpret_cast<const void*>(d & ~15ull));
+            }
+        }
+    };
+
+    // acc (C order) += the products of the item in stage st (block kb of rows row0 + g, row0 + g + 8)
+    // with the x of block kb (gemv_mma.cu's layout).
+    __device__ static void item(const u8* st, const u8* xq, const u32* xsc, int nblk_row, int kb, int row0, int n_rows, int lane,
+                                float (&acc)[4]) {
+        const int g = lane >> 2, t = lane & 3;
+        uint4 l[2][2], h[2], sc[2];  // per row: word t of ql pieces 0..3 and 4..7, of qh pieces 0..3; the scales
+        float dd[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const u8* row = st + ROW * (g + 8 * r);
+            const u32* wq = reinterpret_cast<const u32*>(row) + t;
+            l[r][0] = make_uint4(wq[0], wq[4], wq[8], wq[12]);
+            l[r][1] = make_uint4(wq[16], wq[20], wq[24], wq[28]);
+            h[r] = make_uint4(wq[32], wq[36], wq[40], wq[44]);
+            sc[r] = *reinterpret_cast<const uint4*>(row + QK_K / 2 + QK_K / 4);
+            const int blk = (int)(((i64)min(row0 + g + 8 * r, n_rows - 1) * nblk_row + kb) & 7);
+            dd[r] = f16_to_f32(*reinterpret_cast<const u16*>(st + 16 * ROW + 16 * (g + 8 * r) + 2 * blk));
+        }
+        q6k_dot(l[0], h[0], sc[0], dd[0], l[1], h[1], sc[1], dd[1], xq + 256 * 8 * kb, xsc + 32 * 8 * kb, lane, acc);
+    }
+};
+
+// ---- the kernel ----------------------------------------------------------------------------------
+// Dynamic shared memory: mma8_smem(n_in, WARPS) + WARPS * S * D::STAGE bytes. D: staged_q4_K,
+// staged_q6_K.
+template <class D, bool PLANAR, int WARPS, bool GLU, bool GELU = false>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's blocks; GLU: (2 n_out, n_in) interleaved
+                const float* __restrict__ x,     // (n_tok, n_in) rows x_stride floats apart, 16-byte aligned
+                int x_stride,
+                float* y,                        // (n_tok, n_out) rows y_stride floats apart
+                int y_stride,
+                const float* residual,           // (n_tok, n_out) rows r_stride apart, or null; may alias y (not with GLU)
+                int r_stride,
+                const float* __restrict__ bias,  // (n_out,) or null, added to every row (not with GLU)
+                int n_out, int n_in, int n_tok,  // 1 <= n_tok <= MMA8_TOKENS, n_in a multiple of QK_K
+                int KS,                          // warps per tile: a divisor of WARPS, at least 4 (gemv_mma.py mma_ks)
+                int S,                           // ring stages per warp, 2..4
+                const u8* __restrict__ x_q8) {   // n_tok * q8x_bytes(n_in) (quantize_q8_rows) or null
+    using T = typename D::T;
+    const int TILES = WARPS / KS;
+    extern __shared__ uint4 smem[];
+    const int n_sub = n_in / 32, nblk_row = n_in / QK_K;
+    u8* xq = reinterpret_cast<u8*>(smem);
+    u32* xsc = reinterpret_cast<u32*>(xq + 256 * n_sub);
+    float4* red = reinterpret_cast<float4*>(xsc + 32 * n_sub);  // (2, WARPS, 32)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u8* ring = reinterpret_cast<u8*>(red + 2 * WARPS * 32) + warp * S * D::STAGE;
+    const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
+
+    const int slot = warp / KS, kl = warp % KS;
+    const int n_rows = GLU ? 2 * n_out : n_out;  // weight rows
+    const i64 nblk = (i64)n_rows * nblk_row;
+    const int n_steps = (n_rows + 16 * TILES - 1) / (16 * TILES);
+
+    // This warp's items in order: (step, kb), kb = kl, kl + KS, ... then the next step.
+    auto advance = [&](int& step, int& kb) {
+        kb += KS;
+        if (kb >= nblk_row) {
+            step += gridDim.x;
+            kb = kl;
+        }
+    };
+    // Copy the next item of the sequence (if any) into stage st, as one cp.async group.
+    typename D::template copier<PLANAR> cp;
+    int is_step = blockIdx.x, is_kb = kl, at_step = -1;
+    auto issue = [&](int st) {
+        if (is_step < n_steps && kl < nblk_row) {
+            if (is_step != at_step) {
+                at_step = is_step;
+                cp.locate(w, nblk, 16 * (TILES * is_step + slot), n_rows, nblk_row, lane);
+            }
+            cp.copy(ring_s + st * D::STAGE, is_kb, lane);
+            advance(is_step, is_kb);
+        }
+        cp_async_commit();  // every call commits a group, empty or not: the counts below stay uniform
+    };
+
+    pdl_trigger();
+    for (int st = 0; st < S - 1; ++st) issue(st);  // weights only: before the wait
+    pdl_wait();
+    mma8_stage_x<T::x_swizzle, D::NATURAL_X>(x, x_stride, x_q8, n_tok, n_in, xq, xsc);
+    __syncthreads();
+
+    int cur = 0, next = S - 1, buf = 0;  // stage of the item multiplied next, stage the next copy fills
+    for (int step = blockIdx.x; step < n_steps; step += gridDim.x) {  // block-uniform
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        const int row0 = 16 * (TILES * step + slot);
+        for (int kb = kl; kb < nblk_row; kb += KS) {
+            issue(next);  // into the stage the previous item left
+            next = next + 1 == S ? 0 : next + 1;
+            cp_async_wait_pending(S - 1);  // this item's group has landed
+            __syncwarp();
+            D::item(ring + cur * D::STAGE, xq, xsc, nblk_row, kb, row0, n_rows, lane, acc);
+            __syncwarp();  // every lane done with the stage before it is refilled
+            cur = cur + 1 == S ? 0 : cur + 1;
+        }
+        red[(buf * WARPS + warp) * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        __syncthreads();
+        mma8_step_out<GLU, GELU>(red + buf * WARPS * 32, KS, TILES, step, n_rows, n_out, n_tok, y, y_stride, residual, r_stride, bias);
+        buf ^= 1;
+    }
+    cp_async_wait<0>();  // no copy outlives the block
+}
