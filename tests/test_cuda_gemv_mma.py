@@ -162,7 +162,7 @@ def test_x_quantized_once_gives_the_same_products(type_name):
 
 
 _VARIANTS = ([("Q6_K", False, (w, ks)) for w in (12, 8) for ks in (0, 4, w)]  # the register kernel, raw
-             + [(t.name, True, (w, ks, st)) for t in qk.MMA8_DECODERS for w in (16, 8) for ks, st in ((w, 0), (4, 2), (4, 3))])
+             + [(t.name, True, (w, ks, st)) for t in qk.MMA8_DECODERS for w in qk.MMA8_KERNELS[t][0][2] for ks, st in ((w, 0), (4, 2), (4, 3))])
 
 
 @pytest.mark.cuda
@@ -269,7 +269,7 @@ def test_uses_mma8_for_4_to_8_tokens_of_q4_k_and_q6_k_that_fit():
             assert mma_shape(t, 14336, planar) is not None and mma_shape(t, 28672, planar) is None
     assert mma_shape(T.Q4_K, 4096, True) == (True, 16, 4) and mma_shape(T.Q4_K, 11008, False) == (True, 16, 2)
     assert mma_shape(T.Q4_K, 14336, True) == (True, 8, 2) and mma_shape(T.Q6_K, 4096, False) == (False, 8, 0)
-    assert mma_shape(T.Q6_K, 4096, True) == (True, 16, 2) and mma_shape(T.Q6_K, 11008, True) == (True, 8, 3)
+    assert mma_shape(T.Q6_K, 4096, True) == (True, 16, 2) and mma_shape(T.Q6_K, 11008, True) == (True, 12, 2)
     assert mma_shape(T.Q6_K, 14336, True) == (False, 8, 0)  # the rings do not fit beside x: the register kernel
 
 

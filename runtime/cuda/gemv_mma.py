@@ -41,7 +41,7 @@ def uses_mma8(w: DeviceWeight, n_tok: int, variant: tuple[int, ...] | None = Non
     """Whether a product of n_tok tokens on w runs as gemv_mma: w's mma8 option is on (K4_MMA8),
     its type has an mma kernel (quant_kernels.MMA8_DECODERS: Q4_K, Q6_K), MMA8_MIN_TOKENS <= n_tok
     <= MMA8_TOKENS, and the 8 tokens' quantized x (and the staged kernel's rings) fit in one
-    block's shared memory (mma_shape: n_in up to about 15,000). Measured on the H200
+    block's shared memory (mma_shape: n_in up to about 15,600 for Q4_K, 18,600 for Q6_K). Measured on the H200
     (scripts/bench_gemv_mma.py, Llama 2 7B's products; docs/PERF.md)."""
     return (w.mma8 and w.ggml_type in MMA8_DECODERS and MMA8_MIN_TOKENS <= n_tok <= MMA8_TOKENS
             and mma_shape(w.ggml_type, w.shape[1], w.planar, variant) is not None)

@@ -109,12 +109,14 @@ MMA8_MIN_TOKENS = 4
 # whose shared memory fits the matrix): gemv_mma_staged.cu (weights through cp.async rings; Q4_K
 # raw or planar, Q6_K planar: raw Q6_K blocks are not 16-byte aligned), then gemv_mma.cu (weights
 # through registers; Q6_K, also planar where the staged kernel's rings do not fit beside x, past
-# about 11,500 inputs). How many warps split each 16-row tile's blocks is chosen per matrix
-# (gemv_mma.mma_ks). The register kernel's Q6_K decoder spills at 16 warps' 128 registers and keeps
-# 8. EXTRA_MMA8_WARPS (the "bench" group, the register kernel) are for scripts/bench_gemv_mma.py.
+# about 11,000 inputs; Q4_K's staged kernel takes 8 warps past about 11,800). How many warps split each 16-row tile's blocks is chosen per matrix
+# (gemv_mma.mma_ks). Measured on the H200 (docs/PERF.md, 4096 x 11008, 8 tokens): Q4_K 16 warps with
+# 2 stages 18.7 µs, 12 with 3 19.9; Q6_K 12 warps with 2 stages 27.6, 8 with 3 33.4. The register
+# kernel's Q6_K decoder spills at 16 warps' 128 registers and keeps 8. EXTRA_MMA8_WARPS (the
+# "bench" group, the register kernel) are for scripts/bench_gemv_mma.py.
 MMA8_KERNELS: dict[T, tuple[tuple[bool, tuple[bool, ...], tuple[int, ...]], ...]] = {
     T.Q4_K: ((True, (False, True), (16, 8)),),
-    T.Q6_K: ((True, (True,), (16, 8)), (False, (False, True), (8,))),
+    T.Q6_K: ((True, (True,), (16, 12)), (False, (False, True), (8,))),
 }
 MMA8_DECODERS = tuple(MMA8_KERNELS)  # the types with a gemv_mma kernel
 EXTRA_MMA8_WARPS: dict[T, tuple[int, ...]] = {T.Q6_K: (12,)}
