@@ -235,7 +235,8 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
                 int n_out, int n_in, int n_tok,  // 1 <= n_tok <= MMA8_TOKENS, n_in a multiple of QK_K
                 int KS,                          // warps per tile: a divisor of WARPS, at least 4 (gemv_mma.py mma_ks)
                 int S,                           // ring stages per warp, 2..4
-                const u8* __restrict__ x_q8) {   // n_tok * q8x_bytes(n_in) (quantize_q8_rows) or null
+                const u8* __restrict__ x_q8,     // n_tok * q8x_bytes(n_in) (quantize_q8_rows, rms_norm_q8) or null
+                int x_swz) {                     // x_q8's swizzle (x_unit_slot)
     using T = typename D::T;
     const int TILES = WARPS / KS;
     extern __shared__ uint4 smem[];
@@ -278,7 +279,7 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
     pdl_trigger();
     for (int st = 0; st < S - 1; ++st) issue(st);  // weights only: before the wait
     pdl_wait();
-    mma8_stage_x<T::x_swizzle, D::NATURAL_X>(x, x_stride, x_q8, n_tok, n_in, xq, xsc);
+    mma8_stage_x<D::NATURAL_X>(x, x_stride, x_q8, x_swz, n_tok, n_in, xq, xsc);
     __syncthreads();
 
     int cur = 0, next = S - 1, buf = 0;  // stage of the item multiplied next, stage the next copy fills

@@ -75,14 +75,15 @@ __device__ __forceinline__ float magic_int_to_float(int v) { return __int_as_flo
 // X (n_tok rows of n_in floats, x_stride apart, 16-byte aligned, n_in a multiple of 32) quantized
 // into xq, xsc for MMA8_TOKENS tokens (tokens n_tok.. all zero), by the whole block (blockDim.x a
 // multiple of 32); or, with x_q8 non-null, the same quants and scales copied from X quantized
-// beforehand (gemv_batch.cu quantize_q8_rows: n_tok q8 x of q8x_bytes(n_in) bytes, swizzle SWZ),
+// beforehand (gemv_batch.cu quantize_q8_rows, norm.cu rms_norm_q8: n_tok q8 x of q8x_bytes(n_in)
+// bytes, swizzle swz, any),
 // the sums recomputed from the quants: the same bytes. Thread f takes 16 values: unit h = f & 1
 // of sub-block s = f >> 4 of token (f >> 1) & 7; the two units of a sub-block sit in adjacent
 // lanes (one scale, as q8_unit), which swap halves so that each stores 16 consecutive bytes of xq
 // (a warp writes 512 contiguous bytes). NATURAL: the Q4_K layout of gemv_mma_staged.cu instead (its
 // header), each unit's words stored as they are.
-template <int SWZ, bool NATURAL>
-__device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8* __restrict__ x_q8, int n_tok, int n_in,
+template <bool NATURAL>
+__device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8* __restrict__ x_q8, int swz, int n_tok, int n_in,
                              u8* xq, u32* xsc) {
     const int total = MMA8_TOKENS * (n_in >> 4);
     for (int base = 0; base < total; base += blockDim.x) {  // warp-uniform trip count
@@ -94,7 +95,7 @@ __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8
         float d;
         if (x_q8) {  // block-uniform
             const u8* row = x_q8 + (i64)(ok ? tok : 0) * q8x_bytes(n_in);
-            const uint4* unit = reinterpret_cast<const uint4*>(row + 16 * x_unit_slot(2 * s + h, SWZ));
+            const uint4* unit = reinterpret_cast<const uint4*>(row + 16 * x_unit_slot(2 * s + h, swz));
             const uint4 v = ok ? __ldg(unit) : make_uint4(0, 0, 0, 0);
             d = ok ? __ldg(reinterpret_cast<const float*>(row + q8x_bytes_q(n_in)) + s) : 0.f;
             q[0] = v.x; q[1] = v.y; q[2] = v.z; q[3] = v.w;

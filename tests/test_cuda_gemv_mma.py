@@ -138,8 +138,9 @@ def test_gemv_mma_glu_epilogue(type_name, repack, act):
 @pytest.mark.cuda
 @TYPES
 def test_x_quantized_once_gives_the_same_products(type_name):
-    """gemv_mma given X quantized by quantize_rows (x_q8) stages the quants and scales its own
-    quantization makes: the same bits of Y, X not read; an x_q8 of another swizzle is refused."""
+    """gemv_mma given X quantized by quantize_rows (x_q8), in the weight type's swizzle or any
+    other, stages the quants and scales its own quantization makes: the same bits of Y, X not
+    read; an x_q8 of other rows is refused."""
     import cupy as cp
 
     from k4.runtime.cuda.gemv_batch import Q8Rows, quantize_rows
@@ -148,17 +149,17 @@ def test_x_quantized_once_gives_the_same_products(type_name):
     n_out, n_in = ODD
     w, _ = weight(type_name, n_out, n_in, rng, True)
     swizzle = qk.QUANT[T[type_name]].x_swizzle
-    for n_tok in (1, 3, MMA8_TOKENS):
+    for n_tok, swz in ((1, swizzle), (3, 3), (MMA8_TOKENS, swizzle), (MMA8_TOKENS, 0)):
         X, _ = strided_rows(rng, n_tok, n_in)
         X[n_tok // 2, :32] = 0  # an all-zero sub-block: d 0
-        q8 = Q8Rows(cp.zeros(Q8Rows.nbytes(n_tok, n_in), cp.uint8), n_tok, n_in, swizzle)
+        q8 = Q8Rows(cp.zeros(Q8Rows.nbytes(n_tok, n_in), cp.uint8), n_tok, n_in, swz)
         quantize_rows(X, q8)
         want, got = nan_like((n_tok, n_out)), nan_like((n_tok, n_out))
         gemv_mma(w, X, want)
         gemv_mma(w, nan_like((n_tok, n_in)), got, x_q8=q8)  # X not read
-        assert np.array_equal(got.get(), want.get()), f"{type_name} n_tok {n_tok} (seed {seed})"
-    with pytest.raises(ValueError, match="swizzle"):
-        gemv_mma(w, X, got, x_q8=Q8Rows(q8.data, n_tok, n_in, swizzle + 1))
+        assert np.array_equal(got.get(), want.get()), f"{type_name} n_tok {n_tok} swizzle {swz} (seed {seed})"
+    with pytest.raises(ValueError, match="x_q8 holds"):
+        gemv_mma(w, X[:2], got[:2], x_q8=q8)
 
 
 _VARIANTS = ([("Q6_K", False, (w, ks)) for w in (12, 8) for ks in (0, 4, w)]  # the register kernel, raw

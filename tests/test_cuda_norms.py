@@ -92,6 +92,36 @@ def test_rms_norm_kernel_where_eps_matters(ops, n, eps):
     assert_rows(h.get(), want, LIMIT_FP16, f"fp16 n={n}")
 
 
+@pytest.mark.parametrize("swizzle", [1, 2])
+@pytest.mark.parametrize("n", [64, 896, 4096, 5120])
+def test_rms_norm_with_q8_rows_is_the_norm_and_its_quantize_rows(ops, n, swizzle):
+    """rms_norm with q8 (norm.cu rms_norm_q8, the verify step's few-token products' input): y as
+    rms_norm within LIMIT_F32 (also in place), and the q8 rows bit for bit what quantize_rows
+    makes of that y; an fp16 y or rows of another size are refused."""
+    import cupy as cp
+
+    from k4.runtime.cuda.gemv_batch import Q8Rows, quantize_rows
+
+    eps = EPS[0]
+    rng = np.random.default_rng([17, n, swizzle])
+    x, w = eps_rows(rng, n, eps), norm_weight(rng, n)  # (8, n), (n,)
+    want = rms_norm64(x, w, eps)
+    q8 = Q8Rows(cp.zeros(Q8Rows.nbytes(8, n), cp.uint8), 8, n, swizzle)
+    for inplace in (False, True):
+        xd = cp.asarray(x)
+        y = xd if inplace else cp.full(x.shape, np.nan, cp.float32)
+        q8.data.fill(0)
+        ops.rms_norm(xd, cp.asarray(w), y, eps, q8=q8)
+        assert_rows(y.get(), want, LIMIT_F32, f"q8 n={n} in place {inplace}")
+        again = Q8Rows(cp.zeros_like(q8.data), 8, n, swizzle)
+        quantize_rows(y, again)
+        assert (q8.data.get() == again.data.get()).all()
+    with pytest.raises(ValueError, match="q8"):
+        ops.rms_norm(cp.asarray(x), cp.asarray(w), cp.zeros(x.shape, cp.float16), eps, q8=q8)
+    with pytest.raises(ValueError, match="q8"):
+        ops.rms_norm(cp.asarray(x[:4]), cp.asarray(w), cp.zeros((4, n), cp.float32), eps, q8=q8)
+
+
 # ---- the norm prologue of gemv -----------------------------------------------------------------
 
 GEMV_CASES = [  # (type, n_in): 896 = 28 blocks of 32 (llama.cpp keeps such rows in Q5_0/Q8_0)

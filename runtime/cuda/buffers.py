@@ -17,6 +17,7 @@ import numpy as np
 
 from ..model import ModelConfig
 from . import matmul, ops
+from .constants import MMA8_TOKENS
 from .memory import DeviceMemory, PinnedBuffer
 from .moe import moe_spec
 
@@ -73,6 +74,7 @@ def activation_spec(cfg: ModelConfig, chunk: int, n_ctx: int, n_split: int, mm_s
         "x1": Buffer((P, cfg.n_embd), f32),  # residual stream after attention
         "h": Buffer((P, cfg.n_embd), f32),  # normalized input of a projection
         "h16": Buffer((P, cfg.n_embd), f16),  # the same in fp16 (prefill on tensor cores)
+        "h_q8": Buffer((MMA8_TOKENS * matmul.q8x_bytes(cfg.n_embd),), np.uint8),  # h quantized, for up to 8 tokens (verify)
         "qkv": Buffer((P * (cfg.q_dim + 2 * cfg.kv_dim),), f32),  # q, k, v products, packed per layer (place)
         "gate_up": Buffer((P * 2 * cfg.n_ff,), f32),  # gate and up products (place)
         "q": Buffer((P, cfg.n_head, cfg.head_dim), f32),  # q after RoPE

@@ -15,11 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import cupy as cp
+from gguf import GGMLQuantizationType
 
 from ..model import ModelConfig
 from . import matmul, moe, ops
+from .constants import MMA8_TOKENS
 from .op_args import AttnShape, FreshKV, RopeArgs
-from .gemv_batch import gemv_rows
+from .gemv_batch import Q8Rows, gemv_rows
+from .quant_kernels import MMA8_MIN_TOKENS, QUANT
 from .kv_cache import KVCache
 from .weights import LayerWeights, Weights
 
@@ -73,8 +76,8 @@ class Forward:
         matmul.dequant_rows(self.w.token_embd, row_ids, x, stream=self.stream, trace=o.trace, scale=cfg.embed_scale)
         for li, L in enumerate(self.w.layers):
             # attention: norm, q/k/v projections (+bias), [q/k norm] + RoPE + cache store, attention, output + residual
-            h, norm = self.normed(x, L.attn_norm, half)
-            cols = self.qkv(L, h, norm, n)
+            h, norm, h_q8 = self.normed(x, L.attn_norm, half)
+            cols = self.qkv(L, h, norm, n, h_q8)
             k_cache, v_cache, scales = self.kv.layer(li)  # (n_ctx or ring rows, n_head_kv, head_dim); q8_0: + scales
             rope = RopeArgs(L.q_norm, L.k_norm, self.w.inv_freq, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps, self.w.rope_mscale)
             if cfg.sliding(li):  # gemma's sliding layers: their own RoPE base, no scaling
@@ -122,16 +125,17 @@ class Forward:
     def output(self, x: cp.ndarray, logits: cp.ndarray) -> None:
         """logits (n, n_vocab) = output · rmsnorm(x (n, n_embd)) * output_norm."""
         n = x.shape[0]
-        h, norm = self.normed(x, self.w.output_norm, n > 1 and self.half(n))
-        self.linear(self.w.output, h, logits, norm=norm)
+        h, norm, h_q8 = self.normed(x, self.w.output_norm, n > 1 and self.half(n))
+        self.linear(self.w.output, h, logits, norm=norm, x_q8=h_q8)
         if self.cfg.final_softcap:
             self.ops.softcap(logits, self.cfg.final_softcap)  # gemma 2: cap * tanh(logits / cap)
 
-    def qkv(self, L: LayerWeights, h: cp.ndarray, norm, n: int) -> dict[str, cp.ndarray]:
-        """The q, k, v products (+ bias) of h (n, n_embd): name -> (n, rows) column views."""
+    def qkv(self, L: LayerWeights, h: cp.ndarray, norm, n: int, h_q8=None) -> dict[str, cp.ndarray]:
+        """The q, k, v products (+ bias) of h (n, n_embd) (h_q8: h quantized, or None): name -> (n,
+        rows) column views."""
         cols = {}
         for p in L.qkv:
-            self.linear(p.w, h, p.out[:n], bias=p.bias, norm=norm)
+            self.linear(p.w, h, p.out[:n], bias=p.bias, norm=norm, x_q8=h_q8)
             cols.update({name: c[:n] for name, c in p.cols.items()})
         return cols
 
@@ -142,7 +146,7 @@ class Forward:
         swiglu (geglu) kernel. Returns L.ff_q8 when the epilogue also wrote ff quantized into it
         for w_down (one token), else None."""
         n = x1.shape[0]
-        h, norm = self.normed(x1, L.ffn_norm, half)
+        h, norm, h_q8 = self.normed(x1, L.ffn_norm, half)
         if len(L.gate_up) == 2:  # separate gate and up
             g, u = (p.out[:n] for p in L.gate_up)
             self.linear(L.gate_up[0].w, h, g, norm=norm)
@@ -155,7 +159,7 @@ class Forward:
                 self.linear(p.w, h, ff, norm=norm, y_q8=L.ff_q8)
                 return L.ff_q8
             if p.w.ggml_type in matmul.QUANT:  # up to BATCH_TOKENS tokens per read of the weight
-                gemv_rows(p.w, h, ff, stream=self.stream, trace=self.ops.trace)
+                gemv_rows(p.w, h, ff, stream=self.stream, trace=self.ops.trace, x_q8=h_q8)
                 return None
             for i in range(n):
                 self.linear(p.w, h[i : i + 1], ff[i : i + 1])
@@ -179,26 +183,31 @@ class Forward:
                         stream=self.stream, trace=self.ops.trace, x_q8=x_q8, y_q8=y_q8, post=post)
         else:
             matmul.matmul(w, X, Y, residual=residual, bias=bias, scratch=self.act.mm_scratch, stream=self.stream,
-                          trace=self.ops.trace, blas=self.blas)
+                          trace=self.ops.trace, blas=self.blas, x_q8=x_q8)
 
     def normed(self, x: cp.ndarray, norm_w: cp.ndarray, half: bool):
-        """The input of the products after an RMSNorm of x (n, n_embd): (X, norm) for linear.
+        """The input of the products after an RMSNorm of x (n, n_embd): (X, norm, X_q8) for linear.
         One row with fuse_norm: x itself, the norm folded into the product, and a pending
         post-norm whose result x is (self.post) folded in too: then (res, (norm_w, eps, (t,
-        post_w, x))), the products computing x and writing it; otherwise the norm kernel's output,
-        fp16 when `half`."""
+        post_w, x)), None), the products computing x and writing it; otherwise the norm kernel's
+        output, fp16 when `half`, and for MMA8_MIN_TOKENS to MMA8_TOKENS rows in f32 also that
+        output quantized (gemv_batch.Q8Rows in act.h_q8, Q4_K's swizzle), which the few-token
+        products copy instead of quantizing it in every block (else None)."""
         n = x.shape[0]
         if n == 1 and self.opts.fuse_norm:
             post, self.post = self.post, None
             if post is not None:
                 t, post_w, res, y = post
                 assert y.data.ptr == x.data.ptr and y.shape == x.shape
-                return res, (norm_w, self.cfg.rms_eps, (t[0], post_w, x[0]))
-            return x, (norm_w, self.cfg.rms_eps)
+                return res, (norm_w, self.cfg.rms_eps, (t[0], post_w, x[0])), None
+            return x, (norm_w, self.cfg.rms_eps), None
         self.settle()
         h = (self.act.h16 if half else self.act.h)[:n]
-        self.ops.rms_norm(x, norm_w, h, self.cfg.rms_eps)
-        return h, None
+        q8 = None
+        if not half and MMA8_MIN_TOKENS <= n <= MMA8_TOKENS and self.act.h_q8.size and x.shape[1] % 32 == 0:
+            q8 = Q8Rows(self.act.h_q8, n, x.shape[1], QUANT[GGMLQuantizationType.Q4_K].x_swizzle)
+        self.ops.rms_norm(x, norm_w, h, self.cfg.rms_eps, q8=q8)
+        return h, None, q8
 
     def half(self, n: int) -> bool:
         """Whether a forward pass of n tokens runs on fp16 activations: every product of it takes

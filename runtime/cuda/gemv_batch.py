@@ -127,16 +127,21 @@ def gemv_batch(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, 
     launch(kernel, grid, block, args, smem, stream, trace, pdl)
 
 
-def gemv_rows(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, trace: Trace | None = None) -> None:
+def gemv_rows(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, trace: Trace | None = None,
+              x_q8: Q8Rows | None = None) -> None:
     """The few-token products over any number of tokens: rows of X in groups of up to
     BATCH_TOKENS, one launch each (ceil(n_tok / BATCH_TOKENS) reads of w): gemv_mma.gemv_mma
     where gemv_mma.uses_mma8 says so (Q4_K and Q6_K, 4 to 8 rows, flag K4_MMA8), else
-    gemv_batch. Arguments as gemv_batch, any n_tok >= 1. Raises ValueError as gemv_batch."""
+    gemv_batch. x_q8: None, or X (at most BATCH_TOKENS rows) already quantized (Q8Rows, e.g. by
+    Ops.rms_norm): gemv_mma takes it whatever its swizzle, gemv_batch where the swizzle is w's;
+    else it is not used. Arguments as gemv_batch, any n_tok >= 1. Raises ValueError as gemv_batch."""
     n_tok = X.shape[0] if getattr(X, "ndim", 0) == 2 else 0
     if n_tok < 1:
         raise ValueError(f"X must be a 2-D array of at least one row, got shape {getattr(X, 'shape', None)}")
     for i in range(0, n_tok, BATCH_TOKENS):
         rows = slice(i, i + BATCH_TOKENS)
-        product = gemv_mma if uses_mma8(w, min(BATCH_TOKENS, n_tok - i)) else gemv_batch
+        mma = uses_mma8(w, min(BATCH_TOKENS, n_tok - i))
+        q8 = x_q8 if x_q8 is not None and n_tok <= BATCH_TOKENS and (mma or x_q8.swizzle == QUANT[w.ggml_type].x_swizzle) else None
+        product = gemv_mma if mma else gemv_batch
         product(w, X[rows], Y[rows], residual=None if residual is None else residual[rows], bias=bias,
-                stream=stream, trace=trace)
+                stream=stream, trace=trace, x_q8=q8)

@@ -141,11 +141,12 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
     quantized to 8 bits per 32 values as gemv quantizes it (llama.cpp's q8_1 idea); Y differs
     from gemv's only by float32 rounding (sums in another order), within the gemv tests' limit
     against numpy with x rounded the same way (1e-4 relative L2). x_q8: X already quantized by
-    gemv_batch.quantize_rows for w's swizzle (n_tok rows of n_in), copied by every block instead
-    of reading and quantizing X (not read then, still checked): the same quants, the same Y.
+    gemv_batch.quantize_rows or Ops.rms_norm (n_tok rows of n_in, any swizzle), copied by every
+    block instead of reading and quantizing X (not read then, still checked): the same quants,
+    the same Y.
     Raises ValueError on another weight type, n_tok outside 1..MMA8_TOKENS, an n_in whose x does
     not fit in shared memory, wrong shapes, dtypes, strides or alignment, residual/bias with w.glu,
-    or an x_q8 of other rows, swizzle or size.
+    or an x_q8 of other rows or size.
     """
     if w.ggml_type not in MMA8_DECODERS:
         raise ValueError(f"gemv_mma multiplies {', '.join(t.name for t in MMA8_DECODERS)} weights, not {w.ggml_type.name}")
@@ -156,15 +157,15 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
     if mma_shape(w.ggml_type, n_in, w.planar, variant) is None:
         raise ValueError(f"gemv_mma holds the x of {MMA8_TOKENS} tokens in shared memory: {mma8_smem(n_in, 8)} bytes or more "
                          f"for n_in {n_in}, more than {SMEM_LIMIT} with its rings")
-    swizzle = QUANT[w.ggml_type].x_swizzle
     need = n_tok * q8x_bytes(n_in)
-    if x_q8 is not None and ((x_q8.n_tok, x_q8.n, x_q8.swizzle) != (n_tok, n_in, swizzle) or x_q8.data.nbytes < need):
+    if x_q8 is not None and ((x_q8.n_tok, x_q8.n) != (n_tok, n_in) or x_q8.data.nbytes < need or not 0 <= x_q8.swizzle < 8):
         raise ValueError(f"x_q8 holds {x_q8.n_tok} rows of {x_q8.n} for swizzle {x_q8.swizzle} ({x_q8.data.nbytes} bytes); "
-                         f"this product needs {n_tok} of {n_in} for {swizzle} ({need} bytes)")
+                         f"this product needs {n_tok} of {n_in} ({need} bytes, swizzle 0..7)")
     kernel, grid, block, smem, ks, stages = _mma_plan(w, variant)
     ring = (np.int32(stages),) if stages else ()  # gemv_mma_staged's stages per warp
     args = (w.data, X, np.int32(x_stride), Y, np.int32(y_stride), null_or(residual), np.int32(r_stride), null_or(bias),
-            np.int32(n_out), np.int32(n_in), np.int32(n_tok), np.int32(ks), *ring, null_or(x_q8 and x_q8.data))
+            np.int32(n_out), np.int32(n_in), np.int32(n_tok), np.int32(ks), *ring, null_or(x_q8 and x_q8.data),
+            np.int32(x_q8.swizzle if x_q8 is not None else 0))
     if pdl is None:  # as gemv: eagerly the driver-API launch costs more host time than it saves
         pdl = w.pdl and capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl)

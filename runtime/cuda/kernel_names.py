@@ -70,7 +70,7 @@ def gqa_name(D: int, k: str, v: str, group: int = GQA_COLS_GROUP) -> str:
 
 # name expressions of the kernels of each file (templates and extern "C" names alike)
 KERNELS = {
-    "norm.cu": ("rms_norm<float>", "rms_norm<u16>", "rms_norm_add"),
+    "norm.cu": ("rms_norm<float>", "rms_norm<u16>", "rms_norm_add", "rms_norm_q8"),
     "rope.cu": tuple(f"rope_qk_store<{kv_args(k, v)}>" for k, v in KV_PAIRS),
     "attention.cu": tuple(f"attn_kv<{kv_args(k, v)}>" for k, v in KV_PAIRS),
     "attention_tiled.cu": tuple(f"attn_tiled<{d}, {kv_args(k, v)}>" for d in TILED_HEAD_DIMS for k, v in KV_PAIRS),

@@ -358,7 +358,7 @@ def _gemm(m: int, n: int, k: int, a_ptr: int, a_type: int, b_ptr: int, b_type: i
 
 
 def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, stream=None,
-           trace: Trace | None = None, blas=None) -> None:
+           trace: Trace | None = None, blas=None, x_q8=None) -> None:
     """Y = X @ w^T (+ bias) (+ residual) for a batch of tokens (prefill).
 
     X: (n_tok, n_in) float32, or float16 when takes_half(w, n_tok), 16-byte aligned; Y: (n_tok,
@@ -371,7 +371,8 @@ def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, str
     K4_MMA8), matrix-vector products instead (quantized: gemv_batch.gemv_rows, up to
     BATCH_TOKENS tokens per launch; float types: gemv per token; not for a glu weight: call gemv
     or gemv_rows, which apply the SwiGLU). blas: a runtime.cuda.blas.Blas for the cuBLAS calls,
-    so they can be captured in a CUDA graph (None: CuPy's handle, which refuses capture). Raises
+    so they can be captured in a CUDA graph (None: CuPy's handle, which refuses capture). x_q8:
+    None or X already quantized (gemv_batch.Q8Rows), which gemv_rows may copy instead of X. Raises
     ValueError on wrong shapes, dtypes or scratch size.
     """
     import cupy as cp
@@ -390,7 +391,7 @@ def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, str
     if bias is not None:
         _check_array("bias", bias, (n_out,))
     if uses_gemv(w, n_tok) and w.ggml_type in QUANT:  # up to BATCH_TOKENS tokens per read of w
-        gemv_rows(w, X, Y, residual=residual, bias=bias, stream=stream, trace=trace)
+        gemv_rows(w, X, Y, residual=residual, bias=bias, stream=stream, trace=trace, x_q8=x_q8)
         return
     if uses_gemv(w, n_tok):
         for i in range(n_tok):

@@ -104,13 +104,24 @@ class Ops(AttentionLaunchers):
         pdl = pdl and self.pdl and cp.cuda.get_current_stream().is_capturing()
         launch(self.function(filename, name), grid, block, args, shared_mem, None, self.trace, pdl)
 
-    def rms_norm(self, x: cp.ndarray, w: cp.ndarray, y: cp.ndarray, eps: float) -> None:
+    def rms_norm(self, x: cp.ndarray, w: cp.ndarray, y: cp.ndarray, eps: float, q8=None) -> None:
         """y = x / sqrt(mean(x^2, last axis) + eps) * w. x: (n_rows, n) f32; y: (n_rows, n) f32
-        (may be x) or fp16 (a tensor-core input); w: (n,) f32."""
+        (may be x) or fp16 (a tensor-core input); w: (n,) f32. q8: None, or a gemv_batch.Q8Rows of
+        n_rows rows of n (n a multiple of 32, at most 16,384; y f32) that also receives y quantized
+        as the few-token products quantize their X (kernels_cu/norm.cu rms_norm_q8), so they copy it
+        instead of each block quantizing y."""
         n_rows, n = x.shape
         check_f32(x, n_rows, n)
         out = check_out(y, n_rows, n)
         check_f32(w, n)
+        if q8 is not None:
+            if out != "float" or n % 32 or n > 16 * 1024 or (q8.n_tok, q8.n) != (n_rows, n) or q8.data.nbytes < q8.nbytes(n_rows, n):
+                raise ValueError(f"rms_norm with q8: y f32 and q8 rows of {n_rows} x {n} (n a multiple of 32, at most 16384), "
+                                 f"got y {y.dtype}, q8 {q8.n_tok} x {q8.n} ({q8.data.nbytes} bytes)")
+            threads = 32 * -(-n // 512)
+            self._launch("norm.cu", "rms_norm_q8", (n_rows,), (threads,),
+                         (x, w, y, q8.data, np.int32(n), np.float32(eps), np.int32(q8.swizzle)))
+            return
         threads = 32 * min(32, max(1, -(-n // 256)))
         self._launch("norm.cu", f"rms_norm<{out}>", (n_rows,), (threads,), (x, w, y, np.int32(n), np.float32(eps)))
 
