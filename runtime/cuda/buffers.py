@@ -75,6 +75,7 @@ def activation_spec(cfg: ModelConfig, chunk: int, n_ctx: int, n_split: int, mm_s
         "h": Buffer((P, cfg.n_embd), f32),  # normalized input of a projection
         "h16": Buffer((P, cfg.n_embd), f16),  # the same in fp16 (prefill on tensor cores)
         "h_q8": Buffer((MMA8_TOKENS * matmul.q8x_bytes(cfg.n_embd),), np.uint8),  # h quantized, for up to 8 tokens (verify)
+        "x_q8": Buffer((MMA8_TOKENS * matmul.q8x_bytes(max(cfg.n_ff, cfg.q_dim)),), np.uint8),  # attn or ff quantized (verify)
         "qkv": Buffer((P * (cfg.q_dim + 2 * cfg.kv_dim),), f32),  # q, k, v products, packed per layer (place)
         "gate_up": Buffer((P * 2 * cfg.n_ff,), f32),  # gate and up products (place)
         "q": Buffer((P, cfg.n_head, cfg.head_dim), f32),  # q after RoPE

@@ -21,7 +21,8 @@ from ..model import ModelConfig
 from . import matmul, moe, ops
 from .constants import MMA8_TOKENS
 from .op_args import AttnShape, FreshKV, RopeArgs
-from .gemv_batch import Q8Rows, gemv_rows
+from .gemv_batch import Q8Rows, gemv_rows, quantize_rows
+from .gemv_mma import uses_mma8
 from .quant_kernels import MMA8_MIN_TOKENS, QUANT
 from .kv_cache import KVCache
 from .weights import LayerWeights, Weights
@@ -105,7 +106,10 @@ class Forward:
     def residual(self, w, X: cp.ndarray, res: cp.ndarray, Y: cp.ndarray, post_norm, x_q8=None) -> None:
         """Y = res + X W^T, or with a post-norm weight (gemma) Y = res + rmsnorm(X W^T) * post_norm:
         the product into the scratch h, then rms_norm_add, or for one token with fuse_norm the
-        next products' prologue (self.post, taken by normed). X: (n, n_in); res, Y: (n, n_embd) f32."""
+        next products' prologue (self.post, taken by normed). X: (n, n_in); res, Y: (n, n_embd) f32.
+        A product on int8 tensor cores (gemv_mma, 4 to 8 rows) gets X quantized once (act.x_q8)."""
+        if x_q8 is None:
+            x_q8 = self.quantized(w, X)
         if post_norm is None:
             self.linear(w, X, Y, residual=res, x_q8=x_q8)
             return
@@ -114,6 +118,18 @@ class Forward:
         self.post = (t, post_norm, res, Y)
         if X.shape[0] > 1 or not self.opts.fuse_norm:
             self.settle()
+
+    def quantized(self, w, X: cp.ndarray):
+        """X (n, n_in) f32 quantized into act.x_q8 (gemv_batch.quantize_rows: one launch) when w's
+        product of n rows runs as gemv_mma, which then copies it instead of every block
+        quantizing X (docs/PERF.md); else None."""
+        n, n_in = X.shape
+        if not (MMA8_MIN_TOKENS <= n <= MMA8_TOKENS and X.dtype == cp.float32 and n_in % 32 == 0
+                and matmul.uses_gemv(w, n) and uses_mma8(w, n) and Q8Rows.nbytes(n, n_in) <= self.act.x_q8.nbytes):
+            return None
+        q8 = Q8Rows(self.act.x_q8, n, n_in, QUANT[GGMLQuantizationType.Q4_K].x_swizzle)
+        quantize_rows(X, q8, stream=self.stream, trace=self.ops.trace)
+        return q8
 
     def settle(self) -> None:
         """Apply a pending post-norm (self.post) with the rms_norm_add kernel."""
