@@ -28,7 +28,7 @@ FLAGS: dict[str, Flag] = {
         Flag("K4_PINNED_UPLOAD", 1, "Upload weights through a ring of pinned staging buffers filled by reader threads, drained by a copy stream."),
         Flag("K4_REPACK", 1, "Repack quantized weights at load into the layout the matrix-vector kernels read fastest."),
         Flag("K4_PREFILL_TC", 1, "Prefill matrix products on tensor cores (dequantize tiles to fp16); 0 uses matrix-vector per token."),
-        Flag("K4_MMA8", 1, "Products of 2 to 8 tokens (speculative verify) of Q4_K and Q6_K weights on int8 tensor cores (gemv_mma); 0: 2 to 4 tokens on dp4a (gemv_batch), 5 to 8 on fp16 tensor cores."),
+        Flag("K4_MMA8", 1, "Products of 3 to 8 tokens (speculative verify) of Q4_K and Q6_K weights on int8 tensor cores (gemv_mma); 0: 3 and 4 tokens on dp4a (gemv_batch), 5 to 8 on fp16 tensor cores."),
         Flag("K4_PDL", 1, "Programmatic dependent launch of the kernels inside CUDA graphs (each starts while the previous drains); prefill attention always launches without it."),
         Flag("K4_SPLIT_ATTN", 1, "Decode attention split over the sequence (flash-decoding) for long contexts."),
         Flag("K4_STACK", 1, "Stack attn_q/k/v (runs of one type) and ffn_gate/up into one matrix each at load: one product instead of several."),

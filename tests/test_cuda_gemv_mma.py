@@ -188,7 +188,7 @@ def test_gemv_mma_variants_agree_with_the_default(type_name, planar, variant, gl
 @pytest.mark.cuda
 @pytest.mark.parametrize("mma8", [True, False], ids=["K4_MMA8=1", "K4_MMA8=0"])
 @TYPES
-def test_matmul_takes_gemv_mma_for_2_to_8_tokens_with_the_flag(type_name, mma8, monkeypatch):
+def test_matmul_takes_gemv_mma_for_3_to_8_tokens_with_the_flag(type_name, mma8, monkeypatch):
     """With K4_MMA8 matmul runs MMA8_MIN_TOKENS .. 8 tokens of Q4_K/Q6_K as one gemv_mma launch
     and fewer as gemv_batch; without it up to GEMV_MAX_TOKENS as gemv_batch, more on fp16 tensor
     cores. Either way within the limits of its path against numpy."""
@@ -253,9 +253,9 @@ def _spec(type_name: str, n_in: int = 4096, mma8: bool = True, prefill_tc: bool 
     return SimpleNamespace(ggml_type=T[type_name], shape=(4096, n_in), mma8=mma8, prefill_tc=prefill_tc, planar=True)
 
 
-def test_uses_mma8_for_2_to_8_tokens_of_q4_k_and_q6_k_that_fit():
+def test_uses_mma8_for_3_to_8_tokens_of_q4_k_and_q6_k_that_fit():
     for name in ("Q4_K", "Q6_K"):
-        assert [n for n in range(1, 12) if uses_mma8(_spec(name), n)] == list(range(qk.MMA8_MIN_TOKENS, 9)) == [2, 3, 4, 5, 6, 7, 8]
+        assert [n for n in range(1, 12) if uses_mma8(_spec(name), n)] == list(range(qk.MMA8_MIN_TOKENS, 9)) == [3, 4, 5, 6, 7, 8]
         assert [n for n in range(1, 12) if mm.uses_gemv(_spec(name), n)] == list(range(1, 9))
         assert not any(uses_mma8(_spec(name, mma8=False), n) for n in range(1, 9))
         assert [n for n in range(1, 12) if mm.uses_gemv(_spec(name, mma8=False), n)] == [1, 2, 3, 4]

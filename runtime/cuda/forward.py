@@ -107,7 +107,7 @@ class Forward:
         """Y = res + X W^T, or with a post-norm weight (gemma) Y = res + rmsnorm(X W^T) * post_norm:
         the product into the scratch h, then rms_norm_add, or for one token with fuse_norm the
         next products' prologue (self.post, taken by normed). X: (n, n_in); res, Y: (n, n_embd) f32.
-        A product on int8 tensor cores (gemv_mma, 2 to 8 rows) gets X quantized once (act.x_q8)."""
+        A product on int8 tensor cores (gemv_mma, 3 to 8 rows) gets X quantized once (act.x_q8)."""
         if x_q8 is None:
             x_q8 = self.quantized(w, X)
         if post_norm is None:

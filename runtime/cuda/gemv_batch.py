@@ -131,7 +131,7 @@ def gemv_rows(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, t
               x_q8: Q8Rows | None = None) -> None:
     """The few-token products over any number of tokens: rows of X in groups of up to
     BATCH_TOKENS, one launch each (ceil(n_tok / BATCH_TOKENS) reads of w): gemv_mma.gemv_mma
-    where gemv_mma.uses_mma8 says so (Q4_K and Q6_K, 2 to 8 rows, flag K4_MMA8), else
+    where gemv_mma.uses_mma8 says so (Q4_K and Q6_K, 3 to 8 rows, flag K4_MMA8), else
     gemv_batch. x_q8: None, or X (at most BATCH_TOKENS rows) already quantized (Q8Rows, e.g. by
     Ops.rms_norm): gemv_mma takes it whatever its swizzle, gemv_batch where the swizzle is w's;
     else it is not used. Arguments as gemv_batch, any n_tok >= 1. Raises ValueError as gemv_batch."""

@@ -70,7 +70,7 @@ class DeviceWeight:
     act(gate) * up, (n_out / 2,), and matmul the interleaved (n_tok, n_out) products;
     glu_act: that act, a quant_kernels.GLU_ACTS key: "silu" (SwiGLU) or "gelu_tanh" (GeGLU);
     half: None or a cupy float16 (n_out, n_in) copy that matmul multiplies directly (make_half);
-    mma8: products of 2 to 8 tokens run on int8 tensor cores where gemv_mma.uses_mma8 allows
+    mma8: products of 3 to 8 tokens run on int8 tensor cores where gemv_mma.uses_mma8 allows
     (flag K4_MMA8).
     """
 
@@ -104,7 +104,7 @@ class WeightOptions:
     tensor_cores: bool = True  # K4_PREFILL_TC: prefill products on tensor cores
     pdl: bool = True  # K4_PDL: programmatic dependent launch inside graph capture
     evict_first: bool = True  # K4_EVICT_FIRST: weight loads with the L1 evict-first hint
-    mma8: bool = True  # K4_MMA8: products of 2 to 8 tokens on int8 tensor cores (Q4_K, Q6_K)
+    mma8: bool = True  # K4_MMA8: products of 3 to 8 tokens on int8 tensor cores (Q4_K, Q6_K)
 
 
 def make_weight(t: Tensor | MatrixSpec, device_bytes, repack: bool, glu: bool = False,
@@ -307,7 +307,7 @@ def _chunk_rows(w: DeviceWeight) -> int:
 
 def uses_gemv(w: DeviceWeight, n_tok: int) -> bool:
     """Whether matmul of n_tok tokens on w runs as matrix-vector products (K4_PREFILL_TC off, at
-    most GEMV_MAX_TOKENS tokens, or a product gemv_mma.uses_mma8 takes: 2 to 8 tokens of Q4_K
+    most GEMV_MAX_TOKENS tokens, or a product gemv_mma.uses_mma8 takes: 3 to 8 tokens of Q4_K
     or Q6_K with K4_MMA8): gemv_batch.gemv_rows for quantized w, gemv per token else."""
     return not w.prefill_tc or n_tok <= GEMV_MAX_TOKENS or uses_mma8(w, n_tok)
 
