@@ -33,6 +33,12 @@ MAX_GROUP = 16  # attn_gqa: query heads per KV head, the rows of one mma tile
 # 202.9 against 253.8 / 209.1 / 167.8. Two query heads fill 2 of the tile's 16 rows: attn_kv's
 # second read of each key, from L2, costs less than the tile's work.
 GQA_MIN_GROUP = 4
+# Decode ranges (split_buckets limits) up to this many keys run attn_kv even where attn_gqa would
+# serve the model: attn_gqa's fixed cost per launch (its tile staging and merge, about 12 µs in the
+# microbenchmark) outweighs its per-key gain at short depth. Measured on the H200 (session 12):
+# tg128 at depth 0 with attn_gqa / attn_kv for every range: Qwen2.5 7B 482.3 / 540.9, Llama 3 8B
+# 496.5 / 530.3 t/s; the crossover in docs/PERF.md.
+GQA_MIN_LIMIT = 1024
 RING_ONE_SPLIT = 1 << 30  # split_len of an unsplit decode over a ring: past any position (a multiple of every tile)
 
 
@@ -102,28 +108,31 @@ class AttentionLaunchers:
 
     gqa_min_group = GQA_MIN_GROUP
 
-    def attention_kernel(self, n_tok: int, D: int, kv: KVTypes | None = None, group: int = 1) -> str:
+    def attention_kernel(self, n_tok: int, D: int, kv: KVTypes | None = None, group: int = 1, limit: int | None = None) -> str:
         """The attention kernel for n_tok queries of head_dim D over a cache of types kv (default
         self.kv), group query heads per KV head (the selector): several queries run attn_mma
         (tensor cores) with `mma`, else attn_tiled with `tiled`, where D has an instance; one
         query of a grouped-query model (gqa_min_group <= group <= MAX_GROUP) runs attn_gqa with
         `gqa` where D has an instance (its column instance for groups of up to GQA_COLS_GROUP
-        with `gqa_cols`); the rest runs attn_kv."""
+        with `gqa_cols`), unless `limit`, the decode range's most keys (split_buckets), is at most
+        GQA_MIN_LIMIT (None: any depth); the rest runs attn_kv."""
         kv = kv or self.kv
         types = kv_args(kv.k, kv.v)
         if n_tok > 1 and self.mma and D in MMA_TILE_KEYS:
             return f"attn_mma<{D}, {MMA_TILE_KEYS[D]}, {types}>"
         if n_tok > 1 and self.tiled and D in TILED_HEAD_DIMS:
             return f"attn_tiled<{D}, {types}>"
-        if n_tok == 1 and self.gqa and max(2, self.gqa_min_group) <= group <= MAX_GROUP and D in GQA_TILE_KEYS:
+        if (n_tok == 1 and self.gqa and max(2, self.gqa_min_group) <= group <= MAX_GROUP and D in GQA_TILE_KEYS
+                and (limit is None or limit > GQA_MIN_LIMIT)):
             return gqa_name(D, kv.k, kv.v, group if self.gqa_cols else MAX_GROUP)
         return f"attn_kv<{types}>"
 
-    def decode_plan(self, head_dim: int, n_head: int, n_head_kv: int) -> tuple[int, int]:
-        """(max_split, keys) of split decode attention for a model of this shape: the splits one
-        round of the decode kernel runs (its resident blocks on this GPU / its blocks per split:
-        n_head for attn_kv, n_head_kv for attn_gqa) and the keys a split length is a multiple of."""
-        name = self.attention_kernel(1, head_dim, group=n_head // n_head_kv)
+    def decode_plan(self, head_dim: int, n_head: int, n_head_kv: int, limit: int | None = None) -> tuple[int, int]:
+        """(max_split, keys) of split decode attention for a model of this shape over a range of at
+        most `limit` keys (None: any): the splits one round of the decode kernel runs (its
+        resident blocks on this GPU / its blocks per split: n_head for attn_kv, n_head_kv for
+        attn_gqa) and the keys a split length is a multiple of."""
+        name = self.attention_kernel(1, head_dim, group=n_head // n_head_kv, limit=limit)
         kernel = self.function(FILE_OF[name], name)
         if name.startswith("attn_gqa"):
             smem = _gqa_smem(head_dim, self.kv)
@@ -135,20 +144,25 @@ class AttentionLaunchers:
 
     def decode_splits(self, n_ctx: int, split: bool, head_dim: int, n_head: int, n_head_kv: int,
                       window: int = 0) -> list[tuple[int, int, int]]:
-        """split_buckets of a cache of n_ctx positions for a model of this shape (decode_plan);
-        window > 0: those of its sliding layers (split_buckets window)."""
-        max_split, keys = self.decode_plan(head_dim, n_head, n_head_kv) if split else (1, ATT_SPLIT_KEYS)
-        return split_buckets(n_ctx, split, max_split, keys, window)
+        """split_buckets of a cache of n_ctx positions for a model of this shape, each range planned
+        for the kernel it runs (decode_plan of its limit: attn_kv up to GQA_MIN_LIMIT keys, where
+        attention_kernel says so); window > 0: those of its sliding layers (split_buckets window)."""
+        if not split:
+            return split_buckets(n_ctx, False, 1, ATT_SPLIT_KEYS, window)
+        short = split_buckets(n_ctx, True, *self.decode_plan(head_dim, n_head, n_head_kv, GQA_MIN_LIMIT), window)
+        long = split_buckets(n_ctx, True, *self.decode_plan(head_dim, n_head, n_head_kv), window)
+        return [s if s[0] <= GQA_MIN_LIMIT else g for s, g in zip(short, long)]  # the same limits
 
     def attention(self, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, out: cp.ndarray, pos: cp.ndarray,
                   n_split: int = 1, split_len: int = 0, part: cp.ndarray | None = None,
                   ticket: cp.ndarray | None = None, fresh: FreshKV | None = None, shape: AttnShape = PLAIN,
-                  scales: tuple = NO_SCALES) -> None:
+                  scales: tuple = NO_SCALES, limit: int | None = None) -> None:
         """Causal attention of q over the cache; query t sits at position pos + t.
 
         q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx, n_head_kv, D) fp16, or int8
         quants of a q8_0 plane with its scales in `scales` (cache_types; one layer); pos: (1,)
-        int32 device scalar. The kernel is attention_kernel's choice. For attn_kv and attn_gqa
+        int32 device scalar. The kernel is attention_kernel's choice (limit: the decode range's, as
+        decode_splits planned n_split and split_len for). For attn_kv and attn_gqa
         (one query), n_split > 1 splits each query's keys into blocks of split_len (n_split *
         split_len >= n_ctx; a multiple of decode_plan's keys) whose partials go to part:
         (n_tok, n_head, n_split, D + 2) f32, merged by the last block of each head (group) to
@@ -171,7 +185,7 @@ class AttentionLaunchers:
         assert k_cache.shape == (n_ctx, n_head_kv, D)
         assert D % 8 == 0 and D <= MAX_HEAD_DIM and n_head % n_head_kv == 0
         assert pos.dtype == cp.int32 and pos.size == 1
-        name = self.attention_kernel(n_tok, D, types, n_head // n_head_kv)
+        name = self.attention_kernel(n_tok, D, types, n_head // n_head_kv, limit)
         planes = _planes(k_cache, v_cache, scales)
         if name.startswith(("attn_mma", "attn_tiled")):
             assert n_split == 1 and fresh is None

@@ -92,7 +92,7 @@ class Forward:
             k_rows, v_rows, row_scales = self.kv.layer(li, limit)  # the positions below the decode range's limit
             sliding = cfg.sliding(li)
             o.attention(q, k_rows, v_rows, attn, self.pos, *configs[sliding], parts[sliding], a.ticket, fresh, self.shapes[li],
-                        scales=row_scales)
+                        scales=row_scales, limit=limit if n == 1 else None)
             self.residual(L.wo, attn.reshape(n, cfg.q_dim), x, x1, L.attn_post_norm)
             if L.moe is not None:  # routed experts (+ shared expert) + residual: runtime/cuda/moe.py
                 self.settle()
