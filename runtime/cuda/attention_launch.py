@@ -35,10 +35,12 @@ MAX_GROUP = 16  # attn_gqa: query heads per KV head, the rows of one mma tile
 GQA_MIN_GROUP = 4
 # Decode ranges (split_buckets limits) up to this many keys run attn_kv even where attn_gqa would
 # serve the model: attn_gqa's fixed cost per launch (its tile staging and merge, about 12 µs in the
-# microbenchmark) outweighs its per-key gain at short depth. Measured on the H200 (session 12):
-# tg128 at depth 0 with attn_gqa / attn_kv for every range: Qwen2.5 7B 482.3 / 540.9, Llama 3 8B
-# 496.5 / 530.3 t/s; the crossover in docs/PERF.md.
-GQA_MIN_LIMIT = 1024
+# microbenchmark) outweighs its per-key gain at short depth. Measured on the H200 (session 12,
+# tg64 at depth 0 / 768 / 1,536 / 3,072, t/s, attn_gqa / attn_kv for every range): Qwen2.5 7B
+# 486.8 / 449.3 / 435.1 / 418.8 against 550.2 / 504.9 / 490.5 / 474.6; Llama 3 8B 499.3 / 477.8 /
+# 456.3 / 441.9 against 541.2 / 502.0 / 486.5 / 462.3. attn_gqa wins from about 4,096 keys: Phi-4
+# at depth 4,096 234.8 against 209.1 (session 9), Llama 3 8B at 32,768 329.3 against 223.3.
+GQA_MIN_LIMIT = 4096
 RING_ONE_SPLIT = 1 << 30  # split_len of an unsplit decode over a ring: past any position (a multiple of every tile)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from ..kv_types import F16, KVTypes
 from ..sampling import MASK64, SamplingParams
 from ..trace import Trace
-from .attention_launch import AttentionLaunchers
+from .attention_launch import GQA_MIN_LIMIT, AttentionLaunchers
 from .compile import module
 from .constants import SAMPLE_THREADS, SAMPLER_PARAM_WORDS, STATE_WORDS
 from .constants import ST_DRAW, ST_POS, ST_RING, ST_TOK  # noqa: F401 (ops.ST_*: the decode state's words)
@@ -80,12 +80,15 @@ class Ops(AttentionLaunchers):
 
     def kernels_for(self, head_dim: int, group: int = 1) -> list[tuple[str, str]]:
         """(file, kernel) of every kernel a model of head_dim and `group` query heads per KV
-        head launches: the small files' kernels, the RoPE + cache store, the decode and
-        prefill attention kernels that attention() picks for it, of the cache types self.kv only."""
+        head launches: the small files' kernels, the RoPE + cache store, the decode (for short and
+        long ranges: GQA_MIN_LIMIT) and prefill attention kernels that attention() picks for it,
+        of the cache types self.kv only."""
         # moe: moe.compile_jobs; speculative.cu: on the first verify step (runtime/cuda/speculative.py)
         out = [(f, n) for f, names in KERNELS.items() if not f.startswith(("attention", "moe", "rope", "speculative")) for n in names]
-        decode, prefill = self.attention_kernel(1, head_dim, group=group), self.attention_kernel(2, head_dim)
-        out += [("rope.cu", f"rope_qk_store<{kv_args(self.kv.k, self.kv.v)}>"), (FILE_OF[decode], decode), (FILE_OF[prefill], prefill)]
+        decode = {self.attention_kernel(1, head_dim, group=group, limit=limit) for limit in (GQA_MIN_LIMIT, None)}  # short, long ranges
+        prefill = self.attention_kernel(2, head_dim)
+        out += [("rope.cu", f"rope_qk_store<{kv_args(self.kv.k, self.kv.v)}>"), *((FILE_OF[d], d) for d in sorted(decode)),
+                (FILE_OF[prefill], prefill)]
         return list(dict.fromkeys(out))
 
     def compile_jobs(self, head_dim: int, group: int = 1) -> list:
