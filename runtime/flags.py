@@ -38,7 +38,7 @@ FLAGS: dict[str, Flag] = {
         Flag("K4_FUSE_QUANT", 0, "1 quantizes the SwiGLU output to 8 bits once, in the decode gate/up epilogue, for the down product (else each of its blocks does); off by default: the gate/up product loses more to imbalance than down gains (docs/PERF.md)."),
         Flag("K4_FUSE_ROPE", 1, "Apply RoPE and store the token's key/value inside the decode attention kernel (no separate RoPE kernel)."),
         Flag("K4_MMA_ATTN", 1, "Prefill attention on tensor cores (mma.sync fp16, f32 accumulate); 0 uses the CUDA-core tiles of K4_TILED_ATTN."),
-        Flag("K4_GQA_MMA", 1, "Decode attention of grouped-query models with 4 or more query heads per KV head on tensor cores: the query heads of a KV head as the rows of one mma tile, each key and value read once for them; 0 uses one block per query head."),
+        Flag("K4_GQA_MMA", 1, "Decode attention of grouped-query models with 4 or more query heads per KV head on tensor cores past 4,096 keys: the query heads of a KV head as the rows of one mma tile, each key and value read once for them; 0 uses one block per query head at every depth."),
         Flag("K4_GQA_COLS", 1, "With K4_GQA_MMA, a group of up to 8 query heads per KV head as the 8 columns of the mma tiles (keys as the rows: half the tensor-core work and accumulators of 4 query heads in 16 rows); 0 puts them in the rows."),
         Flag("K4_TILED_ATTN", 1, "Prefill attention in tiles of 32 queries x 64 keys staged in shared memory (keys read once per tile, not per query)."),
         Flag("K4_PREFILL_GRAPH", 1, "Replay full prefill chunks as CUDA graphs (cuBLAS through k4's own handle); 0 launches every kernel from Python."),
