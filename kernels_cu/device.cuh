@@ -1,4 +1,4 @@
-// Generic device helpers every k4 kernel may use: integer types, 16/8/4/2-byte loads (with the
+// Generic device helpers every k4 kernel may use: integer types, 16/4/2-byte loads (with the
 // L1 evict-first hint for data read once), fp16/bf16 conversions, programmatic dependent launch,
 // warp reductions, 16-byte vector words and their int8 dot products (dp4a), 16-value stores.
 // Nothing here knows a quantized type (quant_layouts.cuh, decoders.cuh). Compiles under NVRTC
@@ -54,18 +54,6 @@ __device__ __forceinline__ uint4 load16(const u8* p) {
     v.z = __ldg(h + 4) | ((u32)__ldg(h + 5) << 16);
     v.w = __ldg(h + 6) | ((u32)__ldg(h + 7) << 16);
     return v;
-}
-
-// 8 bytes from p (8-byte aligned, not written while the kernel runs), with the evict-first hint
-// as load16.
-__device__ __forceinline__ uint2 load8(const u8* p) {
-#if K4_EVICT_FIRST
-    uint2 v;
-    asm("ld.global.nc.L1::evict_first.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-#else
-    return __ldg(reinterpret_cast<const uint2*>(p));
-#endif
 }
 
 // 4 bytes from p, which is ALIGN-byte aligned (4 or more: one load; 2: two 16-bit loads).
