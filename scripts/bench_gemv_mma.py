@@ -10,8 +10,8 @@ Timings: microbench.bench_gemv_batch (CUDA graphs with PDL, weights streamed fro
 median of CUDA-event timings).
 
 Usage (from the repository root, k4 importable): python scripts/bench_gemv_mma.py [--iters N]
-[--variant 8,0] (a gemv_mma instance WARPS of quant_kernels.EXTRA_MMA8_WARPS and KS, 0 for the
-launcher's choice; Q4_K only) [--x-q8] (X
+[--variant 8,0] (Q4_K only: WARPS of a compiled instance, quant_kernels.MMA8_KERNELS, KS, 0 for
+the launcher's choice, and optionally STAGES, e.g. 16,4,2) [--x-q8] (X
 given quantized by quantize_rows beforehand, to both products: their time without the
 prologue that reads and quantizes X in every block)
 """
