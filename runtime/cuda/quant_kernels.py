@@ -100,7 +100,7 @@ EXTRA_BATCH_VARIANTS: dict[T, tuple[tuple[int, int, int, int], ...]] = {
 # H200 (scripts/bench_gemv_batch.py, the 7B's Q4_K products) a batch of n costs 1.12, 1.43,
 # 1.80, 2.15, 2.51, 2.87, 3.23, 3.58x one token's gemv for n = 1..8 (dp4a-bound: 8x the integer
 # work), while a tensor-core verify step of 5 to 8 tokens costs about 2.7x a decode step, flat:
-# the batch wins up to 4 tokens. Q4_K and Q6_K go to gemv_mma (int8 tensor cores, about 1.7-2.2x
+# the batch wins up to 4 tokens. Q4_K and Q6_K go to gemv_mma (int8 tensor cores, about 1.4-2.1x
 # one gemv whatever the count) from MMA8_MIN_TOKENS on: batches of 2 stay on gemv_batch (7B verify
 # step of 3 tokens: 1.72x a one-token step on gemv_batch, 1.42x on gemv_mma; of 2: 1.46x against
 # 1.36x, but with gemv_mma from 2 tokens the GPU's speculative test flipped a near-tie against numpy,
