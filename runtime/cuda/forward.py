@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import cupy as cp
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType as T
 
 from ..model import ModelConfig
 from . import matmul, moe, ops
@@ -27,6 +27,10 @@ from .quant_kernels import MMA8_MIN_TOKENS, QUANT
 from .kv_cache import KVCache
 from .weights import LayerWeights, Weights
 
+
+# The unit order of the X this module quantizes once for the few-token products (gemv_mma takes any;
+# gemv_batch where it is its weight's: Q4_K's, the common case).
+Q8_SWIZZLE = QUANT[T.Q4_K].x_swizzle
 
 @dataclass(frozen=True)
 class ForwardOptions:
@@ -127,7 +131,7 @@ class Forward:
         if not (MMA8_MIN_TOKENS <= n <= MMA8_TOKENS and X.dtype == cp.float32 and n_in % 32 == 0
                 and matmul.uses_gemv(w, n) and uses_mma8(w, n) and Q8Rows.nbytes(n, n_in) <= self.act.x_q8.nbytes):
             return None
-        q8 = Q8Rows(self.act.x_q8, n, n_in, QUANT[GGMLQuantizationType.Q4_K].x_swizzle)
+        q8 = Q8Rows(self.act.x_q8, n, n_in, Q8_SWIZZLE)
         quantize_rows(X, q8, stream=self.stream, trace=self.ops.trace)
         return q8
 
@@ -220,8 +224,8 @@ class Forward:
         self.settle()
         h = (self.act.h16 if half else self.act.h)[:n]
         q8 = None
-        if not half and MMA8_MIN_TOKENS <= n <= MMA8_TOKENS and self.act.h_q8.size and x.shape[1] % 32 == 0:
-            q8 = Q8Rows(self.act.h_q8, n, x.shape[1], QUANT[GGMLQuantizationType.Q4_K].x_swizzle)
+        if not half and MMA8_MIN_TOKENS <= n <= MMA8_TOKENS and x.shape[1] % 32 == 0 and x.shape[1] <= ops.RMS_NORM_Q8_MAX:
+            q8 = Q8Rows(self.act.h_q8, n, x.shape[1], Q8_SWIZZLE)
         self.ops.rms_norm(x, norm_w, h, self.cfg.rms_eps, q8=q8)
         return h, None, q8
 

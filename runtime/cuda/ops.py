@@ -51,6 +51,8 @@ def pack_sampler_params(p: SamplingParams) -> np.ndarray:
     return words
 
 
+RMS_NORM_Q8_MAX = 16 * 1024  # rms_norm with q8: one thread per 16 values, at most 1,024 threads a row
+
 class Ops(AttentionLaunchers):
     """The kernel launchers. `trace` receives one launch per kernel; the backend swaps it for a
     scratch Trace while it captures a CUDA graph (runtime/cuda/runner.py). `pdl`: launch with
@@ -118,7 +120,7 @@ class Ops(AttentionLaunchers):
         out = check_out(y, n_rows, n)
         check_f32(w, n)
         if q8 is not None:
-            if out != "float" or n % 32 or n > 16 * 1024 or (q8.n_tok, q8.n) != (n_rows, n) or q8.data.nbytes < q8.nbytes(n_rows, n):
+            if out != "float" or n % 32 or n > RMS_NORM_Q8_MAX or (q8.n_tok, q8.n) != (n_rows, n) or q8.data.nbytes < q8.nbytes(n_rows, n):
                 raise ValueError(f"rms_norm with q8: y f32 and q8 rows of {n_rows} x {n} (n a multiple of 32, at most 16384), "
                                  f"got y {y.dtype}, q8 {q8.n_tok} x {q8.n} ({q8.data.nbytes} bytes)")
             threads = 32 * -(-n // 512)
