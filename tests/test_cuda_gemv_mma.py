@@ -24,8 +24,8 @@ from k4.runtime.cuda import gemv_batch as gb
 from k4.runtime.cuda import layout as lay
 from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import quant_kernels as qk
-from k4.runtime.cuda.constants import MMA8_TOKENS, mma8_smem
-from k4.runtime.cuda.gemv_mma import SMEM_LIMIT, gemv_mma, uses_mma8
+from k4.runtime.cuda.constants import MMA8_TOKENS
+from k4.runtime.cuda.gemv_mma import gemv_mma, uses_mma8
 from k4.runtime.cuda.microbench import random_weight
 from k4.runtime.flags import Flags
 from k4.runtime.trace import Trace

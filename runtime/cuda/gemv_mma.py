@@ -28,7 +28,7 @@ from k4.runtime.trace import Trace
 from .batch_args import check_products
 from .constants import MMA8_STAGE_BYTES, MMA8_STAGE_BYTES_Q6_K, MMA8_TOKENS, mma8_smem, mma8_staged_smem, q8x_bytes
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
-from .quant_kernels import EXTRA_MMA8_WARPS, MMA8_DECODERS, MMA8_KERNELS, MMA8_MIN_TOKENS, QUANT, _gemv_mma_name, _kernel, mma8_file
+from .quant_kernels import EXTRA_MMA8_WARPS, MMA8_DECODERS, MMA8_KERNELS, MMA8_MIN_TOKENS, _gemv_mma_name, _kernel, mma8_file
 
 if TYPE_CHECKING:
     from .gemv_batch import Q8Rows
