@@ -1,10 +1,9 @@
 // Mixture-of-experts kernels (qwen2moe, qwen3moe; runtime/cuda/moe.py launches them, runtime/moe.py
 // is the numpy twin). Routing stays on the device, so decode never syncs with the host and is
 // captured in the decode graph like any other layer:
-//  - moe_topk: per token, softmax of the router logits, the k largest (ties: the lower id, as
-//    the numpy reference's stable sort), their probabilities [divided by their sum: renorm]
-//    into ids (k int32) and weights (k f32) in device memory (llama.cpp build_moe_ffn with
-//    softmax gating, argsort_top_k then get_rows; transformers' Qwen3MoeSparseMoeBlock).
+//  - moe_topk: per token, the router's choice (moe_route.cuh: softmax of the logits, the k
+//    largest, their probabilities [divided by their sum: renorm]) into ids (k int32) and
+//    weights (k f32) in device memory (transformers' Qwen3MoeSparseMoeBlock).
 //  - moe_gemv_q / moe_gemv_f: the matrix-vector products of the selected experts on float x:
 //    float expert types and the router (quantized routed experts use moe_gemv.cu's 8-bit x). The
 //    stacked expert tensor (n_expert, n_out, n_in) sits on the device as in the file (raw ggml
@@ -18,72 +17,43 @@
 //  - moe_combine: y = res + sum_k w_k d_k [+ sigmoid(gate_shexp . h) * shared] per token
 //    (qwen2moe's shared expert: the sigmoid gate of src/models/qwen2moe.cpp).
 #include "ops_common.cuh"  // (and common.cuh: MOE_WARPS, MOE_MAX_K from runtime/cuda/constants.py)
+#include "moe_route.cuh"
 
 
-// The block-wide maximum (value, lowest index) pair; every thread gets it. red_v/red_i: 32 each.
-__device__ __forceinline__ void block_argmax(float& v, int& i, float* red_v, int* red_i) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
-    }
-    __syncthreads();
-    if (lane == 0) { red_v[warp] = v; red_i[warp] = i; }
-    __syncthreads();
-    v = lane < n_warps ? red_v[lane] : -k4ops::inf_f32();
-    i = lane < n_warps ? red_i[lane] : 0x7fffffff;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
-    }
-}
-
-// Grid (n_tok), any multiple of 32 threads up to 1024; dynamic shared memory n_expert floats.
+// Grid (n_tok), 32 to 1024 threads (at least k); dynamic shared memory n_expert floats.
 extern "C" __global__ void moe_topk(const float* __restrict__ logits,  // (n_tok, n_expert)
                                     int n_expert, int k, int renorm,
                                     int* __restrict__ ids,            // (n_tok, k)
                                     float* __restrict__ weights) {    // (n_tok, k)
     extern __shared__ float prob[];
-    __shared__ float red_v[32], sel_w[MOE_MAX_K];
-    __shared__ int red_i[32];
     pdl_wait();
-    const float* l = logits + (i64)blockIdx.x * n_expert;
-    float m = -k4ops::inf_f32();
-    int unused = 0;
-    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) m = fmaxf(m, l[e]);
-    block_argmax(m, unused, red_v, red_i);
-    float s = 0.f;
-    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
-        const float p = __expf(l[e] - m);
-        prob[e] = p;
-        s += p;
+    const MoeChoice c = moe_route(logits + (i64)blockIdx.x * n_expert, n_expert, k, renorm, prob);
+    if (threadIdx.x < k) {
+        ids[(i64)blockIdx.x * k + threadIdx.x] = c.ids[threadIdx.x];
+        weights[(i64)blockIdx.x * k + threadIdx.x] = c.w[threadIdx.x];
     }
-    s = k4ops::block_sum(s);
-    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) prob[e] = __fdiv_rn(prob[e], s);
-    __syncthreads();
-    for (int j = 0; j < k; ++j) {
-        float v = -k4ops::inf_f32();
-        int i = 0x7fffffff;
-        for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
-            if (prob[e] > v) { v = prob[e]; i = e; }  // e rises: the lowest index of a tie stays
-        }
-        block_argmax(v, i, red_v, red_i);
-        if (threadIdx.x == 0) {
-            ids[(i64)blockIdx.x * k + j] = i;
-            sel_w[j] = v;
-            prob[i] = -1.f;  // taken (probabilities are >= 0)
-        }
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) {
-        float total = 0.f;
-        for (int j = 0; j < k; ++j) total += sel_w[j];
-        for (int j = 0; j < k; ++j) weights[(i64)blockIdx.x * k + j] = renorm ? __fdiv_rn(sel_w[j], total) : sel_w[j];
-    }
+}
+
+// Decode's router product with the RMSNorm in its prologue (runtime/cuda/moe.py decode_fused):
+// y[e] = router row e . (x * rsqrt(mean(x^2) + eps) * norm_w), float32, for a float router (T
+// type_f32, type_f16 or type_bf16; (n_expert, n_in) as in the file). Grid (n_expert): a block per
+// expert, its threads splitting the row (8 KB of an F32 row of 2048 in one round of loads; a
+// warp per row took four), each block computing the norm's scale itself. The grid is one wave
+// (a few hundred blocks at most), so it lets the next kernel launch at once.
+template <class T>
+__global__ void __launch_bounds__(256)
+moe_router(const u8* __restrict__ w, const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
+           float* __restrict__ y, int n_in) {
+    pdl_trigger();
+    pdl_wait();
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n_in; i += blockDim.x) ss += x[i] * x[i];
+    const float scale = rsqrtf(k4ops::block_sum(ss) / (float)n_in + eps);
+    const u8* wr = w + (i64)blockIdx.x * n_in * T::elem_bytes;
+    float acc = 0.f;
+    for (int i = threadIdx.x; i < n_in; i += blockDim.x) acc += T::get(wr, i) * (x[i] * scale * __ldg(norm_w + i));
+    acc = k4ops::block_sum(acc);
+    if (threadIdx.x == 0) y[blockIdx.x] = acc;
 }
 
 // Quantized experts (T a decoders.cuh decoder, raw layout). Block MOE_WARPS warps, grid

@@ -97,4 +97,10 @@ ARCH_CASES = {
     "phi3-q4_k": ("phi3", T.Q4_K, K_CFG),
     "llama-q8_0-yarn": ("llama", T.Q8_0, {"rope_scaling": "yarn", "rope_scale": 4.0, "rope_orig_ctx": 16}),
     "qwen2-q8_0-linear": ("qwen2", T.Q8_0, {"rope_scaling": "linear", "rope_scale": 2.0}),
+    # qwen3moe with quantized experts and an F32 router, as llama.cpp's files: decode in three launches
+    # (runtime/cuda/moe.py decode_fused; k = 2 and k = 8: lane groups of 16 and 4 in moe_down_combine)
+    "qwen3moe-q8_0": ("qwen3moe", T.Q8_0, {"has_qk_norm": True, "n_expert": 8, "n_expert_used": 2, "n_ff_exp": 32,
+                                           "expert_norm": True}),
+    "qwen3moe-q4_k": ("qwen3moe", T.Q4_K, {**K_CFG, "has_qk_norm": True, "n_expert": 16, "n_expert_used": 8, "n_ff_exp": 256,
+                                           "expert_norm": True}),
 }

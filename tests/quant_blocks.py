@@ -23,7 +23,10 @@ def blocks_like(m: np.ndarray, t: T) -> np.ndarray:
 
     K-quants through runtime.kquants, Q2_K/Q3_K/IQ4_XS/IQ4_NL as random blocks whose weights have m's
     standard deviation (seeded by m's bytes, so a file is the same on every run), other types
-    through gguf.quants.quantize."""
+    through gguf.quants.quantize. A stacked expert tensor (n_expert, n_rows, n_cols) gives
+    (n_expert, n_rows, bytes per row)."""
+    if m.ndim == 3:
+        return blocks_like(m.reshape(-1, m.shape[-1]), t).reshape(*m.shape[:2], -1)
     if t in RANDOM_ONLY:
         rng = np.random.default_rng(zlib.crc32(np.ascontiguousarray(m).tobytes()))
         return random_blocks(t, m.shape[0], m.shape[1], rng, float(m.std()))

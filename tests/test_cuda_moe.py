@@ -212,3 +212,124 @@ def test_combine_adds_the_weighted_experts_and_the_gated_shared_expert(o):
     sig = 1 / (1 + np.exp(-(h @ gate)))  # (T_,)
     want = res + np.einsum("tk,tkn->tn", wts, d) + sig[:, None] * shared
     np.testing.assert_allclose(cp.asnumpy(y), want, rtol=1e-5, atol=1e-5)
+
+
+# ---- decode in three launches (runtime/cuda/moe.py decode_fused) ---------------------------------
+# Limits: the routed SwiGLU launch normalizes x itself (the RMSNorm of gemv_common.cuh, summed in
+# another order than numpy's, so a q8 quant can land one step off): within 2 * LIMIT_Q8 of the float
+# x reference, as the unrouted launch. moe_down_combine: x given, quantized exactly as q8_rounded
+# does, so within LIMIT_Q8_ROUNDED of the float64 sum over the q8-rounded x and LIMIT_Q8 of the float x.
+
+
+def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x / np.sqrt(np.mean(x * x) + eps) * w
+
+
+@pytest.mark.parametrize("ggml_type,E,k,rows,n_in", [(T.Q4_K, 128, 8, 64, 1024), (T.Q6_K, 16, 4, 96, 512),
+                                                     (T.Q8_0, 8, 2, 64, 256)], ids=lambda v: getattr(v, "name", str(v)))
+def test_routed_swiglu_routes_and_normalizes_in_each_block(o, ggml_type, E, k, rows, n_in):
+    rng = np.random.default_rng(E + k)
+    raw_g, w_g, _, _ = _q8_case(ggml_type, E, rows, n_in, 1, 1, E)
+    raw_u, w_u, _, _ = _q8_case(ggml_type, E, rows, n_in, 1, 1, E + 1)
+    gate, up = (cmoe.Experts(cp.asarray(r.reshape(-1)), ggml_type, (E, rows, n_in)) for r in (raw_g, raw_u))
+    x1 = rng.standard_normal((1, n_in)).astype(np.float32)
+    norm_w = (1 + 0.1 * rng.standard_normal(n_in)).astype(np.float32)
+    logits = rng.standard_normal(E).astype(np.float32)
+    y = cp.full((k, rows), np.nan, cp.float32)
+    route = cmoe.Route(cp.asarray(logits), E, True)
+    cmoe.gathered(o, gate, None, cp.asarray(x1), k, n_in, y, k, up=up, route=route, norm=(cp.asarray(norm_w), 1e-6))
+    ids, _ = route_of(logits, k)
+    h = _rmsnorm(x1[0], norm_w, 1e-6)
+    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+    want = np.stack([silu(w_g[e] @ h) * (w_u[e] @ h) for e in ids])
+    got = cp.asnumpy(y)
+    assert rel_l2(got, want) < 2 * LIMIT_Q8, f"{rel_l2(got, want):.2e} from the float x (experts {ids})"
+
+
+@pytest.mark.parametrize("ggml_type", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
+def test_router_product_normalizes_x_in_each_block(o, ggml_type):
+    """moe.cu moe_router: float32 dot products of the router's rows (as stored) with the RMSNorm of
+    x, within 1e-5 relative (float32 sums in another order) of the float64 product."""
+    E, n_in, rng = 128, 2048, np.random.default_rng(6)
+    w = (rng.standard_normal((E, n_in)) / np.sqrt(n_in)).astype(np.float32)
+    stored = {T.F32: w, T.F16: w.astype(np.float16), T.BF16: (w.view(np.uint32) >> 16).astype(np.uint16)}[ggml_type]
+    exact = stored.astype(np.float64) if ggml_type != T.BF16 else (stored.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    x = rng.standard_normal(n_in).astype(np.float32)
+    norm_w = (1 + 0.1 * rng.standard_normal(n_in)).astype(np.float32)
+    y = cp.full(E, np.nan, cp.float32)
+    o._launch("moe.cu", cmoe.router_name(ggml_type), (E,), (cmoe.ROUTER_THREADS,),
+              (cp.asarray(stored.view(np.uint8)), cp.asarray(x), cp.asarray(norm_w), np.float32(1e-6), y, np.int32(n_in)))
+    want = exact @ _rmsnorm(x, norm_w, 1e-6)
+    assert rel_l2(cp.asnumpy(y), want) < 1e-5
+
+
+def route_of(logits: np.ndarray, k: int):
+    ids, w = route(logits[None], k, True)
+    return ids[0], w[0]
+
+
+def rel_l2(got, want) -> float:
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+@pytest.mark.parametrize("ggml_type,E,k,rows,n_in", [(T.Q4_K, 16, 8, 520, 768), (T.Q6_K, 32, 8, 200, 768),
+                                                     (T.Q4_K, 16, 4, 300, 2560), (T.Q8_0, 8, 2, 64, 64),
+                                                     (T.Q5_K, 8, 1, 40, 256)], ids=lambda v: getattr(v, "name", str(v)))
+def test_down_combine_adds_the_weighted_chosen_experts(o, ggml_type, E, k, rows, n_in, renorm):
+    rng = np.random.default_rng(rows + k)
+    raw, w, _, _ = _q8_case(ggml_type, E, rows, n_in, 1, 1, rows)
+    e = cmoe.Experts(cp.asarray(raw.reshape(-1)), ggml_type, (E, rows, n_in))
+    x = rng.standard_normal((k, n_in)).astype(np.float32)
+    res = rng.standard_normal(rows).astype(np.float32)
+    logits = rng.standard_normal(E).astype(np.float32)
+    y = cp.full(rows, np.nan, cp.float32)
+    cmoe.down_combine(o, e, cmoe.Route(cp.asarray(logits), E, renorm), cp.asarray(x), cp.asarray(res), y)
+    ids, wts = route(logits[None], k, renorm)
+    ids, wts = ids[0], wts[0]
+    want_q8 = res + sum(wts[j] * (w[ids[j]] @ q8_rounded(x[j])) for j in range(k))
+    want = res + sum(wts[j] * (w[ids[j]] @ x[j].astype(np.float64)) for j in range(k))
+    got = cp.asnumpy(y)
+    assert rel_l2(got, want_q8) < LIMIT_Q8_ROUNDED, f"{rel_l2(got, want_q8):.2e} from the q8-rounded x"
+    assert rel_l2(got, want) < LIMIT_Q8, f"{rel_l2(got, want):.2e} from the float x"
+    y2 = cp.asarray(res)  # y may be the residual itself
+    cmoe.down_combine(o, e, cmoe.Route(cp.asarray(logits), E, renorm), cp.asarray(x), y2, y2)
+    assert (cp.asnumpy(y2) == got).all()
+
+
+def test_down_combine_refuses_what_its_lane_groups_cannot_split(o):
+    rng = np.random.default_rng(4)
+    e = cmoe.Experts(cp.asarray(random_blocks(T.Q8_0, 8 * 64, 64, rng, 0.1).reshape(-1)), T.Q8_0, (8, 64, 64))
+    route_ = cmoe.Route(cp.zeros(8, cp.float32), 8, True)
+    with pytest.raises(ValueError, match="k dividing 32"):
+        cmoe.down_combine(o, e, route_, cp.zeros((3, 64), cp.float32), cp.zeros(64, cp.float32), cp.zeros(64, cp.float32))
+
+
+def test_decode_runs_fused_and_matches_the_unfused_step(tiny_model, monkeypatch):
+    """qwen3moe with Q4_K experts (k = 8): the decode step takes decode_fused on every layer, and its
+    logits agree with the step of separate RMSNorm, top-k and combine kernels (K4_FUSE_MOE=0) within
+    the 8-bit rounding both make (limit 5e-3 relative). The captured step (graph, PDL) is checked
+    against numpy by test_cuda_backend.py test_logits_match_numpy_backend."""
+    from k4.runtime.cuda.backend import CudaBackend
+
+    mf = tiny_model("qwen3moe-q4_k")
+    prompt = np.random.default_rng(8).integers(3, mf.config.n_vocab, size=12).tolist()
+    calls = []
+    real = cmoe.down_combine
+    monkeypatch.setattr(cmoe, "down_combine", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    out = {}
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("K4_FUSE_MOE", fuse)
+        be = CudaBackend(mf, 64)
+        try:
+            be.eval(prompt)
+            out[fuse] = [be.eval([t]) for t in (5, 9, 17)]
+        finally:
+            be.close()
+        if fuse == "1":  # every layer of every decode step (graph captures included)
+            fused = len(calls)
+            assert fused >= 3 * mf.config.n_layer and fused % mf.config.n_layer == 0
+    assert len(calls) == fused  # none with K4_FUSE_MOE=0
+    for a, b in zip(out["1"], out["0"]):
+        assert rel_l2(a, b) < 5e-3

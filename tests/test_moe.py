@@ -99,7 +99,8 @@ def test_cuda_compile_jobs_pick_the_q8_expert_products_and_a_float_x_router():
     """runtime/cuda/moe.py compile_jobs (no GPU needed): quantized routed experts compile
     moe_gemv.cu's 8-bit-x instance of their type (of every layer), gate and up of one type its
     SwiGLU instance too, a quantized router moe.cu's float-x one, an F32 router moe_gemv_f; only
-    the types the model has."""
+    the types the model has. Where decode fuses (an F32 router, gate and up fused), moe_router and
+    moe_down_combine of each down type too."""
     from types import SimpleNamespace
 
     from gguf import GGMLQuantizationType as T
@@ -115,7 +116,9 @@ def test_cuda_compile_jobs_pick_the_q8_expert_products_and_a_float_x_router():
     q6 = ("moe_gemv.cu", ("moe_gemv_q8<type_q6_K, 16, 1, true, false>",))
     base = {("moe.cu", ("moe_topk",)), ("moe.cu", ("moe_combine",))}
     cases = (  # router, up type, down type of layers other than 5 (5: Q6_K), expected kernels besides base and q6
-        (T.F32, T.Q4_K, T.Q4_K, {("moe.cu", ("moe_gemv_f<type_f32>",)), q8("type_q4_K", "false"), q8("type_q4_K", "true")}),
+        (T.F32, T.Q4_K, T.Q4_K, {("moe.cu", ("moe_gemv_f<type_f32>",)), q8("type_q4_K", "false"), q8("type_q4_K", "true"),
+                                 *(("moe_gemv.cu", (f"moe_down_combine<{t}, 16, 4>",)) for t in ("type_q4_K", "type_q6_K")),
+                                 ("moe.cu", ("moe_router<type_f32>",))}),
         (T.Q8_0, T.Q4_K, T.Q6_K, {("moe.cu", ("moe_gemv_q<type_q8_0>",)), q8("type_q4_K", "false"), q8("type_q4_K", "true")}),
         (T.F32, T.Q5_K, T.Q6_K, {("moe.cu", ("moe_gemv_f<type_f32>",)), q8("type_q4_K", "false"), q8("type_q5_K", "false")}),
     )

@@ -35,11 +35,11 @@ def write_tiny(path: Path, vocab_gguf: Path, cfg: ModelConfig, matrix_type: T = 
     for name, shape in expected_shapes(cfg).items():
         if name in skip:
             continue
-        if len(shape) == 1:
+        if len(shape) == 1 or name.endswith("ffn_gate_inp.weight"):  # the expert router stays F32, as in llama.cpp's files
             base = 1.0 if name.endswith("norm.weight") or name.startswith("rope_") else 0.0
             w.add_tensor(name, (base + 0.1 * rng.standard_normal(shape)).astype(np.float32))
             continue
-        m = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+        m = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
         if name == "token_embd.weight":
             m *= np.sqrt(shape[1])
         if matrix_type == T.F32:

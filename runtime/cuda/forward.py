@@ -38,6 +38,7 @@ class ForwardOptions:
 
     fuse_norm: bool = True  # K4_FUSE_NORM: decode RMSNorm inside the next product's prologue
     fuse_rope: bool = True  # K4_FUSE_ROPE: decode RoPE + cache store inside attention
+    fuse_moe: bool = True  # K4_FUSE_MOE: decode's expert feed-forward in three launches (moe.decode_fused)
 
 
 class Forward:

@@ -22,11 +22,17 @@ import numpy as np
 from ..model import ModelConfig, ModelFile
 from ..errors import UnsupportedModelError
 from .constants import MOE_MAX_K, MOE_WARPS as ROW_WARPS, q8x_bytes
-from .kernel_names import MOE_Q8_GLU_VARIANTS, MOE_Q8_VARIANTS, moe_q8_name
+from .kernel_names import MOE_DOWN_VARIANT, MOE_Q8_GLU_VARIANTS, MOE_Q8_VARIANTS, moe_down_name, moe_q8_name
 from .quant_kernels import FLOAT, QUANT
 
 TOPK_THREADS = 128
 COMBINE_THREADS = 256
+ROUTER_THREADS = 256  # moe_router: a block per expert
+
+
+def router_name(t) -> str:
+    """The moe.cu moe_router instance for a float router of ggml type t."""
+    return f"moe_router<{FLOAT[t][0]}>"
 
 
 @dataclass
@@ -62,6 +68,16 @@ def fused_glu(gate: Experts, up: Experts, activation: str) -> bool:
     quantized type and shape on 8-bit x, activation silu (ModelConfig.activation)."""
     return (gate.kernel[0] == "moe_gemv.cu" and up.kernel == gate.kernel and up.shape == gate.shape
             and activation == "silu")
+
+
+@dataclass(frozen=True)
+class Route:
+    """One token's router logits (n_expert,) f32 on the device, from which a decode product makes
+    the router's choice itself (kernels_cu/moe_route.cuh); renorm: divide the k weights by their sum."""
+
+    logits: object
+    n_expert: int
+    renorm: bool
 
 
 @dataclass
@@ -151,7 +167,8 @@ def compile_jobs(mf: ModelFile, cfg: ModelConfig, o) -> list:
     """compile.module() arguments of the moe.cu and moe_gemv.cu kernels a model launches (ops.Ops
     `o`'s defines): none for a dense model; moe_topk, moe_combine, the expert product of each
     expert and router tensor type of every layer (Experts.kernel; Q4_K_M mixes Q4_K and Q6_K down
-    experts) and the SwiGLU instance where gate and up fuse (fused_glu). Raises
+    experts), the SwiGLU instance where gate and up fuse (fused_glu), and decode's moe_router
+    and moe_down_combine where a layer's decode step fuses (decode_fusable). Raises
     UnsupportedModelError for more than MOE_MAX_K experts per token."""
     from .kernel_names import GROUP_OF
 
@@ -167,6 +184,10 @@ def compile_jobs(mf: ModelFile, cfg: ModelConfig, o) -> list:
         kernels.update(x.kernel for x in e.values())
         if fused_glu(e["ffn_gate_exps"], e["ffn_up_exps"], cfg.activation):
             kernels.add(("moe_gemv.cu", moe_q8_name(QUANT[e["ffn_gate_exps"].ggml_type].decoder, glu=True)))
+        down = e["ffn_down_exps"]
+        router = tensors["ffn_gate_inp"].ggml_type
+        if decode_fusable(cfg, e["ffn_gate_exps"], e["ffn_up_exps"], down, router in FLOAT, bool(cfg.n_ff_shexp)):
+            kernels.update((("moe.cu", router_name(router)), ("moe_gemv.cu", moe_down_name(QUANT[down.ggml_type].decoder))))
     return [(f, GROUP_OF[(f, name)], o._defines()) for f, name in sorted(kernels)]
 
 
@@ -186,7 +207,8 @@ def layer_moe(cfg: ModelConfig, i: int, dev: dict) -> MoeWeights | None:
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y: moe_gemv_q8 blocks step over the slots beyond it
 
 
-def gathered(o, e: Experts, ids, x, x_div: int, x_stride: int, y, n_slots: int, up: Experts | None = None) -> None:
+def gathered(o, e: Experts, ids, x, x_div: int, x_stride: int, y, n_slots: int, up: Experts | None = None,
+             route: Route | None = None, norm: tuple | None = None) -> None:
     """y[s] (n_out,) = expert ids[s]'s matrix times x[s // x_div] (x rows x_stride floats apart),
     for s < n_slots; y: (n_slots, n_out) f32; ids: (n_slots,) int32; all on the device.
     Quantized experts (not float_x): kernels_cu/moe_gemv.cu moe_gemv_q8, x quantized to 8 bits
@@ -194,14 +216,20 @@ def gathered(o, e: Experts, ids, x, x_div: int, x_stride: int, y, n_slots: int, 
     for bit runtime/cuda/matmul.py gemv's on that expert's matrix); float types and float_x:
     moe.cu moe_gemv_f / moe_gemv_q in float32. With up (fused_glu(e, up, "silu")): e holds the
     gate experts and y[s] = silu(gate product) * (up product), one launch (bit for bit gemv's
-    SwiGLU instance on the expert's interleaved gate/up pair). Raises ValueError when a q8
-    product's x rows are not 16-byte aligned (x's address or x_stride), n_in is not a multiple
-    of 32, or up cannot be fused with e."""
+    SwiGLU instance on the expert's interleaved gate/up pair). Decode (one token, the SwiGLU
+    launch): with route, slot s takes the s-th expert of the router's choice, made in each block
+    (ids is not read; n_slots = k), and with norm = (norm_w (n_in,) f32, eps) x is the token's
+    residual stream, normalized in each block's prologue; the launch then uses programmatic
+    dependent launch. Raises ValueError when a q8 product's x rows are not 16-byte aligned (x's
+    address or x_stride), n_in is not a multiple of 32, up cannot be fused with e, or route or
+    norm come without up."""
     _, n_out, n_in = e.shape
     f, name = e.kernel
     if up is not None and not fused_glu(e, up, "silu"):
         raise ValueError(f"gate experts {e.ggml_type.name} {e.shape} and up experts {up.ggml_type.name} {up.shape} "
                          "cannot run as one launch: both must be of one quantized type and shape")
+    if (route is not None or norm is not None) and up is None:
+        raise ValueError("a routed or normalized gathered product is the SwiGLU launch: pass up")
     if f == "moe.cu":
         args = (e.data, np.int64(e.expert_bytes), ids, x, np.int32(x_div), np.int64(x_stride), y, np.int32(n_out), np.int32(n_in))
         blocks = max(1, min(-(-n_out // ROW_WARPS), 1024 // max(1, n_slots) + 1))
@@ -210,35 +238,101 @@ def gathered(o, e: Experts, ids, x, x_div: int, x_stride: int, y, n_slots: int, 
     if x.data.ptr % 16 or x_stride % 4 or n_in % 32:
         raise ValueError(f"the 8-bit expert product needs 16-byte aligned x rows and n_in a multiple of 32; got x at "
                          f"{x.data.ptr:#x}, x_stride {x_stride}, n_in {n_in}")
-    name, grid, block, smem = _q8_plan(o, e, n_slots, up is not None)
-    args = (e.data, up.data if up is not None else np.uint64(0), np.int64(e.expert_bytes), ids, x, np.int32(x_div),
-            np.int64(x_stride), y, np.int32(n_out), np.int32(n_in), np.int32(n_slots))
-    o._launch(f, name, grid, block, args, shared_mem=smem, pdl=False)
+    name, grid, block, smem = _q8_plan(o, e, n_slots, up is not None, route.n_expert if route else 0)
+    null = np.uint64(0)
+    norm_w, eps = norm if norm is not None else (null, 0.0)
+    args = (e.data, up.data if up is not None else null, np.int64(e.expert_bytes), null if route else ids, x, np.int32(x_div),
+            np.int64(x_stride), y, np.int32(n_out), np.int32(n_in), np.int32(n_slots),
+            route.logits if route else null, np.int32(route.n_expert if route else 0), np.int32(bool(route and route.renorm)),
+            norm_w, np.float32(eps), np.int32(route is not None))
+    o._launch(f, name, grid, block, args, shared_mem=smem, pdl=route is not None)
 
 
-def _q8_plan(o, e: Experts, n_slots: int, glu: bool) -> tuple[str, tuple[int, int], tuple[int], int]:
-    """(kernel name, grid, block, shared bytes) of moe_gemv_q8 for n_slots slots, cached on e.
-    The row blocks per slot share the resident blocks among the slots (decode's 8 slots fill the
-    GPU), at most one per WARPS rows, at least one; grid.y is the slots up to CUDA's limit."""
-    plan = e._grids.get((n_slots, glu))
+def down_combine(o, e: Experts, route: Route, x, res, y) -> None:
+    """Decode's down product of one token's k chosen experts with their weighted sum and the
+    residual, one launch (kernels_cu/moe_gemv.cu moe_down_combine): y (n_out,) = res + sum_j w_j *
+    expert e_j's matrix times x[j], (e_j, w_j) the router's choice from route, made in each block.
+    x: (k, n_in) f32, the routed SwiGLU launch's output; res, y: (n_out,) f32 (y may be res).
+    Quantized experts only (Experts.kernel in moe_gemv.cu); k must divide 32. Raises ValueError
+    otherwise or for x rows not 16-byte aligned."""
+    _, n_out, n_in = e.shape
+    k = x.shape[0]
+    if e.kernel[0] != "moe_gemv.cu" or 32 % k or n_in % 32 or x.data.ptr % 16 or x.shape[1] != n_in:
+        raise ValueError(f"down_combine takes quantized experts, k dividing 32 and x (k, n_in) 16-byte aligned; got "
+                         f"{e.ggml_type.name} experts {e.shape}, x {x.shape} at {x.data.ptr:#x}")
+    plan = e._grids.get(("down", k, route.n_expert))
+    if plan is None:
+        from .launch import allow_shared, blocks_per_sm, device_limits
+
+        warps = MOE_DOWN_VARIANT[0]
+        name = moe_down_name(QUANT[e.ggml_type].decoder)
+        kernel, smem = o.function("moe_gemv.cu", name), k * q8x_bytes(n_in) + 4 * route.n_expert
+        allow_shared(kernel, smem)
+        resident = device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem)
+        plan = e._grids[("down", k, route.n_expert)] = (name, (max(1, min(-(-n_out // warps), resident)),), (32 * warps,), smem)
+    name, grid, block, smem = plan
+    args = (e.data, np.int64(e.expert_bytes), route.logits, np.int32(route.n_expert), np.int32(k), np.int32(route.renorm),
+            x, res, y, np.int32(n_out), np.int32(n_in))
+    o._launch("moe_gemv.cu", name, grid, block, args, shared_mem=smem)
+
+
+def _q8_plan(o, e: Experts, n_slots: int, glu: bool, n_expert: int = 0) -> tuple[str, tuple[int, int], tuple[int], int]:
+    """(kernel name, grid, block, shared bytes) of moe_gemv_q8 for n_slots slots (n_expert: the
+    router's logits it routes by, 0: none), cached on e. The row blocks per slot share the
+    resident blocks among the slots (decode's 8 slots fill the GPU: one wave), at most one per
+    WARPS rows, at least one; grid.y is the slots up to CUDA's limit."""
+    plan = e._grids.get((n_slots, glu, n_expert))
     if plan is None:
         from .launch import allow_shared, blocks_per_sm, device_limits
 
         _, n_out, n_in = e.shape
         decoder = QUANT[e.ggml_type].decoder
         name, warps = moe_q8_name(decoder, glu), (MOE_Q8_GLU_VARIANTS if glu else MOE_Q8_VARIANTS)[decoder][0]
-        kernel, smem = o.function("moe_gemv.cu", name), q8x_bytes(n_in)
+        kernel, smem = o.function("moe_gemv.cu", name), q8x_bytes(n_in) + 4 * n_expert
         allow_shared(kernel, smem)
         resident = device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem)
         row_blocks = max(1, min(-(-n_out // warps), resident // n_slots))
-        plan = e._grids[(n_slots, glu)] = (name, (row_blocks, min(n_slots, MAX_GRID_Y)), (32 * warps,), smem)
+        plan = e._grids[(n_slots, glu, n_expert)] = (name, (row_blocks, min(n_slots, MAX_GRID_Y)), (32 * warps,), smem)
     return plan
+
+
+def decode_fusable(cfg: ModelConfig, gate: Experts, up: Experts, down: Experts, router_float: bool, shared: bool) -> bool:
+    """Whether a layer's decode step can run as three launches (decode_fused): a float router (F32,
+    F16, BF16: moe_router takes the RMSNorm), gate and up fused (fused_glu), quantized down experts, k
+    dividing 32 (moe_down_combine's lane groups), no shared expert (qwen2moe's: moe_combine)."""
+    return (router_float and not shared and fused_glu(gate, up, cfg.activation) and down.kernel[0] == "moe_gemv.cu"
+            and 32 % cfg.n_expert_used == 0 and cfg.n_embd % 32 == 0 and cfg.n_ff_exp % 32 == 0)
+
+
+def decode_fused(fwd, L, x1, x) -> bool:
+    """One token's feed-forward in three launches when decode_fusable and the forward options
+    fuse it (K4_FUSE_MOE): the router product with the RMSNorm in its prologue (moe.cu moe_router), the
+    routed SwiGLU launch of gate and up (each block makes the router's choice and normalizes
+    x1 itself), and moe_down_combine (the same choice; the weighted sum and the residual in
+    its epilogue), instead of RMSNorm, router, moe_topk, SwiGLU, down and moe_combine, all three
+    with programmatic dependent launch. Returns False (nothing enqueued) otherwise."""
+    cfg, o, a, m = fwd.cfg, fwd.ops, fwd.act, L.moe
+    if not fwd.opts.fuse_moe or x1.shape[0] != 1:
+        return False
+    if not decode_fusable(cfg, m.gate, m.up, m.down, m.router.ggml_type in FLOAT, m.shared is not None):
+        return False
+    k, norm = cfg.n_expert_used, (L.ffn_norm, cfg.rms_eps)
+    logits = a.moe_logits[:1]
+    o._launch("moe.cu", router_name(m.router.ggml_type), (cfg.n_expert,), (ROUTER_THREADS,),
+              (m.router.data, x1, L.ffn_norm, np.float32(cfg.rms_eps), logits, np.int32(cfg.n_embd)))
+    route = Route(logits, cfg.n_expert, cfg.expert_norm)
+    g = a.moe_g[:k]  # (k, n_ff_exp)
+    gathered(o, m.gate, None, x1, k, cfg.n_embd, g, k, up=m.up, route=route, norm=norm)
+    down_combine(o, m.down, route, g, x1[0], x[0])
+    return True
 
 
 def moe_ffn(fwd, L, x1, x, n: int) -> None:
     """x (n, n_embd) = x1 + the experts' output for rmsnorm(x1) * ffn_norm (runtime/moe.py
     MoeFfn.forward), enqueued on fwd's stream: fwd is the runtime/cuda/forward.py Forward, L the
-    layer's LayerWeights (L.moe a MoeWeights)."""
+    layer's LayerWeights (L.moe a MoeWeights). One token: decode_fused where it applies."""
+    if n == 1 and decode_fused(fwd, L, x1, x):
+        return
     cfg, o, a, m = fwd.cfg, fwd.ops, fwd.act, L.moe
     k, E = cfg.n_expert_used, cfg.n_expert
     h = a.h[:n]  # (n, n_embd) f32

@@ -1,0 +1,73 @@
+// The router's choice for one token, made by a whole thread block into shared memory: the
+// softmax of the router logits, the k experts of largest probability in decreasing order (ties:
+// the lower id first, as numpy's stable argsort in runtime/moe.py route), their probabilities as
+// weights, divided by their sum when renorm (qwen3moe's norm_topk_prob; llama.cpp build_moe_ffn
+// with softmax gating, argsort_top_k then get_rows). moe.cu moe_topk writes it out for prefill;
+// moe_gemv.cu's decode products (the routed SwiGLU launch, moe_down_combine) each make it
+// themselves from the logits instead of reading the ids another kernel wrote: one launch fewer.
+//
+// Every block that makes the choice for the same logits gets the same bits whatever its size:
+// warp 0 sums the softmax in one fixed order, and the selection is by rank (each expert counts
+// the experts ahead of it), not by a reduction whose order depends on the block.
+#pragma once
+#include "common.cuh"
+
+struct MoeChoice {
+    const int* ids;  // k expert ids (shared memory), each < n_expert
+    const float* w;  // k weights (shared memory)
+};
+
+// logits: (n_expert,) f32 in global memory, complete before the call (after pdl_wait); prob:
+// n_expert floats of shared memory; 1 <= k <= MOE_MAX_K, k <= n_expert, k <= blockDim.x. Every
+// thread of the block calls it; the choice is in shared memory when it returns. Logits with a NaN give in-range ids
+// (a wrong choice, but no read outside the expert tensors).
+__device__ MoeChoice moe_route(const float* __restrict__ logits, int n_expert, int k, int renorm, float* prob) {
+    __shared__ int ids[MOE_MAX_K];
+    __shared__ float w[MOE_MAX_K];
+    __shared__ float total[2];  // the softmax's sum, the chosen weights' sum
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        float m = -__int_as_float(0x7f800000);
+        for (int e = lane; e < n_expert; e += 32) m = fmaxf(m, logits[e]);
+        m = warp_max(m);
+        float s = 0.f;
+        for (int e = lane; e < n_expert; e += 32) {
+            const float p = __expf(logits[e] - m);
+            prob[e] = p;
+            s += p;
+        }
+        s = warp_sum(s);
+        if (lane == 0) total[0] = s;
+    }
+    if (threadIdx.x < k) {  // overwritten below unless NaN logits leave a rank empty
+        ids[threadIdx.x] = threadIdx.x;
+        w[threadIdx.x] = 0.f;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) prob[e] = __fdiv_rn(prob[e], total[0]);
+    __syncthreads();
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+        const float p = prob[e];
+        int rank = 0;
+        for (int f = 0; f < n_expert && rank < k; ++f) {
+            const float q = prob[f];
+            rank += q > p || (q == p && f < e);
+        }
+        if (rank < k) {
+            ids[rank] = e;
+            w[rank] = p;
+        }
+    }
+    __syncthreads();
+    if (renorm) {
+        if (threadIdx.x == 0) {
+            float t = 0.f;
+            for (int j = 0; j < k; ++j) t += w[j];
+            total[1] = t;
+        }
+        __syncthreads();
+        if (threadIdx.x < k) w[threadIdx.x] = __fdiv_rn(w[threadIdx.x], total[1]);
+        __syncthreads();
+    }
+    return {ids, w};
+}
