@@ -46,14 +46,23 @@ __device__ MoeChoice moe_route(const float* __restrict__ logits, int n_expert, i
     __syncthreads();
     for (int e = threadIdx.x; e < n_expert; e += blockDim.x) prob[e] = __fdiv_rn(prob[e], total[0]);
     __syncthreads();
-    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
-        const float p = prob[e];
+    // rank of expert e: the experts ahead of it, counted by tpe adjacent lanes (a power of two up to
+    // 32: as many as the block has threads for), each over every tpe-th expert, summed by shuffles
+    int tpe = 1;
+    while (tpe < 32 && 2 * tpe * n_expert <= (int)blockDim.x) tpe *= 2;
+    for (int base = 0; base < n_expert * tpe; base += blockDim.x) {  // warp-uniform trip count
+        const int t = base + threadIdx.x, e = t / tpe;
+        const float p = e < n_expert ? prob[e] : 0.f;
         int rank = 0;
-        for (int f = 0; f < n_expert && rank < k; ++f) {
-            const float q = prob[f];
-            rank += q > p || (q == p && f < e);
+        if (e < n_expert) {
+#pragma unroll 4
+            for (int f = t % tpe; f < n_expert; f += tpe) {
+                const float q = prob[f];
+                rank += q > p || (q == p && f < e);
+            }
         }
-        if (rank < k) {
+        for (int o = 1; o < tpe; o <<= 1) rank += __shfl_xor_sync(0xffffffffu, rank, o);
+        if (e < n_expert && t % tpe == 0 && rank < k) {
             ids[rank] = e;
             w[rank] = p;
         }

@@ -36,6 +36,14 @@ LIMIT_DECODE_FLOAT = 1e-3
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 
 
+def prefill_limit(mf) -> float:
+    """The prefill limit for a model: LIMIT_PREFILL, but quantized routed experts run the gathered
+    products on 8-bit x in prefill too (runtime/cuda/moe.py; no tensor cores), so theirs is the
+    decode limit."""
+    experts = {t.ggml_type for name, t in mf.tensors.items() if "_exps." in name}
+    return decode_limit(mf) if experts - set(FLOAT_TYPES) else LIMIT_PREFILL
+
+
 def decode_limit(mf) -> float:
     """The decode limit for a model: float products unless some layer matrix is quantized."""
     types = {t.ggml_type for name, t in mf.tensors.items() if name.startswith("blk.") and len(t.shape) == 2}
