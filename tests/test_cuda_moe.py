@@ -10,7 +10,8 @@ order); with 8-bit x (moe_gemv_q8) each slot's y bit for bit gemv's on that expe
 x (same quantization, same summation order), within 1e-4 of the float64 product with x rounded
 as the kernels round it (matmul_ref.q8_rounded) and 1e-2 of the float x product (the
 rounding of x: about 5e-3 on random data). The SwiGLU launch (gate and up experts): bit for bit
-gemv's SwiGLU instance on the interleaved pair, twice those limits (two products)."""
+gemv's SwiGLU instance on the interleaved pair, twice those limits (two products). Prefill's
+grouped products (moe_grouped.py): bit for bit the gathered ones."""
 
 from __future__ import annotations
 
@@ -333,3 +334,55 @@ def test_decode_runs_fused_and_matches_the_unfused_step(tiny_model, monkeypatch)
     assert len(calls) == fused  # none with K4_FUSE_MOE=0
     for a, b in zip(out["1"], out["0"]):
         assert rel_l2(a, b) < 5e-3
+
+
+# ---- prefill's slots grouped by expert (runtime/cuda/moe_grouped.py) -----------------------------
+
+@pytest.mark.parametrize("n_slots,E", [(72, 6), (4096, 128), (4096, 5)])
+def test_group_orders_every_slot_once_in_items_of_one_expert(o, n_slots, E):
+    from k4.runtime.cuda import moe_grouped as mg
+
+    rng = np.random.default_rng(n_slots + E)
+    ids = rng.integers(0, E, n_slots).astype(np.int32)
+    ids[ids == 1] = 0  # an expert nobody chose
+    need = mg.max_items(n_slots, E)
+    items, order = cp.full((need, 4), -1, cp.int32), cp.full(n_slots, -1, cp.int32)
+    mg.group(o, cp.asarray(ids), n_slots, E, items, order)
+    items, order = cp.asnumpy(items), cp.asnumpy(order)
+    assert sorted(order) == list(range(n_slots))
+    used = items[items[:, 2] > 0]
+    assert (items[len(used):, 2] == 0).all() and (used[:, 2] <= mg.MOE_GROUP_TOKENS).all()
+    assert used[:, 2].sum() == n_slots
+    for e, first, count, _ in used:
+        assert (ids[order[first : first + count]] == e).all()
+    for e in range(E):  # each expert's slots in full items, one part-filled at most
+        c = int((ids == e).sum())
+        assert len(used[used[:, 0] == e]) == -(-c // mg.MOE_GROUP_TOKENS)
+
+
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q5_K, T.Q8_0], ids=lambda t: t.name)
+def test_grouped_products_are_the_gathered_ones_bit_for_bit(o, ggml_type, glu):
+    """moe_gemv_grouped against moe_gemv_q8 (itself bit for bit gemv's): every slot's y, over slots of
+    experts chosen 0 to ~60 times (items of 8 and part-filled ones), x_div 8 (gate/up) or 1 (down)."""
+    from k4.runtime.cuda import moe_grouped as mg
+
+    E, rows, n_in, n_tok, k = 12, 136, 512, 61, 8
+    x_div = 8 if glu else 1
+    seed = zlib.crc32(f"grouped {ggml_type.name} {glu}".encode())
+    raw, _, ids, x = _q8_case(ggml_type, E, rows, n_in, n_tok * k, x_div, seed)
+    ids[ids == 3] = 2  # an expert nobody chose
+    gate = cmoe.Experts(cp.asarray(raw.reshape(-1)), ggml_type, (E, rows, n_in))
+    up = None
+    if glu:
+        raw_u, _, _, _ = _q8_case(ggml_type, E, rows, n_in, 1, 1, seed + 1)
+        up = cmoe.Experts(cp.asarray(raw_u.reshape(-1)), ggml_type, (E, rows, n_in))
+    n_slots, d_ids, d_x = n_tok * k, cp.asarray(ids), cp.asarray(x)
+    want = cp.full((n_slots, rows), np.nan, cp.float32)
+    cmoe.gathered(o, gate, d_ids, d_x, x_div, x.shape[1], want, n_slots, up=up)
+    n_items = mg.max_items(n_slots, E)
+    items, order = cp.empty((n_items, 4), cp.int32), cp.empty(n_slots, cp.int32)
+    mg.group(o, d_ids, n_slots, E, items, order)
+    got = cp.full((n_slots, rows), np.nan, cp.float32)
+    mg.grouped(o, gate, items, order, n_items, d_x, x_div, x.shape[1], got, up=up)
+    assert (cp.asnumpy(got).view(np.uint32) == cp.asnumpy(want).view(np.uint32)).all()

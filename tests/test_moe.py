@@ -100,7 +100,8 @@ def test_cuda_compile_jobs_pick_the_q8_expert_products_and_a_float_x_router():
     moe_gemv.cu's 8-bit-x instance of their type (of every layer), gate and up of one type its
     SwiGLU instance too, a quantized router moe.cu's float-x one, an F32 router moe_gemv_f; only
     the types the model has. Where decode fuses (an F32 router, gate and up fused), moe_router and
-    moe_down_combine of each down type too."""
+    moe_down_combine of each down type too; moe_group and the grouped products of prefill for
+    every quantized expert type."""
     from types import SimpleNamespace
 
     from gguf import GGMLQuantizationType as T
@@ -122,6 +123,15 @@ def test_cuda_compile_jobs_pick_the_q8_expert_products_and_a_float_x_router():
         (T.Q8_0, T.Q4_K, T.Q6_K, {("moe.cu", ("moe_gemv_q<type_q8_0>",)), q8("type_q4_K", "false"), q8("type_q4_K", "true")}),
         (T.F32, T.Q5_K, T.Q6_K, {("moe.cu", ("moe_gemv_f<type_f32>",)), q8("type_q4_K", "false"), q8("type_q5_K", "false")}),
     )
+    def grouped(up: str, down: str, glu: bool) -> set:  # prefill's grouped products (quantized experts)
+        b = lambda v: "true" if v else "false"  # noqa: E731
+        return {("moe_grouped.cu", (n,)) for n in ("moe_group", *(f"moe_gemv_grouped<{t}, 8, 2, true, 2, 8, {b(g)}>"
+                                                                  for t, g in (("type_q4_K", glu), (up, glu), (down, False),
+                                                                               ("type_q6_K", False))))}
+
+    cases = [(*c[:3], c[3] | grouped(*g)) for c, g in zip(cases, (("type_q4_K", "type_q4_K", True),
+                                                                   ("type_q4_K", "type_q6_K", True),
+                                                                   ("type_q5_K", "type_q6_K", False)))]
     for router, up, down, want in cases:
         def tensor(name, router=router, up=up, down=down):
             layer, kind = int(name.split(".")[1]), name.split(".")[2]

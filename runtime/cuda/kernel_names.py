@@ -48,6 +48,19 @@ def moe_down_name(decoder: str) -> str:
     return f"moe_down_combine<{decoder}, {warps}, {u}>"
 
 
+# moe_grouped.cu moe_gemv_grouped (prefill's experts grouped by expert): (WARPS, U, PF, R) and the
+# slots per work item (NT), gemv_batch.cu's choices for 8 tokens (quant_kernels.BATCH_VARIANT)
+MOE_GROUPED_VARIANT = (8, 2, True, 2)
+MOE_GROUP_TOKENS = 8
+
+
+def moe_grouped_name(decoder: str, glu: bool = False) -> str:
+    """The moe_grouped.cu moe_gemv_grouped instance for expert tensors of a decoders.cuh decoder."""
+    warps, u, pf, r = MOE_GROUPED_VARIANT
+    b = lambda v: "true" if v else "false"  # noqa: E731
+    return f"moe_gemv_grouped<{decoder}, {warps}, {u}, {b(pf)}, {r}, {MOE_GROUP_TOKENS}, {b(glu)}>"
+
+
 # the KV cache's element types (runtime/kv_types.py CACHE_TYPES) -> their kernels_cu/kv_cache.cuh structs
 KV_STRUCTS = {"f16": "kv_f16", "q8_0": "kv_q8_0"}
 KV_PAIRS = tuple((k, v) for k in KV_STRUCTS for v in KV_STRUCTS)  # (key type, value type)
@@ -93,6 +106,7 @@ KERNELS = {
     "speculative.cu": ("spec_argmax", "spec_accept"),
     "moe.cu": ("moe_topk", "moe_combine", *(f"moe_gemv_q<{d}>" for d in MOE_QUANT_DECODERS),
                *(f"moe_gemv_f<{d}>" for d in MOE_FLOAT_DECODERS), *(f"moe_router<{d}>" for d in MOE_FLOAT_DECODERS)),
+    "moe_grouped.cu": ("moe_group", *(moe_grouped_name(d, glu) for d in MOE_QUANT_DECODERS for glu in (False, True))),
     "moe_gemv.cu": (*(moe_q8_name(d, glu) for d in MOE_QUANT_DECODERS for glu in (False, True)),
                     *(moe_down_name(d) for d in MOE_QUANT_DECODERS)),
 }

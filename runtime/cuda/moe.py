@@ -9,8 +9,10 @@ moe_topk writing (k ids, k weights) per token, the gathered products of the sele
 reading those ids (one launch per matrix over every (token, slot); quantized experts with 8-bit
 x and dp4a, kernels_cu/moe_gemv.cu, float ones and the router on float x), SwiGLU, moe_combine adding
 the weighted sum (and qwen2moe's sigmoid-gated shared expert) to the residual. No host round
-trip: decode is captured in the graph as the dense layers are. Prefill runs the same gathered
-products over all its tokens (every token's k experts read per token: correct, not fast).
+trip: decode is captured in the graph as the dense layers are; with K4_FUSE_MOE its feed-forward
+is three launches (decode_fused). Prefill chunks of quantized experts group their slots by expert
+(runtime/cuda/moe_grouped.py: each expert's rows read once per 8 of its slots); the verify
+step's few tokens, and float experts, run the gathered products.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import numpy as np
 from ..model import ModelConfig, ModelFile
 from ..errors import UnsupportedModelError
 from .constants import MOE_MAX_K, MOE_WARPS as ROW_WARPS, q8x_bytes
-from .kernel_names import MOE_DOWN_VARIANT, MOE_Q8_GLU_VARIANTS, MOE_Q8_VARIANTS, moe_down_name, moe_q8_name
+from .kernel_names import MOE_DOWN_VARIANT, MOE_Q8_GLU_VARIANTS, MOE_Q8_VARIANTS, moe_down_name, moe_grouped_name, moe_q8_name
 from .quant_kernels import FLOAT, QUANT
+from . import moe_grouped
 
 TOPK_THREADS = 128
 COMBINE_THREADS = 256
@@ -128,6 +131,8 @@ def moe_spec(cfg: ModelConfig, P: int) -> dict:
         "moe_g": Buffer((P * k, cfg.n_ff_exp), f32),
         "moe_u": Buffer((P * k, cfg.n_ff_exp), f32),
         "moe_d": Buffer((P * k, cfg.n_embd), f32),
+        "moe_items": Buffer((moe_grouped.max_items(P * k, cfg.n_expert), 4), np.int32),  # prefill's slots grouped by expert
+        "moe_order": Buffer((P * k,), np.int32),
     }
     if cfg.n_ff_shexp:
         spec.update({"shexp_g": Buffer((P, cfg.n_ff_shexp), f32), "shexp_u": Buffer((P, cfg.n_ff_shexp), f32),
@@ -185,6 +190,11 @@ def compile_jobs(mf: ModelFile, cfg: ModelConfig, o) -> list:
         if fused_glu(e["ffn_gate_exps"], e["ffn_up_exps"], cfg.activation):
             kernels.add(("moe_gemv.cu", moe_q8_name(QUANT[e["ffn_gate_exps"].ggml_type].decoder, glu=True)))
         down = e["ffn_down_exps"]
+        if all(x.kernel[0] == "moe_gemv.cu" for x in (e["ffn_gate_exps"], e["ffn_up_exps"], e["ffn_down_exps"])):
+            glu = fused_glu(e["ffn_gate_exps"], e["ffn_up_exps"], cfg.activation)
+            kernels.update(("moe_grouped.cu", n) for n in ("moe_group", moe_grouped_name(QUANT[e["ffn_down_exps"].ggml_type].decoder),
+                                                           *(moe_grouped_name(QUANT[e[t].ggml_type].decoder, glu)
+                                                             for t in ("ffn_gate_exps", "ffn_up_exps"))))
         router = tensors["ffn_gate_inp"].ggml_type
         if decode_fusable(cfg, e["ffn_gate_exps"], e["ffn_up_exps"], down, router in FLOAT, bool(cfg.n_ff_shexp)):
             kernels.update((("moe.cu", router_name(router)), ("moe_gemv.cu", moe_down_name(QUANT[down.ggml_type].decoder))))
@@ -347,13 +357,22 @@ def moe_ffn(fwd, L, x1, x, n: int) -> None:
     o._launch("moe.cu", "moe_topk", (n,), (TOPK_THREADS,), (logits, np.int32(E), np.int32(k), np.int32(cfg.expert_norm), ids, w),
               shared_mem=4 * E, pdl=False)
     g, u, d = a.moe_g[: n * k], a.moe_u[: n * k], a.moe_d[: n * k]
+    product = gathered
+    if all(moe_grouped.applies(t, n) for t in (m.gate, m.up, m.down)):  # a prefill chunk: slots grouped by expert
+        n_items = moe_grouped.max_items(n * k, E)
+        items, order = a.moe_items[:n_items], a.moe_order[: n * k]
+        moe_grouped.group(o, ids, n * k, E, items, order)
+
+        def grouped_product(o, e, ids, x, x_div, x_stride, y, n_slots, up=None):  # gathered's arguments
+            moe_grouped.grouped(o, e, items, order, n_items, x, x_div, x_stride, y, up=up)
+        product = grouped_product
     if fused_glu(m.gate, m.up, cfg.activation):
-        gathered(o, m.gate, ids, h, k, cfg.n_embd, g, n * k, up=m.up)  # silu(gate) * up, (n k, n_ff_exp)
+        product(o, m.gate, ids, h, k, cfg.n_embd, g, n * k, up=m.up)  # silu(gate) * up, (n k, n_ff_exp)
     else:
-        gathered(o, m.gate, ids, h, k, cfg.n_embd, g, n * k)
-        gathered(o, m.up, ids, h, k, cfg.n_embd, u, n * k)
+        product(o, m.gate, ids, h, k, cfg.n_embd, g, n * k)
+        product(o, m.up, ids, h, k, cfg.n_embd, u, n * k)
         o.swiglu(g, u, g, cfg.activation)  # (n k, n_ff_exp)
-    gathered(o, m.down, ids, g, 1, cfg.n_ff_exp, d, n * k)
+    product(o, m.down, ids, g, 1, cfg.n_ff_exp, d, n * k)
     null = np.uint64(0)
     shared, gate = null, null
     if m.shared is not None:

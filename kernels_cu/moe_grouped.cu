@@ -1,0 +1,200 @@
+// Prefill's routed experts grouped by expert (runtime/cuda/moe_grouped.py): instead of every
+// (token, chosen expert) slot reading its expert's matrix (moe_gemv.cu moe_gemv_q8: 4,096 reads of
+// a 1.8 MB gate/up pair for a 512-token chunk of Qwen3-30B-A3B), the slots of one expert are
+// multiplied together, NT at a time, so each expert's rows are read once per NT slots.
+//
+//  - moe_group: from the chosen ids (n_slots), the slots ordered by expert (order) and the work
+//    items (expert, first position in order, count <= NT), every expert's items in turn; the
+//    items past the last have count 0. The order within an expert follows atomics (it changes
+//    from run to run), but no result depends on it: each slot's output is its own.
+//  - moe_gemv_grouped: grid (row blocks, items). Block (bx, i) quantizes item i's x rows (slot s
+//    reads x + (s / x_div) * x_stride, as moe_gemv_q8) to 8 bits per 32 values in shared memory,
+//    then walks rows as gemv_batch.cu gemv_q8_batch does (R rows per warp, lane l taking chunks l,
+//    l + 32, ... of each, U in flight, the next U loaded during the dots with PF, one
+//    accumulator per row and slot) over expert e's matrix, and writes y + s * n_out. Each slot's
+//    lane sums and warp_sum are moe_gemv_q8's, so its y is bit for bit moe_gemv_q8's (and
+//    gemv_q8's on that expert). GLU: w_up holds the up experts; each output takes the gate row's
+//    chunks, then the up row's, and writes silu(gate . x) * (up . x), as moe_gemv_q8's GLU.
+//
+// The grid is not one wave (hundreds of items), so neither kernel lets the next launch early.
+// Dynamic shared memory: moe_group 3 * n_expert ints; moe_gemv_grouped NT * q8x_bytes(n_in).
+#define K4_DP4A_PURE  // common.cuh dp4a: the R rows' x loads merge (see gemv_batch.cu)
+#include "gemv_common.cuh"
+
+// Grid (1), up to 1024 threads. ids: (n_slots,) each < n_expert (moe_route's choice); items:
+// (max_items,) int4 (expert, first, count, 0); order: (n_slots,). max_items >= n_slots / nt +
+// n_expert (the most items any choice can need).
+extern "C" __global__ void moe_group(const int* __restrict__ ids, int n_slots, int n_expert, int nt, int max_items,
+                                     int4* __restrict__ items, int* __restrict__ order) {
+    extern __shared__ int sh[];
+    int *count = sh, *first = sh + n_expert, *item0 = sh + 2 * n_expert;
+    pdl_wait();
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    for (int s = threadIdx.x; s < n_slots; s += blockDim.x) {
+        const int e = ids[s];
+        if ((unsigned)e < (unsigned)n_expert) atomicAdd(&count[e], 1);
+    }
+    __syncthreads();
+    __shared__ int used;
+    if (threadIdx.x == 0) {
+        int f = 0, it = 0;
+        for (int e = 0; e < n_expert; ++e) {
+            first[e] = f;
+            item0[e] = it;
+            f += count[e];
+            it += (count[e] + nt - 1) / nt;
+        }
+        used = it;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+        const int c = count[e];
+        for (int j = 0, i = item0[e]; j < c; j += nt, ++i) items[i] = make_int4(e, first[e] + j, min(nt, c - j), 0);
+    }
+    for (int i = used + threadIdx.x; i < max_items; i += blockDim.x) items[i] = make_int4(0, 0, 0, 0);
+    __syncthreads();
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) count[e] = 0;  // now each expert's cursor
+    __syncthreads();
+    for (int s = threadIdx.x; s < n_slots; s += blockDim.x) {
+        const int e = ids[s];
+        if ((unsigned)e < (unsigned)n_expert) order[first[e] + atomicAdd(&count[e], 1)] = s;
+    }
+}
+
+template <class T, int WARPS, int U, bool PF, int R, int NT, bool GLU>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+moe_gemv_grouped(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw blocks (GLU: the gate experts)
+                 const u8* __restrict__ w_up,   // GLU: the up experts, like w; else null
+                 i64 expert_bytes,
+                 const int4* __restrict__ items, const int* __restrict__ order,  // moe_group's
+                 const float* __restrict__ x, int x_div, i64 x_stride,
+                 float* __restrict__ y,         // (n_slots, n_out)
+                 int n_out, int n_in) {
+    extern __shared__ uint4 smem[];
+    __shared__ int slot[NT];
+    pdl_wait();
+    const int4 item = items[blockIdx.y];
+    const int n_tok = item.z;
+    if (n_tok == 0) return;  // past the last item (the whole block)
+    if (threadIdx.x < n_tok) slot[threadIdx.x] = order[item.y + threadIdx.x];
+    __syncthreads();
+
+    u8* q8 = reinterpret_cast<u8*>(smem);
+    auto xv = [&](int t) {  // slot t's q8 x
+        const u8* q = q8 + t * q8x_bytes(n_in);
+        const float* d = reinterpret_cast<const float*>(q + q8x_bytes_q(n_in));
+        return q8x<T::x_swizzle>{q, d, d + q8x_d_floats(n_in)};
+    };
+    constexpr int cpb = T::block_elems / T::chunk_elems;
+    const int lane = threadIdx.x & 31;
+    const int n_chunks = n_in / T::chunk_elems;
+    const int out_chunks = (GLU ? 2 : 1) * n_chunks;
+    const int nblk_row = n_in / T::block_elems;
+    const i64 nblk = (i64)n_out * nblk_row;  // unused by the raw layout
+    const int n_groups = (n_out + R - 1) / R;
+    const int step = gridDim.x * WARPS;
+    const u8* we = w + (i64)item.x * expert_bytes;
+    const u8* wu = GLU ? w_up + (i64)item.x * expert_bytes : nullptr;
+    int g = blockIdx.x + gridDim.x * (threadIdx.x >> 5);
+
+    typename T::chunk ch[R][U], nx[R][U];
+    auto load = [&](typename T::chunk (&dst)[R][U], int grp, int c0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const i64 row = min(R * grp + r, n_out - 1);
+#pragma unroll
+            for (int k = 0; k < U; ++k) {
+                const int c = c0 + 32 * k;
+                const bool up = GLU && c >= n_chunks;
+                const int cr = up ? c - n_chunks : c;
+                if (c < out_chunks) dst[r][k] = T::template load<false>(up ? wu : we, nblk, row * nblk_row + cr / cpb, cr % cpb);
+            }
+        }
+    };
+    if (g < n_groups) load(ch, g, lane);  // before x is quantized, so the loads overlap it
+
+    const int n_units = n_in >> 4;
+    for (int base = 0; base < n_tok * n_units; base += blockDim.x) {  // warp-uniform trip count
+        const int f = base + threadIdx.x;
+        const bool ok = f < n_tok * n_units;
+        const int t = ok ? f / n_units : 0, u = ok ? f - t * n_units : 0;
+        const float4* xu = reinterpret_cast<const float4*>(x + (i64)(slot[t] / x_div) * x_stride) + 4 * u;
+        float v[16];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float4 a = ok ? __ldg(xu + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+            v[4 * k] = a.x; v[4 * k + 1] = a.y; v[4 * k + 2] = a.z; v[4 * k + 3] = a.w;
+        }
+        u8* xq = q8 + t * q8x_bytes(n_in);
+        float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
+        q8_unit(v, ok, u, T::x_swizzle, xq, xd, xd + q8x_d_floats(n_in));
+    }
+    __syncthreads();
+
+    float acc[R][NT], acc_up[R][NT];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[r][t] = acc_up[r][t] = 0.f;
+    int c0 = lane;
+    while (g < n_groups) {
+        int next_g = g, next_c0 = c0 + 32 * U;
+        if (next_c0 >= out_chunks) {
+            next_g += step;
+            next_c0 = lane;
+        }
+        if (PF && next_g < n_groups) load(nx, next_g, next_c0);
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const int c = c0 + 32 * k;
+            if (c < n_chunks) {
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    if (t > 0 && t >= n_tok) break;
+                    const auto xt = xv(t);
+#pragma unroll
+                    for (int r = 0; r < R; ++r) acc[r][t] += T::dot(ch[r][k], c, xt);
+                }
+            } else if (GLU && c < out_chunks) {
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    if (t > 0 && t >= n_tok) break;
+                    const auto xt = xv(t);
+#pragma unroll
+                    for (int r = 0; r < R; ++r) acc_up[r][t] += T::dot(ch[r][k], c - n_chunks, xt);
+                }
+            }
+        }
+        if (next_g != g) {  // the group's outputs done
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int row = R * g + r;
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    if (t > 0 && t >= n_tok) break;
+                    const float a = warp_sum(acc[r][t]);
+                    float* ys = y + (i64)slot[t] * n_out;
+                    if (GLU) {
+                        const float u = warp_sum(acc_up[r][t]);
+                        if (lane == 0 && row < n_out) ys[row] = glu_act<false>(a, u);
+                    } else if (lane == 0 && row < n_out) {
+                        ys[row] = a;
+                    }
+                    acc[r][t] = acc_up[r][t] = 0.f;
+                }
+            }
+        }
+        g = next_g;
+        c0 = next_c0;
+        if (g >= n_groups) break;
+        if (PF) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int k = 0; k < U; ++k) ch[r][k] = nx[r][k];
+        } else {
+            load(ch, g, c0);
+        }
+    }
+}
