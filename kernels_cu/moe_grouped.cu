@@ -9,12 +9,12 @@
 //    from run to run), but no result depends on it: each slot's output is its own.
 //  - moe_gemv_grouped: grid (row blocks, items). Block (bx, i) quantizes item i's x rows (slot s
 //    reads x + (s / x_div) * x_stride, as moe_gemv_q8) to 8 bits per 32 values in shared memory,
-//    then walks rows as gemv_batch.cu gemv_q8_batch does (R rows per warp, lane l taking chunks l,
-//    l + 32, ... of each, U in flight, the next U loaded during the dots with PF, one
-//    accumulator per row and slot) over expert e's matrix, and writes y + s * n_out. Each slot's
-//    lane sums and warp_sum are moe_gemv_q8's, so its y is bit for bit moe_gemv_q8's (and
-//    gemv_q8's on that expert). GLU: w_up holds the up experts; each output takes the gate row's
-//    chunks, then the up row's, and writes silu(gate . x) * (up . x), as moe_gemv_q8's GLU.
+//    then its warps walk expert e's rows with one accumulator per slot: a row's chunks go to lps
+//    lanes (the power of two that leaves each at most U chunks: 4 lanes for the 12 chunks of a
+//    768-weight row, so a warp takes 8 rows at once; all 32 for a 2 x 2048 gate/up pair), summed
+//    over those lanes by xor shuffles, then y + s * n_out. Within float32 rounding of
+//    moe_gemv_q8 (another order of the same sums). GLU: w_up holds the up experts; each output
+//    takes the gate row's chunks, then the up row's, and writes silu(gate . x) * (up . x).
 //
 // The grid is not one wave (hundreds of items), so neither kernel lets the next launch early.
 // Dynamic shared memory: moe_group 3 * n_expert ints; moe_gemv_grouped NT * q8x_bytes(n_in).
@@ -62,8 +62,8 @@ extern "C" __global__ void moe_group(const int* __restrict__ ids, int n_slots, i
     }
 }
 
-template <class T, int WARPS, int U, bool PF, int R, int NT, bool GLU>
-__global__ void __launch_bounds__(WARPS * 32, 1)
+template <class T, int WARPS, int U, int NT, bool GLU>
+__global__ void __launch_bounds__(WARPS * 32)
 moe_gemv_grouped(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw blocks (GLU: the gate experts)
                  const u8* __restrict__ w_up,   // GLU: the up experts, like w; else null
                  i64 expert_bytes,
@@ -90,29 +90,28 @@ moe_gemv_grouped(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T'
     const int lane = threadIdx.x & 31;
     const int n_chunks = n_in / T::chunk_elems;
     const int out_chunks = (GLU ? 2 : 1) * n_chunks;
+    int lps = 1;  // lanes per row: a power of two, each lane taking at most U chunks of a row where it can
+    while (lps < 32 && lps * U < out_chunks) lps *= 2;
+    const int sub = lane & (lps - 1), rows_per_warp = 32 / lps;
     const int nblk_row = n_in / T::block_elems;
     const i64 nblk = (i64)n_out * nblk_row;  // unused by the raw layout
-    const int n_groups = (n_out + R - 1) / R;
-    const int step = gridDim.x * WARPS;
     const u8* we = w + (i64)item.x * expert_bytes;
     const u8* wu = GLU ? w_up + (i64)item.x * expert_bytes : nullptr;
-    int g = blockIdx.x + gridDim.x * (threadIdx.x >> 5);
+    const int step = gridDim.x * WARPS * rows_per_warp;
+    int row0 = (blockIdx.x + gridDim.x * (threadIdx.x >> 5)) * rows_per_warp;  // the warp's first row
+    const int mine = lane / lps;                                              // its lane group's row: row0 + mine
 
-    typename T::chunk ch[R][U], nx[R][U];
-    auto load = [&](typename T::chunk (&dst)[R][U], int grp, int c0) {
+    typename T::chunk ch[U];
+    auto load = [&](int row, int c0) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const i64 row = min(R * grp + r, n_out - 1);
-#pragma unroll
-            for (int k = 0; k < U; ++k) {
-                const int c = c0 + 32 * k;
-                const bool up = GLU && c >= n_chunks;
-                const int cr = up ? c - n_chunks : c;
-                if (c < out_chunks) dst[r][k] = T::template load<false>(up ? wu : we, nblk, row * nblk_row + cr / cpb, cr % cpb);
-            }
+        for (int k = 0; k < U; ++k) {
+            const int c = c0 + lps * k;
+            const bool up = GLU && c >= n_chunks;
+            const int cr = up ? c - n_chunks : c;
+            if (c < out_chunks && row < n_out) ch[k] = T::template load<false>(up ? wu : we, nblk, (i64)row * nblk_row + cr / cpb, cr % cpb);
         }
     };
-    if (g < n_groups) load(ch, g, lane);  // before x is quantized, so the loads overlap it
+    if (row0 < n_out) load(row0 + mine, sub);  // before x is quantized, so the loads overlap it
 
     const int n_units = n_in >> 4;
     for (int base = 0; base < n_tok * n_units; base += blockDim.x) {  // warp-uniform trip count
@@ -132,69 +131,39 @@ moe_gemv_grouped(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T'
     }
     __syncthreads();
 
-    float acc[R][NT], acc_up[R][NT];
+    for (; row0 < n_out; row0 += step) {  // warp-uniform
+        const int row = row0 + mine;
+        float acc[NT], acc_up[NT];
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) acc[t] = acc_up[t] = 0.f;
+        for (int c0 = sub;;) {
 #pragma unroll
-        for (int t = 0; t < NT; ++t) acc[r][t] = acc_up[r][t] = 0.f;
-    int c0 = lane;
-    while (g < n_groups) {
-        int next_g = g, next_c0 = c0 + 32 * U;
-        if (next_c0 >= out_chunks) {
-            next_g += step;
-            next_c0 = lane;
-        }
-        if (PF && next_g < n_groups) load(nx, next_g, next_c0);
-#pragma unroll
-        for (int k = 0; k < U; ++k) {
-            const int c = c0 + 32 * k;
-            if (c < n_chunks) {
+            for (int k = 0; k < U; ++k) {
+                const int c = c0 + lps * k;
+                if (c >= out_chunks || row >= n_out) continue;
+                const bool up = GLU && c >= n_chunks;
+                const int cr = up ? c - n_chunks : c;
 #pragma unroll
                 for (int t = 0; t < NT; ++t) {
                     if (t > 0 && t >= n_tok) break;
-                    const auto xt = xv(t);
-#pragma unroll
-                    for (int r = 0; r < R; ++r) acc[r][t] += T::dot(ch[r][k], c, xt);
-                }
-            } else if (GLU && c < out_chunks) {
-#pragma unroll
-                for (int t = 0; t < NT; ++t) {
-                    if (t > 0 && t >= n_tok) break;
-                    const auto xt = xv(t);
-#pragma unroll
-                    for (int r = 0; r < R; ++r) acc_up[r][t] += T::dot(ch[r][k], c - n_chunks, xt);
+                    const float d = T::dot(ch[k], cr, xv(t));
+                    if (up) acc_up[t] += d; else acc[t] += d;
                 }
             }
+            c0 += lps * U;
+            if (c0 >= out_chunks) break;
+            load(row, c0);
         }
-        if (next_g != g) {  // the group's outputs done
+        if (row0 + step < n_out) load(row0 + step + mine, sub);  // the next rows' first chunks, during the sums
 #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const int row = R * g + r;
-#pragma unroll
-                for (int t = 0; t < NT; ++t) {
-                    if (t > 0 && t >= n_tok) break;
-                    const float a = warp_sum(acc[r][t]);
-                    float* ys = y + (i64)slot[t] * n_out;
-                    if (GLU) {
-                        const float u = warp_sum(acc_up[r][t]);
-                        if (lane == 0 && row < n_out) ys[row] = glu_act<false>(a, u);
-                    } else if (lane == 0 && row < n_out) {
-                        ys[row] = a;
-                    }
-                    acc[r][t] = acc_up[r][t] = 0.f;
-                }
+        for (int t = 0; t < NT; ++t) {
+            if (t > 0 && t >= n_tok) break;
+            float a = acc[t], u = acc_up[t];
+            for (int o = 1; o < lps; o <<= 1) {
+                a += __shfl_xor_sync(0xffffffffu, a, o);
+                if (GLU) u += __shfl_xor_sync(0xffffffffu, u, o);
             }
-        }
-        g = next_g;
-        c0 = next_c0;
-        if (g >= n_groups) break;
-        if (PF) {
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-#pragma unroll
-                for (int k = 0; k < U; ++k) ch[r][k] = nx[r][k];
-        } else {
-            load(ch, g, c0);
+            if (sub == 0 && row < n_out) y[(i64)slot[t] * n_out + row] = GLU ? glu_act<false>(a, u) : a;
         }
     }
 }

@@ -11,7 +11,7 @@ x (same quantization, same summation order), within 1e-4 of the float64 product 
 as the kernels round it (matmul_ref.q8_rounded) and 1e-2 of the float x product (the
 rounding of x: about 5e-3 on random data). The SwiGLU launch (gate and up experts): bit for bit
 gemv's SwiGLU instance on the interleaved pair, twice those limits (two products). Prefill's
-grouped products (moe_grouped.py): bit for bit the gathered ones."""
+grouped products (moe_grouped.py): within 1e-5 of the gathered ones (another summation order)."""
 
 from __future__ import annotations
 
@@ -361,13 +361,15 @@ def test_group_orders_every_slot_once_in_items_of_one_expert(o, n_slots, E):
 
 
 @pytest.mark.parametrize("glu", [False, True])
-@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q5_K, T.Q8_0], ids=lambda t: t.name)
-def test_grouped_products_are_the_gathered_ones_bit_for_bit(o, ggml_type, glu):
-    """moe_gemv_grouped against moe_gemv_q8 (itself bit for bit gemv's): every slot's y, over slots of
-    experts chosen 0 to ~60 times (items of 8 and part-filled ones), x_div 8 (gate/up) or 1 (down)."""
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q5_K, T.Q8_0, T.Q4_0], ids=lambda t: t.name)
+def test_grouped_products_are_the_gathered_ones(o, ggml_type, glu):
+    """moe_gemv_grouped against moe_gemv_q8 (itself bit for bit gemv's): every slot's y within 1e-5
+    relative (the same 8-bit dot products summed in another order), over slots of experts chosen
+    0 to ~60 times (items of 8 and part-filled ones), x_div 8 (gate/up) or 1 (down); rows of 768
+    (lane groups of 4, 8 rows a warp) and 512 weights."""
     from k4.runtime.cuda import moe_grouped as mg
 
-    E, rows, n_in, n_tok, k = 12, 136, 512, 61, 8
+    E, rows, n_in, n_tok, k = 12, 136, 768 if glu else 512, 61, 8
     x_div = 8 if glu else 1
     seed = zlib.crc32(f"grouped {ggml_type.name} {glu}".encode())
     raw, _, ids, x = _q8_case(ggml_type, E, rows, n_in, n_tok * k, x_div, seed)
@@ -385,4 +387,5 @@ def test_grouped_products_are_the_gathered_ones_bit_for_bit(o, ggml_type, glu):
     mg.group(o, d_ids, n_slots, E, items, order)
     got = cp.full((n_slots, rows), np.nan, cp.float32)
     mg.grouped(o, gate, items, order, n_items, d_x, x_div, x.shape[1], got, up=up)
-    assert (cp.asnumpy(got).view(np.uint32) == cp.asnumpy(want).view(np.uint32)).all()
+    got, want = cp.asnumpy(got), cp.asnumpy(want)
+    assert np.isfinite(got).all() and rel_l2(got, want) < 1e-5

@@ -48,17 +48,16 @@ def moe_down_name(decoder: str) -> str:
     return f"moe_down_combine<{decoder}, {warps}, {u}>"
 
 
-# moe_grouped.cu moe_gemv_grouped (prefill's experts grouped by expert): (WARPS, U, PF, R) and the
-# slots per work item (NT), gemv_batch.cu's choices for 8 tokens (quant_kernels.BATCH_VARIANT)
-MOE_GROUPED_VARIANT = (8, 2, True, 2)
+# moe_grouped.cu moe_gemv_grouped (prefill's experts grouped by expert): (WARPS, U) and the slots
+# per work item (NT)
+MOE_GROUPED_VARIANT = (8, 4)
 MOE_GROUP_TOKENS = 8
 
 
 def moe_grouped_name(decoder: str, glu: bool = False) -> str:
     """The moe_grouped.cu moe_gemv_grouped instance for expert tensors of a decoders.cuh decoder."""
-    warps, u, pf, r = MOE_GROUPED_VARIANT
-    b = lambda v: "true" if v else "false"  # noqa: E731
-    return f"moe_gemv_grouped<{decoder}, {warps}, {u}, {b(pf)}, {r}, {MOE_GROUP_TOKENS}, {b(glu)}>"
+    warps, u = MOE_GROUPED_VARIANT
+    return f"moe_gemv_grouped<{decoder}, {warps}, {u}, {MOE_GROUP_TOKENS}, {'true' if glu else 'false'}>"
 
 
 # the KV cache's element types (runtime/kv_types.py CACHE_TYPES) -> their kernels_cu/kv_cache.cuh structs

@@ -3,14 +3,15 @@ groups tokens by expert"). A chunk of n tokens chooses n * k (token, expert) slo
 multiplies each slot by its expert's matrix on its own, so an expert chosen by 30 tokens has its
 rows read 30 times. Here moe_group orders the slots by expert into work items of up to
 MOE_GROUP_TOKENS slots of one expert, and moe_gemv_grouped multiplies each item's slots reading
-the expert's rows once (gemv_batch's walk, 8-bit x, dp4a). Each slot's output is bit for bit
-moe.gathered's. All on the device: the items follow the ids moe_topk wrote, no host round trip,
+the expert's rows once (8-bit x, dp4a). Each slot's output is moe.gathered's within float32
+rounding (the same dot products summed in another order). All on the device: the items follow the ids moe_topk wrote, no host round trip,
 so prefill chunks stay capturable as graphs.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 
 from .constants import q8x_bytes
 from .kernel_names import MOE_GROUP_TOKENS, MOE_GROUPED_VARIANT, moe_grouped_name
@@ -18,7 +19,7 @@ from .quant_kernels import QUANT
 
 GROUP_THREADS = 1024  # moe_group: one block
 GROUPED_MIN_TOKENS = 9  # chunks of fewer tokens (the verify step's up to 8) keep moe.gathered
-ROWS_PER_WARP = 8  # moe_gemv_grouped: row groups each warp walks per item (blocks per item from it)
+ROW_PASSES = 4  # moe_gemv_grouped: rows each lane group of a warp takes per item (blocks per item from it)
 
 
 def max_items(n_slots: int, n_expert: int) -> int:
@@ -58,7 +59,7 @@ def grouped(o, e, items, order, n_items: int, x, x_div: int, x_stride: int, y, u
     if x.data.ptr % 16 or x_stride % 4 or n_in % 32:
         raise ValueError(f"grouped products need 16-byte aligned x rows and n_in a multiple of 32; got x at {x.data.ptr:#x}, "
                          f"x_stride {x_stride}, n_in {n_in}")
-    warps, r = MOE_GROUPED_VARIANT[0], MOE_GROUPED_VARIANT[3]
+    warps, u = MOE_GROUPED_VARIANT
     glu = up is not None
     name = moe_grouped_name(QUANT[e.ggml_type].decoder, glu)
     smem = MOE_GROUP_TOKENS * q8x_bytes(n_in)
@@ -67,8 +68,12 @@ def grouped(o, e, items, order, n_items: int, x, x_div: int, x_stride: int, y, u
         from .launch import allow_shared
 
         allow_shared(o.function("moe_grouped.cu", name), smem)
-        groups = -(-n_out // r)
-        e._grids[key] = (max(1, -(-groups // (warps * ROWS_PER_WARP))), n_items)
+        chunk = 64 if GGML_QUANT_SIZES[e.ggml_type][0] == 256 else 32  # decoders.cuh chunk_elems
+        out_chunks, lps = (2 if glu else 1) * n_in // chunk, 1  # lanes per row, as the kernel chooses them
+        while lps < 32 and lps * u < out_chunks:
+            lps *= 2
+        rows_per_block = warps * (32 // lps) * ROW_PASSES
+        e._grids[key] = (max(1, -(-n_out // rows_per_block)), n_items)
     args = (e.data, up.data if glu else np.uint64(0), np.int64(e.expert_bytes), items, order, x, np.int32(x_div),
             np.int64(x_stride), y, np.int32(n_out), np.int32(n_in))
     o._launch("moe_grouped.cu", name, e._grids[key], (32 * warps,), args, shared_mem=smem, pdl=False)
