@@ -9,12 +9,10 @@
 //    from run to run), but no result depends on it: each slot's output is its own.
 //  - moe_gemv_grouped: grid (row blocks, items). Block (bx, i) quantizes item i's x rows (slot s
 //    reads x + (s / x_div) * x_stride, as moe_gemv_q8) to 8 bits per 32 values in shared memory,
-//    then its warps walk expert e's rows with one accumulator per row and slot: a row's chunks go
-//    to lps lanes (the power of two that leaves each at most U chunks: 4 lanes for the 12 chunks
-//    of a 768-weight row, so a warp takes 8 rows at once; all 32 for a 2 x 2048 gate/up pair),
-//    each lane group taking R rows whose same chunks share one set of x loads from shared
-//    memory (at 8 slots those loads, not the weights, bound the gate/up product: R = 2 there),
-//    summed over the group's lanes by xor shuffles, then y + s * n_out. Within float32 rounding of
+//    then its warps walk expert e's rows with one accumulator per slot: a row's chunks go to lps
+//    lanes (the power of two that leaves each at most U chunks: 4 lanes for the 12 chunks of a
+//    768-weight row, so a warp takes 8 rows at once; all 32 for a 2 x 2048 gate/up pair), summed
+//    over those lanes by xor shuffles, then y + s * n_out. Within float32 rounding of
 //    moe_gemv_q8 (another order of the same sums). GLU: w_up holds the up experts; each output
 //    takes the gate row's chunks, then the up row's, and writes silu(gate . x) * (up . x).
 //
@@ -64,7 +62,7 @@ extern "C" __global__ void moe_group(const int* __restrict__ ids, int n_slots, i
     }
 }
 
-template <class T, int WARPS, int U, int R, int NT, bool GLU>
+template <class T, int WARPS, int U, int NT, bool GLU>
 __global__ void __launch_bounds__(WARPS * 32)
 moe_gemv_grouped(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw blocks (GLU: the gate experts)
                  const u8* __restrict__ w_up,   // GLU: the up experts, like w; else null
@@ -94,28 +92,23 @@ moe_gemv_grouped(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T'
     const int out_chunks = (GLU ? 2 : 1) * n_chunks;
     int lps = 1;  // lanes per row: a power of two, each lane taking at most U chunks of a row where it can
     while (lps < 32 && lps * U < out_chunks) lps *= 2;
-    const int sub = lane & (lps - 1), groups = 32 / lps;  // lane groups per warp, each taking R rows
+    const int sub = lane & (lps - 1), rows_per_warp = 32 / lps;
     const int nblk_row = n_in / T::block_elems;
     const i64 nblk = (i64)n_out * nblk_row;  // unused by the raw layout
     const u8* we = w + (i64)item.x * expert_bytes;
     const u8* wu = GLU ? w_up + (i64)item.x * expert_bytes : nullptr;
-    const int per_warp = groups * R, step = gridDim.x * WARPS * per_warp;
-    int row0 = (blockIdx.x + gridDim.x * (threadIdx.x >> 5)) * per_warp;  // the warp's first row
-    const int mine = lane / lps;  // its lane group's rows: row0 + mine + groups * r, r < R
+    const int step = gridDim.x * WARPS * rows_per_warp;
+    int row0 = (blockIdx.x + gridDim.x * (threadIdx.x >> 5)) * rows_per_warp;  // the warp's first row
+    const int mine = lane / lps;                                              // its lane group's row: row0 + mine
 
-    typename T::chunk ch[R][U];
-    auto load = [&](int first, int c0) {  // rows first + groups * r
+    typename T::chunk ch[U];
+    auto load = [&](int row, int c0) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const int row = first + groups * r;
-#pragma unroll
-            for (int k = 0; k < U; ++k) {
-                const int c = c0 + lps * k;
-                const bool up = GLU && c >= n_chunks;
-                const int cr = up ? c - n_chunks : c;
-                if (c < out_chunks && row < n_out)
-                    ch[r][k] = T::template load<false>(up ? wu : we, nblk, (i64)row * nblk_row + cr / cpb, cr % cpb);
-            }
+        for (int k = 0; k < U; ++k) {
+            const int c = c0 + lps * k;
+            const bool up = GLU && c >= n_chunks;
+            const int cr = up ? c - n_chunks : c;
+            if (c < out_chunks && row < n_out) ch[k] = T::template load<false>(up ? wu : we, nblk, (i64)row * nblk_row + cr / cpb, cr % cpb);
         }
     };
     if (row0 < n_out) load(row0 + mine, sub);  // before x is quantized, so the loads overlap it
@@ -139,48 +132,38 @@ moe_gemv_grouped(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T'
     __syncthreads();
 
     for (; row0 < n_out; row0 += step) {  // warp-uniform
-        const int first = row0 + mine;
-        float acc[R][NT], acc_up[R][NT];
+        const int row = row0 + mine;
+        float acc[NT], acc_up[NT];
 #pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int t = 0; t < NT; ++t) acc[r][t] = acc_up[r][t] = 0.f;
+        for (int t = 0; t < NT; ++t) acc[t] = acc_up[t] = 0.f;
         for (int c0 = sub;;) {
 #pragma unroll
             for (int k = 0; k < U; ++k) {
                 const int c = c0 + lps * k;
-                if (c >= out_chunks) continue;
+                if (c >= out_chunks || row >= n_out) continue;
                 const bool up = GLU && c >= n_chunks;
                 const int cr = up ? c - n_chunks : c;
 #pragma unroll
                 for (int t = 0; t < NT; ++t) {
                     if (t > 0 && t >= n_tok) break;
-                    const auto xt = xv(t);  // one set of x loads for the R rows
-#pragma unroll
-                    for (int r = 0; r < R; ++r) {
-                        const float d = T::dot(ch[r][k], cr, xt);
-                        if (up) acc_up[r][t] += d; else acc[r][t] += d;
-                    }
+                    const float d = T::dot(ch[k], cr, xv(t));
+                    if (up) acc_up[t] += d; else acc[t] += d;
                 }
             }
             c0 += lps * U;
             if (c0 >= out_chunks) break;
-            load(first, c0);
+            load(row, c0);
         }
         if (row0 + step < n_out) load(row0 + step + mine, sub);  // the next rows' first chunks, during the sums
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const int row = first + groups * r;
-#pragma unroll
-            for (int t = 0; t < NT; ++t) {
-                if (t > 0 && t >= n_tok) break;
-                float a = acc[r][t], u = acc_up[r][t];
-                for (int o = 1; o < lps; o <<= 1) {
-                    a += __shfl_xor_sync(0xffffffffu, a, o);
-                    if (GLU) u += __shfl_xor_sync(0xffffffffu, u, o);
-                }
-                if (sub == 0 && row < n_out) y[(i64)slot[t] * n_out + row] = GLU ? glu_act<false>(a, u) : a;
+        for (int t = 0; t < NT; ++t) {
+            if (t > 0 && t >= n_tok) break;
+            float a = acc[t], u = acc_up[t];
+            for (int o = 1; o < lps; o <<= 1) {
+                a += __shfl_xor_sync(0xffffffffu, a, o);
+                if (GLU) u += __shfl_xor_sync(0xffffffffu, u, o);
             }
+            if (sub == 0 && row < n_out) y[(i64)slot[t] * n_out + row] = GLU ? glu_act<false>(a, u) : a;
         }
     }
 }

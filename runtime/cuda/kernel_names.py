@@ -48,17 +48,16 @@ def moe_down_name(decoder: str) -> str:
     return f"moe_down_combine<{decoder}, {warps}, {u}>"
 
 
-# moe_grouped.cu moe_gemv_grouped (prefill's experts grouped by expert): (WARPS, U, R) without and
-# with the SwiGLU epilogue, and the slots per work item (NT). R = 2 rows share each x load where the
-# x loads bound the product (the gate/up pair's 64 chunks a row: one lane group a warp).
-MOE_GROUPED_VARIANT = {False: (8, 4, 1), True: (8, 2, 2)}
+# moe_grouped.cu moe_gemv_grouped (prefill's experts grouped by expert): (WARPS, U) and the slots
+# per work item (NT)
+MOE_GROUPED_VARIANT = (8, 4)
 MOE_GROUP_TOKENS = 8
 
 
 def moe_grouped_name(decoder: str, glu: bool = False) -> str:
     """The moe_grouped.cu moe_gemv_grouped instance for expert tensors of a decoders.cuh decoder."""
-    warps, u, r = MOE_GROUPED_VARIANT[glu]
-    return f"moe_gemv_grouped<{decoder}, {warps}, {u}, {r}, {MOE_GROUP_TOKENS}, {'true' if glu else 'false'}>"
+    warps, u = MOE_GROUPED_VARIANT
+    return f"moe_gemv_grouped<{decoder}, {warps}, {u}, {MOE_GROUP_TOKENS}, {'true' if glu else 'false'}>"
 
 
 # the KV cache's element types (runtime/kv_types.py CACHE_TYPES) -> their kernels_cu/kv_cache.cuh structs

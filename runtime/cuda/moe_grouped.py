@@ -59,8 +59,8 @@ def grouped(o, e, items, order, n_items: int, x, x_div: int, x_stride: int, y, u
     if x.data.ptr % 16 or x_stride % 4 or n_in % 32:
         raise ValueError(f"grouped products need 16-byte aligned x rows and n_in a multiple of 32; got x at {x.data.ptr:#x}, "
                          f"x_stride {x_stride}, n_in {n_in}")
+    warps, u = MOE_GROUPED_VARIANT
     glu = up is not None
-    warps, u, r = MOE_GROUPED_VARIANT[glu]
     name = moe_grouped_name(QUANT[e.ggml_type].decoder, glu)
     smem = MOE_GROUP_TOKENS * q8x_bytes(n_in)
     key = ("grouped", glu, n_items)
@@ -72,7 +72,7 @@ def grouped(o, e, items, order, n_items: int, x, x_div: int, x_stride: int, y, u
         out_chunks, lps = (2 if glu else 1) * n_in // chunk, 1  # lanes per row, as the kernel chooses them
         while lps < 32 and lps * u < out_chunks:
             lps *= 2
-        rows_per_block = warps * (32 // lps) * r * ROW_PASSES
+        rows_per_block = warps * (32 // lps) * ROW_PASSES
         e._grids[key] = (max(1, -(-n_out // rows_per_block)), n_items)
     args = (e.data, up.data if glu else np.uint64(0), np.int64(e.expert_bytes), items, order, x, np.int32(x_div),
             np.int64(x_stride), y, np.int32(n_out), np.int32(n_in))
