@@ -125,7 +125,7 @@ def test_cuda_compile_jobs_pick_the_q8_expert_products_and_a_float_x_router():
     )
     def grouped(up: str, down: str, glu: bool) -> set:  # prefill's grouped products (quantized experts)
         b = lambda v: "true" if v else "false"  # noqa: E731
-        return {("moe_grouped.cu", (n,)) for n in ("moe_group", *(f"moe_gemv_grouped<{t}, 4, 4, 8, {b(g)}>"
+        return {("moe_grouped.cu", (n,)) for n in ("moe_group", *(f"moe_gemv_grouped<{t}, 8, 4, 8, {b(g)}>"
                                                                   for t, g in (("type_q4_K", glu), (up, glu), (down, False),
                                                                                ("type_q6_K", False))))}
 
