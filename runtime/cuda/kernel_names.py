@@ -52,8 +52,8 @@ def moe_down_name(decoder: str) -> str:
 # per work item (NT). Measured on the H200 (Qwen3-30B-A3B pp512, t/s): (8, 4) 6,196, (16, 4) 6,424,
 # (4, 4) 6,381, (8, 8) 5,572, (8, 2) 5,235; NT 16 with (8, 4) 5,638 (fewer weight reads, more
 # registers); two rows per lane group sharing each x load, (8, 2) 4,536. (4, 4) and (16, 4) are
-# within 4% of (8, 4) but spill registers in some type's instance (ptxas, sm_90: Q5_1's SwiGLU at
-# (4, 4)); (8, 4) spills in none.
+# within 4% of (8, 4), but (4, 4) spills in Q5_1's SwiGLU instance (ptxas, sm_90) and (16, 4)'s
+# 512 threads cap registers at 128 (Q5_K and Q6_K use about 160); (8, 4) spills in none.
 MOE_GROUPED_VARIANT = (8, 4)
 MOE_GROUP_TOKENS = 8
 
