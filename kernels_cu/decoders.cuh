@@ -138,6 +138,12 @@ struct type_q5_K {
 };
 static_assert(cuts_are<type_q5_K>(K4_GROUPS_Q5_K), "type_q5_K::cut: runtime/cuda/constants.py has other planar groups");
 
+// A file defines K4_WIDE_RAW_Q6_K 1 before including common.cuh where its raw Q6_K loads may take
+// more registers for fewer, wider loads (the expert products: experts stay in the file's blocks).
+#ifndef K4_WIDE_RAW_Q6_K
+#define K4_WIDE_RAW_Q6_K 0
+#endif
+
 struct type_q6_K {
     static constexpr int block_bytes = sizeof(block_q6_K), block_elems = QK_K, chunk_elems = 64;
     static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_Q6_K;
@@ -159,7 +165,8 @@ struct type_q6_K {
         constexpr int A = PLANAR ? 16 : raw_align;
         const u8* ql = group_at<type_q6_K, 0, PLANAR>(w, nblk, blk) + 64 * (j >> 1) + 16 * (j & 1);
         const u8* qh = group_at<type_q6_K, 1, PLANAR>(w, nblk, blk) + 32 * (j >> 1) + 16 * (j & 1);
-        return {load16<A>(ql), load16<A>(ql + 32), load16<A>(qh), load16<A>(group_at<type_q6_K, 2, PLANAR>(w, nblk, blk)),
+        constexpr bool W = K4_WIDE_RAW_Q6_K;  // raw blocks through two wide loads (device.cuh load16)
+        return {load16<A, W>(ql), load16<A, W>(ql + 32), load16<A, W>(qh), load16<A, W>(group_at<type_q6_K, 2, PLANAR>(w, nblk, blk)),
                 load2(group_at<type_q6_K, 3, PLANAR>(w, nblk, blk))};
     }
     // bits 2m, 2m+1 of each byte of qh word h, moved to bits 4, 5

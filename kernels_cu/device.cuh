@@ -37,23 +37,42 @@ __device__ __forceinline__ uint4 ld_once16(const void* p) {
 #endif
 }
 
-// 16 bytes from p, which is ALIGN-byte aligned (16: one vector load; 2: eight 16-bit loads).
-template <int ALIGN>
-__device__ __forceinline__ uint4 load16(const u8* p) {
-    if (ALIGN >= 16) {
+// 16 bytes of weights at p (16-byte aligned).
+__device__ __forceinline__ uint4 ld_weight16(const void* p) {
 #if K4_EVICT_FIRST
-        return ld_evict_first16(p);
+    return ld_evict_first16(p);
 #else
-        return __ldg(reinterpret_cast<const uint4*>(p));
+    return __ldg(reinterpret_cast<const uint4*>(p));
 #endif
+}
+
+// 16 bytes from p, which is ALIGN-byte aligned. 16: one vector load. Less: eight 16-bit loads,
+// or with WIDE the two aligned 16-byte words holding p and p + 15 (the same word twice when p is
+// aligned) funnel-shifted to p's offset, two wide loads for more registers. Both words lie
+// inside the allocation, whose 16-byte words are whole. WIDE is for raw Q6_K's 210-byte blocks
+// in the expert products (decoders.cuh type_q6_K, K4_WIDE_RAW_Q6_K; docs/PERF.md, session 13).
+template <int ALIGN, bool WIDE = false>
+__device__ __forceinline__ uint4 load16(const u8* p) {
+    if (ALIGN >= 16) return ld_weight16(p);
+    if (!WIDE) {
+        const u16* h = reinterpret_cast<const u16*>(p);
+        uint4 v;
+        v.x = __ldg(h + 0) | ((u32)__ldg(h + 1) << 16);
+        v.y = __ldg(h + 2) | ((u32)__ldg(h + 3) << 16);
+        v.z = __ldg(h + 4) | ((u32)__ldg(h + 5) << 16);
+        v.w = __ldg(h + 6) | ((u32)__ldg(h + 7) << 16);
+        return v;
     }
-    const u16* h = reinterpret_cast<const u16*>(p);
-    uint4 v;
-    v.x = __ldg(h + 0) | ((u32)__ldg(h + 1) << 16);
-    v.y = __ldg(h + 2) | ((u32)__ldg(h + 3) << 16);
-    v.z = __ldg(h + 4) | ((u32)__ldg(h + 5) << 16);
-    v.w = __ldg(h + 6) | ((u32)__ldg(h + 7) << 16);
-    return v;
+    const unsigned long long a = reinterpret_cast<unsigned long long>(p);
+    const u8* q = reinterpret_cast<const u8*>(a & ~15ull);
+    const int off = (int)(a & 15), s = off >> 2, b = 8 * (off & 3);
+    const uint4 lo = ld_weight16(q), hi = ld_weight16(q + (off ? 16 : 0));
+    const u32 w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    u32 r[5];
+#pragma unroll
+    for (int i = 0; i < 5; ++i) r[i] = s == 0 ? w[i] : s == 1 ? w[i + 1] : s == 2 ? w[i + 2] : w[min(i + 3, 7)];
+    return make_uint4(__funnelshift_r(r[0], r[1], b), __funnelshift_r(r[1], r[2], b), __funnelshift_r(r[2], r[3], b),
+                      __funnelshift_r(r[3], r[4], b));
 }
 
 // 4 bytes from p, which is ALIGN-byte aligned (4 or more: one load; 2: two 16-bit loads).

@@ -18,7 +18,8 @@
 //
 // The grid is not one wave (hundreds of items), so neither kernel lets the next launch early.
 // Dynamic shared memory: moe_group 3 * n_expert ints; moe_gemv_grouped NT * q8x_bytes(n_in).
-#define K4_DP4A_PURE  // common.cuh dp4a: the R rows' x loads merge (see gemv_batch.cu)
+#define K4_WIDE_RAW_Q6_K 1  // decoders.cuh: the raw Q6_K experts in two wide loads per 16 bytes
+#define K4_DP4A_PURE  // common.cuh dp4a without asm volatile: the x loads schedule across it
 #include "gemv_common.cuh"
 
 // Grid (1), up to 1024 threads. ids: (n_slots,) each < n_expert (moe_route's choice); items:

@@ -3,7 +3,7 @@
 // the lower id first, as numpy's stable argsort in runtime/moe.py route), their probabilities as
 // weights, divided by their sum when renorm (qwen3moe's norm_topk_prob; llama.cpp build_moe_ffn
 // with softmax gating, argsort_top_k then get_rows). moe.cu moe_topk writes it out for prefill;
-// moe_gemv.cu's decode products (the routed SwiGLU launch, moe_down_combine) each make it
+// the decode products (moe_gemv.cu's routed SwiGLU launch, moe_down.cu moe_down_combine) each make it
 // themselves from the logits instead of reading the ids another kernel wrote: one launch fewer.
 //
 // Every block that makes the choice for the same logits gets the same bits whatever its size:

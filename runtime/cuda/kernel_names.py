@@ -36,14 +36,15 @@ def moe_q8_name(decoder: str, glu: bool = False) -> str:
     return f"moe_gemv_q8<{decoder}, {warps}, {u}, {b(pf)}, {b(glu)}>"
 
 
-# moe_gemv.cu moe_down_combine's (WARPS, U): decode's down product of the k chosen experts with
+# moe_down.cu moe_down_combine's (WARPS, U): decode's down product of the k chosen experts with
 # their weighted sum. U chunks in flight per lane of a group of 32 / k lanes: Qwen3-30B-A3B's rows
-# of 768 weights are 12 chunks, 3 per lane of its groups of 4 (k = 8).
-MOE_DOWN_VARIANT = (16, 4)
+# of 768 weights are 12 chunks, 3 per lane of its groups of 4 (k = 8). 8 warps: Q6_K's wide
+# unaligned loads need about 140 registers, past the 128 of 16-warp blocks.
+MOE_DOWN_VARIANT = (8, 4)
 
 
 def moe_down_name(decoder: str) -> str:
-    """The moe_gemv.cu moe_down_combine instance for down experts of a decoders.cuh decoder."""
+    """The moe_down.cu moe_down_combine instance for down experts of a decoders.cuh decoder."""
     warps, u = MOE_DOWN_VARIANT
     return f"moe_down_combine<{decoder}, {warps}, {u}>"
 
@@ -110,8 +111,8 @@ KERNELS = {
     "moe.cu": ("moe_topk", "moe_combine", *(f"moe_gemv_q<{d}>" for d in MOE_QUANT_DECODERS),
                *(f"moe_gemv_f<{d}>" for d in MOE_FLOAT_DECODERS), *(f"moe_router<{d}>" for d in MOE_FLOAT_DECODERS)),
     "moe_grouped.cu": ("moe_group", *(moe_grouped_name(d, glu) for d in MOE_QUANT_DECODERS for glu in (False, True))),
-    "moe_gemv.cu": (*(moe_q8_name(d, glu) for d in MOE_QUANT_DECODERS for glu in (False, True)),
-                    *(moe_down_name(d) for d in MOE_QUANT_DECODERS)),
+    "moe_gemv.cu": tuple(moe_q8_name(d, glu) for d in MOE_QUANT_DECODERS for glu in (False, True)),
+    "moe_down.cu": tuple(moe_down_name(d) for d in MOE_QUANT_DECODERS),
 }
 # Compile groups: one module per group, so a model compiles only the attention and RoPE-store
 # kernels of its head_dim and KV cache types; the other small files are one group each.

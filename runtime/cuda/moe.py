@@ -197,7 +197,7 @@ def compile_jobs(mf: ModelFile, cfg: ModelConfig, o) -> list:
                                                              for t in ("ffn_gate_exps", "ffn_up_exps"))))
         router = tensors["ffn_gate_inp"].ggml_type
         if decode_fusable(cfg, e["ffn_gate_exps"], e["ffn_up_exps"], down, router in FLOAT, bool(cfg.n_ff_shexp)):
-            kernels.update((("moe.cu", router_name(router)), ("moe_gemv.cu", moe_down_name(QUANT[down.ggml_type].decoder))))
+            kernels.update((("moe.cu", router_name(router)), ("moe_down.cu", moe_down_name(QUANT[down.ggml_type].decoder))))
     return [(f, GROUP_OF[(f, name)], o._defines()) for f, name in sorted(kernels)]
 
 
@@ -260,7 +260,7 @@ def gathered(o, e: Experts, ids, x, x_div: int, x_stride: int, y, n_slots: int, 
 
 def down_combine(o, e: Experts, route: Route, x, res, y) -> None:
     """Decode's down product of one token's k chosen experts with their weighted sum and the
-    residual, one launch (kernels_cu/moe_gemv.cu moe_down_combine): y (n_out,) = res + sum_j w_j *
+    residual, one launch (kernels_cu/moe_down.cu moe_down_combine): y (n_out,) = res + sum_j w_j *
     expert e_j's matrix times x[j], (e_j, w_j) the router's choice from route, made in each block.
     x: (k, n_in) f32, the routed SwiGLU launch's output; res, y: (n_out,) f32 (y may be res).
     Quantized experts only (Experts.kernel in moe_gemv.cu); k must divide 32. Raises ValueError
@@ -276,14 +276,14 @@ def down_combine(o, e: Experts, route: Route, x, res, y) -> None:
 
         warps = MOE_DOWN_VARIANT[0]
         name = moe_down_name(QUANT[e.ggml_type].decoder)
-        kernel, smem = o.function("moe_gemv.cu", name), k * q8x_bytes(n_in) + 4 * route.n_expert
+        kernel, smem = o.function("moe_down.cu", name), k * q8x_bytes(n_in) + 4 * route.n_expert
         allow_shared(kernel, smem)
         resident = device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem)
         plan = e._grids[("down", k, route.n_expert)] = (name, (max(1, min(-(-n_out // warps), resident)),), (32 * warps,), smem)
     name, grid, block, smem = plan
     args = (e.data, np.int64(e.expert_bytes), route.logits, np.int32(route.n_expert), np.int32(k), np.int32(route.renorm),
             x, res, y, np.int32(n_out), np.int32(n_in))
-    o._launch("moe_gemv.cu", name, grid, block, args, shared_mem=smem)
+    o._launch("moe_down.cu", name, grid, block, args, shared_mem=smem)
 
 
 def _q8_plan(o, e: Experts, n_slots: int, glu: bool, n_expert: int = 0) -> tuple[str, tuple[int, int], tuple[int], int]:
