@@ -66,8 +66,8 @@ moe_gemv_q8(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw
     typename T::chunk ch[U], nx[U];  // nx: the next U chunks, in flight during the dots of ch (PF)
     if (trigger) pdl_trigger();
     pdl_wait();  // ids (or the logits) and x are the previous kernels' outputs
-    const int* chosen = GLU && route ? moe_route(route, n_expert, n_slots, renorm, reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in))).ids
-                              : ids;
+    float* prob = reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in));
+    const int* chosen = GLU && route ? moe_route(route, n_expert, n_slots, renorm, prob, false).ids : ids;  // ids only
     for (int slot = blockIdx.y; slot < n_slots; slot += gridDim.y) {
         const i64 e_off = (i64)chosen[slot] * expert_bytes;
         const u8* we = w + e_off;

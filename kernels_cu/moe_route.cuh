@@ -7,8 +7,9 @@
 // themselves from the logits instead of reading the ids another kernel wrote: one launch fewer.
 //
 // Every block that makes the choice for the same logits gets the same bits whatever its size:
-// warp 0 sums the softmax in one fixed order, and the selection is by rank (each expert counts
-// the experts ahead of it), not by a reduction whose order depends on the block.
+// warp 0 computes the softmax in one fixed order, and the selection is by rank (each expert
+// counts the experts ahead of it), not by a reduction whose order depends on the block. Two
+// barriers (four with renorm).
 #pragma once
 #include "common.cuh"
 
@@ -21,11 +22,12 @@ struct MoeChoice {
 // n_expert floats of shared memory; 1 <= k <= MOE_MAX_K, k <= n_expert, k <= blockDim.x. Every
 // thread of the block calls it; the choice is in shared memory when it returns. Logits with a NaN give in-range ids
 // (a wrong choice, but no read outside the expert tensors).
-__device__ MoeChoice moe_route(const float* __restrict__ logits, int n_expert, int k, int renorm, float* prob) {
+// weights: false when only the ids are wanted (the weights are left unnormalized).
+__device__ MoeChoice moe_route(const float* __restrict__ logits, int n_expert, int k, int renorm, float* prob, bool weights = true) {
     __shared__ int ids[MOE_MAX_K];
     __shared__ float w[MOE_MAX_K];
-    __shared__ float total[2];  // the softmax's sum, the chosen weights' sum
-    if (threadIdx.x < 32) {
+    __shared__ float total;  // the chosen weights' sum
+    if (threadIdx.x < 32) {  // warp 0: the softmax, each lane's experts e = lane + 32 i
         const int lane = threadIdx.x;
         float m = -__int_as_float(0x7f800000);
         for (int e = lane; e < n_expert; e += 32) m = fmaxf(m, logits[e]);
@@ -37,14 +39,12 @@ __device__ MoeChoice moe_route(const float* __restrict__ logits, int n_expert, i
             s += p;
         }
         s = warp_sum(s);
-        if (lane == 0) total[0] = s;
+        for (int e = lane; e < n_expert; e += 32) prob[e] = __fdiv_rn(prob[e], s);  // the lane's own entries
     }
     if (threadIdx.x < k) {  // overwritten below unless NaN logits leave a rank empty
         ids[threadIdx.x] = threadIdx.x;
         w[threadIdx.x] = 0.f;
     }
-    __syncthreads();
-    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) prob[e] = __fdiv_rn(prob[e], total[0]);
     __syncthreads();
     // rank of expert e: the experts ahead of it, counted by tpe adjacent lanes (a power of two up to
     // 32: as many as the block has threads for), each over every tpe-th expert, summed by shuffles
@@ -68,14 +68,14 @@ __device__ MoeChoice moe_route(const float* __restrict__ logits, int n_expert, i
         }
     }
     __syncthreads();
-    if (renorm) {
+    if (renorm && weights) {
         if (threadIdx.x == 0) {
             float t = 0.f;
             for (int j = 0; j < k; ++j) t += w[j];
-            total[1] = t;
+            total = t;
         }
         __syncthreads();
-        if (threadIdx.x < k) w[threadIdx.x] = __fdiv_rn(w[threadIdx.x], total[1]);
+        if (threadIdx.x < k) w[threadIdx.x] = __fdiv_rn(w[threadIdx.x], total);
         __syncthreads();
     }
     return {ids, w};
