@@ -169,11 +169,12 @@ def upload_experts(mem, up, mf: ModelFile, cfg: ModelConfig) -> dict:
 
 
 def compile_jobs(mf: ModelFile, cfg: ModelConfig, o) -> list:
-    """compile.module() arguments of the moe.cu and moe_gemv.cu kernels a model launches (ops.Ops
+    """compile.module() arguments of the MoE kernels a model launches (kernels_cu/moe*.cu; ops.Ops
     `o`'s defines): none for a dense model; moe_topk, moe_combine, the expert product of each
     expert and router tensor type of every layer (Experts.kernel; Q4_K_M mixes Q4_K and Q6_K down
-    experts), the SwiGLU instance where gate and up fuse (fused_glu), and decode's moe_router
-    and moe_down_combine where a layer's decode step fuses (decode_fusable). Raises
+    experts), the SwiGLU instance where gate and up fuse (fused_glu), prefill's moe_group and
+    grouped products for quantized experts, and decode's moe_router and moe_down_combine where a
+    layer's decode step fuses (decode_fusable). Raises
     UnsupportedModelError for more than MOE_MAX_K experts per token."""
     from .kernel_names import GROUP_OF
 
@@ -189,15 +190,15 @@ def compile_jobs(mf: ModelFile, cfg: ModelConfig, o) -> list:
         kernels.update(x.kernel for x in e.values())
         if fused_glu(e["ffn_gate_exps"], e["ffn_up_exps"], cfg.activation):
             kernels.add(("moe_gemv.cu", moe_q8_name(QUANT[e["ffn_gate_exps"].ggml_type].decoder, glu=True)))
-        down = e["ffn_down_exps"]
-        if all(x.kernel[0] == "moe_gemv.cu" for x in (e["ffn_gate_exps"], e["ffn_up_exps"], e["ffn_down_exps"])):
-            glu = fused_glu(e["ffn_gate_exps"], e["ffn_up_exps"], cfg.activation)
-            kernels.update(("moe_grouped.cu", n) for n in ("moe_group", moe_grouped_name(QUANT[e["ffn_down_exps"].ggml_type].decoder),
-                                                           *(moe_grouped_name(QUANT[e[t].ggml_type].decoder, glu)
-                                                             for t in ("ffn_gate_exps", "ffn_up_exps"))))
+        gate, up, down = (e[n] for n in EXPERT_TENSORS[1:])
+        decoder = lambda x: QUANT[x.ggml_type].decoder  # noqa: E731
+        if all(x.kernel[0] == "moe_gemv.cu" for x in (gate, up, down)):  # prefill's grouped products
+            glu = fused_glu(gate, up, cfg.activation)
+            kernels.update(("moe_grouped.cu", n) for n in ("moe_group", moe_grouped_name(decoder(down)),
+                                                           moe_grouped_name(decoder(gate), glu), moe_grouped_name(decoder(up), glu)))
         router = tensors["ffn_gate_inp"].ggml_type
-        if decode_fusable(cfg, e["ffn_gate_exps"], e["ffn_up_exps"], down, router in FLOAT, bool(cfg.n_ff_shexp)):
-            kernels.update((("moe.cu", router_name(router)), ("moe_down.cu", moe_down_name(QUANT[down.ggml_type].decoder))))
+        if decode_fusable(cfg, gate, up, down, router in FLOAT, bool(cfg.n_ff_shexp)):
+            kernels.update((("moe.cu", router_name(router)), ("moe_down.cu", moe_down_name(decoder(down)))))
     return [(f, GROUP_OF[(f, name)], o._defines()) for f, name in sorted(kernels)]
 
 
@@ -240,6 +241,8 @@ def gathered(o, e: Experts, ids, x, x_div: int, x_stride: int, y, n_slots: int, 
                          "cannot run as one launch: both must be of one quantized type and shape")
     if (route is not None or norm is not None) and up is None:
         raise ValueError("a routed or normalized gathered product is the SwiGLU launch: pass up")
+    if route is not None and not 1 <= n_slots <= min(MOE_MAX_K, route.n_expert):
+        raise ValueError(f"a routed launch takes one token's k slots (1 to {MOE_MAX_K}, at most n_expert), got {n_slots}")
     if f == "moe.cu":
         args = (e.data, np.int64(e.expert_bytes), ids, x, np.int32(x_div), np.int64(x_stride), y, np.int32(n_out), np.int32(n_in))
         blocks = max(1, min(-(-n_out // ROW_WARPS), 1024 // max(1, n_slots) + 1))

@@ -19,6 +19,7 @@ from .quant_kernels import QUANT
 
 GROUP_THREADS = 1024  # moe_group: one block
 GROUPED_MIN_TOKENS = 9  # chunks of fewer tokens (the verify step's up to 8) keep moe.gathered
+MAX_ITEMS = 65535  # CUDA's limit on gridDim.y: moe_gemv_grouped's items (a 512-token chunk of 8 of 128 experts: 640)
 ROW_PASSES = 4  # moe_gemv_grouped: rows each lane group of a warp takes per item (blocks per item from it)
 
 
@@ -37,10 +38,12 @@ def applies(e, n_tok: int) -> bool:
 def group(o, ids, n_slots: int, n_expert: int, items, order) -> None:
     """Order the slots by expert: ids (n_slots,) int32 (each < n_expert) -> items (at least
     max_items(n_slots, n_expert), 4) int32 rows (expert, first, count, 0), order (n_slots,)
-    int32. o: the ops.Ops that launches it. Raises ValueError when items is too short."""
+    int32. o: the ops.Ops that launches it. Raises ValueError when items or order is too short or
+    the items would pass CUDA's grid limit."""
     need = max_items(n_slots, n_expert)
-    if items.shape[0] < need or order.shape[0] < n_slots:
-        raise ValueError(f"moe_group needs {need} items and {n_slots} order entries, got {items.shape[0]} and {order.shape[0]}")
+    if items.shape[0] < need or order.shape[0] < n_slots or need > MAX_ITEMS:
+        raise ValueError(f"moe_group needs {need} items (at most {MAX_ITEMS}) and {n_slots} order entries, got {items.shape[0]} "
+                         f"and {order.shape[0]}")
     o._launch("moe_grouped.cu", "moe_group", (1,), (GROUP_THREADS,),
               (ids, np.int32(n_slots), np.int32(n_expert), np.int32(MOE_GROUP_TOKENS), np.int32(need), items, order),
               shared_mem=12 * n_expert, pdl=False)
