@@ -360,15 +360,18 @@ def test_group_orders_every_slot_once_in_items_of_one_expert(o, n_slots, E):
         assert len(used[used[:, 0] == e]) == -(-c // mg.MOE_GROUP_TOKENS)
 
 
+@pytest.mark.parametrize("passes", [None, 1])  # the default, and one row pass per lane group: several blocks an item
 @pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q5_K, T.Q8_0, T.Q4_0], ids=lambda t: t.name)
-def test_grouped_products_are_the_gathered_ones(o, ggml_type, glu):
+def test_grouped_products_are_the_gathered_ones(o, ggml_type, glu, passes, monkeypatch):
     """moe_gemv_grouped against moe_gemv_q8 (itself bit for bit gemv's): every slot's y within 1e-5
     relative (the same 8-bit dot products summed in another order), over slots of experts chosen
     0 to ~60 times (items of 8 and part-filled ones), x_div 8 (gate/up) or 1 (down); rows of 768
     (lane groups of 4, 8 rows a warp) and 512 weights."""
     from k4.runtime.cuda import moe_grouped as mg
 
+    if passes:
+        monkeypatch.setattr(mg, "ROW_PASSES", passes)
     E, rows, n_in, n_tok, k = 12, 136, 768 if glu else 512, 61, 8
     x_div = 8 if glu else 1
     seed = zlib.crc32(f"grouped {ggml_type.name} {glu}".encode())
