@@ -49,16 +49,7 @@ __device__ __forceinline__ void quantize_row_unit(const float* __restrict__ x, i
     const int n_units = n_in >> 4;
     const bool ok = f < n_tok * n_units;
     const int t = ok ? f / n_units : 0, u = ok ? f - t * n_units : 0;
-    const float4* xu = reinterpret_cast<const float4*>(x + (i64)t * x_stride) + 4 * u;
-    float v[16];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const float4 g = ok ? __ldg(xu + k) : make_float4(0.f, 0.f, 0.f, 0.f);
-        v[4 * k] = g.x; v[4 * k + 1] = g.y; v[4 * k + 2] = g.z; v[4 * k + 3] = g.w;
-    }
-    u8* xq = q8 + (i64)t * q8x_bytes(n_in);
-    float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
-    q8_unit(v, ok, u, swz, xq, xd, xd + q8x_d_floats(n_in));
+    q8_row_unit(x + (i64)t * x_stride, n_in, u, ok, swz, q8 + (i64)t * q8x_bytes(n_in));
 }
 
 // X (n_tok rows as above) quantized into n_tok q8 x vectors q8x_bytes(n_in) apart at q8 (shared

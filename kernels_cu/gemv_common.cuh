@@ -165,3 +165,19 @@ __host__ __device__ constexpr bool q8x_layout_agrees() {
     return true;
 }
 static_assert(q8x_layout_agrees(), "the q8 x layout differs from runtime/cuda/constants.py q8x_offsets");
+
+// Quantize unit u (values 16u .. 16u + 15) of one row of x (n_in floats at row, 16-byte aligned)
+// into that row's q8 x at q (q8x_bytes(n_in) bytes, the layout quantize_x leaves), swizzle swz:
+// the bits quantize_x gives. The same pairing rule as q8_unit: units 2i and 2i + 1 in adjacent
+// lanes, every lane calling (ok false: a lane with no unit, nothing read or stored).
+__device__ __forceinline__ void q8_row_unit(const float* __restrict__ row, int n_in, int u, bool ok, int swz, u8* q) {
+    const float4* xu = reinterpret_cast<const float4*>(row) + 4 * u;
+    float v[16];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float4 a = ok ? __ldg(xu + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[4 * k] = a.x; v[4 * k + 1] = a.y; v[4 * k + 2] = a.z; v[4 * k + 3] = a.w;
+    }
+    float* d = reinterpret_cast<float*>(q + q8x_bytes_q(n_in));
+    q8_unit(v, ok, u, swz, q, d, d + q8x_d_floats(n_in));
+}

@@ -54,15 +54,7 @@ moe_down_combine(const u8* __restrict__ w,        // (n_expert, n_out, n_in) in 
         const int t = base + threadIdx.x;
         const bool ok = t < units;
         const int js = ok ? t / n_units : 0, u = ok ? t - js * n_units : 0;
-        float v[16];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const float4 f = ok ? __ldg(reinterpret_cast<const float4*>(x + (i64)js * n_in) + 4 * u + q) : make_float4(0.f, 0.f, 0.f, 0.f);
-            v[4 * q] = f.x; v[4 * q + 1] = f.y; v[4 * q + 2] = f.z; v[4 * q + 3] = f.w;
-        }
-        u8* q8 = reinterpret_cast<u8*>(smem) + js * xb;
-        float* d = reinterpret_cast<float*>(q8 + q8x_bytes_q(n_in));
-        q8_unit(v, ok, u, T::x_swizzle, q8, d, d + q8x_d_floats(n_in));
+        q8_row_unit(x + (i64)js * n_in, n_in, u, ok, T::x_swizzle, reinterpret_cast<u8*>(smem) + js * xb);
     }
     __syncthreads();
     u8* xq = reinterpret_cast<u8*>(smem) + j * xb;

@@ -119,16 +119,7 @@ moe_gemv_grouped(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T'
         const int f = base + threadIdx.x;
         const bool ok = f < n_tok * n_units;
         const int t = ok ? f / n_units : 0, u = ok ? f - t * n_units : 0;
-        const float4* xu = reinterpret_cast<const float4*>(x + (i64)(slot[t] / x_div) * x_stride) + 4 * u;
-        float v[16];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const float4 a = ok ? __ldg(xu + k) : make_float4(0.f, 0.f, 0.f, 0.f);
-            v[4 * k] = a.x; v[4 * k + 1] = a.y; v[4 * k + 2] = a.z; v[4 * k + 3] = a.w;
-        }
-        u8* xq = q8 + t * q8x_bytes(n_in);
-        float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
-        q8_unit(v, ok, u, T::x_swizzle, xq, xd, xd + q8x_d_floats(n_in));
+        q8_row_unit(x + (i64)(slot[t] / x_div) * x_stride, n_in, u, ok, T::x_swizzle, q8 + t * q8x_bytes(n_in));
     }
     __syncthreads();
 

@@ -4,8 +4,8 @@ multiplies each slot by its expert's matrix on its own, so an expert chosen by 3
 rows read 30 times. Here moe_group orders the slots by expert into work items of up to
 MOE_GROUP_TOKENS slots of one expert, and moe_gemv_grouped multiplies each item's slots reading
 the expert's rows once (8-bit x, dp4a). Each slot's output is moe.gathered's within float32
-rounding (the same dot products summed in another order). All on the device: the items follow the ids moe_topk wrote, no host round trip,
-so prefill chunks stay capturable as graphs.
+rounding (the same dot products summed in another order). All on the device: the items follow
+the ids moe_topk wrote, no host round trip, so prefill chunks stay capturable as graphs.
 """
 
 from __future__ import annotations
