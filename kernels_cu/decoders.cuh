@@ -30,7 +30,7 @@ __device__ __forceinline__ void get_scale_min_k4(int p, u32 s0, u32 s1, u32 s2, 
 // Values written by dequant round exactly as the gguf package's numpy dequantize does.
 
 struct type_q4_K {
-    static constexpr int block_bytes = sizeof(block_q4_K), block_elems = QK_K, chunk_elems = 64;
+    static constexpr int block_bytes = sizeof(block_q4_K), block_elems = QK_K, chunk_elems = K4_CHUNK_Q4_K;
     static constexpr int raw_align = 16, x_swizzle = K4_X_SWIZZLE_Q4_K;
     static constexpr bool handoff = K4_HANDOFF_Q4_K;  // gemv.cu: its SwiGLU instance can write a q8 y
     // groups: d, dmin and scales (16 bytes) | qs
@@ -78,7 +78,7 @@ struct type_q4_K {
 static_assert(cuts_are<type_q4_K>(K4_GROUPS_Q4_K), "type_q4_K::cut: runtime/cuda/constants.py has other planar groups");
 
 struct type_q5_K {
-    static constexpr int block_bytes = sizeof(block_q5_K), block_elems = QK_K, chunk_elems = 64;
+    static constexpr int block_bytes = sizeof(block_q5_K), block_elems = QK_K, chunk_elems = K4_CHUNK_Q5_K;
     static constexpr int raw_align = 16, x_swizzle = K4_X_SWIZZLE_Q5_K;
     static constexpr bool handoff = K4_HANDOFF_Q5_K;  // gemv.cu: its SwiGLU instance can write a q8 y
     // groups: d, dmin and scales (16 bytes) | qh | qs
@@ -145,7 +145,7 @@ static_assert(cuts_are<type_q5_K>(K4_GROUPS_Q5_K), "type_q5_K::cut: runtime/cuda
 #endif
 
 struct type_q6_K {
-    static constexpr int block_bytes = sizeof(block_q6_K), block_elems = QK_K, chunk_elems = 64;
+    static constexpr int block_bytes = sizeof(block_q6_K), block_elems = QK_K, chunk_elems = K4_CHUNK_Q6_K;
     static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_Q6_K;
     static constexpr bool handoff = K4_HANDOFF_Q6_K;  // gemv.cu: its SwiGLU instance can write a q8 y
     // groups: ql | qh | scales | d
@@ -209,7 +209,7 @@ struct type_q6_K {
 static_assert(cuts_are<type_q6_K>(K4_GROUPS_Q6_K), "type_q6_K::cut: runtime/cuda/constants.py has other planar groups");
 
 struct type_q8_0 {
-    static constexpr int block_bytes = sizeof(block_q8_0), block_elems = QK8_0, chunk_elems = 32;
+    static constexpr int block_bytes = sizeof(block_q8_0), block_elems = QK8_0, chunk_elems = K4_CHUNK_Q8_0;
     static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_Q8_0;
     static constexpr bool handoff = K4_HANDOFF_Q8_0;  // gemv.cu: its SwiGLU instance can write a q8 y
     // groups: d | qs
@@ -244,7 +244,7 @@ struct type_q8_0 {
 static_assert(cuts_are<type_q8_0>(K4_GROUPS_Q8_0), "type_q8_0::cut: runtime/cuda/constants.py has other planar groups");
 
 struct type_q5_0 {
-    static constexpr int block_bytes = sizeof(block_q5_0), block_elems = QK5_0, chunk_elems = 32;
+    static constexpr int block_bytes = sizeof(block_q5_0), block_elems = QK5_0, chunk_elems = K4_CHUNK_Q5_0;
     static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_Q5_0;
     static constexpr bool handoff = K4_HANDOFF_Q5_0;  // gemv.cu: its SwiGLU instance can write a q8 y
     // groups: d | qh | qs
@@ -288,7 +288,7 @@ struct type_q5_0 {
 static_assert(cuts_are<type_q5_0>(K4_GROUPS_Q5_0), "type_q5_0::cut: runtime/cuda/constants.py has other planar groups");
 
 struct type_q5_1 {
-    static constexpr int block_bytes = sizeof(block_q5_1), block_elems = QK5_1, chunk_elems = 32;
+    static constexpr int block_bytes = sizeof(block_q5_1), block_elems = QK5_1, chunk_elems = K4_CHUNK_Q5_1;
     static constexpr int raw_align = 4, x_swizzle = K4_X_SWIZZLE_Q5_1;
     static constexpr bool handoff = K4_HANDOFF_Q5_1;  // gemv.cu: its SwiGLU instance can write a q8 y
     // groups: d | m | qh | qs

@@ -57,7 +57,7 @@ static_assert(sizeof(block_iq4_nl) == K4_BLOCK_BYTES_IQ4_NL, "block_iq4_nl: gguf
 __device__ __forceinline__ int run_offset_k(int ci, int m) { return 256 * (ci >> 2) + 128 * ((ci >> 1) & 1) + 32 * m + 16 * (ci & 1); }
 
 struct type_q2_K {
-    static constexpr int block_bytes = sizeof(block_q2_K), block_elems = QK_K, chunk_elems = 64;
+    static constexpr int block_bytes = sizeof(block_q2_K), block_elems = QK_K, chunk_elems = K4_CHUNK_Q2_K;
     static constexpr int raw_align = 4, x_swizzle = K4_X_SWIZZLE_Q2_K;
     static constexpr bool handoff = K4_HANDOFF_Q2_K;  // gemv.cu: its SwiGLU instance can write a q8 y
     // groups: scales | qs | d dmin
@@ -107,7 +107,7 @@ struct type_q2_K {
 static_assert(cuts_are<type_q2_K>(K4_GROUPS_Q2_K), "type_q2_K::cut: runtime/cuda/constants.py has other planar groups");
 
 struct type_q3_K {
-    static constexpr int block_bytes = sizeof(block_q3_K), block_elems = QK_K, chunk_elems = 64;
+    static constexpr int block_bytes = sizeof(block_q3_K), block_elems = QK_K, chunk_elems = K4_CHUNK_Q3_K;
     static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_Q3_K;
     static constexpr bool handoff = K4_HANDOFF_Q3_K;  // gemv.cu: its SwiGLU instance can write a q8 y
     // groups: hmask | qs | scales | d
@@ -186,7 +186,7 @@ struct nibble32_block {
 };
 
 struct type_q4_0 : nibble32_block<type_q4_0, block_q4_0> {
-    static constexpr int block_bytes = sizeof(block_q4_0), block_elems = QK4_0, chunk_elems = 32;
+    static constexpr int block_bytes = sizeof(block_q4_0), block_elems = QK4_0, chunk_elems = K4_CHUNK_Q4_0;
     static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_Q4_0;
     static constexpr bool handoff = K4_HANDOFF_Q4_0;  // gemv.cu: its SwiGLU instance can write a q8 y
     template <int SWZ>
@@ -236,7 +236,7 @@ __device__ __forceinline__ uint4 iq4nl_lookup4(const uint4& q, int shift) {
 }
 
 struct type_iq4_xs {
-    static constexpr int block_bytes = sizeof(block_iq4_xs), block_elems = QK_K, chunk_elems = 64;
+    static constexpr int block_bytes = sizeof(block_iq4_xs), block_elems = QK_K, chunk_elems = K4_CHUNK_IQ4_XS;
     static constexpr int raw_align = 8, x_swizzle = K4_X_SWIZZLE_IQ4_XS;
     static constexpr bool handoff = K4_HANDOFF_IQ4_XS;  // gemv.cu: its SwiGLU instance can write a q8 y
     // groups: d, scales_h and scales_l (8 bytes) | qs
@@ -283,7 +283,7 @@ struct type_iq4_xs {
 static_assert(cuts_are<type_iq4_xs>(K4_GROUPS_IQ4_XS), "type_iq4_xs::cut: runtime/cuda/constants.py has other planar groups");
 
 struct type_iq4_nl : nibble32_block<type_iq4_nl, block_iq4_nl> {  // Q4_0's layout with IQ4_XS's values
-    static constexpr int block_bytes = sizeof(block_iq4_nl), block_elems = QK4_NL, chunk_elems = 32;
+    static constexpr int block_bytes = sizeof(block_iq4_nl), block_elems = QK4_NL, chunk_elems = K4_CHUNK_IQ4_NL;
     static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_IQ4_NL;
     static constexpr bool handoff = K4_HANDOFF_IQ4_NL;  // gemv.cu: its SwiGLU instance can write a q8 y
     template <int SWZ>

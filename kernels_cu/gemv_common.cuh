@@ -41,15 +41,16 @@ __device__ float rms_scale(const float* __restrict__ x, int n, float eps) {
 // memory): the int8 quants at unit slot x_unit_slot(u, swz) of xq, d at xd[u / 2] (written by the
 // even unit), d * sum of the quants at xs[u]. Units 2i and 2i+1 share one scale, so they must sit
 // in adjacent lanes of one warp, every lane of which calls this (ok false: a lane with no unit).
-__device__ __forceinline__ void q8_unit(const float (&v)[16], bool ok, int u, int swz, u8* xq, float* xd, float* xs) {
+// The arithmetic of q8_unit (and mma8_common.cuh's x staging): the 16 values v of a unit as int8
+// quants, four to a word in packed, their sum in sum; returns the scale d, max |x| / 127 over the
+// unit and its partner in the adjacent lane (every lane of the warp calls it).
+__device__ __forceinline__ float q8_pack16(const float (&v)[16], u32 (&packed)[4], int& sum) {
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    const float d = amax * (1.f / 127.f);
     const float id = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;  // IEEE, as numpy rounds it
-    u32 packed[4];
-    int sum = 0;
+    sum = 0;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         packed[k] = 0;
@@ -60,6 +61,22 @@ __device__ __forceinline__ void q8_unit(const float (&v)[16], bool ok, int u, in
             packed[k] |= (u32)(q & 0xFF) << (8 * b);
         }
     }
+    return amax * (1.f / 127.f);
+}
+
+// 16 floats at p (16-byte aligned) into v, or zeros when !ok (p not read).
+__device__ __forceinline__ void load_unit16(const float* p, bool ok, float (&v)[16]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float4 a = ok ? __ldg(reinterpret_cast<const float4*>(p) + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[4 * k] = a.x; v[4 * k + 1] = a.y; v[4 * k + 2] = a.z; v[4 * k + 3] = a.w;
+    }
+}
+
+__device__ __forceinline__ void q8_unit(const float (&v)[16], bool ok, int u, int swz, u8* xq, float* xd, float* xs) {
+    u32 packed[4];
+    int sum;
+    const float d = q8_pack16(v, packed, sum);
     if (ok) {
         *reinterpret_cast<uint4*>(xq + 16 * x_unit_slot(u, swz)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
         xs[u] = d * (float)sum;
@@ -171,13 +188,8 @@ static_assert(q8x_layout_agrees(), "the q8 x layout differs from runtime/cuda/co
 // the bits quantize_x gives. The same pairing rule as q8_unit: units 2i and 2i + 1 in adjacent
 // lanes, every lane calling (ok false: a lane with no unit, nothing read or stored).
 __device__ __forceinline__ void q8_row_unit(const float* __restrict__ row, int n_in, int u, bool ok, int swz, u8* q) {
-    const float4* xu = reinterpret_cast<const float4*>(row) + 4 * u;
     float v[16];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const float4 a = ok ? __ldg(xu + k) : make_float4(0.f, 0.f, 0.f, 0.f);
-        v[4 * k] = a.x; v[4 * k + 1] = a.y; v[4 * k + 2] = a.z; v[4 * k + 3] = a.w;
-    }
+    load_unit16(row + 16 * u, ok, v);
     float* d = reinterpret_cast<float*>(q + q8x_bytes_q(n_in));
     q8_unit(v, ok, u, swz, q, d, d + q8x_d_floats(n_in));
 }

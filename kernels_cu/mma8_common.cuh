@@ -102,29 +102,9 @@ __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8
 #pragma unroll
             for (int k = 0; k < 4; ++k) sum = dp4a((int)q[k], 0x01010101, sum);
         } else {
-            const float4* src = reinterpret_cast<const float4*>(x + (i64)(ok ? tok : 0) * x_stride) + (ok ? 4 * (2 * s + h) : 0);
             float v[16];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const float4 g = ok ? __ldg(src + k) : make_float4(0.f, 0.f, 0.f, 0.f);
-                v[4 * k] = g.x; v[4 * k + 1] = g.y; v[4 * k + 2] = g.z; v[4 * k + 3] = g.w;
-            }
-            float amax = 0.f;
-#pragma unroll
-            for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-            d = amax * (1.f / 127.f);
-            const float id = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;  // as q8_unit
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                q[k] = 0;
-#pragma unroll
-                for (int b = 0; b < 4; ++b) {
-                    const int qi = __float2int_rn(v[4 * k + b] * id);
-                    sum += qi;
-                    q[k] |= (u32)(qi & 0xFF) << (8 * b);
-                }
-            }
+            load_unit16(x + (i64)(ok ? tok : 0) * x_stride + (ok ? 16 * (2 * s + h) : 0), ok, v);
+            d = q8_pack16(v, q, sum);  // q8_unit's arithmetic: the same bits
         }
         // xq bytes 0..15 of (s, tok) are words 0, 1 of both units (unit 0's first), 16..31 words 2, 3:
         // unit 0 keeps words 0, 1 and receives unit 1's; unit 1 keeps words 2, 3 and receives unit 0's

@@ -171,10 +171,16 @@ MOE_WARPS = 8
 MOE_MAX_K = 64
 
 
+def chunk_elems(t: T) -> int:
+    """Weights of one chunk of quantized type t, a lane's unit of work in the matrix kernels
+    (decoders.cuh T::chunk_elems, given as K4_CHUNK_<type>): 64, or the block when it is smaller."""
+    return min(64, _ggml(t)[0])
+
+
 def defines() -> tuple[str, ...]:
     """The -D options' values ("NAME=value") every kernels_cu module is compiled with: the
     constants above, each quantized type's weights and bytes per block (K4_QK_<type>,
-    K4_BLOCK_BYTES_<type>), planar groups (K4_GROUPS_<type>, a comma list), x_swizzle and
+    K4_BLOCK_BYTES_<type>), weights per chunk (K4_CHUNK_<type>), planar groups (K4_GROUPS_<type>, a comma list), x_swizzle and
     handoff, the IQ4 value table (K4_IQ4NL_VALUES), and tables of sizes computed here that
     constants.cuh compares with the kernels' formulas (K4_CHECK_*: flat lists of arguments, each
     followed by the result; lists as _list)."""
@@ -188,7 +194,7 @@ def defines() -> tuple[str, ...]:
         ("MMA8_STAGE_BYTES", MMA8_STAGE_BYTES), ("MMA8_STAGE_BYTES_Q6_K", MMA8_STAGE_BYTES_Q6_K))]
     for t, q in QUANT_LAYOUTS.items():
         elems, nbytes = _ggml(t)
-        out += [f"K4_QK_{t.name}={elems}", f"K4_BLOCK_BYTES_{t.name}={nbytes}",
+        out += [f"K4_QK_{t.name}={elems}", f"K4_BLOCK_BYTES_{t.name}={nbytes}", f"K4_CHUNK_{t.name}={chunk_elems(t)}",
                 f"K4_GROUPS_{t.name}={_list(q.groups)}", f"K4_X_SWIZZLE_{t.name}={q.x_swizzle}",
                 f"K4_HANDOFF_{t.name}={int(q.handoff)}"]
     tables = {

@@ -11,9 +11,8 @@ the ids moe_topk wrote, no host round trip, so prefill chunks stay capturable as
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES
 
-from .constants import q8x_bytes
+from .constants import chunk_elems, q8x_bytes
 from .kernel_names import MOE_GROUP_TOKENS, MOE_GROUPED_VARIANT, moe_grouped_name
 from .quant_kernels import QUANT
 
@@ -74,8 +73,7 @@ def grouped(o, e, items, order, n_items: int, x, x_div: int, x_stride: int, y, u
         from .launch import allow_shared
 
         allow_shared(o.function("moe_grouped.cu", name), smem)
-        chunk = 64 if GGML_QUANT_SIZES[e.ggml_type][0] == 256 else 32  # decoders.cuh chunk_elems
-        out_chunks, lps = (2 if glu else 1) * n_in // chunk, 1  # lanes per row, as the kernel chooses them
+        out_chunks, lps = (2 if glu else 1) * n_in // chunk_elems(e.ggml_type), 1  # lanes per row, as the kernel chooses them
         while lps < 32 and lps * u < out_chunks:
             lps *= 2
         rows_per_block = warps * (32 // lps) * ROW_PASSES
