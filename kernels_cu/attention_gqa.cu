@@ -47,7 +47,7 @@
 // group's splits). pos: (1,) int32, the query's position. split_len: keys per split, a multiple
 // of BK. scale, window, softcap, ring, fresh_*, *_store, q_norm, k_norm, inv_freq, rope_dim, neox, eps,
 // mscale: as attn_kv.
-template <int D, int BK, int S, class KT, class VT, bool COLS>
+template <int D, int BK, int S, class KT, class VT, bool COLS, bool I8K>
 __global__ void __launch_bounds__(GQA_THREADS, D > 128 ? 1 : S == 2 ? 3 : 2)  // S = 2: three blocks fit in shared memory
 attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
          const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d,
@@ -64,11 +64,12 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     constexpr int ROW_BYTES = 2 * DP;
     constexpr bool QREG = D <= 128;  // Q fragments live in registers
     constexpr int NKC = D / 16, NOC = D / 8;
-    using KPlane = k4gqa::Plane<KT, D, BK, S, ROW_BYTES>;
+    static_assert(!I8K || (COLS && KT::SCALED), "int8 q.k: the column instance over a q8_0 key plane");
+    using KPlane = k4gqa::Plane<KT, D, BK, S, ROW_BYTES, KT::SCALED, I8K>;
     using VPlane = k4gqa::Plane<VT, D, BK, S, ROW_BYTES>;
     static_assert(S >= 2, "at least one tile in flight while another is used");
     static_assert(4 * GQA_WARPS * 16 * (D + 2) <= KPlane::BYTES + VPlane::BYTES, "the warps' merge fits in the tiles' space");
-    static_assert(gqa_smem(D, BK, S, KT::SCALED, VT::SCALED) == 32 * DP + KPlane::BYTES + VPlane::BYTES + 4 * GQA_WARPS * D + 4 * D + D / 8,
+    static_assert(gqa_smem(D, BK, S, KT::SCALED, VT::SCALED, I8K) == 32 * DP + KPlane::BYTES + VPlane::BYTES + 4 * GQA_WARPS * D + 4 * D + D / 8,
                   "attention_sizes.cuh gqa_smem is this layout");
     extern __shared__ uint4 gqa_buf[];
     u16* Qs = reinterpret_cast<u16*>(gqa_buf);  // (16, DP) fp16 query rows, pre-scaled
@@ -142,7 +143,16 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
                                 tid, GQA_THREADS);
 
     u32 qf[QREG || COLS ? NKC : 1][COLS ? 2 : 4];  // Q's A fragments (rows; D <= 128), or Q^T's B fragments (COLS)
-    if constexpr (COLS) {
+    u32 q8f[I8K ? D / 32 : 1][2];                   // I8K: the 8-bit Q^T's B fragments and its scales
+    float2 qd2[I8K ? D / 32 : 1];
+    if constexpr (I8K) {  // scr is free again (the RoPE rows are in Qs)
+        auto* q8 = reinterpret_cast<signed char*>(scr);
+        float* qd = reinterpret_cast<float*>(q8 + 8 * (D + 16));
+        static_assert(8 * (D + 16) + 4 * 8 * (D / 32) <= 4 * GQA_WARPS * D, "the 8-bit query rows fit in scr");
+        k4gqa::cols_quantize_query<D, ROW_BYTES>(qs_base, q8, qd, tid);
+        __syncthreads();
+        k4gqa::cols_query_i8<D>(q8f, qd2, q8, qd, lane);
+    } else if constexpr (COLS) {
         k4gqa::cols_query<D, ROW_BYTES>(qf, qs_base, lane);
     } else if constexpr (QREG) {
 #pragma unroll
@@ -166,8 +176,9 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
         if (patch) {  // the token's key and value, as staged from the cache (after the dequantization's stores)
             if (KT::SCALED || VT::SCALED) __syncthreads();
             const int rp = p - j * BK;
+            if constexpr (I8K) kp.put_row(j, rp, kcur, kdcur, tid, GQA_THREADS);
             for (int i = tid; i < D / 8; i += GQA_THREADS) {
-                stage8_now<KT>(kb + (u32)(rp * ROW_BYTES + 16 * i), kcur, kdcur, (size_t)(8 * i));
+                if constexpr (!I8K) stage8_now<KT>(kb + (u32)(rp * ROW_BYTES + 16 * i), kcur, kdcur, (size_t)(8 * i));
                 stage8_now<VT>(vb + (u32)(rp * ROW_BYTES + 16 * i), vcur, vdcur, (size_t)(8 * i));
             }
         }
@@ -175,7 +186,13 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
         const int k0 = j * BK + kw;
         if (k0 >= end || k0 + 15 < begin) continue;  // none of the warp's 16 keys is visible
         if constexpr (COLS) {
-            k4gqa::cols_tile<D, ROW_BYTES>(o, m, l, qf, kb, vb, kw, k0, begin, end, softcap > 0.f ? cap2 : 0.f, lane);
+            float sc[4];
+            if constexpr (I8K) {
+                k4gqa::cols_scores_i8<D>(sc, q8f, qd2, kb, kp.scales(j), kw, lane);
+            } else {
+                k4gqa::cols_scores<D, ROW_BYTES>(sc, qf, kb, kw, lane);
+            }
+            k4gqa::cols_update<D, ROW_BYTES>(o, m, l, sc, vb, kw, k0, begin, end, softcap > 0.f ? cap2 : 0.f, lane);
             continue;
         }
 

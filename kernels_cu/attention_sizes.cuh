@@ -20,11 +20,12 @@ __host__ __device__ constexpr int mma_smem(int D, int BK) { return 2 * (D + 8) *
 // per plane S fp16 tiles of BK keys (fp16 cache), or S raw tiles (BK rows of D int8 quants, then
 // their fp16 scales, padded to 16 bytes) and one fp16 tile (q8_0 cache); a row of D floats per
 // warp; the fresh key and value (2 D bytes each at most) and their q8_0 scales (D / 16 bytes each).
-__host__ __device__ constexpr int gqa_plane_bytes(int D, int BK, int S, bool scaled) {
-    return scaled ? S * ((BK * D + BK * (D / 32) * 2 + 15) / 16 * 16) + BK * 2 * (D + 8) : S * BK * 2 * (D + 8);
+// I8 (keys read by int8 mma): a q8_0 plane's raw tiles only, rows of D + 16 bytes.
+__host__ __device__ constexpr int gqa_plane_bytes(int D, int BK, int S, bool scaled, bool i8 = false) {
+    return scaled ? S * ((BK * (i8 ? D + 16 : D) + BK * (D / 32) * 2 + 15) / 16 * 16) + (i8 ? 0 : BK * 2 * (D + 8)) : S * BK * 2 * (D + 8);
 }
-__host__ __device__ constexpr int gqa_smem(int D, int BK, int S, bool k_scaled, bool v_scaled) {
-    return 2 * (D + 8) * 16 + gqa_plane_bytes(D, BK, S, k_scaled) + gqa_plane_bytes(D, BK, S, v_scaled) + 4 * GQA_WARPS * D + 4 * D + D / 8;
+__host__ __device__ constexpr int gqa_smem(int D, int BK, int S, bool k_scaled, bool v_scaled, bool k_i8 = false) {
+    return 2 * (D + 8) * 16 + gqa_plane_bytes(D, BK, S, k_scaled, k_i8) + gqa_plane_bytes(D, BK, S, v_scaled) + 4 * GQA_WARPS * D + 4 * D + D / 8;
 }
 
 // The launcher's sizes (runtime/cuda/constants.py att_smem, tiled_smem, mma_smem) are these.
@@ -32,15 +33,15 @@ __host__ __device__ constexpr bool smem_sizes_agree() {
     constexpr int att[] = {K4_CHECK_ATT_SMEM};      // D, bytes
     constexpr int tiled[] = {K4_CHECK_TILED_SMEM};  // D, bytes
     constexpr int mma[] = {K4_CHECK_MMA_SMEM};      // D, BK, bytes
-    constexpr int gqa[] = {K4_CHECK_GQA_SMEM};      // D, BK, S, keys scaled, values scaled, bytes
+    constexpr int gqa[] = {K4_CHECK_GQA_SMEM};      // D, BK, S, keys scaled, values scaled, keys int8, bytes
     for (int i = 0; i < (int)(sizeof(att) / sizeof(int)); i += 2)
         if (att_smem(att[i]) != att[i + 1]) return false;
     for (int i = 0; i < (int)(sizeof(tiled) / sizeof(int)); i += 2)
         if (tiled_smem(tiled[i]) != tiled[i + 1]) return false;
     for (int i = 0; i < (int)(sizeof(mma) / sizeof(int)); i += 3)
         if (mma_smem(mma[i], mma[i + 1]) != mma[i + 2]) return false;
-    for (int i = 0; i < (int)(sizeof(gqa) / sizeof(int)); i += 6)
-        if (gqa_smem(gqa[i], gqa[i + 1], gqa[i + 2], gqa[i + 3], gqa[i + 4]) != gqa[i + 5]) return false;
+    for (int i = 0; i < (int)(sizeof(gqa) / sizeof(int)); i += 7)
+        if (gqa_smem(gqa[i], gqa[i + 1], gqa[i + 2], gqa[i + 3], gqa[i + 4], gqa[i + 5]) != gqa[i + 6]) return false;
     return true;
 }
 static_assert(smem_sizes_agree(), "a shared-memory size differs from runtime/cuda/constants.py");

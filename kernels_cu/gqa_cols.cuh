@@ -35,13 +35,10 @@ __device__ __forceinline__ void cols_query(u32 (&qb)[D / 16][2], u32 qs_base, in
                 qb[kc + 1][1]);
 }
 
-// One warp's 16 keys (kw .. kw + 15 of the fp16 tiles kb, vb; absolute k0 .. k0 + 15, visible in
-// [begin, end)) into the online softmax state of queries 2t, 2t + 1: m, l and O^T (o[i]: dims
-// 16i + g and 16i + g + 8). cap2: the soft-cap in log2 units (0: none).
+// S^T of one warp's 16 keys (kw .. kw + 15 of the fp16 key tile kb) and the group's queries
+// (qb): sc[e] is key kw + g + 8 (e >> 1), query 2t + (e & 1), in log2 units.
 template <int D, int ROW_BYTES>
-__device__ __forceinline__ void cols_tile(float (&o)[D / 16][4], float (&m)[2], float (&l)[2], const u32 (&qb)[D / 16][2],
-                                          u32 kb, u32 vb, int kw, int k0, int begin, int end, float cap2, int lane) {
-    const int g = lane >> 2;
+__device__ __forceinline__ void cols_scores(float (&sc)[4], const u32 (&qb)[D / 16][2], u32 kb, int kw, int lane) {
     float s2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // two chains of mma: even and odd chunks
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {
@@ -49,11 +46,100 @@ __device__ __forceinline__ void cols_tile(float (&o)[D / 16][4], float (&m)[2], 
         ldsm_x4(kb + (u32)((kw + (lane & 15)) * ROW_BYTES + 2 * (16 * kc + 8 * (lane >> 4))), a[0], a[1], a[2], a[3]);
         mma16816(s2[kc & 1], a, qb[kc][0], qb[kc][1]);
     }
-    float sc[4];  // S^T: keys k0 + g (e = 0, 1) and k0 + g + 8 (e = 2, 3); queries 2t + (e & 1)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sc[e] = s2[0][e] + s2[1][e];
+}
+
+// The group's query rows 0 .. 7 at qs_base (fp16, rows ROW_BYTES apart; rows past the group zero)
+// quantized to 8 bits per 32 dims for q.k on int8 tensor cores over a q8_0 key plane (I8K), as
+// llama.cpp's vector kernels quantize q for quantized keys: d = max |q| / 127, q8 = round(q / d)
+// (the float32 rounding tests/attention_ref.py gqa_int8_queries emulates). Threads tid < 8 D / 32
+// of the block each take one (row, 32 dims) into q8 (8 rows of D + 16 bytes) and qd (8 rows of
+// D / 32 floats), both in shared memory; the caller syncs the block before reading them.
+template <int D, int ROW_BYTES>
+__device__ __forceinline__ void cols_quantize_query(u32 qs_base, signed char* q8, float* qd, int tid) {
+    constexpr int NB = D / 32;
+    if (tid >= 8 * NB) return;
+    const int r = tid / NB, b = tid % NB;
+    float v[32], amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint4 w = ld_shared16(qs_base + (u32)(r * ROW_BYTES + 2 * (32 * b + 8 * i)));
+        const u32 h[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            v[8 * i + k] = f16_to_f32((u16)(h[k / 2] >> (16 * (k & 1))));
+            amax = fmaxf(amax, fabsf(v[8 * i + k]));
+        }
+    }
+    const float d = __fdiv_rn(amax, 127.f);  // IEEE divisions whatever --use_fast_math: the test emulates them
+    u32 packed[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        u32 w = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int qi = d > 0.f ? __float2int_rn(__fdiv_rn(v[4 * i + k], d)) : 0;
+            w |= (u32)(qi & 0xff) << (8 * k);
+        }
+        packed[i] = w;
+    }
+    uint4* dst = reinterpret_cast<uint4*>(q8 + r * (D + 16) + 32 * b);
+    dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    qd[r * NB + b] = d;
+}
+
+// B fragments of the quantized Q^T for m16n8k32 (D / 32 chunks of 32 dims x 8 queries: dims 32kc +
+// 4t .. +3 (qb[kc][0]) and 32kc + 16 + 4t .. +3 (qb[kc][1]) of query g) and the scales of this
+// lane's accumulator columns, queries 2t and 2t + 1 (qd2[kc]), from cols_quantize_query's output.
+template <int D>
+__device__ __forceinline__ void cols_query_i8(u32 (&qb)[D / 32][2], float2 (&qd2)[D / 32], const signed char* q8, const float* qd,
+                                              int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int kc = 0; kc < D / 32; ++kc) {
+        qb[kc][0] = *reinterpret_cast<const u32*>(q8 + g * (D + 16) + 32 * kc + 4 * t);
+        qb[kc][1] = *reinterpret_cast<const u32*>(q8 + g * (D + 16) + 32 * kc + 16 + 4 * t);
+        qd2[kc] = make_float2(qd[(2 * t) * (D / 32) + kc], qd[(2 * t + 1) * (D / 32) + kc]);
+    }
+}
+
+// cols_scores over a raw q8_0 key tile (kq: quants, rows D + 16 bytes apart; ksc: their fp16
+// scales, D / 16 bytes a row) on int8 tensor cores: per 32 dims one m16n8k32 of exact int32 sums,
+// times the key's and the query's scales.
+template <int D>
+__device__ __forceinline__ void cols_scores_i8(float (&sc)[4], const u32 (&qb)[D / 32][2], const float2 (&qd2)[D / 32], u32 kq,
+                                               u32 ksc, int kw, int lane) {
+    const int g = lane >> 2;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sc[e] = 0.f;
+#pragma unroll
+    for (int kc = 0; kc < D / 32; ++kc) {
+        u32 a0, a1, a2, a3;  // keys kw .. +15 (rows), dims 32kc .. +31: ldmatrix's 8x8 b16 matrices are A's 8x16 bytes
+        ldsm_x4(kq + (u32)((kw + (lane & 15)) * (D + 16) + 32 * kc + 16 * (lane >> 4)), a0, a1, a2, a3);
+        int c[4];
+        mma16832_s8(c, a0, a1, a2, a3, qb[kc][0], qb[kc][1]);
+        const float d0 = f16_to_f32(ld_shared_u16(ksc + (u32)((kw + g) * (D / 16) + 2 * kc)));
+        const float d1 = f16_to_f32(ld_shared_u16(ksc + (u32)((kw + g + 8) * (D / 16) + 2 * kc)));
+        sc[0] += (float)c[0] * (d0 * qd2[kc].x);
+        sc[1] += (float)c[1] * (d0 * qd2[kc].y);
+        sc[2] += (float)c[2] * (d1 * qd2[kc].x);
+        sc[3] += (float)c[3] * (d1 * qd2[kc].y);
+    }
+}
+
+// One warp's 16 keys, their scores sc (cols_scores) and values (kw .. kw + 15 of the fp16 value
+// tile vb; absolute keys k0 .. k0 + 15, visible in [begin, end)) into the online softmax state of
+// queries 2t, 2t + 1: m, l and O^T (o[i]: dims 16i + g and 16i + g + 8). cap2: the soft-cap in
+// log2 units (0: none).
+template <int D, int ROW_BYTES>
+__device__ __forceinline__ void cols_update(float (&o)[D / 16][4], float (&m)[2], float (&l)[2], float (&sc)[4], u32 vb, int kw, int k0,
+                                            int begin, int end, float cap2, int lane) {
+    const int g = lane >> 2;
     const bool edge = k0 < begin || k0 + 15 >= end;  // some of the 16 keys are not visible
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-        sc[e] = s2[0][e] + s2[1][e];
         if (cap2 > 0.f) sc[e] = cap2 * k4ops::tanh_f32(sc[e] / cap2);
         const int key = k0 + g + 8 * (e >> 1);
         if (edge && (key < begin || key >= end)) sc[e] = -k4ops::inf_f32();

@@ -65,6 +65,20 @@ __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// d = a (16x32 s8, row) * b (32x8 s8, col), exact int32 (PTX ISA, "Matrix Fragments for
+// mma.m16n8k32": lane 4g + t holds A rows g (a0, a2) and g + 8 (a1, a3), bytes 4t .. 4t + 3 of
+// columns 0-15 (a0, a1) and 16-31 (a2, a3); B column g, rows 4t .. 4t + 3 (b0) and 16 + 4t ..
+// (b1); D as mma16816's accumulator).
+__device__ __forceinline__ void mma16832_s8(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+}
+
+__device__ __forceinline__ void st_shared_u16(u32 dst, u16 v) {
+    asm volatile("st.shared.u16 [%0], %1;" ::"r"(dst), "h"(v) : "memory");
+}
+
 // 16 bytes to shared memory at dst.
 __device__ __forceinline__ void st_shared16(u32 dst, uint4 v) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");

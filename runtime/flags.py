@@ -41,6 +41,7 @@ FLAGS: dict[str, Flag] = {
         Flag("K4_MMA_ATTN", 1, "Prefill attention on tensor cores (mma.sync fp16, f32 accumulate); 0 uses the CUDA-core tiles of K4_TILED_ATTN."),
         Flag("K4_GQA_MMA", 1, "Decode attention of grouped-query models with 4 or more query heads per KV head on tensor cores past 4,096 keys: the query heads of a KV head as the rows of one mma tile, each key and value read once for them; 0 uses one block per query head at every depth."),
         Flag("K4_GQA_COLS", 1, "With K4_GQA_MMA, a group of up to 8 query heads per KV head as the 8 columns of the mma tiles (keys as the rows: half the tensor-core work and accumulators of 4 query heads in 16 rows); 0 puts them in the rows."),
+        Flag("K4_GQA_INT8", 1, "With K4_GQA_COLS and a q8_0 key cache (-ctk q8_0), q.k on int8 tensor cores: the keys' quants as stored, the query quantized to 8 bits per 32 dims (as llama.cpp's vector kernels do for quantized keys); 0 dequantizes the keys to fp16 first."),
         Flag("K4_TILED_ATTN", 1, "Prefill attention in tiles of 32 queries x 64 keys staged in shared memory (keys read once per tile, not per query)."),
         Flag("K4_PREFILL_GRAPH", 1, "Replay full prefill chunks as CUDA graphs (cuBLAS through k4's own handle); 0 launches every kernel from Python."),
         Flag("K4_SWA_RING", 1, "Keep a sliding-window layer's KV cache (Gemma) as a ring of its window plus one prefill chunk of positions (rounded up to a power of two); 0 keeps the whole context on every layer (llama.cpp's --swa-full)."),

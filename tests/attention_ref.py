@@ -58,15 +58,32 @@ def attention_reference(q, kc, vc, pos0):
     return out
 
 
-# The kernel choices a decode query (n_tok = 1) runs with, as (mma, tiled, gqa, gqa_cols) switches
-# of Ops: attn_gqa twice where the shape has an instance (the tickets must reset; its column
-# instance for groups of up to 8), its row instance, then attn_kv; several queries run each
-# prefill kernel (mma, tiled, neither).
-DECODE_KERNELS = [(False, True, True, True), (False, True, True, True), (False, True, True, False), (False, True, False, True)]
-PREFILL_KERNELS = [(True, True, True, True), (False, True, True, True), (False, False, True, True)]
+# The kernel choices a decode query (n_tok = 1) runs with, as (mma, tiled, gqa, gqa_cols, gqa_int8)
+# switches of Ops: attn_gqa twice where the shape has an instance (the tickets must reset; its
+# column instance for groups of up to 8, over q8_0 keys by int8 mma), the column instance with
+# q8_0 keys dequantized, its row instance, then attn_kv; several queries run each prefill kernel
+# (mma, tiled, neither).
+DECODE_KERNELS = [(False, True, True, True, True), (False, True, True, True, True), (False, True, True, True, False),
+                  (False, True, True, False, True), (False, True, False, True, True)]
+PREFILL_KERNELS = [(True, True, True, True, True), (False, True, True, True, True), (False, False, True, True, True)]
 # a split length both decode kernels take: attn_gqa's tile, a multiple of attn_kv's ATT_SPLIT_KEYS
 # (checked in check_attention_kernels; attention_launch needs CuPy, kernel_names does not)
 SPLIT_KEYS = max(GQA_TILE_KEYS.values())
+
+
+def gqa_int8_queries(q: np.ndarray, scale: float) -> np.ndarray:
+    """The queries q (..., D) float32 as attn_gqa's I8K instance multiplies them with the keys
+    (kernels_cu/gqa_cols.cuh cols_quantize_query), in the units of q, float64: q times the query
+    scale and log2(e) in float32, rounded to fp16, then per 32 dims d = max |v| / 127 and
+    round(v / d) (float32, ties to even), times d; the kernel exponentiates base 2 the scores of
+    these, so ln 2 / scale turns them back into q's units for a reference that scales by `scale`
+    and exponentiates base e."""
+    qscale = np.float32(scale) * np.float32(1.4426950408889634)
+    v = (q.astype(np.float32) * qscale).astype(np.float16).astype(np.float32)
+    blocks = v.reshape(*v.shape[:-1], -1, 32)
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    qi = np.rint(np.divide(blocks, d, out=np.zeros_like(blocks), where=d > 0))
+    return (qi.astype(np.float64) * d.astype(np.float64)).reshape(q.shape) * (np.log(2.0) / float(np.float32(scale)))
 
 
 def tensor_cores(ops, n_tok: int, D: int, group: int) -> bool:
@@ -75,7 +92,8 @@ def tensor_cores(ops, n_tok: int, D: int, group: int) -> bool:
     return ops.attention_kernel(n_tok, D, group=group).startswith(("attn_mma", "attn_gqa"))
 
 
-def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, split: bool, want: np.ndarray, **options) -> None:
+def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, split: bool, want: np.ndarray,
+                            reference=None, **options) -> None:
     """ops.attention (runtime/cuda/attention_launch.py) on q (n_tok, n_head, D) float32 and the
     device planes kc, vc (n_ctx rows, n_head_kv heads) with every kernel that serves the shape,
     each output poisoned (NaN) first and compared with want (n_tok, n_head, D): several queries
@@ -83,12 +101,15 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
     SPLIT_KEYS multiples) through attn_gqa twice (so the split tickets must reset) where the
     shape has an instance (the column instance for groups of up to 8), its row instance, then
     attn_kv. Relative L2 limits: MMA_ATTN_REL_L2 for the tensor-core
-    kernels, ATTN_REL_L2 otherwise. options: ops.attention's keywords (scales, shape). Leaves ops
+    kernels, ATTN_REL_L2 otherwise; the instance that rounds the query to 8 bits (q8_0 keys by
+    int8 mma) is compared with reference(gqa_int8_queries(q, scale)) instead of want (reference:
+    want's function of the queries; required with a q8_0 key plane). options: ops.attention's keywords (scales, shape). Leaves ops
     with the `ops` fixture's kernel choice (mma, tiled and gqa on), whatever failed. attn_gqa runs
     for every group it takes (2 and up), below the selector's gqa_min_group too."""
     import cupy as cp
 
     from k4.runtime.cuda.attention_launch import ATT_SPLIT_KEYS, attention_split
+    from k4.runtime.kv_types import KVTypes
 
     assert SPLIT_KEYS % ATT_SPLIT_KEYS == 0 and all(SPLIT_KEYS % bk == 0 for bk in GQA_TILE_KEYS.values())
     n_tok, n_head, D = q.shape
@@ -96,15 +117,22 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
     n_split, split_len = attention_split(n_ctx, split, keys=SPLIT_KEYS)
     part = cp.empty((n_tok, n_head, n_split, D + 2), cp.float32) if n_split > 1 else None
     ticket = cp.zeros(n_tok * n_head, cp.int32)
+    kv = KVTypes(*("q8_0" if p.dtype == cp.int8 else "f16" for p in (kc, vc)))
+    shape = options.get("shape")
+    scale = 1.0 / np.sqrt(D) if shape is None or shape.scale is None else shape.scale
     min_group, ops.gqa_min_group = ops.gqa_min_group, 2
     try:
-        for mma, tiled, gqa, cols in PREFILL_KERNELS if n_tok > 1 else DECODE_KERNELS:
-            ops.mma, ops.tiled, ops.gqa, ops.gqa_cols = mma, tiled, gqa, cols
+        for mma, tiled, gqa, cols, int8 in PREFILL_KERNELS if n_tok > 1 else DECODE_KERNELS:
+            ops.mma, ops.tiled, ops.gqa, ops.gqa_cols, ops.gqa_int8 = mma, tiled, gqa, cols, int8
             out = cp.full((n_tok, n_head, D), np.nan, cp.float32)
             ops.attention(cp.asarray(q), kc, vc, out, cp.asarray([pos0], dtype=cp.int32), n_split, split_len, part, ticket,
                           **options)
             limit = MMA_ATTN_REL_L2 if tensor_cores(ops, n_tok, D, group) else ATTN_REL_L2
-            assert rel_l2(out.get(), want) < limit, f"mma={mma} tiled={tiled} gqa={gqa} cols={cols}"
+            expect = want
+            if n_tok == 1 and ops.quantizes_query(D, kv, group):
+                assert reference is not None, "a q8_0 key plane needs the reference of the 8-bit queries"
+                expect = reference(gqa_int8_queries(q, scale))
+            assert rel_l2(out.get(), expect) < limit, f"mma={mma} tiled={tiled} gqa={gqa} cols={cols} int8={int8}"
             assert not ticket.any()  # every split's ticket reset, the skipped ones included
     finally:
-        ops.mma, ops.tiled, ops.gqa, ops.gqa_cols, ops.gqa_min_group = True, True, True, True, min_group
+        ops.mma, ops.tiled, ops.gqa, ops.gqa_cols, ops.gqa_int8, ops.gqa_min_group = True, True, True, True, True, min_group

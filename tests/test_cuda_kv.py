@@ -160,7 +160,8 @@ def test_attention_over_q8_0_planes(ops, rng, kt, vt, n_tok, pos0, n_head, n_hea
     q, keys, values = attention_inputs(rng, n_tok, pos0, n_head, n_head_kv, D)
     (kx, kd), k_read = fill(kt, keys.astype(np.float32), n_ctx)
     (vx, vd), v_read = fill(vt, values.astype(np.float32), n_ctx)
-    check_attention_kernels(ops, q, kx, vx, pos0, n_ctx, split, attention_reference(q, k_read, v_read, pos0), scales=(kd, vd))
+    check_attention_kernels(ops, q, kx, vx, pos0, n_ctx, split, attention_reference(q, k_read, v_read, pos0),
+                            lambda qq: attention_reference(qq, k_read, v_read, pos0), scales=(kd, vd))
 
 
 # ---- the backend end to end ---------------------------------------------------------------------

@@ -75,7 +75,8 @@ def test_attention_over_a_ring(ops, rng, kt, vt, n_tok, pos0, n_head, n_head_kv,
     # split over the whole context (the full layers' configuration), then over the window's keys
     # (the sliding layers': splits count from the window's first key)
     for keys in (n_ctx, window) if split else (n_ctx,):
-        check_attention_kernels(ops, q, rk, rv, pos0, keys, split, want, scales=(rkd, rvd),
+        check_attention_kernels(ops, q, rk, rv, pos0, keys, split, want,
+                                lambda qq: attention_f64(qq, k_read, v_read, pos0, 0.09, window, cap), scales=(rkd, rvd),
                                 shape=AttnShape(0.09, window, cap, rows))
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from ..kv_types import KVTypes
 from .constants import ATT_MAX_SPLIT, ATT_THREADS, GQA_THREADS, MMA_BQ, MMA_THREADS, TILE_K, TILE_Q, TILE_THREADS, att_smem, gqa_smem, tiled_smem
 from .constants import mma_smem as _mma_smem
-from .kernel_names import FILE_OF, GQA_TILE_KEYS, MMA_TILE_KEYS, TILED_HEAD_DIMS, gqa_name, gqa_stages, kv_args
+from .kernel_names import FILE_OF, GQA_TILE_KEYS, MMA_TILE_KEYS, TILED_HEAD_DIMS, gqa_int8_keys, gqa_name, gqa_stages, kv_args
 from .kv_cache import NO_SCALES, cache_types, planes as _planes
 from .launch import allow_shared, blocks_per_sm, device_limits
 from .op_args import NULL, PLAIN, AttnShape, FreshKV, check_f32, row_stride
@@ -96,9 +96,10 @@ def split_buckets(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, keys:
     return [(L, *attention_split(min(L, window) if window else L, split, max_split, keys)) for L in (*limits, n_ctx)]
 
 
-def _gqa_smem(D: int, kv: KVTypes) -> int:
-    """Dynamic shared memory (bytes) of the attn_gqa instance for head_dim D over cache types kv."""
-    return gqa_smem(D, GQA_TILE_KEYS[D], gqa_stages(kv.k, kv.v), kv.k == "q8_0", kv.v == "q8_0")
+def _gqa_smem(D: int, kv: KVTypes, int8_keys: bool) -> int:
+    """Dynamic shared memory (bytes) of the attn_gqa instance for head_dim D over cache types kv
+    (int8_keys: its I8K instance, gqa_int8_keys)."""
+    return gqa_smem(D, GQA_TILE_KEYS[D], gqa_stages(kv.k, kv.v), kv.k == "q8_0", kv.v == "q8_0", int8_keys)
 
 
 class AttentionLaunchers:
@@ -106,7 +107,8 @@ class AttentionLaunchers:
     attn_mma), `tiled` (K4_TILED_ATTN: else attn_tiled), `gqa` (K4_GQA_MMA: decode of a
     grouped-query model of at least `gqa_min_group` query heads per KV head on attn_gqa),
     `gqa_cols` (K4_GQA_COLS: attn_gqa with a group of up to 8 query heads as the mma's columns,
-    else as its rows), `kv` (the cache types the kernels are listed for)."""
+    else as its rows), `gqa_int8` (K4_GQA_INT8: then q8_0 keys by int8 mma, the query quantized),
+    `kv` (the cache types the kernels are listed for)."""
 
     gqa_min_group = GQA_MIN_GROUP
 
@@ -126,8 +128,23 @@ class AttentionLaunchers:
             return f"attn_tiled<{D}, {types}>"
         if (n_tok == 1 and self.gqa and max(2, self.gqa_min_group) <= group <= MAX_GROUP and D in GQA_TILE_KEYS
                 and (limit is None or limit > GQA_MIN_LIMIT)):
-            return gqa_name(D, kv.k, kv.v, group if self.gqa_cols else MAX_GROUP)
+            return gqa_name(D, kv.k, kv.v, self._gqa_group(group), self.gqa_int8)
         return f"attn_kv<{types}>"
+
+    def quantizes_query(self, D: int, kv: KVTypes, group: int, limit: int | None = None) -> bool:
+        """Whether decode attention (one query; attention_kernel's choice) rounds the query to 8
+        bits per 32 dims (attn_gqa's I8K instance, gqa_int8_keys; kernels_cu/gqa_cols.cuh
+        cols_quantize_query)."""
+        return (self.attention_kernel(1, D, kv, group, limit).startswith("attn_gqa")
+                and gqa_int8_keys(kv.k, self._gqa_group(group), self.gqa_int8))
+
+    def _gqa_group(self, group: int) -> int:
+        """The group attn_gqa's instance is chosen for: the model's, or (not gqa_cols) one past
+        the column instances'."""
+        return group if self.gqa_cols else MAX_GROUP
+
+    def _gqa_smem_of(self, D: int, kv: KVTypes, group: int) -> int:
+        return _gqa_smem(D, kv, gqa_int8_keys(kv.k, self._gqa_group(group), self.gqa_int8))
 
     def decode_plan(self, head_dim: int, n_head: int, n_head_kv: int, limit: int | None = None) -> tuple[int, int]:
         """(max_split, keys) of split decode attention for a model of this shape over a range of at
@@ -137,7 +154,7 @@ class AttentionLaunchers:
         name = self.attention_kernel(1, head_dim, group=n_head // n_head_kv, limit=limit)
         kernel = self.function(FILE_OF[name], name)
         if name.startswith("attn_gqa"):
-            smem = _gqa_smem(head_dim, self.kv)
+            smem = self._gqa_smem_of(head_dim, self.kv, n_head // n_head_kv)
             allow_shared(kernel, smem)
             blocks = device_limits()[0] * blocks_per_sm(kernel, GQA_THREADS, smem)
             return max(1, blocks // n_head_kv), GQA_TILE_KEYS[head_dim]
@@ -242,7 +259,7 @@ class AttentionLaunchers:
         head = (q, *planes, out, NULL if n_split == 1 else part, NULL if n_split == 1 else ticket, pos)
         if gqa:
             assert n_tok == 1
-            smem = _gqa_smem(D, types)
+            smem = self._gqa_smem_of(D, types, n_head // n_head_kv)
             allow_shared(self.function(FILE_OF[name], name), smem)
             self._launch(FILE_OF[name], name, (n_head_kv, n_split), (GQA_THREADS,),
                          (*head, np.int32(n_head), np.int32(n_head_kv), np.int32(split_len), *shape.kernel_args(D), *rope),

@@ -117,20 +117,22 @@ def mma_smem(D: int, BK: int) -> int:
     return 2 * (D + 8) * ((0 if D <= 128 else MMA_BQ) + 4 * BK)
 
 
-def gqa_plane_bytes(D: int, BK: int, S: int, scaled: bool) -> int:
+def gqa_plane_bytes(D: int, BK: int, S: int, scaled: bool, i8: bool = False) -> int:
     """Shared memory (bytes) of one plane of attn_gqa: S fp16 tiles of BK keys (rows of D + 8
     halves), or for a q8_0 plane S raw tiles (BK rows of D int8 quants, then their fp16 scales,
-    padded to 16 bytes) and one fp16 tile."""
+    padded to 16 bytes) and one fp16 tile; i8 (keys read by int8 mma): the raw tiles only, rows
+    of D + 16 bytes."""
     if scaled:
-        return S * ((BK * D + BK * (D // 32) * 2 + 15) // 16 * 16) + BK * 2 * (D + 8)
+        row = D + 16 if i8 else D
+        return S * ((BK * row + BK * (D // 32) * 2 + 15) // 16 * 16) + (0 if i8 else BK * 2 * (D + 8))
     return S * BK * 2 * (D + 8)
 
 
-def gqa_smem(D: int, BK: int, S: int, k_scaled: bool, v_scaled: bool) -> int:
-    """Dynamic shared memory (bytes) of attn_gqa<D, BK, S, KT, VT>: 16 fp16 query rows of D + 8
-    halves, the key and value planes (gqa_plane_bytes), a row of D floats per warp, the fresh key
-    and value (2 D bytes each at most) and their q8_0 scales."""
-    planes = gqa_plane_bytes(D, BK, S, k_scaled) + gqa_plane_bytes(D, BK, S, v_scaled)
+def gqa_smem(D: int, BK: int, S: int, k_scaled: bool, v_scaled: bool, k_i8: bool = False) -> int:
+    """Dynamic shared memory (bytes) of attn_gqa<D, BK, S, KT, VT, COLS, I8K = k_i8>: 16 fp16
+    query rows of D + 8 halves, the key and value planes (gqa_plane_bytes), a row of D floats per
+    warp, the fresh key and value (2 D bytes each at most) and their q8_0 scales."""
+    planes = gqa_plane_bytes(D, BK, S, k_scaled, k_i8) + gqa_plane_bytes(D, BK, S, v_scaled)
     return 2 * (D + 8) * 16 + planes + 4 * GQA_WARPS * D + 4 * D + D // 8
 
 
@@ -203,8 +205,9 @@ def defines() -> tuple[str, ...]:
         "K4_CHECK_TILED_SMEM": [v for d in _CHECK_HEAD_DIMS for v in (d, tiled_smem(d))],
         "K4_CHECK_MMA_SMEM": [v for d, bk in _CHECK_MMA for v in (d, bk, mma_smem(d, bk))],
         "K4_CHECK_GQA_SMEM": [v for d, bk in GQA_TILE_KEYS.items() for k, vt in KV_PAIRS
-                              for v in (d, bk, gqa_stages(k, vt), int(k == "q8_0"), int(vt == "q8_0"),
-                                        gqa_smem(d, bk, gqa_stages(k, vt), k == "q8_0", vt == "q8_0"))],
+                              for i8 in ((False, True) if k == "q8_0" else (False,))
+                              for v in (d, bk, gqa_stages(k, vt), int(k == "q8_0"), int(vt == "q8_0"), int(i8),
+                                        gqa_smem(d, bk, gqa_stages(k, vt), k == "q8_0", vt == "q8_0", i8))],
         "K4_CHECK_MMA8_SMEM": [v for n, w in _CHECK_MMA8 for v in (n, w, mma8_smem(n, w))],
     }
     out += [f"{name}={_list(values)}" for name, values in tables.items()]

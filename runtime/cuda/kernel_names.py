@@ -89,12 +89,20 @@ def gqa_stages(k: str, v: str) -> int:
 GQA_COLS_GROUP = 8  # attn_gqa: groups of up to this many query heads run with them as the mma's columns (gqa_cols.cuh)
 
 
-def gqa_name(D: int, k: str, v: str, group: int = GQA_COLS_GROUP) -> str:
+def gqa_int8_keys(k: str, group: int, int8: bool = True) -> bool:
+    """Whether attn_gqa reads keys of type k by int8 mma (its I8K instance: the query quantized to
+    8 bits per 32 dims) for `group` query heads per KV head: with `int8` (K4_GQA_INT8), q8_0 keys,
+    the column instance."""
+    return int8 and k == "q8_0" and group <= GQA_COLS_GROUP
+
+
+def gqa_name(D: int, k: str, v: str, group: int = GQA_COLS_GROUP, int8: bool = True) -> str:
     """The attention_gqa.cu instance for head_dim D over a cache of key type k, value type v, for
     `group` query heads per KV head (the query heads as the mma's columns up to GQA_COLS_GROUP,
-    as its rows above)."""
+    as its rows above; q8_0 keys by int8 mma with `int8`, gqa_int8_keys)."""
     cols = "true" if group <= GQA_COLS_GROUP else "false"
-    return f"attn_gqa<{D}, {GQA_TILE_KEYS[D]}, {gqa_stages(k, v)}, {kv_args(k, v)}, {cols}>"
+    i8 = "true" if gqa_int8_keys(k, group, int8) else "false"
+    return f"attn_gqa<{D}, {GQA_TILE_KEYS[D]}, {gqa_stages(k, v)}, {kv_args(k, v)}, {cols}, {i8}>"
 
 
 # name expressions of the kernels of each file (templates and extern "C" names alike)
@@ -104,7 +112,8 @@ KERNELS = {
     "attention.cu": tuple(f"attn_kv<{kv_args(k, v)}>" for k, v in KV_PAIRS),
     "attention_tiled.cu": tuple(f"attn_tiled<{d}, {kv_args(k, v)}>" for d in TILED_HEAD_DIMS for k, v in KV_PAIRS),
     "attention_mma.cu": tuple(f"attn_mma<{d}, {bk}, {kv_args(k, v)}>" for d, bk in MMA_TILE_KEYS.items() for k, v in KV_PAIRS),
-    "attention_gqa.cu": tuple(gqa_name(d, k, v, g) for d in GQA_TILE_KEYS for k, v in KV_PAIRS for g in (GQA_COLS_GROUP, 16)),
+    "attention_gqa.cu": tuple(dict.fromkeys(gqa_name(d, k, v, g, i8) for d in GQA_TILE_KEYS for k, v in KV_PAIRS
+                                            for g in (GQA_COLS_GROUP, 16) for i8 in (True, False))),
     "elementwise.cu": ("swiglu<float>", "swiglu<u16>", "geglu<float>", "geglu<u16>", "scale_f32", "softcap_f32", "set_i32"),
     "sampling.cu": ("sample_penalty", "sample_argmax_partial", "sample_finish"),
     "speculative.cu": ("spec_argmax", "spec_accept"),

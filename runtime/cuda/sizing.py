@@ -36,7 +36,7 @@ def options(flags: Flags) -> tuple:
     w = WeightOptions(repack=on("K4_REPACK"), stack=on("K4_STACK"), glu=on("K4_FUSE_SWIGLU"), pinned=on("K4_PINNED_UPLOAD"), matrix=mat)
     f = ForwardOptions(fuse_norm=on("K4_FUSE_NORM"), fuse_rope=on("K4_FUSE_ROPE"), fuse_moe=on("K4_FUSE_MOE"))
     o = dict(pdl=pdl, tiled=on("K4_TILED_ATTN"), mma=on("K4_MMA_ATTN"), evict_first=on("K4_EVICT_FIRST"), gqa=on("K4_GQA_MMA"),
-             gqa_cols=on("K4_GQA_COLS"))
+             gqa_cols=on("K4_GQA_COLS"), gqa_int8=on("K4_GQA_INT8"))
     return w, f, o
 
 
