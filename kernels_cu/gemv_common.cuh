@@ -96,24 +96,39 @@ struct PostNorm {
 };
 
 // post_prologue: xf = x + t * rms_scale(t) * w (all n_in floats, 16-byte aligned; block 0 also
-// writes it to out), summed in the order of the expression rms_norm_add evaluates. Returns
-// rms_scale of that input (for the product's own RMSNorm). Every thread of the block calls it.
+// writes it to out), each value the expression rms_norm_add evaluates, and rms_scale of that input
+// (for the product's own RMSNorm), returned. One pass over x, t and w and one block reduction give
+// both scales: with u = t * w and s = rms_scale(t) (its sum in rms_scale's order),
+// sum (x + s u)^2 = sum x^2 + 2 s sum x u + s^2 sum u^2, so the input's sum of squares needs no
+// second pass and reduction after s (Gemma 3 12B tg128 +2.6%, docs/PERF.md session 14); the second
+// loop reads x, t and w again from L1. Every thread of the block calls it.
 __device__ float post_prologue(const float* __restrict__ x, int n_in, float eps, const PostNorm& post) {
-    __shared__ float part[32];
-    const float ts = rms_scale(post.t, n_in, eps);
-    float ss = 0.f;
+    __shared__ float4 part[32];
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);  // sums of t^2, x^2, x u, u^2
+    for (int i = threadIdx.x; i < n_in / 4; i += blockDim.x) {
+        const float4 f = __ldg(reinterpret_cast<const float4*>(x) + i);
+        const float4 a = __ldg(reinterpret_cast<const float4*>(post.t) + i), g = __ldg(reinterpret_cast<const float4*>(post.w) + i);
+        const float4 u = make_float4(a.x * g.x, a.y * g.y, a.z * g.z, a.w * g.w);
+        acc.x += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+        acc.y += f.x * f.x + f.y * f.y + f.z * f.z + f.w * f.w;
+        acc.z += f.x * u.x + f.y * u.y + f.z * u.z + f.w * u.w;
+        acc.w += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w;
+    }
+    acc = make_float4(warp_sum(acc.x), warp_sum(acc.y), warp_sum(acc.z), warp_sum(acc.w));
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    const bool has = (int)(threadIdx.x & 31) < (int)(blockDim.x >> 5);
+    const float4 p = has ? part[threadIdx.x & 31] : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float ts = rsqrtf(warp_sum(p.x) / (float)n_in + eps);
+    const float ss = fmaxf(0.f, warp_sum(p.y) + 2.f * ts * warp_sum(p.z) + ts * ts * warp_sum(p.w));
     for (int i = threadIdx.x; i < n_in / 4; i += blockDim.x) {
         const float4 f = __ldg(reinterpret_cast<const float4*>(x) + i);
         const float4 a = __ldg(reinterpret_cast<const float4*>(post.t) + i), g = __ldg(reinterpret_cast<const float4*>(post.w) + i);
         const float4 v = make_float4(f.x + a.x * ts * g.x, f.y + a.y * ts * g.y, f.z + a.z * ts * g.z, f.w + a.w * ts * g.w);
         reinterpret_cast<float4*>(post.xf)[i] = v;
         if (blockIdx.x == 0) reinterpret_cast<float4*>(post.out)[i] = v;
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-    __syncthreads();  // also publishes xf
-    ss = warp_sum((int)(threadIdx.x & 31) < (int)(blockDim.x >> 5) ? part[threadIdx.x & 31] : 0.f);
+    __syncthreads();  // publishes xf
     return rsqrtf(ss / (float)n_in + eps);
 }
 
