@@ -120,7 +120,7 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);
     } else {
         // with post_t: the input kept in shared memory after x's q8 (the y_q8 outputs reuse it)
-        quantize_x<T::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs,
+        quantize_x<T::x_swizzle, WARPS >= 32 ? 0 : 2>(x, n_in, norm_w, eps, xq, xd, xs,  // 1024 threads: 64 registers
                                  PostNorm{post_t, post_w, x_out, reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in))});
     }
     __syncthreads();
@@ -214,7 +214,7 @@ __device__ const float* normalized_x(const float* __restrict__ x, const float* _
                                      const PostNorm& post) {
     if (!norm_w) return x;
     if (post.t) {
-        const float scale = post_prologue(x, n_in, eps, post);  // post.xf is xn
+        const float scale = post_prologue<1>(x, n_in, eps, post);  // post.xf is xn
         for (int i = threadIdx.x; i < n_in; i += blockDim.x) xn[i] = xn[i] * scale * __ldg(norm_w + i);
     } else {
         const float scale = rms_scale(x, n_in, eps);
