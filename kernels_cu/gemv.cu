@@ -120,7 +120,7 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);
     } else {
         // with post_t: the input kept in shared memory after x's q8 (the y_q8 outputs reuse it)
-        quantize_x<T::x_swizzle, WARPS < 32>(x, n_in, norm_w, eps, xq, xd, xs,  // 1024 threads: 64 registers
+        quantize_x<T::x_swizzle, WARPS >= 32 ? 0 : 2>(x, n_in, norm_w, eps, xq, xd, xs,  // 1024 threads: 64 registers
                                  PostNorm{post_t, post_w, x_out, reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in))});
     }
     __syncthreads();

@@ -159,85 +159,14 @@ __device__ float post_prologue(const float* __restrict__ x, int n_in, float eps,
     return rsqrtf(ss / (float)n_in + eps);
 }
 
-// quantize_x of a folded post-norm's input (post.t non-null, with norm_w): post_prologue's sums and
-// values, a thread per 16-value unit throughout, so each thread keeps its first unit of x, t and w
-// in registers from the sums to the quantization: one trip to L2 and one block reduction
-// before the quants, and no float copy of the input in shared memory (post.xf unused). Units past
-// the block's first round are read again (norm_w after the reduction: in registers too, it made the
-// 512-thread instances spill). Block 0 writes the input to post.out.
-template <int SWZ>
-__device__ void quantize_folded(const float* __restrict__ x, int n_in, const float* __restrict__ norm_w, float eps, u8* xq, float* xd,
-                                float* xs, const PostNorm& post) {
-    __shared__ float4 part[32];
-    const int n_units = n_in >> 4;
-    float4 f[4], a[4], g[4], acc = make_float4(0.f, 0.f, 0.f, 0.f);  // sums of t^2, x^2, x u, u^2 (post_prologue)
-    auto ld = [&](int u, int k, float4& ff, float4& aa, float4& gg) {
-        ff = __ldg(reinterpret_cast<const float4*>(x) + 4 * u + k);
-        aa = __ldg(reinterpret_cast<const float4*>(post.t) + 4 * u + k);
-        gg = __ldg(reinterpret_cast<const float4*>(post.w) + 4 * u + k);
-    };
-    auto add = [&](const float4& ff, const float4& aa, const float4& gg) {
-        const float4 uu = make_float4(aa.x * gg.x, aa.y * gg.y, aa.z * gg.z, aa.w * gg.w);
-        acc.x += aa.x * aa.x + aa.y * aa.y + aa.z * aa.z + aa.w * aa.w;
-        acc.y += ff.x * ff.x + ff.y * ff.y + ff.z * ff.z + ff.w * ff.w;
-        acc.z += ff.x * uu.x + ff.y * uu.y + ff.z * uu.z + ff.w * uu.w;
-        acc.w += uu.x * uu.x + uu.y * uu.y + uu.z * uu.z + uu.w * uu.w;
-    };
-    if ((int)threadIdx.x < n_units) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) ld(threadIdx.x, k, f[k], a[k], g[k]);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) add(f[k], a[k], g[k]);
-    }
-    for (int u = threadIdx.x + blockDim.x; u < n_units; u += blockDim.x)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            float4 ff, aa, gg;
-            ld(u, k, ff, aa, gg);
-            add(ff, aa, gg);
-        }
-    acc = make_float4(warp_sum(acc.x), warp_sum(acc.y), warp_sum(acc.z), warp_sum(acc.w));
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = acc;
-    __syncthreads();
-    const bool has = (int)(threadIdx.x & 31) < (int)(blockDim.x >> 5);
-    const float4 p = has ? part[threadIdx.x & 31] : make_float4(0.f, 0.f, 0.f, 0.f);
-    const float ts = rsqrtf(warp_sum(p.x) / (float)n_in + eps);
-    const float ss = fmaxf(0.f, warp_sum(p.y) + 2.f * ts * warp_sum(p.z) + ts * ts * warp_sum(p.w));
-    const float rs = rsqrtf(ss / (float)n_in + eps);
-    for (int base = 0; base < n_units; base += blockDim.x) {  // warp-uniform trip count
-        const int u = base + threadIdx.x;
-        const bool ok = u < n_units;
-        float v[16];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            float4 ff = f[k], aa = a[k], gg = g[k];
-            if (base > 0 && ok) ld(u, k, ff, aa, gg);
-            float4 in = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (ok) {
-                in = make_float4(ff.x + aa.x * ts * gg.x, ff.y + aa.y * ts * gg.y, ff.z + aa.z * ts * gg.z, ff.w + aa.w * ts * gg.w);
-                if (blockIdx.x == 0) reinterpret_cast<float4*>(post.out)[4 * u + k] = in;
-                const float4 ww = __ldg(reinterpret_cast<const float4*>(norm_w) + 4 * u + k);
-                in = make_float4(in.x * rs * ww.x, in.y * rs * ww.y, in.z * rs * ww.z, in.w * rs * ww.w);
-            }
-            v[4 * k] = in.x; v[4 * k + 1] = in.y; v[4 * k + 2] = in.z; v[4 * k + 3] = in.w;
-        }
-        q8_unit(v, ok, u, SWZ, xq, xd, xs);
-    }
-}
-
 // Quantize x (n_in floats, n_in a multiple of 32, 16-byte aligned) into the q8x arrays in
 // shared memory; with norm_w (n_in,) non-null, x * rms_scale(x) * norm_w instead; with post.t
-// non-null, the post-norm's input (post_prologue) in place of x (REG: quantize_folded, else
-// through post.xf). One thread per 16-value unit.
-template <int SWZ, bool REG = true>
+// non-null, the post-norm's input (post_prologue) in place of x. One thread per 16-value unit.
+template <int SWZ, int KEEP = 2>
 __device__ void quantize_x(const float* __restrict__ x, int n_in, const float* __restrict__ norm_w, float eps,
                            u8* xq, float* xd, float* xs, PostNorm post = PostNorm{nullptr, nullptr, nullptr, nullptr}) {
     const bool fold = post.t != nullptr;
-    if (REG && fold) {
-        quantize_folded<SWZ>(x, n_in, norm_w, eps, xq, xd, xs, post);
-        return;
-    }
-    const float rs = fold ? post_prologue<0>(x, n_in, eps, post) : norm_w ? rms_scale(x, n_in, eps) : 1.f;
+    const float rs = fold ? post_prologue<KEEP>(x, n_in, eps, post) : norm_w ? rms_scale(x, n_in, eps) : 1.f;
     const float scale = norm_w ? rs : 1.f;
     const int n_units = n_in >> 4;
     for (int base = 0; base < n_units; base += blockDim.x) {  // warp-uniform trip count
