@@ -119,8 +119,8 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     if (x_q8) {
         copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);
     } else {
-        // with post_t: the input kept in shared memory after x's q8 (the y_q8 outputs reuse it)
-        quantize_x<T::x_swizzle, WARPS >= 32 ? 0 : 2>(x, n_in, norm_w, eps, xq, xd, xs,  // 1024 threads: 64 registers
+        // with post_t: its x and t * w kept in shared memory after x's q8 (the y_q8 outputs reuse it)
+        quantize_x<T::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs,
                                  PostNorm{post_t, post_w, x_out, reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in))});
     }
     __syncthreads();
@@ -208,14 +208,18 @@ __device__ __forceinline__ float row_dot_f(const u8* __restrict__ wr, const floa
 }
 
 // x (n_in,) into xn (n_in,) shared memory, normalized (x * rms_scale(x) * norm_w) when norm_w is
-// non-null, with post.t non-null the post-norm's input (post_prologue, into xn) in place of x;
-// returns the vector the rows multiply (x itself, or xn). Every thread must call it.
+// non-null, with post.t non-null the post-norm's input (post_split; xn then holds 2 n_in floats)
+// in place of x; returns the vector the rows multiply (x itself, or xn). Every thread must call it.
 __device__ const float* normalized_x(const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int n_in, float* xn,
                                      const PostNorm& post) {
     if (!norm_w) return x;
     if (post.t) {
-        const float scale = post_prologue<1>(x, n_in, eps, post);  // post.xf is xn
-        for (int i = threadIdx.x; i < n_in; i += blockDim.x) xn[i] = xn[i] * scale * __ldg(norm_w + i);
+        const float2 ps = post_split(x, n_in, eps, post);  // post.xf is xn
+        post_store(post, n_in, ps.x);
+        for (int i = threadIdx.x; i < n_in / 4; i += blockDim.x) {  // in place: thread i reads and writes float4 i only
+            const float4 v = post_input(post, n_in, i, ps.x), g = __ldg(reinterpret_cast<const float4*>(norm_w) + i);
+            reinterpret_cast<float4*>(xn)[i] = make_float4(v.x * ps.y * g.x, v.y * ps.y * g.y, v.z * ps.y * g.z, v.w * ps.y * g.w);
+        }
     } else {
         const float scale = rms_scale(x, n_in, eps);
         for (int i = threadIdx.x; i < n_in; i += blockDim.x) xn[i] = __ldg(x + i) * scale * __ldg(norm_w + i);
@@ -224,7 +228,8 @@ __device__ const float* normalized_x(const float* __restrict__ x, const float* _
     return xn;
 }
 
-// Dynamic shared memory: n_in floats when norm_w is non-null, else none. GELU: as gemv_q8.
+// Dynamic shared memory: n_in floats when norm_w is non-null (2 n_in with post_t), else none.
+// GELU: as gemv_q8.
 template <class T, int WARPS, int U, bool VEC, bool GLU, bool GELU = false>
 __global__ void __launch_bounds__(WARPS * 32)
 gemv_f(const u8* __restrict__ w,           // (n_out, n_in) of T, GLU: (2 n_out, n_in) interleaved; VEC: rows 16-byte aligned

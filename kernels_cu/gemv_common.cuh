@@ -84,10 +84,11 @@ __device__ __forceinline__ void q8_unit(const float (&v)[16], bool ok, int u, in
     }
 }
 
-// Gemma's post-norm of the product before, folded into this product's prologue (post_prologue):
-// the product's input is x + t * rms_scale(t) * w, what norm.cu rms_norm_add writes as the new
-// residual stream. t null: none. out: where block 0 writes that input (the residual stream the
-// later adds read); xf: shared memory (n_in floats) where every block keeps it.
+// Gemma's post-norm of the product before, folded into this product's prologue (post_split): the
+// product's input is x + rms_scale(t) * (t * w), what norm.cu rms_norm_add writes as the new
+// residual stream (it rounds x + (t * s) * w: the two differ by an ulp or so). t null: none. out:
+// where block 0 writes that input (the residual stream the later adds read); xf: shared memory of
+// 2 n_in floats where every block keeps x, then u = t * w.
 struct PostNorm {
     const float* t;
     const float* w;
@@ -95,79 +96,59 @@ struct PostNorm {
     float* xf;
 };
 
-// post_prologue: xf = x + t * rms_scale(t) * w (all n_in floats, 16-byte aligned; block 0 also
-// writes it to out), each value the expression rms_norm_add evaluates, and rms_scale of that input
-// (for the product's own RMSNorm), returned. One pass over x, t and w and one block reduction give
-// both scales: with u = t * w and s = rms_scale(t) (its sum in rms_scale's order),
-// sum (x + s u)^2 = sum x^2 + 2 s sum x u + s^2 sum u^2, so the input's sum of squares needs no
-// second pass and reduction after s. A thread keeps its first KEEP float4s of x, t and w in
-// registers for the values; any further ones are read again. Every thread of the block calls it.
-template <int KEEP>
-__device__ float post_prologue(const float* __restrict__ x, int n_in, float eps, const PostNorm& post) {
+// post_split: one pass over x, t and w (n_in floats each, 16-byte aligned) leaves x and u = t * w
+// in post.xf and, after one block reduction, returns (s, r): s = rms_scale(t) and r = rms_scale of
+// the input x + s u, its sum of squares by expansion, sum x^2 + 2 s sum x u + s^2 sum u^2, so
+// neither the input nor its sum waits for s. The input's values are post_input's, read where
+// they are used: the one barrier (the reduction's) publishes xf. Gemma 3 12B tg128 +2.9% against
+// two passes, each with its reduction (docs/PERF.md, session 14). Every thread of the block calls it.
+__device__ float2 post_split(const float* __restrict__ x, int n_in, float eps, const PostNorm& post) {
     __shared__ float4 part[32];
-    const int n4 = n_in / 4;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);  // sums of t^2, x^2, x u, u^2
-    float4 kf[KEEP > 0 ? KEEP : 1], ka[KEEP > 0 ? KEEP : 1], kg[KEEP > 0 ? KEEP : 1];
-    auto add = [&](const float4& f, const float4& a, const float4& g) {
+    for (int i = threadIdx.x; i < n_in / 4; i += blockDim.x) {
+        const float4 f = __ldg(reinterpret_cast<const float4*>(x) + i);
+        const float4 a = __ldg(reinterpret_cast<const float4*>(post.t) + i), g = __ldg(reinterpret_cast<const float4*>(post.w) + i);
         const float4 u = make_float4(a.x * g.x, a.y * g.y, a.z * g.z, a.w * g.w);
+        reinterpret_cast<float4*>(post.xf)[i] = f;
+        reinterpret_cast<float4*>(post.xf + n_in)[i] = u;
         acc.x += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
         acc.y += f.x * f.x + f.y * f.y + f.z * f.z + f.w * f.w;
         acc.z += f.x * u.x + f.y * u.y + f.z * u.z + f.w * u.w;
         acc.w += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w;
-    };
-    auto ld = [&](int i, float4& f, float4& a, float4& g) {
-        f = __ldg(reinterpret_cast<const float4*>(x) + i);
-        a = __ldg(reinterpret_cast<const float4*>(post.t) + i);
-        g = __ldg(reinterpret_cast<const float4*>(post.w) + i);
-    };
-#pragma unroll
-    for (int k = 0; k < KEEP; ++k) {
-        const int i = threadIdx.x + k * blockDim.x;
-        if (i < n4) {
-            ld(i, kf[k], ka[k], kg[k]);
-            add(kf[k], ka[k], kg[k]);
-        }
-    }
-    for (int i = threadIdx.x + KEEP * blockDim.x; i < n4; i += blockDim.x) {
-        float4 f, a, g;
-        ld(i, f, a, g);
-        add(f, a, g);
     }
     acc = make_float4(warp_sum(acc.x), warp_sum(acc.y), warp_sum(acc.z), warp_sum(acc.w));
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = acc;
-    __syncthreads();
+    __syncthreads();  // also publishes xf
     const bool has = (int)(threadIdx.x & 31) < (int)(blockDim.x >> 5);
     const float4 p = has ? part[threadIdx.x & 31] : make_float4(0.f, 0.f, 0.f, 0.f);
     const float ts = rsqrtf(warp_sum(p.x) / (float)n_in + eps);
     const float ss = fmaxf(0.f, warp_sum(p.y) + 2.f * ts * warp_sum(p.z) + ts * ts * warp_sum(p.w));
-    auto put = [&](int i, const float4& f, const float4& a, const float4& g) {
-        const float4 v = make_float4(f.x + a.x * ts * g.x, f.y + a.y * ts * g.y, f.z + a.z * ts * g.z, f.w + a.w * ts * g.w);
-        reinterpret_cast<float4*>(post.xf)[i] = v;
-        if (blockIdx.x == 0) reinterpret_cast<float4*>(post.out)[i] = v;
-    };
-#pragma unroll
-    for (int k = 0; k < KEEP; ++k) {
-        const int i = threadIdx.x + k * blockDim.x;
-        if (i < n4) put(i, kf[k], ka[k], kg[k]);
-    }
-    for (int i = threadIdx.x + KEEP * blockDim.x; i < n4; i += blockDim.x) {
-        float4 f, a, g;
-        ld(i, f, a, g);
-        put(i, f, a, g);
-    }
-    __syncthreads();  // publishes xf
-    return rsqrtf(ss / (float)n_in + eps);
+    return make_float2(ts, rsqrtf(ss / (float)n_in + eps));
+}
+
+// Values 4i .. 4i + 3 of a folded post-norm's input, x + s u (post_split's xf and s).
+__device__ __forceinline__ float4 post_input(const PostNorm& post, int n_in, int i, float ts) {
+    const float4 f = reinterpret_cast<const float4*>(post.xf)[i], u = reinterpret_cast<const float4*>(post.xf + n_in)[i];
+    return make_float4(f.x + ts * u.x, f.y + ts * u.y, f.z + ts * u.z, f.w + ts * u.w);
+}
+
+// Block 0 writes the folded post-norm's input (post_input) to post.out, the new residual stream.
+__device__ __forceinline__ void post_store(const PostNorm& post, int n_in, float ts) {
+    if (blockIdx.x != 0) return;
+    for (int i = threadIdx.x; i < n_in / 4; i += blockDim.x) reinterpret_cast<float4*>(post.out)[i] = post_input(post, n_in, i, ts);
 }
 
 // Quantize x (n_in floats, n_in a multiple of 32, 16-byte aligned) into the q8x arrays in
 // shared memory; with norm_w (n_in,) non-null, x * rms_scale(x) * norm_w instead; with post.t
-// non-null, the post-norm's input (post_prologue) in place of x. One thread per 16-value unit.
-template <int SWZ, int KEEP = 2>
+// non-null (and norm_w), the post-norm's input (post_split) in place of x. One thread per
+// 16-value unit.
+template <int SWZ>
 __device__ void quantize_x(const float* __restrict__ x, int n_in, const float* __restrict__ norm_w, float eps,
                            u8* xq, float* xd, float* xs, PostNorm post = PostNorm{nullptr, nullptr, nullptr, nullptr}) {
     const bool fold = post.t != nullptr;
-    const float rs = fold ? post_prologue<KEEP>(x, n_in, eps, post) : norm_w ? rms_scale(x, n_in, eps) : 1.f;
-    const float scale = norm_w ? rs : 1.f;
+    const float2 ps = fold ? post_split(x, n_in, eps, post) : make_float2(0.f, norm_w ? rms_scale(x, n_in, eps) : 1.f);
+    const float scale = norm_w ? ps.y : 1.f;
+    if (fold) post_store(post, n_in, ps.x);
     const int n_units = n_in >> 4;
     for (int base = 0; base < n_units; base += blockDim.x) {  // warp-uniform trip count
         const int u = base + threadIdx.x;
@@ -176,7 +157,7 @@ __device__ void quantize_x(const float* __restrict__ x, int n_in, const float* _
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             float4 f = !ok  ? make_float4(0.f, 0.f, 0.f, 0.f)
-                       : fold ? reinterpret_cast<const float4*>(post.xf)[4 * u + k]
+                       : fold ? post_input(post, n_in, 4 * u + k, ps.x)
                               : __ldg(reinterpret_cast<const float4*>(x) + 4 * u + k);
             if (norm_w && ok) {
                 const float4 g = __ldg(reinterpret_cast<const float4*>(norm_w) + 4 * u + k);

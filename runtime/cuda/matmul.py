@@ -152,7 +152,7 @@ def make_half(w: DeviceWeight, out, stream=None, trace: Trace | None = None) -> 
 
 def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, norm: bool = False, post: bool = False):
     """(kernel, grid, block, shared_mem) for gemv on w, cached per variant, norm prologue and
-    post-norm prologue (post: the input kept as floats after x's q8). The grid is as many blocks
+    post-norm prologue (post: its x and t * w kept as floats after x's q8). The grid is as many blocks
     as fit on the GPU at once, but at most one per output."""
     plan = w._plans.get((variant, norm, post))
     if plan is not None:
@@ -166,7 +166,7 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         warps = variant[0]
         kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act), w.evict_first)
         smem = q8x_bytes(n_in)
-        after = 4 * n_in if post else 0  # the post-norm's input (floats), then free
+        after = 8 * n_in if post else 0  # the post-norm's x and t * w (floats), then free
         if w.glu and q.handoff:  # room for one block's outputs (y_q8): its 32-output groups
             groups = -(-n_out // 32)
             after = max(after, 4 * 32 * -(-groups // min(device_limits()[0], n_out)))  # the grid has at least this many blocks
@@ -174,7 +174,7 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
     else:
         warps = FLOAT_GEMV[0]
         kernel = _kernel("gemv.cu", _gemv_f_name(w.ggml_type, (n_in * FLOAT[w.ggml_type][1]) % 16 == 0, w.glu, w.glu_act))
-        smem = 4 * n_in if norm else 0
+        smem = (8 if post else 4) * n_in if norm else 0
     allow_shared(kernel, smem)
     grid = min(device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem), n_out)
     plan = (kernel, (grid,), (32 * warps,), smem)
