@@ -36,7 +36,7 @@ else:
     from .kv_cache import KVCache
     from .compile import compile_async
     from .forward import Forward, ForwardOptions
-    from .launch import GpuErrors
+    from .launch import GpuErrors, use_carveout
     from .runner import Runner
     from .speculative import Verifier
     from .timer import DeviceTimer
@@ -99,6 +99,7 @@ class CudaBackend(TokenCache):
         self.load_ms: dict[str, float] = {}  # wall time of each load step (the stream synchronized after each)
         self.load_detail_ms: dict[str, float] = {}  # inside read+upload, which overlap: see memory.Uploader
         w_opts, f_opts, o_opts = options(self.flags)
+        use_carveout(self.flags.on("K4_CARVEOUT"))
         o = ops.Ops(self.trace, kv=kv_types, **o_opts)
         # kernels compile on threads while the weights upload; the "compile" step waits for them
         matrix_types = {t.ggml_type for t in mf.tensors.values() if len(t.shape) == 2}

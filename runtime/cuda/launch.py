@@ -9,6 +9,10 @@ the previous kernel in the stream is still running, so its launch latency and it
 overlap that kernel's tail. Only kernels that execute `griddepcontrol.wait` (pdl_wait in
 kernels_cu/device.cuh) before touching anything an earlier kernel writes may be launched so.
 
+Every kernel launched here asks for one split of each multiprocessor's L1 and shared memory
+(K4_CARVEOUT, use_carveout): left to the driver, each kernel gets the split its own shared memory
+suggests, and consecutive kernels that differ make the multiprocessor reconfigure between them.
+
 CUDA errors become runtime.errors.GpuError here. A launch the driver refuses names the kernel
 (its C++ name, demangled), the grid, the block and the trace phase. Most faults surface later,
 at whatever call next waits on the device: the backend wraps its phases in `GpuErrors`, whose
@@ -26,6 +30,14 @@ from k4.runtime.errors import GpuError
 from k4.runtime.trace import Trace
 
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+# The carveout every kernel asks for with K4_CARVEOUT: percent of the most shared memory, 50 being
+# the 132 KB split on sm_90 (the driver rounds up to a supported size, and past it for a kernel
+# that needs more). Measured on the H200 (tg128, t/s, for the matrix-vector kernels alone; the
+# driver's choice / 25 / 50 / 100): Llama 2 7B 571.9 / 583.2 / 583.1 / 525.3, Gemma 3 12B (whose
+# products take 36 KB) 314.3 / 314.2 / 314.2 / 282.6 (docs/PERF.md, session 14).
+SHARED_CARVEOUT = 50
+CARVEOUT_DEFAULT = -1  # the driver's choice per kernel
+_carveout = {"want": SHARED_CARVEOUT, "set": {}}  # the value launches ask for; per kernel, the value it has
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute (cuda.h): id, padding, 64-byte value union
@@ -173,6 +185,20 @@ def capturing(stream) -> bool:
     return (stream or cp.cuda.get_current_stream()).is_capturing()
 
 
+def use_carveout(on: bool) -> None:
+    """Kernels launched from now on ask for the SHARED_CARVEOUT split (on; K4_CARVEOUT, set by
+    CudaBackend from its Flags) or leave it to the driver (off). A process-wide setting: it is a
+    property of each kernel, which every backend in the process shares."""
+    _carveout["want"] = SHARED_CARVEOUT if on else CARVEOUT_DEFAULT
+
+
+def _ask_carveout(kernel) -> None:
+    want = _carveout["want"]
+    if _carveout["set"].get(kernel) != want:
+        kernel.preferred_shared_memory_carveout = want
+        _carveout["set"][kernel] = want
+
+
 def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0,
            stream=None, trace: Trace | None = None, pdl: bool = False) -> None:
     """Launch `kernel` (a cupy.RawKernel) with `grid` blocks of `block` threads and `shared_mem`
@@ -185,6 +211,7 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
     """
     _last.what = kernel
     try:
+        _ask_carveout(kernel)
         if pdl:
             if stream is None:
                 import cupy as cp
