@@ -28,3 +28,22 @@ def test_the_row_blocks_variant_is_compiled_with_the_type():
     for t, v in qk.ROW_BLOCKS_VARIANT.items():
         for planar in (False, True):
             assert qk._gemv_q8_name(t, planar, v) in qk.GROUPS["gemv.cu"][t.name]
+
+
+class _Kernel:  # what launch.blocks_per_sm reads of a cupy Function
+    def __init__(self, num_regs: int):
+        self.num_regs = num_regs
+
+
+def test_every_kernel_asks_for_one_carveout_unless_its_blocks_need_more():
+    """K4_CARVEOUT (runtime/cuda/launch.py carveout_for): SHARED_CARVEOUT for kernels whose
+    resident blocks fit in it; for attn_gqa-like blocks (two of 110 KB) the share they need, so
+    the split never costs the occupancy the grid was sized for; the driver's choice when off."""
+    from k4.runtime.cuda import launch
+
+    assert launch.carveout_for(_Kernel(64), 512, 36_000) == launch.SHARED_CARVEOUT
+    assert launch.carveout_for(_Kernel(32), 256, 0) == launch.SHARED_CARVEOUT
+    big = launch.carveout_for(_Kernel(128), 128, 110_000)  # registers allow 4 blocks, shared memory 2
+    assert big > launch.SHARED_CARVEOUT and big * launch.SM_SHARED >= 100 * 2 * (110_000 + 1024)
+    assert launch.carveout_for(_Kernel(200), 128, 250_000 // 2) <= 100
+    assert launch.carveout_for(_Kernel(64), 512, 36_000, on=False) == launch.CARVEOUT_DEFAULT

@@ -30,14 +30,16 @@ from k4.runtime.errors import GpuError
 from k4.runtime.trace import Trace
 
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
-# The carveout every kernel asks for with K4_CARVEOUT: percent of the most shared memory, 50 being
-# the 132 KB split on sm_90 (the driver rounds up to a supported size, and past it for a kernel
-# that needs more). Measured on the H200 (tg128, t/s, for the matrix-vector kernels alone; the
-# driver's choice / 25 / 50 / 100): Llama 2 7B 571.9 / 583.2 / 583.1 / 525.3, Gemma 3 12B (whose
-# products take 36 KB) 314.3 / 314.2 / 314.2 / 282.6 (docs/PERF.md, session 14).
+# The carveout kernels ask for with K4_CARVEOUT: percent of the most shared memory, 50 being the
+# 132 KB split on sm_90 (the driver rounds up to a supported size), or what the blocks a kernel is
+# sized for need where that is more (carveout_for: attn_gqa's two or three blocks of 60-110 KB,
+# which at 50% would fit one). Measured on the H200 (tg128, t/s, the matrix-vector kernels alone
+# asking; the driver's choice / 25 / 50 / 100): Llama 2 7B 571.9 / 583.2 / 583.1 / 525.3, Gemma 3
+# 12B (whose products take 36 KB) 314.3 / 314.2 / 314.2 / 282.6 (docs/PERF.md, session 14).
 SHARED_CARVEOUT = 50
+SM_SHARED = 228 << 10  # bytes of shared memory a multiprocessor can give its blocks (sm_90)
 CARVEOUT_DEFAULT = -1  # the driver's choice per kernel
-_carveout = {"want": SHARED_CARVEOUT, "set": {}}  # the value launches ask for; per kernel, the value it has
+_carveout = {"on": True, "set": {}}  # K4_CARVEOUT (use_carveout); per kernel, the carveout it has
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute (cuda.h): id, padding, 64-byte value union
@@ -162,7 +164,7 @@ def blocks_per_sm(kernel, threads: int, smem: int) -> int:
     """Resident blocks per multiprocessor (sm_90: 2048 threads, 64K registers allocated per warp
     in units of 256, 228 KB shared memory with 1 KB reserved per block)."""
     regs = max(1, -(-kernel.num_regs // 8) * 8)
-    return max(1, min(2048 // threads, 65536 // (regs * threads), (228 << 10) // (smem + (1 << 10))))
+    return max(1, min(2048 // threads, 65536 // (regs * threads), SM_SHARED // (smem + (1 << 10))))
 
 
 def allow_shared(kernel, smem: int) -> None:
@@ -186,14 +188,25 @@ def capturing(stream) -> bool:
 
 
 def use_carveout(on: bool) -> None:
-    """Kernels launched from now on ask for the SHARED_CARVEOUT split (on; K4_CARVEOUT, set by
+    """Kernels launched from now on ask for carveout_for's split (on; K4_CARVEOUT, set by
     CudaBackend from its Flags) or leave it to the driver (off). A process-wide setting: it is a
     property of each kernel, which every backend in the process shares."""
-    _carveout["want"] = SHARED_CARVEOUT if on else CARVEOUT_DEFAULT
+    _carveout["on"] = on
 
 
-def _ask_carveout(kernel) -> None:
-    want = _carveout["want"]
+@cache
+def carveout_for(kernel, threads: int, smem: int, on: bool = True) -> int:
+    """The carveout (percent) a launch of `kernel` with blocks of `threads` threads and `smem`
+    bytes of dynamic shared memory asks for: SHARED_CARVEOUT, or more where the blocks per
+    multiprocessor its grid is sized for (blocks_per_sm) need more; CARVEOUT_DEFAULT when off."""
+    if not on:
+        return CARVEOUT_DEFAULT
+    need = blocks_per_sm(kernel, threads, smem) * (smem + (1 << 10))
+    return max(SHARED_CARVEOUT, min(100, -(-100 * need // SM_SHARED)))
+
+
+def _ask_carveout(kernel, block: tuple[int, ...], smem: int) -> None:
+    want = carveout_for(kernel, int(np.prod(block)), smem, _carveout["on"])
     if _carveout["set"].get(kernel) != want:
         kernel.preferred_shared_memory_carveout = want
         _carveout["set"][kernel] = want
@@ -211,7 +224,7 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
     """
     _last.what = kernel
     try:
-        _ask_carveout(kernel)
+        _ask_carveout(kernel, block, shared_mem)
         if pdl:
             if stream is None:
                 import cupy as cp
