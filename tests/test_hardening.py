@@ -35,6 +35,9 @@ class FakeCudaError(Exception):
 
 
 class FakeKernel:
+    num_regs = 32  # what launch reads of a cupy Function before launching (blocks_per_sm, the carveout)
+    preferred_shared_memory_carveout = -1
+
     def __init__(self, name: str, error: str | None = None):
         self.name, self.error, self.calls = name, error, 0
 
