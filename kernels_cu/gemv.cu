@@ -13,7 +13,7 @@
 // in one wave, so letting the next kernel launch early (pdl_trigger) cannot starve this one.
 // gemv_f (F32, F16, BF16): the same row-per-warp loop on float x from global memory (L1-cached).
 //
-// Three fusions, each optional per launch:
+// Fusions, each optional per launch:
 //  - RMSNorm prologue (norm_w non-null): x is first normalized, x * rsqrt(mean(x^2) + eps) * norm_w
 //    (Zhang & Sennrich 2019, as llama.cpp's rms_norm then mul), each block computing the sum of
 //    squares itself while x sits in L2, so the separate norm kernel and its output vanish.
@@ -27,7 +27,9 @@
 //    the down product given that as x_q8 copies its ~15 KB (n_in 11008) instead of reading 44 KB
 //    of floats and quantizing them in every block: on the H200 its 4096x11008 Q4_K product takes
 //    7.9 instead of 9.2 µs, but the SwiGLU product loses as much to its group mapping, so decode
-//    leaves it off by default (K4_FUSE_QUANT, docs/PERF.md).
+//    leaves it off by default (K4_FUSE_QUANT, docs/PERF.md). Given x_q8_out, block 0 also writes
+//    its own x quantized (after the norm and post-norm prologue) for the next product of the same
+//    x, a q/k/v run of another type, which then copies it instead of its prologue (K4_QKV_Q8).
 //
 // Thread mapping: warp w of block b starts at output b + gridDim.x * w and steps by
 // gridDim.x * WARPS (with y_q8: see gemv_q8). The launcher (runtime/cuda/matmul.py) validates
@@ -72,7 +74,9 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         int y_swz,
         const float* __restrict__ post_t,  // (n_in,) or null: the input is x + rmsnorm(post_t) * post_w (with norm_w; no x_q8)
         const float* __restrict__ post_w,  // (n_in,) or null
-        float* x_out) {                    // (n_in,) or null (with post_t): block 0 writes that input here
+        float* x_out,                      // (n_in,) or null (with post_t): block 0 writes that input here
+        u8* __restrict__ x_q8_out,         // q8x_bytes(n_in) or null (not with x_q8): block 0 also writes x's q8 here,
+        int x_out_swz) {                   // for a product of swizzle x_out_swz (the next q/k/v run reads it as its x_q8)
     extern __shared__ uint4 smem[];
     u8* xq = reinterpret_cast<u8*>(smem);
     float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
@@ -124,6 +128,7 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
                                  PostNorm{post_t, post_w, x_out, reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in))});
     }
     __syncthreads();
+    if (x_q8_out && blockIdx.x == 0) q8x_store(xq, n_in, T::x_swizzle, x_q8_out, x_out_swz);
 
     float acc = 0.f, acc_up = 0.f;  // acc_up: the up row of a GLU pair
     int c0 = lane;

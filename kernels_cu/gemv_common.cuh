@@ -84,6 +84,14 @@ __device__ __forceinline__ void q8_unit(const float (&v)[16], bool ok, int u, in
     }
 }
 
+// The q8 x of n_in values (bytes): int8 units padded to 128 bytes, then d (n_in / 32 floats,
+// padded to 16 bytes), then s (n_in / 16 floats); the whole padded to 16 bytes. gemv_q8 keeps it
+// at the start of its shared memory; the launcher computes the same (runtime/cuda/constants.py
+// q8x_offsets, whose values for several n are checked here at compile time).
+__host__ __device__ __forceinline__ constexpr int q8x_bytes_q(int n_in) { return ((n_in / 16 + 7) & ~7) * 16; }
+__host__ __device__ __forceinline__ constexpr int q8x_d_floats(int n_in) { return (n_in / 32 + 3) & ~3; }
+__host__ __device__ __forceinline__ constexpr int q8x_bytes(int n_in) { return (q8x_bytes_q(n_in) + 4 * q8x_d_floats(n_in) + 4 * (n_in / 16) + 15) & ~15; }
+
 // Gemma's post-norm of the product before, folded into this product's prologue (post_split): the
 // product's input is x + rms_scale(t) * (t * w), what norm.cu rms_norm_add writes as the new
 // residual stream (it rounds x + (t * s) * w: the two differ by an ulp or so). t null: none. out:
@@ -169,6 +177,18 @@ __device__ void quantize_x(const float* __restrict__ x, int n_in, const float* _
     }
 }
 
+// The q8 x of n_in values at q (shared memory, units in swizzle from_swz) copied to out (global
+// memory) for a product of swizzle to_swz: each unit's 16 bytes to its slot there, d and s as
+// they are. Every thread of the block calls it (after the barrier that published q).
+__device__ void q8x_store(const u8* q, int n_in, int from_swz, u8* __restrict__ out, int to_swz) {
+    const int n_units = n_in >> 4;
+    for (int u = threadIdx.x; u < n_units; u += blockDim.x)
+        *reinterpret_cast<uint4*>(out + 16 * x_unit_slot(u, to_swz)) = *reinterpret_cast<const uint4*>(q + 16 * x_unit_slot(u, from_swz));
+    const int tail = (q8x_bytes(n_in) - q8x_bytes_q(n_in)) / 4;  // d and s, as words
+    for (int i = threadIdx.x; i < tail; i += blockDim.x)
+        reinterpret_cast<u32*>(out + q8x_bytes_q(n_in))[i] = reinterpret_cast<const u32*>(q + q8x_bytes_q(n_in))[i];
+}
+
 // Copy a q8 x made by another kernel (n16 16-byte words, the layout quantize_x leaves in shared
 // memory) into shared memory: up to four loads per thread in flight before the first store.
 __device__ __forceinline__ void copy_q8x(const uint4* __restrict__ src, int n16, uint4* dst) {
@@ -186,14 +206,6 @@ __device__ __forceinline__ void copy_q8x(const uint4* __restrict__ src, int n16,
         }
     }
 }
-
-// The q8 x of n_in values (bytes): int8 units padded to 128 bytes, then d (n_in / 32 floats,
-// padded to 16 bytes), then s (n_in / 16 floats); the whole padded to 16 bytes. gemv_q8 keeps it
-// at the start of its shared memory; the launcher computes the same (runtime/cuda/constants.py
-// q8x_offsets, whose values for several n are checked here at compile time).
-__host__ __device__ __forceinline__ constexpr int q8x_bytes_q(int n_in) { return ((n_in / 16 + 7) & ~7) * 16; }
-__host__ __device__ __forceinline__ constexpr int q8x_d_floats(int n_in) { return (n_in / 32 + 3) & ~3; }
-__host__ __device__ __forceinline__ constexpr int q8x_bytes(int n_in) { return (q8x_bytes_q(n_in) + 4 * q8x_d_floats(n_in) + 4 * (n_in / 16) + 15) & ~15; }
 
 __host__ __device__ constexpr bool q8x_layout_agrees() {
     constexpr int rows[] = {K4_CHECK_Q8X};  // n, offset of d, offset of s, total bytes

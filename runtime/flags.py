@@ -36,6 +36,7 @@ FLAGS: dict[str, Flag] = {
         Flag("K4_FUSE_SWIGLU", 1, "Interleave ffn_gate/up rows at load and apply SwiGLU (GeGLU for gemma) in the decode product's epilogue."),
         Flag("K4_EVICT_FIRST", 1, "Load what is read once per token, the weights (matrix-vector and dequantization kernels) and the KV cache (decode attention), with the L1 evict-first cache hint."),
         Flag("K4_FUSE_QUANT", 0, "1 quantizes the SwiGLU output to 8 bits once, in the decode gate/up epilogue, for the down product (else each of its blocks does); off by default: the gate/up product loses more to imbalance than down gains (docs/PERF.md)."),
+        Flag("K4_QKV_Q8", 1, "In decode, the first of several q/k/v products of different types (Q4_K_M's q|k and v) also writes its normalized input quantized, and the others copy it instead of repeating the RMSNorm (and Gemma's post-norm) in every block."),
         Flag("K4_FUSE_MOE", 1, "Decode's mixture-of-experts feed-forward in three launches: the router product with the RMSNorm, gate/up and down each making the router's top-k choice themselves, the weighted sum and residual in down's epilogue (no RMSNorm, top-k or combine kernels)."),
         Flag("K4_FUSE_ROPE", 1, "Apply RoPE and store the token's key/value inside the decode attention kernel (no separate RoPE kernel)."),
         Flag("K4_MMA_ATTN", 1, "Prefill attention on tensor cores (mma.sync fp16, f32 accumulate); 0 uses the CUDA-core tiles of K4_TILED_ATTN."),

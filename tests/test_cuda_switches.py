@@ -112,3 +112,20 @@ def test_q8_handoff_changes_no_bit_of_the_decode_logits(data, monkeypatch):
         be.eval(prompt)
         logits[on] = [be.eval([t]) for t in (7, 8, 9)]
     assert all(np.array_equal(a, b) for a, b in zip(logits[True], logits[False]))
+
+
+def test_qkv_q8_handoff_changes_no_bit_of_the_decode_logits(data, monkeypatch):
+    """K4_QKV_Q8: in the layers whose q|k and v are runs of two types (Q4_K_M: Q4_K and Q6_K), the
+    v product copies the x the q|k product normalized and quantized instead of its own prologue;
+    the bytes are the same (another swizzle), so are the logits."""
+    mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
+    prompt = Tokenizer.from_model(mf).encode("Once upon a time")
+    logits = {}
+    for on in (True, False):
+        monkeypatch.setenv("K4_QKV_Q8", str(int(on)))
+        be = cuda(mf, 64)
+        assert any(len(L.qkv) > 1 for L in be.layers)
+        be.eval(prompt)
+        logits[on] = [be.eval([t]) for t in (7, 8, 9)]
+        be.close()
+    assert all(np.array_equal(a, b) for a, b in zip(logits[True], logits[False]))

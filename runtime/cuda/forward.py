@@ -21,6 +21,7 @@ from ..model import ModelConfig
 from . import matmul, moe, ops
 from .constants import MMA8_TOKENS
 from .op_args import AttnShape, FreshKV, RopeArgs
+from .q8_handoff import Q8Vector
 from .gemv_batch import Q8Rows, gemv_rows, quantize_rows
 from .gemv_mma import uses_mma8
 from .quant_kernels import MMA8_MIN_TOKENS, QUANT
@@ -39,6 +40,7 @@ class ForwardOptions:
     fuse_norm: bool = True  # K4_FUSE_NORM: decode RMSNorm inside the next product's prologue
     fuse_rope: bool = True  # K4_FUSE_ROPE: decode RoPE + cache store inside attention
     fuse_moe: bool = True  # K4_FUSE_MOE: decode's expert feed-forward in three launches (moe.decode_fused)
+    qkv_q8: bool = True  # K4_QKV_Q8: decode's later q/k/v runs copy the x the first one quantized (qkv)
 
 
 class Forward:
@@ -153,11 +155,20 @@ class Forward:
 
     def qkv(self, L: LayerWeights, h: cp.ndarray, norm, n: int, h_q8=None) -> dict[str, cp.ndarray]:
         """The q, k, v products (+ bias) of h (n, n_embd) (h_q8: h quantized, or None): name -> (n,
-        rows) column views."""
-        cols = {}
+        rows) column views. One token with the norm folded in and runs of several quantized types
+        (Q4_K_M's q|k and v; K4_QKV_Q8): the first run also writes its normalized x quantized
+        (act.h_q8) for the others, which copy it instead of repeating the norm and post-norm
+        prologue; the same bytes, so the same outputs."""
+        cols, x_q8, x_q8_out, later = {}, h_q8, None, L.qkv[1:]
+        if (n == 1 and self.opts.qkv_q8 and later and norm is not None and h_q8 is None
+                and all(p.w.ggml_type in matmul.QUANT for p in L.qkv)
+                and len({matmul.QUANT[p.w.ggml_type].x_swizzle for p in later}) == 1):
+            x_q8_out = Q8Vector.for_weight(later[0].w, self.act.h_q8)
         for p in L.qkv:
-            self.linear(p.w, h, p.out[:n], bias=p.bias, norm=norm, x_q8=h_q8)
+            self.linear(p.w, h, p.out[:n], bias=p.bias, norm=norm, x_q8=x_q8, x_q8_out=x_q8_out)
             cols.update({name: c[:n] for name, c in p.cols.items()})
+            if x_q8_out is not None:  # the later runs: the first one's q8 x, no prologue
+                norm, x_q8, x_q8_out = None, x_q8_out, None
         return cols
 
     def gate_up(self, L: LayerWeights, x1: cp.ndarray, ff: cp.ndarray, half: bool):
@@ -190,18 +201,18 @@ class Forward:
         return None
 
     def linear(self, w, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None, bias=None, norm=None,
-               x_q8=None, y_q8=None) -> None:
+               x_q8=None, y_q8=None, x_q8_out=None) -> None:
         """Y = X W^T (+ bias) (+ residual). X: (n, n_in) f32 (or fp16 on the tensor-core path),
         Y and residual: (n, n_out) f32 views; a glu weight yields silu(gate) * up, (n, n_out / 2),
         on one row. One row: matmul.gemv, with norm = (norm_w, eps) folded into it and the q8
-        handoff x_q8, y_q8 (q8_handoff.Q8Vector); more: matmul.matmul (tensor cores unless
+        handoff x_q8, y_q8, x_q8_out (q8_handoff.Q8Vector); more: matmul.matmul (tensor cores unless
         K4_PREFILL_TC=0; up to GEMV_MAX_TOKENS rows: gemv_batch, reading w once per BATCH_TOKENS rows)."""
         if X.shape[0] == 1:
             post = None
             if norm is not None and len(norm) == 3:  # normed's folded post-norm
                 norm, post = norm[:2], norm[2]
             matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, norm=norm,
-                        stream=self.stream, trace=self.ops.trace, x_q8=x_q8, y_q8=y_q8, post=post)
+                        stream=self.stream, trace=self.ops.trace, x_q8=x_q8, y_q8=y_q8, post=post, x_q8_out=x_q8_out)
         else:
             matmul.matmul(w, X, Y, residual=residual, bias=bias, scratch=self.act.mm_scratch, stream=self.stream,
                           trace=self.ops.trace, blas=self.blas, x_q8=x_q8)

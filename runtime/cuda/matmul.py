@@ -198,7 +198,7 @@ def _check_array(name: str, a, shape: tuple[int, ...], dtype=np.float32, align16
 
 def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=None, trace: Trace | None = None,
          variant: tuple[int, int, int] | None = None, pdl: bool | None = None, x_q8: Q8Vector | None = None,
-         y_q8: Q8Vector | None = None, post=None) -> None:
+         y_q8: Q8Vector | None = None, post=None, x_q8_out: Q8Vector | None = None) -> None:
     """y = w @ x (+ bias) (+ residual), one kernel launch; with w.glu, y = act(gate @ x) * (up @ x),
     act w.glu_act (silu, or gelu_tanh for gemma).
 
@@ -221,7 +221,10 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     post-norm of the product before, folded in): the input is x + RMSNorm(t) * post_w (norm.cu
     rms_norm_add's residual add, same eps) instead of x, and the kernel's first block writes it
     to x_out (the new residual stream; not x or t).
-    Raises ValueError on wrong shapes, dtypes or alignment, and for x_q8, y_q8 or post where they do not apply.
+    x_q8_out: a quantized weight without x_q8 only: the kernel's first block also writes the x it
+    multiplies (after norm and post) into x_q8_out, made for the weight of the next product of
+    the same x (Q8Vector.for_weight), the bytes that product would compute itself.
+    Raises ValueError on wrong shapes, dtypes or alignment, and for x_q8, y_q8, post or x_q8_out where they do not apply.
     """
     n_out, n_in = w.shape
     if w.glu:
@@ -240,12 +243,16 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
             raise ValueError(f"the fused RMSNorm needs n_in a multiple of 4, got {n_in}")
         _check_array("norm weight", norm_w, (n_in,), align16=True)
     check_q8(w, x_q8, y_q8, n_in, n_out, norm_w is not None)
+    if x_q8_out is not None and (w.ggml_type not in QUANT or x_q8 is not None or x_q8_out.n != n_in):
+        raise ValueError("x_q8_out needs a quantized weight, no x_q8, and a q8 vector of n_in values")
     post_t, post_w, x_out = _check_post(post, x, n_in, norm_w is not None, x_q8 is not None)
     kernel, grid, block, smem = _gemv_plan(w, variant, norm_w is not None, post is not None)
     args = (w.data, x, y, null_or(residual), null_or(bias), null_or(norm_w), np.float32(eps), np.int32(n_out), np.int32(n_in))
     if w.ggml_type in QUANT:
         args += (null_or(x_q8 and x_q8.data), null_or(y_q8 and y_q8.data), np.int32(y_q8.swizzle if y_q8 else 0))
     args += (null_or(post_t), null_or(post_w), null_or(x_out))
+    if w.ggml_type in QUANT:
+        args += (null_or(x_q8_out and x_q8_out.data), np.int32(x_q8_out.swizzle if x_q8_out else 0))
     if pdl is None:  # eagerly the driver-API launch costs more host time than it saves
         pdl = w.pdl and capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl)
