@@ -99,32 +99,28 @@ def test_each_switch_keeps_golden_tokens_and_numpy_logits(data, tiny_model, monk
         got.close()
 
 
-def test_q8_handoff_changes_no_bit_of_the_decode_logits(data, monkeypatch):
-    """K4_FUSE_QUANT: the down product copies the SwiGLU output that the gate/up epilogue
-    quantized instead of quantizing it in every block; the bytes are the same, so are the logits."""
+# The 8-bit handoffs between decode products: (flag, what the backend holds with it on or off)
+HANDOFFS = {
+    # K4_FUSE_QUANT: the down product copies the SwiGLU output the gate/up epilogue quantized
+    # instead of quantizing it in every block
+    "K4_FUSE_QUANT": lambda be, on: all((L.ff_q8 is not None) == on for L in be.layers),
+    # K4_QKV_Q8: in the layers whose q|k and v are runs of two types (Q4_K_M: Q4_K and Q6_K), the
+    # v product copies the x the q|k product normalized and quantized (another swizzle)
+    "K4_QKV_Q8": lambda be, on: any(len(L.qkv) > 1 for L in be.layers),
+}
+
+
+@pytest.mark.parametrize("flag", list(HANDOFFS))
+def test_q8_handoffs_change_no_bit_of_the_decode_logits(data, monkeypatch, flag):
+    """Each handoff copies the bytes the receiving product would compute itself, so the decode
+    logits are the same with the flag on and off."""
     mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
     prompt = Tokenizer.from_model(mf).encode("Once upon a time")
     logits = {}
     for on in (True, False):
-        monkeypatch.setenv("K4_FUSE_QUANT", str(int(on)))
+        monkeypatch.setenv(flag, str(int(on)))
         be = cuda(mf, 64)
-        assert all((L.ff_q8 is not None) == on for L in be.layers)
-        be.eval(prompt)
-        logits[on] = [be.eval([t]) for t in (7, 8, 9)]
-    assert all(np.array_equal(a, b) for a, b in zip(logits[True], logits[False]))
-
-
-def test_qkv_q8_handoff_changes_no_bit_of_the_decode_logits(data, monkeypatch):
-    """K4_QKV_Q8: in the layers whose q|k and v are runs of two types (Q4_K_M: Q4_K and Q6_K), the
-    v product copies the x the q|k product normalized and quantized instead of its own prologue;
-    the bytes are the same (another swizzle), so are the logits."""
-    mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
-    prompt = Tokenizer.from_model(mf).encode("Once upon a time")
-    logits = {}
-    for on in (True, False):
-        monkeypatch.setenv("K4_QKV_Q8", str(int(on)))
-        be = cuda(mf, 64)
-        assert any(len(L.qkv) > 1 for L in be.layers)
+        assert HANDOFFS[flag](be, on)
         be.eval(prompt)
         logits[on] = [be.eval([t]) for t in (7, 8, 9)]
         be.close()
