@@ -145,6 +145,22 @@
 #error "K4_CHECK_MMA8_SMEM comes from runtime/cuda/constants.py"
 #endif
 
+// megakernel.cu: its sizes, instruction and matrix record fields, weight type codes.
+#if !defined(MK_THREADS) || !defined(MK_SLOTS) || !defined(MK_SPLIT_KEYS) || !defined(MK_MAX_SPLIT) || \
+    !defined(MK_MAX_GROUP) || !defined(MK_MAX_D) || !defined(MK_MAX_GD) || !defined(MK_GEMV) || \
+    !defined(MK_ATTN) || !defined(MK_OP_WORDS) || !defined(MK_MAT_WORDS) || !defined(MK_ATTN_SCRATCH_FLOATS) || \
+    !defined(MKO_KIND) || !defined(MKO_X) || !defined(MKO_NORM) || !defined(MKO_N_IN) || \
+    !defined(MKO_EPS) || !defined(MKO_Q) || !defined(MKO_K) || !defined(MKO_V) || \
+    !defined(MKO_K_CACHE) || !defined(MKO_V_CACHE) || !defined(MKO_OUT) || !defined(MKO_PART) || \
+    !defined(MKO_TICKET) || !defined(MKO_INV_FREQ) || !defined(MKO_Q_NORM) || !defined(MKO_K_NORM) || \
+    !defined(MKO_ROPE_DIM) || !defined(MKO_NEOX) || !defined(MKO_N_HEAD) || !defined(MKO_N_HEAD_KV) || \
+    !defined(MKO_HEAD_DIM) || !defined(MKO_SCALE) || !defined(MKO_MSCALE) || !defined(MKM_W) || \
+    !defined(MKM_NBLK) || !defined(MKM_TYPE) || !defined(MKM_N_IN) || !defined(MKM_Y) || \
+    !defined(MKM_RESIDUAL) || !defined(MKM_BIAS) || !defined(MKM_GLU) || !defined(MK_TYPE_Q4_K) || \
+    !defined(MK_TYPE_Q5_K) || !defined(MK_TYPE_Q6_K) || !defined(MK_TYPE_Q8_0)
+#error "the megakernel constants (MK_*, MKO_*, MKM_*) come from runtime/cuda/constants.py"
+#endif
+
 static_assert(MMA_THREADS == 32 * MMA_WARPS && MMA_BQ == 16 * MMA_WARPS, "attn_mma: 32 threads and 16 query rows per warp");
 static_assert(GQA_THREADS == 32 * GQA_WARPS, "attn_gqa: 32 threads per warp");
 static_assert(ST_TOK < STATE_WORDS && ST_POS < STATE_WORDS && ST_RING < STATE_WORDS && ST_DRAW < STATE_WORDS,

@@ -37,9 +37,19 @@ __device__ __forceinline__ uint4 ld_once16(const void* p) {
 #endif
 }
 
+// Weights read through generic loads instead of the read-only global path: defined by
+// megakernel.cu, whose decoders read weight stages from shared memory.
+#ifdef K4_WEIGHTS_IN_SHARED
+#define K4_WLD(T, p) (*reinterpret_cast<const T*>(p))
+#else
+#define K4_WLD(T, p) __ldg(reinterpret_cast<const T*>(p))
+#endif
+
 // 16 bytes of weights at p (16-byte aligned).
 __device__ __forceinline__ uint4 ld_weight16(const void* p) {
-#if K4_EVICT_FIRST
+#ifdef K4_WEIGHTS_IN_SHARED
+    return *reinterpret_cast<const uint4*>(p);
+#elif K4_EVICT_FIRST
     return ld_evict_first16(p);
 #else
     return __ldg(reinterpret_cast<const uint4*>(p));
@@ -57,10 +67,10 @@ __device__ __forceinline__ uint4 load16(const u8* p) {
     if (!WIDE) {
         const u16* h = reinterpret_cast<const u16*>(p);
         uint4 v;
-        v.x = __ldg(h + 0) | ((u32)__ldg(h + 1) << 16);
-        v.y = __ldg(h + 2) | ((u32)__ldg(h + 3) << 16);
-        v.z = __ldg(h + 4) | ((u32)__ldg(h + 5) << 16);
-        v.w = __ldg(h + 6) | ((u32)__ldg(h + 7) << 16);
+        v.x = K4_WLD(u16, h + 0) | ((u32)K4_WLD(u16, h + 1) << 16);
+        v.y = K4_WLD(u16, h + 2) | ((u32)K4_WLD(u16, h + 3) << 16);
+        v.z = K4_WLD(u16, h + 4) | ((u32)K4_WLD(u16, h + 5) << 16);
+        v.w = K4_WLD(u16, h + 6) | ((u32)K4_WLD(u16, h + 7) << 16);
         return v;
     }
     const unsigned long long a = reinterpret_cast<unsigned long long>(p);
@@ -78,12 +88,12 @@ __device__ __forceinline__ uint4 load16(const u8* p) {
 // 4 bytes from p, which is ALIGN-byte aligned (4 or more: one load; 2: two 16-bit loads).
 template <int ALIGN>
 __device__ __forceinline__ u32 load4(const u8* p) {
-    if (ALIGN >= 4) return __ldg(reinterpret_cast<const u32*>(p));
+    if (ALIGN >= 4) return K4_WLD(u32, p);
     const u16* h = reinterpret_cast<const u16*>(p);
-    return __ldg(h) | ((u32)__ldg(h + 1) << 16);
+    return K4_WLD(u16, h) | ((u32)K4_WLD(u16, h + 1) << 16);
 }
 
-__device__ __forceinline__ u16 load2(const u8* p) { return __ldg(reinterpret_cast<const u16*>(p)); }
+__device__ __forceinline__ u16 load2(const u8* p) { return K4_WLD(u16, p); }
 
 // ---- number formats ---------------------------------------------------------------------------
 __device__ __forceinline__ float f16_to_f32(u16 h) {

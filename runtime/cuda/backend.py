@@ -30,7 +30,7 @@ try:
 except ModuleNotFoundError:  # require_cuda() says so
     cp = None
 else:
-    from . import blas, memory, moe, ops, q8_handoff, quant_kernels
+    from . import blas, megakernel, memory, moe, ops, q8_handoff, quant_kernels
     from .attention_launch import MAX_HEAD_DIM
     from .buffers import allocate, place, sampler_spec
     from .kv_cache import KVCache
@@ -146,6 +146,11 @@ class CudaBackend(TokenCache):
         pos = smp.state[ops.ST_POS : ops.ST_POS + 1]
         self.forward = Forward(self.config, self.weights, act, self.kv, o, f_opts, plan.splits, pos, stream, plan.swa_splits)
         self.runner = Runner(self.forward, smp, self.mem, self.trace, stream, copy_stream)
+        # K4_MEGAKERNEL: decode steps in one persistent kernel where the model allows it (else why not)
+        self.megakernel_off = megakernel.unsupported(self.config, self.weights, self.kv) if self.flags.on("K4_MEGAKERNEL") else "off"
+        if self.megakernel_off is None:
+            self.forward.mega = megakernel.MegaStep(self.config, self.weights, act, self.kv, self.mem, self.weights.rope_mscale,
+                                                    self.config.query_scale)
 
     def _finish_compile(self, compiling: list, status) -> None:
         """Wait for the modules compiling since __init__ (raising the first compile error), then

@@ -63,6 +63,7 @@ class Forward:
         self.n_ctx, self.chunk = kv.n_ctx, act.x0.shape[0]
         # one token with fuse_norm: a post-norm (t, post_w, res, Y) the next products fold in (normed)
         self.post: tuple | None = None
+        self.mega = None  # megakernel.MegaStep (K4_MEGAKERNEL), set by the backend where the model allows it
 
     def layers(self, n: int, row_ids: cp.ndarray, split: tuple[int, int, int] | None = None) -> cp.ndarray:
         """Enqueue the layers for n tokens (ids row_ids (n,) int32 on the device) at positions
@@ -109,6 +110,14 @@ class Forward:
             ff_q8 = self.gate_up(L, x1, ff, half)
             self.residual(L.w_down, ff, x1, x, L.ffn_post_norm, x_q8=ff_q8)
         return x
+
+    def decode_mega(self, row_ids: cp.ndarray) -> None:
+        """The decode step's forward pass in one persistent kernel (self.mega): the embedding of
+        the token (row_ids (1,) int32 on the device) into act.x0, then every layer and lm_head
+        into act.logits[0]."""
+        matmul.dequant_rows(self.w.token_embd, row_ids, self.act.x0[:1], stream=self.stream, trace=self.ops.trace,
+                            scale=self.cfg.embed_scale)
+        self.mega.launch(self.pos, self.stream, self.ops.trace)
 
     def residual(self, w, X: cp.ndarray, res: cp.ndarray, Y: cp.ndarray, post_norm, x_q8=None) -> None:
         """Y = res + X W^T, or with a post-norm weight (gemma) Y = res + rmsnorm(X W^T) * post_norm:

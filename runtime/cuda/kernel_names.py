@@ -122,6 +122,7 @@ KERNELS = {
     "moe_grouped.cu": ("moe_group", *(moe_grouped_name(d, glu) for d in MOE_QUANT_DECODERS for glu in (False, True))),
     "moe_gemv.cu": tuple(moe_q8_name(d, glu) for d in MOE_QUANT_DECODERS for glu in (False, True)),
     "moe_down.cu": tuple(moe_down_name(d) for d in MOE_QUANT_DECODERS),
+    "megakernel.cu": ("megakernel",),
 }
 # Compile groups: one module per group, so a model compiles only the attention and RoPE-store
 # kernels of its head_dim and KV cache types; the other small files are one group each.

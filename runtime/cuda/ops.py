@@ -85,8 +85,9 @@ class Ops(AttentionLaunchers):
         head launches: the small files' kernels, the RoPE + cache store, the decode (for short and
         long ranges: GQA_MIN_LIMIT) and prefill attention kernels that attention() picks for it,
         of the cache types self.kv only."""
-        # moe: moe.compile_jobs; speculative.cu: on the first verify step (runtime/cuda/speculative.py)
-        out = [(f, n) for f, names in KERNELS.items() if not f.startswith(("attention", "moe", "rope", "speculative")) for n in names]
+        # moe: moe.compile_jobs; speculative.cu: on the first verify step (runtime/cuda/speculative.py);
+        # megakernel.cu: runtime/cuda/megakernel.py, with K4_MEGAKERNEL
+        out = [(f, n) for f, names in KERNELS.items() if not f.startswith(("attention", "moe", "rope", "speculative", "megakernel")) for n in names]
         decode = {self.attention_kernel(1, head_dim, group=group, limit=limit) for limit in (GQA_MIN_LIMIT, None)}  # short, long ranges
         prefill = self.attention_kernel(2, head_dim)
         out += [("rope.cu", f"rope_qk_store<{kv_args(self.kv.k, self.kv.v)}>"), *((FILE_OF[d], d) for d in sorted(decode)),

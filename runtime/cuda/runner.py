@@ -78,7 +78,11 @@ class Runner:
                     self.trace.launch()
                 self._prefill_chunk_graph(c0 + n == n_total)
                 continue
-            x = fwd.layers(n, ids[c0 : c0 + n], self.split_for(n_past + c0 + 1) if n == 1 else None)
+            split = self.split_for(n_past + c0 + 1) if n == 1 else None
+            if logits_out is None and c0 + n == n_total and self.mega_runs(split):  # one token: the megakernel
+                fwd.decode_mega(ids[c0 : c0 + 1])
+                continue
+            x = fwd.layers(n, ids[c0 : c0 + n], split)
             if logits_out is not None:
                 fwd.output(x, logits[:n])
                 memory.d2h_sync(self.trace, logits_out[c0 : c0 + n], logits[:n], self.stream)
@@ -105,11 +109,20 @@ class Runner:
     def decode_body(self, split: tuple[int, int, int] | None = None) -> None:
         """One decode step on the current stream: evaluate state[tok] at state[pos], sample the
         next token into state and the ring, advance pos. Reads nothing from the host. split: the
-        attention configuration (Forward.layers)."""
+        attention configuration (Forward.layers); ranges of up to fwd.mega.max_keys keys run the
+        megakernel instead, when there is one (K4_MEGAKERNEL)."""
         fwd, s = self.fwd, self.smp
-        x = fwd.layers(1, self.tok_view, split)
-        fwd.output(x, fwd.act.logits[:1])
+        if self.mega_runs(split):
+            fwd.decode_mega(self.tok_view)
+        else:
+            x = fwd.layers(1, self.tok_view, split)
+            fwd.output(x, fwd.act.logits[:1])
         self.ops.sample(fwd.act.logits[0], s.params, s.state, s.ring, s.seen, s.part_val, s.part_idx, advance=True)
+
+    def mega_runs(self, split: tuple[int, int, int] | None) -> bool:
+        """Whether a one-token pass with attention configuration `split` runs the megakernel
+        (Forward.mega, K4_MEGAKERNEL): there is one and the range attends at most its max_keys."""
+        return self.fwd.mega is not None and split is not None and split[0] <= self.fwd.mega.max_keys
 
     def warm_up(self) -> None:
         """Run one decode step on the zeroed state (greedy, position 0), so every kernel module is

@@ -1,0 +1,58 @@
+"""The megakernel's plan (runtime/cuda/megakernel.py), on the host: tile sizes, and the tile
+lists covering every row of every product once, in op order, balanced, within a slot, on the
+alignment the kernel's copies need (kernels_cu/megakernel.cu copy_range: 4 bytes at least)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+
+from k4.runtime.cuda.constants import MK_SLOTS, QUANT_LAYOUTS
+from k4.runtime.cuda.megakernel import MatSpec, schedule, tile_bytes, tile_rows
+
+# Llama 2 7B's Q4_K_M products of one layer (q|k, v, output, gate/up interleaved, down), lm_head
+SEVEN_B = [[(0, MatSpec(T.Q4_K, 8192, 4096)), (1, MatSpec(T.Q6_K, 4096, 4096))], [], [(2, MatSpec(T.Q4_K, 4096, 4096))],
+           [(3, MatSpec(T.Q4_K, 22016, 4096))], [(4, MatSpec(T.Q6_K, 4096, 11008))], [(5, MatSpec(T.Q6_K, 32000, 4096))]]
+SLOT = 50 << 10
+
+
+def test_tile_bytes_are_the_planar_groups_of_the_rows():
+    assert tile_bytes(T.Q4_K, 4096, 16) == 16 * 16 * (16 + 128)  # d, dmin, scales | qs: both 16-byte multiples
+    # Q6_K 11008 (43 blocks a row), 4 rows: ql 128, qh 64, scales 16, d 2 bytes a block, each plane padded
+    assert tile_bytes(T.Q6_K, 11008, 4) == 172 * (128 + 64 + 16) + 352
+    assert tile_rows(MatSpec(T.Q4_K, 4096, 4096), SLOT) == 16
+    assert tile_rows(MatSpec(T.Q6_K, 4096, 11008), SLOT) == 4
+    with pytest.raises(ValueError, match="exceed"):
+        tile_rows(MatSpec(T.Q6_K, 4096, 11008), 1 << 10)
+
+
+@pytest.mark.parametrize("n_blocks", [132, 7])
+def test_tiles_cover_every_row_once_in_op_order(n_blocks):
+    tiles = schedule(SEVEN_B, n_blocks, SLOT)
+    assert (tiles[:, -(MK_SLOTS + 1):, 0] == -1).all()  # the ring's look-ahead stays inside the list
+    seen = {i: np.zeros(m.n_rows, int) for mats in SEVEN_B for i, m in mats}
+    specs = {i: m for mats in SEVEN_B for i, m in mats}
+    for b in range(n_blocks):
+        ops = [t[0] for t in tiles[b] if t[0] >= 0]
+        assert ops == sorted(ops)
+        assert (tiles[b, len(ops):, 0] == -1).all()
+        for op, i, r0, rows in tiles[b, : len(ops)]:
+            m = specs[i]
+            assert rows % 2 == 0 and rows <= 16 and rows & (rows - 1) == 0 or r0 + rows == m.n_rows
+            assert tile_bytes(m.ggml_type, m.n_in, rows) <= SLOT
+            seen[i][r0 : r0 + rows] += 1
+            # every plane range of the tile is 4-byte aligned (start and length)
+            per_row = m.n_in // GGML_QUANT_SIZES[m.ggml_type][0]
+            g = QUANT_LAYOUTS[m.ggml_type].groups
+            for size in (b_ - a for a, b_ in zip((0,) + g[:-1], g)):
+                assert (r0 * per_row * size) % 4 == 0 and (rows * per_row * size) % 4 == 0
+    assert all((s == 1).all() for s in seen.values())
+
+
+def test_tiles_of_an_op_are_balanced_over_the_blocks():
+    tiles = schedule(SEVEN_B, 132, SLOT)
+    for op in range(len(SEVEN_B)):
+        per_block = (tiles[:, :, 0] == op).sum(axis=1)
+        assert per_block.max() - per_block.min() <= 1
