@@ -146,7 +146,7 @@
 #endif
 
 // megakernel.cu: its sizes, instruction and matrix record fields, weight type codes.
-#if !defined(MK_THREADS) || !defined(MK_SLOTS) || !defined(MK_SPLIT_KEYS) || !defined(MK_MAX_SPLIT) || \
+#if !defined(MK_THREADS) || !defined(MK_SLOTS) || !defined(MK_SPLIT_KEYS) || !defined(MK_SPLIT_MIN) || !defined(MK_MAX_SPLIT) || \
     !defined(MK_MAX_GROUP) || !defined(MK_MAX_D) || !defined(MK_MAX_GD) || !defined(MK_GEMV) || \
     !defined(MK_ATTN) || !defined(MK_OP_WORDS) || !defined(MK_MAT_WORDS) || !defined(MK_ATTN_SCRATCH_FLOATS) || \
     !defined(MKO_KIND) || !defined(MKO_X) || !defined(MKO_NORM) || !defined(MKO_N_IN) || \

@@ -37,10 +37,26 @@ __device__ __forceinline__ uint4 ld_once16(const void* p) {
 #endif
 }
 
-// Weights read through generic loads instead of the read-only global path: defined by
-// megakernel.cu, whose decoders read weight stages from shared memory.
+// Weights read from shared memory instead of the read-only global path: defined by
+// megakernel.cu, whose decoders read weight stages there (ld.shared: a generic load would
+// first resolve the window).
 #ifdef K4_WEIGHTS_IN_SHARED
-#define K4_WLD(T, p) (*reinterpret_cast<const T*>(p))
+__device__ __forceinline__ u16 lds_u16(const void* p) {
+    u16 v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"((u32)__cvta_generic_to_shared(p)));
+    return v;
+}
+__device__ __forceinline__ u32 lds_u32(const void* p) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"((u32)__cvta_generic_to_shared(p)));
+    return v;
+}
+template <class T>
+__device__ __forceinline__ T lds(const void* p) {
+    if constexpr (sizeof(T) == 2) return lds_u16(p);
+    else return lds_u32(p);
+}
+#define K4_WLD(T, p) lds<T>(p)
 #else
 #define K4_WLD(T, p) __ldg(reinterpret_cast<const T*>(p))
 #endif
@@ -48,7 +64,10 @@ __device__ __forceinline__ uint4 ld_once16(const void* p) {
 // 16 bytes of weights at p (16-byte aligned).
 __device__ __forceinline__ uint4 ld_weight16(const void* p) {
 #ifdef K4_WEIGHTS_IN_SHARED
-    return *reinterpret_cast<const uint4*>(p);
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"((u32)__cvta_generic_to_shared(p)));
+    return v;
 #elif K4_EVICT_FIRST
     return ld_evict_first16(p);
 #else

@@ -46,8 +46,9 @@ MMA8_STAGE_BYTES_Q6_K = 16 * 208 + 16 * 16  # one Q6_K stage: 16 rows' ql, qh, s
 
 # ---- megakernel.cu (runtime/cuda/megakernel.py) ------------------------------------------------
 MK_THREADS = 512  # threads of the persistent decode kernel's blocks (one per multiprocessor)
-MK_SLOTS = 4  # weight tiles in flight per block (the shared-memory ring)
+MK_SLOTS = 3  # weight tiles in flight per block (the shared-memory ring; 3 of ~54 KB beat 4 of ~37 KB, docs/PERF.md)
 MK_SPLIT_KEYS = 256  # most keys of one attention work item (scores kept in shared memory)
+MK_SPLIT_MIN = 64  # keys per attention work item below which a step takes fewer items
 MK_MAX_SPLIT = 16  # most items per KV head: positions below MK_SPLIT_KEYS * MK_MAX_SPLIT
 MK_MAX_GROUP, MK_MAX_D, MK_MAX_GD = 8, 256, 2048  # query heads per KV head, head_dim, their product
 MK_GEMV, MK_ATTN = 0, 1  # instruction kinds
@@ -56,7 +57,7 @@ MK_OP_FIELDS = ("kind", "x", "norm", "n_in", "eps", "q", "k", "v", "k_cache", "v
                 "inv_freq", "q_norm", "k_norm", "rope_dim", "neox", "n_head", "n_head_kv", "head_dim", "scale", "mscale")
 MK_MAT_FIELDS = ("w", "nblk", "type", "n_in", "y", "residual", "bias", "glu")  # a matrix of a product
 MK_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0)  # the weight types it multiplies (planar layout)
-MK_ATTN_SCRATCH_FLOATS = MK_MAX_GD + 2 * MK_MAX_D + MK_MAX_GROUP * MK_SPLIT_KEYS + 2 * MK_MAX_GROUP + MK_THREADS
+MK_ATTN_SCRATCH_FLOATS = MK_MAX_GD + 2 * MK_MAX_D + MK_MAX_GROUP * MK_SPLIT_KEYS + 2 * MK_MAX_GROUP
 
 
 # ---- quantized weights (common.cuh) ------------------------------------------------------------
@@ -209,7 +210,8 @@ def defines() -> tuple[str, ...]:
         ("ST_POS", ST_POS), ("ST_RING", ST_RING), ("ST_DRAW", ST_DRAW), ("MOE_WARPS", MOE_WARPS),
         ("MOE_MAX_K", MOE_MAX_K), ("MMA8_TOKENS", MMA8_TOKENS),
         ("MMA8_STAGE_BYTES", MMA8_STAGE_BYTES), ("MMA8_STAGE_BYTES_Q6_K", MMA8_STAGE_BYTES_Q6_K),
-        ("MK_THREADS", MK_THREADS), ("MK_SLOTS", MK_SLOTS), ("MK_SPLIT_KEYS", MK_SPLIT_KEYS), ("MK_MAX_SPLIT", MK_MAX_SPLIT),
+        ("MK_THREADS", MK_THREADS), ("MK_SLOTS", MK_SLOTS), ("MK_SPLIT_KEYS", MK_SPLIT_KEYS), ("MK_SPLIT_MIN", MK_SPLIT_MIN),
+        ("MK_MAX_SPLIT", MK_MAX_SPLIT),
         ("MK_MAX_GROUP", MK_MAX_GROUP), ("MK_MAX_D", MK_MAX_D), ("MK_MAX_GD", MK_MAX_GD), ("MK_GEMV", MK_GEMV),
         ("MK_ATTN", MK_ATTN), ("MK_OP_WORDS", len(MK_OP_FIELDS)), ("MK_MAT_WORDS", len(MK_MAT_FIELDS)),
         ("MK_ATTN_SCRATCH_FLOATS", MK_ATTN_SCRATCH_FLOATS))]

@@ -103,7 +103,7 @@ def unsupported(cfg: ModelConfig, w, kv) -> str | None:
         return "soft-capping"
     if kv.types != F16:
         return f"a {kv.types.k}/{kv.types.v} KV cache (f16 only)"
-    if D % 8 or D > MK_MAX_D or group > MK_MAX_GROUP or group * D > MK_MAX_GD or cfg.n_head % cfg.n_head_kv:
+    if D % 8 or (D // 8) & (D // 8 - 1) or D > MK_MAX_D or group > MK_MAX_GROUP or group * D > MK_MAX_GD or cfg.n_head % cfg.n_head_kv:
         return f"{cfg.n_head} heads of {D} over {cfg.n_head_kv} KV heads"
     if any(len(L.gate_up) != 1 or not L.gate_up[0].w.glu or L.gate_up[0].w.glu_act != "silu" for L in w.layers):
         return "gate/up not interleaved for SwiGLU (K4_FUSE_SWIGLU)"
@@ -161,12 +161,20 @@ class MegaStep:
 
         self.max_n_in = max(m.shape[1] for m, *_ in mats)
         self.scratch = -(-max(q8x_offsets(self.max_n_in)[2], 4 * MK_ATTN_SCRATCH_FLOATS) // 16) * 16
-        slot = (max_smem - STATIC_SMEM - self.scratch) // MK_SLOTS // 16 * 16
-        tiles = schedule(products, self.n_blocks, slot)
+        # the tile lists in shared memory depend on the slot size: plan with the lists of the
+        # largest slot, then once more with what is left (smaller tiles, longer lists: checked)
+        tiles = schedule(products, self.n_blocks, (max_smem - STATIC_SMEM - self.scratch) // MK_SLOTS // 16 * 16)
+        for _ in range(3):
+            room = max_smem - STATIC_SMEM - self.scratch - list_bytes(tiles.shape[1], len(mats))
+            tiles = schedule(products, self.n_blocks, room // MK_SLOTS // 16 * 16)
+            if list_bytes(tiles.shape[1], len(mats)) + MK_SLOTS * (room // MK_SLOTS // 16 * 16) <= max_smem - STATIC_SMEM - self.scratch:
+                break
         self.slot = max(tile_bytes(mats[m][0].ggml_type, mats[m][0].shape[1], int(r)) for m, r in
                         {(int(t[1]), int(t[3])) for t in tiles.reshape(-1, 4) if t[0] >= 0})
         self.slot = -(-self.slot // 16) * 16
-        self.smem = self.scratch + MK_SLOTS * self.slot
+        self.smem = self.scratch + list_bytes(tiles.shape[1], len(mats)) + MK_SLOTS * self.slot
+        if self.smem > max_smem - STATIC_SMEM:
+            raise RuntimeError(f"the megakernel's plan needs {self.smem} bytes of shared memory, more than the {max_smem} a block has")
         self.n_ops = len(ops)
         self.ops = cp.asarray(np.array([[int(o.get(f, 0)) for f in MK_OP_FIELDS] for o in ops], np.int64))
         self.mats = cp.asarray(np.array([_mat_record(m, y, res, bias) for m, y, res, bias in mats], np.int64))
@@ -182,8 +190,14 @@ class MegaStep:
         from .launch import launch
 
         launch(self.kernel, (self.n_blocks,), (MK_THREADS,),
-               (self.ops, np.int32(self.n_ops), self.mats, self.tiles, np.int32(self.tiles.shape[1]), self.counters, pos,
+               (self.ops, np.int32(self.n_ops), self.mats, np.int32(self.mats.shape[0]), self.tiles, np.int32(self.tiles.shape[1]), self.counters, pos,
                 np.int32(self.scratch), np.int32(self.slot), np.int32(self.max_n_in)), self.smem, stream, trace)
+
+
+def list_bytes(stride: int, n_mats: int) -> int:
+    """Shared-memory bytes of a block's tile list of `stride` records and n_mats matrix records,
+    padded to 16 (megakernel.cu mk_list_bytes)."""
+    return (16 * stride + 8 * len(MK_MAT_FIELDS) * n_mats + 15) // 16 * 16
 
 
 def _bits(v: float) -> int:
