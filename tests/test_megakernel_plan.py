@@ -56,3 +56,49 @@ def test_tiles_of_an_op_are_balanced_over_the_blocks():
     for op in range(len(SEVEN_B)):
         per_block = (tiles[:, :, 0] == op).sum(axis=1)
         assert per_block.max() - per_block.min() <= 1
+
+
+# ---- which models it runs (megakernel.unsupported), on stand-ins for the device weights ------------
+
+def _model(over=None, **changes):
+    """(cfg, weights, kv) stand-ins of a 2-layer llama the megakernel runs; `changes` edits them."""
+    from types import SimpleNamespace as NS
+
+    from k4.runtime.kv_types import F16
+    from tests.tiny import tiny_config
+
+    cfg = tiny_config("llama", **{"n_embd": 256, "n_ff": 512, "n_head": 8, "n_head_kv": 2, "head_dim": 32, "rope_dim": 32,
+                                  **(over or {})})
+    mat = lambda rows, cols, t=T.Q4_K, **kw: NS(ggml_type=t, planar=True, shape=(rows, cols), glu=False, glu_act="silu", **kw)  # noqa: E731
+
+    def layer():
+        return NS(moe=None, attn_post_norm=None, ffn_post_norm=None, qkv=[NS(w=mat(cfg.q_dim + 2 * cfg.kv_dim, cfg.n_embd))],
+                  wo=mat(cfg.n_embd, cfg.q_dim), w_down=mat(cfg.n_embd, cfg.n_ff),
+                  gate_up=[NS(w=NS(ggml_type=T.Q4_K, planar=True, shape=(2 * cfg.n_ff, cfg.n_embd), glu=True, glu_act="silu"))])
+
+    w = NS(layers=[layer(), layer()], output=mat(cfg.n_vocab, cfg.n_embd, T.Q6_K))
+    kv = NS(rings=[0, 0], types=F16)
+    for edit in changes.values():
+        edit(cfg, w, kv)
+    return cfg, w, kv
+
+
+def test_a_dense_llama_runs_and_each_unsupported_feature_says_so():
+    from k4.runtime.cuda.megakernel import unsupported
+    from k4.runtime.kv_types import KVTypes
+
+    assert unsupported(*_model()) is None
+    cases = {
+        "mixture-of-experts": dict(e=lambda c, w, kv: setattr(w.layers[1], "moe", object())),
+        "post-norms": dict(e=lambda c, w, kv: setattr(w.layers[0], "ffn_post_norm", object())),
+        "sliding-window": dict(e=lambda c, w, kv: kv.rings.__setitem__(1, 512)),
+        "KV cache": dict(e=lambda c, w, kv: setattr(kv, "types", KVTypes("q8_0", "q8_0"))),
+        "SwiGLU": dict(e=lambda c, w, kv: setattr(w.layers[0].gate_up[0].w, "glu", False)),
+        "raw layout": dict(e=lambda c, w, kv: setattr(w.layers[1].wo, "planar", False)),
+        "IQ4_XS": dict(e=lambda c, w, kv: setattr(w.output, "ggml_type", T.IQ4_XS)),
+    }
+    for words, edit in cases.items():
+        why = unsupported(*_model(**edit))
+        assert why is not None and words in why, (words, why)
+    assert "heads" in unsupported(*_model({"head_dim": 96, "rope_dim": 96}))  # 12 pieces of 8: not a power of two
+    assert "heads" in unsupported(*_model({"n_head": 32, "n_head_kv": 2}))  # 16 query heads per KV head

@@ -120,6 +120,8 @@ class CudaBackend(TokenCache):
             if self.flags.on("K4_PREFILL_F16_CACHE"):
                 self._timed(stream, "prefill fp16 copy", half_weights, self.weights, self.mem, chunk, stream, self.trace)
             self._timed(stream, "compile", self._finish_compile, compiling, status)
+            if self.megakernel_off not in (None, "off") and status is not None:
+                status(f"K4_MEGAKERNEL: not for this model ({self.megakernel_off}); decode runs one kernel per op")
             if self.flags.on("K4_PREFILL_GRAPH"):  # cuBLAS through a handle of our own: prefill chunks as graphs
                 workspace = self.mem.empty((blas.WORKSPACE_BYTES,), cp.uint8, "scratch")
                 self.forward.blas = blas.Blas.open(workspace)
