@@ -250,7 +250,7 @@ __device__ void prologue(const float* x, const float* __restrict__ norm_w, float
 // partial sums, one thread per output, while the warps multiply tile t: rows split over the warps,
 // each warp's sum into red[t & 1]. The op's last tile is finished after a last barrier.
 __device__ void product(int op, const int4* tiles, int& t, int& next, const i64* mats, u8* ring, int slot_bytes, u64* full,
-                        const q8x<SWZ>& xv, float (*red)[WARPS]) {
+                        const q8x<SWZ>& xv, float (*red)[2 * WARPS]) {
     const int warp = threadIdx.x >> 5, i = threadIdx.x;
     int4 prev = make_int4(-1, 0, 0, 0);
     float prev_pre = 0.f;
@@ -283,18 +283,22 @@ __device__ void product(int op, const int4* tiles, int& t, int& next, const i64*
             issue(tiles, next++, mats, ring, slot_bytes, full);
             finish(prev, prev_pre, red[(t - 1) & 1]);
         }
-        const int rows = tl.w, rsplit = rows >= WARPS ? WARPS : rows;  // rows <= WARPS (launcher), a power of two
-        const int parts = WARPS / rsplit, r = warp % rsplit, part = warp / rsplit;
-        float acc = 0.f;
-        if (r < rows && part < parts) {
-            switch (m.type) {
-                case MK_TYPE_Q4_K: acc = row_part<type_q4_K>(slot, rows, m.n_in, r, part, parts, xv); break;
-                case MK_TYPE_Q5_K: acc = row_part<type_q5_K>(slot, rows, m.n_in, r, part, parts, xv); break;
-                case MK_TYPE_Q6_K: acc = row_part<type_q6_K>(slot, rows, m.n_in, r, part, parts, xv); break;
-                case MK_TYPE_Q8_0: acc = row_part<type_q8_0>(slot, rows, m.n_in, r, part, parts, xv); break;
+        // rows (a power of two, at most 2 WARPS): up to WARPS rows split into WARPS / rows parts
+        // (red[row + rows * part]), more rows taken by each warp in turn (red[row])
+        const int rows = tl.w, rsplit = rows >= WARPS ? WARPS : rows;
+        const int parts = WARPS / rsplit, part = warp / rsplit;
+        for (int r = warp % rsplit; r < rows; r += WARPS) {
+            float acc = 0.f;
+            if (part < parts) {
+                switch (m.type) {
+                    case MK_TYPE_Q4_K: acc = row_part<type_q4_K>(slot, rows, m.n_in, r, part, parts, xv); break;
+                    case MK_TYPE_Q5_K: acc = row_part<type_q5_K>(slot, rows, m.n_in, r, part, parts, xv); break;
+                    case MK_TYPE_Q6_K: acc = row_part<type_q6_K>(slot, rows, m.n_in, r, part, parts, xv); break;
+                    case MK_TYPE_Q8_0: acc = row_part<type_q8_0>(slot, rows, m.n_in, r, part, parts, xv); break;
+                }
             }
+            if ((threadIdx.x & 31) == 0) red[t & 1][r + rsplit * part] = acc;
         }
-        if ((threadIdx.x & 31) == 0) red[t & 1][warp] = acc;
         prev = tl;
         prev_pre = pre;
         ++t;
@@ -509,7 +513,7 @@ megakernel(const i64* __restrict__ ops, int n_ops, const i64* __restrict__ all_m
     int4* tiles = reinterpret_cast<int4*>(smem + scratch_bytes);
     i64* mats = reinterpret_cast<i64*>(tiles + tile_stride);
     u8* ring = smem + scratch_bytes + mk_list_bytes(tile_stride, n_mats);
-    __shared__ float red[2][mk::WARPS];  // the products' partial sums, double-buffered (red[0]: also the prologue's)
+    __shared__ float red[2][2 * mk::WARPS];  // the products' partial sums, double-buffered (red[0]: also the prologue's)
     __shared__ alignas(8) mk::u64 full[MK_SLOTS];  // the ring's mbarriers
     if (threadIdx.x == 0) {
         for (int k = 0; k < MK_SLOTS; ++k) mk::bar_init(full + k);

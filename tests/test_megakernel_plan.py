@@ -40,7 +40,7 @@ def test_tiles_cover_every_row_once_in_op_order(n_blocks):
         assert (tiles[b, len(ops):, 0] == -1).all()
         for op, i, r0, rows in tiles[b, : len(ops)]:
             m = specs[i]
-            assert rows % 2 == 0 and rows <= 16 and rows & (rows - 1) == 0 or r0 + rows == m.n_rows
+            assert rows % 2 == 0 and rows <= 32 and rows & (rows - 1) == 0 or r0 + rows == m.n_rows
             assert tile_bytes(m.ggml_type, m.n_in, rows) <= SLOT
             seen[i][r0 : r0 + rows] += 1
             # every plane range of the tile is 4-byte aligned (start and length)

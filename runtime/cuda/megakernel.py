@@ -30,7 +30,7 @@ from .constants import (MK_ATTN, MK_ATTN_SCRATCH_FLOATS, MK_GEMV, MK_MAT_FIELDS,
                         MK_MAX_SPLIT, MK_OP_FIELDS, MK_SLOTS, MK_SPLIT_KEYS, MK_THREADS, MK_TYPES, QUANT_LAYOUTS, q8x_offsets)
 
 MAX_KEYS = MK_SPLIT_KEYS * MK_MAX_SPLIT  # the most keys a step of the megakernel attends
-TILE_ROWS = (16, 8, 4, 2)  # rows per tile, the most that fit a slot (a power of two up to the warps of a block)
+TILE_ROWS = (32, 16, 8, 4, 2)  # rows per tile, the most that fit a slot (a power of two up to twice the warps of a block)
 STATIC_SMEM = 1 << 10  # room left for the kernel's static shared memory
 
 
