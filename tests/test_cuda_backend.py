@@ -15,8 +15,8 @@ from k4.runtime.model import open_model
 from k4.runtime.perplexity import perplexity
 from k4.runtime.reference import NumpyBackend
 from k4.runtime.tokenizer import Tokenizer
-from tests.cuda_backend_cases import (ARCH_CASES, GREEDY, LIMIT_DECODE_FLOAT, continuation, cuda, decode_limit, greedy_cases,
-                                      prefill_errors, rel_l2, take)
+from tests.cuda_backend_cases import (ARCH_CASES, GREEDY, LIMIT_DECODE_FLOAT, check_q4_k_m_greedy, continuation, cuda, decode_limit,
+                                      greedy_cases, prefill_errors, rel_l2, take)
 from tests.gpu import cupy_or_skip
 
 cp = cupy_or_skip()
@@ -36,13 +36,7 @@ def test_f32_greedy_matches_llama_cpp_exactly(data, stories):
 
 def test_q4_k_m_greedy_first_16_tokens(data, stories_q4):
     _, tok, be = stories_q4
-    cases = greedy_cases(data, "stories260K-pad-q4_k_m.gguf")
-    assert cases
-    for case in cases:
-        be.reset()
-        ids = tok.encode(case["prompt"])
-        out = take(be.generate(ids, GREEDY), 16)
-        assert case["completion"].startswith(continuation(tok, ids, out)), case["prompt"]
+    check_q4_k_m_greedy(data, tok, be)
 
 
 def running_ppl(be, tok: Tokenizer, text: str, n_ctx: int) -> list[float]:

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 from k4.runtime.cuda.constants import MK_SPLIT_KEYS
 from k4.runtime.model import open_model
 from k4.runtime.tokenizer import Tokenizer
-from tests.cuda_backend_cases import GREEDY, K_CFG, continuation, cuda, decode_limit, greedy_cases, rel_l2, take
+from tests.cuda_backend_cases import K_CFG, check_q4_k_m_greedy, cuda, decode_limit, rel_l2
 from tests.gpu import cupy_or_skip
 from tests import tiny
 from tests.quant_blocks import blocks_like
@@ -39,13 +39,7 @@ def test_q4_k_m_greedy_matches_llama_cpp(data, monkeypatch):
     mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
     tok = Tokenizer.from_model(mf)
     be = backend(mf, 256, True, monkeypatch)
-    cases = greedy_cases(data, "stories260K-pad-q4_k_m.gguf")
-    assert cases
-    for case in cases:
-        be.reset()
-        ids = tok.encode(case["prompt"])
-        out = take(be.generate(ids, GREEDY), 16)
-        assert case["completion"].startswith(continuation(tok, ids, out)), case["prompt"]
+    check_q4_k_m_greedy(data, tok, be)
     assert be.trace.get("decode").graph_replays > 0
     be.close()
 
