@@ -10,7 +10,7 @@
 // on an acquire load, then the barrier). Nothing is a grid-wide barrier: while a block waits, the
 // weights of its next tiles keep arriving.
 //
-// Weights: every product is cut into tiles of a few whole rows (MKT_ROWS, even), handed out round
+// Weights: every product is cut into tiles of a few whole rows (2 to 32, even), handed out round
 // robin to the blocks at load; each block owns a list of its tiles in op order (int4: op, matrix,
 // first row, rows; op -1 ends it). A ring of MK_SLOTS shared-memory slots streams the list with
 // cp.async from the first instruction to the last, independent of the data dependencies: while
@@ -283,8 +283,8 @@ __device__ void product(int op, const int4* tiles, int& t, int& next, const i64*
             issue(tiles, next++, mats, ring, slot_bytes, full);
             finish(prev, prev_pre, red[(t - 1) & 1]);
         }
-        // rows (a power of two, at most 2 WARPS): up to WARPS rows split into WARPS / rows parts
-        // (red[row + rows * part]), more rows taken by each warp in turn (red[row])
+        // rows (even, at most 2 WARPS): up to WARPS rows split into WARPS / rows parts (red[row +
+        // rows * part]; warps past the last whole part idle), more rows taken by each warp in turn (red[row])
         const int rows = tl.w, rsplit = rows >= WARPS ? WARPS : rows;
         const int parts = WARPS / rsplit, part = warp / rsplit;
         for (int r = warp % rsplit; r < rows; r += WARPS) {

@@ -30,7 +30,7 @@ from .constants import (MK_ATTN, MK_ATTN_SCRATCH_FLOATS, MK_GEMV, MK_MAT_FIELDS,
                         MK_MAX_SPLIT, MK_OP_FIELDS, MK_SLOTS, MK_SPLIT_KEYS, MK_THREADS, MK_TYPES, QUANT_LAYOUTS, q8x_offsets)
 
 MAX_KEYS = MK_SPLIT_KEYS * MK_MAX_SPLIT  # the most keys a step of the megakernel attends
-TILE_ROWS = (32, 16, 8, 4, 2)  # rows per tile, the most that fit a slot (a power of two up to twice the warps of a block)
+TILE_ROWS = tuple(range(32, 0, -2))  # rows per tile, the most that fit a slot (even, up to twice the warps of a block)
 STATIC_SMEM = 1 << 10  # room left for the kernel's static shared memory
 
 
@@ -53,8 +53,8 @@ def tile_bytes(t: T, n_in: int, rows: int) -> int:
 
 
 def tile_rows(m: MatSpec, slot_bytes: int) -> int:
-    """Rows per tile of m: the most of TILE_ROWS whose tile fits `slot_bytes`. Raises ValueError
-    when not even two rows fit."""
+    """Rows per tile of m: the most of TILE_ROWS whose tile fits `slot_bytes` (full slots keep the
+    most bytes in flight while a tile is multiplied). Raises ValueError when not even two rows fit."""
     for rows in TILE_ROWS:
         if tile_bytes(m.ggml_type, m.n_in, rows) <= slot_bytes:
             return rows
