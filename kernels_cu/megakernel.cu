@@ -12,11 +12,12 @@
 //
 // Weights: every product is cut into tiles of a few whole rows (2 to 32, even), handed out round
 // robin to the blocks at load; each block owns a list of its tiles in op order (int4: op, matrix,
-// first row, rows; op -1 ends it). A ring of MK_SLOTS shared-memory slots streams the list with
-// cp.async from the first instruction to the last, independent of the data dependencies: while
-// the block waits for a counter or runs attention, MK_SLOTS tiles are in flight or landed. A
-// tile is staged in the planar layout (quant_layouts.cuh) of its own rows, so the decoders of
-// decoders.cuh read it unchanged (their loads are generic here: K4_WEIGHTS_IN_SHARED).
+// first row, rows; op -1 ends it), copied into shared memory with the matrix records at the start.
+// A ring of MK_SLOTS shared-memory slots streams the list by bulk copies (megakernel_ring.cuh)
+// from the first instruction to the last, independent of the data dependencies: while the block
+// waits for a counter or runs attention (megakernel_attention.cuh), MK_SLOTS tiles are in flight
+// or landed. A tile is staged in the planar layout (quant_layouts.cuh) of its own rows, so the
+// decoders of decoders.cuh read it unchanged (their loads are ld.shared here: K4_WEIGHTS_IN_SHARED).
 //
 // Activations written by one block and read by another inside the kernel are read with ld.cg
 // (L2, never a stale L1 line); weights, norms, biases and the RoPE table are read-only.
@@ -24,10 +25,10 @@
 // an even row count, n_in a multiple of 256; head_dim a multiple of 8 up to MK_MAX_D, at most
 // MK_MAX_GROUP query heads per KV head and MK_MAX_GD values of them, positions below
 // MK_SPLIT_KEYS * MK_MAX_SPLIT; f16 KV cache planes (n_ctx, n_head_kv, head_dim).
-#define K4_WEIGHTS_IN_SHARED 1
-#include "decoders.cuh"
+#define K4_WEIGHTS_IN_SHARED 1  // before any include: the decoders' weight loads are ld.shared (device.cuh)
 #include "gemv_common.cuh"
-#include "kv_cache.cuh"
+#include "megakernel_attention.cuh"
+#include "megakernel_ring.cuh"
 
 // Bytes of a block's tile list (stride int4 records) and the matrix records in shared memory,
 // padded to 16 (runtime/cuda/megakernel.py list_bytes computes the same).
@@ -35,13 +36,9 @@ __host__ __device__ constexpr int mk_list_bytes(int stride, int n_mats) { return
 
 namespace mk {
 
-typedef unsigned long long u64;
-
-constexpr int WARPS = MK_THREADS / 32;
 constexpr int SWZ = K4_X_SWIZZLE_Q4_K;  // the q8 x is made once per op, in Q4_K's unit order, for every type
 
 __device__ __forceinline__ float4 ldcg4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
-__device__ __forceinline__ float f32_bits(i64 w) { return __int_as_float((int)w); }
 
 __device__ __forceinline__ int ld_acquire(const int* p) {
     int v;
@@ -63,135 +60,6 @@ __device__ __forceinline__ void arrive(int* c) {
         __threadfence();
         atomicAdd(c, 1);
     }
-}
-
-// ---- the weight ring -------------------------------------------------------------------------
-// Slot k of the ring has an mbarrier (full[k]) that completes a phase when the tile staged there
-// has landed. The 16-byte aligned plane ranges of a tile (all but a 2-byte scale plane whose
-// range is not) go by bulk copies of the tensor memory accelerator, issued by thread 0 and
-// counted on the slot's mbarrier: they do not queue in the multiprocessor's load path ahead of
-// the block's own reads of x, the counters and the cache, as per-thread copies would (docs/PERF.md,
-// session 15). The rest goes by per-thread cp.async (4 or 8 bytes), one commit group per tile.
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void cp8(u8* dst, const u8* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_addr(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp4(u8* dst, const u8* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src));
-}
-
-__device__ __forceinline__ void bar_init(u64* bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)));
-}
-
-__device__ __forceinline__ void bar_expect(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void bar_wait(u64* bar, u32 parity) {
-    u32 done = 0;
-    while (!done)
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-}
-
-__device__ __forceinline__ void bulk_copy(u8* dst, const u8* src, u32 bytes, u64* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-
-__device__ __forceinline__ bool aligned16(const u8* src, i64 len) {
-    return !((reinterpret_cast<unsigned long long>(src) | (unsigned long long)len) & 15);
-}
-
-// len bytes from src to dst (shared) by per-thread copies of 8 or 4 bytes (the launcher keeps
-// every plane range 4-byte aligned).
-__device__ __forceinline__ void copy_small(u8* dst, const u8* src, int len) {
-    if (!((reinterpret_cast<unsigned long long>(src) | (unsigned long long)len) & 7)) {
-        for (int i = 8 * threadIdx.x; i < len; i += 8 * MK_THREADS) cp8(dst + i, src + i);
-    } else {
-        for (int i = 4 * threadIdx.x; i < len; i += 4 * MK_THREADS) cp4(dst + i, src + i);
-    }
-}
-
-template <class T>
-__host__ __device__ constexpr int n_groups() {
-    int g = 0;
-    while (T::cut(g) < T::block_bytes) ++g;
-    return g;
-}
-
-// Stage blocks blk0 .. blk0 + nblk - 1 of the planar tensor w (nblk_all blocks) into slot as a
-// planar tensor of nblk blocks (group_at<T, G, true>(slot, nblk, ...) finds them); bar: the slot's
-// mbarrier. Every thread calls it.
-template <class T>
-__device__ __forceinline__ void stage(u8* slot, const u8* w, i64 nblk_all, i64 blk0, int nblk, u64* bar) {
-    constexpr int G = n_groups<T>();
-    if (threadIdx.x == 0) {
-        i64 src = 0;
-        u32 bytes = 0;
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            const int size = T::cut(g + 1) - T::cut(g);
-            if (aligned16(w + src + blk0 * size, (i64)nblk * size)) bytes += nblk * size;
-            src += round16(nblk_all * size);
-        }
-        bar_expect(bar, bytes);
-    }
-    i64 src = 0;
-    int dst = 0;
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const int size = T::cut(g + 1) - T::cut(g);
-        const u8* from = w + src + blk0 * size;
-        if (aligned16(from, (i64)nblk * size)) {
-            if (threadIdx.x == 0) bulk_copy(slot + dst, from, nblk * size, bar);
-        } else {
-            copy_small(slot + dst, from, nblk * size);
-        }
-        src += round16(nblk_all * size);
-        dst += (int)round16((i64)nblk * size);
-    }
-}
-
-struct Mat {  // a matrix record, unpacked
-    const u8* w;
-    i64 nblk;
-    int type, n_in;
-    float* y;
-    const float* residual;
-    const float* bias;
-    int glu;
-    __device__ explicit Mat(const i64* m)
-        : w(reinterpret_cast<const u8*>(m[MKM_W])), nblk(m[MKM_NBLK]), type((int)m[MKM_TYPE]), n_in((int)m[MKM_N_IN]),
-          y(reinterpret_cast<float*>(m[MKM_Y])), residual(reinterpret_cast<const float*>(m[MKM_RESIDUAL])),
-          bias(reinterpret_cast<const float*>(m[MKM_BIAS])), glu((int)m[MKM_GLU]) {}
-};
-
-// Issue tile t's copies into its slot (its mbarrier full[t % MK_SLOTS]) and commit its per-thread
-// copies as one group (an empty group past the end of the list, so that every thread commits
-// once per tile). Every thread calls it, after the barrier that freed the slot.
-__device__ __forceinline__ void issue(const int4* tiles, int t, const i64* mats, u8* ring, int slot_bytes, u64* full) {
-    const int4 tl = tiles[t];
-    if (tl.x >= 0) {
-        const Mat m(mats + (i64)tl.y * MK_MAT_WORDS);
-        u8* slot = ring + (t % MK_SLOTS) * slot_bytes;
-        u64* bar = full + t % MK_SLOTS;
-        if (threadIdx.x == 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's last reads before the bulk writes
-        const int per_row = m.n_in / QK_K;  // blocks per row (K-quants; Q8_0 below)
-        switch (m.type) {
-            case MK_TYPE_Q4_K: stage<type_q4_K>(slot, m.w, m.nblk, (i64)tl.z * per_row, tl.w * per_row, bar); break;
-            case MK_TYPE_Q5_K: stage<type_q5_K>(slot, m.w, m.nblk, (i64)tl.z * per_row, tl.w * per_row, bar); break;
-            case MK_TYPE_Q6_K: stage<type_q6_K>(slot, m.w, m.nblk, (i64)tl.z * per_row, tl.w * per_row, bar); break;
-            case MK_TYPE_Q8_0: {
-                const int per = m.n_in / QK8_0;
-                stage<type_q8_0>(slot, m.w, m.nblk, (i64)tl.z * per, tl.w * per, bar);
-                break;
-            }
-        }
-    }
-    asm volatile("cp.async.commit_group;");
 }
 
 // Row r of a staged tile of `rows` rows times the q8 x: this warp's share (chunks part, part +
@@ -307,195 +175,6 @@ __device__ void product(int op, const int4* tiles, int& t, int& next, const i64*
         __syncthreads();
         issue(tiles, next++, mats, ring, slot_bytes, full);
         finish(prev, prev_pre, red[(t - 1) & 1]);
-    }
-}
-
-// ---- attention ----------------------------------------------------------------------------------
-// Scratch (floats): the group's queries (MK_MAX_GD), the fresh key and value (MK_MAX_D each),
-// scores (MK_MAX_GROUP x MK_SPLIT_KEYS), then the max and the sum of each head.
-constexpr int S_Q = 0, S_K = MK_MAX_GD, S_V = S_K + MK_MAX_D, S_SC = S_V + MK_MAX_D, S_M = S_SC + MK_MAX_GROUP * MK_SPLIT_KEYS,
-              S_L = S_M + MK_MAX_GROUP, S_END = S_L + MK_MAX_GROUP;
-static_assert(S_END == MK_ATTN_SCRATCH_FLOATS, "megakernel attention scratch: runtime/cuda/constants.py has another size");
-
-// Sum v over the aligned groups of n lanes (n a power of two up to 32); every lane of the warp calls it.
-__device__ __forceinline__ float group_sum(float v, int n) {
-    for (int off = n >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
-
-// 8 values of a head row: the fresh row (shared memory) at position pos, else the f16 cache.
-__device__ __forceinline__ void row8(const u16* cache, const float* fresh, int j, int pos, int n_head_kv, int g, int D, int c,
-                                     bool ok, float (&v)[8]) {
-    if (ok && j != pos) {
-        kv_f16::unpack(kv_f16::load_once(cache, nullptr, ((size_t)j * n_head_kv + g) * D + 8 * c), v);
-    } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] = ok ? fresh[8 * c + e] : 0.f;
-    }
-}
-
-// Work item (KV head g, split s) of one layer's attention at position pos: split s covers keys
-// [s L, min((s + 1) L, pos + 1)), n_split = min(MK_MAX_SPLIT, ceil((pos + 1) / MK_SPLIT_MIN));
-// the split holding pos also rotates the fresh key and stores it and the value into the cache.
-// Scores: D / 8 adjacent lanes per key, 16 bytes each, summed by shuffles; P.V: lanes of one
-// 8-value column of a query head take every KQ-th key, summed by shuffles. One split: the output
-// directly; several: partials (max, sum, unnormalized P.V) merged by the block that finishes a
-// KV head's last split (a ticket per KV head).
-__device__ void attention(const i64* o, int pos, float* sm) {
-    const float* q = reinterpret_cast<const float*>(o[MKO_Q]);
-    const float* kf = reinterpret_cast<const float*>(o[MKO_K]);
-    const float* vf = reinterpret_cast<const float*>(o[MKO_V]);
-    u16* kc = reinterpret_cast<u16*>(o[MKO_K_CACHE]);
-    u16* vc = reinterpret_cast<u16*>(o[MKO_V_CACHE]);
-    float* out = reinterpret_cast<float*>(o[MKO_OUT]);
-    float* part = reinterpret_cast<float*>(o[MKO_PART]);
-    int* ticket = reinterpret_cast<int*>(o[MKO_TICKET]);
-    const double* inv_freq = reinterpret_cast<const double*>(o[MKO_INV_FREQ]);
-    const float* q_norm = reinterpret_cast<const float*>(o[MKO_Q_NORM]);
-    const float* k_norm = reinterpret_cast<const float*>(o[MKO_K_NORM]);
-    const int rope_dim = (int)o[MKO_ROPE_DIM], neox = (int)o[MKO_NEOX], n_head_kv = (int)o[MKO_N_HEAD_KV], D = (int)o[MKO_HEAD_DIM];
-    const int group = (int)o[MKO_N_HEAD] / n_head_kv, GD = group * D, C = D / 8;
-    const float scale = f32_bits(o[MKO_SCALE]), eps = f32_bits(o[MKO_EPS]), mscale = f32_bits(o[MKO_MSCALE]);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n_keys = pos + 1;
-    const int n_split = min(MK_MAX_SPLIT, (n_keys + MK_SPLIT_MIN - 1) / MK_SPLIT_MIN);
-    const int L = (n_keys + n_split - 1) / n_split;
-    const int columns = GD / 8;
-    int KQ = 32;  // lanes per P.V column: the largest power of two that fits
-    while (KQ > 1 && KQ * columns > MK_THREADS) KQ >>= 1;
-    float *qs = sm + S_Q, *ks = sm + S_K, *vs = sm + S_V, *sc = sm + S_SC, *mh = sm + S_M, *lh = sm + S_L;
-    __shared__ int last;
-    for (int item = blockIdx.x; item < n_head_kv * n_split; item += gridDim.x) {
-        const int g = item % n_head_kv, s = item / n_head_kv;
-        const int j0 = s * L, j1 = min(n_keys, j0 + L), n = j1 - j0;
-        const bool fresh = j1 == n_keys;
-        for (int i = threadIdx.x; i < GD; i += MK_THREADS) qs[i] = __ldcg(q + (i64)g * GD + i);
-        if (fresh)
-            for (int i = threadIdx.x; i < D; i += MK_THREADS) {
-                ks[i] = __ldcg(kf + (i64)g * D + i);
-                vs[i] = __ldcg(vf + (i64)g * D + i);
-            }
-        __syncthreads();
-        for (int h = warp; h < group; h += WARPS)
-            k4ops::rope_row(qs + h * D, qs + h * D, nullptr, q_norm, eps, inv_freq, (double)pos, D, rope_dim, neox, lane, mscale);
-        if (fresh && warp == WARPS - 1)
-            k4ops::rope_row(ks, ks, nullptr, k_norm, eps, inv_freq, (double)pos, D, rope_dim, neox, lane, mscale);
-        __syncthreads();
-        if (fresh)
-            for (int i = threadIdx.x; i < D; i += MK_THREADS) {
-                const i64 e = ((i64)pos * n_head_kv + g) * D + i;
-                kc[e] = f32_to_f16(ks[i]);
-                vc[e] = f32_to_f16(vs[i]);
-            }
-        {  // scores, four keys per thread in flight
-            const int c = threadIdx.x % C, per_step = MK_THREADS / C;
-            for (int base = 0; base < n; base += 4 * per_step) {
-                float kv8[4][8];
-#pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const int jj = base + u * per_step + threadIdx.x / C;
-                    row8(kc, ks, j0 + jj, pos, n_head_kv, g, D, c, jj < n, kv8[u]);
-                }
-#pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const int jj = base + u * per_step + threadIdx.x / C;
-#pragma unroll
-                    for (int h = 0; h < MK_MAX_GROUP; ++h) {
-                        if (h >= group) break;
-                        float a = 0.f;
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) a += kv8[u][e] * qs[h * D + 8 * c + e];
-                        a = group_sum(a, C);
-                        if (c == 0 && jj < n) sc[h * MK_SPLIT_KEYS + jj] = a * scale;
-                    }
-                }
-            }
-        }
-        __syncthreads();
-        for (int h = warp; h < group; h += WARPS) {  // softmax numerators in place, max and sum per head
-            float m = -k4ops::inf_f32();
-            for (int jj = lane; jj < n; jj += 32) m = fmaxf(m, sc[h * MK_SPLIT_KEYS + jj]);
-            m = warp_max(m);
-            float l = 0.f;
-            for (int jj = lane; jj < n; jj += 32) {
-                const float p = __expf(sc[h * MK_SPLIT_KEYS + jj] - m);
-                sc[h * MK_SPLIT_KEYS + jj] = p;
-                l += p;
-            }
-            l = warp_sum(l);
-            if (lane == 0) {
-                mh[h] = m;
-                lh[h] = l;
-            }
-        }
-        __syncthreads();
-        {  // P.V: column col (head h, values 8 c8 .. + 7), lane kq of its KQ takes keys kq, kq + KQ, ...
-            const int col = threadIdx.x / KQ, kq = threadIdx.x % KQ, h = col / C, c8 = col % C;
-            const bool active = col < columns;
-            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int base = kq; base < n; base += 4 * KQ) {
-                float v8[4][8];
-#pragma unroll
-                for (int u = 0; u < 4; ++u) row8(vc, vs, j0 + base + u * KQ, pos, n_head_kv, g, D, c8, active && base + u * KQ < n, v8[u]);
-#pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const float p = active && base + u * KQ < n ? sc[h * MK_SPLIT_KEYS + base + u * KQ] : 0.f;
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[e] += p * v8[u][e];
-                }
-            }
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] = group_sum(acc[e], KQ);
-            if (active && kq == 0) {
-                const int head = g * group + h;
-                if (n_split == 1) {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) out[(i64)head * D + 8 * c8 + e] = acc[e] / lh[h];
-                } else {
-                    float* p = part + ((i64)head * MK_MAX_SPLIT + s) * (D + 2);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) p[8 * c8 + e] = acc[e];
-                    if (c8 == 0) {
-                        p[D] = mh[h];
-                        p[D + 1] = lh[h];
-                    }
-                }
-            }
-        }
-        if (n_split > 1) {  // the last split of KV head g to finish merges its query heads
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                __threadfence();
-                last = atomicAdd(ticket + g, 1) == n_split - 1;
-                if (last) {
-                    ticket[g] = 0;
-                    __threadfence();
-                }
-            }
-            __syncthreads();
-            if (last) {
-                for (int od = threadIdx.x; od < GD; od += MK_THREADS) {
-                    const int head = g * group + od / D, d = od % D;
-                    const float* p = part + (i64)head * MK_MAX_SPLIT * (D + 2);
-                    float m[MK_MAX_SPLIT], den = 0.f, num = 0.f, mx = -k4ops::inf_f32();
-#pragma unroll
-                    for (int k = 0; k < MK_MAX_SPLIT; ++k) {
-                        m[k] = k < n_split ? __ldcg(p + k * (D + 2) + D) : -k4ops::inf_f32();
-                        mx = fmaxf(mx, m[k]);
-                    }
-#pragma unroll
-                    for (int k = 0; k < MK_MAX_SPLIT; ++k) {
-                        if (k < n_split) {
-                            const float w = __expf(m[k] - mx);
-                            num += w * __ldcg(p + k * (D + 2) + d);
-                            den += w * __ldcg(p + k * (D + 2) + D + 1);
-                        }
-                    }
-                    out[(i64)head * D + d] = num / den;
-                }
-            }
-        }
-        __syncthreads();  // scratch reused by the next item
     }
 }
 
