@@ -30,10 +30,6 @@
 #include "megakernel_attention.cuh"
 #include "megakernel_ring.cuh"
 
-// Bytes of a block's tile list (stride int4 records) and the matrix records in shared memory,
-// padded to 16 (runtime/cuda/megakernel.py list_bytes computes the same).
-__host__ __device__ constexpr int mk_list_bytes(int stride, int n_mats) { return (16 * stride + 8 * MK_MAT_WORDS * n_mats + 15) & ~15; }
-
 namespace mk {
 
 constexpr int SWZ = K4_X_SWIZZLE_Q4_K;  // the q8 x is made once per op, in Q4_K's unit order, for every type
@@ -181,17 +177,19 @@ __device__ void product(int op, const int4* tiles, int& t, int& next, const i64*
 }  // namespace mk
 
 // Shared memory: the scratch (scratch_bytes: the q8 x of the widest product, or the attention's),
-// the tile list and matrix records (mk_list_bytes), then MK_SLOTS slots of slot_bytes. counters: n_ops + 1 zeros (left zero at the end).
+// the tile list and matrix records, then from ring_offset MK_SLOTS slots of slot_bytes
+// (runtime/cuda/megakernel.py plan_ring). counters: n_ops + 1 zeros (left zero at the end).
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
 megakernel(const i64* __restrict__ ops, int n_ops, const i64* __restrict__ all_mats, int n_mats, const int4* __restrict__ all_tiles,
-           int tile_stride, int* counters, const int* pos_word, int scratch_bytes, int slot_bytes, int max_n_in) {
+           int tile_stride, int* counters, const int* pos_word, int scratch_bytes, int ring_offset, int slot_bytes,
+           int max_n_in) {
     extern __shared__ uint4 smem_raw[];
     u8* smem = reinterpret_cast<u8*>(smem_raw);
     // after the scratch: this block's tile list and the matrix records, read from shared memory
     // from here on (their reads would otherwise sit on every tile's critical path), then the ring
     int4* tiles = reinterpret_cast<int4*>(smem + scratch_bytes);
     i64* mats = reinterpret_cast<i64*>(tiles + tile_stride);
-    u8* ring = smem + scratch_bytes + mk_list_bytes(tile_stride, n_mats);
+    u8* ring = smem + ring_offset;
     __shared__ float red[2][2 * mk::WARPS];  // the products' partial sums, double-buffered (red[0]: also the prologue's)
     __shared__ alignas(8) mk::u64 full[MK_SLOTS];  // the ring's mbarriers
     if (threadIdx.x == 0) {

@@ -102,3 +102,15 @@ def test_a_dense_llama_runs_and_each_unsupported_feature_says_so():
         assert why is not None and words in why, (words, why)
     assert "heads" in unsupported(*_model({"head_dim": 96, "rope_dim": 96}))  # 12 pieces of 8: not a power of two
     assert "heads" in unsupported(*_model({"n_head": 32, "n_head_kv": 2}))  # 16 query heads per KV head
+
+
+def test_the_ring_plan_fits_its_budget_and_says_when_it_cannot():
+    from k4.runtime.cuda.megakernel import PlanError, list_bytes, plan_ring
+
+    budget = 200 << 10
+    tiles, slot, lists = plan_ring(SEVEN_B, 6, 132, budget)
+    assert lists == list_bytes(tiles.shape[1], 6) and lists + MK_SLOTS * slot <= budget and slot % 16 == 0
+    specs = {i: m for mats in SEVEN_B for i, m in mats}
+    assert max(tile_bytes(specs[t[1]].ggml_type, specs[t[1]].n_in, t[3]) for t in tiles.reshape(-1, 4) if t[0] >= 0) <= slot
+    with pytest.raises(PlanError, match="exceed"):
+        plan_ring(SEVEN_B, 6, 132, 16 << 10)

@@ -151,8 +151,11 @@ class CudaBackend(TokenCache):
         # K4_MEGAKERNEL: decode steps in one persistent kernel where the model allows it (else why not)
         self.megakernel_off = megakernel.unsupported(self.config, self.weights, self.kv) if self.flags.on("K4_MEGAKERNEL") else "off"
         if self.megakernel_off is None:
-            self.forward.mega = megakernel.MegaStep(self.config, self.weights, act, self.kv, self.mem, self.weights.rope_mscale,
-                                                    self.config.query_scale)
+            try:
+                self.forward.mega = megakernel.MegaStep(self.config, self.weights, act, self.kv, self.mem, self.weights.rope_mscale,
+                                                        self.config.query_scale)
+            except megakernel.PlanError as exc:
+                self.megakernel_off = str(exc)
 
     def _finish_compile(self, compiling: list, status) -> None:
         """Wait for the modules compiling since __init__ (raising the first compile error), then

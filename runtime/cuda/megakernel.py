@@ -118,13 +118,14 @@ def unsupported(cfg: ModelConfig, w, kv) -> str | None:
 class MegaStep:
     """The instruction list, tile lists and scratch of one model's megakernel, on the device.
     launch() enqueues a decode step's layers and lm_head (the embedding of the token is already
-    in act.x0[0]; the logits land in act.logits[0])."""
+    in act.x0[0]; the logits land in act.logits[0]). Raises PlanError when the model's products
+    do not fit its shared memory (the caller keeps the graph)."""
 
     def __init__(self, cfg: ModelConfig, w, act, kv, mem, rope_mscale: float, query_scale: float):
         import cupy as cp
 
         from .compile import module
-        from .launch import allow_shared, blocks_per_sm, device_limits
+        from .launch import allow_shared, device_limits
 
         self.n_blocks, self.max_keys = device_limits()[0], MAX_KEYS
         max_smem = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
@@ -133,8 +134,6 @@ class MegaStep:
         products: list[list[tuple[int, MatSpec]]] = []
         D, eps = cfg.head_dim, cfg.rms_eps
         x, attn, ff, logits = act.x0[0], act.attn[0], act.ff[0], act.logits[0]
-        self.part = mem.zeros((cfg.n_head, MK_MAX_SPLIT, D + 2), cp.float32, "scratch")
-        self.ticket = mem.zeros((cfg.n_head_kv,), cp.int32, "scratch")
 
         def gemv(x_in, norm, n_in, outs) -> None:
             ops.append(dict(kind=MK_GEMV, x=x_in.data.ptr, norm=0 if norm is None else norm.data.ptr, n_in=n_in, eps=_bits(eps)))
@@ -148,8 +147,8 @@ class MegaStep:
             gemv(x, L.attn_norm, cfg.n_embd, [(p.w, p.out[0], None, p.bias) for p in L.qkv])
             cols = {name: c[0] for p in L.qkv for name, c in p.cols.items()}
             ops.append(dict(kind=MK_ATTN, q=cols["q"].data.ptr, k=cols["k"].data.ptr, v=cols["v"].data.ptr,
-                            k_cache=kv.k[li].data.ptr, v_cache=kv.v[li].data.ptr, out=attn.data.ptr, part=self.part.data.ptr,
-                            ticket=self.ticket.data.ptr, inv_freq=w.inv_freq.data.ptr,
+                            k_cache=kv.k[li].data.ptr, v_cache=kv.v[li].data.ptr, out=attn.data.ptr,
+                            inv_freq=w.inv_freq.data.ptr,
                             q_norm=0 if L.q_norm is None else L.q_norm.data.ptr, k_norm=0 if L.k_norm is None else L.k_norm.data.ptr,
                             rope_dim=cfg.rope_dim, neox=int(cfg.rope_neox), n_head=cfg.n_head, n_head_kv=cfg.n_head_kv,
                             head_dim=D, scale=_bits(query_scale), eps=_bits(eps), mscale=_bits(rope_mscale)))
@@ -161,20 +160,15 @@ class MegaStep:
 
         self.max_n_in = max(m.shape[1] for m, *_ in mats)
         self.scratch = -(-max(q8x_offsets(self.max_n_in)[2], 4 * MK_ATTN_SCRATCH_FLOATS) // 16) * 16
-        # the tile lists in shared memory depend on the slot size: plan with the lists of the
-        # largest slot, then once more with what is left (smaller tiles, longer lists: checked)
-        tiles = schedule(products, self.n_blocks, (max_smem - STATIC_SMEM - self.scratch) // MK_SLOTS // 16 * 16)
-        for _ in range(3):
-            room = max_smem - STATIC_SMEM - self.scratch - list_bytes(tiles.shape[1], len(mats))
-            tiles = schedule(products, self.n_blocks, room // MK_SLOTS // 16 * 16)
-            if list_bytes(tiles.shape[1], len(mats)) + MK_SLOTS * (room // MK_SLOTS // 16 * 16) <= max_smem - STATIC_SMEM - self.scratch:
-                break
-        self.slot = max(tile_bytes(mats[m][0].ggml_type, mats[m][0].shape[1], int(r)) for m, r in
-                        {(int(t[1]), int(t[3])) for t in tiles.reshape(-1, 4) if t[0] >= 0})
-        self.slot = -(-self.slot // 16) * 16
-        self.smem = self.scratch + list_bytes(tiles.shape[1], len(mats)) + MK_SLOTS * self.slot
-        if self.smem > max_smem - STATIC_SMEM:
-            raise RuntimeError(f"the megakernel's plan needs {self.smem} bytes of shared memory, more than the {max_smem} a block has")
+        tiles, self.slot, lists = plan_ring(products, len(mats), self.n_blocks, max_smem - STATIC_SMEM - self.scratch)
+        self.ring_offset = self.scratch + lists
+        self.smem = self.ring_offset + MK_SLOTS * self.slot
+        # planned: the scratch of the attention's splits and the counters (nothing allocated before a PlanError)
+        self.part = mem.zeros((cfg.n_head, MK_MAX_SPLIT, D + 2), cp.float32, "scratch")
+        self.ticket = mem.zeros((cfg.n_head_kv,), cp.int32, "scratch")
+        for o in ops:
+            if o["kind"] == MK_ATTN:
+                o.update(part=self.part.data.ptr, ticket=self.ticket.data.ptr)
         self.n_ops = len(ops)
         self.ops = cp.asarray(np.array([[int(o.get(f, 0)) for f in MK_OP_FIELDS] for o in ops], np.int64))
         self.mats = cp.asarray(np.array([_mat_record(m, y, res, bias) for m, y, res, bias in mats], np.int64))
@@ -182,8 +176,6 @@ class MegaStep:
         self.counters = mem.zeros((self.n_ops + 1,), cp.int32, "scratch")
         self.kernel = module("megakernel.cu", ("megakernel",)).get_function("megakernel")
         allow_shared(self.kernel, self.smem)
-        if blocks_per_sm(self.kernel, MK_THREADS, self.smem) < 1:
-            raise RuntimeError("the megakernel's block does not fit a multiprocessor")
 
     def launch(self, pos, stream=None, trace=None) -> None:
         """Enqueue the step at position pos[0] (a device int32 view of the decode state)."""
@@ -191,13 +183,38 @@ class MegaStep:
 
         launch(self.kernel, (self.n_blocks,), (MK_THREADS,),
                (self.ops, np.int32(self.n_ops), self.mats, np.int32(self.mats.shape[0]), self.tiles, np.int32(self.tiles.shape[1]), self.counters, pos,
-                np.int32(self.scratch), np.int32(self.slot), np.int32(self.max_n_in)), self.smem, stream, trace)
+                np.int32(self.scratch), np.int32(self.ring_offset), np.int32(self.slot), np.int32(self.max_n_in)), self.smem, stream,
+               trace)
+
+
+class PlanError(ValueError):
+    """The model's products do not fit the megakernel's shared memory."""
 
 
 def list_bytes(stride: int, n_mats: int) -> int:
     """Shared-memory bytes of a block's tile list of `stride` records and n_mats matrix records,
-    padded to 16 (megakernel.cu mk_list_bytes)."""
+    padded to 16 (the kernel finds the ring after them, at the offset it is given)."""
     return (16 * stride + 8 * len(MK_MAT_FIELDS) * n_mats + 15) // 16 * 16
+
+
+def plan_ring(products: list[list[tuple[int, MatSpec]]], n_mats: int, n_blocks: int, budget: int) -> tuple[np.ndarray, int, int]:
+    """The tile lists (schedule) and the ring for `budget` bytes of shared memory, which hold the
+    lists, the matrix records and MK_SLOTS slots: (tiles, slot bytes, list bytes). Smaller slots
+    mean longer lists, so the lists' room is grown until the tiles they hold were planned with it.
+    Raises PlanError when even two rows of some matrix do not fit a slot."""
+    stride = 0
+    while True:
+        room = budget - list_bytes(stride, n_mats)
+        try:
+            tiles = schedule(products, n_blocks, room // MK_SLOTS // 16 * 16)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
+        if tiles.shape[1] <= stride:
+            break
+        stride = tiles.shape[1]
+    specs = {i: m for mats in products for i, m in mats}
+    slot = max(tile_bytes(specs[m].ggml_type, specs[m].n_in, r) for m, r in {(int(t[1]), int(t[3])) for t in tiles.reshape(-1, 4) if t[0] >= 0})
+    return tiles, -(-slot // 16) * 16, list_bytes(tiles.shape[1], n_mats)
 
 
 def _bits(v: float) -> int:
