@@ -4,7 +4,9 @@
 //
 // A warp per head first reads the splits' (m, l) pairs with a lane per split (two loads per
 // lane, all in flight together) and leaves the weights w_s / L in shared memory; then every
-// thread sums its outputs' O_s over the splits, four independent loads per round. The splits'
+// thread sums its pairs of outputs' O_s over the splits, 16 float2 loads in flight per round
+// (8-byte aligned: D + 2 and the offset 2 are even). Four scalar loads a round measured 43.8 us
+// at 32,768 keys against 42.8 (docs/PERF.md, session 16). The splits'
 // partials are in L2 (written by this launch), so the merge costs a few L2 round trips rather
 // than two per split, as a loop over the splits with the max, then the sums, would (attn_kv's
 // merge, kept there: its bits are what the CUDA goldens were checked with, and it measured the
@@ -51,18 +53,23 @@ __device__ __forceinline__ void merge_splits(const float* part, int h0, int rows
     }
     __syncthreads();
     const int n = n_active - first;
-    for (int i = tid; i < rows * D; i += n_threads) {
-        const int r = i / D, c = i % D;
+    for (int i = tid; i < rows * D / 2; i += n_threads) {  // output pairs (D is even), 16 loads in flight
+        const int r = 2 * i / D, c = 2 * i % D;
         const float* pr = part + (h0 + r) * stride + (size_t)first * (D + 2) + 2 + c;
         const float* wr = wsh + r * (ATT_MAX_SPLIT + 1);
-        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        int j = 0;
-        for (; j + 4 <= n; j += 4) {
+        float2 a = make_float2(0.0f, 0.0f);
+        for (int j0 = 0; j0 < n; j0 += 16) {
+            float2 v[16];
 #pragma unroll
-            for (int u = 0; u < 4; ++u) a[u] += __ldcg(pr + (size_t)(j + u) * (D + 2)) * wr[j + u];
+            for (int u = 0; u < 16; ++u) v[u] = j0 + u < n ? __ldcg(reinterpret_cast<const float2*>(pr + (size_t)(j0 + u) * (D + 2))) : make_float2(0.0f, 0.0f);
+#pragma unroll
+            for (int u = 0; u < 16; ++u) {
+                const float w = j0 + u < n ? wr[j0 + u] : 0.0f;
+                a.x += v[u].x * w;
+                a.y += v[u].y * w;
+            }
         }
-        for (; j < n; ++j) a[0] += __ldcg(pr + (size_t)j * (D + 2)) * wr[j];
-        out[(size_t)(h0 + r) * D + c] = (a[0] + a[1]) + (a[2] + a[3]);
+        *reinterpret_cast<float2*>(out + (size_t)(h0 + r) * D + c) = a;
     }
     __syncthreads();
 }
