@@ -49,11 +49,13 @@
 //   (slice c, key lane kl), accumulating 8 output dims over keys kl, kl + n_kl, ...; key lanes
 //   are summed at the end.
 
-// Eight blocks a multiprocessor (at most 64 registers, no spills with nvcc 13 for sm_90): with
-// the seven that 72 registers allowed, Llama 2 7B's decode at 16,384 keys took 73.7 us a layer
-// on the H200 against 70.7 (docs/PERF.md, session 16).
-template <class KT, class VT>
-__global__ void __launch_bounds__(ATT_THREADS, 8)
+// Blocks a multiprocessor: DEEP (decode ranges past GQA_MIN_LIMIT keys, attention_launch.py
+// attention_kernel) eight, at most 64 registers; else seven, 72 registers (what nvcc takes for
+// fp16 keys unbounded; q8_0 keys took 78-80, six blocks). No spills (nvcc 13, sm_90). On the
+// H200, Llama 2 7B's decode at 16,384 keys took 73.7 us a layer with seven blocks, 70.7 with
+// eight, and eight cost 0.5% of tg64 at depth 0 (docs/PERF.md, session 16).
+template <class KT, class VT, bool DEEP>
+__global__ void __launch_bounds__(ATT_THREADS, DEEP ? 8 : 7)
 attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
         const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d,
         float* __restrict__ out, float* __restrict__ part, int* __restrict__ ticket, const int* __restrict__ pos,
@@ -210,7 +212,7 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
     }
     // the last split of this (token, head) to finish merges the partials:
     // out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, summed in the order of the splits
-    // (the bits the CUDA goldens were checked with), the loads of 16 splits in flight together
+    // both ways below (the bits the CUDA goldens were checked with)
     __shared__ int is_last;
     __syncthreads();
     if (tid == 0) {
@@ -221,29 +223,42 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
     if (!is_last) return;
     __threadfence();
     const float* pr = part + row * n_split * (D + 2);
-    __shared__ float pm[ATT_MAX_SPLIT], pl[ATT_MAX_SPLIT];  // the splits' m and l, read once, together
-    for (int j = tid; j < n_active; j += ATT_THREADS) {
-        pm[j] = __ldcg(pr + j * (D + 2));
-        pl[j] = __ldcg(pr + j * (D + 2) + 1);
-    }
-    __syncthreads();
-    float M = -k4ops::inf_f32();
-    for (int j = 0; j < n_active; ++j) M = fmaxf(M, pm[j]);
-    float L = 0.0f;
-    for (int j = 0; j < n_active; ++j) L += pl[j] * __expf(pm[j] - M);
-    const float inv_L = 1.0f / L;
-    for (int i = tid; i < D; i += ATT_THREADS) {
-        float a = 0.0f;
-        int j = 0;
-        for (; j + 16 <= n_active; j += 16) {  // 16 loads in flight, summed in the order of the splits
-            float v[16];
-#pragma unroll
-            for (int u = 0; u < 16; ++u) v[u] = __ldcg(pr + (j + u) * (D + 2) + 2 + i);
-#pragma unroll
-            for (int u = 0; u < 16; ++u) a += v[u] * __expf(pm[j + u] - M);
+    if constexpr (DEEP) {  // many splits: their (m, l) read once, together; 16 outputs' loads in flight
+        __shared__ float pm[ATT_MAX_SPLIT], pl[ATT_MAX_SPLIT];
+        for (int j = tid; j < n_active; j += ATT_THREADS) {
+            pm[j] = __ldcg(pr + j * (D + 2));
+            pl[j] = __ldcg(pr + j * (D + 2) + 1);
         }
-        for (; j < n_active; ++j) a += __ldcg(pr + j * (D + 2) + 2 + i) * __expf(pm[j] - M);
-        out[row * D + i] = a * inv_L;
+        __syncthreads();
+        float M = -k4ops::inf_f32();
+        for (int j = 0; j < n_active; ++j) M = fmaxf(M, pm[j]);
+        float L = 0.0f;
+        for (int j = 0; j < n_active; ++j) L += pl[j] * __expf(pm[j] - M);
+        const float inv_L = 1.0f / L;
+        for (int i = tid; i < D; i += ATT_THREADS) {
+            float a = 0.0f;
+            int j = 0;
+            for (; j + 16 <= n_active; j += 16) {
+                float v[16];
+#pragma unroll
+                for (int u = 0; u < 16; ++u) v[u] = __ldcg(pr + (j + u) * (D + 2) + 2 + i);
+#pragma unroll
+                for (int u = 0; u < 16; ++u) a += v[u] * __expf(pm[j + u] - M);
+            }
+            for (; j < n_active; ++j) a += __ldcg(pr + j * (D + 2) + 2 + i) * __expf(pm[j] - M);
+            out[row * D + i] = a * inv_L;
+        }
+    } else {  // few splits (short ranges): each thread reads the (m, l) pairs itself, no barrier
+        float M = -k4ops::inf_f32();
+        for (int j = 0; j < n_active; ++j) M = fmaxf(M, __ldcg(pr + j * (D + 2)));
+        float L = 0.0f;
+        for (int j = 0; j < n_active; ++j) L += __ldcg(pr + j * (D + 2) + 1) * __expf(__ldcg(pr + j * (D + 2)) - M);
+        const float inv_L = 1.0f / L;
+        for (int i = tid; i < D; i += ATT_THREADS) {
+            float a = 0.0f;
+            for (int j = 0; j < n_active; ++j) a += __ldcg(pr + j * (D + 2) + 2 + i) * __expf(__ldcg(pr + j * (D + 2)) - M);
+            out[row * D + i] = a * inv_L;
+        }
     }
     if (tid == 0) ticket[row] = 0;
 }

@@ -100,7 +100,7 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
     through attn_mma, attn_tiled and the per-query kernel; one query (split if `split`, in
     SPLIT_KEYS multiples) through attn_gqa twice (so the split tickets must reset) where the
     shape has an instance (the column instance for groups of up to 8), its row instance, then
-    attn_kv. Relative L2 limits: MMA_ATTN_REL_L2 for the tensor-core
+    attn_kv (its deep instance, then the short ranges' one, which must give the same bits). Relative L2 limits: MMA_ATTN_REL_L2 for the tensor-core
     kernels, ATTN_REL_L2 otherwise; the instance that rounds the query to 8 bits (q8_0 keys by
     int8 mma) is compared with reference(gqa_int8_queries(q, scale)) instead of want (reference:
     want's function of the queries; required with a q8_0 key plane). options: ops.attention's keywords (scales, shape). Leaves ops
@@ -108,7 +108,7 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
     for every group it takes (2 and up), below the selector's gqa_min_group too."""
     import cupy as cp
 
-    from k4.runtime.cuda.attention_launch import ATT_SPLIT_KEYS, attention_split
+    from k4.runtime.cuda.attention_launch import ATT_SPLIT_KEYS, GQA_MIN_LIMIT, attention_split
     from k4.runtime.kv_types import KVTypes
 
     assert SPLIT_KEYS % ATT_SPLIT_KEYS == 0 and all(SPLIT_KEYS % bk == 0 for bk in GQA_TILE_KEYS.values())
@@ -134,5 +134,13 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
                 expect = reference(gqa_int8_queries(q, scale))
             assert rel_l2(out.get(), expect) < limit, f"mma={mma} tiled={tiled} gqa={gqa} cols={cols} int8={int8}"
             assert not ticket.any()  # every split's ticket reset, the skipped ones included
+            if n_tok == 1 and ops.attention_kernel(1, D, kv, group).startswith("attn_kv"):
+                # the instance of short decode ranges (seven blocks a multiprocessor, each thread
+                # merging on its own) gives the deep one's bits (attention.cu DEEP)
+                short = cp.full_like(out, np.nan)
+                ops.attention(cp.asarray(q), kc, vc, short, cp.asarray([pos0], dtype=cp.int32), n_split, split_len, part, ticket,
+                              limit=GQA_MIN_LIMIT, **options)
+                assert ops.attention_kernel(1, D, kv, group, GQA_MIN_LIMIT).endswith("false>")
+                assert cp.array_equal(short, out) and not ticket.any()
     finally:
         ops.mma, ops.tiled, ops.gqa, ops.gqa_cols, ops.gqa_int8, ops.gqa_min_group = True, True, True, True, True, min_group

@@ -18,7 +18,7 @@ import numpy as np
 from ..kv_types import KVTypes
 from .constants import ATT_MAX_SPLIT, ATT_THREADS, GQA_THREADS, MMA_BQ, MMA_THREADS, TILE_K, TILE_Q, TILE_THREADS, att_smem, gqa_smem, tiled_smem
 from .constants import mma_smem as _mma_smem
-from .kernel_names import FILE_OF, GQA_TILE_KEYS, MMA_TILE_KEYS, TILED_HEAD_DIMS, gqa_int8_keys, gqa_name, gqa_stages, kv_args
+from .kernel_names import FILE_OF, GQA_TILE_KEYS, MMA_TILE_KEYS, TILED_HEAD_DIMS, attn_kv_name, gqa_int8_keys, gqa_name, gqa_stages, kv_args
 from .kv_cache import NO_SCALES, cache_types, planes as _planes
 from .launch import allow_shared, blocks_per_sm, device_limits
 from .op_args import NULL, PLAIN, AttnShape, FreshKV, check_f32, row_stride
@@ -119,7 +119,8 @@ class AttentionLaunchers:
         query of a grouped-query model (gqa_min_group <= group <= MAX_GROUP) runs attn_gqa with
         `gqa` where D has an instance (its column instance for groups of up to GQA_COLS_GROUP
         with `gqa_cols`), unless `limit`, the decode range's most keys (split_buckets), is at most
-        GQA_MIN_LIMIT (None: any depth); the rest runs attn_kv."""
+        GQA_MIN_LIMIT (None: any depth); the rest runs attn_kv (one query past GQA_MIN_LIMIT keys:
+        its deep instance, attn_kv_name)."""
         kv = kv or self.kv
         types = kv_args(kv.k, kv.v)
         if n_tok > 1 and self.mma and D in MMA_TILE_KEYS:
@@ -129,7 +130,7 @@ class AttentionLaunchers:
         if (n_tok == 1 and self.gqa and max(2, self.gqa_min_group) <= group <= MAX_GROUP and D in GQA_TILE_KEYS
                 and (limit is None or limit > GQA_MIN_LIMIT)):
             return gqa_name(D, kv.k, kv.v, self._gqa_group(group), self.gqa_int8)
-        return f"attn_kv<{types}>"
+        return attn_kv_name(kv.k, kv.v, n_tok == 1 and (limit is None or limit > GQA_MIN_LIMIT))
 
     def quantizes_query(self, D: int, kv: KVTypes, group: int, limit: int | None = None) -> bool:
         """Whether decode attention (one query; attention_kernel's choice) rounds the query to 8

@@ -76,6 +76,13 @@ def kv_args(k: str, v: str) -> str:
     return f"{KV_STRUCTS[k]}, {KV_STRUCTS[v]}"
 
 
+def attn_kv_name(k: str, v: str, deep: bool = False) -> str:
+    """The attention.cu instance over a cache of key type k and value type v; deep: the one held to
+    eight blocks a multiprocessor, for decode ranges of more than GQA_MIN_LIMIT keys (attention.cu
+    DEEP, with its measurements)."""
+    return f"attn_kv<{kv_args(k, v)}, {'true' if deep else 'false'}>"
+
+
 def gqa_stages(k: str, v: str) -> int:
     """Tiles attn_gqa keeps in flight per block over a cache of key type k and value type v: 3
     with fp16 keys and values, 2 with a q8_0 plane (whose block then takes about 76 KB of shared
@@ -109,7 +116,7 @@ def gqa_name(D: int, k: str, v: str, group: int = GQA_COLS_GROUP, int8: bool = T
 KERNELS = {
     "norm.cu": ("rms_norm<float>", "rms_norm<u16>", "rms_norm_add", "rms_norm_q8"),
     "rope.cu": tuple(f"rope_qk_store<{kv_args(k, v)}>" for k, v in KV_PAIRS),
-    "attention.cu": tuple(f"attn_kv<{kv_args(k, v)}>" for k, v in KV_PAIRS),
+    "attention.cu": tuple(attn_kv_name(k, v, deep) for k, v in KV_PAIRS for deep in (False, True)),
     "attention_tiled.cu": tuple(f"attn_tiled<{d}, {kv_args(k, v)}>" for d in TILED_HEAD_DIMS for k, v in KV_PAIRS),
     "attention_mma.cu": tuple(f"attn_mma<{d}, {bk}, {kv_args(k, v)}>" for d, bk in MMA_TILE_KEYS.items() for k, v in KV_PAIRS),
     "attention_gqa.cu": tuple(dict.fromkeys(gqa_name(d, k, v, g, i8) for d in GQA_TILE_KEYS for k, v in KV_PAIRS
