@@ -141,7 +141,7 @@ __device__ void product(int op, const int4* tiles, int& t, int& next, const i64*
             if (m.residual) pre += __ldcg(m.residual + tl.z + i);
         }
         bar_wait(full + t % MK_SLOTS, (t / MK_SLOTS) & 1);
-        asm volatile("cp.async.wait_group %0;" ::"n"(MK_SLOTS - 2));  // tile t - 1's group is not yet committed
+        k4mma::cp_async_wait<MK_SLOTS - 2>();  // tile t - 1's group is not yet committed
         __syncthreads();
         if (prev.x >= 0) {
             issue(tiles, next++, mats, ring, slot_bytes, full);

@@ -3,6 +3,7 @@
 // the tile staging in the planar layout the decoders read (quant_layouts.cuh group_at).
 #pragma once
 #include "decoders.cuh"
+#include "mma_common.cuh"
 
 namespace mk {
 
@@ -14,33 +15,26 @@ typedef unsigned long long u64;
 // counted on the slot's mbarrier: they do not queue in the multiprocessor's load path ahead of
 // the block's own reads of x, the counters and the cache, as per-thread copies would (docs/PERF.md,
 // session 15). The rest goes by per-thread cp.async (4 or 8 bytes), one commit group per tile.
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void cp8(u8* dst, const u8* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_addr(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp4(u8* dst, const u8* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src));
-}
+using k4mma::smem_u32;
 
 __device__ __forceinline__ void bar_init(u64* bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)));
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)));
 }
 
 __device__ __forceinline__ void bar_expect(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void bar_wait(u64* bar, u32 parity) {
     u32 done = 0;
     while (!done)
         asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
 }
 
 __device__ __forceinline__ void bulk_copy(u8* dst, const u8* src, u32 bytes, u64* bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+                 ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 }
 
 __device__ __forceinline__ bool aligned16(const u8* src, i64 len) {
@@ -51,9 +45,9 @@ __device__ __forceinline__ bool aligned16(const u8* src, i64 len) {
 // every plane range 4-byte aligned).
 __device__ __forceinline__ void copy_small(u8* dst, const u8* src, int len) {
     if (!((reinterpret_cast<unsigned long long>(src) | (unsigned long long)len) & 7)) {
-        for (int i = 8 * threadIdx.x; i < len; i += 8 * MK_THREADS) cp8(dst + i, src + i);
+        for (int i = 8 * threadIdx.x; i < len; i += 8 * MK_THREADS) k4mma::cp_async_small<8>(smem_u32(dst + i), src + i, true);
     } else {
-        for (int i = 4 * threadIdx.x; i < len; i += 4 * MK_THREADS) cp4(dst + i, src + i);
+        for (int i = 4 * threadIdx.x; i < len; i += 4 * MK_THREADS) k4mma::cp_async_small<4>(smem_u32(dst + i), src + i, true);
     }
 }
 
@@ -133,7 +127,7 @@ __device__ __forceinline__ void issue(const int4* tiles, int t, const i64* mats,
             }
         }
     }
-    asm volatile("cp.async.commit_group;");
+    k4mma::cp_async_commit();
 }
 
 }  // namespace mk
