@@ -54,6 +54,70 @@ __device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_
     }
 }
 
+// The first U chunks of a warp's output r, from lane's chunk c0 on: chunks c0, c0 + 32, ... of the
+// output's weights (both rows of a GLU pair, consecutive: chunk c is in block c / chunks per block).
+template <class T, bool PLANAR, int U, bool GLU>
+__device__ __forceinline__ void q8_load(typename T::chunk (&dst)[U], const u8* __restrict__ w, i64 nblk, int nblk_row, int n_chunks,
+                                        int r, int c0) {
+    constexpr int cpb = T::block_elems / T::chunk_elems;
+    constexpr int span = GLU ? 2 : 1;
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+        const int c = c0 + 32 * k;
+        if (c < span * n_chunks) dst[k] = T::template load<PLANAR>(w, nblk, (i64)r * span * nblk_row + c / cpb, c % cpb);
+    }
+}
+
+// The row loop of gemv_q8 and gemv_q8_pair: a warp's outputs row, row + row_step, ... below
+// row_end of w (T's blocks: nblk in all, nblk_row and n_chunks chunks per weight row), each the
+// sum over its chunks of T::dot with x (xv), lane l taking chunks l, l + 32, ..., U at a time;
+// with PF the next U chunks load while the current ones are multiplied. ch holds the first
+// output's first chunks when `loaded` (issued by the caller before its wait). Each output's sums,
+// reduced over the warp, go to out(r, acc, acc_up) in lane 0 (acc_up: the up row of a GLU pair).
+template <class T, bool PLANAR, int U, bool PF, bool GLU, class Out>
+__device__ __forceinline__ void q8_rows(const u8* __restrict__ w, i64 nblk, int nblk_row, int n_chunks, int row, int row_end, int row_step,
+                                        int lane, typename T::chunk (&ch)[U], bool loaded, const q8x<T::x_swizzle>& xv, Out out) {
+    const int out_chunks = (GLU ? 2 : 1) * n_chunks;  // per output (both rows of a GLU pair)
+    if (!loaded && row < row_end) q8_load<T, PLANAR, U, GLU>(ch, w, nblk, nblk_row, n_chunks, row, lane);
+    typename T::chunk nx[U];  // the next U chunks, in flight during the dots of ch (PF)
+    float acc = 0.f, acc_up = 0.f;
+    int c0 = lane;
+    while (row < row_end) {
+        int next_row = row, next_c0 = c0 + 32 * U;
+        if (next_c0 >= out_chunks) {
+            next_row += row_step;
+            next_c0 = lane;
+        }
+        if (PF && next_row < row_end) q8_load<T, PLANAR, U, GLU>(nx, w, nblk, nblk_row, n_chunks, next_row, next_c0);
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const int c = c0 + 32 * k;
+            if (!GLU) {
+                if (c < n_chunks) acc += T::dot(ch[k], c, xv);
+            } else if (c < n_chunks) {
+                acc += T::dot(ch[k], c, xv);
+            } else if (c < out_chunks) {
+                acc_up += T::dot(ch[k], c - n_chunks, xv);
+            }
+        }
+        if (next_row != row) {  // output done
+            acc = warp_sum(acc);
+            if (GLU) acc_up = warp_sum(acc_up);
+            if (lane == 0) out(row, acc, acc_up);
+            acc = acc_up = 0.f;
+        }
+        row = next_row;
+        c0 = next_c0;
+        if (row >= row_end) break;
+        if (PF) {
+#pragma unroll
+            for (int k = 0; k < U; ++k) ch[k] = nx[k];
+        } else {
+            q8_load<T, PLANAR, U, GLU>(ch, w, nblk, nblk_row, n_chunks, row, c0);
+        }
+    }
+}
+
 // Which GLU instances can hand a q8 y on (y_q8): T::handoff (runtime/cuda/constants.py
 // QuantLayout.handoff), false for the legacy 5-bit types, whose 1024-thread instances would
 // spill registers for it.
@@ -83,13 +147,10 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     float* xs = xd + q8x_d_floats(n_in);
     const q8x<T::x_swizzle> xv{xq, xd, xs};
 
-    constexpr int cpb = T::block_elems / T::chunk_elems;  // chunks per block
-    constexpr int span = GLU ? 2 : 1;                      // weight rows per output
     const int lane = threadIdx.x & 31;
-    const int n_chunks = n_in / T::chunk_elems;            // per weight row
-    const int out_chunks = span * n_chunks;                // per output (both rows of a GLU pair)
+    const int n_chunks = n_in / T::chunk_elems;  // per weight row
     const int nblk_row = n_in / T::block_elems;
-    const i64 nblk = (i64)span * n_out * nblk_row;
+    const i64 nblk = (i64)(GLU ? 2 : 1) * n_out * nblk_row;
     // first group of 32 outputs of block b, and the block's outputs in shared memory after x
     // (with y_q8); both recomputed where used: 1024-thread instances have 64 registers and no more
     auto group = [&](int b) { return (int)((i64)b * ((n_out + 31) / 32) / gridDim.x); };
@@ -109,16 +170,9 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         row_step = gridDim.x * WARPS;
     }
 
-    typename T::chunk ch[U], nx[U];  // nx: the next U chunks, in flight during the dots of ch (PF)
-    auto load = [&](typename T::chunk (&dst)[U], int r, int c0) {  // the rows of output r are consecutive: chunk c of the pair is block c / cpb
-#pragma unroll
-        for (int k = 0; k < U; ++k) {
-            const int c = c0 + 32 * k;
-            if (c < out_chunks) dst[k] = T::template load<PLANAR>(w, nblk, (i64)r * span * nblk_row + c / cpb, c % cpb);
-        }
-    };
+    typename T::chunk ch[U];
     pdl_trigger();
-    if (row < row_end) load(ch, row, lane);  // weights only: before the wait
+    if (row < row_end) q8_load<T, PLANAR, U, GLU>(ch, w, nblk, nblk_row, n_chunks, row, lane);  // weights only: before the wait
     pdl_wait();
     if (x_q8) {
         copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);
@@ -130,55 +184,68 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     __syncthreads();
     if (x_q8_out && blockIdx.x == 0) q8x_store(xq, n_in, T::x_swizzle, x_q8_out, x_out_swz);
 
-    float acc = 0.f, acc_up = 0.f;  // acc_up: the up row of a GLU pair
-    int c0 = lane;
-    while (row < row_end) {
-        int next_row = row, next_c0 = c0 + 32 * U;
-        if (next_c0 >= out_chunks) {
-            next_row += row_step;
-            next_c0 = lane;
-        }
-        if (PF && next_row < row_end) load(nx, next_row, next_c0);
-#pragma unroll
-        for (int k = 0; k < U; ++k) {
-            const int c = c0 + 32 * k;
-            if (!GLU) {
-                if (c < n_chunks) acc += T::dot(ch[k], c, xv);
-            } else if (c < n_chunks) {
-                acc += T::dot(ch[k], c, xv);
-            } else if (c < out_chunks) {
-                acc_up += T::dot(ch[k], c - n_chunks, xv);
-            }
-        }
-        if (next_row != row) {  // output done
-            acc = warp_sum(acc);
-            if (GLU) {
-                acc_up = warp_sum(acc_up);
-                if (lane == 0) {
-                    const float v = glu_act<GELU>(acc, acc_up);
-                    y[row] = v;
-                    if (HANDOFF && y_q8) y_smem()[row - 32 * group(blockIdx.x)] = v;
-                }
-            } else if (lane == 0) {
-                write_row(y, residual, bias, row, acc);
-            }
-            acc = acc_up = 0.f;
-        }
-        row = next_row;
-        c0 = next_c0;
-        if (row >= row_end) break;
-        if (PF) {
-#pragma unroll
-            for (int k = 0; k < U; ++k) ch[k] = nx[k];
+    q8_rows<T, PLANAR, U, PF, GLU>(w, nblk, nblk_row, n_chunks, row, row_end, row_step, lane, ch, true, xv, [&](int r, float acc, float acc_up) {
+        if constexpr (GLU) {
+            const float v = glu_act<GELU>(acc, acc_up);
+            y[r] = v;
+            if (HANDOFF && y_q8) y_smem()[r - 32 * group(blockIdx.x)] = v;
         } else {
-            load(ch, row, c0);
+            write_row(y, residual, bias, r, acc);
         }
-    }
+    });
     if (HANDOFF && y_q8) {  // quantize this block's outputs (n_out a multiple of 32)
         __syncthreads();
         const int g0 = group(blockIdx.x);
         quantize_outputs(y_smem(), 2 * g0, 2 * (group(blockIdx.x + 1) - g0), n_out, y_swz, y_q8);
     }
+}
+
+// gemv_q8_pair: two products of the same x in one launch, y1 = w1 @ x (+ bias1) and y2 = w2 @ x
+// (+ bias2), w1 in T1's blocks and w2 in T2's (Q4_K_M's q|k and its Q6_K v): their n1 + n2 outputs
+// go round-robin over all warps as one list (w1's first), x is quantized once per block (the
+// RMSNorm and Gemma's post-norm folded in as gemv_q8 does) and its units copied into T2's
+// swizzle where that differs, so every output has the bits gemv_q8 gives it, and the second
+// launch, its kernel boundary and its prologue are gone (docs/PERF.md, session 17). Shared
+// memory: q8x_bytes(n_in), then the larger of 8 n_in bytes (with post_t: its x and t * w, as
+// gemv_q8's) and, where the swizzles differ, T2's units (q8x_bytes_q(n_in)). Launched by
+// runtime/cuda/matmul.py gemv_pair.
+template <class T1, class T2, bool PLANAR, int WARPS, int U, bool PF>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in) of T1, (n2, n_in) of T2, raw or planar
+             const float* __restrict__ x,                           // (n_in,)
+             float* y1, float* y2,                                  // (n1,), (n2,)
+             const float* __restrict__ bias1, const float* __restrict__ bias2,  // (n1,), (n2,) or null
+             const float* __restrict__ norm_w, float eps,            // (n_in,) or null: RMSNorm prologue
+             int n1, int n2, int n_in,
+             const float* __restrict__ post_t, const float* __restrict__ post_w, float* x_out) {  // as gemv_q8's
+    constexpr bool SAME = T1::x_swizzle == T2::x_swizzle;
+    extern __shared__ uint4 smem[];
+    u8* xq = reinterpret_cast<u8*>(smem);
+    float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
+    float* xs = xd + q8x_d_floats(n_in);
+    u8* after = reinterpret_cast<u8*>(smem) + q8x_bytes(n_in);  // the post-norm's floats, then T2's units
+    const q8x<T1::x_swizzle> xv1{xq, xd, xs};
+    const q8x<T2::x_swizzle> xv2{SAME ? xq : after, xd, xs};
+    const int lane = threadIdx.x & 31;
+    const int step = gridDim.x * WARPS, first = blockIdx.x + gridDim.x * (threadIdx.x >> 5);
+    const int row2 = first < n1 ? first + (n1 - first + step - 1) / step * step - n1 : first - n1;  // the warp's first w2 output
+    const int nc1 = n_in / T1::chunk_elems, nbr1 = n_in / T1::block_elems;
+    const int nc2 = n_in / T2::chunk_elems, nbr2 = n_in / T2::block_elems;
+    typename T1::chunk ch1[U];
+    pdl_trigger();
+    if (first < n1) q8_load<T1, PLANAR, U, false>(ch1, w1, (i64)n1 * nbr1, nbr1, nc1, first, lane);  // before the wait
+    pdl_wait();
+    quantize_x<T1::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs, PostNorm{post_t, post_w, x_out, reinterpret_cast<float*>(after)});
+    __syncthreads();
+    if (!SAME) {  // the post-norm's floats are read: T2's units take their place
+        q8x_units(xq, n_in, T1::x_swizzle, after, T2::x_swizzle);
+        __syncthreads();
+    }
+    q8_rows<T1, PLANAR, U, PF, false>(w1, (i64)n1 * nbr1, nbr1, nc1, first, n1, step, lane, ch1, true, xv1,
+                                      [&](int r, float acc, float) { write_row(y1, nullptr, bias1, r, acc); });
+    typename T2::chunk ch2[U];
+    q8_rows<T2, PLANAR, U, PF, false>(w2, (i64)n2 * nbr2, nbr2, nc2, row2, n2, step, lane, ch2, false, xv2,
+                                      [&](int r, float acc, float) { write_row(y2, nullptr, bias2, r, acc); });
 }
 
 // Sum over one weight row (n_in of T at wr) times x (global or shared memory, 16-byte aligned),

@@ -181,10 +181,14 @@ __device__ void quantize_x(const float* __restrict__ x, int n_in, const float* _
 // The q8 x of n_in values at q (shared memory, units in swizzle from_swz) copied to out (global
 // memory) for a product of swizzle to_swz: each unit's 16 bytes to its slot there, d and s as
 // they are. Every thread of the block calls it (after the barrier that published q).
-__device__ void q8x_store(const u8* q, int n_in, int from_swz, u8* __restrict__ out, int to_swz) {
-    const int n_units = n_in >> 4;
-    for (int u = threadIdx.x; u < n_units; u += blockDim.x)
+// q8x_units: the int8 units alone (n_in / 16 of them), into shared or global memory.
+__device__ __forceinline__ void q8x_units(const u8* q, int n_in, int from_swz, u8* out, int to_swz) {
+    for (int u = threadIdx.x; u < (n_in >> 4); u += blockDim.x)
         *reinterpret_cast<uint4*>(out + 16 * x_unit_slot(u, to_swz)) = *reinterpret_cast<const uint4*>(q + 16 * x_unit_slot(u, from_swz));
+}
+
+__device__ void q8x_store(const u8* q, int n_in, int from_swz, u8* __restrict__ out, int to_swz) {
+    q8x_units(q, n_in, from_swz, out, to_swz);
     const int tail = (q8x_bytes(n_in) - q8x_bytes_q(n_in)) / 4;  // d and s, as words
     for (int i = threadIdx.x; i < tail; i += blockDim.x)
         reinterpret_cast<u32*>(out + q8x_bytes_q(n_in))[i] = reinterpret_cast<const u32*>(q + q8x_bytes_q(n_in))[i];

@@ -105,9 +105,18 @@ HANDOFFS = {
     # instead of quantizing it in every block
     "K4_FUSE_QUANT": lambda be, on: all((L.ff_q8 is not None) == on for L in be.layers),
     # K4_QKV_Q8: in the layers whose q|k and v are runs of two types (Q4_K_M: Q4_K and Q6_K), the
-    # v product copies the x the q|k product normalized and quantized (another swizzle)
+    # v product copies the x the q|k product normalized and quantized (another swizzle); measured
+    # with K4_QKV_PAIR off, which launches both runs as one product
     "K4_QKV_Q8": lambda be, on: any(len(L.qkv) > 1 for L in be.layers),
+    # K4_QKV_PAIR: those two runs in one launch (gemv_q8_pair)
+    "K4_QKV_PAIR": lambda be, on: any(len(L.qkv) == 2 and paired(L.qkv[0].w, L.qkv[1].w) for L in be.layers),
 }
+
+
+def paired(w1, w2) -> bool:
+    from k4.runtime.cuda.gemv_pair import pairs
+
+    return pairs(w1, w2)
 
 
 @pytest.mark.parametrize("flag", list(HANDOFFS))
@@ -117,6 +126,8 @@ def test_q8_handoffs_change_no_bit_of_the_decode_logits(data, monkeypatch, flag)
     mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
     prompt = Tokenizer.from_model(mf).encode("Once upon a time")
     logits = {}
+    if flag == "K4_QKV_Q8":
+        monkeypatch.setenv("K4_QKV_PAIR", "0")
     for on in (True, False):
         monkeypatch.setenv(flag, str(int(on)))
         be = cuda(mf, 64)

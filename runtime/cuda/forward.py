@@ -18,7 +18,7 @@ import cupy as cp
 from gguf import GGMLQuantizationType as T
 
 from ..model import ModelConfig
-from . import matmul, moe, ops
+from . import gemv_pair, matmul, moe, ops
 from .constants import MMA8_TOKENS
 from .op_args import AttnShape, FreshKV, RopeArgs
 from .q8_handoff import Q8Vector
@@ -41,6 +41,7 @@ class ForwardOptions:
     fuse_rope: bool = True  # K4_FUSE_ROPE: decode RoPE + cache store inside attention
     fuse_moe: bool = True  # K4_FUSE_MOE: decode's expert feed-forward in three launches (moe.decode_fused)
     qkv_q8: bool = True  # K4_QKV_Q8: decode's later q/k/v runs copy the x the first one quantized (qkv)
+    qkv_pair: bool = True  # K4_QKV_PAIR: decode's q/k/v in two runs of paired types as one launch (qkv)
 
 
 class Forward:
@@ -167,8 +168,16 @@ class Forward:
         rows) column views. One token with the norm folded in and runs of several quantized types
         (Q4_K_M's q|k and v; K4_QKV_Q8): the first run also writes its normalized x quantized
         (act.h_q8) for the others, which copy it instead of repeating the norm and post-norm
-        prologue; the same bytes, so the same outputs."""
+        prologue; the same bytes, so the same outputs. Two runs of a type pair gemv_pair takes
+        (K4_QKV_PAIR): one launch for both, the same bits again."""
         cols, x_q8, x_q8_out, later = {}, h_q8, None, L.qkv[1:]
+        if n == 1 and self.opts.qkv_pair and len(L.qkv) == 2 and h_q8 is None and gemv_pair.pairs(L.qkv[0].w, L.qkv[1].w):
+            (a, b), post = L.qkv, None
+            if norm is not None and len(norm) == 3:  # normed's folded post-norm
+                norm, post = norm[:2], norm[2]
+            gemv_pair.gemv_pair(a.w, b.w, h[0], a.out[0], b.out[0], bias1=a.bias, bias2=b.bias, norm=norm, post=post,
+                                stream=self.stream, trace=self.ops.trace)
+            return {name: c[:1] for p in L.qkv for name, c in p.cols.items()}
         if (n == 1 and self.opts.qkv_q8 and later and norm is not None and h_q8 is None
                 and all(p.w.ggml_type in matmul.QUANT for p in L.qkv)
                 and len({matmul.QUANT[p.w.ggml_type].x_swizzle for p in later}) == 1):

@@ -157,6 +157,25 @@ def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool =
     return f"gemv_q8<{QUANT[t].decoder}, {_bool(planar)}, {warps}, {u}, {_bool(pf)}, {_bool(glu)}{GLU_ACTS[act] if glu else ''}>"
 
 
+# The type pairs of one token's q/k/v runs that gemv_q8_pair multiplies in one launch (first run's
+# type, second's), from llama.cpp's K-quant mixes: Q4_K_M's Q4_K q|k with a Q6_K (or Q4_K_S's Q5_K)
+# v, Q5_K_M's Q5_K with Q6_K, Q3_K_M's Q3_K with Q4_K or Q5_K, Q2_K's with Q4_K (runtime/cuda/gemv_pair.py).
+QKV_PAIRS: tuple[tuple[T, T], ...] = ((T.Q4_K, T.Q6_K), (T.Q4_K, T.Q5_K), (T.Q5_K, T.Q6_K), (T.Q3_K, T.Q4_K),
+                                      (T.Q3_K, T.Q5_K), (T.Q2_K, T.Q4_K))
+
+
+def gemv_pair_name(t1: T, t2: T, planar: bool, variant: tuple[int, int, int]) -> str:
+    """The gemv_q8_pair instance of the types (t1, t2), layout and variant (WARPS, U, PF)."""
+    warps, u, pf = variant
+    return f"gemv_q8_pair<{QUANT[t1].decoder}, {QUANT[t2].decoder}, {_bool(planar)}, {warps}, {u}, {_bool(pf)}>"
+
+
+def _pair_names(t1: T, t2: T) -> tuple[str, ...]:
+    """The gemv_q8_pair instances of a QKV_PAIRS entry: t1's default variant, both layouts (rows
+    where gemv_variant picks another launch one product per run)."""
+    return tuple(gemv_pair_name(t1, t2, p, QUANT[t1].gemv) for p in (False, True))
+
+
 def _gemv_batch_name(t: T, planar: bool, variant: tuple[int, int, int, int] | None = None, glu: bool = False,
                      act: str = "silu") -> str:
     warps, u, pf, r = variant or BATCH_VARIANT[t]
@@ -227,6 +246,7 @@ GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
     "gemv.cu": {
         **{t.name: _gemv_names(t) for t in (*QUANT, *FLOAT)},
         **{f"{t.name}.gelu_tanh": _gelu_names(t) for t in (*QUANT, *FLOAT)},
+        **{f"pair.{a.name}.{b.name}": _pair_names(a, b) for a, b in QKV_PAIRS},
         "bench": tuple(_gemv_q8_name(t, p, v, glu) for glu, extra in ((False, EXTRA_GEMV_VARIANTS), (True, EXTRA_GLU_VARIANTS))
                        for t, vs in extra.items() for v in vs for p in (False, True)),
     },
@@ -252,7 +272,8 @@ def _defines(evict_first: bool) -> tuple[str, ...]:
 def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str = "silu", mma8: bool = False) -> list:
     """compile.module() arguments for the matrix kernels of weights of `types` (ggml types with
     CUDA kernels; others are skipped): their gemv, gemv_batch (quantized types), gemv_mma
-    (MMA8_DECODERS) and dequantization instances, and matmul.cu's conversions; with activation "gelu_tanh"
+    (MMA8_DECODERS) and dequantization instances, matmul.cu's conversions, and the gemv_q8_pair
+    instances of every QKV_PAIRS entry whose two types are present; with activation "gelu_tanh"
     (ModelConfig.activation) also the GeGLU-epilogue instances; mma8 False (flag K4_MMA8 off):
     no gemv_mma instances. For compile.compile_async at
     load: each gemv_batch and gemv_mma instance is a job of its own (~1 s each with nvcc), so the compile
@@ -260,6 +281,8 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
     present = [t for t in dict.fromkeys(types) if t in QUANT or t in FLOAT]
     jobs = [("matmul.cu", GROUPS["matmul.cu"]["common"], ())]
     gelu = activation != "silu" and activation in GLU_ACTS
+    jobs += [("gemv.cu", GROUPS["gemv.cu"][f"pair.{a.name}.{b.name}"], _defines(evict_first))
+             for a, b in QKV_PAIRS if a in present and b in present]
     for t in present:
         jobs += [("gemv.cu", GROUPS["gemv.cu"][t.name], _defines(evict_first)),
                  ("matmul.cu", GROUPS["matmul.cu"][t.name], _defines(evict_first))]

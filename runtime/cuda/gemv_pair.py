@@ -1,0 +1,77 @@
+"""Two matrix-vector products of one x in one launch (kernels_cu/gemv.cu gemv_q8_pair): decode's
+q/k/v when they are two runs of different quantized types, as in llama.cpp's K-quant mixes
+(Q4_K_M: q|k in Q4_K, v in Q6_K in about half the layers). Each output has the bits
+matmul.gemv gives it; the second launch, its kernel boundary and its x prologue are gone
+(flag K4_QKV_PAIR, docs/PERF.md session 17)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from k4.runtime.trace import Trace
+
+from .constants import q8x_bytes, q8x_offsets
+from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
+from .matmul import DeviceWeight, _check_array, _check_post
+from .quant_kernels import QKV_PAIRS, QUANT, _kernel, gemv_pair_name, gemv_variant
+
+
+def pairs(w1: DeviceWeight, w2: DeviceWeight) -> bool:
+    """Whether gemv_pair can multiply w1 and w2 (in this order) in one launch: a QKV_PAIRS type
+    pair, one layout, rows of the same length for which w1's own product takes its type's
+    default variant (quant_kernels.gemv_variant), no gate/up interleave."""
+    return ((w1.ggml_type, w2.ggml_type) in QKV_PAIRS and w1.planar == w2.planar and w1.shape[1] == w2.shape[1]
+            and gemv_variant(w1.ggml_type, w1.shape[1]) == QUANT[w1.ggml_type].gemv and not w1.glu and not w2.glu)
+
+
+def _plan(w1: DeviceWeight, w2: DeviceWeight, post: bool):
+    """(kernel, grid, block, shared bytes) of gemv_q8_pair for w1 and w2, cached on w1: the
+    variant of w1's own product, the grid as many blocks as fit at once, at most one per output."""
+    key = ("pair", w2.ggml_type, w2.shape[0], post)
+    plan = w1._plans.get(key)
+    if plan is not None:
+        return plan
+    n_in = w1.shape[1]
+    variant = QUANT[w1.ggml_type].gemv
+    kernel = _kernel("gemv.cu", gemv_pair_name(w1.ggml_type, w2.ggml_type, w1.planar, variant), w1.evict_first)
+    same = QUANT[w1.ggml_type].x_swizzle == QUANT[w2.ggml_type].x_swizzle
+    smem = q8x_bytes(n_in) + max(8 * n_in if post else 0, 0 if same else q8x_offsets(n_in)[0])
+    allow_shared(kernel, smem)
+    threads = 32 * variant[0]
+    grid = min(device_limits()[0] * blocks_per_sm(kernel, threads, smem), w1.shape[0] + w2.shape[0])
+    plan = (kernel, (grid,), (threads,), smem)
+    w1._plans[key] = plan
+    return plan
+
+
+def gemv_pair(w1: DeviceWeight, w2: DeviceWeight, x, y1, y2, *, bias1=None, bias2=None, norm=None, post=None,
+              stream=None, trace: Trace | None = None, pdl: bool | None = None) -> None:
+    """y1 = w1 @ x (+ bias1) and y2 = w2 @ x (+ bias2) in one kernel launch, for pairs(w1, w2).
+
+    x: (n_in,) float32, 16-byte aligned; y1: (n1,), y2: (n2,) float32 (n1, n2: the weights'
+    rows); bias1, bias2: like y1, y2, or None. norm: None or (norm_w, eps), the RMSNorm folded
+    into the prologue; post: None or (t, post_w, x_out), Gemma's post-norm folded in (with
+    norm), both as matmul.gemv takes them. pdl: programmatic dependent launch (default: the
+    weights' pdl while the stream is captured). x is quantized to 8 bits per 32 values as
+    matmul.gemv quantizes it for w1 (llama.cpp's q8_1 scheme), so both outputs are the bits two
+    gemv calls give. Raises ValueError when the weights do not pair or on wrong shapes, dtypes
+    or alignment."""
+    if not pairs(w1, w2):
+        raise ValueError(f"no paired product of {w1.ggml_type.name} {w1.shape} and {w2.ggml_type.name} {w2.shape}")
+    (n1, n_in), n2 = w1.shape, w2.shape[0]
+    _check_array("x", x, (n_in,), align16=True)
+    _check_array("y1", y1, (n1,))
+    _check_array("y2", y2, (n2,))
+    for name, b, n in (("bias1", bias1, n1), ("bias2", bias2, n2)):
+        if b is not None:
+            _check_array(name, b, (n,))
+    norm_w, eps = (None, 0.0) if norm is None else norm
+    if norm_w is not None:
+        _check_array("norm weight", norm_w, (n_in,), align16=True)
+    post_t, post_w, x_out = _check_post(post, x, n_in, norm_w is not None, False)
+    kernel, grid, block, smem = _plan(w1, w2, post is not None)
+    args = (w1.data, w2.data, x, y1, y2, null_or(bias1), null_or(bias2), null_or(norm_w), np.float32(eps),
+            np.int32(n1), np.int32(n2), np.int32(n_in), null_or(post_t), null_or(post_w), null_or(x_out))
+    if pdl is None:
+        pdl = w1.pdl and capturing(stream)
+    launch(kernel, grid, block, args, smem, stream, trace, pdl)
