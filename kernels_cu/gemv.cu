@@ -204,12 +204,13 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
 // (+ bias2), w1 in T1's blocks and w2 in T2's (Q4_K_M's q|k and its Q6_K v): their n1 + n2 outputs
 // go round-robin over all warps as one list (w1's first), x is quantized once per block (the
 // RMSNorm and Gemma's post-norm folded in as gemv_q8 does) and its units copied into T2's
-// swizzle where that differs, so every output has the bits gemv_q8 gives it, and the second
+// swizzle where that differs; each type's rows run its own gemv_q8 instance's loop (U1, PF1 and
+// U2, PF2; WARPS the fewer of theirs), so every output has the bits gemv_q8 gives it, and the second
 // launch, its kernel boundary and its prologue are gone (docs/PERF.md, session 17). Shared
 // memory: q8x_bytes(n_in), then the larger of 8 n_in bytes (with post_t: its x and t * w, as
 // gemv_q8's) and, where the swizzles differ, T2's units (q8x_bytes_q(n_in)). Launched by
 // runtime/cuda/matmul.py gemv_pair.
-template <class T1, class T2, bool PLANAR, int WARPS, int U, bool PF>
+template <class T1, class T2, bool PLANAR, int WARPS, int U1, bool PF1, int U2, bool PF2>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in) of T1, (n2, n_in) of T2, raw or planar
              const float* __restrict__ x,                           // (n_in,)
@@ -231,9 +232,9 @@ gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in
     const int row2 = first < n1 ? first + (n1 - first + step - 1) / step * step - n1 : first - n1;  // the warp's first w2 output
     const int nc1 = n_in / T1::chunk_elems, nbr1 = n_in / T1::block_elems;
     const int nc2 = n_in / T2::chunk_elems, nbr2 = n_in / T2::block_elems;
-    typename T1::chunk ch1[U];
+    typename T1::chunk ch1[U1];
     pdl_trigger();
-    if (first < n1) q8_load<T1, PLANAR, U, false>(ch1, w1, (i64)n1 * nbr1, nbr1, nc1, first, lane);  // before the wait
+    if (first < n1) q8_load<T1, PLANAR, U1, false>(ch1, w1, (i64)n1 * nbr1, nbr1, nc1, first, lane);  // before the wait
     pdl_wait();
     quantize_x<T1::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs, PostNorm{post_t, post_w, x_out, reinterpret_cast<float*>(after)});
     __syncthreads();
@@ -241,11 +242,11 @@ gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in
         q8x_units(xq, n_in, T1::x_swizzle, after, T2::x_swizzle);
         __syncthreads();
     }
-    q8_rows<T1, PLANAR, U, PF, false>(w1, (i64)n1 * nbr1, nbr1, nc1, first, n1, step, lane, ch1, true, xv1,
-                                      [&](int r, float acc, float) { write_row(y1, nullptr, bias1, r, acc); });
-    typename T2::chunk ch2[U];
-    q8_rows<T2, PLANAR, U, PF, false>(w2, (i64)n2 * nbr2, nbr2, nc2, row2, n2, step, lane, ch2, false, xv2,
-                                      [&](int r, float acc, float) { write_row(y2, nullptr, bias2, r, acc); });
+    q8_rows<T1, PLANAR, U1, PF1, false>(w1, (i64)n1 * nbr1, nbr1, nc1, first, n1, step, lane, ch1, true, xv1,
+                                        [&](int r, float acc, float) { write_row(y1, nullptr, bias1, r, acc); });
+    typename T2::chunk ch2[U2];
+    q8_rows<T2, PLANAR, U2, PF2, false>(w2, (i64)n2 * nbr2, nbr2, nc2, row2, n2, step, lane, ch2, false, xv2,
+                                        [&](int r, float acc, float) { write_row(y2, nullptr, bias2, r, acc); });
 }
 
 // Sum over one weight row (n_in of T at wr) times x (global or shared memory, 16-byte aligned),

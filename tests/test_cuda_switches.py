@@ -39,14 +39,21 @@ def test_every_flag_off_gives_the_same_tokens(stories, monkeypatch):
 
 def step_kernels(mf, flag: str | None) -> int:
     """Kernels of one decode step with `flag` off: per layer the q/k/v products (one per run of
-    one type when stacked), attention (with RoPE and the cache store, its splits merged in the
+    one type when stacked, one for two runs of a paired type), attention (with RoPE and the cache store, its splits merged in the
     kernel), output, gate/up with SwiGLU, down; then the embedding, lm_head (the final norm
     folded into both), and 3 sampling kernels. Each switch off adds its kernels."""
+    from k4.runtime.cuda.quant_kernels import QKV_PAIRS
     from k4.runtime.cuda.weights import runs_of_one_type
 
     n = mf.config.n_layer
-    qkv = sum(len(runs_of_one_type([mf.tensor(f"blk.{i}.attn_{p}.weight").ggml_type for p in "qkv"], flag != "K4_STACK"))
-              for i in range(n))
+
+    def launches(i: int) -> int:  # two runs of a QKV_PAIRS pair are one launch (K4_QKV_PAIR)
+        types = [mf.tensor(f"blk.{i}.attn_{p}.weight").ggml_type for p in "qkv"]
+        runs = runs_of_one_type(types, flag != "K4_STACK")
+        pair = flag not in ("K4_QKV_PAIR", "K4_STACK") and len(runs) == 2 and tuple(types[r[0]] for r in runs) in QKV_PAIRS
+        return 1 if pair else len(runs)
+
+    qkv = sum(launches(i) for i in range(n))
     extra = {"K4_FUSE_SWIGLU": n, "K4_FUSE_ROPE": n, "K4_FUSE_NORM": 2 * n + 1}.get(flag, 0)
     return qkv + 4 * n + 5 + extra
 

@@ -18,26 +18,27 @@ from .quant_kernels import QKV_PAIRS, QUANT, _kernel, gemv_pair_name, gemv_varia
 
 def pairs(w1: DeviceWeight, w2: DeviceWeight) -> bool:
     """Whether gemv_pair can multiply w1 and w2 (in this order) in one launch: a QKV_PAIRS type
-    pair, one layout, rows of the same length for which w1's own product takes its type's
-    default variant (quant_kernels.gemv_variant), no gate/up interleave."""
+    pair, one layout, rows of the same length for which each weight's own product takes its
+    type's default variant (quant_kernels.gemv_variant), no gate/up interleave."""
     return ((w1.ggml_type, w2.ggml_type) in QKV_PAIRS and w1.planar == w2.planar and w1.shape[1] == w2.shape[1]
-            and gemv_variant(w1.ggml_type, w1.shape[1]) == QUANT[w1.ggml_type].gemv and not w1.glu and not w2.glu)
+            and all(gemv_variant(w.ggml_type, w.shape[1]) == QUANT[w.ggml_type].gemv for w in (w1, w2))
+            and not w1.glu and not w2.glu)
 
 
 def _plan(w1: DeviceWeight, w2: DeviceWeight, post: bool):
     """(kernel, grid, block, shared bytes) of gemv_q8_pair for w1 and w2, cached on w1: the
-    variant of w1's own product, the grid as many blocks as fit at once, at most one per output."""
+    fewer warps of the two types' own products, the grid as many blocks as fit at once, at most
+    one per output."""
     key = ("pair", w2.ggml_type, w2.shape[0], post)
     plan = w1._plans.get(key)
     if plan is not None:
         return plan
     n_in = w1.shape[1]
-    variant = QUANT[w1.ggml_type].gemv
-    kernel = _kernel("gemv.cu", gemv_pair_name(w1.ggml_type, w2.ggml_type, w1.planar, variant), w1.evict_first)
+    kernel = _kernel("gemv.cu", gemv_pair_name(w1.ggml_type, w2.ggml_type, w1.planar), w1.evict_first)
     same = QUANT[w1.ggml_type].x_swizzle == QUANT[w2.ggml_type].x_swizzle
     smem = q8x_bytes(n_in) + max(8 * n_in if post else 0, 0 if same else q8x_offsets(n_in)[0])
     allow_shared(kernel, smem)
-    threads = 32 * variant[0]
+    threads = 32 * min(QUANT[w1.ggml_type].gemv[0], QUANT[w2.ggml_type].gemv[0])
     grid = min(device_limits()[0] * blocks_per_sm(kernel, threads, smem), w1.shape[0] + w2.shape[0])
     plan = (kernel, (grid,), (threads,), smem)
     w1._plans[key] = plan

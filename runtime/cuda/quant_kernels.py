@@ -164,16 +164,18 @@ QKV_PAIRS: tuple[tuple[T, T], ...] = ((T.Q4_K, T.Q6_K), (T.Q4_K, T.Q5_K), (T.Q5_
                                       (T.Q3_K, T.Q5_K), (T.Q2_K, T.Q4_K))
 
 
-def gemv_pair_name(t1: T, t2: T, planar: bool, variant: tuple[int, int, int]) -> str:
-    """The gemv_q8_pair instance of the types (t1, t2), layout and variant (WARPS, U, PF)."""
-    warps, u, pf = variant
-    return f"gemv_q8_pair<{QUANT[t1].decoder}, {QUANT[t2].decoder}, {_bool(planar)}, {warps}, {u}, {_bool(pf)}>"
+def gemv_pair_name(t1: T, t2: T, planar: bool) -> str:
+    """The gemv_q8_pair instance of the types (t1, t2) and layout: the fewer warps of the two
+    types' default gemv_q8 variants (more would spill: a warp's rows run both loops), each
+    type's rows in the loop of its own variant (U, PF), so their sums are that instance's bits."""
+    (w1, u1, pf1), (w2, u2, pf2) = QUANT[t1].gemv, QUANT[t2].gemv
+    return (f"gemv_q8_pair<{QUANT[t1].decoder}, {QUANT[t2].decoder}, {_bool(planar)}, {min(w1, w2)}, {u1}, {_bool(pf1)}, {u2}, "
+            f"{_bool(pf2)}>")
 
 
 def _pair_names(t1: T, t2: T) -> tuple[str, ...]:
-    """The gemv_q8_pair instances of a QKV_PAIRS entry: t1's default variant, both layouts (rows
-    where gemv_variant picks another launch one product per run)."""
-    return tuple(gemv_pair_name(t1, t2, p, QUANT[t1].gemv) for p in (False, True))
+    """The gemv_q8_pair instances of a QKV_PAIRS entry, both layouts."""
+    return tuple(gemv_pair_name(t1, t2, p) for p in (False, True))
 
 
 def _gemv_batch_name(t: T, planar: bool, variant: tuple[int, int, int, int] | None = None, glu: bool = False,
