@@ -202,14 +202,14 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
 
 // gemv_q8_pair: two products of the same x in one launch, y1 = w1 @ x (+ bias1) and y2 = w2 @ x
 // (+ bias2), w1 in T1's blocks and w2 in T2's (Q4_K_M's q|k and its Q6_K v): their n1 + n2 outputs
-// go round-robin over all warps as one list (w1's first), x is quantized once per block (the
-// RMSNorm and Gemma's post-norm folded in as gemv_q8 does) and its units copied into T2's
-// swizzle where that differs; each type's rows run its own gemv_q8 instance's loop (U1, PF1 and
-// U2, PF2; WARPS the fewer of theirs), so every output has the bits gemv_q8 gives it, and the second
-// launch, its kernel boundary and its prologue are gone (docs/PERF.md, session 17). Shared
-// memory: q8x_bytes(n_in), then the larger of 8 n_in bytes (with post_t: its x and t * w, as
-// gemv_q8's) and, where the swizzles differ, T2's units (q8x_bytes_q(n_in)). Launched by
-// runtime/cuda/matmul.py gemv_pair.
+// go round-robin over all warps as one list (w1's first). x is quantized once per block (the
+// RMSNorm and Gemma's post-norm folded in as gemv_q8 does, in blocks of the size both types'
+// gemv_q8 instances run: WARPS) and its units copied into T2's swizzle where that differs; each
+// type's rows run the loop of its own gemv_q8 instance (U1, PF1 and U2, PF2). So every output has
+// the bits gemv_q8 gives it, and the second launch, its kernel boundary and its prologue are gone
+// (docs/PERF.md, session 17). Shared memory: q8x_bytes(n_in), then the larger of 8 n_in bytes
+// (with post_t: its x and t * w, as gemv_q8's) and, where the swizzles differ, T2's units
+// (q8x_bytes_q(n_in)). Launched by runtime/cuda/gemv_pair.py.
 template <class T1, class T2, bool PLANAR, int WARPS, int U1, bool PF1, int U2, bool PF2>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in) of T1, (n2, n_in) of T2, raw or planar

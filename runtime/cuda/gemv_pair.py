@@ -27,8 +27,8 @@ def pairs(w1: DeviceWeight, w2: DeviceWeight) -> bool:
 
 def _plan(w1: DeviceWeight, w2: DeviceWeight, post: bool):
     """(kernel, grid, block, shared bytes) of gemv_q8_pair for w1 and w2, cached on w1: the
-    fewer warps of the two types' own products, the grid as many blocks as fit at once, at most
-    one per output."""
+    warps of both types' own products, the grid as many blocks as fit at once, at most one per
+    output."""
     key = ("pair", w2.ggml_type, w2.shape[0], post)
     plan = w1._plans.get(key)
     if plan is not None:
@@ -38,7 +38,7 @@ def _plan(w1: DeviceWeight, w2: DeviceWeight, post: bool):
     same = QUANT[w1.ggml_type].x_swizzle == QUANT[w2.ggml_type].x_swizzle
     smem = q8x_bytes(n_in) + max(8 * n_in if post else 0, 0 if same else q8x_offsets(n_in)[0])
     allow_shared(kernel, smem)
-    threads = 32 * min(QUANT[w1.ggml_type].gemv[0], QUANT[w2.ggml_type].gemv[0])
+    threads = 32 * QUANT[w1.ggml_type].gemv[0]
     grid = min(device_limits()[0] * blocks_per_sm(kernel, threads, smem), w1.shape[0] + w2.shape[0])
     plan = (kernel, (grid,), (threads,), smem)
     w1._plans[key] = plan

@@ -158,19 +158,20 @@ def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool =
 
 
 # The type pairs of one token's q/k/v runs that gemv_q8_pair multiplies in one launch (first run's
-# type, second's), from llama.cpp's K-quant mixes: Q4_K_M's Q4_K q|k with a Q6_K (or Q4_K_S's Q5_K)
-# v, Q5_K_M's Q5_K with Q6_K, Q3_K_M's Q3_K with Q4_K or Q5_K, Q2_K's with Q4_K (runtime/cuda/gemv_pair.py).
-QKV_PAIRS: tuple[tuple[T, T], ...] = ((T.Q4_K, T.Q6_K), (T.Q4_K, T.Q5_K), (T.Q5_K, T.Q6_K), (T.Q3_K, T.Q4_K),
-                                      (T.Q3_K, T.Q5_K), (T.Q2_K, T.Q4_K))
+# type, second's), from llama.cpp's K-quant mixes: Q4_K_M's Q4_K q|k with a Q6_K v, Q3_K_M's Q3_K
+# with Q4_K, Q2_K's with Q4_K (runtime/cuda/gemv_pair.py). Only types whose products run blocks of
+# one size: the fused RMSNorm sums x over the block's threads, so x's 8 bits, and the outputs, are
+# those of two launches only then. Q5_K (32 warps) with Q6_K or Q4_K (16) stays two launches.
+QKV_PAIRS: tuple[tuple[T, T], ...] = ((T.Q4_K, T.Q6_K), (T.Q3_K, T.Q4_K), (T.Q2_K, T.Q4_K))
 
 
 def gemv_pair_name(t1: T, t2: T, planar: bool) -> str:
-    """The gemv_q8_pair instance of the types (t1, t2) and layout: the fewer warps of the two
-    types' default gemv_q8 variants (more would spill: a warp's rows run both loops), each
-    type's rows in the loop of its own variant (U, PF), so their sums are that instance's bits."""
+    """The gemv_q8_pair instance of the types (t1, t2) and layout: the warps of both types' default
+    gemv_q8 variants (QKV_PAIRS), each type's rows in the loop of its own variant (U, PF), so
+    their sums are that instance's bits."""
     (w1, u1, pf1), (w2, u2, pf2) = QUANT[t1].gemv, QUANT[t2].gemv
-    return (f"gemv_q8_pair<{QUANT[t1].decoder}, {QUANT[t2].decoder}, {_bool(planar)}, {min(w1, w2)}, {u1}, {_bool(pf1)}, {u2}, "
-            f"{_bool(pf2)}>")
+    assert w1 == w2, "a pair's types run blocks of one size"
+    return f"gemv_q8_pair<{QUANT[t1].decoder}, {QUANT[t2].decoder}, {_bool(planar)}, {w1}, {u1}, {_bool(pf1)}, {u2}, {_bool(pf2)}>"
 
 
 def _pair_names(t1: T, t2: T) -> tuple[str, ...]:
