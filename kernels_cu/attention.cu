@@ -55,7 +55,7 @@
 // H200, Llama 2 7B's decode at 16,384 keys took 73.7 us a layer with seven blocks, 70.7 with
 // eight, and eight cost 0.5% of tg64 at depth 0 (docs/PERF.md, session 16).
 template <class KT, class VT, bool DEEP>
-__global__ void __launch_bounds__(ATT_THREADS, DEEP ? 8 : 7)
+__global__ void __launch_bounds__(ATT_THREADS, DEEP ? ATT_BLOCKS_DEEP : ATT_BLOCKS)
 attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
         const typename VT::elem* __restrict__ v_cache, const u16* __restrict__ v_d,
         float* __restrict__ out, float* __restrict__ part, int* __restrict__ ticket, const int* __restrict__ pos,

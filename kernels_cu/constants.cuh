@@ -12,6 +12,18 @@
 #ifndef ATT_THREADS
 #error "ATT_THREADS comes from runtime/cuda/constants.py"
 #endif
+#ifndef ATT_BLOCKS
+#error "ATT_BLOCKS comes from runtime/cuda/constants.py"
+#endif
+#ifndef ATT_BLOCKS_DEEP
+#error "ATT_BLOCKS_DEEP comes from runtime/cuda/constants.py"
+#endif
+#ifndef PAIR_REGS
+#error "PAIR_REGS comes from runtime/cuda/constants.py"
+#endif
+#ifndef PAIR_THREADS
+#error "PAIR_THREADS comes from runtime/cuda/constants.py"
+#endif
 #ifndef ATT_CHUNK
 #error "ATT_CHUNK comes from runtime/cuda/constants.py"
 #endif

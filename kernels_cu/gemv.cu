@@ -211,7 +211,7 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
 // (with post_t: its x and t * w, as gemv_q8's) and, where the swizzles differ, T2's units
 // (q8x_bytes_q(n_in)). Launched by runtime/cuda/gemv_pair.py.
 template <class T1, class T2, bool PLANAR, int WARPS, int U1, bool PF1, int U2, bool PF2>
-__global__ void __launch_bounds__(WARPS * 32, 1)
+__global__ void __maxnreg__(PAIR_REGS)  // constants.py PAIR_REGS: attention's blocks launch beside it
 gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in) of T1, (n2, n_in) of T2, raw or planar
              const float* __restrict__ x,                           // (n_in,)
              float* y1, float* y2,                                  // (n1,), (n2,)
@@ -219,6 +219,7 @@ gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in
              const float* __restrict__ norm_w, float eps,            // (n_in,) or null: RMSNorm prologue
              int n1, int n2, int n_in,
              const float* __restrict__ post_t, const float* __restrict__ post_w, float* x_out) {  // as gemv_q8's
+    static_assert(32 * WARPS == PAIR_THREADS, "PAIR_REGS is the cap of a block of PAIR_THREADS");
     constexpr bool SAME = T1::x_swizzle == T2::x_swizzle;
     extern __shared__ uint4 smem[];
     u8* xq = reinterpret_cast<u8*>(smem);

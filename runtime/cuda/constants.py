@@ -20,6 +20,7 @@ from .kernel_names import GQA_TILE_KEYS, KV_PAIRS, MMA_TILE_KEYS, gqa_stages
 
 # ---- attention.cu ------------------------------------------------------------------------------
 ATT_THREADS = 128  # threads per block of attn_kv (decode and fallback prefill attention)
+ATT_BLOCKS, ATT_BLOCKS_DEEP = 7, 8  # attn_kv's launch bounds (blocks a multiprocessor): its short and deep instances
 ATT_CHUNK = 128  # keys per chunk of attn_kv's online softmax
 ATT_MAX_SPLIT = 64  # most splits of decode attention (split_merge.cuh merges them two per lane)
 TILE_Q, TILE_K, TILE_THREADS = 32, 64, 128  # attn_tiled: queries and keys per tile, threads per block
@@ -36,6 +37,17 @@ SAMPLE_CAP = 1024  # candidates kept after top-k
 SAMPLER_PARAM_WORDS = 8  # 8-byte words of sampling.cu SamplerParams (ops.pack_sampler_params)
 STATE_WORDS = 4  # int32 words of the decode state
 ST_TOK, ST_POS, ST_RING, ST_DRAW = range(STATE_WORDS)  # token, its position, ring count, draws made
+
+
+# ---- gemv.cu gemv_q8_pair ----------------------------------------------------------------------
+# Its register cap. A decode product launches the attention after it early (programmatic dependent
+# launch) only where the multiprocessor has registers left beside the product's 512-thread block.
+# One of attn_kv's short blocks (at most 72 registers by its launch bound; at short range a step's
+# attention has fewer blocks than there are multiprocessors) needs the pair at 110 or fewer,
+# allocated in 8s: 104. Uncapped it took 116, and attention started only as its blocks left
+# (Llama 2 7B: 8.3-9.0 against 5.5 µs a layer, docs/PERF.md session 17).
+PAIR_THREADS = 512
+PAIR_REGS = (65536 - ATT_THREADS * (65536 // (ATT_BLOCKS * ATT_THREADS) // 8 * 8)) // PAIR_THREADS // 8 * 8
 
 
 # ---- gemv_mma.cu -------------------------------------------------------------------------------
@@ -203,7 +215,8 @@ def defines() -> tuple[str, ...]:
     constants.cuh compares with the kernels' formulas (K4_CHECK_*: flat lists of arguments, each
     followed by the result; lists as _list)."""
     out = [f"{name}={value}" for name, value in (
-        ("ATT_THREADS", ATT_THREADS), ("ATT_CHUNK", ATT_CHUNK), ("ATT_MAX_SPLIT", ATT_MAX_SPLIT), ("TILE_Q", TILE_Q), ("TILE_K", TILE_K),
+        ("ATT_THREADS", ATT_THREADS), ("ATT_BLOCKS", ATT_BLOCKS), ("ATT_BLOCKS_DEEP", ATT_BLOCKS_DEEP), ("PAIR_REGS", PAIR_REGS),
+        ("PAIR_THREADS", PAIR_THREADS), ("ATT_CHUNK", ATT_CHUNK), ("ATT_MAX_SPLIT", ATT_MAX_SPLIT), ("TILE_Q", TILE_Q), ("TILE_K", TILE_K),
         ("TILE_THREADS", TILE_THREADS), ("TILE_PS", TILE_PS), ("MMA_WARPS", MMA_WARPS), ("MMA_THREADS", MMA_THREADS),
         ("MMA_BQ", MMA_BQ), ("GQA_WARPS", GQA_WARPS), ("GQA_THREADS", GQA_THREADS), ("SAMPLE_THREADS", SAMPLE_THREADS), ("SAMPLE_CAP", SAMPLE_CAP),
         ("SAMPLER_PARAM_WORDS", SAMPLER_PARAM_WORDS), ("STATE_WORDS", STATE_WORDS), ("ST_TOK", ST_TOK),

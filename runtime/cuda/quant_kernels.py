@@ -158,11 +158,12 @@ def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool =
 
 
 # The type pairs of one token's q/k/v runs that gemv_q8_pair multiplies in one launch (first run's
-# type, second's), from llama.cpp's K-quant mixes: Q4_K_M's Q4_K q|k with a Q6_K v, Q3_K_M's Q3_K
-# with Q4_K, Q2_K's with Q4_K (runtime/cuda/gemv_pair.py). Only types whose products run blocks of
-# one size: the fused RMSNorm sums x over the block's threads, so x's 8 bits, and the outputs, are
-# those of two launches only then. Q5_K (32 warps) with Q6_K or Q4_K (16) stays two launches.
-QKV_PAIRS: tuple[tuple[T, T], ...] = ((T.Q4_K, T.Q6_K), (T.Q3_K, T.Q4_K), (T.Q2_K, T.Q4_K))
+# type, second's; runtime/cuda/gemv_pair.py): Q4_K_M's Q4_K q|k with a Q6_K v. Only types whose
+# products run blocks of one size: the fused RMSNorm sums x over the block's threads, so x's 8
+# bits, and the outputs, are those of two launches only then (Q5_K runs 32 warps, Q4_K and Q6_K
+# 16). Q3_K_M's Q3_K with Q4_K and Q2_K's with Q4_K spill under the pair's register cap
+# (constants.PAIR_REGS). The others stay two launches.
+QKV_PAIRS: tuple[tuple[T, T], ...] = ((T.Q4_K, T.Q6_K),)
 
 
 def gemv_pair_name(t1: T, t2: T, planar: bool) -> str:
