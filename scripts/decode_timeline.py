@@ -17,6 +17,8 @@ The bench runs with -p 0 -n 8 -r 1 unless the options say otherwise.
 from __future__ import annotations
 
 import collections
+import contextlib
+import io
 import json
 import re
 import sys
@@ -56,11 +58,12 @@ def main(argv: list[str]) -> None:
             args += [flag, value]
     torch.zeros(1, device="cuda")  # the CUDA context, before the profiler starts
     sys.argv = ["k4", "bench", *args]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        try:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, contextlib.redirect_stdout(io.StringIO()):
+        try:  # the bench's own tables are not printed
             k4_main()
-        except SystemExit:
-            pass
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
