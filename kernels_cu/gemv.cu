@@ -54,70 +54,6 @@ __device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_
     }
 }
 
-// The first U chunks of a warp's output r, from lane's chunk c0 on: chunks c0, c0 + 32, ... of the
-// output's weights (both rows of a GLU pair, consecutive: chunk c is in block c / chunks per block).
-template <class T, bool PLANAR, int U, bool GLU>
-__device__ __forceinline__ void q8_load(typename T::chunk (&dst)[U], const u8* __restrict__ w, i64 nblk, int nblk_row, int n_chunks,
-                                        int r, int c0) {
-    constexpr int cpb = T::block_elems / T::chunk_elems;
-    constexpr int span = GLU ? 2 : 1;
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-        const int c = c0 + 32 * k;
-        if (c < span * n_chunks) dst[k] = T::template load<PLANAR>(w, nblk, (i64)r * span * nblk_row + c / cpb, c % cpb);
-    }
-}
-
-// The row loop of gemv_q8 and gemv_q8_pair: a warp's outputs row, row + row_step, ... below
-// row_end of w (T's blocks: nblk in all, nblk_row and n_chunks chunks per weight row), each the
-// sum over its chunks of T::dot with x (xv), lane l taking chunks l, l + 32, ..., U at a time;
-// with PF the next U chunks load while the current ones are multiplied. ch holds the first
-// output's first chunks when `loaded` (issued by the caller before its wait). Each output's sums,
-// reduced over the warp, go to out(r, acc, acc_up) in lane 0 (acc_up: the up row of a GLU pair).
-template <class T, bool PLANAR, int U, bool PF, bool GLU, class Out>
-__device__ __forceinline__ void q8_rows(const u8* __restrict__ w, i64 nblk, int nblk_row, int n_chunks, int row, int row_end, int row_step,
-                                        int lane, typename T::chunk (&ch)[U], bool loaded, const q8x<T::x_swizzle>& xv, Out out) {
-    const int out_chunks = (GLU ? 2 : 1) * n_chunks;  // per output (both rows of a GLU pair)
-    if (!loaded && row < row_end) q8_load<T, PLANAR, U, GLU>(ch, w, nblk, nblk_row, n_chunks, row, lane);
-    typename T::chunk nx[U];  // the next U chunks, in flight during the dots of ch (PF)
-    float acc = 0.f, acc_up = 0.f;
-    int c0 = lane;
-    while (row < row_end) {
-        int next_row = row, next_c0 = c0 + 32 * U;
-        if (next_c0 >= out_chunks) {
-            next_row += row_step;
-            next_c0 = lane;
-        }
-        if (PF && next_row < row_end) q8_load<T, PLANAR, U, GLU>(nx, w, nblk, nblk_row, n_chunks, next_row, next_c0);
-#pragma unroll
-        for (int k = 0; k < U; ++k) {
-            const int c = c0 + 32 * k;
-            if (!GLU) {
-                if (c < n_chunks) acc += T::dot(ch[k], c, xv);
-            } else if (c < n_chunks) {
-                acc += T::dot(ch[k], c, xv);
-            } else if (c < out_chunks) {
-                acc_up += T::dot(ch[k], c - n_chunks, xv);
-            }
-        }
-        if (next_row != row) {  // output done
-            acc = warp_sum(acc);
-            if (GLU) acc_up = warp_sum(acc_up);
-            if (lane == 0) out(row, acc, acc_up);
-            acc = acc_up = 0.f;
-        }
-        row = next_row;
-        c0 = next_c0;
-        if (row >= row_end) break;
-        if (PF) {
-#pragma unroll
-            for (int k = 0; k < U; ++k) ch[k] = nx[k];
-        } else {
-            q8_load<T, PLANAR, U, GLU>(ch, w, nblk, nblk_row, n_chunks, row, c0);
-        }
-    }
-}
-
 // Which GLU instances can hand a q8 y on (y_q8): T::handoff (runtime/cuda/constants.py
 // QuantLayout.handoff), false for the legacy 5-bit types, whose 1024-thread instances would
 // spill registers for it.
@@ -184,7 +120,8 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     __syncthreads();
     if (x_q8_out && blockIdx.x == 0) q8x_store(xq, n_in, T::x_swizzle, x_q8_out, x_out_swz);
 
-    q8_rows<T, PLANAR, U, PF, GLU>(w, nblk, nblk_row, n_chunks, row, row_end, row_step, lane, ch, true, xv, [&](int r, float acc, float acc_up) {
+    auto load = [&](typename T::chunk (&dst)[U], int r, int c0) { q8_load<T, PLANAR, U, GLU>(dst, w, nblk, nblk_row, n_chunks, r, c0); };
+    q8_rows<T, U, PF, GLU>(n_chunks, row, row_end, row_step, lane, ch, true, xv, load, [&](int r, float acc, float acc_up) {
         if constexpr (GLU) {
             const float v = glu_act<GELU>(acc, acc_up);
             y[r] = v;
@@ -243,11 +180,17 @@ gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in
         q8x_units(xq, n_in, T1::x_swizzle, after, T2::x_swizzle);
         __syncthreads();
     }
-    q8_rows<T1, PLANAR, U1, PF1, false>(w1, (i64)n1 * nbr1, nbr1, nc1, first, n1, step, lane, ch1, true, xv1,
-                                        [&](int r, float acc, float) { write_row(y1, nullptr, bias1, r, acc); });
+    auto load1 = [&](typename T1::chunk (&dst)[U1], int r, int c0) {
+        q8_load<T1, PLANAR, U1, false>(dst, w1, (i64)n1 * nbr1, nbr1, nc1, r, c0);
+    };
+    q8_rows<T1, U1, PF1, false>(nc1, first, n1, step, lane, ch1, true, xv1, load1,
+                                [&](int r, float acc, float) { write_row(y1, nullptr, bias1, r, acc); });
     typename T2::chunk ch2[U2];
-    q8_rows<T2, PLANAR, U2, PF2, false>(w2, (i64)n2 * nbr2, nbr2, nc2, row2, n2, step, lane, ch2, false, xv2,
-                                        [&](int r, float acc, float) { write_row(y2, nullptr, bias2, r, acc); });
+    auto load2 = [&](typename T2::chunk (&dst)[U2], int r, int c0) {
+        q8_load<T2, PLANAR, U2, false>(dst, w2, (i64)n2 * nbr2, nbr2, nc2, r, c0);
+    };
+    q8_rows<T2, U2, PF2, false>(nc2, row2, n2, step, lane, ch2, false, xv2, load2,
+                                [&](int r, float acc, float) { write_row(y2, nullptr, bias2, r, acc); });
 }
 
 // Sum over one weight row (n_in of T at wr) times x (global or shared memory, 16-byte aligned),

@@ -1,8 +1,8 @@
 // The device helpers the q8 matrix-vector products share (kernels_cu/gemv.cu gemv_q8 and gemv_f,
-// kernels_cu/gemv_batch.cu gemv_q8_batch): the epilogues (write_row, glu_act), the RMSNorm scale,
+// kernels_cu/gemv_batch.cu gemv_q8_batch, kernels_cu/moe_gemv.cu): the epilogues (write_row, glu_act), the RMSNorm scale,
 // x quantized to 8 bits per 32 values (q8_unit, quantize_x: llama.cpp's q8_1 idea), its copy
-// when another kernel quantized it (copy_q8x) and the layout of that q8 x in shared memory
-// (q8x_bytes, checked against runtime/cuda/constants.py).
+// when another kernel quantized it (copy_q8x), the layout of that q8 x in shared memory
+// (q8x_bytes, checked against runtime/cuda/constants.py), and the row loop (q8_rows, q8_load).
 #pragma once
 #include "common.cuh"
 #include "ops_common.cuh"  // k4ops::gelu_tanh_f32
@@ -208,6 +208,72 @@ __device__ __forceinline__ void copy_q8x(const uint4* __restrict__ src, int n16,
         for (int k = 0; k < 4; ++k) {
             const int i = base + threadIdx.x + k * blockDim.x;
             if (i < n16) dst[i] = v[k];
+        }
+    }
+}
+
+// The first U chunks of a warp's output r, from lane's chunk c0 on: chunks c0, c0 + 32, ... of the
+// output's weights in one matrix of planar or raw layout (both rows of a GLU pair, consecutive:
+// chunk c is in block c / chunks per block).
+template <class T, bool PLANAR, int U, bool GLU>
+__device__ __forceinline__ void q8_load(typename T::chunk (&dst)[U], const u8* __restrict__ w, i64 nblk, int nblk_row, int n_chunks,
+                                        int r, int c0) {
+    constexpr int cpb = T::block_elems / T::chunk_elems;
+    constexpr int span = GLU ? 2 : 1;
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+        const int c = c0 + 32 * k;
+        if (c < span * n_chunks) dst[k] = T::template load<PLANAR>(w, nblk, (i64)r * span * nblk_row + c / cpb, c % cpb);
+    }
+}
+
+// The row loop of the q8 matrix-vector products (gemv.cu gemv_q8 and gemv_q8_pair, moe_gemv.cu):
+// a warp's outputs row, row + row_step, ... below row_end, each the sum over its n_chunks chunks
+// (2 n_chunks for a GLU pair: the gate row's, then the up row's) of T::dot with x (xv), lane l
+// taking chunks l, l + 32, ..., U at a time; with PF the next U chunks load while the current
+// ones are multiplied. load(dst, r, c0) fetches output r's U chunks from c0 on; ch holds the
+// first output's first chunks when `loaded` (issued by the caller before its wait). Each
+// output's sums, reduced over the warp, go to out(r, acc, acc_up) in lane 0 (acc_up: the up row).
+template <class T, int U, bool PF, bool GLU, class Load, class Out>
+__device__ __forceinline__ void q8_rows(int n_chunks, int row, int row_end, int row_step, int lane, typename T::chunk (&ch)[U],
+                                        bool loaded, const q8x<T::x_swizzle>& xv, Load load, Out out) {
+    const int out_chunks = (GLU ? 2 : 1) * n_chunks;  // per output (both rows of a GLU pair)
+    if (!loaded && row < row_end) load(ch, row, lane);
+    typename T::chunk nx[U];  // the next U chunks, in flight during the dots of ch (PF)
+    float acc = 0.f, acc_up = 0.f;
+    int c0 = lane;
+    while (row < row_end) {
+        int next_row = row, next_c0 = c0 + 32 * U;
+        if (next_c0 >= out_chunks) {
+            next_row += row_step;
+            next_c0 = lane;
+        }
+        if (PF && next_row < row_end) load(nx, next_row, next_c0);
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const int c = c0 + 32 * k;
+            if (!GLU) {
+                if (c < n_chunks) acc += T::dot(ch[k], c, xv);
+            } else if (c < n_chunks) {
+                acc += T::dot(ch[k], c, xv);
+            } else if (c < out_chunks) {
+                acc_up += T::dot(ch[k], c - n_chunks, xv);
+            }
+        }
+        if (next_row != row) {  // output done
+            acc = warp_sum(acc);
+            if (GLU) acc_up = warp_sum(acc_up);
+            if (lane == 0) out(row, acc, acc_up);
+            acc = acc_up = 0.f;
+        }
+        row = next_row;
+        c0 = next_c0;
+        if (row >= row_end) break;
+        if (PF) {
+#pragma unroll
+            for (int k = 0; k < U; ++k) ch[k] = nx[k];
+        } else {
+            load(ch, row, c0);
         }
     }
 }

@@ -63,7 +63,7 @@ moe_gemv_q8(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw
     const i64 nblk = (i64)n_out * nblk_row;                // blocks of one expert (unused by the raw layout)
     const int row0 = blockIdx.x + gridDim.x * (threadIdx.x >> 5), row_step = gridDim.x * WARPS;
 
-    typename T::chunk ch[U], nx[U];  // nx: the next U chunks, in flight during the dots of ch (PF)
+    typename T::chunk ch[U];
     if (trigger) pdl_trigger();
     pdl_wait();  // ids (or the logits) and x are the previous kernels' outputs
     float* prob = reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in));
@@ -72,7 +72,7 @@ moe_gemv_q8(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw
         const i64 e_off = (i64)chosen[slot] * expert_bytes;
         const u8* we = w + e_off;
         const u8* wu = GLU ? w_up + e_off : nullptr;
-        auto load = [&](typename T::chunk (&dst)[U], int r, int c0) {
+        auto load = [&](typename T::chunk (&dst)[U], int r, int c0) {  // GLU: chunks past n_chunks are the up row's
 #pragma unroll
             for (int k = 0; k < U; ++k) {
                 const int c = c0 + 32 * k;
@@ -81,49 +81,13 @@ moe_gemv_q8(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw
                 if (c < out_chunks) dst[k] = T::template load<false>(up ? wu : we, nblk, (i64)r * nblk_row + cr / cpb, cr % cpb);
             }
         };
-        int row = row0, c0 = lane;
-        if (row < n_out) load(ch, row, c0);
+        if (row0 < n_out) load(ch, row0, lane);
         quantize_x<T::x_swizzle>(x + (i64)(slot / x_div) * x_stride, n_in, GLU ? norm_w : nullptr, eps, xq, xd, xs);
         __syncthreads();
-
         float* ys = y + (i64)slot * n_out;
-        float acc = 0.f, acc_up = 0.f;  // acc_up: the up row (GLU)
-        while (row < n_out) {
-            int next_row = row, next_c0 = c0 + 32 * U;
-            if (next_c0 >= out_chunks) {
-                next_row += row_step;
-                next_c0 = lane;
-            }
-            if (PF && next_row < n_out) load(nx, next_row, next_c0);
-#pragma unroll
-            for (int k = 0; k < U; ++k) {
-                const int c = c0 + 32 * k;
-                if (c < n_chunks) {
-                    acc += T::dot(ch[k], c, xv);
-                } else if (GLU && c < out_chunks) {
-                    acc_up += T::dot(ch[k], c - n_chunks, xv);
-                }
-            }
-            if (next_row != row) {  // row done
-                acc = warp_sum(acc);
-                if (GLU) {
-                    acc_up = warp_sum(acc_up);
-                    if (lane == 0) ys[row] = glu_act<false>(acc, acc_up);
-                } else if (lane == 0) {
-                    ys[row] = acc;
-                }
-                acc = acc_up = 0.f;
-            }
-            row = next_row;
-            c0 = next_c0;
-            if (row >= n_out) break;
-            if (PF) {
-#pragma unroll
-                for (int k = 0; k < U; ++k) ch[k] = nx[k];
-            } else {
-                load(ch, row, c0);
-            }
-        }
+        q8_rows<T, U, PF, GLU>(n_chunks, row0, n_out, row_step, lane, ch, true, xv, load, [&](int r, float acc, float acc_up) {
+            ys[r] = GLU ? glu_act<false>(acc, acc_up) : acc;
+        });
         __syncthreads();  // every warp is done with this slot's x before the next slot's overwrites it
     }
 }
