@@ -12,7 +12,7 @@ from k4.runtime.trace import Trace
 
 from .constants import q8x_bytes, q8x_offsets
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
-from .matmul import DeviceWeight, _check_array, _check_post
+from .matmul import DeviceWeight, check_array, check_post
 from .quant_kernels import QKV_PAIRS, QUANT, _kernel, gemv_pair_name, gemv_variant
 
 
@@ -60,16 +60,16 @@ def gemv_pair(w1: DeviceWeight, w2: DeviceWeight, x, y1, y2, *, bias1=None, bias
     if not pairs(w1, w2):
         raise ValueError(f"no paired product of {w1.ggml_type.name} {w1.shape} and {w2.ggml_type.name} {w2.shape}")
     (n1, n_in), n2 = w1.shape, w2.shape[0]
-    _check_array("x", x, (n_in,), align16=True)
-    _check_array("y1", y1, (n1,))
-    _check_array("y2", y2, (n2,))
+    check_array("x", x, (n_in,), align16=True)
+    check_array("y1", y1, (n1,))
+    check_array("y2", y2, (n2,))
     for name, b, n in (("bias1", bias1, n1), ("bias2", bias2, n2)):
         if b is not None:
-            _check_array(name, b, (n,))
+            check_array(name, b, (n,))
     norm_w, eps = (None, 0.0) if norm is None else norm
     if norm_w is not None:
-        _check_array("norm weight", norm_w, (n_in,), align16=True)
-    post_t, post_w, x_out = _check_post(post, x, n_in, norm_w is not None, False)
+        check_array("norm weight", norm_w, (n_in,), align16=True)
+    post_t, post_w, x_out = check_post(post, x, n_in, norm_w is not None, False)
     kernel, grid, block, smem = _plan(w1, w2, post is not None)
     args = (w1.data, w2.data, x, y1, y2, null_or(bias1), null_or(bias2), null_or(norm_w), np.float32(eps),
             np.int32(n1), np.int32(n2), np.int32(n_in), null_or(post_t), null_or(post_w), null_or(x_out))

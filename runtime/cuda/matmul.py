@@ -142,7 +142,7 @@ def make_half(w: DeviceWeight, out, stream=None, trace: Trace | None = None) -> 
     with no copy (half_bytes(w) == 0)."""
     if half_bytes(w) == 0:
         raise ValueError(f"{w.ggml_type.name} weights are multiplied as they are; they need no fp16 copy")
-    _check_array("out", out, w.shape, np.float16)
+    check_array("out", out, w.shape, np.float16)
     rows = _chunk_rows(w)
     for r0 in range(0, w.shape[0], rows):
         n = min(rows, w.shape[0] - r0)
@@ -184,7 +184,9 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
 
 # ---- argument checks ---------------------------------------------------------------------------
 
-def _check_array(name: str, a, shape: tuple[int, ...], dtype=np.float32, align16: bool = False) -> None:
+def check_array(name: str, a, shape: tuple[int, ...], dtype=np.float32, align16: bool = False) -> None:
+    """Raise ValueError naming `name` unless `a` is a contiguous cupy array of `shape` and `dtype`
+    (16-byte aligned with align16). Also used by gemv_pair.py."""
     import cupy as cp
 
     if not isinstance(a, cp.ndarray) or a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
@@ -231,21 +233,21 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
         n_out //= 2
         if residual is not None or bias is not None:
             raise ValueError("a gate/up (glu) product takes no residual and no bias")
-    _check_array("x", x, (n_in,), align16=True)
-    _check_array("y", y, (n_out,))
+    check_array("x", x, (n_in,), align16=True)
+    check_array("y", y, (n_out,))
     if residual is not None:
-        _check_array("residual", residual, (n_out,))
+        check_array("residual", residual, (n_out,))
     if bias is not None:
-        _check_array("bias", bias, (n_out,))
+        check_array("bias", bias, (n_out,))
     norm_w, eps = (None, 0.0) if norm is None else norm
     if norm_w is not None:
         if n_in % 4:
             raise ValueError(f"the fused RMSNorm needs n_in a multiple of 4, got {n_in}")
-        _check_array("norm weight", norm_w, (n_in,), align16=True)
+        check_array("norm weight", norm_w, (n_in,), align16=True)
     check_q8(w, x_q8, y_q8, n_in, n_out, norm_w is not None)
     if x_q8_out is not None and (w.ggml_type not in QUANT or x_q8 is not None or x_q8_out.n != n_in):
         raise ValueError("x_q8_out needs a quantized weight, no x_q8, and a q8 vector of n_in values")
-    post_t, post_w, x_out = _check_post(post, x, n_in, norm_w is not None, x_q8 is not None)
+    post_t, post_w, x_out = check_post(post, x, n_in, norm_w is not None, x_q8 is not None)
     kernel, grid, block, smem = _gemv_plan(w, variant, norm_w is not None, post is not None)
     args = (w.data, x, y, null_or(residual), null_or(bias), null_or(norm_w), np.float32(eps), np.int32(n_out), np.int32(n_in))
     if w.ggml_type in QUANT:
@@ -258,7 +260,7 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     launch(kernel, grid, block, args, smem, stream, trace, pdl)
 
 
-def _check_post(post, x, n_in: int, norm: bool, x_q8: bool) -> tuple:
+def check_post(post, x, n_in: int, norm: bool, x_q8: bool) -> tuple:
     """gemv's post argument checked: (t, post_w, x_out), or three Nones."""
     if post is None:
         return None, None, None
@@ -266,7 +268,7 @@ def _check_post(post, x, n_in: int, norm: bool, x_q8: bool) -> tuple:
         raise ValueError("a folded post-norm needs the fused RMSNorm (norm) and no x_q8")
     t, post_w, x_out = post
     for name, a in (("post-norm input", t), ("post-norm weight", post_w), ("post-norm output", x_out)):
-        _check_array(name, a, (n_in,), align16=True)
+        check_array(name, a, (n_in,), align16=True)
     if x_out.data.ptr in (x.data.ptr, t.data.ptr):
         raise ValueError("the post-norm output must not be x or t")
     return t, post_w, x_out
@@ -299,8 +301,8 @@ def dequant_rows(w: DeviceWeight, row_ids, out, stream=None, trace: Trace | None
     Raises ValueError on wrong shapes or dtypes.
     """
     n = row_ids.shape[0] if getattr(row_ids, "ndim", 0) == 1 else -1
-    _check_array("row_ids", row_ids, (n,), np.int32)
-    _check_array("out", out, (n, w.shape[1]), align16=True)
+    check_array("row_ids", row_ids, (n,), np.int32)
+    check_array("out", out, (n, w.shape[1]), align16=True)
     if n:
         _dequant_launch(w, row_ids, 0, n, out, "float", stream, trace, scale)
 
@@ -391,12 +393,12 @@ def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, str
         raise ValueError(f"matmul of {n_tok} tokens on {w.ggml_type.name} takes float32 X, not float16")
     if w.glu and uses_gemv(w, n_tok):
         raise ValueError("a gate/up (glu) weight on the per-token path runs through gemv, which applies the SwiGLU")
-    _check_array("X", X, (n_tok, n_in), np.float16 if half_x else np.float32, align16=True)
-    _check_array("Y", Y, (n_tok, n_out))
+    check_array("X", X, (n_tok, n_in), np.float16 if half_x else np.float32, align16=True)
+    check_array("Y", Y, (n_tok, n_out))
     if residual is not None:
-        _check_array("residual", residual, (n_tok, n_out))
+        check_array("residual", residual, (n_tok, n_out))
     if bias is not None:
-        _check_array("bias", bias, (n_out,))
+        check_array("bias", bias, (n_out,))
     if uses_gemv(w, n_tok) and w.ggml_type in QUANT:  # up to BATCH_TOKENS tokens per read of w
         gemv_rows(w, X, Y, residual=residual, bias=bias, stream=stream, trace=trace, x_q8=x_q8)
         return
