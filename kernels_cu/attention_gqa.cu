@@ -326,13 +326,10 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     // the last split of the group to finish merges the partials (split_merge.cuh)
     __shared__ int is_last;
     __syncthreads();
-    if (tid == 0) {
-        __threadfence();
-        is_last = atomicAdd(ticket + hk * G, 1) == n_active - 1;
-    }
+    if (tid == 0) is_last = ticket_acq_rel(ticket + hk * G) == n_active - 1;
     __syncthreads();
     if (!is_last) return;
-    __threadfence();
-    merge_splits<true>(part, hk * G, G, n_split, 0, n_active, D, out, wm, tid, GQA_THREADS);
+    merge_splits<true, D>(part, hk * G, G, n_split, n_active, out, tid, GQA_THREADS);
     if (tid == 0) ticket[hk * G] = 0;
 }
+

@@ -138,6 +138,18 @@ __device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float((u3
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
+// ---- a block's arrival at a counter shared by the blocks of a grid ---------------------------
+// One thread adds 1 to *ticket (global memory) and gets the value before: an atom.acq_rel.gpu
+// (PTX ISA, memory consistency model), so the writes its block ordered before the call (by a
+// block barrier) are released with it, and the arrival that sees n - 1 acquires what the n - 1
+// before it released; a barrier after the call extends that to its whole block. One atomic in
+// place of a fence, a relaxed atomic and a second fence (docs/PERF.md, session 18).
+__device__ __forceinline__ int ticket_acq_rel(int* ticket) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(ticket) : "memory");
+    return old;
+}
+
 // ---- warp reductions (all 32 lanes must take part) ---------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -1,75 +1,91 @@
 // The merge of split decode attention's partials (flash-decoding, Dao et al. 2023), run by the
-// last block of a query group (attention_gqa.cu attn_gqa) to finish: out = sum_s w_s O_s / sum_s w_s l_s with w_s = e^(m_s - M) (2^ in log2 units), M the
-// largest m_s.
+// last block of a query group (attention_gqa.cu attn_gqa) to finish: out = sum_s w_s O_s / sum_s
+// w_s l_s with w_s = e^(m_s - M) (2^ in log2 units), M the largest m_s.
 //
-// A warp per head first reads the splits' (m, l) pairs with a lane per split (two loads per
-// lane, all in flight together) and leaves the weights w_s / L in shared memory; then every
-// thread sums its pairs of outputs' O_s over the splits, 16 float2 loads in flight per round
-// (8-byte aligned: D + 2 and the offset 2 are even). Four scalar loads a round measured 43.8 us
-// at 32,768 keys against 42.8 (docs/PERF.md, session 16). The splits'
-// partials are in L2 (written by this launch), so the merge costs a few L2 round trips rather
-// than two per split, as a loop over the splits with the max, then the sums, would (attn_kv's
-// merge, kept there: its bits are what the CUDA goldens were checked with, and it measured the
-// same speed with this merge). On the H200, attn_gqa at 4,096 keys (8 KV heads of 128, 32
-// splits): 22.2 us with attn_kv's loop, 14.0 with this merge.
+// merge_row: a warp merges one head. Each lane issues its loads of the splits' (m, l) (a lane per
+// split, two per lane) and of its outputs' partials (NP float2 pairs, of 32 / NP splits at once,
+// 8-byte aligned as D + 2 and the offset 2 are even) before it uses any; the weights w_s / L are
+// handed from lane s % 32 by a shuffle. No shared memory, no block barrier. The outputs are summed
+// over the splits in order (the bits of session 16's merge, which staged the weights in shared
+// memory and ran 4-5 dependent rounds of loads at 32 splits). On the H200 a block merging a group
+// of 4 heads of 128 over 32 splits (66 KB of partials, in L2) takes 2.1-3.0 µs with 2 rounds as
+// with 5 (8 rounds: 3.4 µs): the bytes one multiprocessor reads from L2 bound it, not the rounds.
+// Merged by a launch of its own spread over 64 multiprocessors instead, the step was slower: the
+// extra kernel boundary costs more (docs/PERF.md, session 18).
 #pragma once
 #include "ops_common.cuh"
 #include "constants.cuh"
 
-static_assert(ATT_MAX_SPLIT <= 64, "merge_splits reads the splits' (m, l) with two per lane");
+static_assert(ATT_MAX_SPLIT <= 64, "merge_row reads the splits' (m, l) with two per lane");
 
-// part: partials of n_split splits per head, (n_heads, n_split, D + 2) f32 [m, l, O[D]], heads
-// h0 .. h0 + rows - 1 merged, of splits first .. n_active - 1 (n_active - first <= ATT_MAX_SPLIT);
-// out: (n_heads, D) f32. LOG2: m in log2 units. wsh: shared memory of rows * (ATT_MAX_SPLIT + 1)
-// floats. Every thread of the block calls it (n_threads of them, a multiple of 32); it begins
-// with no barrier (the caller's partials are published by the ticket's fences) and ends with one.
-template <bool LOG2>
-__device__ __forceinline__ void merge_splits(const float* part, int h0, int rows, int n_split, int first, int n_active, int D,
-                                             float* __restrict__ out, float* wsh, int tid, int n_threads) {
-    const int warp = tid >> 5, lane = tid & 31, n_warps = n_threads >> 5;
-    const size_t stride = (size_t)n_split * (D + 2);  // floats of one head's partials
-    for (int r = warp; r < rows; r += n_warps) {
-        const float* pr = part + (h0 + r) * stride;
-        float m[2], l[2], M = -k4ops::inf_f32();
+// pr: one head's partials of its splits, (n_split, D + 2) f32 [m, l, O[D]], splits 0 ..
+// n_active - 1 merged (n_active <= ATT_MAX_SPLIT); out_row: the head's (D,) f32 output, of which
+// the lane writes pairs lane + 32 p, p < NP = D / 64. LOG2: m in log2 units. All 32 lanes of the warp call it.
+template <bool LOG2, int D>
+__device__ __forceinline__ void merge_row(const float* pr, int n_active, float* __restrict__ out_row, int lane) {
+    static_assert(D % 64 == 0, "a lane merges D / 64 pairs of outputs");
+    constexpr int NP = D / 64;
+    constexpr int CH = 32 / NP;           // splits whose partials are in flight together
+    constexpr int SPLIT2 = (D + 2) / 2;   // float2 from one split to the next
+    const float2* po = reinterpret_cast<const float2*>(pr + 2) + lane;  // the lane's first pair, split 0
+    float m[2], l[2], M = -k4ops::inf_f32();
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const int j = first + lane + 32 * u;
-            const bool ok = j < n_active;
-            m[u] = ok ? __ldcg(pr + (size_t)j * (D + 2)) : -k4ops::inf_f32();
-            l[u] = ok ? __ldcg(pr + (size_t)j * (D + 2) + 1) : 0.0f;
-            M = fmaxf(M, m[u]);
-        }
-        M = ::warp_max(M);
-        float L = 0.0f, w[2];
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            w[u] = m[u] == -k4ops::inf_f32() ? 0.0f : LOG2 ? exp2f(m[u] - M) : __expf(m[u] - M);
-            L += l[u] * w[u];
-        }
-        L = ::warp_sum(L);
-        const float inv_L = 1.0f / L;
-#pragma unroll
-        for (int u = 0; u < 2; ++u) wsh[r * (ATT_MAX_SPLIT + 1) + lane + 32 * u] = w[u] * inv_L;
+    for (int u = 0; u < 2; ++u) {
+        const int j = lane + 32 * u;
+        const bool ok = j < n_active;
+        m[u] = ok ? __ldcg(pr + (size_t)j * (D + 2)) : -k4ops::inf_f32();
+        l[u] = ok ? __ldcg(pr + (size_t)j * (D + 2) + 1) : 0.0f;
     }
-    __syncthreads();
-    const int n = n_active - first;
-    for (int i = tid; i < rows * D / 2; i += n_threads) {  // output pairs (D is even), 16 loads in flight
-        const int r = 2 * i / D, c = 2 * i % D;
-        const float* pr = part + (h0 + r) * stride + (size_t)first * (D + 2) + 2 + c;
-        const float* wr = wsh + r * (ATT_MAX_SPLIT + 1);
-        float2 a = make_float2(0.0f, 0.0f);
-        for (int j0 = 0; j0 < n; j0 += 16) {
-            float2 v[16];
+    float2 v[CH][NP];
+    auto load = [&](int j0) {
 #pragma unroll
-            for (int u = 0; u < 16; ++u) v[u] = j0 + u < n ? __ldcg(reinterpret_cast<const float2*>(pr + (size_t)(j0 + u) * (D + 2))) : make_float2(0.0f, 0.0f);
+        for (int u = 0; u < CH; ++u)
 #pragma unroll
-            for (int u = 0; u < 16; ++u) {
-                const float w = j0 + u < n ? wr[j0 + u] : 0.0f;
-                a.x += v[u].x * w;
-                a.y += v[u].y * w;
+            for (int p = 0; p < NP; ++p)
+                v[u][p] = j0 + u < n_active ? __ldcg(po + (size_t)(j0 + u) * SPLIT2 + 32 * p) : make_float2(0.0f, 0.0f);
+    };
+    load(0);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) M = fmaxf(M, m[u]);
+    M = ::warp_max(M);
+    float L = 0.0f, w[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        w[u] = m[u] == -k4ops::inf_f32() ? 0.0f : LOG2 ? exp2f(m[u] - M) : __expf(m[u] - M);
+        L += l[u] * w[u];
+    }
+    L = ::warp_sum(L);
+    const float inv_L = 1.0f / L;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) w[u] *= inv_L;
+    float2 a[NP];
+#pragma unroll
+    for (int p = 0; p < NP; ++p) a[p] = make_float2(0.0f, 0.0f);
+    for (int j0 = 0; j0 < n_active; j0 += CH) {
+        if (j0 > 0) load(j0);
+#pragma unroll
+        for (int u = 0; u < CH; ++u) {
+            const int j = j0 + u;  // the same for every lane
+            const float wj = __shfl_sync(k4ops::FULL_MASK, j < 32 ? w[0] : w[1], j & 31);
+            if (j >= n_active) break;
+#pragma unroll
+            for (int p = 0; p < NP; ++p) {
+                a[p].x += v[u][p].x * wj;
+                a[p].y += v[u][p].y * wj;
             }
         }
-        *reinterpret_cast<float2*>(out + (size_t)(h0 + r) * D + c) = a;
     }
-    __syncthreads();
+#pragma unroll
+    for (int p = 0; p < NP; ++p) reinterpret_cast<float2*>(out_row)[lane + 32 * p] = a[p];
+}
+
+// part: partials of n_split splits per head, (n_heads, n_split, D + 2) f32; heads h0 .. h0 + rows
+// - 1 merged, of splits 0 .. n_active - 1; out: (n_heads, D) f32. Every thread of the block calls
+// it (n_threads, a multiple of 32); warps take heads in turn. No barrier.
+template <bool LOG2, int D>
+__device__ __forceinline__ void merge_splits(const float* part, int h0, int rows, int n_split, int n_active,
+                                             float* __restrict__ out, int tid, int n_threads) {
+    const int warp = tid >> 5, n_warps = n_threads >> 5;
+    for (int r = warp; r < rows; r += n_warps)
+        merge_row<LOG2, D>(part + (size_t)(h0 + r) * n_split * (D + 2), n_active, out + (size_t)(h0 + r) * D, tid & 31);
 }
