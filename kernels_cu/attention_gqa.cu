@@ -46,7 +46,8 @@
 // when n_split > 1; ticket: (n_head,) int32, zero on entry and left zero (entry hk * G counts the
 // group's splits). pos: (1,) int32, the query's position. split_len: keys per split, a multiple
 // of BK. scale, window, softcap, ring, fresh_*, *_store, q_norm, k_norm, inv_freq, rope_dim, neox, eps,
-// mscale: as attn_kv.
+// mscale: as attn_kv. x_q8: null, or (n_split > 1) the q8 x of out (n_head * D values, swizzle
+// x_swz; q8_handoff.Q8Vector) that the merge also writes, for the output product (K4_ATTN_Q8).
 template <int D, int BK, int S, class KT, class VT, bool COLS, bool I8K>
 __global__ void __launch_bounds__(GQA_THREADS, D > 128 ? 1 : S == 2 ? 3 : 2)  // S = 2: three blocks fit in shared memory
 attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
@@ -56,7 +57,7 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
          const float* __restrict__ fresh_q, const float* __restrict__ fresh_k, const float* __restrict__ fresh_v,
          typename KT::elem* k_store, u16* kd_store, typename VT::elem* v_store, u16* vd_store,
          const float* __restrict__ q_norm, const float* __restrict__ k_norm,
-         const double* __restrict__ inv_freq, int rope_dim, int neox, float eps, float mscale) {
+         const double* __restrict__ inv_freq, int rope_dim, int neox, float eps, float mscale, u8* __restrict__ x_q8, int x_swz) {
     using namespace k4mma;
     static_assert(BK == 16 * GQA_WARPS, "each warp takes 16 keys of a tile");
     static_assert(D % 16 == 0, "head_dim in 16-wide mma chunks");
@@ -329,7 +330,7 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     if (tid == 0) is_last = ticket_acq_rel(ticket + hk * G) == n_active - 1;
     __syncthreads();
     if (!is_last) return;
-    merge_splits<true, D>(part, hk * G, G, n_split, n_active, out, tid, GQA_THREADS);
+    merge_splits<true, D>(part, hk * G, G, n_split, n_active, out, tid, GQA_THREADS, x_q8, x_swz, n_head);
     if (tid == 0) ticket[hk * G] = 0;
 }
 

@@ -12,17 +12,53 @@
 // with 5 (8 rounds: 3.4 µs): the bytes one multiprocessor reads from L2 bound it, not the rounds.
 // Merged by a launch of its own spread over 64 multiprocessors instead, the step was slower: the
 // extra kernel boundary costs more (docs/PERF.md, session 18).
+//
+// q8_head_store: with an output product to hand over to (K4_ATTN_Q8), the warp also writes its
+// head's outputs quantized to 8 bits, in the q8 x layout that product's blocks would otherwise
+// each make from the whole float output (gemv_common.cuh quantize_x), with its bits.
 #pragma once
 #include "ops_common.cuh"
 #include "constants.cuh"
+#include "gemv_common.cuh"
 
 static_assert(ATT_MAX_SPLIT <= 64, "merge_row reads the splits' (m, l) with two per lane");
 
+// A head's D outputs, lane holding the pairs lane + 32 p (p < D / 64) in a, quantized into the q8
+// x of the whole attention output (n_in = n_head * D values) at xq, swizzle swz; the head's units
+// are u0 .. u0 + D / 16 - 1 (u0 even). A unit's 16 values are the pairs of 8 adjacent lanes, its
+// partner unit (the same scale) the next 8: the max, the quants, their sum and the scale of
+// q8_pack16, by shuffles. All 32 lanes call it.
+template <int D>
+__device__ __forceinline__ void q8_head_store(const float2 (&a)[D / 64], u8* __restrict__ xq, int swz, int n_in, int u0, int lane) {
+    float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
+    float* xs = xd + q8x_d_floats(n_in);
+#pragma unroll
+    for (int p = 0; p < D / 64; ++p) {
+        const int u = u0 + 4 * p + (lane >> 3);  // the unit of the lane's pair, its place lane & 7
+        float amax = fmaxf(fabsf(a[p].x), fabsf(a[p].y));
+#pragma unroll
+        for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(k4ops::FULL_MASK, amax, o));
+        const float id = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;
+        const int q0 = __float2int_rn(a[p].x * id), q1 = __float2int_rn(a[p].y * id);
+        int sum = q0 + q1;
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(k4ops::FULL_MASK, sum, o);
+        *reinterpret_cast<u16*>(xq + 16 * x_unit_slot(u, swz) + 2 * (lane & 7)) = (u16)((q0 & 0xFF) | ((q1 & 0xFF) << 8));
+        if ((lane & 7) == 0) {
+            const float d = amax * (1.f / 127.f);
+            xs[u] = d * (float)sum;
+            if (!(u & 1)) xd[u >> 1] = d;
+        }
+    }
+}
+
 // pr: one head's partials of its splits, (n_split, D + 2) f32 [m, l, O[D]], splits 0 ..
 // n_active - 1 merged (n_active <= ATT_MAX_SPLIT); out_row: the head's (D,) f32 output, of which
-// the lane writes pairs lane + 32 p, p < NP = D / 64. LOG2: m in log2 units. All 32 lanes of the warp call it.
+// the lane writes pairs lane + 32 p, p < NP = D / 64. LOG2: m in log2 units. xq non-null: also
+// q8_head_store(xq, swz, n_in, u0). All 32 lanes of the warp call it.
 template <bool LOG2, int D>
-__device__ __forceinline__ void merge_row(const float* pr, int n_active, float* __restrict__ out_row, int lane) {
+__device__ __forceinline__ void merge_row(const float* pr, int n_active, float* __restrict__ out_row, int lane,
+                                          u8* __restrict__ xq, int swz, int n_in, int u0) {
     static_assert(D % 64 == 0, "a lane merges D / 64 pairs of outputs");
     constexpr int NP = D / 64;
     constexpr int CH = 32 / NP;           // splits whose partials are in flight together
@@ -77,15 +113,18 @@ __device__ __forceinline__ void merge_row(const float* pr, int n_active, float* 
     }
 #pragma unroll
     for (int p = 0; p < NP; ++p) reinterpret_cast<float2*>(out_row)[lane + 32 * p] = a[p];
+    if (xq != nullptr) q8_head_store<D>(a, xq, swz, n_in, u0, lane);
 }
 
 // part: partials of n_split splits per head, (n_heads, n_split, D + 2) f32; heads h0 .. h0 + rows
-// - 1 merged, of splits 0 .. n_active - 1; out: (n_heads, D) f32. Every thread of the block calls
-// it (n_threads, a multiple of 32); warps take heads in turn. No barrier.
+// - 1 merged, of splits 0 .. n_active - 1; out: (n_heads, D) f32; xq: null, or the q8 x of out
+// (n_heads * D values, swizzle swz) that the heads' units are written into. Every thread of the
+// block calls it (n_threads, a multiple of 32); warps take heads in turn. No barrier.
 template <bool LOG2, int D>
 __device__ __forceinline__ void merge_splits(const float* part, int h0, int rows, int n_split, int n_active,
-                                             float* __restrict__ out, int tid, int n_threads) {
+                                             float* __restrict__ out, int tid, int n_threads, u8* __restrict__ xq, int swz, int n_heads) {
     const int warp = tid >> 5, n_warps = n_threads >> 5;
     for (int r = warp; r < rows; r += n_warps)
-        merge_row<LOG2, D>(part + (size_t)(h0 + r) * n_split * (D + 2), n_active, out + (size_t)(h0 + r) * D, tid & 31);
+        merge_row<LOG2, D>(part + (size_t)(h0 + r) * n_split * (D + 2), n_active, out + (size_t)(h0 + r) * D, tid & 31,
+                           xq, swz, n_heads * D, (h0 + r) * (D / 16));
 }

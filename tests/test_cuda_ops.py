@@ -152,6 +152,28 @@ def test_attention(ops, rng, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split):
     check_attention_kernels(ops, q, cp.asarray(kc), cp.asarray(vc), pos0, n_ctx, split, attention_reference(q, kc, vc, pos0))
 
 
+@pytest.mark.parametrize("n_head,n_head_kv,D", [(8, 2, 64), (32, 8, 128), (16, 2, 256)])
+def test_gqa_merge_hands_over_the_output_quantized(ops, rng, n_head, n_head_kv, D):
+    """attn_gqa's merge of its splits writes its output quantized (x_q8, K4_ATTN_Q8) with the
+    bytes gemv_q8 would make of it (q8_handoff.q8x_host), in every products' swizzle."""
+    from k4.runtime.cuda.attention_launch import attention_split
+    from k4.runtime.cuda.matmul import q8x_bytes
+    from k4.runtime.cuda.q8_handoff import Q8Vector, q8x_host
+    from k4.runtime.cuda.quant_kernels import QUANT
+
+    pos0, n_ctx = 700, 768
+    q, keys, values = attention_inputs(rng, 1, pos0, n_head, n_head_kv, D)
+    kc, vc = cp.asarray(f16_plane(keys, n_ctx)), cp.asarray(f16_plane(values, n_ctx))
+    n_split, split_len = attention_split(n_ctx, True, keys=SPLIT_KEYS)
+    assert n_split > 1 and ops.attention_kernel(1, D, group=n_head // n_head_kv).startswith("attn_gqa")
+    part, ticket = cp.empty((1, n_head, n_split, D + 2), cp.float32), cp.zeros(n_head, cp.int32)
+    for swz in sorted({k.x_swizzle for k in QUANT.values()}):
+        x_q8 = Q8Vector(cp.zeros(q8x_bytes(n_head * D), cp.uint8), n_head * D, swz)
+        out = cp.full((1, n_head, D), np.nan, cp.float32)
+        ops.attention(cp.asarray(q), kc, vc, out, cp.asarray([pos0], dtype=cp.int32), n_split, split_len, part, ticket, x_q8=x_q8)
+        assert np.array_equal(x_q8.data.get(), q8x_host(out.get().reshape(-1), swz)), swz
+
+
 @pytest.mark.parametrize("arch,n_head,n_head_kv,D,pos0,n_ctx", [("llama", 8, 2, 64, 77, 256), ("qwen3", 4, 4, 128, 5, 4096),
                                                                   ("qwen2", 6, 3, 96, 300, 320)])
 def test_attention_with_fused_rope_equals_rope_then_attention(ops, rng, arch, n_head, n_head_kv, D, pos0, n_ctx):

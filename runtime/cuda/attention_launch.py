@@ -108,7 +108,8 @@ class AttentionLaunchers:
     grouped-query model of at least `gqa_min_group` query heads per KV head on attn_gqa),
     `gqa_cols` (K4_GQA_COLS: attn_gqa with a group of up to 8 query heads as the mma's columns,
     else as its rows), `gqa_int8` (K4_GQA_INT8: then q8_0 keys by int8 mma, the query quantized),
-    `kv` (the cache types the kernels are listed for)."""
+    `kv` (the cache types the kernels are listed for), `attn_q8` (K4_ATTN_Q8: attn_gqa's merge
+    may also write its output quantized for the output product, uses_attn_q8)."""
 
     gqa_min_group = GQA_MIN_GROUP
 
@@ -131,6 +132,14 @@ class AttentionLaunchers:
                 and (limit is None or limit > GQA_MIN_LIMIT)):
             return gqa_name(D, kv.k, kv.v, self._gqa_group(group), self.gqa_int8)
         return attn_kv_name(kv.k, kv.v, n_tok == 1 and (limit is None or limit > GQA_MIN_LIMIT))
+
+    def uses_attn_q8(self, n_tok: int, D: int, group: int, n_split: int, limit: int | None) -> bool:
+        """Whether the decode attention of n_tok queries (head_dim D, group query heads per KV
+        head, n_split splits, a range of at most `limit` keys) can hand its output quantized to
+        the output product (attention's x_q8): one query on attn_gqa with splits, `attn_q8`
+        (K4_ATTN_Q8) on."""
+        return (self.attn_q8 and n_tok == 1 and n_split > 1
+                and self.attention_kernel(1, D, group=group, limit=limit).startswith("attn_gqa"))
 
     def quantizes_query(self, D: int, kv: KVTypes, group: int, limit: int | None = None) -> bool:
         """Whether decode attention (one query; attention_kernel's choice) rounds the query to 8
@@ -176,7 +185,7 @@ class AttentionLaunchers:
     def attention(self, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, out: cp.ndarray, pos: cp.ndarray,
                   n_split: int = 1, split_len: int = 0, part: cp.ndarray | None = None,
                   ticket: cp.ndarray | None = None, fresh: FreshKV | None = None, shape: AttnShape = PLAIN,
-                  scales: tuple = NO_SCALES, limit: int | None = None) -> None:
+                  scales: tuple = NO_SCALES, limit: int | None = None, x_q8=None) -> None:
         """Causal attention of q over the cache; query t sits at position pos + t.
 
         q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx, n_head_kv, D) fp16, or int8
@@ -193,7 +202,9 @@ class AttentionLaunchers:
         inside the kernel (FreshKV); q is then not read, and the token's k and v are written to
         cache row pos. shape: the query scale, sliding window, score soft-cap and the ring of
         a sliding layer's cache (AttnShape; a ring's rows are a multiple of every kernel's key
-        tile).
+        tile). x_q8: None, or a q8_handoff.Q8Vector of n_head * D values that the merge of
+        attn_gqa's splits (n_split > 1; uses_attn_q8) also writes out into, for the output
+        product to copy (K4_ATTN_Q8).
         """
         n_tok, n_head, D = q.shape
         n_ctx, n_head_kv, _ = k_cache.shape
@@ -207,11 +218,12 @@ class AttentionLaunchers:
         assert pos.dtype == cp.int32 and pos.size == 1
         name = self.attention_kernel(n_tok, D, types, n_head // n_head_kv, limit)
         planes = _planes(k_cache, v_cache, scales)
+        assert x_q8 is None or (name.startswith("attn_gqa") and n_split > 1 and x_q8.n == n_head * D)
         if name.startswith(("attn_mma", "attn_tiled")):
             assert n_split == 1 and fresh is None
             self._attention_tiles(name, q, planes, out, pos, shape)
         else:
-            self._attention_rows(name, q, planes, types, out, pos, n_split, split_len, part, ticket, fresh, shape)
+            self._attention_rows(name, q, planes, types, out, pos, n_split, split_len, part, ticket, fresh, shape, x_q8)
 
     def _attention_tiles(self, name: str, q, planes: tuple, out, pos, shape: AttnShape) -> None:
         """Launch attn_mma or attn_tiled (planes: k, k_d, v, v_d): several queries per block,
@@ -232,10 +244,10 @@ class AttentionLaunchers:
                       *shape.kernel_args(D)), shared_mem=smem, pdl=False)
 
     def _attention_rows(self, name: str, q, planes: tuple, types: KVTypes, out, pos, n_split: int, split_len: int, part, ticket,
-                        fresh: FreshKV | None, shape: AttnShape) -> None:
+                        fresh: FreshKV | None, shape: AttnShape, x_q8=None) -> None:
         """Launch attn_kv (one block per (head, query, split)) or attn_gqa (one block per (KV
         head, split), one query) (planes: k, k_d, v, v_d, of types), optionally with RoPE and the cache
-        store of the token fused in (fresh)."""
+        store of the token fused in (fresh) and attn_gqa's output also quantized (x_q8)."""
         n_tok, n_head, D = q.shape
         n_ctx, n_head_kv, _ = planes[0].shape
         gqa = name.startswith("attn_gqa")
@@ -263,8 +275,8 @@ class AttentionLaunchers:
             smem = self._gqa_smem_of(D, types, n_head // n_head_kv)
             allow_shared(self.function(FILE_OF[name], name), smem)
             self._launch(FILE_OF[name], name, (n_head_kv, n_split), (GQA_THREADS,),
-                         (*head, np.int32(n_head), np.int32(n_head_kv), np.int32(split_len), *shape.kernel_args(D), *rope),
-                         shared_mem=smem)
+                         (*head, np.int32(n_head), np.int32(n_head_kv), np.int32(split_len), *shape.kernel_args(D), *rope,
+                          NULL if x_q8 is None else x_q8.data, np.int32(0 if x_q8 is None else x_q8.swizzle)), shared_mem=smem)
             return
         self._launch("attention.cu", name, (n_head, n_tok, n_split), (ATT_THREADS,),
                      (*head, np.int32(n_head), np.int32(n_head_kv), np.int32(D), np.int32(split_len),

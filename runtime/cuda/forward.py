@@ -100,9 +100,10 @@ class Forward:
                 fresh = None
             k_rows, v_rows, row_scales = self.kv.layer(li, limit)  # the positions below the decode range's limit
             sliding = cfg.sliding(li)
+            attn_q8 = self.attn_q8(L.wo, n, configs[sliding][0], limit)
             o.attention(q, k_rows, v_rows, attn, self.pos, *configs[sliding], parts[sliding], a.ticket, fresh, self.shapes[li],
-                        scales=row_scales, limit=limit if n == 1 else None)
-            self.residual(L.wo, attn.reshape(n, cfg.q_dim), x, x1, L.attn_post_norm)
+                        scales=row_scales, limit=limit if n == 1 else None, x_q8=attn_q8)
+            self.residual(L.wo, attn.reshape(n, cfg.q_dim), x, x1, L.attn_post_norm, x_q8=attn_q8)
             if L.moe is not None:  # routed experts (+ shared expert) + residual: runtime/cuda/moe.py
                 self.settle()
                 moe.moe_ffn(self, L, x1, x, n)
@@ -147,6 +148,15 @@ class Forward:
         q8 = Q8Rows(self.act.x_q8, n, n_in, Q8_SWIZZLE)
         quantize_rows(X, q8, stream=self.stream, trace=self.ops.trace)
         return q8
+
+    def attn_q8(self, wo, n: int, n_split: int, limit: int) -> Q8Vector | None:
+        """The q8 vector (in act.x_q8, free in decode) that decode attention hands the output
+        product wo, quantized in its merge (Ops.uses_attn_q8; K4_ATTN_Q8), or None where it does
+        not: n tokens, the range's n_split splits and most keys `limit`, wo quantized."""
+        cfg = self.cfg
+        if wo.ggml_type not in matmul.QUANT or not self.ops.uses_attn_q8(n, cfg.head_dim, cfg.n_head // cfg.n_head_kv, n_split, limit):
+            return None
+        return Q8Vector.for_weight(wo, self.act.x_q8)
 
     def settle(self) -> None:
         """Apply a pending post-norm (self.post) with the rms_norm_add kernel."""
