@@ -15,6 +15,7 @@
 // checked in attention_sizes.cuh.
 #include "kv_cache.cuh"
 #include "attention_sizes.cuh"
+#include "gemv_common.cuh"  // q8_lane_store
 
 #define ATT_KEYS 4  // keys whose loads one thread issues together
 
@@ -43,6 +44,9 @@
 //   its scale planes again; that row is read by no block of this launch).
 // Grid: (n_head, n_tok, n_split); block: ATT_THREADS. Dynamic shared memory: att_smem(D) bytes.
 //   Requires D % 8 == 0 and D <= 8 * ATT_THREADS; D % 32 == 0 for a q8_0 plane.
+// x_q8: null, or (n_tok = 1, D % 32 == 0, D <= ATT_THREADS; not DEEP, where the value kept for it
+//   would spill at 64 registers) the q8 x of out (n_head * D values, swizzle x_swz;
+//   q8_handoff.Q8Vector), written with it for the output product (K4_ATTN_Q8).
 // Thread mapping: scores: groups of tpg lanes per key (tpg = largest power of two <= lanes (a
 //   power of two <= 32) dividing D/8), each lane dotting 8-value slices of ATT_KEYS keys at a
 //   time; fewer lanes per key, fewer shuffles per score (ops.py attention_lanes); values: thread =
@@ -63,7 +67,7 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
         const float* __restrict__ fresh_q, const float* __restrict__ fresh_k, const float* __restrict__ fresh_v,
         typename KT::elem* k_store, u16* kd_store, typename VT::elem* v_store, u16* vd_store,
         const float* __restrict__ q_norm, const float* __restrict__ k_norm,
-        const double* __restrict__ inv_freq, int rope_dim, int neox, float eps, float mscale) {
+        const double* __restrict__ inv_freq, int rope_dim, int neox, float eps, float mscale, u8* __restrict__ x_q8, int x_swz) {
     pdl_trigger();
     pdl_wait();
     const int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z;
@@ -200,12 +204,16 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
     const size_t row = (size_t)t * n_head + h;
     float* dst = n_split == 1 ? out + row * D : part + (row * n_split + s) * (D + 2) + 2;
     const float inv_l = n_split == 1 ? 1.0f / l : 1.0f;
+    float mine = 0.0f;  // output tid (x_q8: D <= ATT_THREADS)
     for (int i = tid; i < D; i += ATT_THREADS) {
         float a = 0.0f;
         for (int r = 0; r < n_kl; ++r) a += red[r * D + i];
-        dst[i] = a * inv_l;
+        dst[i] = mine = a * inv_l;
     }
-    if (n_split == 1) return;
+    if (n_split == 1) {
+        if (!DEEP && x_q8 != nullptr && tid < D) q8_lane_store(mine, (int)row * D + tid, n_head * D, x_swz, x_q8, tid & 31);
+        return;
+    }
     if (tid == 0) {
         dst[-2] = m;
         dst[-1] = l;
@@ -246,7 +254,7 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
                 for (int u = 0; u < 16; ++u) a += v[u] * __expf(pm[j + u] - M);
             }
             for (; j < n_active; ++j) a += __ldcg(pr + j * (D + 2) + 2 + i) * __expf(pm[j] - M);
-            out[row * D + i] = a * inv_L;
+            out[row * D + i] = mine = a * inv_L;
         }
     } else {  // few splits (short ranges): each thread reads the (m, l) pairs itself, no barrier
         float M = -k4ops::inf_f32();
@@ -257,8 +265,9 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
         for (int i = tid; i < D; i += ATT_THREADS) {
             float a = 0.0f;
             for (int j = 0; j < n_active; ++j) a += __ldcg(pr + j * (D + 2) + 2 + i) * __expf(__ldcg(pr + j * (D + 2)) - M);
-            out[row * D + i] = a * inv_L;
+            out[row * D + i] = mine = a * inv_L;
         }
     }
+    if (!DEEP && x_q8 != nullptr && tid < D) q8_lane_store(mine, (int)row * D + tid, n_head * D, x_swz, x_q8, tid & 31);
     if (tid == 0) ticket[row] = 0;
 }

@@ -289,6 +289,32 @@ __host__ __device__ constexpr bool q8x_layout_agrees() {
 }
 static_assert(q8x_layout_agrees(), "the q8 x layout differs from runtime/cuda/constants.py q8x_offsets");
 
+// Value i of x (n_in values) held by lane i % 32 of a warp that holds its whole group of 32 (two
+// units sharing a scale), quantized into x's q8 x at q (q8x_bytes(n_in) bytes), swizzle swz: the
+// bits quantize_x gives (q8_pack16's max, quants, sum and scale), by shuffles. attn_kv hands its
+// outputs over this way (K4_ATTN_Q8). Every lane of the warp calls it.
+__device__ __forceinline__ void q8_lane_store(float v, int i, int n_in, int swz, u8* __restrict__ q, int lane) {
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float id = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;
+    const int qv = __float2int_rn(v * id);
+    int sum = qv;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);  // over the lane's unit
+    u32 word = (u32)(qv & 0xFF) << (8 * (lane & 3));
+    word |= __shfl_xor_sync(0xffffffffu, word, 1);
+    word |= __shfl_xor_sync(0xffffffffu, word, 2);
+    const int u = i >> 4;
+    if ((lane & 3) == 0) *reinterpret_cast<u32*>(q + 16 * x_unit_slot(u, swz) + (i & 15)) = word;
+    if ((lane & 15) == 0) {
+        const float d = amax * (1.f / 127.f);
+        float* xd = reinterpret_cast<float*>(q + q8x_bytes_q(n_in));
+        xd[q8x_d_floats(n_in) + u] = d * (float)sum;
+        if (!(u & 1)) xd[u >> 1] = d;
+    }
+}
+
 // Quantize unit u (values 16u .. 16u + 15) of one row of x (n_in floats at row, 16-byte aligned)
 // into that row's q8 x at q (q8x_bytes(n_in) bytes, the layout quantize_x leaves), swizzle swz:
 // the bits quantize_x gives. The same pairing rule as q8_unit: units 2i and 2i + 1 in adjacent

@@ -152,25 +152,30 @@ def test_attention(ops, rng, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split):
     check_attention_kernels(ops, q, cp.asarray(kc), cp.asarray(vc), pos0, n_ctx, split, attention_reference(q, kc, vc, pos0))
 
 
-@pytest.mark.parametrize("n_head,n_head_kv,D", [(8, 2, 64), (32, 8, 128), (16, 2, 256)])
-def test_gqa_merge_hands_over_the_output_quantized(ops, rng, n_head, n_head_kv, D):
-    """attn_gqa's merge of its splits writes its output quantized (x_q8, K4_ATTN_Q8) with the
-    bytes gemv_q8 would make of it (q8_handoff.q8x_host), in every products' swizzle."""
-    from k4.runtime.cuda.attention_launch import attention_split
+@pytest.mark.parametrize("n_head,n_head_kv,D,gqa,split", [(8, 2, 64, True, True), (32, 8, 128, True, True), (16, 2, 256, True, True),
+                                                         (8, 2, 64, False, True), (32, 32, 128, False, True), (32, 8, 128, False, False)])
+def test_decode_attention_hands_over_the_output_quantized(ops, rng, n_head, n_head_kv, D, gqa, split):
+    """Decode attention writes its output quantized (x_q8, K4_ATTN_Q8) with the bytes gemv_q8
+    would make of it (q8_handoff.q8x_host), in every products' swizzle: attn_gqa in the merge
+    of its splits, attn_kv's short-range instance with and without splits."""
+    from k4.runtime.cuda.attention_launch import GQA_MIN_LIMIT, attention_split
     from k4.runtime.cuda.matmul import q8x_bytes
     from k4.runtime.cuda.q8_handoff import Q8Vector, q8x_host
     from k4.runtime.cuda.quant_kernels import QUANT
 
-    pos0, n_ctx = 700, 768
+    pos0, n_ctx, limit = 700, 768, None if gqa else GQA_MIN_LIMIT
     q, keys, values = attention_inputs(rng, 1, pos0, n_head, n_head_kv, D)
     kc, vc = cp.asarray(f16_plane(keys, n_ctx)), cp.asarray(f16_plane(values, n_ctx))
-    n_split, split_len = attention_split(n_ctx, True, keys=SPLIT_KEYS)
-    assert n_split > 1 and ops.attention_kernel(1, D, group=n_head // n_head_kv).startswith("attn_gqa")
+    n_split, split_len = attention_split(n_ctx, split, keys=SPLIT_KEYS)
+    group = n_head // n_head_kv
+    assert ops.attention_kernel(1, D, group=group, limit=limit).startswith("attn_gqa" if gqa else "attn_kv")
+    assert ops.uses_attn_q8(1, D, group, n_split, limit) and (n_split > 1) == split
     part, ticket = cp.empty((1, n_head, n_split, D + 2), cp.float32), cp.zeros(n_head, cp.int32)
     for swz in sorted({k.x_swizzle for k in QUANT.values()}):
         x_q8 = Q8Vector(cp.zeros(q8x_bytes(n_head * D), cp.uint8), n_head * D, swz)
         out = cp.full((1, n_head, D), np.nan, cp.float32)
-        ops.attention(cp.asarray(q), kc, vc, out, cp.asarray([pos0], dtype=cp.int32), n_split, split_len, part, ticket, x_q8=x_q8)
+        ops.attention(cp.asarray(q), kc, vc, out, cp.asarray([pos0], dtype=cp.int32), n_split, split_len, part, ticket,
+                      limit=limit, x_q8=x_q8)
         assert np.array_equal(x_q8.data.get(), q8x_host(out.get().reshape(-1), swz)), swz
 
 

@@ -120,14 +120,17 @@ HANDOFFS = {
 }
 
 
-def test_attention_q8_handoff_changes_no_bit_of_the_decode_logits(tiny_model, monkeypatch):
-    """K4_ATTN_Q8: the output product copies the bytes attn_gqa's merge quantized instead of
+@pytest.mark.parametrize("gqa", [True, False])
+def test_attention_q8_handoff_changes_no_bit_of_the_decode_logits(tiny_model, monkeypatch, gqa):
+    """K4_ATTN_Q8: the output product copies the bytes the attention kernel quantized instead of
     quantizing the attention output itself, so the decode logits are the same with it on and
-    off. Every decode range on attn_gqa (GQA_MIN_LIMIT 0), the positions past its first split."""
+    off. gqa: every decode range on attn_gqa (GQA_MIN_LIMIT 0), else on attn_kv; the positions
+    past the first split."""
     from k4.runtime.cuda import attention_launch, ops
 
-    monkeypatch.setattr(attention_launch, "GQA_MIN_LIMIT", 0)
-    monkeypatch.setattr(ops, "GQA_MIN_LIMIT", 0)
+    if gqa:
+        monkeypatch.setattr(attention_launch, "GQA_MIN_LIMIT", 0)
+        monkeypatch.setattr(ops, "GQA_MIN_LIMIT", 0)
     mf = tiny_model("qwen2-q8_0-hd64")  # 4 query heads per KV head, head_dim 64, Q8_0 output product
     cfg = mf.config
     prompt = np.random.default_rng(5).integers(3, cfg.n_vocab, size=100).tolist()
@@ -137,7 +140,7 @@ def test_attention_q8_handoff_changes_no_bit_of_the_decode_logits(tiny_model, mo
         be = cuda(mf, 128)
         f = be.forward
         limit, n_split, _ = f.splits[-1]
-        assert n_split > 1
+        assert n_split > 1 or not gqa
         assert (f.attn_q8(f.w.layers[0].wo, 1, n_split, limit) is not None) == on
         be.eval(prompt)
         logits[on] = [be.eval([t]) for t in (7, 8, 9)]

@@ -133,13 +133,19 @@ class AttentionLaunchers:
             return gqa_name(D, kv.k, kv.v, self._gqa_group(group), self.gqa_int8)
         return attn_kv_name(kv.k, kv.v, n_tok == 1 and (limit is None or limit > GQA_MIN_LIMIT))
 
-    def uses_attn_q8(self, n_tok: int, D: int, group: int, n_split: int, limit: int | None) -> bool:
+    def uses_attn_q8(self, n_tok: int, D: int, group: int, n_split: int, limit: int | None, kv: KVTypes | None = None) -> bool:
         """Whether the decode attention of n_tok queries (head_dim D, group query heads per KV
-        head, n_split splits, a range of at most `limit` keys) can hand its output quantized to
-        the output product (attention's x_q8): one query on attn_gqa with splits, `attn_q8`
-        (K4_ATTN_Q8) on."""
-        return (self.attn_q8 and n_tok == 1 and n_split > 1
-                and self.attention_kernel(1, D, group=group, limit=limit).startswith("attn_gqa"))
+        head, n_split splits, a range of at most `limit` keys, cache types kv) hands its output
+        quantized to the output product (attention's x_q8), with `attn_q8` (K4_ATTN_Q8) on: one
+        query, on attn_gqa with splits (its merge writes it), or on attn_kv's short-range
+        instance with D a multiple of 32 up to ATT_THREADS (a thread per output; the deep
+        instance would spill)."""
+        if not (self.attn_q8 and n_tok == 1):
+            return False
+        name = self.attention_kernel(1, D, kv, group=group, limit=limit)
+        if name.startswith("attn_gqa"):
+            return n_split > 1
+        return name.startswith("attn_kv") and name.endswith("false>") and D % 32 == 0 and D <= ATT_THREADS
 
     def quantizes_query(self, D: int, kv: KVTypes, group: int, limit: int | None = None) -> bool:
         """Whether decode attention (one query; attention_kernel's choice) rounds the query to 8
@@ -202,9 +208,8 @@ class AttentionLaunchers:
         inside the kernel (FreshKV); q is then not read, and the token's k and v are written to
         cache row pos. shape: the query scale, sliding window, score soft-cap and the ring of
         a sliding layer's cache (AttnShape; a ring's rows are a multiple of every kernel's key
-        tile). x_q8: None, or a q8_handoff.Q8Vector of n_head * D values that the merge of
-        attn_gqa's splits (n_split > 1; uses_attn_q8) also writes out into, for the output
-        product to copy (K4_ATTN_Q8).
+        tile). x_q8: None, or a q8_handoff.Q8Vector of n_head * D values that the kernel also
+        writes out into (where uses_attn_q8), for the output product to copy (K4_ATTN_Q8).
         """
         n_tok, n_head, D = q.shape
         n_ctx, n_head_kv, _ = k_cache.shape
@@ -218,7 +223,7 @@ class AttentionLaunchers:
         assert pos.dtype == cp.int32 and pos.size == 1
         name = self.attention_kernel(n_tok, D, types, n_head // n_head_kv, limit)
         planes = _planes(k_cache, v_cache, scales)
-        assert x_q8 is None or (name.startswith("attn_gqa") and n_split > 1 and x_q8.n == n_head * D)
+        assert x_q8 is None or (self.uses_attn_q8(n_tok, D, n_head // n_head_kv, n_split, limit, types) and x_q8.n == n_head * D)
         if name.startswith(("attn_mma", "attn_tiled")):
             assert n_split == 1 and fresh is None
             self._attention_tiles(name, q, planes, out, pos, shape)
@@ -247,7 +252,7 @@ class AttentionLaunchers:
                         fresh: FreshKV | None, shape: AttnShape, x_q8=None) -> None:
         """Launch attn_kv (one block per (head, query, split)) or attn_gqa (one block per (KV
         head, split), one query) (planes: k, k_d, v, v_d, of types), optionally with RoPE and the cache
-        store of the token fused in (fresh) and attn_gqa's output also quantized (x_q8)."""
+        store of the token fused in (fresh) and the output also quantized (x_q8)."""
         n_tok, n_head, D = q.shape
         n_ctx, n_head_kv, _ = planes[0].shape
         gqa = name.startswith("attn_gqa")
@@ -280,4 +285,5 @@ class AttentionLaunchers:
             return
         self._launch("attention.cu", name, (n_head, n_tok, n_split), (ATT_THREADS,),
                      (*head, np.int32(n_head), np.int32(n_head_kv), np.int32(D), np.int32(split_len),
-                      np.int32(attention_lanes(n_head, n_head_kv, D)), *shape.kernel_args(D), *rope), shared_mem=att_smem(D))
+                      np.int32(attention_lanes(n_head, n_head_kv, D)), *shape.kernel_args(D), *rope,
+                      NULL if x_q8 is None else x_q8.data, np.int32(0 if x_q8 is None else x_q8.swizzle)), shared_mem=att_smem(D))

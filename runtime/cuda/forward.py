@@ -151,8 +151,9 @@ class Forward:
 
     def attn_q8(self, wo, n: int, n_split: int, limit: int) -> Q8Vector | None:
         """The q8 vector (in act.x_q8, free in decode) that decode attention hands the output
-        product wo, quantized in its merge (Ops.uses_attn_q8; K4_ATTN_Q8), or None where it does
-        not: n tokens, the range's n_split splits and most keys `limit`, wo quantized."""
+        product wo, its output quantized by the attention kernel (Ops.uses_attn_q8; K4_ATTN_Q8),
+        or None where it does not: n tokens, the range's n_split splits and most keys `limit`,
+        wo quantized."""
         cfg = self.cfg
         if wo.ggml_type not in matmul.QUANT or not self.ops.uses_attn_q8(n, cfg.head_dim, cfg.n_head // cfg.n_head_kv, n_split, limit):
             return None
