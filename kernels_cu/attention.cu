@@ -44,14 +44,21 @@
 //   its scale planes again; that row is read by no block of this launch).
 // Grid: (n_head, n_tok, n_split); block: ATT_THREADS. Dynamic shared memory: att_smem(D) bytes.
 //   Requires D % 8 == 0 and D <= 8 * ATT_THREADS; D % 32 == 0 for a q8_0 plane.
-// x_q8: null, or (n_tok = 1, D % 32 == 0, D <= ATT_THREADS; not DEEP, where the value kept for it
-//   would spill at 64 registers) the q8 x of out (n_head * D values, swizzle x_swz;
+// x_q8: null, or (n_tok = 1, D % 32 == 0, D <= 2 * ATT_THREADS; not DEEP, where the values kept
+//   for it would spill at 64 registers) the q8 x of out (n_head * D values, swizzle x_swz;
 //   q8_handoff.Q8Vector), written with it for the output product (K4_ATTN_Q8).
 // Thread mapping: scores: groups of tpg lanes per key (tpg = largest power of two <= lanes (a
 //   power of two <= 32) dividing D/8), each lane dotting 8-value slices of ATT_KEYS keys at a
 //   time; fewer lanes per key, fewer shuffles per score (ops.py attention_lanes); values: thread =
 //   (slice c, key lane kl), accumulating 8 output dims over keys kl, kl + n_kl, ...; key lanes
 //   are summed at the end.
+
+// x_q8: a head's outputs tid and tid + ATT_THREADS (mine) quantized into the q8 x of the whole
+// output (n_in values; the head's first is x0) with q8_lane_store: whole warps below D.
+__device__ __forceinline__ void q8_store_mine(const float (&mine)[2], int x0, int D, int n_in, int swz, u8* x_q8, int tid) {
+    if (tid < D) q8_lane_store(mine[0], x0 + tid, n_in, swz, x_q8, tid & 31);
+    if (tid + ATT_THREADS < D) q8_lane_store(mine[1], x0 + tid + ATT_THREADS, n_in, swz, x_q8, tid & 31);
+}
 
 // Blocks a multiprocessor: DEEP (decode ranges past GQA_MIN_LIMIT keys, attention_launch.py
 // attention_kernel) eight, at most 64 registers; else seven, 72 registers (what nvcc takes for
@@ -204,14 +211,14 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
     const size_t row = (size_t)t * n_head + h;
     float* dst = n_split == 1 ? out + row * D : part + (row * n_split + s) * (D + 2) + 2;
     const float inv_l = n_split == 1 ? 1.0f / l : 1.0f;
-    float mine = 0.0f;  // output tid (x_q8: D <= ATT_THREADS)
+    float mine[2] = {0.0f, 0.0f};  // outputs tid and tid + ATT_THREADS (x_q8: D <= 2 ATT_THREADS)
     for (int i = tid; i < D; i += ATT_THREADS) {
         float a = 0.0f;
         for (int r = 0; r < n_kl; ++r) a += red[r * D + i];
-        dst[i] = mine = a * inv_l;
+        dst[i] = mine[i != tid] = a * inv_l;
     }
     if (n_split == 1) {
-        if (!DEEP && x_q8 != nullptr && tid < D) q8_lane_store(mine, (int)row * D + tid, n_head * D, x_swz, x_q8, tid & 31);
+        if (!DEEP && x_q8 != nullptr) q8_store_mine(mine, (int)row * D, D, n_head * D, x_swz, x_q8, tid);
         return;
     }
     if (tid == 0) {
@@ -254,7 +261,7 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
                 for (int u = 0; u < 16; ++u) a += v[u] * __expf(pm[j + u] - M);
             }
             for (; j < n_active; ++j) a += __ldcg(pr + j * (D + 2) + 2 + i) * __expf(pm[j] - M);
-            out[row * D + i] = mine = a * inv_L;
+            out[row * D + i] = mine[i != tid] = a * inv_L;
         }
     } else {  // few splits (short ranges): each thread reads the (m, l) pairs itself, no barrier
         float M = -k4ops::inf_f32();
@@ -265,9 +272,9 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
         for (int i = tid; i < D; i += ATT_THREADS) {
             float a = 0.0f;
             for (int j = 0; j < n_active; ++j) a += __ldcg(pr + j * (D + 2) + 2 + i) * __expf(__ldcg(pr + j * (D + 2)) - M);
-            out[row * D + i] = mine = a * inv_L;
+            out[row * D + i] = mine[i != tid] = a * inv_L;
         }
     }
-    if (!DEEP && x_q8 != nullptr && tid < D) q8_lane_store(mine, (int)row * D + tid, n_head * D, x_swz, x_q8, tid & 31);
+    if (!DEEP && x_q8 != nullptr) q8_store_mine(mine, (int)row * D, D, n_head * D, x_swz, x_q8, tid);
     if (tid == 0) ticket[row] = 0;
 }

@@ -153,7 +153,8 @@ def test_attention(ops, rng, n_tok, pos0, n_head, n_head_kv, D, n_ctx, split):
 
 
 @pytest.mark.parametrize("n_head,n_head_kv,D,gqa,split", [(8, 2, 64, True, True), (32, 8, 128, True, True), (16, 2, 256, True, True),
-                                                         (8, 2, 64, False, True), (32, 32, 128, False, True), (32, 8, 128, False, False)])
+                                                         (8, 2, 64, False, True), (32, 32, 128, False, True), (32, 8, 128, False, False),
+                                                         (16, 8, 256, False, True), (8, 8, 256, False, False)])
 def test_decode_attention_hands_over_the_output_quantized(ops, rng, n_head, n_head_kv, D, gqa, split):
     """Decode attention writes its output quantized (x_q8, K4_ATTN_Q8) with the bytes gemv_q8
     would make of it (q8_handoff.q8x_host), in every products' swizzle: attn_gqa in the merge

@@ -138,14 +138,14 @@ class AttentionLaunchers:
         head, n_split splits, a range of at most `limit` keys, cache types kv) hands its output
         quantized to the output product (attention's x_q8), with `attn_q8` (K4_ATTN_Q8) on: one
         query, on attn_gqa with splits (its merge writes it), or on attn_kv's short-range
-        instance with D a multiple of 32 up to ATT_THREADS (a thread per output; the deep
-        instance would spill)."""
+        instance with D a multiple of 32 up to 2 * ATT_THREADS (a thread per output, or two; the
+        deep instance would spill)."""
         if not (self.attn_q8 and n_tok == 1):
             return False
         name = self.attention_kernel(1, D, kv, group=group, limit=limit)
         if name.startswith("attn_gqa"):
             return n_split > 1
-        return name.startswith("attn_kv") and name.endswith("false>") and D % 32 == 0 and D <= ATT_THREADS
+        return name.startswith("attn_kv") and name.endswith("false>") and D % 32 == 0 and D <= 2 * ATT_THREADS
 
     def quantizes_query(self, D: int, kv: KVTypes, group: int, limit: int | None = None) -> bool:
         """Whether decode attention (one query; attention_kernel's choice) rounds the query to 8
