@@ -22,8 +22,8 @@
 // q: (n_tok, n_head, D) f32. k_cache, v_cache: (n_ctx, n_head_kv, D) of KT::elem / VT::elem (this
 //   layer), k_d, v_d: their (n_ctx, n_head_kv, D / 32) fp16 scale planes (q8_0) or null (f16).
 // out: (n_tok, n_head, D) f32.
-// part: (n_tok, n_head, n_split, D + 2) f32 partials [m, l, acc[D]], written when n_split > 1
-//   by the splits that hold keys (the first ceil((n_kv - lo) / split_len), lo below); ticket: (n_tok, n_head)
+// part: (n_tok, n_head, n_split, D + 2) f32 partials [m, l, acc[D]], written when more than one
+//   split holds keys, by those (the first ceil((n_kv - lo) / split_len), lo below); ticket: (n_tok, n_head)
 //   int32, zero on entry and left zero, counts the splits done.
 // pos: (1,) int32, the position of query 0. split_len: keys per split. scale: of q.k.
 // window > 0: a sliding layer (Gemma): the query at position p sees keys p - window + 1 .. p only,
@@ -209,15 +209,18 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
     }
     __syncthreads();
     const size_t row = (size_t)t * n_head + h;
-    float* dst = n_split == 1 ? out + row * D : part + (row * n_split + s) * (D + 2) + 2;
-    const float inv_l = n_split == 1 ? 1.0f / l : 1.0f;
+    // one split holding keys (n_split == 1, or the first positions of a split range): the output
+    // directly, no partials, ticket or merge (the merge of one split gives these bits: e^0 = 1)
+    const bool direct = n_active == 1;
+    float* dst = direct ? out + row * D : part + (row * n_split + s) * (D + 2) + 2;
+    const float inv_l = direct ? 1.0f / l : 1.0f;
     float mine[2] = {0.0f, 0.0f};  // outputs tid and tid + ATT_THREADS (x_q8: D <= 2 ATT_THREADS)
     for (int i = tid; i < D; i += ATT_THREADS) {
         float a = 0.0f;
         for (int r = 0; r < n_kl; ++r) a += red[r * D + i];
         dst[i] = mine[i != tid] = a * inv_l;
     }
-    if (n_split == 1) {
+    if (direct) {
         if (!DEEP && x_q8 != nullptr) q8_store_mine(mine, (int)row * D, D, n_head * D, x_swz, x_q8, tid);
         return;
     }
