@@ -108,7 +108,7 @@ class AttentionLaunchers:
     grouped-query model of at least `gqa_min_group` query heads per KV head on attn_gqa),
     `gqa_cols` (K4_GQA_COLS: attn_gqa with a group of up to 8 query heads as the mma's columns,
     else as its rows), `gqa_int8` (K4_GQA_INT8: then q8_0 keys by int8 mma, the query quantized),
-    `kv` (the cache types the kernels are listed for), `attn_q8` (K4_ATTN_Q8: attn_gqa's merge
+    `kv` (the cache types the kernels are listed for), `attn_q8` (K4_ATTN_Q8: decode attention
     may also write its output quantized for the output product, uses_attn_q8)."""
 
     gqa_min_group = GQA_MIN_GROUP
