@@ -37,6 +37,18 @@ __device__ float rms_scale(const float* __restrict__ x, int n, float eps) {
     return rsqrtf(ss / (float)n + eps);
 }
 
+// The q8 scheme's numbers, in one place for every quantizer of x (q8_pack16, q8_lane_store,
+// split_merge.cuh q8_head_store), whose bytes must agree: from the largest |x| of a scale's 32
+// values, the factor the values are multiplied by before rounding (IEEE division, as numpy rounds
+// it) and the scale d; unit u's d * (sum of its quants) into xs[u], and d into xd[u / 2] by the
+// even unit of the pair.
+__device__ __forceinline__ float q8_inv_scale(float amax) { return amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f; }
+__device__ __forceinline__ float q8_scale(float amax) { return amax * (1.f / 127.f); }
+__device__ __forceinline__ void q8_unit_scales(int u, float d, int sum, float* xd, float* xs) {
+    xs[u] = d * (float)sum;
+    if (!(u & 1)) xd[u >> 1] = d;
+}
+
 // Quantize 16 values v of unit u (elements 16u..16u+15) into q8 x arrays (shared or global
 // memory): the int8 quants at unit slot x_unit_slot(u, swz) of xq, d at xd[u / 2] (written by the
 // even unit), d * sum of the quants at xs[u]. Units 2i and 2i+1 share one scale, so they must sit
@@ -49,7 +61,7 @@ __device__ __forceinline__ float q8_pack16(const float (&v)[16], u32 (&packed)[4
 #pragma unroll
     for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    const float id = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;  // IEEE, as numpy rounds it
+    const float id = q8_inv_scale(amax);
     sum = 0;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -61,7 +73,7 @@ __device__ __forceinline__ float q8_pack16(const float (&v)[16], u32 (&packed)[4
             packed[k] |= (u32)(q & 0xFF) << (8 * b);
         }
     }
-    return amax * (1.f / 127.f);
+    return q8_scale(amax);
 }
 
 // 16 floats at p (16-byte aligned) into v, or zeros when !ok (p not read).
@@ -79,8 +91,7 @@ __device__ __forceinline__ void q8_unit(const float (&v)[16], bool ok, int u, in
     const float d = q8_pack16(v, packed, sum);
     if (ok) {
         *reinterpret_cast<uint4*>(xq + 16 * x_unit_slot(u, swz)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-        xs[u] = d * (float)sum;
-        if (!(u & 1)) xd[u >> 1] = d;
+        q8_unit_scales(u, d, sum, xd, xs);
     }
 }
 
@@ -297,8 +308,7 @@ __device__ __forceinline__ void q8_lane_store(float v, int i, int n_in, int swz,
     float amax = fabsf(v);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float id = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;
-    const int qv = __float2int_rn(v * id);
+    const int qv = __float2int_rn(v * q8_inv_scale(amax));
     int sum = qv;
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);  // over the lane's unit
@@ -308,10 +318,8 @@ __device__ __forceinline__ void q8_lane_store(float v, int i, int n_in, int swz,
     const int u = i >> 4;
     if ((lane & 3) == 0) *reinterpret_cast<u32*>(q + 16 * x_unit_slot(u, swz) + (i & 15)) = word;
     if ((lane & 15) == 0) {
-        const float d = amax * (1.f / 127.f);
         float* xd = reinterpret_cast<float*>(q + q8x_bytes_q(n_in));
-        xd[q8x_d_floats(n_in) + u] = d * (float)sum;
-        if (!(u & 1)) xd[u >> 1] = d;
+        q8_unit_scales(u, q8_scale(amax), sum, xd, xd + q8x_d_floats(n_in));
     }
 }
 

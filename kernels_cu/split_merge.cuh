@@ -38,17 +38,13 @@ __device__ __forceinline__ void q8_head_store(const float2 (&a)[D / 64], u8* __r
         float amax = fmaxf(fabsf(a[p].x), fabsf(a[p].y));
 #pragma unroll
         for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(k4ops::FULL_MASK, amax, o));
-        const float id = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;
+        const float id = q8_inv_scale(amax);
         const int q0 = __float2int_rn(a[p].x * id), q1 = __float2int_rn(a[p].y * id);
         int sum = q0 + q1;
 #pragma unroll
         for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(k4ops::FULL_MASK, sum, o);
         *reinterpret_cast<u16*>(xq + 16 * x_unit_slot(u, swz) + 2 * (lane & 7)) = (u16)((q0 & 0xFF) | ((q1 & 0xFF) << 8));
-        if ((lane & 7) == 0) {
-            const float d = amax * (1.f / 127.f);
-            xs[u] = d * (float)sum;
-            if (!(u & 1)) xd[u >> 1] = d;
-        }
+        if ((lane & 7) == 0) q8_unit_scales(u, q8_scale(amax), sum, xd, xs);
     }
 }
 
