@@ -1,8 +1,9 @@
 """Where a decode step's time goes, kernel by kernel (GPU): runs `k4 bench` under torch's profiler
 (CUPTI records every kernel of the replayed CUDA graphs, k4's included) and prints, for the last
-complete decode step, each kernel's marginal time: its end minus the end of the kernel before.
-Launched with programmatic dependent launch, a kernel starts while the one before drains, so its
-own duration overlaps; the marginals add up to the step. One line per attention kernel (it and
+complete decode step, each kernel's marginal time: its end minus the end of the kernel before, and in brackets its
+start minus that end (negative: it started while the one before drained). Launched with
+programmatic dependent launch, a kernel starts while the one before drains, so its own duration
+overlaps; the marginals add up to the step. One line per attention kernel (it and
 the kernels after it up to the next one: the output product, the feed-forward, the next layer's
 q/k/v), then the step's kernels summed by name.
 
@@ -71,18 +72,18 @@ def main(argv: list[str]) -> None:
     step = last_step(kernels)
     prev_end, rows = step[0][1], []
     for start, end, name in step[1:]:
-        rows.append((short(name), end - prev_end, end - start))
+        rows.append((short(name), end - prev_end, end - start, start - prev_end))
         prev_end = max(prev_end, end)
     print(f"decode step: {prev_end - step[0][1]:.1f} µs in {len(rows)} kernels (marginal µs each)")
     line: list[str] = []
-    for name, marginal, _ in rows:  # a line from each attention kernel to the next
+    for name, marginal, _, lead in rows:  # a line from each attention kernel to the next
         if name.startswith("attn") and line:
             print("  " + "  ".join(line))
             line = []
-        line.append(f"{name.split('<')[0]} {marginal:.1f}")
+        line.append(f"{name.split('<')[0]} {marginal:.1f} [{lead:+.1f}]")
     print("  " + "  ".join(line))
     total = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    for name, marginal, duration in rows:
+    for name, marginal, duration, _ in rows:
         t = total[name]
         t[0] += 1
         t[1] += marginal
