@@ -25,7 +25,8 @@
 // part: (n_tok, n_head, n_split, D + 2) f32 partials [m, l, acc[D]], written when more than one
 //   split holds keys, by those (the first ceil((n_kv - lo) / split_len), lo below); ticket: (n_tok, n_head)
 //   int32, zero on entry and left zero, counts the splits done.
-// pos: (1,) int32, the position of query 0. split_len: keys per split. scale: of q.k.
+// pos: (1,) int32, the position of query 0. split_len: keys per split, or -g: sized per step in
+//   multiples of g (attention_sizes.cuh split_keys). scale: of q.k.
 // window > 0: a sliding layer (Gemma): the query at position p sees keys p - window + 1 .. p only,
 //   and the splits are counted from that first key (split s takes keys lo + s * split_len .., lo
 //   = max(0, p + 1 - window)), so a decode configuration sized for the window serves any depth;
@@ -83,6 +84,7 @@ attn_kv(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cac
     const int hk = h / (n_head / n_head_kv);
     const int n_kv = *pos + t + 1;
     const int lo = window > 0 ? max(0, n_kv - window) : 0;    // the first key this query sees
+    split_len = split_keys(split_len, n_kv - lo, n_split);
     const int n_active = (n_kv - lo + split_len - 1) / split_len;  // splits holding keys, from lo
     if (s >= n_active) return;
     const int begin = lo + s * split_len;

@@ -45,8 +45,8 @@
 // D + 2) f32 partials [m (log2 units), l, O[D]] of each (head, split) that holds keys, written
 // when n_split > 1; ticket: (n_head,) int32, zero on entry and left zero (entry hk * G counts the
 // group's splits). pos: (1,) int32, the query's position. split_len: keys per split, a multiple
-// of BK. scale, window, softcap, ring, fresh_*, *_store, q_norm, k_norm, inv_freq, rope_dim, neox, eps,
-// mscale: as attn_kv. x_q8: null, or (n_split > 1) the q8 x of out (n_head * D values, swizzle
+// of BK, or -BK: sized per step (attention_sizes.cuh split_keys). scale, window, softcap, ring,
+// fresh_*, *_store, q_norm, k_norm, inv_freq, rope_dim, neox, eps, mscale: as attn_kv. x_q8: null, or (n_split > 1) the q8 x of out (n_head * D values, swizzle
 // x_swz; q8_handoff.Q8Vector) that the merge also writes, for the output product (K4_ATTN_Q8).
 template <int D, int BK, int S, class KT, class VT, bool COLS, bool I8K>
 __global__ void __launch_bounds__(GQA_THREADS, D > 128 ? 1 : S == 2 ? 3 : 2)  // S = 2: three blocks fit in shared memory
@@ -93,6 +93,7 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int n_kv = *pos + 1, p = n_kv - 1;
     const int lo = window > 0 ? max(0, n_kv - window) : 0;  // splits count from the first key seen, as attn_kv's
+    split_len = split_keys(split_len, n_kv - lo, n_split);  // -BK: sized for this step's keys
     const int n_active = (n_kv - lo + split_len - 1) / split_len;
     if (s >= n_active) return;
     const int begin = lo + s * split_len, end = min(n_kv, begin + split_len);

@@ -28,6 +28,19 @@ __host__ __device__ constexpr int gqa_smem(int D, int BK, int S, bool k_scaled, 
     return 2 * (D + 8) * 16 + gqa_plane_bytes(D, BK, S, k_scaled, k_i8) + gqa_plane_bytes(D, BK, S, v_scaled) + 4 * GQA_WARPS * D + 4 * D + D / 8;
 }
 
+// Keys per split of split decode attention (attn_kv, attn_gqa): split_len where positive; else
+// (K4_DYN_SPLIT) sized on the device for the step's own n_seen keys (from the first the query
+// sees): the shortest multiple of -split_len keys whose n_split splits cover them. A decode range's
+// graph keeps its split count, planned for its longest context, and its splits stay balanced at
+// every position in it, not only at its end (docs/PERF.md, session 19). runtime/cuda/
+// attention_launch.py split_keys is the same rule, for the tests.
+__host__ __device__ constexpr int split_units(int n_seen, int per) { return n_seen > per ? (n_seen + per - 1) / per : 1; }
+__host__ __device__ constexpr int split_keys(int split_len, int n_seen, int n_split) {
+    return split_len > 0 ? split_len : split_units(n_seen, -split_len * n_split) * -split_len;
+}
+static_assert(split_keys(64, 5, 3) == 64 && split_keys(-64, 32769, 33) == 1024 && split_keys(-64, 1, 33) == 64 &&
+              split_keys(-32, 2112, 33) == 64 && split_keys(-32, 2113, 33) == 96, "split_keys");
+
 // The launcher's sizes (runtime/cuda/constants.py att_smem, tiled_smem, mma_smem) are these.
 __host__ __device__ constexpr bool smem_sizes_agree() {
     constexpr int att[] = {K4_CHECK_ATT_SMEM};      // D, bytes

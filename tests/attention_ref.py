@@ -142,5 +142,38 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
                               limit=GQA_MIN_LIMIT, **options)
                 assert ops.attention_kernel(1, D, kv, group, GQA_MIN_LIMIT).endswith("false>")
                 assert cp.array_equal(short, out) and not ticket.any()
+            if n_tok == 1 and n_split > 1:
+                check_dynamic_split(ops, q, kc, vc, expect, pos0, n_ctx, limit, options)
     finally:
         ops.mma, ops.tiled, ops.gqa, ops.gqa_cols, ops.gqa_int8, ops.gqa_min_group = True, True, True, True, True, min_group
+
+
+def check_dynamic_split(ops, q, kc, vc, expect, pos0, n_ctx, limit, options) -> None:
+    """One decode query with its splits sized by the kernel (K4_DYN_SPLIT: split_len -SPLIT_KEYS
+    over the most splits n_ctx allows) gives the bits of the same kernel with that length fixed
+    (split_keys, the host's copy of the kernel's rule), within `limit` (relative L2) of expect
+    (numpy, as for the fixed plan). The fixed launch reads the cache cut to the keys the query
+    sees, which its splits cover; a ring, or q8_0 planes (their scales), compare with expect alone."""
+    import cupy as cp
+
+    from k4.runtime.cuda.attention_launch import attention_split, split_keys
+
+    n_head = q.shape[1]
+    D = q.shape[2]
+    n_split, split_len = attention_split(n_ctx, True, keys=SPLIT_KEYS, dynamic=True)
+    shape = options.get("shape")
+    window = shape.window if shape is not None and shape.window else 0
+    n_kv = pos0 + 1
+    part = cp.empty((1, n_head, n_split, D + 2), cp.float32)
+    ticket = cp.zeros(n_head, cp.int32)
+    pos = cp.asarray([pos0], dtype=cp.int32)
+    dyn = cp.full((1, n_head, D), np.nan, cp.float32)
+    ops.attention(cp.asarray(q), kc, vc, dyn, pos, n_split, split_len, part, ticket, **options)
+    assert not ticket.any()
+    assert rel_l2(dyn.get(), expect) < limit
+    if (shape is not None and shape.ring) or options.get("scales"):
+        return
+    fixed = cp.full_like(dyn, np.nan)
+    keys = split_keys(split_len, n_kv - max(0, n_kv - window) if window else n_kv, n_split)
+    ops.attention(cp.asarray(q), kc[:n_kv], vc[:n_kv], fixed, pos, n_split, keys, part, ticket, **options)
+    assert cp.array_equal(dyn, fixed) and not ticket.any()

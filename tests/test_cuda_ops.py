@@ -247,6 +247,27 @@ def test_split_buckets_grow_by_half_and_a_third_and_end_at_the_context():
                                                           (2048, 16, 64), (3072, 16, 64), (4096, 16, 64)]
 
 
+def test_dynamic_splits_are_the_shortest_that_cover_the_step():
+    """K4_DYN_SPLIT: a range keeps the most splits its keys allow (up to max_split) and the kernel
+    sizes them for each step's keys (split_keys, the rule of kernels_cu/attention_sizes.cuh, whose
+    static_assert holds the same table): the shortest multiple of the tile whose splits cover them."""
+    from k4.runtime.cuda.attention_launch import attention_split, split_buckets, split_keys
+
+    assert [split_keys(64, 5, 3), split_keys(-64, 32769, 33), split_keys(-64, 1, 33), split_keys(-32, 2112, 33),
+            split_keys(-32, 2113, 33)] == [64, 1024, 64, 64, 96]
+    assert attention_split(43690, True, 33, 64, dynamic=True) == (33, -64)  # fixed: 33 x 1344 (25 hold keys at 32,769)
+    assert attention_split(100, True, 28, 32, dynamic=True) == (4, -32)
+    assert attention_split(20, True, 28, 32, dynamic=True) == attention_split(20, True, 28, 32) == (1, 32)
+    low = 0
+    for limit, n, length in split_buckets(131072, True, 33, 64, dynamic=True):
+        assert length < 0 and -length == 64
+        for n_seen in {low + 1, (low + limit) // 2, limit, *range(low + 1, limit + 1, 997)}:
+            keys = split_keys(length, n_seen, n)
+            assert keys % 64 == 0 and -(-n_seen // keys) <= n  # covered by the range's splits
+            assert keys == 64 or -(-n_seen // (keys - 64)) > n  # and none shorter would be
+        low = limit
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1000), (5, 11008), (2, 96)])
 def test_swiglu(ops, rng, shape):
     g = (4 * rng.standard_normal(shape)).astype(np.float32)

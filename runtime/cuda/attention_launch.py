@@ -50,7 +50,8 @@ def mma_smem(D: int) -> int:
     return _mma_smem(D, MMA_TILE_KEYS[D])
 
 
-def attention_split(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, keys: int = ATT_SPLIT_KEYS) -> tuple[int, int]:
+def attention_split(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, keys: int = ATT_SPLIT_KEYS,
+                    dynamic: bool = False) -> tuple[int, int]:
     """(n_split, split_len) for decode attention over a cache of n_ctx positions: at most
     max_split splits (ATT_MAX_SPLIT at most), each a multiple of `keys` keys (the kernel's granularity:
     ATT_SPLIT_KEYS for attn_kv, its tile for attn_gqa); (1, n_ctx) when split is off. Splits
@@ -58,12 +59,28 @@ def attention_split(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, key
     query): the best split is about the shortest whose blocks all fit on the GPU at once
     (max_split = resident blocks / blocks per split, Ops.decode_plan): 1,100 keys 11.9 µs
     (18 x 64) against 16.3 (35 x 32); 4,160 keys 26.8 (26 x 160) against 30.9 (44 x 96); 16,448
-    keys 73.7 (28 x 608) against 77.9 (58 x 288) and 104.4 (31 x 544, 992 blocks: two rounds)."""
+    keys 73.7 (28 x 608) against 77.9 (58 x 288) and 104.4 (31 x 544, 992 blocks: two rounds).
+    dynamic (K4_DYN_SPLIT): where that gives several splits, as many as the keys allow, up to
+    max_split, with split_len -keys: the kernel sizes each step's splits for its own keys
+    (split_keys), the same rule for the step that attends n_ctx keys."""
     if not split:
         return 1, n_ctx
     max_split = max(1, min(ATT_MAX_SPLIT, max_split))
     split_len = -(-math.ceil(n_ctx / max_split) // keys) * keys
-    return -(-n_ctx // split_len), split_len
+    n_split = -(-n_ctx // split_len)
+    if dynamic and n_split > 1:
+        return min(max_split, -(-n_ctx // keys)), -keys
+    return n_split, split_len
+
+
+def split_keys(split_len: int, n_seen: int, n_split: int) -> int:
+    """Keys per split of a decode step that sees n_seen keys: split_len, or (split_len < 0,
+    attention_split's dynamic plan) the shortest multiple of -split_len keys whose n_split splits
+    cover them. kernels_cu/attention_sizes.cuh split_keys is this rule; this copy is for tests."""
+    if split_len > 0:
+        return split_len
+    per = -split_len * n_split
+    return max(1, -(-n_seen // per)) * -split_len
 
 
 def attention_lanes(n_head: int, n_head_kv: int, head_dim: int) -> int:
@@ -80,20 +97,21 @@ def attention_lanes(n_head: int, n_head_kv: int, head_dim: int) -> int:
 
 
 def split_buckets(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, keys: int = ATT_SPLIT_KEYS,
-                  window: int = 0) -> list[tuple[int, int, int]]:
+                  window: int = 0, dynamic: bool = False) -> list[tuple[int, int, int]]:
     """The decode attention configurations of a cache of n_ctx positions, one per range of
     context lengths: [(limit, n_split, split_len)], limits ascending (512, 768, 1024, 1536, ...,
     then n_ctx), each attention_split(limit, split, max_split, keys) and valid while the keys
     attended (position + 1) are at most its limit. A step then launches the splits its length
     needs, of a length suited to it, whatever n_ctx is. One entry when split is off. window > 0:
     for a sliding layer, whose splits count from the first key it sees (attention.cu): each
-    range's configuration is attention_split(min(limit, window)), the same limits."""
+    range's configuration is attention_split(min(limit, window)), the same limits. dynamic:
+    attention_split's (K4_DYN_SPLIT)."""
     limits = []
     limit = 512
     while split and limit < n_ctx:
         limits.append(limit)
         limit = limit * 3 // 2 if limit & (limit - 1) == 0 else limit * 4 // 3  # 512, 768, 1024, 1536, ...
-    return [(L, *attention_split(min(L, window) if window else L, split, max_split, keys)) for L in (*limits, n_ctx)]
+    return [(L, *attention_split(min(L, window) if window else L, split, max_split, keys, dynamic)) for L in (*limits, n_ctx)]
 
 
 def _gqa_smem(D: int, kv: KVTypes, int8_keys: bool) -> int:
@@ -109,7 +127,8 @@ class AttentionLaunchers:
     `gqa_cols` (K4_GQA_COLS: attn_gqa with a group of up to 8 query heads as the mma's columns,
     else as its rows), `gqa_int8` (K4_GQA_INT8: then q8_0 keys by int8 mma, the query quantized),
     `kv` (the cache types the kernels are listed for), `attn_q8` (K4_ATTN_Q8: decode attention
-    may also write its output quantized for the output product, uses_attn_q8)."""
+    may also write its output quantized for the output product, uses_attn_q8), `dyn_split`
+    (K4_DYN_SPLIT: decode_splits' ranges size each step's splits on the device)."""
 
     gqa_min_group = GQA_MIN_GROUP
 
@@ -184,8 +203,9 @@ class AttentionLaunchers:
         attention_kernel says so); window > 0: those of its sliding layers (split_buckets window)."""
         if not split:
             return split_buckets(n_ctx, False, 1, ATT_SPLIT_KEYS, window)
-        short = split_buckets(n_ctx, True, *self.decode_plan(head_dim, n_head, n_head_kv, GQA_MIN_LIMIT), window)
-        long = split_buckets(n_ctx, True, *self.decode_plan(head_dim, n_head, n_head_kv), window)
+        dyn = self.dyn_split
+        short = split_buckets(n_ctx, True, *self.decode_plan(head_dim, n_head, n_head_kv, GQA_MIN_LIMIT), window, dyn)
+        long = split_buckets(n_ctx, True, *self.decode_plan(head_dim, n_head, n_head_kv), window, dyn)
         return [s if s[0] <= GQA_MIN_LIMIT else g for s, g in zip(short, long)]  # the same limits
 
     def attention(self, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, out: cp.ndarray, pos: cp.ndarray,
@@ -199,7 +219,8 @@ class AttentionLaunchers:
         int32 device scalar. The kernel is attention_kernel's choice (limit: the decode range's, as
         decode_splits planned n_split and split_len for). For attn_kv and attn_gqa
         (one query), n_split > 1 splits each query's keys into blocks of split_len (n_split *
-        split_len >= n_ctx; a multiple of decode_plan's keys) whose partials go to part:
+        split_len >= n_ctx; a multiple of decode_plan's keys; or -keys: sized per step, split_keys)
+        whose partials go to part:
         (n_tok, n_head, n_split, D + 2) f32, merged by the last block of each head (group) to
         finish, counted in ticket: (n_tok * n_head,) int32, zeros (and left so); the prefill
         kernels take n_split = 1. attn_mma and attn_gqa round Q and P to fp16 (f32 accumulation).
@@ -259,8 +280,11 @@ class AttentionLaunchers:
         if n_split == 1:  # one split over every position (a ring's rows are fewer than the positions)
             split_len = RING_ONE_SPLIT if shape.ring else n_ctx
         else:  # the splits cover the keys a query sees: at most the window (a sliding layer's count from its first)
-            assert split_len > 0 and (shape.ring or n_split * split_len >= min(n_ctx, shape.window or n_ctx))
-            assert not gqa or split_len % GQA_TILE_KEYS[D] == 0
+            if split_len < 0:  # sized per step by the kernel (split_keys): they cover whatever it sees
+                assert -split_len % (GQA_TILE_KEYS[D] if gqa else ATT_SPLIT_KEYS) == 0
+            else:
+                assert shape.ring or n_split * split_len >= min(n_ctx, shape.window or n_ctx)
+                assert not gqa or split_len % GQA_TILE_KEYS[D] == 0
             assert part is not None and ticket is not None
             check_f32(part, n_tok, n_head, n_split, D + 2)
             assert ticket.dtype == cp.int32 and ticket.size == n_tok * n_head and ticket.flags.c_contiguous

@@ -37,7 +37,8 @@ def options(flags: Flags) -> tuple:
     f = ForwardOptions(fuse_norm=on("K4_FUSE_NORM"), fuse_rope=on("K4_FUSE_ROPE"), fuse_moe=on("K4_FUSE_MOE"),
                        qkv_q8=on("K4_QKV_Q8"), qkv_pair=on("K4_QKV_PAIR"))
     o = dict(pdl=pdl, tiled=on("K4_TILED_ATTN"), mma=on("K4_MMA_ATTN"), evict_first=on("K4_EVICT_FIRST"), gqa=on("K4_GQA_MMA"),
-             gqa_cols=on("K4_GQA_COLS"), gqa_int8=on("K4_GQA_INT8"), attn_q8=on("K4_ATTN_Q8"))
+             gqa_cols=on("K4_GQA_COLS"), gqa_int8=on("K4_GQA_INT8"), attn_q8=on("K4_ATTN_Q8"),
+             dyn_split=on("K4_DYN_SPLIT"))
     return w, f, o
 
 
