@@ -32,8 +32,8 @@ __host__ __device__ constexpr int gqa_smem(int D, int BK, int S, bool k_scaled, 
 // (K4_DYN_SPLIT) sized on the device for the step's own n_seen keys (from the first the query
 // sees): the shortest multiple of -split_len keys whose n_split splits cover them. A decode range's
 // graph keeps its split count, planned for its longest context, and its splits stay balanced at
-// every position in it, not only at its end (docs/PERF.md, session 19). runtime/cuda/
-// attention_launch.py split_keys is the same rule, for the tests.
+// every position in it, not only at its end (docs/PERF.md, session 19). tests/attention_ref.py
+// restates the rule to check the kernels against it.
 __host__ __device__ constexpr int split_units(int n_seen, int per) { return n_seen > per ? (n_seen + per - 1) / per : 1; }
 __host__ __device__ constexpr int split_keys(int split_len, int n_seen, int n_split) {
     return split_len > 0 ? split_len : split_units(n_seen, -split_len * n_split) * -split_len;

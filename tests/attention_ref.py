@@ -151,12 +151,12 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
 def check_dynamic_split(ops, q, kc, vc, expect, pos0, n_ctx, limit, options) -> None:
     """One decode query with its splits sized by the kernel (K4_DYN_SPLIT: split_len -SPLIT_KEYS
     over the most splits n_ctx allows) gives the bits of the same kernel with that length fixed
-    (split_keys, the host's copy of the kernel's rule), within `limit` (relative L2) of expect
+    (split_keys, the kernel's rule restated), within `limit` (relative L2) of expect
     (numpy, as for the fixed plan). The fixed launch reads the cache cut to the keys the query
     sees, which its splits cover; a ring, or q8_0 planes (their scales), compare with expect alone."""
     import cupy as cp
 
-    from k4.runtime.cuda.attention_launch import attention_split, split_keys
+    from k4.runtime.cuda.attention_launch import attention_split
 
     n_head = q.shape[1]
     D = q.shape[2]
@@ -177,3 +177,12 @@ def check_dynamic_split(ops, q, kc, vc, expect, pos0, n_ctx, limit, options) -> 
     keys = split_keys(split_len, n_kv - max(0, n_kv - window) if window else n_kv, n_split)
     ops.attention(cp.asarray(q), kc[:n_kv], vc[:n_kv], fixed, pos, n_split, keys, part, ticket, **options)
     assert cp.array_equal(dyn, fixed) and not ticket.any()
+
+
+def split_keys(split_len: int, n_seen: int, n_split: int) -> int:
+    """Keys per split of a decode step that sees n_seen keys, as kernels_cu/attention_sizes.cuh
+    split_keys sizes them (restated for the tests): split_len, or (split_len < 0, K4_DYN_SPLIT)
+    the shortest multiple of -split_len keys whose n_split splits cover them."""
+    if split_len > 0:
+        return split_len
+    return max(1, -(-n_seen // (-split_len * n_split))) * -split_len

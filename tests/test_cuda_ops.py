@@ -16,7 +16,7 @@ from k4.runtime import reference
 from k4.runtime.rope import rope_table
 from k4.runtime.sampling import SamplingParams, apply_repeat_penalty, sample
 from tests.tiny import tiny_config
-from tests.attention_ref import SPLIT_KEYS, attention_inputs, attention_reference, check_attention_kernels, f16_plane
+from tests.attention_ref import SPLIT_KEYS, attention_inputs, attention_reference, check_attention_kernels, f16_plane, split_keys
 
 cp = cupy_or_skip()
 from k4.runtime.cuda.op_args import FreshKV, RopeArgs  # noqa: E402  (needs CuPy)
@@ -249,9 +249,10 @@ def test_split_buckets_grow_by_half_and_a_third_and_end_at_the_context():
 
 def test_dynamic_splits_are_the_shortest_that_cover_the_step():
     """K4_DYN_SPLIT: a range keeps the most splits its keys allow (up to max_split) and the kernel
-    sizes them for each step's keys (split_keys, the rule of kernels_cu/attention_sizes.cuh, whose
-    static_assert holds the same table): the shortest multiple of the tile whose splits cover them."""
-    from k4.runtime.cuda.attention_launch import attention_split, split_buckets, split_keys
+    sizes them for each step's keys (kernels_cu/attention_sizes.cuh split_keys, restated in
+    attention_ref; its static_assert holds the same table): the shortest multiple of the tile
+    whose splits cover them."""
+    from k4.runtime.cuda.attention_launch import attention_split, split_buckets
 
     assert [split_keys(64, 5, 3), split_keys(-64, 32769, 33), split_keys(-64, 1, 33), split_keys(-32, 2112, 33),
             split_keys(-32, 2113, 33)] == [64, 1024, 64, 64, 96]

@@ -62,7 +62,7 @@ def attention_split(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, key
     keys 73.7 (28 x 608) against 77.9 (58 x 288) and 104.4 (31 x 544, 992 blocks: two rounds).
     dynamic (K4_DYN_SPLIT): where that gives several splits, as many as the keys allow, up to
     max_split, with split_len -keys: the kernel sizes each step's splits for its own keys
-    (split_keys), the same rule for the step that attends n_ctx keys."""
+    (kernels_cu/attention_sizes.cuh split_keys)."""
     if not split:
         return 1, n_ctx
     max_split = max(1, min(ATT_MAX_SPLIT, max_split))
@@ -71,16 +71,6 @@ def attention_split(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, key
     if dynamic and n_split > 1:
         return min(max_split, -(-n_ctx // keys)), -keys
     return n_split, split_len
-
-
-def split_keys(split_len: int, n_seen: int, n_split: int) -> int:
-    """Keys per split of a decode step that sees n_seen keys: split_len, or (split_len < 0,
-    attention_split's dynamic plan) the shortest multiple of -split_len keys whose n_split splits
-    cover them. kernels_cu/attention_sizes.cuh split_keys is this rule; this copy is for tests."""
-    if split_len > 0:
-        return split_len
-    per = -split_len * n_split
-    return max(1, -(-n_seen // per)) * -split_len
 
 
 def attention_lanes(n_head: int, n_head_kv: int, head_dim: int) -> int:
@@ -219,7 +209,8 @@ class AttentionLaunchers:
         int32 device scalar. The kernel is attention_kernel's choice (limit: the decode range's, as
         decode_splits planned n_split and split_len for). For attn_kv and attn_gqa
         (one query), n_split > 1 splits each query's keys into blocks of split_len (n_split *
-        split_len >= n_ctx; a multiple of decode_plan's keys; or -keys: sized per step, split_keys)
+        split_len >= n_ctx; a multiple of decode_plan's keys; or -keys: sized per step by the
+        kernel, attention_sizes.cuh split_keys)
         whose partials go to part:
         (n_tok, n_head, n_split, D + 2) f32, merged by the last block of each head (group) to
         finish, counted in ticket: (n_tok * n_head,) int32, zeros (and left so); the prefill
@@ -280,7 +271,7 @@ class AttentionLaunchers:
         if n_split == 1:  # one split over every position (a ring's rows are fewer than the positions)
             split_len = RING_ONE_SPLIT if shape.ring else n_ctx
         else:  # the splits cover the keys a query sees: at most the window (a sliding layer's count from its first)
-            if split_len < 0:  # sized per step by the kernel (split_keys): they cover whatever it sees
+            if split_len < 0:  # sized per step by the kernel (attention_sizes.cuh split_keys): they cover what it sees
                 assert -split_len % (GQA_TILE_KEYS[D] if gqa else ATT_SPLIT_KEYS) == 0
             else:
                 assert shape.ring or n_split * split_len >= min(n_ctx, shape.window or n_ctx)
