@@ -46,8 +46,9 @@
 // when n_split > 1; ticket: (n_head,) int32, zero on entry and left zero (entry hk * G counts the
 // group's splits). pos: (1,) int32, the query's position. split_len: keys per split, a multiple
 // of BK, or -BK: sized per step (attention_sizes.cuh split_keys). scale, window, softcap, ring,
-// fresh_*, *_store, q_norm, k_norm, inv_freq, rope_dim, neox, eps, mscale: as attn_kv. x_q8: null, or (n_split > 1) the q8 x of out (n_head * D values, swizzle
-// x_swz; q8_handoff.Q8Vector) that the merge also writes, for the output product (K4_ATTN_Q8).
+// fresh_*, *_store, q_norm, k_norm, inv_freq, rope_dim, neox, eps, mscale: as attn_kv. x_q8:
+// null, or (n_split > 1) the q8 x of out (n_head * D values, swizzle x_swz; q8_handoff.Q8Vector)
+// that the merge also writes, for the output product (K4_ATTN_Q8).
 template <int D, int BK, int S, class KT, class VT, bool COLS, bool I8K>
 __global__ void __launch_bounds__(GQA_THREADS, D > 128 ? 1 : S == 2 ? 3 : 2)  // S = 2: three blocks fit in shared memory
 attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
