@@ -45,7 +45,9 @@ ST_TOK, ST_POS, ST_RING, ST_DRAW = range(STATE_WORDS)  # token, its position, ri
 # One of attn_kv's short blocks (at most 72 registers by its launch bound; at short range a step's
 # attention has fewer blocks than there are multiprocessors) needs the pair at 110 or fewer,
 # allocated in 8s: 104. Uncapped it took 116, and attention started only as its blocks left
-# (Llama 2 7B: 8.3-9.0 against 5.5 µs a layer, docs/PERF.md session 17).
+# (Llama 2 7B: 8.3-9.0 against 5.5 µs a layer, docs/PERF.md session 17). attn_gqa's blocks (120 x 128)
+# do not fit beside it (NVRTC gave the pair 99, allocated 104); a cap of 96 lets them in only where
+# every kernel asks for one shared-memory split, and that costs more than it gains (session 20).
 PAIR_THREADS = 512
 PAIR_REGS = (65536 - ATT_THREADS * (65536 // (ATT_BLOCKS * ATT_THREADS) // 8 * 8)) // PAIR_THREADS // 8 * 8
 
