@@ -51,9 +51,16 @@ __device__ void primary(const uint4* p, unsigned long long* start, unsigned long
     __syncthreads();
     if (threadIdx.x == 0) end[blockIdx.x] = now();
 }
-extern "C" __global__ void __launch_bounds__(512, 1) kernel_a0(const uint4* p, unsigned long long* s, unsigned long long* e, long long ns, unsigned* sink, int w) { primary<14>(p, s, e, ns, sink, w); }
-extern "C" __global__ void __launch_bounds__(512, 1) kernel_a(const uint4* p, unsigned long long* s, unsigned long long* e, long long ns, unsigned* sink, int w) { primary<21>(p, s, e, ns, sink, w); }
-extern "C" __global__ void __launch_bounds__(128) kernel_b(const uint4* p, unsigned long long* start, long long ns, unsigned* sink) {
+extern "C" __global__ void __launch_bounds__(512, 1)
+kernel_a0(const uint4* p, unsigned long long* s, unsigned long long* e, long long ns, unsigned* sink, int w) {
+    primary<14>(p, s, e, ns, sink, w);  // 68 registers: the product before
+}
+extern "C" __global__ void __launch_bounds__(512, 1)
+kernel_a(const uint4* p, unsigned long long* s, unsigned long long* e, long long ns, unsigned* sink, int w) {
+    primary<21>(p, s, e, ns, sink, w);  // 96 registers: gemv_q8_pair as nvcc compiles it
+}
+extern "C" __global__ void __launch_bounds__(128)
+kernel_b(const uint4* p, unsigned long long* start, long long ns, unsigned* sink) {  // 118 registers: attn_gqa's 119
     extern __shared__ uint4 staged[];
     if (threadIdx.x == 0) start[blockIdx.x] = now();
     staged[threadIdx.x] = p[threadIdx.x];
