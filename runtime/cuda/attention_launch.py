@@ -210,9 +210,8 @@ class AttentionLaunchers:
         decode_splits planned n_split and split_len for). For attn_kv and attn_gqa
         (one query), n_split > 1 splits each query's keys into blocks of split_len (n_split *
         split_len >= n_ctx; a multiple of decode_plan's keys; or -keys: sized per step by the
-        kernel, attention_sizes.cuh split_keys)
-        whose partials go to part:
-        (n_tok, n_head, n_split, D + 2) f32, merged by the last block of each head (group) to
+        kernel, attention_sizes.cuh split_keys) whose partials go to part: (n_tok, n_head,
+        n_split, D + 2) f32, merged by the last block of each head (group) to
         finish, counted in ticket: (n_tok * n_head,) int32, zeros (and left so); the prefill
         kernels take n_split = 1. attn_mma and attn_gqa round Q and P to fp16 (f32 accumulation).
 
