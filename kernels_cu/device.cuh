@@ -150,6 +150,14 @@ __device__ __forceinline__ int ticket_acq_rel(int* ticket) {
     return old;
 }
 
+// *p read with acquire semantics at GPU scope: what the writer released before the value it
+// stored is visible to this thread after the load (and to its block after a barrier).
+__device__ __forceinline__ int ld_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // ---- warp reductions (all 32 lanes must take part) ---------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -36,12 +36,6 @@ constexpr int SWZ = K4_X_SWIZZLE_Q4_K;  // the q8 x is made once per op, in Q4_K
 
 __device__ __forceinline__ float4 ldcg4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
 
-__device__ __forceinline__ int ld_acquire(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
 // Wait until *c reaches target (every block of the grid arrived), then the whole block goes on.
 __device__ __forceinline__ void wait_count(const int* c, int target) {
     if (threadIdx.x == 0)

@@ -13,6 +13,10 @@
 // Merged by a launch of its own spread over 64 multiprocessors instead, the step was slower: the
 // extra kernel boundary costs more (docs/PERF.md, session 18).
 //
+// merge_slice: the same merge for 32 outputs of a head, a lane each, so that several blocks can
+// share a group's merge (attn_gqa's helpers): each reads 1 / K of the partials, and no single
+// multiprocessor's L2 reads bound the merge. The same arithmetic, so the same bits.
+//
 // q8_head_store: with an output product to hand over to (K4_ATTN_Q8), the warp also writes its
 // head's outputs quantized to 8 bits, in the q8 x layout that product's blocks would otherwise
 // each make from the whole float output (gemv_common.cuh quantize_x), with its bits.
@@ -110,6 +114,59 @@ __device__ __forceinline__ void merge_row(const float* pr, int n_active, float* 
 #pragma unroll
     for (int p = 0; p < NP; ++p) reinterpret_cast<float2*>(out_row)[lane + 32 * p] = a[p];
     if (xq != nullptr) q8_head_store<D>(a, xq, swz, n_in, u0, lane);
+}
+
+// The merge of 32 outputs c0 .. c0 + 31 (c0 % 32 == 0) of one head, lane l taking output c0 + l:
+// pr, n_active, out_row, LOG2 and D as merge_row, with its arithmetic (the splits' weights from
+// the lanes' (m, l) pairs, the outputs summed over the splits in order), so with its bits. xq
+// non-null: the 32 outputs (one q8 group, two units sharing a scale) also into the q8 x of n_in
+// values at xq, swizzle swz, as value i0 + c0 + l of it (gemv_common.cuh q8_lane_store: the bits of
+// q8_head_store). All 32 lanes of the warp call it.
+template <bool LOG2, int D>
+__device__ __forceinline__ void merge_slice(const float* pr, int n_active, int c0, float* __restrict__ out_row, int lane,
+                                            u8* __restrict__ xq, int swz, int n_in, int i0) {
+    static_assert(D % 32 == 0, "a head's outputs in slices of 32");
+    float m[2], l[2], M = -k4ops::inf_f32();
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const int j = lane + 32 * u;
+        const bool ok = j < n_active;
+        m[u] = ok ? __ldcg(pr + (size_t)j * (D + 2)) : -k4ops::inf_f32();
+        l[u] = ok ? __ldcg(pr + (size_t)j * (D + 2) + 1) : 0.0f;
+    }
+    const float* po = pr + 2 + c0 + lane;  // the lane's output, split 0
+    float v[32];
+    auto load = [&](int j0) {
+#pragma unroll
+        for (int u = 0; u < 32; ++u) v[u] = j0 + u < n_active ? __ldcg(po + (size_t)(j0 + u) * (D + 2)) : 0.0f;
+    };
+    load(0);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) M = fmaxf(M, m[u]);
+    M = ::warp_max(M);
+    float L = 0.0f, w[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        w[u] = m[u] == -k4ops::inf_f32() ? 0.0f : LOG2 ? exp2f(m[u] - M) : __expf(m[u] - M);
+        L += l[u] * w[u];
+    }
+    L = ::warp_sum(L);
+    const float inv_L = 1.0f / L;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) w[u] *= inv_L;
+    float a = 0.0f;
+    for (int j0 = 0; j0 < n_active; j0 += 32) {
+        if (j0 > 0) load(j0);
+#pragma unroll
+        for (int u = 0; u < 32; ++u) {
+            const int j = j0 + u;  // the same for every lane
+            const float wj = __shfl_sync(k4ops::FULL_MASK, j < 32 ? w[0] : w[1], j & 31);
+            if (j >= n_active) break;
+            a += v[u] * wj;
+        }
+    }
+    out_row[c0 + lane] = a;
+    if (xq != nullptr) q8_lane_store(a, i0 + c0 + lane, n_in, swz, xq, lane);
 }
 
 // part: partials of n_split splits per head, (n_heads, n_split, D + 2) f32; heads h0 .. h0 + rows

@@ -100,11 +100,12 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
     through attn_mma, attn_tiled and the per-query kernel; one query (split if `split`, in
     SPLIT_KEYS multiples) through attn_gqa twice (so the split tickets must reset) where the
     shape has an instance (the column instance for groups of up to 8), its row instance, then
-    attn_kv (its deep instance, then the short ranges' one, which must give the same bits). Relative L2 limits: MMA_ATTN_REL_L2 for the tensor-core
+    attn_kv (its deep instance, then the short ranges' one, which must give the same bits); with
+    splits, attn_gqa's merge by its last block alone must give the shared merge's bits. Relative L2 limits: MMA_ATTN_REL_L2 for the tensor-core
     kernels, ATTN_REL_L2 otherwise; the instance that rounds the query to 8 bits (q8_0 keys by
     int8 mma) is compared with reference(gqa_int8_queries(q, scale)) instead of want (reference:
     want's function of the queries; required with a q8_0 key plane). options: ops.attention's keywords (scales, shape). Leaves ops
-    with the `ops` fixture's kernel choice (mma, tiled and gqa on), whatever failed. attn_gqa runs
+    with the `ops` fixture's kernel choice (mma, tiled, gqa and shared_merge on), whatever failed. attn_gqa runs
     for every group it takes (2 and up), below the selector's gqa_min_group too."""
     import cupy as cp
 
@@ -142,10 +143,19 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
                               limit=GQA_MIN_LIMIT, **options)
                 assert ops.attention_kernel(1, D, kv, group, GQA_MIN_LIMIT).endswith("false>")
                 assert cp.array_equal(short, out) and not ticket.any()
+            if n_tok == 1 and n_split > 1 and ops.attention_kernel(1, D, kv, group).startswith("attn_gqa"):
+                # the merge by the last block alone (K4_SHARED_MERGE=0) gives the shared merge's bits
+                ops.shared_merge = False
+                alone = cp.full_like(out, np.nan)
+                ops.attention(cp.asarray(q), kc, vc, alone, cp.asarray([pos0], dtype=cp.int32), n_split, split_len, part, ticket,
+                              **options)
+                ops.shared_merge = True
+                assert cp.array_equal(alone, out) and not ticket.any()
             if n_tok == 1 and n_split > 1:
                 check_dynamic_split(ops, q, kc, vc, expect, pos0, n_ctx, limit, options)
     finally:
         ops.mma, ops.tiled, ops.gqa, ops.gqa_cols, ops.gqa_int8, ops.gqa_min_group = True, True, True, True, True, min_group
+        ops.shared_merge = True
 
 
 def check_dynamic_split(ops, q, kc, vc, expect, pos0, n_ctx, limit, options) -> None:

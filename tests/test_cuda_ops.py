@@ -7,6 +7,7 @@ The numpy side is runtime/reference.py (the oracle) and runtime/sampling.py."""
 
 from __future__ import annotations
 
+import itertools
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from k4.runtime import reference
 from k4.runtime.rope import rope_table
 from k4.runtime.sampling import SamplingParams, apply_repeat_penalty, sample
 from tests.tiny import tiny_config
-from tests.attention_ref import SPLIT_KEYS, attention_inputs, attention_reference, check_attention_kernels, f16_plane, split_keys
+from tests.attention_ref import SPLIT_KEYS, attention_inputs, attention_reference, check_attention_kernels, f16_plane
 
 cp = cupy_or_skip()
 from k4.runtime.cuda.op_args import FreshKV, RopeArgs  # noqa: E402  (needs CuPy)
@@ -172,12 +173,17 @@ def test_decode_attention_hands_over_the_output_quantized(ops, rng, n_head, n_he
     assert ops.attention_kernel(1, D, group=group, limit=limit).startswith("attn_gqa" if gqa else "attn_kv")
     assert ops.uses_attn_q8(1, D, group, n_split, limit) and (n_split > 1) == split
     part, ticket = cp.empty((1, n_head, n_split, D + 2), cp.float32), cp.zeros(n_head, cp.int32)
-    for swz in sorted({k.x_swizzle for k in QUANT.values()}):
-        x_q8 = Q8Vector(cp.zeros(q8x_bytes(n_head * D), cp.uint8), n_head * D, swz)
-        out = cp.full((1, n_head, D), np.nan, cp.float32)
-        ops.attention(cp.asarray(q), kc, vc, out, cp.asarray([pos0], dtype=cp.int32), n_split, split_len, part, ticket,
-                      limit=limit, x_q8=x_q8)
-        assert np.array_equal(x_q8.data.get(), q8x_host(out.get().reshape(-1), swz)), swz
+    try:
+        for swz, shared in itertools.product(sorted({k.x_swizzle for k in QUANT.values()}), (True, False) if gqa else (True,)):
+            ops.shared_merge = shared  # attn_gqa: the merge shared by the last blocks (K4_SHARED_MERGE), or the last alone
+            x_q8 = Q8Vector(cp.zeros(q8x_bytes(n_head * D), cp.uint8), n_head * D, swz)
+            out = cp.full((1, n_head, D), np.nan, cp.float32)
+            ops.attention(cp.asarray(q), kc, vc, out, cp.asarray([pos0], dtype=cp.int32), n_split, split_len, part, ticket,
+                          limit=limit, x_q8=x_q8)
+            assert np.array_equal(x_q8.data.get(), q8x_host(out.get().reshape(-1), swz)), (swz, shared)
+            assert not ticket.any()
+    finally:
+        ops.shared_merge = True
 
 
 @pytest.mark.parametrize("arch,n_head,n_head_kv,D,pos0,n_ctx", [("llama", 8, 2, 64, 77, 256), ("qwen3", 4, 4, 128, 5, 4096),
@@ -213,60 +219,6 @@ def test_attention_with_fused_rope_equals_rope_then_attention(ops, rng, arch, n_
     assert rel_l2(got.get(), want.get()) < 1e-6
     assert cp.array_equal(kc2, kc1) and cp.array_equal(vc2, vc1)
     assert not ticket.any()
-
-
-def test_attention_split_covers_context():
-    from k4.runtime.cuda.attention_launch import ATT_SPLIT_KEYS, attention_split
-    from k4.runtime.cuda.kernel_names import GQA_TILE_KEYS
-
-    for max_split in (1, 28, 64, 500):
-        for n_ctx in (1, 255, 256, 257, 4096, 16385, 131072):
-            for keys in (ATT_SPLIT_KEYS, *GQA_TILE_KEYS.values()):  # attn_kv's granularity, attn_gqa's tiles
-                n_split, split_len = attention_split(n_ctx, True, max_split, keys)
-                assert split_len % keys == 0
-                assert n_split * split_len >= n_ctx > (n_split - 1) * split_len and n_split <= min(max_split, 64)
-    assert attention_split(4096, False) == (1, 4096)
-    assert attention_split(16448, True, 28) == (28, 608) and attention_split(1100, True, 28) == (18, 64)
-
-
-def test_split_buckets_grow_by_half_and_a_third_and_end_at_the_context():
-    from k4.runtime.cuda.attention_launch import attention_split, split_buckets
-
-    assert split_buckets(4096, True, 28) == [(512, 16, 32), (768, 24, 32), (1024, 16, 64), (1536, 24, 64), (2048, 22, 96),
-                                             (3072, 24, 128), (4096, 26, 160)]
-    assert split_buckets(640, True) == [(512, 16, 32), (640, 20, 32)]
-    assert split_buckets(512, True) == [(512, 16, 32)] and split_buckets(100, True) == [(100, 4, 32)]
-    assert split_buckets(4096, False) == [(4096, 1, 4096)]
-    for n_ctx in (1, 511, 513, 5000, 131072):
-        buckets = split_buckets(n_ctx, True, 30)
-        assert buckets[-1] == (n_ctx, *attention_split(n_ctx, True, 30))
-        assert all(n * length >= limit for limit, n, length in buckets)
-        assert [b[0] for b in buckets] == sorted({b[0] for b in buckets})
-    # a sliding layer's: the same ranges, each split over at most the window's keys
-    assert split_buckets(4096, True, 28, window=1000) == [(512, 16, 32), (768, 24, 32), (1024, 16, 64), (1536, 16, 64),
-                                                          (2048, 16, 64), (3072, 16, 64), (4096, 16, 64)]
-
-
-def test_dynamic_splits_are_the_shortest_that_cover_the_step():
-    """K4_DYN_SPLIT: a range keeps the most splits its keys allow (up to max_split) and the kernel
-    sizes them for each step's keys (kernels_cu/attention_sizes.cuh split_keys, restated in
-    attention_ref; its static_assert holds the same table): the shortest multiple of the tile
-    whose splits cover them."""
-    from k4.runtime.cuda.attention_launch import attention_split, split_buckets
-
-    assert [split_keys(64, 5, 3), split_keys(-64, 32769, 33), split_keys(-64, 1, 33), split_keys(-32, 2112, 33),
-            split_keys(-32, 2113, 33)] == [64, 1024, 64, 64, 96]
-    assert attention_split(43690, True, 33, 64, dynamic=True) == (33, -64)  # fixed: 33 x 1344 (25 hold keys at 32,769)
-    assert attention_split(100, True, 28, 32, dynamic=True) == (4, -32)
-    assert attention_split(20, True, 28, 32, dynamic=True) == attention_split(20, True, 28, 32) == (1, 32)
-    low = 0
-    for limit, n, length in split_buckets(131072, True, 33, 64, dynamic=True):
-        assert length < 0 and -length == 64
-        for n_seen in {low + 1, (low + limit) // 2, limit, *range(low + 1, limit + 1, 997)}:
-            keys = split_keys(length, n_seen, n)
-            assert keys % 64 == 0 and -(-n_seen // keys) <= n  # covered by the range's splits
-            assert keys == 64 or -(-n_seen // (keys - 64)) > n  # and none shorter would be
-        low = limit
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1000), (5, 11008), (2, 96)])

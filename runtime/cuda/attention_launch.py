@@ -104,6 +104,15 @@ def split_buckets(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, keys:
     return [(L, *attention_split(min(L, window) if window else L, split, max_split, keys, dynamic)) for L in (*limits, n_ctx)]
 
 
+def merge_helpers(D: int, n_head: int, n_head_kv: int, n_sm: int) -> int:
+    """How many of a KV head's last attn_gqa blocks to finish share the merge of its splits
+    (K4_SHARED_MERGE; kernels_cu/attention_gqa.cu): one per 32 of the group's outputs, at most,
+    and few enough that the blocks waiting for their group's last, (helpers - 1) per KV head,
+    leave a multiprocessor free for the blocks still to run: 1 (the last block alone) where that
+    leaves no room."""
+    return max(1, min(n_head // n_head_kv * D // 32, (n_sm - 1) // n_head_kv))
+
+
 def _gqa_smem(D: int, kv: KVTypes, int8_keys: bool) -> int:
     """Dynamic shared memory (bytes) of the attn_gqa instance for head_dim D over cache types kv
     (int8_keys: its I8K instance, gqa_int8_keys)."""
@@ -118,7 +127,9 @@ class AttentionLaunchers:
     else as its rows), `gqa_int8` (K4_GQA_INT8: then q8_0 keys by int8 mma, the query quantized),
     `kv` (the cache types the kernels are listed for), `attn_q8` (K4_ATTN_Q8: decode attention
     may also write its output quantized for the output product, uses_attn_q8), `dyn_split`
-    (K4_DYN_SPLIT: decode_splits' ranges size each step's splits on the device)."""
+    (K4_DYN_SPLIT: decode_splits' ranges size each step's splits on the device), `shared_merge`
+    (K4_SHARED_MERGE: attn_gqa's last blocks of a KV head share the merge of its splits,
+    merge_helpers)."""
 
     gqa_min_group = GQA_MIN_GROUP
 
@@ -167,6 +178,14 @@ class AttentionLaunchers:
         """The group attn_gqa's instance is chosen for: the model's, or (not gqa_cols) one past
         the column instances'."""
         return group if self.gqa_cols else MAX_GROUP
+
+    def _merge_helpers(self, D: int, n_head: int, n_head_kv: int) -> int:
+        """attn_gqa's helpers argument: merge_helpers on this device with `shared_merge`, else 1."""
+        if not self.shared_merge:
+            return 1
+        if not hasattr(self, "_n_sm"):
+            self._n_sm = device_limits()[0]
+        return merge_helpers(D, n_head, n_head_kv, self._n_sm)
 
     def _gqa_smem_of(self, D: int, kv: KVTypes, group: int) -> int:
         return _gqa_smem(D, kv, gqa_int8_keys(kv.k, self._gqa_group(group), self.gqa_int8))
@@ -295,7 +314,9 @@ class AttentionLaunchers:
             allow_shared(self.function(FILE_OF[name], name), smem)
             self._launch(FILE_OF[name], name, (n_head_kv, n_split), (GQA_THREADS,),
                          (*head, np.int32(n_head), np.int32(n_head_kv), np.int32(split_len), *shape.kernel_args(D), *rope,
-                          NULL if x_q8 is None else x_q8.data, np.int32(0 if x_q8 is None else x_q8.swizzle)), shared_mem=smem)
+                          NULL if x_q8 is None else x_q8.data, np.int32(0 if x_q8 is None else x_q8.swizzle),
+                          np.int32(self._merge_helpers(D, n_head, n_head_kv))),
+                         shared_mem=smem)
             return
         self._launch("attention.cu", name, (n_head, n_tok, n_split), (ATT_THREADS,),
                      (*head, np.int32(n_head), np.int32(n_head_kv), np.int32(D), np.int32(split_len),

@@ -286,7 +286,8 @@ def bench_attention(n_tok: int, n_ctx: int, n_head: int = 32, n_head_kv: int = 3
     out = cp.empty_like(q)
     pos = cp.asarray(np.array([n_ctx - n_tok], dtype=np.int32))
     ops = Ops(Trace(), pdl=False, tiled=tiled, mma=mma, evict_first=f.on("K4_EVICT_FIRST"), kv=kv, gqa=gqa,
-              gqa_cols=f.on("K4_GQA_COLS"), gqa_int8=f.on("K4_GQA_INT8"))
+              gqa_cols=f.on("K4_GQA_COLS"), gqa_int8=f.on("K4_GQA_INT8"),
+              shared_merge=f.on("K4_SHARED_MERGE"))
     n_split, split_len = attention_split(n_ctx, split, *ops.decode_plan(head_dim, n_head, n_head_kv)) if n_tok == 1 else (1, n_ctx)
     part = cp.empty((n_tok, n_head, n_split, head_dim + 2), cp.float32) if n_split > 1 else None
     ticket = cp.zeros(n_tok * n_head, cp.int32) if n_split > 1 else None

@@ -66,10 +66,11 @@ class Ops(AttentionLaunchers):
 
     def __init__(self, trace: Trace, pdl: bool = False, tiled: bool = True, mma: bool = True, evict_first: bool = True,
                  kv: KVTypes = F16, gqa: bool = True, gqa_cols: bool = True, gqa_int8: bool = True, attn_q8: bool = True,
-                 dyn_split: bool = True):
+                 dyn_split: bool = True, shared_merge: bool = True):
         self.trace = trace
         self.pdl, self.tiled, self.mma, self.evict_first, self.kv, self.gqa = pdl, tiled, mma, evict_first, kv, gqa
         self.gqa_cols, self.gqa_int8, self.attn_q8, self.dyn_split = gqa_cols, gqa_int8, attn_q8, dyn_split
+        self.shared_merge = shared_merge
         self._functions: dict[tuple[str, str], object] = {}
 
     def function(self, filename: str, name: str):
