@@ -43,14 +43,14 @@
 // q: (1, n_head, D) f32 (not read with fresh_q); k_cache, v_cache, k_d, v_d: as attn_kv (this
 // layer's planes, positions 0 .. n_ctx - 1); out: (1, n_head, D) f32. part: (1, n_head, n_split,
 // D + 2) f32 partials [m (log2 units), l, O[D]] of each (head, split) that holds keys, written
-// when n_split > 1; ticket: (n_head,) int32, zero on entry and left zero (entries hk * G and hk * G + 1
-// count the group's splits and its merge's helpers). pos: (1,) int32, the query's position. split_len: keys per split, a multiple
+// when n_split > 1; ticket: (n_head,) int32, zero on entry and left zero (entry hk * G counts the
+// group's splits and its merge's helpers, merge_join). pos: (1,) int32, the query's position. split_len: keys per split, a multiple
 // of BK, or -BK: sized per step (attention_sizes.cuh split_keys). scale, window, softcap, ring,
 // fresh_*, *_store, q_norm, k_norm, inv_freq, rope_dim, neox, eps, mscale: as attn_kv. x_q8:
 // null, or (n_split > 1) the q8 x of out (n_head * D values, swizzle x_swz; q8_handoff.Q8Vector)
 // that the merge also writes, for the output product (K4_ATTN_Q8). helpers: how many of the
 // group's last blocks to finish share its merge (K4_SHARED_MERGE; 0 or 1: the last alone); with
-// more than 1, (helpers - 1) * n_head_kv must be below the multiprocessors (see the merge).
+// more than 1, (helpers - 1) * n_head_kv must be below the multiprocessors (merge_join).
 template <int D, int BK, int S, class KT, class VT, bool COLS, bool I8K>
 __global__ void __launch_bounds__(GQA_THREADS, D > 128 ? 1 : S == 2 ? 3 : 2)  // S = 2: three blocks fit in shared memory
 attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
@@ -329,39 +329,23 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
         }
     }
     if (n_split == 1) return;
-    // The last K blocks of the group to finish merge the partials (split_merge.cuh), each a share
-    // of the 32-output slices; K = 1: the last alone. count[0] counts the arrivals (the last one
-    // acquires what the others released), count[1] the helpers' departures; the last to depart
-    // zeroes both. A helper that is not the last to arrive waits for the count: at most
-    // helpers - 1 blocks a group wait, fewer than the multiprocessors over all groups (the
-    // launcher's bound), so the blocks still to arrive always find a place to run.
-    __shared__ int arrival;
-    __syncthreads();
+    // The last K blocks of the group to finish merge the partials (split_merge.cuh merge_join),
+    // each a share of the 32-output slices; K = 1: the last alone, all of them.
     int* count = ticket + hk * G;
-    if (tid == 0) arrival = ticket_acq_rel(count);
-    __syncthreads();
-    const int K = min(max(helpers, 1), n_active), h = arrival - (n_active - K);  // h: place among the last K
+    const int K = min(max(helpers, 1), n_active), h = merge_join(count, n_active, K, tid);
     if (h < 0) return;
     if (K == 1) {
         merge_splits<true, D>(part, hk * G, G, n_split, n_active, out, tid, GQA_THREADS, x_q8, x_swz, n_head);
-        if (tid == 0) count[0] = 0;
+        if (tid == 0) *count = 0;
         return;
     }
-    if (h < K - 1) {
-        if (tid == 0)
-            while (ld_acquire(count) < n_active) __nanosleep(16);
-        __syncthreads();
-    }
     int gone = 0;
-    if (tid == 0) gone = atomicAdd(count + 1, 1);  // relaxed; its value is awaited after the merge
+    if (tid == 0) gone = merge_leave(count);
     for (int i = h + K * warp; i < G * D / 32; i += K * GQA_WARPS) {
         const int r = hk * G + i / (D / 32);
         merge_slice<true, D>(part + (size_t)r * n_split * (D + 2), n_active, 32 * (i % (D / 32)), out + (size_t)r * D, lane, x_q8,
                              x_swz, n_head * D, r * D);
     }
-    if (tid == 0 && gone == K - 1) {
-        count[0] = 0;
-        count[1] = 0;
-    }
+    if (tid == 0 && gone == K - 1) *count = 0;
 }
 

@@ -1,5 +1,6 @@
 // The merge of split decode attention's partials (flash-decoding, Dao et al. 2023), run by the
-// last block of a query group (attention_gqa.cu attn_gqa) to finish: out = sum_s w_s O_s / sum_s
+// last block of a query group (attention_gqa.cu attn_gqa) to finish, or shared by its last few
+// (merge_join, K4_SHARED_MERGE): out = sum_s w_s O_s / sum_s
 // w_s l_s with w_s = e^(m_s - M) (2^ in log2 units), M the largest m_s.
 //
 // merge_row: a warp merges one head. Each lane issues its loads of the splits' (m, l) (a lane per
@@ -14,7 +15,7 @@
 // extra kernel boundary costs more (docs/PERF.md, session 18).
 //
 // merge_slice: the same merge for 32 outputs of a head, a lane each, so that several blocks can
-// share a group's merge (attn_gqa's helpers): each reads 1 / K of the partials, and no single
+// share a group's merge (merge_join's helpers): each reads 1 / K of the partials, and no single
 // multiprocessor's L2 reads bound the merge. The same arithmetic, so the same bits.
 //
 // q8_head_store: with an output product to hand over to (K4_ATTN_Q8), the warp also writes its
@@ -25,7 +26,7 @@
 #include "constants.cuh"
 #include "gemv_common.cuh"
 
-static_assert(ATT_MAX_SPLIT <= 64, "merge_row reads the splits' (m, l) with two per lane");
+static_assert(ATT_MAX_SPLIT <= 64, "merge_row and merge_slice read the splits' (m, l) with two per lane");
 
 // A head's D outputs, lane holding the pairs lane + 32 p (p < D / 64) in a, quantized into the q8
 // x of the whole attention output (n_in = n_head * D values) at xq, swizzle swz; the head's units
@@ -168,6 +169,33 @@ __device__ __forceinline__ void merge_slice(const float* pr, int n_active, int c
     out_row[c0 + lane] = a;
     if (xq != nullptr) q8_lane_store(a, i0 + c0 + lane, n_in, swz, xq, lane);
 }
+
+// ---- the merge shared by the last blocks of a group to finish (K4_SHARED_MERGE) --------------
+// A group's blocks count themselves in at *count (one int32 per group, zero on entry and left
+// zero): arrivals in the low 16 bits, the helpers' departures in the high 16. merge_join is called
+// by every thread of a block once its partials are written; it returns the block's place h among
+// the last K blocks to arrive (0 .. K - 1; below 0: not one of them, nothing to merge). The last
+// (h = K - 1) acquired every other block's partials through its atomic (ticket_acq_rel); the others
+// wait for the count to reach n_active (an acquire load, then the block's barrier). At most K - 1
+// blocks of a group wait, so where (K - 1) x groups is below the multiprocessors
+// (attention_launch.merge_helpers), the blocks still to arrive always find a place to run. A
+// helper done with its share calls merge_leave (one thread); the last of the K to leave zeroes the
+// count. Its atomic is relaxed: its value is needed only at the end.
+__device__ __forceinline__ int merge_join(int* count, int n_active, int K, int tid) {
+    __shared__ int arrival;
+    __syncthreads();  // the block's partials are written
+    if (tid == 0) arrival = ticket_acq_rel(count) & 0xFFFF;
+    __syncthreads();
+    const int h = arrival - (n_active - K);
+    if (h >= 0 && h < K - 1) {
+        if (tid == 0)
+            while ((ld_acquire(count) & 0xFFFF) < n_active) __nanosleep(16);
+        __syncthreads();
+    }
+    return h;
+}
+
+__device__ __forceinline__ int merge_leave(int* count) { return atomicAdd(count, 1 << 16) >> 16; }
 
 // part: partials of n_split splits per head, (n_heads, n_split, D + 2) f32; heads h0 .. h0 + rows
 // - 1 merged, of splits 0 .. n_active - 1; out: (n_heads, D) f32; xq: null, or the q8 x of out

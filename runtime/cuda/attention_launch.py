@@ -104,13 +104,18 @@ def split_buckets(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, keys:
     return [(L, *attention_split(min(L, window) if window else L, split, max_split, keys, dynamic)) for L in (*limits, n_ctx)]
 
 
-def merge_helpers(D: int, n_head: int, n_head_kv: int, n_sm: int) -> int:
-    """How many of a KV head's last attn_gqa blocks to finish share the merge of its splits
-    (K4_SHARED_MERGE; kernels_cu/attention_gqa.cu): one per 32 of the group's outputs, at most,
-    and few enough that the blocks waiting for their group's last, (helpers - 1) per KV head,
-    leave a multiprocessor free for the blocks still to run: 1 (the last block alone) where that
-    leaves no room."""
-    return max(1, min(n_head // n_head_kv * D // 32, (n_sm - 1) // n_head_kv))
+def merge_helpers(row_outputs: int, rows: int, n_sm: int) -> int:
+    """How many of the last blocks to finish share the merge of a row's decode-attention splits
+    (K4_SHARED_MERGE; kernels_cu/split_merge.cuh merge_join): attn_gqa's rows are its KV heads,
+    row_outputs the outputs of a KV head's group of query heads. One helper per 32 outputs at
+    most, and few enough that the blocks waiting for their row's last, (helpers - 1) per row,
+    leave a multiprocessor free for the blocks still to run; 1 (the last block alone) where
+    row_outputs is not a multiple of 32 or that leaves no room. attn_kv keeps its merge by the
+    last block: its query heads' merges are small (14 KB at 28 splits of 128 outputs), and the
+    shared merge measured slower there (docs/PERF.md, session 21)."""
+    if row_outputs % 32:
+        return 1
+    return max(1, min(row_outputs // 32, (n_sm - 1) // rows))
 
 
 def _gqa_smem(D: int, kv: KVTypes, int8_keys: bool) -> int:
@@ -179,13 +184,13 @@ class AttentionLaunchers:
         the column instances'."""
         return group if self.gqa_cols else MAX_GROUP
 
-    def _merge_helpers(self, D: int, n_head: int, n_head_kv: int) -> int:
+    def _merge_helpers(self, row_outputs: int, rows: int) -> int:
         """attn_gqa's helpers argument: merge_helpers on this device with `shared_merge`, else 1."""
         if not self.shared_merge:
             return 1
         if not hasattr(self, "_n_sm"):
             self._n_sm = device_limits()[0]
-        return merge_helpers(D, n_head, n_head_kv, self._n_sm)
+        return merge_helpers(row_outputs, rows, self._n_sm)
 
     def _gqa_smem_of(self, D: int, kv: KVTypes, group: int) -> int:
         return _gqa_smem(D, kv, gqa_int8_keys(kv.k, self._gqa_group(group), self.gqa_int8))
@@ -315,7 +320,7 @@ class AttentionLaunchers:
             self._launch(FILE_OF[name], name, (n_head_kv, n_split), (GQA_THREADS,),
                          (*head, np.int32(n_head), np.int32(n_head_kv), np.int32(split_len), *shape.kernel_args(D), *rope,
                           NULL if x_q8 is None else x_q8.data, np.int32(0 if x_q8 is None else x_q8.swizzle),
-                          np.int32(self._merge_helpers(D, n_head, n_head_kv))),
+                          np.int32(self._merge_helpers(n_head // n_head_kv * D, n_head_kv))),
                          shared_mem=smem)
             return
         self._launch("attention.cu", name, (n_head, n_tok, n_split), (ATT_THREADS,),
