@@ -53,6 +53,40 @@ __device__ __forceinline__ void q8_head_store(const float2 (&a)[D / 64], u8* __r
     }
 }
 
+// The (m, l) of a head's splits (partials pr as merge_row's), lane j holding splits j and j + 32
+// (-inf and 0 past n_active).
+template <int D>
+__device__ __forceinline__ void load_ml(const float* pr, int n_active, int lane, float (&m)[2], float (&l)[2]) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const int j = lane + 32 * u;
+        const bool ok = j < n_active;
+        m[u] = ok ? __ldcg(pr + (size_t)j * (D + 2)) : -k4ops::inf_f32();
+        l[u] = ok ? __ldcg(pr + (size_t)j * (D + 2) + 1) : 0.0f;
+    }
+}
+
+// The weights w_s / L of the lane's splits from load_ml's (m, l): w_s = e^(m_s - M) (2^ with LOG2),
+// M the largest m_s, L = sum_s w_s l_s over the warp; 0 for splits past n_active. All 32 lanes
+// of the warp call it.
+template <bool LOG2>
+__device__ __forceinline__ void split_weights(const float (&m)[2], const float (&l)[2], float (&w)[2]) {
+    float M = -k4ops::inf_f32();
+#pragma unroll
+    for (int u = 0; u < 2; ++u) M = fmaxf(M, m[u]);
+    M = ::warp_max(M);
+    float L = 0.0f;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        w[u] = m[u] == -k4ops::inf_f32() ? 0.0f : LOG2 ? exp2f(m[u] - M) : __expf(m[u] - M);
+        L += l[u] * w[u];
+    }
+    L = ::warp_sum(L);
+    const float inv_L = 1.0f / L;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) w[u] *= inv_L;
+}
+
 // pr: one head's partials of its splits, (n_split, D + 2) f32 [m, l, O[D]], splits 0 ..
 // n_active - 1 merged (n_active <= ATT_MAX_SPLIT); out_row: the head's (D,) f32 output, of which
 // the lane writes pairs lane + 32 p, p < NP = D / 64. LOG2: m in log2 units. xq non-null: also
@@ -65,14 +99,8 @@ __device__ __forceinline__ void merge_row(const float* pr, int n_active, float* 
     constexpr int CH = 32 / NP;           // splits whose partials are in flight together
     constexpr int SPLIT2 = (D + 2) / 2;   // float2 from one split to the next
     const float2* po = reinterpret_cast<const float2*>(pr + 2) + lane;  // the lane's first pair, split 0
-    float m[2], l[2], M = -k4ops::inf_f32();
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-        const int j = lane + 32 * u;
-        const bool ok = j < n_active;
-        m[u] = ok ? __ldcg(pr + (size_t)j * (D + 2)) : -k4ops::inf_f32();
-        l[u] = ok ? __ldcg(pr + (size_t)j * (D + 2) + 1) : 0.0f;
-    }
+    float m[2], l[2], w[2];
+    load_ml<D>(pr, n_active, lane, m, l);
     float2 v[CH][NP];
     auto load = [&](int j0) {
 #pragma unroll
@@ -82,19 +110,7 @@ __device__ __forceinline__ void merge_row(const float* pr, int n_active, float* 
                 v[u][p] = j0 + u < n_active ? __ldcg(po + (size_t)(j0 + u) * SPLIT2 + 32 * p) : make_float2(0.0f, 0.0f);
     };
     load(0);
-#pragma unroll
-    for (int u = 0; u < 2; ++u) M = fmaxf(M, m[u]);
-    M = ::warp_max(M);
-    float L = 0.0f, w[2];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-        w[u] = m[u] == -k4ops::inf_f32() ? 0.0f : LOG2 ? exp2f(m[u] - M) : __expf(m[u] - M);
-        L += l[u] * w[u];
-    }
-    L = ::warp_sum(L);
-    const float inv_L = 1.0f / L;
-#pragma unroll
-    for (int u = 0; u < 2; ++u) w[u] *= inv_L;
+    split_weights<LOG2>(m, l, w);
     float2 a[NP];
 #pragma unroll
     for (int p = 0; p < NP; ++p) a[p] = make_float2(0.0f, 0.0f);
@@ -127,14 +143,8 @@ template <bool LOG2, int D>
 __device__ __forceinline__ void merge_slice(const float* pr, int n_active, int c0, float* __restrict__ out_row, int lane,
                                             u8* __restrict__ xq, int swz, int n_in, int i0) {
     static_assert(D % 32 == 0, "a head's outputs in slices of 32");
-    float m[2], l[2], M = -k4ops::inf_f32();
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-        const int j = lane + 32 * u;
-        const bool ok = j < n_active;
-        m[u] = ok ? __ldcg(pr + (size_t)j * (D + 2)) : -k4ops::inf_f32();
-        l[u] = ok ? __ldcg(pr + (size_t)j * (D + 2) + 1) : 0.0f;
-    }
+    float m[2], l[2], w[2];
+    load_ml<D>(pr, n_active, lane, m, l);
     const float* po = pr + 2 + c0 + lane;  // the lane's output, split 0
     float v[32];
     auto load = [&](int j0) {
@@ -142,19 +152,7 @@ __device__ __forceinline__ void merge_slice(const float* pr, int n_active, int c
         for (int u = 0; u < 32; ++u) v[u] = j0 + u < n_active ? __ldcg(po + (size_t)(j0 + u) * (D + 2)) : 0.0f;
     };
     load(0);
-#pragma unroll
-    for (int u = 0; u < 2; ++u) M = fmaxf(M, m[u]);
-    M = ::warp_max(M);
-    float L = 0.0f, w[2];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-        w[u] = m[u] == -k4ops::inf_f32() ? 0.0f : LOG2 ? exp2f(m[u] - M) : __expf(m[u] - M);
-        L += l[u] * w[u];
-    }
-    L = ::warp_sum(L);
-    const float inv_L = 1.0f / L;
-#pragma unroll
-    for (int u = 0; u < 2; ++u) w[u] *= inv_L;
+    split_weights<LOG2>(m, l, w);
     float a = 0.0f;
     for (int j0 = 0; j0 < n_active; j0 += 32) {
         if (j0 > 0) load(j0);
