@@ -55,6 +55,11 @@ def _copies(t: Tensor, repack: bool, f: Flags, factor: float, cap: int, glu: boo
     return [make_weight(t, cp.asarray(host), repack, glu, opts) for _ in range(_n_copies(host.nbytes, factor, cap))]
 
 
+# Buffers bench_read rotates at least: one more than the launches of read_stream (512 threads,
+# one block a multiprocessor each) that fit on a multiprocessor at once (2048 threads).
+READ_COPIES = 5
+
+
 def _n_copies(nbytes: int, factor: float, cap: int) -> int:
     """How many buffers of nbytes exceed `factor` times the L2 (at least 2, at most cap)."""
     return max(2, min(cap, math.ceil(factor * device_limits()[1] / nbytes)))
@@ -209,7 +214,7 @@ def bench_read(nbytes: int, iters: int = 200, dependent: bool = False) -> dict:
     """Time one streaming read of `nbytes` (rounded down to 16) of random bytes, as weights are:
     the ceiling a matrix-vector product of that many weight bytes is measured against, timed as
     bench_gemv times one (CUDA graph of PDL launches, one wave of 512-thread blocks, copies
-    rotated beyond 4x the L2, median). dependent: each launch waits for the previous one after
+    rotated beyond 4x the L2, and at least READ_COPIES of them, median). dependent: each launch waits for the previous one after
     its first batch of loads, as a product waits for its x (kernels_cu/gemv.cu
     read_stream_dependent), so the memory pipeline drains and refills at every launch; else
     launches overlap freely. Returns {"us": µs per read, "gb_s": GB/s}.
@@ -217,7 +222,9 @@ def bench_read(nbytes: int, iters: int = 200, dependent: bool = False) -> dict:
     import cupy as cp
 
     n16 = nbytes // 16
-    n = _n_copies(16 * n16, 4.0, 64)
+    # at least READ_COPIES: free launches overlap, and two running at once on one buffer would
+    # share its lines in L2 (134 MB in 2 copies read at 5.6 TB/s, past the memory's 4.8)
+    n = max(READ_COPIES, _n_copies(16 * n16, 4.0, 64))
     rng = cp.random.RandomState(0)
     bufs = [rng.randint(0, 2**31, 4 * n16, dtype=cp.uint32) for _ in range(n)]
     out = cp.zeros(1, cp.uint32)
