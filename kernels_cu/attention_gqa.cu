@@ -44,11 +44,12 @@
 // layer's planes, positions 0 .. n_ctx - 1); out: (1, n_head, D) f32. part: (1, n_head, n_split,
 // D + 2) f32 partials [m (log2 units), l, O[D]] of each (head, split) that holds keys, written
 // when n_split > 1; ticket: (n_head,) int32, zero on entry and left zero (entry hk * G counts the
-// group's splits and its merge's helpers, merge_join). pos: (1,) int32, the query's position. split_len: keys per split, a multiple
-// of BK, or -BK: sized per step (attention_sizes.cuh split_keys). scale, window, softcap, ring,
-// fresh_*, *_store, q_norm, k_norm, inv_freq, rope_dim, neox, eps, mscale: as attn_kv. x_q8:
-// null, or (n_split > 1) the q8 x of out (n_head * D values, swizzle x_swz; q8_handoff.Q8Vector)
-// that the merge also writes, for the output product (K4_ATTN_Q8). helpers: how many of the
+// group's splits and its merge's helpers, merge_join). pos: (1,) int32, the query's position.
+// split_len: keys per split, a multiple of BK, or -BK: sized per step (attention_sizes.cuh
+// split_keys). scale, window, softcap, ring, fresh_*, *_store, q_norm, k_norm, inv_freq,
+// rope_dim, neox, eps, mscale: as attn_kv. x_q8: null, or (n_split > 1) the q8 x of out (n_head
+// * D values, swizzle x_swz; q8_handoff.Q8Vector) that the merge also writes, for the output
+// product (K4_ATTN_Q8). helpers: how many of the
 // group's last blocks to finish share its merge (K4_SHARED_MERGE; 0 or 1: the last alone); with
 // more than 1, (helpers - 1) * n_head_kv must be below the multiprocessors (merge_join).
 template <int D, int BK, int S, class KT, class VT, bool COLS, bool I8K>

@@ -214,10 +214,10 @@ def bench_read(nbytes: int, iters: int = 200, dependent: bool = False) -> dict:
     """Time one streaming read of `nbytes` (rounded down to 16) of random bytes, as weights are:
     the ceiling a matrix-vector product of that many weight bytes is measured against, timed as
     bench_gemv times one (CUDA graph of PDL launches, one wave of 512-thread blocks, copies
-    rotated beyond 4x the L2, and at least READ_COPIES of them, median). dependent: each launch waits for the previous one after
-    its first batch of loads, as a product waits for its x (kernels_cu/gemv.cu
-    read_stream_dependent), so the memory pipeline drains and refills at every launch; else
-    launches overlap freely. Returns {"us": µs per read, "gb_s": GB/s}.
+    rotated beyond 4x the L2 and at least READ_COPIES of them, median). dependent: each launch
+    waits for the previous one after its first batch of loads, as a product waits for its x
+    (kernels_cu/gemv.cu read_stream_dependent), so the memory pipeline drains and refills at
+    every launch; else launches overlap freely. Returns {"us": µs per read, "gb_s": GB/s}.
     """
     import cupy as cp
 
