@@ -101,12 +101,14 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
     SPLIT_KEYS multiples) through attn_gqa twice (so the split tickets must reset) where the
     shape has an instance (the column instance for groups of up to 8), its row instance, then
     attn_kv (its deep instance, then the short ranges' one, which must give the same bits); with
-    splits, attn_gqa's merge by its last block alone must give the shared merge's bits. Relative L2 limits: MMA_ATTN_REL_L2 for the tensor-core
-    kernels, ATTN_REL_L2 otherwise; the instance that rounds the query to 8 bits (q8_0 keys by
-    int8 mma) is compared with reference(gqa_int8_queries(q, scale)) instead of want (reference:
-    want's function of the queries; required with a q8_0 key plane). options: ops.attention's keywords (scales, shape). Leaves ops
-    with the `ops` fixture's kernel choice (mma, tiled, gqa and shared_merge on), whatever failed. attn_gqa runs
-    for every group it takes (2 and up), below the selector's gqa_min_group too."""
+    splits, attn_gqa's merge by its last block alone must give the shared merge's bits.
+    Relative L2 limits: MMA_ATTN_REL_L2 for the tensor-core kernels, ATTN_REL_L2 otherwise; the
+    instance that rounds the query to 8 bits (q8_0 keys by int8 mma) is compared with
+    reference(gqa_int8_queries(q, scale)) instead of want (reference: want's function of the
+    queries; required with a q8_0 key plane). options: ops.attention's keywords (scales, shape).
+    Leaves ops with the `ops` fixture's kernel choice (mma, tiled, gqa and shared_merge on),
+    whatever failed. attn_gqa runs for every group it takes (2 and up), below the selector's
+    gqa_min_group too."""
     import cupy as cp
 
     from k4.runtime.cuda.attention_launch import ATT_SPLIT_KEYS, GQA_MIN_LIMIT, attention_split
