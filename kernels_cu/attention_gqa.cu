@@ -49,9 +49,9 @@
 // split_keys). scale, window, softcap, ring, fresh_*, *_store, q_norm, k_norm, inv_freq,
 // rope_dim, neox, eps, mscale: as attn_kv. x_q8: null, or (n_split > 1) the q8 x of out (n_head
 // * D values, swizzle x_swz; q8_handoff.Q8Vector) that the merge also writes, for the output
-// product (K4_ATTN_Q8). helpers: how many of the
-// group's last blocks to finish share its merge (K4_SHARED_MERGE; 0 or 1: the last alone); with
-// more than 1, (helpers - 1) * n_head_kv must be below the multiprocessors (merge_join).
+// product (K4_ATTN_Q8). helpers: how many of the group's last blocks to finish share its merge
+// (K4_SHARED_MERGE; 0 or 1: the last alone); with more than 1, (helpers - 1) * n_head_kv must be
+// below the multiprocessors (merge_join).
 template <int D, int BK, int S, class KT, class VT, bool COLS, bool I8K>
 __global__ void __launch_bounds__(GQA_THREADS, D > 128 ? 1 : S == 2 ? 3 : 2)  // S = 2: three blocks fit in shared memory
 attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_cache, const u16* __restrict__ k_d,
@@ -331,7 +331,7 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     }
     if (n_split == 1) return;
     // The last K blocks of the group to finish merge the partials (split_merge.cuh merge_join),
-    // each a share of the 32-output slices; K = 1: the last alone, all of them.
+    // each a share of the slices of MERGE_SLICE outputs; K = 1: the last alone, all of them.
     int* count = ticket + hk * G;
     const int K = min(max(helpers, 1), n_active), h = merge_join(count, n_active, K, tid);
     if (h < 0) return;
@@ -342,10 +342,11 @@ attn_gqa(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     }
     int gone = 0;
     if (tid == 0) gone = merge_leave(count);
-    for (int i = h + K * warp; i < G * D / 32; i += K * GQA_WARPS) {
-        const int r = hk * G + i / (D / 32);
-        merge_slice<true, D>(part + (size_t)r * n_split * (D + 2), n_active, 32 * (i % (D / 32)), out + (size_t)r * D, lane, x_q8,
-                             x_swz, n_head * D, r * D);
+    constexpr int SLICES = D / MERGE_SLICE;  // a head's
+    for (int i = h + K * warp; i < G * SLICES; i += K * GQA_WARPS) {
+        const int r = hk * G + i / SLICES;
+        merge_slice<true, D>(part + (size_t)r * n_split * (D + 2), n_active, MERGE_SLICE * (i % SLICES), out + (size_t)r * D, lane,
+                             x_q8, x_swz, n_head * D, r * D);
     }
     if (tid == 0 && gone == K - 1) *count = 0;
 }

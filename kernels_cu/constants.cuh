@@ -51,6 +51,9 @@
 #ifndef ATT_MAX_SPLIT
 #error "ATT_MAX_SPLIT comes from runtime/cuda/constants.py"
 #endif
+#ifndef MERGE_SLICE
+#error "MERGE_SLICE comes from runtime/cuda/constants.py"
+#endif
 #ifndef GQA_WARPS
 #error "GQA_WARPS comes from runtime/cuda/constants.py"
 #endif

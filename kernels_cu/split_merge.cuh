@@ -27,6 +27,7 @@
 #include "gemv_common.cuh"
 
 static_assert(ATT_MAX_SPLIT <= 64, "merge_row and merge_slice read the splits' (m, l) with two per lane");
+static_assert(MERGE_SLICE == 32, "merge_slice merges one output a lane");
 
 // A head's D outputs, lane holding the pairs lane + 32 p (p < D / 64) in a, quantized into the q8
 // x of the whole attention output (n_in = n_head * D values) at xq, swizzle swz; the head's units
@@ -133,7 +134,7 @@ __device__ __forceinline__ void merge_row(const float* pr, int n_active, float* 
     if (xq != nullptr) q8_head_store<D>(a, xq, swz, n_in, u0, lane);
 }
 
-// The merge of 32 outputs c0 .. c0 + 31 (c0 % 32 == 0) of one head, lane l taking output c0 + l:
+// The merge of MERGE_SLICE = 32 outputs c0 .. c0 + 31 (c0 % 32 == 0) of one head, lane l taking output c0 + l:
 // pr, n_active, out_row, LOG2 and D as merge_row, with its arithmetic (the splits' weights from
 // the lanes' (m, l) pairs, the outputs summed over the splits in order), so with its bits. xq
 // non-null: the 32 outputs (one q8 group, two units sharing a scale) also into the q8 x of n_in

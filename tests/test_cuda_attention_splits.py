@@ -73,14 +73,14 @@ def test_dynamic_splits_are_the_shortest_that_cover_the_step():
 @pytest.mark.parametrize("n_sm", [132, 78, 16, 8, 1])
 def test_merge_helpers_leave_a_multiprocessor_for_the_blocks_still_to_run(n_sm):
     """attn_gqa's shared merge of its splits (K4_SHARED_MERGE): one helper per 32 outputs
-    of a row at most, none for rows of other lengths, and the waiting helpers of all rows,
-    (helpers - 1) per row, fewer than the multiprocessors, so they cannot hold every place the
-    rows' last blocks need."""
+    of a KV head's group at most, none for groups of other lengths, and the waiting helpers of
+    all groups, (helpers - 1) per group, fewer than the multiprocessors, so they cannot hold
+    every place the groups' last blocks need."""
     from k4.runtime.cuda.attention_launch import merge_helpers
 
-    for row_outputs, rows in [(512, 8), (1024, 4), (512, 16), (128, 32), (256, 16), (96, 6), (128, 64), (80, 2), (128, 400)]:
-        k = merge_helpers(row_outputs, rows, n_sm)
-        assert 1 <= k <= max(1, row_outputs // 32)
-        assert k == 1 or (k - 1) * rows < n_sm and row_outputs % 32 == 0
+    for group_outputs, groups in [(512, 8), (1024, 4), (512, 16), (128, 32), (256, 16), (96, 6), (128, 64), (80, 2), (128, 400)]:
+        k = merge_helpers(group_outputs, groups, n_sm)
+        assert 1 <= k <= max(1, group_outputs // 32)
+        assert k == 1 or (k - 1) * groups < n_sm and group_outputs % 32 == 0
     assert merge_helpers(4 * 128, 8, 132) == 16  # Llama 3 8B on the H200 (attn_gqa): every slice its own block
     assert merge_helpers(96, 3, 132) == 3 and merge_helpers(80, 2, 132) == 1

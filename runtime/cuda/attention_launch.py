@@ -16,7 +16,8 @@ import cupy as cp
 import numpy as np
 
 from ..kv_types import KVTypes
-from .constants import ATT_MAX_SPLIT, ATT_THREADS, GQA_THREADS, MMA_BQ, MMA_THREADS, TILE_K, TILE_Q, TILE_THREADS, att_smem, gqa_smem, tiled_smem
+from .constants import ATT_MAX_SPLIT, ATT_THREADS, GQA_THREADS, MERGE_SLICE, MMA_BQ, MMA_THREADS, TILE_K, TILE_Q, TILE_THREADS
+from .constants import att_smem, gqa_smem, tiled_smem
 from .constants import mma_smem as _mma_smem
 from .kernel_names import FILE_OF, GQA_TILE_KEYS, MMA_TILE_KEYS, TILED_HEAD_DIMS, attn_kv_name, gqa_int8_keys, gqa_name, gqa_stages, kv_args
 from .kv_cache import NO_SCALES, cache_types, planes as _planes
@@ -104,18 +105,18 @@ def split_buckets(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, keys:
     return [(L, *attention_split(min(L, window) if window else L, split, max_split, keys, dynamic)) for L in (*limits, n_ctx)]
 
 
-def merge_helpers(row_outputs: int, rows: int, n_sm: int) -> int:
-    """How many of the last blocks to finish share the merge of a row's decode-attention splits
-    (K4_SHARED_MERGE; kernels_cu/split_merge.cuh merge_join): attn_gqa's rows are its KV heads,
-    row_outputs the outputs of a KV head's group of query heads. One helper per 32 outputs at
-    most, and few enough that the blocks waiting for their row's last, (helpers - 1) per row,
-    leave a multiprocessor free for the blocks still to run; 1 (the last block alone) where
-    row_outputs is not a multiple of 32 or that leaves no room. attn_kv keeps its merge by the
-    last block: its query heads' merges are small (14 KB at 28 splits of 128 outputs), and the
+def merge_helpers(group_outputs: int, groups: int, n_sm: int) -> int:
+    """How many of attn_gqa's last blocks of a KV head to finish share the merge of its splits
+    (K4_SHARED_MERGE; kernels_cu/split_merge.cuh merge_join): groups is n_head_kv, group_outputs
+    the outputs of a KV head's query heads. One helper per slice of MERGE_SLICE outputs at most,
+    and few enough that the blocks waiting for their group's last, (helpers - 1) per group, leave
+    a multiprocessor free for the blocks still to run; 1 (the last block alone) where
+    group_outputs is not a whole number of slices or that leaves no room. attn_kv keeps its merge
+    by the last block: a query head's merge is small (14 KB at 28 splits of 128 outputs), and the
     shared merge measured slower there (docs/PERF.md, session 21)."""
-    if row_outputs % 32:
+    if group_outputs % MERGE_SLICE:
         return 1
-    return max(1, min(row_outputs // 32, (n_sm - 1) // rows))
+    return max(1, min(group_outputs // MERGE_SLICE, (n_sm - 1) // groups))
 
 
 def _gqa_smem(D: int, kv: KVTypes, int8_keys: bool) -> int:
@@ -184,13 +185,13 @@ class AttentionLaunchers:
         the column instances'."""
         return group if self.gqa_cols else MAX_GROUP
 
-    def _merge_helpers(self, row_outputs: int, rows: int) -> int:
+    def _merge_helpers(self, group_outputs: int, groups: int) -> int:
         """attn_gqa's helpers argument: merge_helpers on this device with `shared_merge`, else 1."""
         if not self.shared_merge:
             return 1
-        if not hasattr(self, "_n_sm"):
+        if self._n_sm is None:
             self._n_sm = device_limits()[0]
-        return merge_helpers(row_outputs, rows, self._n_sm)
+        return merge_helpers(group_outputs, groups, self._n_sm)
 
     def _gqa_smem_of(self, D: int, kv: KVTypes, group: int) -> int:
         return _gqa_smem(D, kv, gqa_int8_keys(kv.k, self._gqa_group(group), self.gqa_int8))

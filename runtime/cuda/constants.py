@@ -23,6 +23,7 @@ ATT_THREADS = 128  # threads per block of attn_kv (decode and fallback prefill a
 ATT_BLOCKS, ATT_BLOCKS_DEEP = 7, 8  # attn_kv's launch bounds (blocks a multiprocessor): its short and deep instances
 ATT_CHUNK = 128  # keys per chunk of attn_kv's online softmax
 ATT_MAX_SPLIT = 64  # most splits of decode attention (split_merge.cuh merges them two per lane)
+MERGE_SLICE = 32  # outputs of a shared merge's slice (split_merge.cuh merge_slice: a lane each; attention_launch.merge_helpers)
 TILE_Q, TILE_K, TILE_THREADS = 32, 64, 128  # attn_tiled: queries and keys per tile, threads per block
 TILE_PS = TILE_K + 16  # attn_tiled's row stride of probabilities (floats): the two half-warps hit other banks
 MMA_WARPS = 4  # attn_mma: warps per block, 16 query rows each
@@ -218,7 +219,8 @@ def defines() -> tuple[str, ...]:
     followed by the result; lists as _list)."""
     out = [f"{name}={value}" for name, value in (
         ("ATT_THREADS", ATT_THREADS), ("ATT_BLOCKS", ATT_BLOCKS), ("ATT_BLOCKS_DEEP", ATT_BLOCKS_DEEP), ("PAIR_REGS", PAIR_REGS),
-        ("PAIR_THREADS", PAIR_THREADS), ("ATT_CHUNK", ATT_CHUNK), ("ATT_MAX_SPLIT", ATT_MAX_SPLIT), ("TILE_Q", TILE_Q), ("TILE_K", TILE_K),
+        ("PAIR_THREADS", PAIR_THREADS), ("ATT_CHUNK", ATT_CHUNK), ("ATT_MAX_SPLIT", ATT_MAX_SPLIT),
+        ("MERGE_SLICE", MERGE_SLICE), ("TILE_Q", TILE_Q), ("TILE_K", TILE_K),
         ("TILE_THREADS", TILE_THREADS), ("TILE_PS", TILE_PS), ("MMA_WARPS", MMA_WARPS), ("MMA_THREADS", MMA_THREADS),
         ("MMA_BQ", MMA_BQ), ("GQA_WARPS", GQA_WARPS), ("GQA_THREADS", GQA_THREADS), ("SAMPLE_THREADS", SAMPLE_THREADS), ("SAMPLE_CAP", SAMPLE_CAP),
         ("SAMPLER_PARAM_WORDS", SAMPLER_PARAM_WORDS), ("STATE_WORDS", STATE_WORDS), ("ST_TOK", ST_TOK),

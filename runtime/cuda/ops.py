@@ -71,6 +71,7 @@ class Ops(AttentionLaunchers):
         self.pdl, self.tiled, self.mma, self.evict_first, self.kv, self.gqa = pdl, tiled, mma, evict_first, kv, gqa
         self.gqa_cols, self.gqa_int8, self.attn_q8, self.dyn_split = gqa_cols, gqa_int8, attn_q8, dyn_split
         self.shared_merge = shared_merge
+        self._n_sm: int | None = None  # multiprocessors of the device, when a launcher first needs them
         self._functions: dict[tuple[str, str], object] = {}
 
     def function(self, filename: str, name: str):
