@@ -1,4 +1,4 @@
-// Shared-memory sizes of the attention kernels (attention.cu, attention_tiled.cu,
+// Shared-memory sizes of the attention kernels (attention.cu, attention_short.cu, attention_tiled.cu,
 // attention_mma.cu, attention_gqa.cu), checked at compile time against runtime/cuda/constants.py, which the
 // launchers in runtime/cuda/ops.py use.
 #pragma once
@@ -7,6 +7,14 @@
 // attn_kv<KT, VT>: qs, sc, red (floats), kcur and vcur (the fresh key and value: fp16, or q8_0
 // quants and scales, 2 D + D / 8 bytes, less).
 __host__ __device__ constexpr int att_smem(int D) { return 4 * (D + ATT_CHUNK + ATT_THREADS * 8) + 2 * 2 * D; }
+
+// attn_short<D>: the keys and values it holds (fp16, short_keys(D) rows each), the query and the
+// RoPE table (D floats each), the probabilities, a row of D floats per warp, the token's key and
+// value (fp16).
+__host__ __device__ constexpr int short_keys(int D) { return SHORT_DIMS / D; }
+__host__ __device__ constexpr int short_smem(int D) {
+    return 2 * 2 * SHORT_DIMS + 4 * 2 * D + 4 * short_keys(D) + 4 * (SHORT_THREADS / 32) * D + 2 * 2 * D;
+}
 
 // attn_tiled<D>: the Q, K and V tiles (rows padded by 4 floats) and the probabilities (TILE_PS
 // floats a row, TILE_K + 16 so the two half-warps hit other banks).
@@ -45,12 +53,15 @@ static_assert(split_keys(64, 5, 3) == 64 && split_keys(-64, 32769, 33) == 1024 &
 __host__ __device__ constexpr bool smem_sizes_agree() {
     constexpr int att[] = {K4_CHECK_ATT_SMEM};      // D, bytes
     constexpr int tiled[] = {K4_CHECK_TILED_SMEM};  // D, bytes
+    constexpr int short_[] = {K4_CHECK_SHORT_SMEM};  // D, bytes
     constexpr int mma[] = {K4_CHECK_MMA_SMEM};      // D, BK, bytes
     constexpr int gqa[] = {K4_CHECK_GQA_SMEM};      // D, BK, S, keys scaled, values scaled, keys int8, bytes
     for (int i = 0; i < (int)(sizeof(att) / sizeof(int)); i += 2)
         if (att_smem(att[i]) != att[i + 1]) return false;
     for (int i = 0; i < (int)(sizeof(tiled) / sizeof(int)); i += 2)
         if (tiled_smem(tiled[i]) != tiled[i + 1]) return false;
+    for (int i = 0; i < (int)(sizeof(short_) / sizeof(int)); i += 2)
+        if (short_smem(short_[i]) != short_[i + 1]) return false;
     for (int i = 0; i < (int)(sizeof(mma) / sizeof(int)); i += 3)
         if (mma_smem(mma[i], mma[i + 1]) != mma[i + 2]) return false;
     for (int i = 0; i < (int)(sizeof(gqa) / sizeof(int)); i += 7)

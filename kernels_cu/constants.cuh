@@ -60,6 +60,15 @@
 #ifndef GQA_THREADS
 #error "GQA_THREADS comes from runtime/cuda/constants.py"
 #endif
+#ifndef SHORT_THREADS
+#error "SHORT_THREADS comes from runtime/cuda/constants.py"
+#endif
+#ifndef SHORT_DIMS
+#error "SHORT_DIMS comes from runtime/cuda/constants.py"
+#endif
+#ifndef SHORT_REGS
+#error "SHORT_REGS comes from runtime/cuda/constants.py"
+#endif
 #ifndef SAMPLE_THREADS
 #error "SAMPLE_THREADS comes from runtime/cuda/constants.py"
 #endif
@@ -149,6 +158,9 @@
 #endif
 #ifndef K4_CHECK_TILED_SMEM
 #error "K4_CHECK_TILED_SMEM comes from runtime/cuda/constants.py"
+#endif
+#ifndef K4_CHECK_SHORT_SMEM
+#error "K4_CHECK_SHORT_SMEM comes from runtime/cuda/constants.py"
 #endif
 #ifndef K4_CHECK_MMA_SMEM
 #error "K4_CHECK_MMA_SMEM comes from runtime/cuda/constants.py"

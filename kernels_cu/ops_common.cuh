@@ -94,14 +94,36 @@ __device__ __forceinline__ void unpack_half8(const uint4 raw, float* out) {
     }
 }
 
+// The rotation of RoPE's pair i at position p: (cos, sin) of p * inv_freq[i] in double, each
+// rounded to float and times mscale (YaRN / LongRoPE magnitude, 1.0 otherwise: then bit-identical
+// to no factor). rope_row computes it per pair; attention_short.cu tabulates it (rope_table).
+__device__ __forceinline__ float2 rope_cos_sin(const double* __restrict__ inv_freq, double p, int i, float mscale) {
+    double s, c;
+    sincos(p * inv_freq[i], &s, &c);
+    return make_float2((float)c * mscale, (float)s * mscale);
+}
+
+// rope_cos_sin of pairs 0 .. rope_dim / 2 - 1 at position p into tab (cos, then sin: rope_dim
+// floats), threads tid, tid + n_threads, ... of the caller each taking pairs.
+__device__ __forceinline__ void rope_table(const double* __restrict__ inv_freq, double p, int rope_dim, float mscale, float* tab,
+                                          int tid, int n_threads) {
+    const int half_dim = rope_dim / 2;
+    for (int i = tid; i < half_dim; i += n_threads) {
+        const float2 cs = rope_cos_sin(inv_freq, p, i, mscale);
+        tab[i] = cs.x;
+        tab[half_dim + i] = cs.y;
+    }
+}
+
 // RoPE of one head row (D values) by one warp, as rope.cu describes (optional per-head RMSNorm
-// first, pairs (2i, 2i+1) or NeoX (i, i + rope_dim/2), angles in double, cos and sin times
-// mscale (YaRN / LongRoPE magnitude, 1.0 otherwise: then bit-identical to no factor)): src may
-// alias dst_f32 (q is rotated in place); exactly one of dst_f32 / dst_f16 is non-null.
-__device__ __forceinline__ void rope_row(const float* src, float* dst_f32, u16* dst_f16,
-                                         const float* __restrict__ norm_w, float eps,
-                                         const double* __restrict__ inv_freq, double p, int D, int rope_dim,
-                                         int neox, int lane, float mscale) {
+// first, pairs (2i, 2i+1) or NeoX (i, i + rope_dim/2), pair i turned by cs(i), its (cos, sin) as
+// rope_cos_sin gives them): src may alias dst_f32 (q is rotated in place); exactly one of dst_f32 /
+// dst_f16 is non-null. The rotation's roundings are written out (what nvcc made of x_a c - x_b s
+// and x_a s + x_b c until session 22), so every kernel that rotates gives the same bits whatever
+// the compiler would contract where cs(i) comes from (attention_short.cu's table, rope_row's sincos).
+template <class CosSin>
+__device__ __forceinline__ void rope_apply(const float* src, float* dst_f32, u16* dst_f16, const float* __restrict__ norm_w, float eps,
+                                           int D, int rope_dim, int neox, int lane, CosSin cs) {
     float scale = 1.0f;
     if (norm_w != nullptr) {
         float ss = 0.0f;
@@ -118,11 +140,9 @@ __device__ __forceinline__ void rope_row(const float* src, float* dst_f32, u16* 
             xa *= norm_w[a];
             xb *= norm_w[b];
         }
-        double s, c;
-        sincos(p * inv_freq[i], &s, &c);
-        const float cf = (float)c * mscale, sf = (float)s * mscale;
-        const float ya = xa * cf - xb * sf;
-        const float yb = xa * sf + xb * cf;
+        const float2 r = cs(i);
+        const float ya = __fsub_rn(__fmul_rn(xa, r.x), __fmul_rn(xb, r.y));
+        const float yb = __fmaf_rn(xa, r.y, __fmul_rn(xb, r.x));
         if (dst_f32 != nullptr) {
             dst_f32[a] = ya;
             dst_f32[b] = yb;
@@ -136,6 +156,15 @@ __device__ __forceinline__ void rope_row(const float* src, float* dst_f32, u16* 
         if (dst_f32 != nullptr) dst_f32[i] = x;
         else dst_f16[i] = f32_to_f16(x);
     }
+}
+
+// rope_apply at position p, each pair's rotation computed as it is used.
+__device__ __forceinline__ void rope_row(const float* src, float* dst_f32, u16* dst_f16,
+                                         const float* __restrict__ norm_w, float eps,
+                                         const double* __restrict__ inv_freq, double p, int D, int rope_dim,
+                                         int neox, int lane, float mscale) {
+    rope_apply(src, dst_f32, dst_f16, norm_w, eps, D, rope_dim, neox, lane,
+               [&](int i) { return rope_cos_sin(inv_freq, p, i, mscale); });
 }
 
 }  // namespace k4ops

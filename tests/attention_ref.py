@@ -101,7 +101,8 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
     SPLIT_KEYS multiples) through attn_gqa twice (so the split tickets must reset) where the
     shape has an instance (the column instance for groups of up to 8), its row instance, then
     attn_kv (its deep instance, then the short ranges' one, which must give the same bits); with
-    splits, attn_gqa's merge by its last block alone must give the shared merge's bits.
+    splits, attn_gqa's merge by its last block alone must give the shared merge's bits; and
+    attn_short where the keys seen are few enough (check_short).
     Relative L2 limits: MMA_ATTN_REL_L2 for the tensor-core kernels, ATTN_REL_L2 otherwise; the
     instance that rounds the query to 8 bits (q8_0 keys by int8 mma) is compared with
     reference(gqa_int8_queries(q, scale)) instead of want (reference: want's function of the
@@ -155,9 +156,39 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
                 assert cp.array_equal(alone, out) and not ticket.any()
             if n_tok == 1 and n_split > 1:
                 check_dynamic_split(ops, q, kc, vc, expect, pos0, n_ctx, limit, options)
+        check_short(ops, q, kc, vc, pos0, want, options)
     finally:
         ops.mma, ops.tiled, ops.gqa, ops.gqa_cols, ops.gqa_int8, ops.gqa_min_group = True, True, True, True, True, min_group
         ops.shared_merge = True
+
+
+def check_short(ops, q: np.ndarray, kc, vc, pos0: int, want: np.ndarray, options: dict) -> None:
+    """One decode query on attn_short (a decode range within Ops.short_limit) where it serves the
+    shape (an fp16 cache, a head_dim of its instances, the keys the query sees within the limit):
+    within ATTN_REL_L2 of want, its output handed over quantized (x_q8) with the bytes
+    q8x_host makes of it in every products' swizzle. options: ops.attention's keywords."""
+    import cupy as cp
+
+    from k4.runtime.cuda.matmul import q8x_bytes
+    from k4.runtime.cuda.q8_handoff import Q8Vector, q8x_host
+    from k4.runtime.cuda.quant_kernels import QUANT
+    from k4.runtime.kv_types import KVTypes
+
+    n_tok, n_head, D = q.shape
+    kv = KVTypes(*("q8_0" if p.dtype == cp.int8 else "f16" for p in (kc, vc)))
+    shape = options.get("shape")
+    window = shape.window if shape is not None else 0
+    seen = min(pos0 + 1, window) if window else pos0 + 1
+    limit = ops.short_limit(D, kv)
+    if n_tok != 1 or seen > limit:
+        return
+    assert ops.attention_kernel(1, D, kv, n_head // kc.shape[1], limit) == f"attn_short<{D}>"
+    for swz in sorted({k.x_swizzle for k in QUANT.values()}):
+        out = cp.full((1, n_head, D), np.nan, cp.float32)
+        x_q8 = Q8Vector(cp.zeros(q8x_bytes(n_head * D), cp.uint8), n_head * D, swz)
+        ops.attention(cp.asarray(q), kc, vc, out, cp.asarray([pos0], dtype=cp.int32), limit=limit, x_q8=x_q8, **options)
+        assert rel_l2(out.get(), want) < ATTN_REL_L2, f"attn_short<{D}>"
+        assert np.array_equal(x_q8.data.get(), q8x_host(out.get().reshape(-1), swz)), swz
 
 
 def check_dynamic_split(ops, q, kc, vc, expect, pos0, n_ctx, limit, options) -> None:

@@ -1,7 +1,7 @@
-"""Launchers of k4's attention kernels (kernels_cu/attention.cu attn_kv, attention_tiled.cu,
-attention_mma.cu, attention_gqa.cu), the one selector among them (attention_kernel), and the
-sizing of decode attention's split over the sequence (flash-decoding): how many splits of how
-many keys, per range of context lengths.
+"""Launchers of k4's attention kernels (kernels_cu/attention.cu attn_kv, attention_short.cu,
+attention_tiled.cu, attention_mma.cu, attention_gqa.cu), the one selector among them
+(attention_kernel), and the sizing of decode attention's split over the sequence
+(flash-decoding): how many splits of how many keys, per range of context lengths.
 
 AttentionLaunchers is a part of ops.Ops (it uses its function(), _launch() and switches): the
 attention family's launchers live here, the other kernels' in ops.py. Shapes and dtypes are
@@ -16,10 +16,11 @@ import cupy as cp
 import numpy as np
 
 from ..kv_types import KVTypes
-from .constants import ATT_MAX_SPLIT, ATT_THREADS, GQA_THREADS, MERGE_SLICE, MMA_BQ, MMA_THREADS, TILE_K, TILE_Q, TILE_THREADS
-from .constants import att_smem, gqa_smem, tiled_smem
+from .constants import ATT_MAX_SPLIT, ATT_THREADS, GQA_THREADS, MERGE_SLICE, MMA_BQ, MMA_THREADS, SHORT_THREADS, TILE_K, TILE_Q
+from .constants import TILE_THREADS, att_smem, gqa_smem, short_keys, short_smem, tiled_smem
 from .constants import mma_smem as _mma_smem
-from .kernel_names import FILE_OF, GQA_TILE_KEYS, MMA_TILE_KEYS, TILED_HEAD_DIMS, attn_kv_name, gqa_int8_keys, gqa_name, gqa_stages, kv_args
+from .kernel_names import FILE_OF, GQA_TILE_KEYS, MMA_TILE_KEYS, SHORT_HEAD_DIMS, TILED_HEAD_DIMS, attn_kv_name, gqa_int8_keys, gqa_name
+from .kernel_names import gqa_stages, kv_args
 from .kv_cache import NO_SCALES, cache_types, planes as _planes
 from .launch import allow_shared, blocks_per_sm, device_limits
 from .op_args import NULL, PLAIN, AttnShape, FreshKV, check_f32, row_stride
@@ -119,6 +120,17 @@ def merge_helpers(group_outputs: int, groups: int, n_sm: int) -> int:
     return max(1, min(group_outputs // MERGE_SLICE, (n_sm - 1) // groups))
 
 
+def _fresh_args(fresh: FreshKV, n_head: int, n_head_kv: int, D: int) -> tuple[tuple, tuple]:
+    """The decode kernels' arguments of the fused RoPE and cache store (FreshKV), checked: (the
+    token's q, k and v), (q_norm, k_norm, inv_freq, rope_dim, neox, eps, mscale)."""
+    row_stride(fresh.q, 1, n_head * D)
+    row_stride(fresh.k, 1, n_head_kv * D)
+    row_stride(fresh.v, 1, n_head_kv * D)
+    r = fresh.rope
+    r.check(D)
+    return (fresh.q, fresh.k, fresh.v), (*r.kernel_args(), np.int32(r.rope_dim), np.int32(r.neox), np.float32(r.eps), np.float32(r.mscale))
+
+
 def _gqa_smem(D: int, kv: KVTypes, int8_keys: bool) -> int:
     """Dynamic shared memory (bytes) of the attn_gqa instance for head_dim D over cache types kv
     (int8_keys: its I8K instance, gqa_int8_keys)."""
@@ -135,7 +147,8 @@ class AttentionLaunchers:
     may also write its output quantized for the output product, uses_attn_q8), `dyn_split`
     (K4_DYN_SPLIT: decode_splits' ranges size each step's splits on the device), `shared_merge`
     (K4_SHARED_MERGE: attn_gqa's last blocks of a KV head share the merge of its splits,
-    merge_helpers)."""
+    merge_helpers), `short_attn` (K4_SHORT_ATTN: decode ranges of at most short_keys(head_dim)
+    keys over an fp16 cache on attn_short, short_limit)."""
 
     gqa_min_group = GQA_MIN_GROUP
 
@@ -147,8 +160,11 @@ class AttentionLaunchers:
         `gqa` where D has an instance (its column instance for groups of up to GQA_COLS_GROUP
         with `gqa_cols`), unless `limit`, the decode range's most keys (split_buckets), is at most
         GQA_MIN_LIMIT (None: any depth); the rest runs attn_kv (one query past GQA_MIN_LIMIT keys:
-        its deep instance, attn_kv_name)."""
+        its deep instance, attn_kv_name), except that one query over a range of at most
+        short_limit(D, kv) keys runs attn_short."""
         kv = kv or self.kv
+        if n_tok == 1 and limit is not None and limit <= self.short_limit(D, kv):
+            return f"attn_short<{D}>"
         types = kv_args(kv.k, kv.v)
         if n_tok > 1 and self.mma and D in MMA_TILE_KEYS:
             return f"attn_mma<{D}, {MMA_TILE_KEYS[D]}, {types}>"
@@ -171,6 +187,8 @@ class AttentionLaunchers:
         name = self.attention_kernel(1, D, kv, group=group, limit=limit)
         if name.startswith("attn_gqa"):
             return n_split > 1
+        if name.startswith("attn_short"):
+            return True
         return name.startswith("attn_kv") and name.endswith("false>") and D % 32 == 0 and D <= 2 * ATT_THREADS
 
     def quantizes_query(self, D: int, kv: KVTypes, group: int, limit: int | None = None) -> bool:
@@ -179,6 +197,13 @@ class AttentionLaunchers:
         cols_quantize_query)."""
         return (self.attention_kernel(1, D, kv, group, limit).startswith("attn_gqa")
                 and gqa_int8_keys(kv.k, self._gqa_group(group), self.gqa_int8))
+
+    def short_limit(self, D: int, kv: KVTypes | None = None) -> int:
+        """The most keys a decode range may hold to run on attn_short (short_keys(D)): with
+        `short_attn`, head_dim D of an instance (SHORT_HEAD_DIMS) and an fp16 cache of types kv
+        (default self.kv); else 0."""
+        kv = kv or self.kv
+        return short_keys(D) if self.short_attn and D in SHORT_HEAD_DIMS and kv.k == kv.v == "f16" else 0
 
     def _gqa_group(self, group: int) -> int:
         """The group attn_gqa's instance is chosen for: the model's, or (not gqa_cols) one past
@@ -215,13 +240,17 @@ class AttentionLaunchers:
                       window: int = 0) -> list[tuple[int, int, int]]:
         """split_buckets of a cache of n_ctx positions for a model of this shape, each range planned
         for the kernel it runs (decode_plan of its limit: attn_kv up to GQA_MIN_LIMIT keys, where
-        attention_kernel says so); window > 0: those of its sliding layers (split_buckets window)."""
+        attention_kernel says so); window > 0: those of its sliding layers (split_buckets window).
+        Split or not, a first range of short_limit(head_dim) keys, unsplit, where n_ctx is longer
+        (attn_short serves it; window or not, so the limits of both lists agree)."""
+        keys = self.short_limit(head_dim)
+        first = [(keys, 1, keys)] if 0 < keys < n_ctx else []
         if not split:
-            return split_buckets(n_ctx, False, 1, ATT_SPLIT_KEYS, window)
+            return first + split_buckets(n_ctx, False, 1, ATT_SPLIT_KEYS, window)
         dyn = self.dyn_split
         short = split_buckets(n_ctx, True, *self.decode_plan(head_dim, n_head, n_head_kv, GQA_MIN_LIMIT), window, dyn)
         long = split_buckets(n_ctx, True, *self.decode_plan(head_dim, n_head, n_head_kv), window, dyn)
-        return [s if s[0] <= GQA_MIN_LIMIT else g for s, g in zip(short, long)]  # the same limits
+        return first + [s if s[0] <= GQA_MIN_LIMIT else g for s, g in zip(short, long)]  # the same limits
 
     def attention(self, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, out: cp.ndarray, pos: cp.ndarray,
                   n_split: int = 1, split_len: int = 0, part: cp.ndarray | None = None,
@@ -263,8 +292,26 @@ class AttentionLaunchers:
         if name.startswith(("attn_mma", "attn_tiled")):
             assert n_split == 1 and fresh is None
             self._attention_tiles(name, q, planes, out, pos, shape)
+        elif name.startswith("attn_short"):
+            self._attention_short(name, q, planes, out, pos, fresh, shape, x_q8)
         else:
             self._attention_rows(name, q, planes, types, out, pos, n_split, split_len, part, ticket, fresh, shape, x_q8)
+
+    def _attention_short(self, name: str, q, planes: tuple, out, pos, fresh: FreshKV | None, shape: AttnShape, x_q8) -> None:
+        """Launch attn_short (one query; planes: k, k_d, v, v_d of an fp16 cache, whose scale planes
+        are null): a block per query head, its shared memory asked for as one block a
+        multiprocessor (the carveout of the products it launches beside, K4_CARVEOUT)."""
+        n_tok, n_head, D = q.shape
+        n_head_kv = planes[0].shape[1]
+        assert n_tok == 1
+        head, tail = (NULL,) * 3, (NULL,) * 3 + (np.int32(0), np.int32(0), np.float32(0), np.float32(1))
+        if fresh is not None:
+            head, tail = _fresh_args(fresh, n_head, n_head_kv, D)
+        smem = short_smem(D)
+        allow_shared(self.function(FILE_OF[name], name), smem)
+        self._launch(FILE_OF[name], name, (n_head,), (SHORT_THREADS,),
+                     (q, planes[0], planes[2], out, pos, np.int32(n_head), np.int32(n_head_kv), *shape.kernel_args(D), *head, *tail,
+                      NULL if x_q8 is None else x_q8.data, np.int32(0 if x_q8 is None else x_q8.swizzle)), shared_mem=smem, per_sm=1)
 
     def _attention_tiles(self, name: str, q, planes: tuple, out, pos, shape: AttnShape) -> None:
         """Launch attn_mma or attn_tiled (planes: k, k_d, v, v_d): several queries per block,
@@ -306,13 +353,8 @@ class AttentionLaunchers:
         rope = (NULL,) * 10 + (np.int32(0), np.int32(0), np.float32(0), np.float32(1))
         if fresh is not None:
             assert n_tok == 1
-            row_stride(fresh.q, 1, n_head * D)
-            row_stride(fresh.k, 1, n_head_kv * D)
-            row_stride(fresh.v, 1, n_head_kv * D)
-            r = fresh.rope
-            r.check(D)
-            rope = (fresh.q, fresh.k, fresh.v, *planes, *r.kernel_args(), np.int32(r.rope_dim), np.int32(r.neox),
-                    np.float32(r.eps), np.float32(r.mscale))
+            head, tail = _fresh_args(fresh, n_head, n_head_kv, D)
+            rope = (*head, *planes, *tail)
         head = (q, *planes, out, NULL if n_split == 1 else part, NULL if n_split == 1 else ticket, pos)
         if gqa:
             assert n_tok == 1

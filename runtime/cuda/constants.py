@@ -16,7 +16,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import IQ4_NL
 
-from .kernel_names import GQA_TILE_KEYS, KV_PAIRS, MMA_TILE_KEYS, gqa_stages
+from .kernel_names import GQA_TILE_KEYS, KV_PAIRS, MMA_TILE_KEYS, SHORT_HEAD_DIMS, gqa_stages
 
 # ---- attention.cu ------------------------------------------------------------------------------
 ATT_THREADS = 128  # threads per block of attn_kv (decode and fallback prefill attention)
@@ -31,6 +31,8 @@ MMA_THREADS = 32 * MMA_WARPS
 MMA_BQ = 16 * MMA_WARPS  # attn_mma: queries per block
 GQA_WARPS = 4  # attn_gqa: warps per block, 16 keys of each tile each (GQA_TILE_KEYS = 16 * GQA_WARPS)
 GQA_THREADS = 32 * GQA_WARPS
+SHORT_THREADS = 128  # attn_short (attention_short.cu): threads per block, one block per query head
+SHORT_DIMS = 16384  # attn_short: keys x head_dim one block holds in shared memory (128 keys of 128)
 
 # ---- sampling.cu -------------------------------------------------------------------------------
 SAMPLE_THREADS = 1024  # threads of sample_penalty and sample_finish (one block)
@@ -51,6 +53,9 @@ ST_TOK, ST_POS, ST_RING, ST_DRAW = range(STATE_WORDS)  # token, its position, ri
 # every kernel asks for one shared-memory split, and that costs more than it gains (session 20).
 PAIR_THREADS = 512
 PAIR_REGS = (65536 - ATT_THREADS * (65536 // (ATT_BLOCKS * ATT_THREADS) // 8 * 8)) // PAIR_THREADS // 8 * 8
+# attn_short's register cap (attention_short.cu): its block fits beside the pair's, in the registers
+# PAIR_REGS leaves (96).
+SHORT_REGS = (65536 - PAIR_THREADS * PAIR_REGS) // SHORT_THREADS // 8 * 8
 
 
 # ---- gemv_mma.cu -------------------------------------------------------------------------------
@@ -134,6 +139,19 @@ def att_smem(D: int) -> int:
     chunk, ATT_THREADS * 8 accumulators (floats), the fresh key and value in the cache's form
     (fp16: 4 D bytes; q8_0 quants and scales take less)."""
     return 4 * (D + ATT_CHUNK + ATT_THREADS * 8) + 2 * 2 * D
+
+
+def short_keys(D: int) -> int:
+    """The most keys attn_short<D> attends (its block holds them all in shared memory)."""
+    return SHORT_DIMS // D
+
+
+def short_smem(D: int) -> int:
+    """Dynamic shared memory (bytes) of attn_short<D>: the keys and values it holds (fp16,
+    short_keys(D) rows each), the query and the RoPE table (D floats each), the probabilities (a
+    float per key), the values' partial sums (a row of D floats per warp), the token's key and
+    value (fp16)."""
+    return 2 * 2 * SHORT_DIMS + 4 * 2 * D + 4 * short_keys(D) + 4 * (SHORT_THREADS // 32) * D + 2 * 2 * D
 
 
 def tiled_smem(D: int) -> int:
@@ -222,7 +240,8 @@ def defines() -> tuple[str, ...]:
         ("PAIR_THREADS", PAIR_THREADS), ("ATT_CHUNK", ATT_CHUNK), ("ATT_MAX_SPLIT", ATT_MAX_SPLIT),
         ("MERGE_SLICE", MERGE_SLICE), ("TILE_Q", TILE_Q), ("TILE_K", TILE_K),
         ("TILE_THREADS", TILE_THREADS), ("TILE_PS", TILE_PS), ("MMA_WARPS", MMA_WARPS), ("MMA_THREADS", MMA_THREADS),
-        ("MMA_BQ", MMA_BQ), ("GQA_WARPS", GQA_WARPS), ("GQA_THREADS", GQA_THREADS), ("SAMPLE_THREADS", SAMPLE_THREADS), ("SAMPLE_CAP", SAMPLE_CAP),
+        ("MMA_BQ", MMA_BQ), ("GQA_WARPS", GQA_WARPS), ("GQA_THREADS", GQA_THREADS), ("SHORT_THREADS", SHORT_THREADS),
+        ("SHORT_DIMS", SHORT_DIMS), ("SHORT_REGS", SHORT_REGS), ("SAMPLE_THREADS", SAMPLE_THREADS), ("SAMPLE_CAP", SAMPLE_CAP),
         ("SAMPLER_PARAM_WORDS", SAMPLER_PARAM_WORDS), ("STATE_WORDS", STATE_WORDS), ("ST_TOK", ST_TOK),
         ("ST_POS", ST_POS), ("ST_RING", ST_RING), ("ST_DRAW", ST_DRAW), ("MOE_WARPS", MOE_WARPS),
         ("MOE_MAX_K", MOE_MAX_K), ("MMA8_TOKENS", MMA8_TOKENS),
@@ -244,6 +263,7 @@ def defines() -> tuple[str, ...]:
         "K4_CHECK_Q8X": [v for n in _CHECK_Q8X_N for v in (n, *q8x_offsets(n))],
         "K4_CHECK_ATT_SMEM": [v for d in _CHECK_HEAD_DIMS for v in (d, att_smem(d))],
         "K4_CHECK_TILED_SMEM": [v for d in _CHECK_HEAD_DIMS for v in (d, tiled_smem(d))],
+        "K4_CHECK_SHORT_SMEM": [v for d in SHORT_HEAD_DIMS for v in (d, short_smem(d))],
         "K4_CHECK_MMA_SMEM": [v for d, bk in _CHECK_MMA for v in (d, bk, mma_smem(d, bk))],
         "K4_CHECK_GQA_SMEM": [v for d, bk in GQA_TILE_KEYS.items() for k, vt in KV_PAIRS
                               for i8 in ((False, True) if k == "q8_0" else (False,))

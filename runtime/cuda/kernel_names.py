@@ -9,6 +9,7 @@ from __future__ import annotations
 TILED_HEAD_DIMS = (64, 128, 256)  # head_dim instances of attn_tiled
 MMA_TILE_KEYS = {64: 64, 128: 64, 256: 32}  # head_dim -> keys per shared-memory tile of its attn_mma instance
 GQA_TILE_KEYS = {64: 64, 128: 64, 256: 64}  # head_dim -> keys per tile of its attn_gqa instance (16 per warp)
+SHORT_HEAD_DIMS = (64, 128, 256)  # head_dim instances of attn_short (attention_short.cu: 64 dims a thread)
 
 # the decoder structs of kernels_cu/decoders.cuh (quant_kernels.QUANT and FLOAT name the same): the
 # instances of moe.cu's expert products, one compile group each
@@ -117,6 +118,7 @@ KERNELS = {
     "norm.cu": ("rms_norm<float>", "rms_norm<u16>", "rms_norm_add", "rms_norm_q8"),
     "rope.cu": tuple(f"rope_qk_store<{kv_args(k, v)}>" for k, v in KV_PAIRS),
     "attention.cu": tuple(attn_kv_name(k, v, deep) for k, v in KV_PAIRS for deep in (False, True)),
+    "attention_short.cu": tuple(f"attn_short<{d}>" for d in SHORT_HEAD_DIMS),
     "attention_tiled.cu": tuple(f"attn_tiled<{d}, {kv_args(k, v)}>" for d in TILED_HEAD_DIMS for k, v in KV_PAIRS),
     "attention_mma.cu": tuple(f"attn_mma<{d}, {bk}, {kv_args(k, v)}>" for d, bk in MMA_TILE_KEYS.items() for k, v in KV_PAIRS),
     "attention_gqa.cu": tuple(dict.fromkeys(gqa_name(d, k, v, g, i8) for d in GQA_TILE_KEYS for k, v in KV_PAIRS

@@ -196,28 +196,31 @@ def use_carveout(on: bool) -> None:
 
 
 @cache
-def carveout_for(kernel, threads: int, smem: int, on: bool = True) -> int:
+def carveout_for(kernel, threads: int, smem: int, on: bool = True, per_sm: int | None = None) -> int:
     """The carveout (percent) a launch of `kernel` with blocks of `threads` threads and `smem`
     bytes of dynamic shared memory asks for: SHARED_CARVEOUT, or more where the blocks per
-    multiprocessor its grid is sized for (blocks_per_sm) need more; CARVEOUT_DEFAULT when off."""
+    multiprocessor its grid is sized for (per_sm, default blocks_per_sm) need more;
+    CARVEOUT_DEFAULT when off."""
     if not on:
         return CARVEOUT_DEFAULT
-    need = blocks_per_sm(kernel, threads, smem) * (smem + (1 << 10))
+    need = (per_sm or blocks_per_sm(kernel, threads, smem)) * (smem + (1 << 10))
     return max(SHARED_CARVEOUT, min(100, -(-100 * need // SM_SHARED)))
 
 
-def _ask_carveout(kernel, block: tuple[int, ...], smem: int) -> None:
-    want = carveout_for(kernel, math.prod(block), smem, _carveout["on"])  # math.prod: this runs at every launch
+def _ask_carveout(kernel, block: tuple[int, ...], smem: int, per_sm: int | None = None) -> None:
+    want = carveout_for(kernel, math.prod(block), smem, _carveout["on"], per_sm)  # math.prod: this runs at every launch
     if _carveout["set"].get(kernel) != want:
         kernel.preferred_shared_memory_carveout = want
         _carveout["set"][kernel] = want
 
 
 def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0,
-           stream=None, trace: Trace | None = None, pdl: bool = False) -> None:
+           stream=None, trace: Trace | None = None, pdl: bool = False, per_sm: int | None = None) -> None:
     """Launch `kernel` (a cupy.RawKernel) with `grid` blocks of `block` threads and `shared_mem`
     bytes of dynamic shared memory, on `stream` (a cupy.cuda.Stream) or the current stream;
-    `pdl`: programmatic dependent launch (see the module docstring).
+    `pdl`: programmatic dependent launch (see the module docstring); per_sm: the blocks a
+    multiprocessor runs at once that its shared-memory carveout is asked for (carveout_for;
+    default as many as fit).
 
     Arguments: cupy arrays pass their device pointer, numpy scalars their value with their own
     C type (pass np.int32/np.int64/np.float32, and np.uint64(0) for a null pointer).
@@ -225,7 +228,7 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
     """
     _last.what = kernel
     try:
-        _ask_carveout(kernel, block, shared_mem)
+        _ask_carveout(kernel, block, shared_mem, per_sm)
         if pdl:
             if stream is None:
                 import cupy as cp

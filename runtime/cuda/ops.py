@@ -21,7 +21,7 @@ from ..sampling import MASK64, SamplingParams
 from ..trace import Trace
 from .attention_launch import GQA_MIN_LIMIT, AttentionLaunchers
 from .compile import module
-from .constants import SAMPLE_THREADS, SAMPLER_PARAM_WORDS, STATE_WORDS
+from .constants import SAMPLE_THREADS, SAMPLER_PARAM_WORDS, STATE_WORDS, short_keys
 from .constants import ST_DRAW, ST_POS, ST_RING, ST_TOK  # noqa: F401 (ops.ST_*: the decode state's words)
 from .kernel_names import FILE_OF, GROUP_OF, KERNELS, kv_args
 from .kv_cache import NO_SCALES, cache_types, planes as _planes
@@ -66,11 +66,11 @@ class Ops(AttentionLaunchers):
 
     def __init__(self, trace: Trace, pdl: bool = False, tiled: bool = True, mma: bool = True, evict_first: bool = True,
                  kv: KVTypes = F16, gqa: bool = True, gqa_cols: bool = True, gqa_int8: bool = True, attn_q8: bool = True,
-                 dyn_split: bool = True, shared_merge: bool = True):
+                 dyn_split: bool = True, shared_merge: bool = True, short_attn: bool = True):
         self.trace = trace
         self.pdl, self.tiled, self.mma, self.evict_first, self.kv, self.gqa = pdl, tiled, mma, evict_first, kv, gqa
         self.gqa_cols, self.gqa_int8, self.attn_q8, self.dyn_split = gqa_cols, gqa_int8, attn_q8, dyn_split
-        self.shared_merge = shared_merge
+        self.shared_merge, self.short_attn = shared_merge, short_attn
         self._n_sm: int | None = None  # multiprocessors of the device, when a launcher first needs them
         self._functions: dict[tuple[str, str], object] = {}
 
@@ -91,7 +91,8 @@ class Ops(AttentionLaunchers):
         # moe: moe.compile_jobs; speculative.cu: on the first verify step (runtime/cuda/speculative.py);
         # megakernel.cu: runtime/cuda/megakernel.py, with K4_MEGAKERNEL
         out = [(f, n) for f, names in KERNELS.items() if not f.startswith(("attention", "moe", "rope", "speculative", "megakernel")) for n in names]
-        decode = {self.attention_kernel(1, head_dim, group=group, limit=limit) for limit in (GQA_MIN_LIMIT, None)}  # short, long ranges
+        decode = {self.attention_kernel(1, head_dim, group=group, limit=limit)  # the shortest, short and long ranges
+                  for limit in (short_keys(head_dim), GQA_MIN_LIMIT, None)}
         prefill = self.attention_kernel(2, head_dim)
         out += [("rope.cu", f"rope_qk_store<{kv_args(self.kv.k, self.kv.v)}>"), *((FILE_OF[d], d) for d in sorted(decode)),
                 (FILE_OF[prefill], prefill)]
@@ -109,9 +110,9 @@ class Ops(AttentionLaunchers):
             self.function(filename, name)
 
     def _launch(self, filename: str, name: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
-                pdl: bool = True) -> None:
+                pdl: bool = True, per_sm: int | None = None) -> None:
         pdl = pdl and self.pdl and cp.cuda.get_current_stream().is_capturing()
-        launch(self.function(filename, name), grid, block, args, shared_mem, None, self.trace, pdl)
+        launch(self.function(filename, name), grid, block, args, shared_mem, None, self.trace, pdl, per_sm)
 
     def rms_norm(self, x: cp.ndarray, w: cp.ndarray, y: cp.ndarray, eps: float, q8=None) -> None:
         """y = x / sqrt(mean(x^2, last axis) + eps) * w. x: (n_rows, n) f32; y: (n_rows, n) f32

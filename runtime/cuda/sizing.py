@@ -38,7 +38,7 @@ def options(flags: Flags) -> tuple:
                        qkv_q8=on("K4_QKV_Q8"), qkv_pair=on("K4_QKV_PAIR"))
     o = dict(pdl=pdl, tiled=on("K4_TILED_ATTN"), mma=on("K4_MMA_ATTN"), evict_first=on("K4_EVICT_FIRST"), gqa=on("K4_GQA_MMA"),
              gqa_cols=on("K4_GQA_COLS"), gqa_int8=on("K4_GQA_INT8"), attn_q8=on("K4_ATTN_Q8"),
-             dyn_split=on("K4_DYN_SPLIT"), shared_merge=on("K4_SHARED_MERGE"))
+             dyn_split=on("K4_DYN_SPLIT"), shared_merge=on("K4_SHARED_MERGE"), short_attn=on("K4_SHORT_ATTN"))
     return w, f, o
 
 
