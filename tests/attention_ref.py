@@ -33,6 +33,26 @@ def attention_inputs(rng, n_tok: int, pos0: int, n_head: int, n_head_kv: int, D:
     return q, keys, values
 
 
+def fresh_inputs(rng, arch: str, n_head: int, n_head_kv: int, D: int, pos0: int, n_ctx: int):
+    """The inputs of a decode step whose RoPE and cache store the attention kernel may fuse (GPU):
+    (q, k, v) as column views of one (1, (n_head + 2 n_head_kv) D) product, the RoPE arguments of
+    a tiny `arch` model of that shape (random q/k norm weights where it has them), the position
+    pos0 as a device int32, and two random fp16 cache planes (n_ctx, n_head_kv, D)."""
+    import cupy as cp
+
+    from k4.runtime.cuda.op_args import RopeArgs
+    from k4.runtime.cuda.weights import rope_inv_freq
+    from tests.tiny import tiny_config
+
+    cfg = tiny_config(arch, head_dim=D, rope_dim=D, n_head=n_head, n_head_kv=n_head_kv)
+    qkv = cp.asarray(rng.standard_normal((1, (n_head + 2 * n_head_kv) * D)).astype(np.float32))
+    a, b = n_head * D, (n_head + n_head_kv) * D
+    norms = [cp.asarray((1 + 0.2 * rng.standard_normal(D)).astype(np.float32)) if cfg.has_qk_norm else None for _ in range(2)]
+    rope = RopeArgs(*norms, cp.asarray(rope_inv_freq(cfg, None)), D, cfg.rope_neox, cfg.rms_eps)
+    cache = [cp.asarray(rng.standard_normal((n_ctx, n_head_kv, D)).astype(np.float16)) for _ in range(2)]
+    return (qkv[:, :a], qkv[:, a:b], qkv[:, b:]), rope, cp.asarray([pos0], dtype=cp.int32), cache
+
+
 def f16_plane(rows: np.ndarray, n_ctx: int) -> np.ndarray:
     """An fp16 cache plane (n_ctx, n_head_kv, D) whose first len(rows) rows hold `rows` rounded
     to fp16 and the rest NaN: rows past the causal range must stay unread."""

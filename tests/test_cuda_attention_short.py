@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.attention_ref import fresh_inputs
 from tests.gpu import cupy_or_skip
-from tests.tiny import tiny_config
 
 cp = cupy_or_skip()
 pytestmark = pytest.mark.cuda
 
-from k4.runtime.cuda.op_args import FreshKV, RopeArgs  # noqa: E402  (needs CuPy)
+from k4.runtime.cuda.op_args import FreshKV  # noqa: E402  (needs CuPy)
 
 
 def test_short_limit_and_the_kernel_of_each_range(ops):
@@ -63,18 +63,10 @@ def test_fused_rope_and_store_equal_rope_then_attention(ops, rng, arch, n_head, 
     rope_qk_store followed by attn_short, and the same cache; q/k norms (qwen3), GQA, NeoX pairs
     (qwen2), a sliding window, the first position."""
     from k4.runtime.cuda.op_args import AttnShape
-    from k4.runtime.cuda.weights import rope_inv_freq
 
-    cfg = tiny_config(arch, head_dim=D, rope_dim=D, n_head=n_head, n_head_kv=n_head_kv)
-    n_ctx, limit = 320, ops.short_limit(D)
+    limit, shape = ops.short_limit(D), AttnShape(window=window)
     assert min(pos0 + 1, window or pos0 + 1) <= limit
-    qkv = cp.asarray(rng.standard_normal((1, (n_head + 2 * n_head_kv) * D)).astype(np.float32))
-    a, b = n_head * D, (n_head + n_head_kv) * D
-    q_src, k_src, v_src = qkv[:, :a], qkv[:, a:b], qkv[:, b:]
-    norms = [cp.asarray((1 + 0.2 * rng.standard_normal(D)).astype(np.float32)) if cfg.has_qk_norm else None for _ in range(2)]
-    inv_freq, pos = cp.asarray(rope_inv_freq(cfg, None)), cp.asarray([pos0], dtype=cp.int32)
-    cache = [cp.asarray(rng.standard_normal((n_ctx, n_head_kv, D)).astype(np.float16)) for _ in range(2)]
-    rope, shape = RopeArgs(*norms, inv_freq, D, cfg.rope_neox, cfg.rms_eps), AttnShape(window=window)
+    (q_src, k_src, v_src), rope, pos, cache = fresh_inputs(rng, arch, n_head, n_head_kv, D, pos0, 320)
 
     kc1, vc1 = (c.copy() for c in cache)
     q = cp.full((1, n_head, D), np.nan, cp.float32)

@@ -17,7 +17,7 @@ from k4.runtime import reference
 from k4.runtime.rope import rope_table
 from k4.runtime.sampling import SamplingParams, apply_repeat_penalty, sample
 from tests.tiny import tiny_config
-from tests.attention_ref import SPLIT_KEYS, attention_inputs, attention_reference, check_attention_kernels, f16_plane
+from tests.attention_ref import SPLIT_KEYS, attention_inputs, attention_reference, check_attention_kernels, f16_plane, fresh_inputs
 
 cp = cupy_or_skip()
 from k4.runtime.cuda.op_args import FreshKV, RopeArgs  # noqa: E402  (needs CuPy)
@@ -195,23 +195,15 @@ def test_decode_attention_hands_over_the_output_quantized(ops, rng, n_head, n_he
 def test_attention_with_fused_rope_equals_rope_then_attention(ops, rng, arch, n_head, n_head_kv, D, pos0, n_ctx):
     """Decode: RoPE and the cache store inside the attention kernel give the same output and
     the same cache as rope_qk_store followed by attention."""
-    from k4.runtime.cuda.weights import rope_inv_freq
     from k4.runtime.cuda.attention_launch import attention_split
 
-    cfg = tiny_config(arch, head_dim=D, rope_dim=D, n_head=n_head, n_head_kv=n_head_kv)
-    qkv = cp.asarray(rng.standard_normal((1, (n_head + 2 * n_head_kv) * D)).astype(np.float32))
-    a, b = n_head * D, (n_head + n_head_kv) * D
-    q_src, k_src, v_src = qkv[:, :a], qkv[:, a:b], qkv[:, b:]
-    norms = [cp.asarray((1 + 0.2 * rng.standard_normal(D)).astype(np.float32)) if cfg.has_qk_norm else None for _ in range(2)]
-    inv_freq, pos = cp.asarray(rope_inv_freq(cfg, None)), cp.asarray([pos0], dtype=cp.int32)
-    cache = [cp.asarray(rng.standard_normal((n_ctx, n_head_kv, D)).astype(np.float16)) for _ in range(2)]
+    (q_src, k_src, v_src), rope, pos, cache = fresh_inputs(rng, arch, n_head, n_head_kv, D, pos0, n_ctx)
     n_split, split_len = attention_split(n_ctx, True, keys=SPLIT_KEYS)
     part = cp.empty((1, n_head, n_split, D + 2), cp.float32) if n_split > 1 else None
     ticket = cp.zeros(n_head, cp.int32)
 
     kc1, vc1 = (c.copy() for c in cache)
     q = nan_like((1, n_head, D), cp.float32)
-    rope = RopeArgs(*norms, inv_freq, D, cfg.rope_neox, cfg.rms_eps)
     ops.rope_qk_store(q_src, k_src, v_src, kc1, vc1, rope, pos, q_out=q)
     want = nan_like((1, n_head, D), cp.float32)
     ops.attention(q, kc1, vc1, want, pos, n_split, split_len, part, ticket)
