@@ -183,12 +183,15 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
 
 
 def check_short(ops, q: np.ndarray, kc, vc, pos0: int, want: np.ndarray, options: dict) -> None:
-    """One decode query on attn_short (a decode range within Ops.short_limit) where it serves the
-    shape (an fp16 cache, a head_dim of its instances, the keys the query sees within the limit):
-    within ATTN_REL_L2 of want, its output handed over quantized (x_q8) with the bytes
-    q8x_host makes of it in every products' swizzle. options: ops.attention's keywords."""
+    """One decode query on attn_short where it serves the shape (an fp16 cache, a head_dim of its
+    instances, the keys the query sees within its ranges): in the range of one split where the
+    keys fit it, and in the range of SHORT_SPLITS splits (merged where several hold keys; one
+    holding them gives the bits of the first range), within ATTN_REL_L2 of want, the tickets left
+    zero, its output handed over quantized (x_q8) with the bytes q8x_host makes of it in every
+    products' swizzle. options: ops.attention's keywords."""
     import cupy as cp
 
+    from k4.runtime.cuda.attention_launch import SHORT_SPLITS
     from k4.runtime.cuda.matmul import q8x_bytes
     from k4.runtime.cuda.q8_handoff import Q8Vector, q8x_host
     from k4.runtime.cuda.quant_kernels import QUANT
@@ -199,16 +202,24 @@ def check_short(ops, q: np.ndarray, kc, vc, pos0: int, want: np.ndarray, options
     shape = options.get("shape")
     window = shape.window if shape is not None else 0
     seen = min(pos0 + 1, window) if window else pos0 + 1
-    limit = ops.short_limit(D, kv)
-    if n_tok != 1 or seen > limit:
+    keys = ops.short_limit(D, kv)
+    if n_tok != 1 or seen > SHORT_SPLITS * keys:
         return
-    assert ops.attention_kernel(1, D, kv, n_head // kc.shape[1], limit) == f"attn_short<{D}>"
-    for swz in sorted({k.x_swizzle for k in QUANT.values()}):
-        out = cp.full((1, n_head, D), np.nan, cp.float32)
-        x_q8 = Q8Vector(cp.zeros(q8x_bytes(n_head * D), cp.uint8), n_head * D, swz)
-        ops.attention(cp.asarray(q), kc, vc, out, cp.asarray([pos0], dtype=cp.int32), limit=limit, x_q8=x_q8, **options)
-        assert rel_l2(out.get(), want) < ATTN_REL_L2, f"attn_short<{D}>"
-        assert np.array_equal(x_q8.data.get(), q8x_host(out.get().reshape(-1), swz)), swz
+    part, ticket = cp.empty((1, n_head, SHORT_SPLITS, D + 2), cp.float32), cp.zeros(n_head, cp.int32)
+    ranges = ((keys, 1), (SHORT_SPLITS * keys, SHORT_SPLITS)) if seen <= keys else ((SHORT_SPLITS * keys, SHORT_SPLITS),)
+    outs = []
+    for limit, n_split in ranges:
+        assert ops.attention_kernel(1, D, kv, n_head // kc.shape[1], limit) == f"attn_short<{D}>"
+        for swz in sorted({k.x_swizzle for k in QUANT.values()}):
+            out = cp.full((1, n_head, D), np.nan, cp.float32)
+            x_q8 = Q8Vector(cp.zeros(q8x_bytes(n_head * D), cp.uint8), n_head * D, swz)
+            ops.attention(cp.asarray(q), kc, vc, out, cp.asarray([pos0], dtype=cp.int32), n_split, keys, part, ticket,
+                          limit=limit, x_q8=x_q8, **options)
+            assert rel_l2(out.get(), want) < ATTN_REL_L2, (f"attn_short<{D}>", n_split)
+            assert np.array_equal(x_q8.data.get(), q8x_host(out.get().reshape(-1), swz)), (swz, n_split)
+            assert not ticket.any()
+        outs.append(out)
+    assert len(outs) == 1 or cp.array_equal(outs[0], outs[1])
 
 
 def check_dynamic_split(ops, q, kc, vc, expect, pos0, n_ctx, limit, options) -> None:

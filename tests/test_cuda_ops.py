@@ -127,10 +127,14 @@ ATTN_CASES = [
     (1, 776, 32, 4, 8, 4096, True),
     (1, 2047, 6, 2, 80, 2048, True),
     (1, 300, 4, 1, 256, 1000, False),
-    # decode at the most keys attn_short takes (its head_dims: 64, 128, 256)
+    # decode at the most keys attn_short takes in one split (its head_dims: 64, 128, 256), in
+    # several, at the most of those
     (1, 255, 16, 4, 64, 300, False),
     (1, 127, 32, 32, 128, 4096, True),
     (1, 63, 16, 8, 256, 128, True),
+    (1, 400, 32, 8, 128, 512, True),
+    (1, 1023, 8, 2, 64, 1024, False),
+    (1, 130, 16, 8, 256, 4096, True),
     (37, 50, 4, 2, 64, 100, False),
     (130, 0, 8, 2, 128, 200, False),
     (5, 300, 2, 1, 8, 400, False),

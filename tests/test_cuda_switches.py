@@ -124,13 +124,14 @@ HANDOFFS = {
 def test_attention_q8_handoff_changes_no_bit_of_the_decode_logits(tiny_model, monkeypatch, gqa):
     """K4_ATTN_Q8: the output product copies the bytes the attention kernel quantized instead of
     quantizing the attention output itself, so the decode logits are the same with it on and
-    off. gqa: every decode range on attn_gqa (GQA_MIN_LIMIT 0), else on attn_kv; the positions
-    past the first split."""
+    off. gqa: every decode range on attn_gqa (GQA_MIN_LIMIT 0, K4_SHORT_ATTN off), else on
+    attn_short (the 128 positions of this context, head_dim 64); the positions past the first split."""
     from k4.runtime.cuda import attention_launch, ops
 
     if gqa:
         monkeypatch.setattr(attention_launch, "GQA_MIN_LIMIT", 0)
         monkeypatch.setattr(ops, "GQA_MIN_LIMIT", 0)
+        monkeypatch.setenv("K4_SHORT_ATTN", "0")
     mf = tiny_model("qwen2-q8_0-hd64")  # 4 query heads per KV head, head_dim 64, Q8_0 output product
     cfg = mf.config
     prompt = np.random.default_rng(5).integers(3, cfg.n_vocab, size=100).tolist()

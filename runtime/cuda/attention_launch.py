@@ -43,6 +43,11 @@ GQA_MIN_GROUP = 4
 # 456.3 / 441.9 against 541.2 / 502.0 / 486.5 / 462.3. attn_gqa wins from about 4,096 keys: Phi-4
 # at depth 4,096 234.8 against 209.1 (session 9), Llama 3 8B at 32,768 329.3 against 223.3.
 GQA_MIN_LIMIT = 4096
+# attn_short's splits in the decode range past its first (short_keys(head_dim) keys each: 512 keys at
+# head_dim 128). A split is a block of 70 KB of shared memory, one a multiprocessor beside a
+# product: 32 query heads x 4 splits fill the H200's 132 once; models with more heads (Phi-4's 40)
+# run a second round of blocks when every split holds keys.
+SHORT_SPLITS = 4
 RING_ONE_SPLIT = 1 << 30  # split_len of an unsplit decode over a ring: past any position (a multiple of every tile)
 
 
@@ -147,8 +152,8 @@ class AttentionLaunchers:
     may also write its output quantized for the output product, uses_attn_q8), `dyn_split`
     (K4_DYN_SPLIT: decode_splits' ranges size each step's splits on the device), `shared_merge`
     (K4_SHARED_MERGE: attn_gqa's last blocks of a KV head share the merge of its splits,
-    merge_helpers), `short_attn` (K4_SHORT_ATTN: decode ranges of at most short_keys(head_dim)
-    keys over an fp16 cache on attn_short, short_limit)."""
+    merge_helpers), `short_attn` (K4_SHORT_ATTN: decode ranges of at most SHORT_SPLITS x
+    short_keys(head_dim) keys over an fp16 cache on attn_short, short_limit)."""
 
     gqa_min_group = GQA_MIN_GROUP
 
@@ -161,9 +166,9 @@ class AttentionLaunchers:
         with `gqa_cols`), unless `limit`, the decode range's most keys (split_buckets), is at most
         GQA_MIN_LIMIT (None: any depth); the rest runs attn_kv (one query past GQA_MIN_LIMIT keys:
         its deep instance, attn_kv_name), except that one query over a range of at most
-        short_limit(D, kv) keys runs attn_short."""
+        SHORT_SPLITS x short_limit(D, kv) keys runs attn_short."""
         kv = kv or self.kv
-        if n_tok == 1 and limit is not None and limit <= self.short_limit(D, kv):
+        if n_tok == 1 and limit is not None and limit <= SHORT_SPLITS * self.short_limit(D, kv):
             return f"attn_short<{D}>"
         types = kv_args(kv.k, kv.v)
         if n_tok > 1 and self.mma and D in MMA_TILE_KEYS:
@@ -199,7 +204,8 @@ class AttentionLaunchers:
                 and gqa_int8_keys(kv.k, self._gqa_group(group), self.gqa_int8))
 
     def short_limit(self, D: int, kv: KVTypes | None = None) -> int:
-        """The most keys a decode range may hold to run on attn_short (short_keys(D)): with
+        """The keys of one split of attn_short, so the most a decode range of one split may hold
+        (short_keys(D); SHORT_SPLITS of them the most of any range it serves): with
         `short_attn`, head_dim D of an instance (SHORT_HEAD_DIMS) and an fp16 cache of types kv
         (default self.kv); else 0."""
         kv = kv or self.kv
@@ -241,16 +247,20 @@ class AttentionLaunchers:
         """split_buckets of a cache of n_ctx positions for a model of this shape, each range planned
         for the kernel it runs (decode_plan of its limit: attn_kv up to GQA_MIN_LIMIT keys, where
         attention_kernel says so); window > 0: those of its sliding layers (split_buckets window).
-        Split or not, a first range of short_limit(head_dim) keys, unsplit, where n_ctx is longer
-        (attn_short serves it; window or not, so the limits of both lists agree)."""
+        Where attn_short serves the shape (short_limit: keys a split), split or not, its ranges
+        come first: (keys, 1, keys), then (SHORT_SPLITS x keys, SHORT_SPLITS, keys), each cut to
+        n_ctx, in place of the ranges they cover (window or not, so the limits of both lists agree)."""
         keys = self.short_limit(head_dim)
-        first = [(keys, 1, keys)] if 0 < keys < n_ctx else []
+        top = SHORT_SPLITS * keys
+        first = [(min(keys, n_ctx), 1, keys)] + ([(min(top, n_ctx), SHORT_SPLITS, keys)] if n_ctx > keys else []) if keys else []
         if not split:
-            return first + split_buckets(n_ctx, False, 1, ATT_SPLIT_KEYS, window)
-        dyn = self.dyn_split
-        short = split_buckets(n_ctx, True, *self.decode_plan(head_dim, n_head, n_head_kv, GQA_MIN_LIMIT), window, dyn)
-        long = split_buckets(n_ctx, True, *self.decode_plan(head_dim, n_head, n_head_kv), window, dyn)
-        return first + [s if s[0] <= GQA_MIN_LIMIT else g for s, g in zip(short, long)]  # the same limits
+            rest = split_buckets(n_ctx, False, 1, ATT_SPLIT_KEYS, window)
+        else:
+            dyn = self.dyn_split
+            short = split_buckets(n_ctx, True, *self.decode_plan(head_dim, n_head, n_head_kv, GQA_MIN_LIMIT), window, dyn)
+            long = split_buckets(n_ctx, True, *self.decode_plan(head_dim, n_head, n_head_kv), window, dyn)
+            rest = [s if s[0] <= GQA_MIN_LIMIT else g for s, g in zip(short, long)]  # the same limits
+        return first + [r for r in rest if r[0] > top]
 
     def attention(self, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, out: cp.ndarray, pos: cp.ndarray,
                   n_split: int = 1, split_len: int = 0, part: cp.ndarray | None = None,
@@ -293,24 +303,30 @@ class AttentionLaunchers:
             assert n_split == 1 and fresh is None
             self._attention_tiles(name, q, planes, out, pos, shape)
         elif name.startswith("attn_short"):
-            self._attention_short(name, q, planes, out, pos, fresh, shape, x_q8)
+            self._attention_short(name, q, planes, out, pos, n_split, part, ticket, fresh, shape, x_q8)
         else:
             self._attention_rows(name, q, planes, types, out, pos, n_split, split_len, part, ticket, fresh, shape, x_q8)
 
-    def _attention_short(self, name: str, q, planes: tuple, out, pos, fresh: FreshKV | None, shape: AttnShape, x_q8) -> None:
+    def _attention_short(self, name: str, q, planes: tuple, out, pos, n_split: int, part, ticket, fresh: FreshKV | None,
+                         shape: AttnShape, x_q8) -> None:
         """Launch attn_short (one query; planes: k, k_d, v, v_d of an fp16 cache, whose scale planes
-        are null): a block per query head, its shared memory asked for as one block a
-        multiprocessor (the carveout of the products it launches beside, K4_CARVEOUT)."""
+        are null): a block per query head and split of short_keys(D) keys (n_split of them: the
+        range's; part and ticket as attn_kv's where n_split > 1), its shared memory asked for as one
+        block a multiprocessor (the carveout of the products it launches beside, K4_CARVEOUT)."""
         n_tok, n_head, D = q.shape
         n_head_kv = planes[0].shape[1]
         assert n_tok == 1
+        if n_split > 1:
+            check_f32(part, 1, n_head, n_split, D + 2)
+            assert ticket.dtype == cp.int32 and ticket.size >= n_head and ticket.flags.c_contiguous
         head, tail = (NULL,) * 3, (NULL,) * 3 + (np.int32(0), np.int32(0), np.float32(0), np.float32(1))
         if fresh is not None:
             head, tail = _fresh_args(fresh, n_head, n_head_kv, D)
         smem = short_smem(D)
         allow_shared(self.function(FILE_OF[name], name), smem)
-        self._launch(FILE_OF[name], name, (n_head,), (SHORT_THREADS,),
-                     (q, planes[0], planes[2], out, pos, np.int32(n_head), np.int32(n_head_kv), *shape.kernel_args(D), *head, *tail,
+        self._launch(FILE_OF[name], name, (n_head, n_split), (SHORT_THREADS,),
+                     (q, planes[0], planes[2], out, NULL if n_split == 1 else part, NULL if n_split == 1 else ticket, pos,
+                      np.int32(n_head), np.int32(n_head_kv), *shape.kernel_args(D), *head, *tail,
                       NULL if x_q8 is None else x_q8.data, np.int32(0 if x_q8 is None else x_q8.swizzle)), shared_mem=smem, per_sm=1)
 
     def _attention_tiles(self, name: str, q, planes: tuple, out, pos, shape: AttnShape) -> None:
