@@ -252,7 +252,11 @@ class AttentionLaunchers:
         n_ctx, in place of the ranges they cover (window or not, so the limits of both lists agree)."""
         keys = self.short_limit(head_dim)
         top = SHORT_SPLITS * keys
-        first = [(min(keys, n_ctx), 1, keys)] + ([(min(top, n_ctx), SHORT_SPLITS, keys)] if n_ctx > keys else []) if keys else []
+        first = []
+        if keys:
+            first.append((min(keys, n_ctx), 1, keys))
+            if n_ctx > keys:
+                first.append((min(top, n_ctx), SHORT_SPLITS, keys))
         if not split:
             rest = split_buckets(n_ctx, False, 1, ATT_SPLIT_KEYS, window)
         else:
@@ -277,7 +281,10 @@ class AttentionLaunchers:
         kernel, attention_sizes.cuh split_keys) whose partials go to part: (n_tok, n_head,
         n_split, D + 2) f32, merged by the last block of each head (group) to
         finish, counted in ticket: (n_tok * n_head,) int32, zeros (and left so); the prefill
-        kernels take n_split = 1. attn_mma and attn_gqa round Q and P to fp16 (f32 accumulation).
+        kernels take n_split = 1. attn_short (one query over a range of decode_splits' first two)
+        takes n_split blocks of short_limit(D) keys, which must hold the range (`limit`), with part
+        and ticket as those where n_split > 1. attn_mma and attn_gqa round Q and P to fp16 (f32
+        accumulation).
 
         fresh: None, or for one query (decode) the RoPE and cache store of rope_qk_store done
         inside the kernel (FreshKV); q is then not read, and the token's k and v are written to
@@ -303,6 +310,7 @@ class AttentionLaunchers:
             assert n_split == 1 and fresh is None
             self._attention_tiles(name, q, planes, out, pos, shape)
         elif name.startswith("attn_short"):
+            assert limit <= n_split * self.short_limit(D, types), "attn_short's splits must hold the range (decode_splits)"
             self._attention_short(name, q, planes, out, pos, n_split, part, ticket, fresh, shape, x_q8)
         else:
             self._attention_rows(name, q, planes, types, out, pos, n_split, split_len, part, ticket, fresh, shape, x_q8)
