@@ -70,7 +70,7 @@ attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __res
     static_assert(2 * 2 * KEYS * D + 4 * (2 * D + KEYS + WARPS * D) + 2 * 2 * D == short_smem(D), "short_smem: the layout above");
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int h = blockIdx.x, group = n_head / n_head_kv, s = blockIdx.y;
+    const int h = blockIdx.x, group = n_head / n_head_kv, split = blockIdx.y;
     const size_t kv_stride = (size_t)n_head_kv * D, head_off = (size_t)(h / group) * D;
     auto slot = [](int j, int u) { return j * D + 8 * ((u + TPG * j) % U); };  // element of unit u of held row j
 
@@ -79,8 +79,8 @@ attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __res
     const int lo = window > 0 ? max(0, p + 1 - window) : 0;
     if (p + 1 - lo > KEYS * (int)gridDim.y) __trap();
     const int n_active = (p + 1 - lo + KEYS - 1) / KEYS;  // splits holding keys
-    if (s >= n_active) return;
-    const int begin = lo + s * KEYS;
+    if (split >= n_active) return;
+    const int begin = lo + split * KEYS;
     const int n = min(p + 1 - begin, KEYS);  // keys begin .. begin + n - 1
     const bool mine = begin + n == p + 1;    // the token's key is this split's last (held row n - 1)
     for (int i = tid; i < (n - mine) * U; i += SHORT_THREADS) {
@@ -198,7 +198,7 @@ attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __res
     // several: the split's partial [m, l, unnormalized output] (split_merge.cuh's layout), and the
     // last split of the head to finish merges them (merge_row: a warp, the splits' loads together)
     float* pr = part + (size_t)h * gridDim.y * (D + 2);
-    float* mine_row = pr + (size_t)s * (D + 2);
+    float* mine_row = pr + (size_t)split * (D + 2);
     for (int i = tid; i < D; i += SHORT_THREADS) {
         float a = 0.0f;
 #pragma unroll
