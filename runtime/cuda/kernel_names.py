@@ -9,7 +9,7 @@ from __future__ import annotations
 TILED_HEAD_DIMS = (64, 128, 256)  # head_dim instances of attn_tiled
 MMA_TILE_KEYS = {64: 64, 128: 64, 256: 32}  # head_dim -> keys per shared-memory tile of its attn_mma instance
 GQA_TILE_KEYS = {64: 64, 128: 64, 256: 64}  # head_dim -> keys per tile of its attn_gqa instance (16 per warp)
-SHORT_HEAD_DIMS = (64, 128, 256)  # head_dim instances of attn_short (attention_short.cu: 64 dims a thread)
+SHORT_HEAD_DIMS = (64, 128, 256)  # head_dim instances of attn_short (attention_short.cu: 128 dims of a key a thread)
 
 # the decoder structs of kernels_cu/decoders.cuh (quant_kernels.QUANT and FLOAT name the same): the
 # instances of moe.cu's expert products, one compile group each
