@@ -99,6 +99,9 @@
 #ifndef MOE_MAX_K
 #error "MOE_MAX_K comes from runtime/cuda/constants.py"
 #endif
+#ifndef ROUTER_THREADS
+#error "ROUTER_THREADS comes from runtime/cuda/constants.py"
+#endif
 #ifndef MMA8_TOKENS
 #error "MMA8_TOKENS comes from runtime/cuda/constants.py"
 #endif

@@ -41,35 +41,15 @@ extern "C" __global__ void moe_topk(const float* __restrict__ logits,  // (n_tok
 // warp per row took four). One pass sums both x . x and the row's dot with x * norm_w; the norm's
 // scale multiplies the dot at the end (a factor of every term: the same value up to float32
 // rounding), so the block reduces once. The grid is one wave (a few hundred blocks at most), so
-// it lets the next kernel launch at once. Block: ROUTER_THREADS (a multiple of 32, at most 1024).
+// it lets the next kernel launch at once. Block: ROUTER_THREADS threads (moe_route.cuh router_logit).
 template <class T>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(ROUTER_THREADS)
 moe_router(const u8* __restrict__ w, const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
            float* __restrict__ y, int n_in) {
-    __shared__ float part[2][32];
     pdl_trigger();
     pdl_wait();
-    const u8* wr = w + (i64)blockIdx.x * n_in * T::elem_bytes;
-    float ss = 0.f, acc = 0.f;
-    for (int i = threadIdx.x; i < n_in; i += blockDim.x) {
-        const float xi = x[i];
-        ss += xi * xi;
-        acc += T::get(wr, i) * (xi * __ldg(norm_w + i));
-    }
-    ss = warp_sum(ss);
-    acc = warp_sum(acc);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) {
-        part[0][warp] = ss;
-        part[1][warp] = acc;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        const bool ok = lane < (int)(blockDim.x >> 5);
-        ss = warp_sum(ok ? part[0][lane] : 0.f);
-        acc = warp_sum(ok ? part[1][lane] : 0.f);
-        if (lane == 0) y[blockIdx.x] = acc * rsqrtf(ss / (float)n_in + eps);
-    }
+    const float v = router_logit<T>(w + (i64)blockIdx.x * n_in * T::elem_bytes, x, norm_w, eps, n_in);
+    if (threadIdx.x == 0) y[blockIdx.x] = v;
 }
 
 // Quantized experts (T a decoders.cuh decoder, raw layout). Block MOE_WARPS warps, grid

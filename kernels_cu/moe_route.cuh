@@ -80,3 +80,40 @@ __device__ MoeChoice moe_route(const float* __restrict__ logits, int n_expert, i
     }
     return {ids, w};
 }
+
+// The router's logit of one expert (moe.cu moe_router, moe_one.cu's router phase): row wr (n_in
+// values of a float type T) . (x * rsqrt(mean(x^2) + eps) * norm_w), float32, returned to thread 0.
+// Threads below ROUTER_THREADS take values i, i + ROUTER_THREADS, ..., summing x . x and the dot
+// in one pass; warp sums, then warp 0 over the warps (those past ROUTER_THREADS add zeros, which
+// leave every sum's bits as they are), so any block of at least ROUTER_THREADS threads gets
+// moe_router's bits. Every thread of the block calls it; it may be called again at once.
+template <class T>
+__device__ float router_logit(const u8* __restrict__ wr, const float* __restrict__ x, const float* __restrict__ norm_w,
+                              float eps, int n_in) {
+    __shared__ float part[2][32];
+    float ss = 0.f, acc = 0.f;
+    if (threadIdx.x < ROUTER_THREADS) {
+        for (int i = threadIdx.x; i < n_in; i += ROUTER_THREADS) {
+            const float xi = x[i];
+            ss += xi * xi;
+            acc += T::get(wr, i) * (xi * __ldg(norm_w + i));
+        }
+    }
+    ss = warp_sum(ss);
+    acc = warp_sum(acc);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        part[0][warp] = ss;
+        part[1][warp] = acc;
+    }
+    __syncthreads();
+    float v = 0.f;
+    if (warp == 0) {
+        const bool ok = lane < (int)(blockDim.x >> 5);
+        ss = warp_sum(ok ? part[0][lane] : 0.f);
+        acc = warp_sum(ok ? part[1][lane] : 0.f);
+        v = acc * rsqrtf(ss / (float)n_in + eps);
+    }
+    __syncthreads();  // part is free for the next call
+    return v;
+}

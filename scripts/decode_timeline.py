@@ -10,6 +10,9 @@ q/k/v), then the step's kernels summed by name.
 torch is not a k4 dependency; the GPU machine has it. A step starts at the token embedding's
 dequant_q and ends with sample_finish.
 
+With `--verify N` (and -n 0) it shows a speculative verify step instead: dequant_q ... spec_accept,
+the longer of the last two (the bench alternates N-token and one-token steps).
+
 Usage (from the repository root, k4 importable):
     python scripts/decode_timeline.py -m MODEL.gguf [k4 bench options, e.g. -d 16384 -c 16400]
 The bench runs with -p 0 -n 8 -r 1 unless the options say otherwise.
@@ -35,16 +38,16 @@ def short(name: str) -> str:
     return m.group(1) + (m.group(2)[:64] if m.group(2) else "")
 
 
-def last_step(kernels: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
-    """The kernels (start µs, end µs, name) of the last complete decode step, with the kernel
-    before it first (the origin of the first marginal)."""
+def last_step(kernels: list[tuple[float, float, str]], end: str = "sample_finish") -> list[tuple[float, float, str]]:
+    """The kernels (start µs, end µs, name) of the last complete step (dequant_q ... a kernel
+    named end), with the kernel before it first (the origin of the first marginal)."""
     starts = [i for i, (_, _, n) in enumerate(kernels) if n.startswith("void dequant_q") or n.startswith("dequant_q")]
-    ends = [i for i, (_, _, n) in enumerate(kernels) if n.startswith("sample_finish")]
+    ends = [i for i, (_, _, n) in enumerate(kernels) if n.startswith(end)]
     for i in reversed(starts):
         after = [e for e in ends if e > i]
         if after and i > 0:
             return kernels[i - 1 : after[0] + 1]
-    raise SystemExit("no complete decode step in the trace (is the model's step a dequant_q ... sample_finish chain?)")
+    raise SystemExit(f"no complete step in the trace (is the model's step a dequant_q ... {end} chain?)")
 
 
 def main(argv: list[str]) -> None:
@@ -69,7 +72,12 @@ def main(argv: list[str]) -> None:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
     kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel")
-    step = last_step(kernels)
+    if "--verify" in args:  # the longer of the last two verify steps: the N-token one
+        last = last_step(kernels, "spec_accept")
+        before = last_step([k for k in kernels if k[0] < last[1][0]], "spec_accept")
+        step = max(last, before, key=lambda st: st[-1][1] - st[0][1])
+    else:
+        step = last_step(kernels)
     prev_end, rows = step[0][1], []
     for start, end, name in step[1:]:
         rows.append((short(name), end - prev_end, end - start, start - prev_end))

@@ -320,6 +320,7 @@ def test_decode_runs_fused_and_matches_the_unfused_step(tiny_model, monkeypatch)
     real = cmoe.down_combine
     monkeypatch.setattr(cmoe, "down_combine", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     out = {}
+    monkeypatch.setenv("K4_MOE_ONE", "0")  # the three launches (test_decode_in_one_launch_... below: one)
     for fuse in ("1", "0"):
         monkeypatch.setenv("K4_FUSE_MOE", fuse)
         be = CudaBackend(mf, 64)
@@ -334,6 +335,34 @@ def test_decode_runs_fused_and_matches_the_unfused_step(tiny_model, monkeypatch)
     assert len(calls) == fused  # none with K4_FUSE_MOE=0
     for a, b in zip(out["1"], out["0"]):
         assert rel_l2(a, b) < 5e-3
+
+
+def test_decode_in_one_launch_has_the_bits_of_three(tiny_model, monkeypatch):
+    """K4_MOE_ONE: every layer of every decode step (graph captures included) runs moe_one.cu, and
+    the logits are those of the three launches (K4_MOE_ONE=0), bit for bit."""
+    from k4.runtime.cuda import moe_one
+    from k4.runtime.cuda.backend import CudaBackend
+
+    mf = tiny_model("qwen3moe-q4_k")
+    prompt = np.random.default_rng(9).integers(3, mf.config.n_vocab, size=12).tolist()
+    calls = []
+    real = moe_one.launch
+    monkeypatch.setattr(moe_one, "launch", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    out = {}
+    for one in ("1", "0"):
+        monkeypatch.setenv("K4_MOE_ONE", one)
+        be = CudaBackend(mf, 64)
+        try:
+            be.eval(prompt)
+            out[one] = [be.eval([t]) for t in (5, 9, 17)]
+        finally:
+            be.close()
+        if one == "1":
+            ones = len(calls)
+            assert ones >= 3 * mf.config.n_layer and ones % mf.config.n_layer == 0
+    assert len(calls) == ones  # none with K4_MOE_ONE=0
+    for a, b in zip(out["1"], out["0"]):
+        assert (a.view(np.uint32) == b.view(np.uint32)).all()
 
 
 # ---- prefill's slots grouped by expert (runtime/cuda/moe_grouped.py) -----------------------------

@@ -220,6 +220,9 @@ def _ggml(t: T) -> tuple[int, int]:
 # most experts a token may use (moe_topk keeps their weights in shared memory)
 MOE_WARPS = 8
 MOE_MAX_K = 64
+# moe.cu moe_router's threads per block (a block per expert), the stride of its sums; moe_one.cu's
+# router phase sums with the same stride so that its logits are moe_router's bits
+ROUTER_THREADS = 256
 
 
 def chunk_elems(t: T) -> int:
@@ -244,7 +247,7 @@ def defines() -> tuple[str, ...]:
         ("SHORT_DIMS", SHORT_DIMS), ("SHORT_REGS", SHORT_REGS), ("SAMPLE_THREADS", SAMPLE_THREADS), ("SAMPLE_CAP", SAMPLE_CAP),
         ("SAMPLER_PARAM_WORDS", SAMPLER_PARAM_WORDS), ("STATE_WORDS", STATE_WORDS), ("ST_TOK", ST_TOK),
         ("ST_POS", ST_POS), ("ST_RING", ST_RING), ("ST_DRAW", ST_DRAW), ("MOE_WARPS", MOE_WARPS),
-        ("MOE_MAX_K", MOE_MAX_K), ("MMA8_TOKENS", MMA8_TOKENS),
+        ("MOE_MAX_K", MOE_MAX_K), ("ROUTER_THREADS", ROUTER_THREADS), ("MMA8_TOKENS", MMA8_TOKENS),
         ("MMA8_STAGE_BYTES", MMA8_STAGE_BYTES), ("MMA8_STAGE_BYTES_Q6_K", MMA8_STAGE_BYTES_Q6_K),
         ("MK_THREADS", MK_THREADS), ("MK_SLOTS", MK_SLOTS), ("MK_SPLIT_KEYS", MK_SPLIT_KEYS), ("MK_SPLIT_MIN", MK_SPLIT_MIN),
         ("MK_MAX_SPLIT", MK_MAX_SPLIT),

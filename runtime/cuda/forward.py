@@ -40,6 +40,7 @@ class ForwardOptions:
     fuse_norm: bool = True  # K4_FUSE_NORM: decode RMSNorm inside the next product's prologue
     fuse_rope: bool = True  # K4_FUSE_ROPE: decode RoPE + cache store inside attention
     fuse_moe: bool = True  # K4_FUSE_MOE: decode's expert feed-forward in three launches (moe.decode_fused)
+    moe_one: bool = True  # K4_MOE_ONE: with fuse_moe, those three as one launch where moe_one.py covers the layer
     qkv_q8: bool = True  # K4_QKV_Q8: decode's later q/k/v runs copy the x the first one quantized (qkv)
     qkv_pair: bool = True  # K4_QKV_PAIR: decode's q/k/v in two runs of paired types as one launch (qkv)
 

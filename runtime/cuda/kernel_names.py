@@ -50,6 +50,20 @@ def moe_down_name(decoder: str) -> str:
     return f"moe_down_combine<{decoder}, {warps}, {u}>"
 
 
+# moe_one.cu moe_one (decode's expert feed-forward in one launch): the (gate/up, down) decoder pairs
+# it is built for, Q4_K_M's and Q6_K's, and its down rows' chunks in flight per lane (DU) by down
+# decoder. The block is the SwiGLU launch's (MOE_Q8_GLU_VARIANTS: 16 warps for these), so the
+# RMSNorm's block sums, and x's 8 bits, are that launch's.
+MOE_ONE_PAIRS = (("type_q4_K", "type_q4_K"), ("type_q4_K", "type_q6_K"), ("type_q6_K", "type_q6_K"))
+MOE_ONE_DOWN_U = {"type_q4_K": 3, "type_q6_K": 3}
+
+
+def moe_one_name(gate: str, down: str) -> str:
+    """The moe_one.cu instance for gate/up experts of decoder gate and down experts of decoder down."""
+    warps, u, pf = MOE_Q8_GLU_VARIANTS[gate]
+    return f"moe_one<{gate}, {down}, {warps}, {u}, {'true' if pf else 'false'}, {MOE_ONE_DOWN_U[down]}>"
+
+
 # moe_grouped.cu moe_gemv_grouped (prefill's experts grouped by expert): (WARPS, U) and the slots
 # per work item (NT). Measured on the H200 (Qwen3-30B-A3B pp512, t/s): (8, 4) 6,196, (16, 4) 6,424,
 # (4, 4) 6,381, (8, 8) 5,572, (8, 2) 5,235; NT 16 with (8, 4) 5,638 (fewer weight reads, more
@@ -131,6 +145,7 @@ KERNELS = {
     "moe_grouped.cu": ("moe_group", *(moe_grouped_name(d, glu) for d in MOE_QUANT_DECODERS for glu in (False, True))),
     "moe_gemv.cu": tuple(moe_q8_name(d, glu) for d in MOE_QUANT_DECODERS for glu in (False, True)),
     "moe_down.cu": tuple(moe_down_name(d) for d in MOE_QUANT_DECODERS),
+    "moe_one.cu": tuple(moe_one_name(g, d) for g, d in MOE_ONE_PAIRS),
     "megakernel.cu": ("megakernel",),
 }
 # Compile groups: one module per group, so a model compiles only the attention and RoPE-store

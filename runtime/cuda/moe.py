@@ -23,14 +23,13 @@ import numpy as np
 
 from ..model import ModelConfig, ModelFile
 from ..errors import UnsupportedModelError
-from .constants import MOE_MAX_K, MOE_WARPS as ROW_WARPS, q8x_bytes
+from .constants import MOE_MAX_K, MOE_WARPS as ROW_WARPS, ROUTER_THREADS, q8x_bytes
 from .kernel_names import MOE_DOWN_VARIANT, MOE_Q8_GLU_VARIANTS, MOE_Q8_VARIANTS, moe_down_name, moe_grouped_name, moe_q8_name
 from .quant_kernels import FLOAT, QUANT
-from . import moe_grouped
+from . import moe_grouped, moe_one
 
 TOPK_THREADS = 128
 COMBINE_THREADS = 256
-ROUTER_THREADS = 256  # moe_router: a block per expert
 
 
 def router_name(t) -> str:
@@ -133,6 +132,7 @@ def moe_spec(cfg: ModelConfig, P: int) -> dict:
         "moe_d": Buffer((P * k, cfg.n_embd), f32),
         "moe_items": Buffer((moe_grouped.max_items(P * k, cfg.n_expert), 4), np.int32),  # prefill's slots grouped by expert
         "moe_order": Buffer((P * k,), np.int32),
+        "moe_bar": Buffer((2,), np.int32, zero=True),  # moe_one.cu's grid barrier
     }
     if cfg.n_ff_shexp:
         spec.update({"shexp_g": Buffer((P, cfg.n_ff_shexp), f32), "shexp_u": Buffer((P, cfg.n_ff_shexp), f32),
@@ -199,6 +199,8 @@ def compile_jobs(mf: ModelFile, cfg: ModelConfig, o) -> list:
         router = tensors["ffn_gate_inp"].ggml_type
         if decode_fusable(cfg, gate, up, down, router in FLOAT, bool(cfg.n_ff_shexp)):
             kernels.update((("moe.cu", router_name(router)), ("moe_down.cu", moe_down_name(decoder(down)))))
+            if (one := moe_one.kernel_name(router, gate, down)) is not None:
+                kernels.add(("moe_one.cu", one))
     return [(f, GROUP_OF[(f, name)], o._defines()) for f, name in sorted(kernels)]
 
 
@@ -323,7 +325,8 @@ def decode_fused(fwd, L, x1, x) -> bool:
     routed SwiGLU launch of gate and up (each block makes the router's choice and normalizes
     x1 itself), and moe_down_combine (the same choice; the weighted sum and the residual in
     its epilogue), instead of RMSNorm, router, moe_topk, SwiGLU, down and moe_combine, all three
-    with programmatic dependent launch. Returns False (nothing enqueued) otherwise."""
+    with programmatic dependent launch; with K4_MOE_ONE, where runtime/cuda/moe_one.py covers the
+    layer, those three as one launch. Returns False (nothing enqueued) otherwise."""
     cfg, o, a, m = fwd.cfg, fwd.ops, fwd.act, L.moe
     if not fwd.opts.fuse_moe or x1.shape[0] != 1:
         return False
@@ -331,6 +334,9 @@ def decode_fused(fwd, L, x1, x) -> bool:
         return False
     k, norm = cfg.n_expert_used, (L.ffn_norm, cfg.rms_eps)
     logits = a.moe_logits[:1]
+    if fwd.opts.moe_one and moe_one.launch(o, m, x1[0], L.ffn_norm, cfg.rms_eps, logits[0], a.moe_g[:k], a.moe_bar, x[0], k,
+                                           cfg.expert_norm):
+        return True
     o._launch("moe.cu", router_name(m.router.ggml_type), (cfg.n_expert,), (ROUTER_THREADS,),
               (m.router.data, x1, L.ffn_norm, np.float32(cfg.rms_eps), logits, np.int32(cfg.n_embd)))
     route = Route(logits, cfg.n_expert, cfg.expert_norm)

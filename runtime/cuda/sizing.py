@@ -35,7 +35,7 @@ def options(flags: Flags) -> tuple:
     mat = matmul.WeightOptions(tensor_cores=on("K4_PREFILL_TC"), pdl=pdl, evict_first=on("K4_EVICT_FIRST"), mma8=on("K4_MMA8"))
     w = WeightOptions(repack=on("K4_REPACK"), stack=on("K4_STACK"), glu=on("K4_FUSE_SWIGLU"), pinned=on("K4_PINNED_UPLOAD"), matrix=mat)
     f = ForwardOptions(fuse_norm=on("K4_FUSE_NORM"), fuse_rope=on("K4_FUSE_ROPE"), fuse_moe=on("K4_FUSE_MOE"),
-                       qkv_q8=on("K4_QKV_Q8"), qkv_pair=on("K4_QKV_PAIR"))
+                       moe_one=on("K4_MOE_ONE"), qkv_q8=on("K4_QKV_Q8"), qkv_pair=on("K4_QKV_PAIR"))
     o = dict(pdl=pdl, tiled=on("K4_TILED_ATTN"), mma=on("K4_MMA_ATTN"), evict_first=on("K4_EVICT_FIRST"), gqa=on("K4_GQA_MMA"),
              gqa_cols=on("K4_GQA_COLS"), gqa_int8=on("K4_GQA_INT8"), attn_q8=on("K4_ATTN_Q8"),
              dyn_split=on("K4_DYN_SPLIT"), shared_merge=on("K4_SHARED_MERGE"), short_attn=on("K4_SHORT_ATTN"))
