@@ -158,29 +158,6 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
     return v;
 }
 
-// A barrier of every block of the grid (moe_one.cu). The blocks must all be resident at once (a
-// grid of at most one block per multiprocessor that fits beside nothing else it waits for), or
-// the first to arrive waits for ever. bar: two ints in global memory, zero before the first use
-// and left so after each barrier: [0] the blocks arrived, [1] the generation. Thread 0 reads the
-// generation, then arrives (ticket_acq_rel: its block's writes released, the earlier arrivals'
-// acquired); the last to arrive resets the count and releases the next generation, which the
-// others wait for with acquire loads. So every write of every block before the barrier is
-// visible to every thread after it, through L2: read other blocks' data with ld.global.cg
-// (__ldcg) or plain loads, never the non-coherent __ldg path. Every thread of the block calls it.
-__device__ __forceinline__ void grid_sync(int* bar) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const int gen = ld_acquire(bar + 1);
-        if (ticket_acq_rel(bar) == (int)gridDim.x - 1) {
-            asm volatile("st.relaxed.gpu.global.b32 [%0], 0;" ::"l"(bar) : "memory");
-            asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(bar + 1), "r"((int)((unsigned)gen + 1u)) : "memory");
-        } else {
-            while (ld_acquire(bar + 1) == gen) __nanosleep(20);
-        }
-    }
-    __syncthreads();
-}
-
 // ---- warp reductions (all 32 lanes must take part) ---------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

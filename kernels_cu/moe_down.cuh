@@ -6,9 +6,10 @@
 
 // The k rows of x (k, n_in) f32 quantized to 8 bits per 32 values: row j's q8 x at q + j * xb
 // (q8x_bytes(n_in) <= xb bytes, the layout quantize_x leaves), units in swizzle swz; the bits
-// q8_row_unit gives. cg: x read through L2 only (__ldcg: rows another block of the grid wrote in
-// this launch), else through the read-only path. One thread per 16-value unit, units 2i and 2i + 1
-// in adjacent lanes (n_in / 16 is even). Every thread of the block calls it; a barrier publishes q.
+// q8_row_unit gives. cg: x read through L2 only (__ldcg: rows other blocks of the grid wrote in
+// this launch, moe_one.cu), else through the read-only path. One thread per 16-value unit, units
+// 2i and 2i + 1 in adjacent lanes (n_in / 16 is even). Every thread of the block calls it; a
+// barrier publishes q.
 template <bool CG>
 __device__ void quantize_k_rows(const float* x, int k, int n_in, int swz, u8* q, int xb) {
     const int n_units = n_in >> 4, units = k * n_units;
@@ -61,6 +62,7 @@ struct DownRows {
     __device__ __forceinline__ void rows(typename T::chunk (&ch)[U], int row, int row_step, int n_out,
                                          const q8x<T::x_swizzle>& xv, float wj, const float* res, float* y, int lane) const {
         while (row < n_out) {
+            const float r_res = res[row];  // issued before the dots, not after them
             float acc = 0.f;
             for (int c0 = sub;;) {
 #pragma unroll
@@ -75,7 +77,7 @@ struct DownRows {
             for (int o = 1; o < lps; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
             float v = wj * acc;
             for (int o = lps; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0) y[row] = res[row] + v;
+            if (lane == 0) y[row] = r_res + v;
             row += row_step;
             if (row < n_out) load(ch, row, sub);
         }

@@ -3,7 +3,8 @@ runtime/cuda/moe_one.py, K4_MOE_ONE) against the three launches it replaces (moe
 routed SwiGLU launch of moe_gemv.cu, moe_down.cu moe_down_combine), which test_cuda_moe.py checks
 against numpy. Limit: none. The one launch shares their arithmetic, so the router's logits, the
 SwiGLU rows and the output are the same bits, for every expert pair it is built for, with more
-experts than blocks (the router phase's loop), renormalized weights or not, and in place."""
+experts than blocks (the router phase's loop), renormalized weights or not, and in place; each
+launch tags every logit and every block's flag anew."""
 
 from __future__ import annotations
 
@@ -69,15 +70,22 @@ def test_one_launch_has_the_bits_of_three(o, gate_t, down_t, E, k, n_embd, n_ff,
     x = cp.asarray(rng.standard_normal(n_embd).astype(np.float32))
     norm_w = cp.asarray((1 + 0.1 * rng.standard_normal(n_embd)).astype(np.float32))
     want = [cp.asnumpy(a) for a in _three(o, m, x, norm_w, k, renorm)]
-    logits, h, bar = cp.full(E, np.nan, cp.float32), cp.full((k, n_ff), np.nan, cp.float32), cp.zeros(2, cp.int32)
-    for launches in (1, 2):
+    G = cp.cuda.Device().attributes["MultiProcessorCount"]
+    ho = moe_one.Handoff(cp.zeros(E, cp.uint64), cp.zeros(moe_one.MAX_BLOCKS, cp.uint32), cp.zeros(1, cp.uint64))
+    h = cp.full((k, n_ff), np.nan, cp.float32)
+    for launch in (1, 2):
         y = cp.full(n_embd, np.nan, cp.float32)
-        assert moe_one.launch(o, m, x, norm_w, EPS, logits, h, bar, y, k, renorm)
-        for got, w, what in zip((logits, h, y), want, ("logits", "SwiGLU rows", "output")):
-            assert (cp.asnumpy(got).view(np.uint32) == w.view(np.uint32)).all(), what
-        assert cp.asnumpy(bar).tolist() == [0, 2 * launches]  # two barriers a launch, the count back at zero
+        assert moe_one.launch(o, m, x, norm_w, EPS, h, ho, y, k, renorm)
+        words = cp.asnumpy(ho.words)
+        assert ((words >> 32) == launch).all()  # every logit written, with this launch's tag
+        got = ((words & 0xFFFFFFFF).astype(np.uint32), cp.asnumpy(h).view(np.uint32), cp.asnumpy(y).view(np.uint32))
+        for g, w, what in zip(got, want, ("logits", "SwiGLU rows", "output")):
+            assert (g == w.view(np.uint32)).all(), what
+        flags = cp.asnumpy(ho.flags)
+        assert (flags[:G] == launch).all() and not flags[G:].any()
+        assert int(ho.count[0]) == launch * G  # every block counted once
     x2 = x.copy()  # y may be x
-    assert moe_one.launch(o, m, x2, norm_w, EPS, logits, h, bar, x2, k, renorm)
+    assert moe_one.launch(o, m, x2, norm_w, EPS, h, ho, x2, k, renorm)
     assert (cp.asnumpy(x2).view(np.uint32) == want[2].view(np.uint32)).all()
 
 

@@ -132,7 +132,10 @@ def moe_spec(cfg: ModelConfig, P: int) -> dict:
         "moe_d": Buffer((P * k, cfg.n_embd), f32),
         "moe_items": Buffer((moe_grouped.max_items(P * k, cfg.n_expert), 4), np.int32),  # prefill's slots grouped by expert
         "moe_order": Buffer((P * k,), np.int32),
-        "moe_bar": Buffer((2,), np.int32, zero=True),  # moe_one.cu's grid barrier
+        # moe_one.Handoff: tagged logits, the blocks' flags, the finished blocks
+        "moe_words": Buffer((cfg.n_expert,), np.uint64, zero=True),
+        "moe_flags": Buffer((moe_one.MAX_BLOCKS,), np.uint32, zero=True),
+        "moe_count": Buffer((1,), np.uint64, zero=True),
     }
     if cfg.n_ff_shexp:
         spec.update({"shexp_g": Buffer((P, cfg.n_ff_shexp), f32), "shexp_u": Buffer((P, cfg.n_ff_shexp), f32),
@@ -334,8 +337,8 @@ def decode_fused(fwd, L, x1, x) -> bool:
         return False
     k, norm = cfg.n_expert_used, (L.ffn_norm, cfg.rms_eps)
     logits = a.moe_logits[:1]
-    if fwd.opts.moe_one and moe_one.launch(o, m, x1[0], L.ffn_norm, cfg.rms_eps, logits[0], a.moe_g[:k], a.moe_bar, x[0], k,
-                                           cfg.expert_norm):
+    handoff = moe_one.Handoff(a.moe_words, a.moe_flags, a.moe_count)
+    if fwd.opts.moe_one and moe_one.launch(o, m, x1[0], L.ffn_norm, cfg.rms_eps, a.moe_g[:k], handoff, x[0], k, cfg.expert_norm):
         return True
     o._launch("moe.cu", router_name(m.router.ggml_type), (cfg.n_expert,), (ROUTER_THREADS,),
               (m.router.data, x1, L.ffn_norm, np.float32(cfg.rms_eps), logits, np.int32(cfg.n_embd)))
