@@ -8,11 +8,13 @@
 //     polled whole, relaxed at GPU scope), and every block normalizes and quantizes x
 //     (quantize_x, as the SwiGLU launch);
 //  2. gate and up: every block polls the n_expert logits, makes the router's choice
-//     (moe_route.cuh), and its warps take the outputs R = b + G w, stepping by G WARPS, of the k
+//     (moe_route.cuh; the weights' division by their sum waits for phase 3), and its warps take the outputs R = b + G w, stepping by G WARPS, of the k
 //     chosen experts' SwiGLU rows flattened (slot R / n_ff, row R % n_ff), each as moe_gemv_q8
 //     computes it (gemv_common.cuh q8_rows: gate row then up row), into h (k, n_ff); then the
 //     block releases its flag (flags[b] = tag);
-//  3. down: each warp loads its first row's weights (the experts are known since phase 2), a
+//  3. down: each warp loads its first row's weights (the experts are known since phase 2): with
+//     EARLY before its block's flag goes out, else after it (raw Q6_K, whose loads shift their two
+//     words at once, so a warp stalls until they arrive: that held the flag back ~3 µs), a
 //     thread per block acquires each flag, every block quantizes the k rows of h read through L2
 //     (quantize_k_rows' bits) and its warps take rows b + G w, stepping by G WARPS, as
 //     moe_down_combine does (moe_down.cuh DownRows).
@@ -47,7 +49,7 @@ __device__ __forceinline__ float ld_tagged(const u64* p, u32 tag) {
     }
 }
 
-template <class TG, class TD, int WARPS, int U, bool PF, int DU>
+template <class TG, class TD, int WARPS, int U, bool PF, int DU, bool EARLY>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
         const u8* __restrict__ w_gate,   // (n_expert, n_ff, n_embd) in TG's raw blocks
@@ -65,6 +67,7 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
         int n_expert, int k, int renorm, int n_embd, int n_ff) {
     extern __shared__ uint4 smem[];
     __shared__ u32 tag_s;
+    __shared__ float wsum;
     u8* base = reinterpret_cast<u8*>(smem);
     const int xb = q8x_bytes(n_ff), x_area = max(q8x_bytes(n_embd), k * xb);
     float* prob = reinterpret_cast<float*>(base + x_area);
@@ -94,7 +97,7 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
     quantize_x<TG::x_swizzle>(x, n_embd, norm_w, eps, xq, xd, xs);
     for (int e = threadIdx.x; e < n_expert; e += blockDim.x) lg[e] = ld_tagged(words + e, tag);
     __syncthreads();
-    const MoeChoice c = moe_route(lg, n_expert, k, renorm, prob);
+    const MoeChoice c = moe_route(lg, n_expert, k, renorm, prob, false);  // the ids; the weights unnormalized
 
     // 2. gate and up of the k chosen experts
     {
@@ -121,15 +124,21 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
     const DownRows<TD, DU> d(w_down, down_bytes, c.ids, k, n_embd, n_ff, lane);
     typename TD::chunk dch[DU];
     const int row = blockIdx.x + G * warp;
-    if (row < n_embd) d.load(dch, row, d.sub);  // the weights stream while the other blocks finish gate and up
+    if (EARLY && row < n_embd) d.load(dch, row, d.sub);  // the weights stream while the other blocks finish
     __syncthreads();  // the block's rows are in h; every warp is done with x's q8 before h's overwrites it
     if (threadIdx.x == 0) asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(flags + blockIdx.x), "r"(tag) : "memory");
+    if (!EARLY && row < n_embd) d.load(dch, row, d.sub);
+    if (renorm && threadIdx.x == 0) {  // the weights divided by their sum as moe_route divides them, off phase 2's path
+        float t = 0.f;
+        for (int j = 0; j < k; ++j) t += c.w[j];
+        wsum = t;
+    }
     for (int b = threadIdx.x; b < G; b += blockDim.x) {
         for (;;) {
             u32 f;
             asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(f) : "l"(flags + b) : "memory");
             if (f == tag) break;
-            __nanosleep(32);
+            __nanosleep(32);  // (without it the spinning slowed the step: 629 against 640 t/s)
         }
     }
     __syncthreads();  // every block's rows acquired, for the whole block
@@ -137,6 +146,7 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
     __syncthreads();
     u8* hq = base + d.j * xb;
     float* hd = reinterpret_cast<float*>(hq + q8x_bytes_q(n_ff));
-    d.rows(dch, row, G * WARPS, n_embd, q8x<TD::x_swizzle>{hq, hd, hd + q8x_d_floats(n_ff)}, c.w[d.j], x, y, lane);
+    const float wj = renorm ? __fdiv_rn(c.w[d.j], wsum) : c.w[d.j];
+    d.rows(dch, row, G * WARPS, n_embd, q8x<TD::x_swizzle>{hq, hd, hd + q8x_d_floats(n_ff)}, wj, x, y, lane);
     if (threadIdx.x == 0) atomicAdd(count, 1ull);
 }

@@ -51,17 +51,22 @@ def moe_down_name(decoder: str) -> str:
 
 
 # moe_one.cu moe_one (decode's expert feed-forward in one launch): the (gate/up, down) decoder pairs
-# it is built for, Q4_K_M's and Q6_K's, and its down rows' chunks in flight per lane (DU) by down
-# decoder. The block is the SwiGLU launch's (MOE_Q8_GLU_VARIANTS: 16 warps for these), so the
-# RMSNorm's block sums, and x's 8 bits, are that launch's.
+# it is built for, Q4_K_M's and Q6_K's, and per down decoder (DU, EARLY): its down rows' chunks in
+# flight per lane (3: a row of 768 weights in one round; 4 spilled with Q6_K), and whether a warp
+# loads its first down row before its block's flag goes out (Q4_K: measured faster) or after (raw
+# Q6_K's loads stall the warp; before, they held the flag back: PERF.md session 23). The block is the
+# SwiGLU launch's (MOE_Q8_GLU_VARIANTS: 16 warps for these), so the RMSNorm's block sums, and x's
+# 8 bits, are that launch's.
 MOE_ONE_PAIRS = (("type_q4_K", "type_q4_K"), ("type_q4_K", "type_q6_K"), ("type_q6_K", "type_q6_K"))
-MOE_ONE_DOWN_U = {"type_q4_K": 3, "type_q6_K": 3}
+MOE_ONE_DOWN = {"type_q4_K": (3, True), "type_q6_K": (3, False)}
 
 
 def moe_one_name(gate: str, down: str) -> str:
     """The moe_one.cu instance for gate/up experts of decoder gate and down experts of decoder down."""
     warps, u, pf = MOE_Q8_GLU_VARIANTS[gate]
-    return f"moe_one<{gate}, {down}, {warps}, {u}, {'true' if pf else 'false'}, {MOE_ONE_DOWN_U[down]}>"
+    du, early = MOE_ONE_DOWN[down]
+    b = lambda v: "true" if v else "false"  # noqa: E731
+    return f"moe_one<{gate}, {down}, {warps}, {u}, {b(pf)}, {du}, {b(early)}>"
 
 
 # moe_grouped.cu moe_gemv_grouped (prefill's experts grouped by expert): (WARPS, U) and the slots
