@@ -307,32 +307,40 @@ def test_down_combine_refuses_what_its_lane_groups_cannot_split(o):
         cmoe.down_combine(o, e, route_, cp.zeros((3, 64), cp.float32), cp.zeros(64, cp.float32), cp.zeros(64, cp.float32))
 
 
-def test_decode_runs_fused_and_matches_the_unfused_step(tiny_model, monkeypatch):
-    """qwen3moe with Q4_K experts (k = 8): the decode step takes decode_fused on every layer, and its
-    logits agree with the step of separate RMSNorm, top-k and combine kernels (K4_FUSE_MOE=0) within
-    the 8-bit rounding both make (limit 5e-3 relative). The captured step (graph, PDL) is checked
-    against numpy by test_cuda_backend.py test_logits_match_numpy_backend."""
+def _decode_steps(mf, monkeypatch, flag: str, values, module, attr: str, seed: int) -> tuple[dict, dict]:
+    """The logits of three decode steps after a 12-token prompt of mf on the cuda backend for each
+    value of the environment flag `flag`, and how often module.attr ran under each (wrapped)."""
     from k4.runtime.cuda.backend import CudaBackend
 
-    mf = tiny_model("qwen3moe-q4_k")
-    prompt = np.random.default_rng(8).integers(3, mf.config.n_vocab, size=12).tolist()
+    prompt = np.random.default_rng(seed).integers(3, mf.config.n_vocab, size=12).tolist()
     calls = []
-    real = cmoe.down_combine
-    monkeypatch.setattr(cmoe, "down_combine", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-    out = {}
-    monkeypatch.setenv("K4_MOE_ONE", "0")  # the three launches (test_decode_in_one_launch_... below: one)
-    for fuse in ("1", "0"):
-        monkeypatch.setenv("K4_FUSE_MOE", fuse)
+    real = getattr(module, attr)
+    monkeypatch.setattr(module, attr, lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    out, counts = {}, {}
+    for v in values:
+        monkeypatch.setenv(flag, v)
+        before = len(calls)
         be = CudaBackend(mf, 64)
         try:
             be.eval(prompt)
-            out[fuse] = [be.eval([t]) for t in (5, 9, 17)]
+            out[v] = [be.eval([t]) for t in (5, 9, 17)]
         finally:
             be.close()
-        if fuse == "1":  # every layer of every decode step (graph captures included)
-            fused = len(calls)
-            assert fused >= 3 * mf.config.n_layer and fused % mf.config.n_layer == 0
-    assert len(calls) == fused  # none with K4_FUSE_MOE=0
+        counts[v] = len(calls) - before
+    return out, counts
+
+
+def test_decode_runs_fused_and_matches_the_unfused_step(tiny_model, monkeypatch):
+    """qwen3moe with Q4_K experts (k = 8): the decode step takes decode_fused on every layer (graph
+    captures included), and its logits agree with the step of separate RMSNorm, top-k and combine
+    kernels (K4_FUSE_MOE=0) within the 8-bit rounding both make (limit 5e-3 relative). The
+    captured step (graph, PDL) is checked against numpy by test_cuda_backend.py
+    test_logits_match_numpy_backend."""
+    mf = tiny_model("qwen3moe-q4_k")
+    monkeypatch.setenv("K4_MOE_ONE", "0")  # the three launches (the test below: one)
+    out, counts = _decode_steps(mf, monkeypatch, "K4_FUSE_MOE", ("1", "0"), cmoe, "down_combine", 8)
+    n = mf.config.n_layer
+    assert counts["1"] >= 3 * n and counts["1"] % n == 0 and counts["0"] == 0
     for a, b in zip(out["1"], out["0"]):
         assert rel_l2(a, b) < 5e-3
 
@@ -341,26 +349,11 @@ def test_decode_in_one_launch_has_the_bits_of_three(tiny_model, monkeypatch):
     """K4_MOE_ONE: every layer of every decode step (graph captures included) runs moe_one.cu, and
     the logits are those of the three launches (K4_MOE_ONE=0), bit for bit."""
     from k4.runtime.cuda import moe_one
-    from k4.runtime.cuda.backend import CudaBackend
 
     mf = tiny_model("qwen3moe-q4_k")
-    prompt = np.random.default_rng(9).integers(3, mf.config.n_vocab, size=12).tolist()
-    calls = []
-    real = moe_one.launch
-    monkeypatch.setattr(moe_one, "launch", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-    out = {}
-    for one in ("1", "0"):
-        monkeypatch.setenv("K4_MOE_ONE", one)
-        be = CudaBackend(mf, 64)
-        try:
-            be.eval(prompt)
-            out[one] = [be.eval([t]) for t in (5, 9, 17)]
-        finally:
-            be.close()
-        if one == "1":
-            ones = len(calls)
-            assert ones >= 3 * mf.config.n_layer and ones % mf.config.n_layer == 0
-    assert len(calls) == ones  # none with K4_MOE_ONE=0
+    out, counts = _decode_steps(mf, monkeypatch, "K4_MOE_ONE", ("1", "0"), moe_one, "launch", 9)
+    n = mf.config.n_layer
+    assert counts["1"] >= 3 * n and counts["1"] % n == 0 and counts["0"] == 0
     for a, b in zip(out["1"], out["0"]):
         assert (a.view(np.uint32) == b.view(np.uint32)).all()
 
