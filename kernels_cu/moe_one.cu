@@ -84,7 +84,8 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
         tag_s = (u32)(n / (u64)G) + 1u;
     }
 
-    // 1. the router's logits (router_logit's barriers publish tag_s), x normalized and quantized
+    // 1. the router's logits (thread 0 tags them; the barrier after the loop publishes tag_s to the
+    // block), x normalized and quantized
     for (int e = blockIdx.x; e < n_expert; e += G) {
         const float v = router_logit<type_f32>(router + (i64)e * n_embd * type_f32::elem_bytes, x, norm_w, eps, n_embd);
         if (threadIdx.x == 0) st_tagged(words + e, tag_s, v);
