@@ -29,6 +29,17 @@ def test_route_picks_the_largest_and_renormalizes():
     np.testing.assert_allclose(wn[0], p[[1, 3]] / p[[1, 3]].sum(), rtol=1e-6)
 
 
+def test_route_breaks_ties_by_the_lower_id_among_128_experts():
+    """Qwen3-30B-A3B's 128 experts with logits in three values, so most probabilities tie: the k
+    chosen are the largest, ties taken by the lower id (what moe_route.cuh's ranks give), for
+    every token. A sort that is not stable picks other ids at this size."""
+    rng = np.random.default_rng(5)
+    logits = rng.integers(0, 3, (16, 128)).astype(np.float32)  # (16 tokens, 128 experts)
+    ids, _ = route(logits, 8, renormalize=True)
+    for row, got in zip(logits, ids):
+        assert got.tolist() == sorted(range(128), key=lambda e: (-row[e], e))[:8]
+
+
 def test_decode_multiplies_only_the_selected_experts(data):
     folder = data / "oracles"
     entry = json.loads((folder / "oracles.json").read_text())["qwen3moe"]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from k4.runtime.errors import UsageError
-from k4.runtime.sampling import SamplingParams, apply_repeat_penalty, sample, splitmix64, uniform
+from k4.runtime.sampling import SamplingParams, apply_repeat_penalty, candidates, sample, splitmix64, uniform
 
 
 def test_splitmix64_known_values():
@@ -42,6 +42,16 @@ def test_filters_limit_the_candidates():
     assert seen == {0, 1, 2}
     seen = {sample(logits, SamplingParams(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0, seed=s), [], 0) for s in range(300)}
     assert seen == {0, 1, 2}
+
+
+def test_min_p_keeps_the_tokens_at_its_threshold():
+    """min-p keeps p >= min_p * p_max, the threshold included (llama.cpp's min_p sampler keeps
+    logits >= max + log(min_p)): at min_p 1 both tokens tied for the top stay."""
+    logits = np.array([1.0, 3.0, 3.0, 0.0], np.float32)
+    order, _ = candidates(logits, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=1.0))
+    assert order.tolist() == [1, 2]
+    seen = {sample(logits, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=1.0, seed=s), [], 0) for s in range(64)}
+    assert seen == {1, 2}
 
 
 def test_distribution_follows_temperature():

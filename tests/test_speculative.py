@@ -243,3 +243,16 @@ def test_accept_sampled_penalizes_over_the_whole_history():
         want.append(sample(logits[len(want)], params, history + ids[: len(want) + 1], 0))
     got, _ = accept_sampled(logits, ids, params, history, 0)
     assert got == want
+
+
+def test_accept_sampled_penalizes_each_rows_own_token():
+    """Row i's logits follow ids[i], so its penalty covers ids[i] itself: each row's largest logit
+    is the token it follows, which the penalty (2.0) puts below the next draft's; a row that
+    missed its own token would pick it again and stop at the first row."""
+    params = SamplingParams(temperature=0.0, repeat_penalty=2.0, repeat_last_n=64)
+    ids = [4, 6, 8]  # [t, d_1, d_2]
+    logits = np.zeros((3, 10), np.float32)
+    for i, (own, nxt) in enumerate([(4, 6), (6, 8), (8, 1)]):
+        logits[i, own], logits[i, nxt] = 2.0, 1.5  # penalized: 1.0 < 1.5
+    got, _ = accept_sampled(logits, ids, params, [0, 2], 0)
+    assert got == [6, 8, 1]
