@@ -14,7 +14,7 @@ from k4.runtime.errors import UsageError
 
 from . import common as c
 from .chat_input import BLOCK
-from .render import clean, err, generation_rates, out, rate_text, table, trace_table
+from .render import clean, err, out, rate_text, table, trace_table
 
 COMMANDS = (
     ("/help", "this list"),
@@ -134,11 +134,10 @@ def last_stats(repl, _: str) -> None:
         out.print("no reply yet", markup=False)
         return
     r = last.result
-    prompt_tps, gen_tps = generation_rates(r)
     rows = [
         ("prompt", f"{r.prompt_tokens:,} tok", f"{r.prompt_tokens - r.prefill_tokens:,} from the cache, {r.prefill_tokens:,} evaluated",
-         f"{r.prompt_ms:,.1f} ms", f"{rate_text(prompt_tps)} t/s"),
-        ("reply", f"{len(r.token_ids):,} tok", f"stop: {r.stop_reason}", f"{r.gen_ms:,.1f} ms", f"{rate_text(gen_tps)} t/s"),
+         f"{r.prompt_ms:,.1f} ms", f"{rate_text(r.prompt_tps)} t/s"),
+        ("reply", f"{len(r.token_ids):,} tok", f"stop: {r.stop_reason}", f"{r.gen_ms:,.1f} ms", f"{rate_text(r.gen_tps)} t/s"),
     ]
     out.print(table("last reply", ["phase", "tokens", "", "time", "rate"], rows, right=(1, 3, 4)))
     out.print(trace_table(last.trace, "per-phase counters (last reply)"))

@@ -174,31 +174,18 @@ def rate_text(value: Optional[float], fmt: str = ",.1f") -> str:
     return "-" if value is None or value != value else f"{value:{fmt}}"
 
 
-def generation_rates(result) -> tuple[Optional[float], Optional[float]]:
-    """(prompt t/s, generation t/s) of a runtime.generate.GenerationResult, each None when its
-    phase is empty: no prompt evaluation (-n 0), or fewer than two generated tokens (the first is
-    timed with the prompt), or a zero duration."""
-    evaluated = bool(result.token_ids) or result.stop_reason == "eog"
-    prompt = result.prefill_tokens / (result.prompt_ms / 1e3) if evaluated and result.prompt_ms > 0 else None
-    n_gen = len(result.token_ids) - 1
-    gen = n_gen / (result.gen_ms / 1e3) if n_gen > 0 and result.gen_ms > 0 else None
-    return prompt, gen
-
-
 def reply_stats(result, used: int, n_ctx: int) -> str:
     """The line after each reply: evaluated prompt tokens and reply tokens with their rates (t/s,
     "-" for an empty phase), and the context meter: tokens the conversation holds of n_ctx."""
-    prompt_tps, gen_tps = generation_rates(result)
-    return (f"[ prompt {result.prefill_tokens:,} tok {rate_text(prompt_tps, ',.0f')} t/s | "
-            f"reply {len(result.token_ids):,} tok {rate_text(gen_tps, ',.0f')} t/s | context {used:,} / {n_ctx:,} ]")
+    return (f"[ prompt {result.prefill_tokens:,} tok {rate_text(result.prompt_tps, ',.0f')} t/s | "
+            f"reply {len(result.token_ids):,} tok {rate_text(result.gen_tps, ',.0f')} t/s | context {used:,} / {n_ctx:,} ]")
 
 
 def stats_line(load_ms: float, result, seed: int) -> str:
     """One line of generation stats (runtime.generate.GenerationResult) and the sampling seed."""
-    prompt_tps, gen_tps = generation_rates(result)
     return (
         f"load {load_ms:,.0f} ms | prompt {result.prompt_tokens} tok ({result.prefill_tokens} evaluated), "
-        f"{rate_text(prompt_tps)} t/s | generated {len(result.token_ids)} tok, {rate_text(gen_tps)} t/s | "
+        f"{rate_text(result.prompt_tps)} t/s | generated {len(result.token_ids)} tok, {rate_text(result.gen_tps)} t/s | "
         f"stop: {result.stop_reason} | seed {seed}"
     )
 

@@ -12,7 +12,7 @@ from k4.runtime.sampling import SamplingParams
 
 from . import common as c
 from .speculation import DraftMaxOpt, DraftModelOpt, LookupOpt, make_speculator, spec_text
-from .render import err, errors_to_exit, generation_rates, json_text, memory_table, stats_line, trace_table
+from .render import err, errors_to_exit, json_text, memory_table, stats_line, trace_table
 
 
 @errors_to_exit
@@ -90,7 +90,7 @@ def run(
 
 def _record(s: c.Session, path, text: str, ids: list[int], res, seed: int) -> dict:
     """The --json object: times in ms, rates in tokens/s (null where the phase was empty)."""
-    prompt_tps, gen_tps = generation_rates(res)
+    prompt_tps, gen_tps = res.prompt_tps, res.gen_tps
     return {
         "model": str(path),
         "backend": s.backend.name,

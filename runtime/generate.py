@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 from .backend import Backend
 from .errors import ContextFullError
@@ -30,15 +30,18 @@ class GenerationResult:
     stop_reason: str = ""  # "eog", "stop", "length", "context"
 
     @property
-    def prompt_tps(self) -> float:
-        """Prompt tokens evaluated per second."""
-        return self.prefill_tokens / (self.prompt_ms / 1e3) if self.prompt_ms > 0 else 0.0
+    def prompt_tps(self) -> Optional[float]:
+        """Prompt tokens evaluated per second, None where no prompt was evaluated (-n 0) or its
+        time is zero."""
+        evaluated = bool(self.token_ids) or self.stop_reason == "eog"
+        return self.prefill_tokens / (self.prompt_ms / 1e3) if evaluated and self.prompt_ms > 0 else None
 
     @property
-    def gen_tps(self) -> float:
-        """Generated tokens per second, after the first (which is timed with the prompt)."""
+    def gen_tps(self) -> Optional[float]:
+        """Generated tokens per second after the first (which is timed with the prompt), None for
+        fewer than two tokens or a zero time."""
         n = len(self.token_ids) - 1
-        return n / (self.gen_ms / 1e3) if n > 0 and self.gen_ms > 0 else 0.0
+        return n / (self.gen_ms / 1e3) if n > 0 and self.gen_ms > 0 else None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

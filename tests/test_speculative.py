@@ -63,6 +63,7 @@ def test_lookup_drafts_repeated_text_and_context_change():
     assert d.draft(text + [8], 9) == [9, 10, 5, 6, 7, 8, 9, 10, 5]  # past the end: the repeat goes on
     assert d.draft([1, 2, 3], 4) == []  # not an extension: index rebuilt, nothing repeats
     assert d.draft([1, 2, 1, 3, 2, 1], 3) == [3, 2, 1]  # longest n-gram wins: "2 1" is followed by 3 (latest)
+    assert d.draft([1, 2, 3, 9, 5, 3, 7, 1, 2, 3], 3) == [9, 5, 3]  # "1 2 3" before 9, though "3" came later before 7
     assert d.draft([4, 4, 4], 0) == []
     with pytest.raises(UsageError):
         LookupDrafter(0)
