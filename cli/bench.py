@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import csv
-import io
-import sys
 import tempfile
 from pathlib import Path
 from typing import Annotated, List, Optional
@@ -12,9 +9,11 @@ from typing import Annotated, List, Optional
 import typer
 
 from . import common as c
-from .render import err, errors_to_exit, json_text, memory_table, out, rate_text, table
+from .bench_printers import PRINTERS, write_json, write_jsonl
+from .render import err, errors_to_exit, out, table
 
-FORMATS = ("table", "md", "csv", "json", "jsonl")
+FORMATS = tuple(PRINTERS)
+KERNEL_FORMATS = ("table", "json", "jsonl")  # --kernels: gemv and attention records, no one csv/md header
 
 
 @errors_to_exit
@@ -57,6 +56,8 @@ def bench(
     if not bandwidth > 0 or bandwidth == float("inf"):
         raise UsageError(f"--bandwidth {bandwidth} is invalid; give the memory bandwidth in GB/s, e.g. 4200")
     if kernels:
+        if output not in KERNEL_FORMATS:
+            raise UsageError(f"-o {output} does not apply to --kernels; use -o {', -o '.join(KERNEL_FORMATS)}")
         return _kernels(output)
     pairs = [tuple(rb.parse_list(x, "--pg")) for x in (pg or [])]
     if any(len(p) != 2 for p in pairs):
@@ -120,114 +121,11 @@ def _run(path: Path, tests, reps: int, output: str, backend: str, ctx_size: int,
 
 
 def _print(results, env, model_info, output: str, bounds: dict) -> None:
-    """Print `results` in `output`'s format; bounds: BenchTest -> runtime.bound.DecodeBound (tgN tests)."""
+    """Print `results` with `output`'s printer; bounds: BenchTest -> runtime.bound.DecodeBound (tgN tests)."""
     from k4.runtime.bench import result_record
 
-    if not results:
-        return
-    records = [result_record(r, env, model_info, bounds.get(r.test)) for r in results]
-    if output in ("json", "jsonl"):
-        _print_json(records, output)
-    elif output == "csv":
-        buf = io.StringIO()
-        flat = [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in records]  # phases/memory: json only
-        w = csv.DictWriter(buf, fieldnames=list(flat[0]))
-        w.writeheader()
-        for r in flat:
-            w.writerow({k: (" ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else v) for k, v in r.items()})
-        sys.stdout.write(buf.getvalue())
-    elif output == "md":
-        sys.stdout.write(_markdown(records))
-    else:
-        _tables(results, records)
-
-
-def _print_json(records: list[dict], output: str) -> None:
-    """-o json: one indented array; -o jsonl: one record per line. Strict JSON (null for NaN)."""
-    if output == "json":
-        sys.stdout.write(json_text(records, indent=2) + "\n")
-    else:
-        sys.stdout.write("".join(json_text(r) + "\n" for r in records))
-
-
-def _config(test) -> str:
-    """A test's backend configuration in the per-phase tables: its --flags and, when not f16,
-    its KV cache types; "-" for the defaults."""
-    parts = [test.flags_text] if test.flags_text else []
-    if test.kv.quantized:
-        parts.append(f"-ctk {test.kv.k} -ctv {test.kv.v}")
-    return " ".join(parts) or "-"
-
-
-def _summary_rows(records):
-    for r in records:
-        yield (Path(r["model"]).name, f"{r['model_size'] / 2**20:,.2f} MiB", f"{r['model_n_params'] / 1e6:,.2f} M",
-               r["backend"], r["flags"] or "-", r["type_k"], r["type_v"], r["test"],
-               f"{rate_text(r['avg_ts'], ',.2f')} ± {rate_text(r['stddev_ts'], ',.2f')}",
-               rate_text(r["bound_ts"], ",.2f"), "-" if r["bound_fraction"] is None else f"{r['bound_fraction']:.1%}")
-
-
-# bound t/s: the tokens/s of reading the weights and KV cache once per token at --bandwidth (runtime/bound.py)
-SUMMARY_COLUMNS = ("model", "size", "params", "backend", "flags", "type_k", "type_v", "test", "t/s", "bound t/s", "% bound")
-
-
-def _markdown(records) -> str:
-    lines = ["| " + " | ".join(SUMMARY_COLUMNS) + " |", "| " + " | ".join("---" for _ in SUMMARY_COLUMNS) + " |"]
-    lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in _summary_rows(records)]
-    return "\n".join(lines) + "\n"
-
-
-def _tables(results, records) -> None:
-    env = records[0]
-    out.print(f"[dim]{env['gpu'] or env['cpu']} | backend {env['backend']} | k4 {env['k4_version']} ({env['git_commit'] or 'no git'}) "
-              f"| cupy {env['cupy'] or '-'} | driver {env.get('driver', '-')} | cuda {env.get('cuda_runtime', '-')}[/]")
-    out.print(table("throughput", SUMMARY_COLUMNS, _summary_rows(records), right=(1, 2, 8, 9, 10)))
-    for r in records:  # speculative tests: what one verify step costs, what the drafts gave
-        if r.get("verify_ratio"):
-            n = r["test"].split("@")[0][2:]
-            out.print(f"{r['test']}: a verify step of {n} tokens takes {r['verify_ms']:.3f} ms, {r['verify_ratio']:.2f}x a "
-                      f"one-token step ({r['verify1_ms']:.3f} ms): speculation gains at most {int(n) / r['verify_ratio']:.2f}x")
-        if r.get("tokens_per_step"):
-            out.print(f"{r['test']}: {r['draft_accepted']}/{r['draft_tokens']} drafts accepted, "
-                      f"{r['tokens_per_step']:.2f} tokens per verify step")
-    rows = []
-    for r in results:
-        ph = r.phases
-
-        def ms(name: str, fmt: str = ",.1f") -> str:
-            """host ms / GPU ms of a phase ("-" for what was not recorded)."""
-            host, gpu = ph.get(name, {}).get("ms"), ph.get(name, {}).get("gpu_ms")
-            return "-" if not host else f"{host:{fmt}}" + (f" / {gpu:{fmt}}" if gpu else "")
-
-        def q(p: float) -> str:
-            host, gpu = r.latency(p), r.latency(p, gpu=True)
-            return "-" if host != host else f"{host:.3f}" + ("" if gpu != gpu else f" / {gpu:.3f}")
-
-        rows.append((r.test.name, _config(r.test), f"{r.load.get('load', {}).get('ms', 0):,.0f}", ms("prefill"),
-                     ms("decode"), ms("sample"), q(0.5), q(0.99)))
-    out.print(table("time per phase, ms: host clock / GPU time from CUDA events (last run; load once per configuration)",
-                    ("test", "config", "load", "prefill", "decode", "sample", "token p50", "token p99"), rows, right=range(2, 8)))
-    rows = []
-    for r in results:
-        for phase, cnt in r.phases.items():
-            steps = cnt.get("steps", 0)
-            rows.append((r.test.name, phase, f"{cnt['h2d_bytes']:,}", cnt["h2d_count"], f"{cnt['d2h_bytes']:,}", cnt["d2h_count"],
-                         cnt["syncs"], cnt["launches"], cnt["graph_replays"], rate_text(cnt["d2h_bytes"] / steps if steps else None)))
-    out.print(table("copy traffic per phase (last run)",
-                    ("test", "phase", "H2D bytes", "H2D #", "D2H bytes", "D2H #", "syncs", "launches", "graph replays", "D2H B/step"),
-                    rows, right=range(2, 10)))
-    steps = {(_config(r.test)): r.load_ms for r in results}
-    names = list(dict.fromkeys(k for v in steps.values() for k in v))
-    out.print(table("load steps (ms, once per configuration)", ("config", *names, "total"),
-                    [(f, *(f"{v.get(n, 0):,.1f}" for n in names), f"{sum(v.values()):,.1f}") for f, v in steps.items()],
-                    right=range(1, len(names) + 2)))
-    for r in {(_config(r.test)): r for r in results}.values():
-        if r.load_detail_ms:  # read and copy overlap inside read+upload
-            out.print(f"[dim]{_config(r.test)}: read+upload = "
-                      + "; ".join(f"{k} {v:,.1f} ms" for k, v in r.load_detail_ms.items()) + "[/]")
-    mem = results[-1].memory
-    if mem:
-        out.print(memory_table(mem))
+    if results:
+        PRINTERS[output](results, [result_record(r, env, model_info, bounds.get(r.test)) for r in results])
 
 
 def _kernels(output: str) -> None:
@@ -266,7 +164,7 @@ def _kernels(output: str) -> None:
                      "n_head_kv": n_kv_head, "head_dim": 128, "us": r["us"], "tflop_s": r["tflop_s"], "gb_s": r["gb_s"]})
     records = gemv + attn
     if output in ("json", "jsonl"):
-        _print_json(records, output)
+        (write_json if output == "json" else write_jsonl)(records)
         return
     out.print(table("matrix-vector kernels (median of CUDA-event timings; read: a kernel that only streams the same bytes; "
                     "dep. read: the same, waiting for the previous launch as a product waits for its x)",

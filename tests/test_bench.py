@@ -96,7 +96,7 @@ def test_bench_tables_show_phases_and_traffic():
 
 
 @pytest.mark.parametrize("args, needle", [(("-o", "xml"), "-o 'xml'"), (("-r", "0"), "-r 0"), (("--pg", "1,2,3"), "--pg"),
-                                          (("--flags", "K4_X=1"), "K4_X")])
+                                          (("--flags", "K4_X=1"), "K4_X"), (("--kernels", "-o", "csv"), "-o csv does not apply to --kernels")])
 def test_bench_bad_options(args, needle):
     r = runner.invoke(app, ["bench", "--backend", "numpy", *args])
     assert r.exit_code == 2 and needle in r.stderr
