@@ -23,7 +23,7 @@ def test_ring_rows_hold_the_window_and_one_pass():
     assert swa_ring.ring_rows(4096, 512, 131072) == 8192  # gemma 2
     assert swa_ring.ring_rows(5, 64, 4096) == swa_ring.RING_MIN_ROWS  # the kernels' largest key tile divides it
     assert swa_ring.ring_rows(1024, 512, 2048) == 0  # not smaller than the context: a plain cache
-    for window, chunk in ((1, 1), (100, 9), (1024, 512), (1025, 512), (4096, 512)):
+    for window, chunk in ((1, 1), (100, 9), (1024, 512), (1025, 512), (1538, 512), (4096, 512)):  # 1538: 2,049 rows needed
         r = swa_ring.ring_rows(window, chunk, 1 << 30)
         assert r & (r - 1) == 0 and r >= window + chunk - 1 and r // 2 < max(swa_ring.RING_MIN_ROWS, window + chunk - 1)
 
@@ -80,6 +80,8 @@ def test_cut_back_within_the_slack_or_to_zero():
     c.truncate(4500)
     c.tokens += [7] * 100  # positions 4,500 .. 4,599 again: 5,000 stays the highest stored
     assert c.written == 5000 and c.reusable(3975) == 3975 and c.reusable(3974) == 0
+    c.truncate(4550)  # a second cut below 5,000: the rings still hold positions up to 4,999
+    assert c.written == 5000 and c.reusable(3974) == 0
     c.truncate(0)
     assert c.written == 0 and c.n_past == 0
     c.tokens = [1] * 10
