@@ -173,6 +173,28 @@ def test_overflow_drops_oldest_turns_and_keeps_the_system_prompt():
     assert s.window()[-2]["content"] == "Tell me story number 5"
 
 
+def test_reply_reserve_is_n_predict_or_a_quarter_and_at_most_half():
+    assert make_session(SAMPLE_MODEL, n_ctx=96, n_predict=8).reply_reserve == 8
+    assert make_session(SAMPLE_MODEL, n_ctx=96).reply_reserve == 24  # -n -1: a quarter of the context
+    assert make_session(SAMPLE_MODEL, n_ctx=96, n_predict=500).reply_reserve == 48
+
+
+def test_the_window_keeps_every_turn_that_fits_and_starts_at_a_user_message():
+    """The fit is exact: a window that leaves exactly the reply's reserve keeps every turn; one
+    token less drops the oldest turn whole, its user message and its reply (dropping the long
+    user message alone would fit, but a window must not open with a reply)."""
+    history = [{"role": "user", "content": "Tell me a long story about a girl, a dog, a cat and a big red ball in the park."},
+               {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Go on."}, {"role": "assistant", "content": "Ok."}]
+    probe = make_session(SAMPLE_MODEL, n_predict=8, system="Stories.")
+    need = len(probe.encode(probe.window() + history + [{"role": "user", "content": "More"}])) + 8
+    for n_ctx, dropped, first in ((need, 0, "Tell me"), (need - 1, 1, "Go on.")):
+        s = make_session(SAMPLE_MODEL, n_ctx=n_ctx, n_predict=8, system="Stories.")
+        s.messages = [dict(m) for m in history]
+        plan = s.plan("More")
+        assert plan.dropped_turns == dropped and plan.messages[plan.start]["content"].startswith(first)
+        assert len(plan.prompt_ids) + 8 <= n_ctx
+
+
 def test_a_message_larger_than_the_context_is_refused():
     s = make_session(SAMPLE_MODEL, n_ctx=64, n_predict=8)
     turn(s, "Hi")
