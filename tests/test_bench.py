@@ -38,6 +38,7 @@ def test_expand_is_the_cartesian_product():
     assert tests[4].name == "pp128@d4096"
     assert tests[-1].flags == (("K4_CUDA_GRAPH", "1"), ("K4_PINGPONG", "0"))
     assert expand([0], [0], [], [0], []) == []
+    assert [t.name for t in expand([], [], [(8, 0), (0, 4), (0, 0)], [0], [])] == ["pp8", "tg4"]  # a pair of one zero: one test
 
 
 def test_expand_crosses_cache_types_between_flags_and_depths():

@@ -35,7 +35,7 @@ def test_numpy_max_context_matches_what_the_backend_accepts(long_model):
         NumpyBackend(long_model, n + 1, mem_available=avail)
 
 
-@pytest.mark.parametrize("room, want", [(40000, 32768), (5000, 4864), (300, 256), (10, CTX_STEP)])
+@pytest.mark.parametrize("room, want", [(40000, 32768), (32768, 32768), (5000, 4864), (300, 256), (10, CTX_STEP)])
 def test_fit_context_takes_the_training_context_or_the_largest_multiple_of_256(long_model, monkeypatch, room, want):
     _, left, per_token = max_context(long_model, mem_available=2**30)
     monkeypatch.setattr(hostmem, "available_ram", lambda *a, **k: 2**30 - left + room * per_token)
@@ -49,6 +49,16 @@ def test_fit_context_takes_the_training_context_or_the_largest_multiple_of_256(l
         said = []
         assert make_backend(long_model, "numpy", 0, status=said.append).n_ctx == want
         assert said == ([] if note is None else [note])
+
+
+@pytest.mark.parametrize("room", [200, 10])  # more tokens than the training context fit; fewer than CTX_STEP
+def test_fit_context_never_passes_a_short_training_context(tmp_path, data, monkeypatch, room):
+    """A model trained on fewer than CTX_STEP tokens keeps its own context, also when memory is short."""
+    short = open_model(write_tiny(tmp_path / "short.gguf", data / "models" / "stories260K.gguf", tiny_config(n_ctx_train=128)))
+    _, left, per_token = max_context(short, mem_available=2**30)
+    monkeypatch.setattr(hostmem, "available_ram", lambda *a, **k: 2**30 - left + room * per_token)
+    assert max_context(short)[0] == room
+    assert fit_context(short, "numpy") == (128, None)
 
 
 def test_chat_stats_line_has_a_context_meter():
