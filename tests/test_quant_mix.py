@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 
 from k4.runtime.model import expected_shapes, open_model
-from k4.runtime.quant_mix import MIXES, choose_types, llama_order, use_more_bits
+from k4.runtime.quant_mix import MIXES, allows_quantization, choose_types, llama_order, use_more_bits
 from k4.runtime.quantize import quantize_model
 from k4.runtime.reference import NumpyBackend
 from k4.runtime.synthetic import PRESETS
@@ -48,6 +48,19 @@ def test_phi4_fused_qkv_takes_the_attn_qkv_rule(mix, qkv):
         assert types[f"blk.{i}.ffn_up.weight"] == default and types[f"blk.{i}.attn_output.weight"] == default
         assert types[f"blk.{i}.attn_norm.weight"] is None
     assert types["output.weight"] == (T.Q8_0 if mix == "Q8_0" else T.Q6_K) and types["token_embd.weight"] == default
+
+
+def test_what_may_be_quantized_counts_dimensions_as_ggml_does():
+    """llama-quant.cpp tensor_allows_quantization: ggml_n_dims >= 2, where a numpy shape (1, n) is
+    ggml's {n, 1}, one dimension (qwen2moe's shared-expert gate as a row stays in its type), as
+    are vectors, norms and the expert router."""
+    assert allows_quantization("blk.0.ffn_down.weight", (2048, 5632))
+    assert allows_quantization("blk.0.ffn_gate_exps.weight", (60, 1408, 2048))
+    assert not allows_quantization("blk.0.ffn_gate_inp_shexp.weight", (1, 2048))
+    assert not allows_quantization("blk.0.ffn_gate_inp_shexp.weight", (2048,))
+    assert not allows_quantization("blk.0.attn_norm.weight", (2048, 2))  # a norm, whatever its shape
+    assert not allows_quantization("blk.0.ffn_gate_inp.weight", (60, 2048))
+    assert not allows_quantization("blk.0.attn_q.bias", (2048, 2))
 
 
 def test_attention_v_count_includes_attn_qkv():
