@@ -13,7 +13,7 @@ from .bench_printers import PRINTERS, write_json, write_jsonl
 from .render import err, errors_to_exit, out, table
 
 FORMATS = tuple(PRINTERS)
-KERNEL_FORMATS = ("table", "json", "jsonl")  # --kernels: gemv and attention records, no one csv/md header
+KERNEL_FORMATS = ("table", "json", "jsonl")  # --kernels: its gemv and attention records have different fields, so no csv or md
 
 
 @errors_to_exit
