@@ -4,6 +4,8 @@ the run of every kernel that serves a shape (check_attention_kernels) with its e
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from k4.runtime.cuda.kernel_names import GQA_TILE_KEYS
@@ -127,8 +129,7 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
     instance that rounds the query to 8 bits (q8_0 keys by int8 mma) is compared with
     reference(gqa_int8_queries(q, scale)) instead of want (reference: want's function of the
     queries; required with a q8_0 key plane). options: ops.attention's keywords (scales, shape).
-    Leaves ops with the `ops` fixture's kernel choice (mma, tiled, gqa and shared_merge on),
-    whatever failed. attn_gqa runs for every group it takes (2 and up), below the selector's
+    Leaves ops with the switches (ops.sw) it was given, whatever failed. attn_gqa runs for every group it takes (2 and up), below the selector's
     gqa_min_group too."""
     import cupy as cp
 
@@ -145,9 +146,10 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
     shape = options.get("shape")
     scale = 1.0 / np.sqrt(D) if shape is None or shape.scale is None else shape.scale
     min_group, ops.gqa_min_group = ops.gqa_min_group, 2
+    saved = ops.sw
     try:
         for mma, tiled, gqa, cols, int8 in PREFILL_KERNELS if n_tok > 1 else DECODE_KERNELS:
-            ops.mma, ops.tiled, ops.gqa, ops.gqa_cols, ops.gqa_int8 = mma, tiled, gqa, cols, int8
+            ops.sw = replace(saved, mma=mma, tiled=tiled, gqa=gqa, gqa_cols=cols, gqa_int8=int8)
             out = cp.full((n_tok, n_head, D), np.nan, cp.float32)
             ops.attention(cp.asarray(q), kc, vc, out, cp.asarray([pos0], dtype=cp.int32), n_split, split_len, part, ticket,
                           **options)
@@ -168,18 +170,17 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
                 assert cp.array_equal(short, out) and not ticket.any()
             if n_tok == 1 and n_split > 1 and ops.attention_kernel(1, D, kv, group).startswith("attn_gqa"):
                 # the merge by the last block alone (K4_SHARED_MERGE=0) gives the shared merge's bits
-                ops.shared_merge = False
+                chosen, ops.sw = ops.sw, replace(ops.sw, shared_merge=False)
                 alone = cp.full_like(out, np.nan)
                 ops.attention(cp.asarray(q), kc, vc, alone, cp.asarray([pos0], dtype=cp.int32), n_split, split_len, part, ticket,
                               **options)
-                ops.shared_merge = True
+                ops.sw = chosen
                 assert cp.array_equal(alone, out) and not ticket.any()
             if n_tok == 1 and n_split > 1:
                 check_dynamic_split(ops, q, kc, vc, expect, pos0, n_ctx, limit, options)
         check_short(ops, q, kc, vc, pos0, want, options)
     finally:
-        ops.mma, ops.tiled, ops.gqa, ops.gqa_cols, ops.gqa_int8, ops.gqa_min_group = True, True, True, True, True, min_group
-        ops.shared_merge = True
+        ops.sw, ops.gqa_min_group = saved, min_group
 
 
 def check_short(ops, q: np.ndarray, kc, vc, pos0: int, want: np.ndarray, options: dict) -> None:

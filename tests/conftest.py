@@ -62,7 +62,7 @@ def ops():
     from k4.runtime.cuda.ops import Ops
     from k4.runtime.trace import Trace
 
-    return Ops(Trace(), mma=True)
+    return Ops(Trace())
 
 
 @pytest.fixture

@@ -6,6 +6,8 @@ every attention test runs its kernels (tests/attention_ref.py check_short)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -36,11 +38,11 @@ def test_short_limit_and_the_kernel_of_each_range(ops):
     assert ops.attention_kernel(2, 128, f16, 4, limit=128).startswith("attn_mma")
     assert ops.attention_kernel(1, 64, q8, 1, limit=64).startswith("attn_kv")
     assert ops.uses_attn_q8(1, 256, 2, 1, 64, f16)
-    ops.short_attn = False
+    saved, ops.sw = ops.sw, replace(ops.sw, short_attn=False)
     try:
         assert ops.short_limit(128, f16) == 0 and ops.attention_kernel(1, 128, f16, 1, limit=128).startswith("attn_kv")
     finally:
-        ops.short_attn = True
+        ops.sw = saved
 
 
 def test_decode_ranges_start_with_the_short_ones(ops):

@@ -8,6 +8,7 @@ The numpy side is runtime/reference.py (the oracle) and runtime/sampling.py."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -181,9 +182,10 @@ def test_decode_attention_hands_over_the_output_quantized(ops, rng, n_head, n_he
     assert ops.attention_kernel(1, D, group=group, limit=limit).startswith("attn_gqa" if gqa else "attn_kv")
     assert ops.uses_attn_q8(1, D, group, n_split, limit) and (n_split > 1) == split
     part, ticket = cp.empty((1, n_head, n_split, D + 2), cp.float32), cp.zeros(n_head, cp.int32)
+    saved = ops.sw
     try:
         for swz, shared in itertools.product(sorted({k.x_swizzle for k in QUANT.values()}), (True, False) if gqa else (True,)):
-            ops.shared_merge = shared  # attn_gqa: the merge shared by the last blocks (K4_SHARED_MERGE), or the last alone
+            ops.sw = replace(saved, shared_merge=shared)  # attn_gqa: the merge shared by the last blocks (K4_SHARED_MERGE), or the last alone
             x_q8 = Q8Vector(cp.zeros(q8x_bytes(n_head * D), cp.uint8), n_head * D, swz)
             out = cp.full((1, n_head, D), np.nan, cp.float32)
             ops.attention(cp.asarray(q), kc, vc, out, cp.asarray([pos0], dtype=cp.int32), n_split, split_len, part, ticket,
@@ -191,7 +193,7 @@ def test_decode_attention_hands_over_the_output_quantized(ops, rng, n_head, n_he
             assert np.array_equal(x_q8.data.get(), q8x_host(out.get().reshape(-1), swz)), (swz, shared)
             assert not ticket.any()
     finally:
-        ops.shared_merge = True
+        ops.sw = saved
 
 
 @pytest.mark.parametrize("arch,n_head,n_head_kv,D,pos0,n_ctx", [("llama", 8, 2, 64, 77, 256), ("qwen3", 4, 4, 128, 5, 4096),

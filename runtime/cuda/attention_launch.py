@@ -143,17 +143,16 @@ def _gqa_smem(D: int, kv: KVTypes, int8_keys: bool) -> int:
 
 
 class AttentionLaunchers:
-    """The attention part of ops.Ops. Switches (Ops attributes): `mma` (K4_MMA_ATTN: prefill on
-    attn_mma), `tiled` (K4_TILED_ATTN: else attn_tiled), `gqa` (K4_GQA_MMA: decode of a
+    """The attention part of ops.Ops. Its switches are `self.sw` (runtime/cuda/op_switches.py
+    OpSwitches): `mma` (prefill on attn_mma), `tiled` (else attn_tiled), `gqa` (decode of a
     grouped-query model of at least `gqa_min_group` query heads per KV head on attn_gqa),
-    `gqa_cols` (K4_GQA_COLS: attn_gqa with a group of up to 8 query heads as the mma's columns,
-    else as its rows), `gqa_int8` (K4_GQA_INT8: then q8_0 keys by int8 mma, the query quantized),
-    `kv` (the cache types the kernels are listed for), `attn_q8` (K4_ATTN_Q8: decode attention
-    may also write its output quantized for the output product, uses_attn_q8), `dyn_split`
-    (K4_DYN_SPLIT: decode_splits' ranges size each step's splits on the device), `shared_merge`
-    (K4_SHARED_MERGE: attn_gqa's last blocks of a KV head share the merge of its splits,
-    merge_helpers), `short_attn` (K4_SHORT_ATTN: decode ranges of at most SHORT_SPLITS x
-    short_keys(head_dim) keys over an fp16 cache on attn_short, short_limit)."""
+    `gqa_cols` (attn_gqa with a group of up to 8 query heads as the mma's columns, else as its
+    rows), `gqa_int8` (then q8_0 keys by int8 mma, the query quantized), `attn_q8` (decode
+    attention may also write its output quantized for the output product, uses_attn_q8),
+    `dyn_split` (decode_splits' ranges size each step's splits on the device), `shared_merge`
+    (attn_gqa's last blocks of a KV head share the merge of its splits, merge_helpers),
+    `short_attn` (decode ranges of at most SHORT_SPLITS x short_keys(head_dim) keys over an fp16
+    cache on attn_short, short_limit). `kv`: the cache types the kernels are listed for."""
 
     gqa_min_group = GQA_MIN_GROUP
 
@@ -171,13 +170,13 @@ class AttentionLaunchers:
         if n_tok == 1 and limit is not None and limit <= SHORT_SPLITS * self.short_limit(D, kv):
             return f"attn_short<{D}>"
         types = kv_args(kv.k, kv.v)
-        if n_tok > 1 and self.mma and D in MMA_TILE_KEYS:
+        if n_tok > 1 and self.sw.mma and D in MMA_TILE_KEYS:
             return f"attn_mma<{D}, {MMA_TILE_KEYS[D]}, {types}>"
-        if n_tok > 1 and self.tiled and D in TILED_HEAD_DIMS:
+        if n_tok > 1 and self.sw.tiled and D in TILED_HEAD_DIMS:
             return f"attn_tiled<{D}, {types}>"
-        if (n_tok == 1 and self.gqa and max(2, self.gqa_min_group) <= group <= MAX_GROUP and D in GQA_TILE_KEYS
+        if (n_tok == 1 and self.sw.gqa and max(2, self.gqa_min_group) <= group <= MAX_GROUP and D in GQA_TILE_KEYS
                 and (limit is None or limit > GQA_MIN_LIMIT)):
-            return gqa_name(D, kv.k, kv.v, self._gqa_group(group), self.gqa_int8)
+            return gqa_name(D, kv.k, kv.v, self._gqa_group(group), self.sw.gqa_int8)
         return attn_kv_name(kv.k, kv.v, n_tok == 1 and (limit is None or limit > GQA_MIN_LIMIT))
 
     def uses_attn_q8(self, n_tok: int, D: int, group: int, n_split: int, limit: int | None, kv: KVTypes | None = None) -> bool:
@@ -187,7 +186,7 @@ class AttentionLaunchers:
         query, on attn_gqa with splits (its merge writes it), or on attn_kv's short-range
         instance with D a multiple of 32 up to 2 * ATT_THREADS (a thread per output, or two; the
         deep instance would spill)."""
-        if not (self.attn_q8 and n_tok == 1):
+        if not (self.sw.attn_q8 and n_tok == 1):
             return False
         name = self.attention_kernel(1, D, kv, group=group, limit=limit)
         if name.startswith("attn_gqa"):
@@ -201,7 +200,7 @@ class AttentionLaunchers:
         bits per 32 dims (attn_gqa's I8K instance, gqa_int8_keys; kernels_cu/gqa_cols.cuh
         cols_quantize_query)."""
         return (self.attention_kernel(1, D, kv, group, limit).startswith("attn_gqa")
-                and gqa_int8_keys(kv.k, self._gqa_group(group), self.gqa_int8))
+                and gqa_int8_keys(kv.k, self._gqa_group(group), self.sw.gqa_int8))
 
     def short_limit(self, D: int, kv: KVTypes | None = None) -> int:
         """The keys of one split of attn_short, so the most a decode range of one split may hold
@@ -209,23 +208,23 @@ class AttentionLaunchers:
         `short_attn`, head_dim D of an instance (SHORT_HEAD_DIMS) and an fp16 cache of types kv
         (default self.kv); else 0."""
         kv = kv or self.kv
-        return short_keys(D) if self.short_attn and D in SHORT_HEAD_DIMS and kv.k == kv.v == "f16" else 0
+        return short_keys(D) if self.sw.short_attn and D in SHORT_HEAD_DIMS and kv.k == kv.v == "f16" else 0
 
     def _gqa_group(self, group: int) -> int:
         """The group attn_gqa's instance is chosen for: the model's, or (not gqa_cols) one past
         the column instances'."""
-        return group if self.gqa_cols else MAX_GROUP
+        return group if self.sw.gqa_cols else MAX_GROUP
 
     def _merge_helpers(self, group_outputs: int, groups: int) -> int:
         """attn_gqa's helpers argument: merge_helpers on this device with `shared_merge`, else 1."""
-        if not self.shared_merge:
+        if not self.sw.shared_merge:
             return 1
         if self._n_sm is None:
             self._n_sm = device_limits()[0]
         return merge_helpers(group_outputs, groups, self._n_sm)
 
     def _gqa_smem_of(self, D: int, kv: KVTypes, group: int) -> int:
-        return _gqa_smem(D, kv, gqa_int8_keys(kv.k, self._gqa_group(group), self.gqa_int8))
+        return _gqa_smem(D, kv, gqa_int8_keys(kv.k, self._gqa_group(group), self.sw.gqa_int8))
 
     def decode_plan(self, head_dim: int, n_head: int, n_head_kv: int, limit: int | None = None) -> tuple[int, int]:
         """(max_split, keys) of split decode attention for a model of this shape over a range of at
@@ -260,7 +259,7 @@ class AttentionLaunchers:
         if not split:
             rest = split_buckets(n_ctx, False, 1, ATT_SPLIT_KEYS, window)
         else:
-            dyn = self.dyn_split
+            dyn = self.sw.dyn_split
             short = split_buckets(n_ctx, True, *self.decode_plan(head_dim, n_head, n_head_kv, GQA_MIN_LIMIT), window, dyn)
             long = split_buckets(n_ctx, True, *self.decode_plan(head_dim, n_head, n_head_kv), window, dyn)
             rest = [s if s[0] <= GQA_MIN_LIMIT else g for s, g in zip(short, long)]  # the same limits

@@ -100,7 +100,7 @@ class CudaBackend(TokenCache):
         self.load_detail_ms: dict[str, float] = {}  # inside read+upload, which overlap: see memory.Uploader
         w_opts, f_opts, o_opts = options(self.flags)
         use_carveout(self.flags.on("K4_CARVEOUT"))
-        o = ops.Ops(self.trace, kv=kv_types, **o_opts)
+        o = ops.Ops(self.trace, kv_types, o_opts)
         # kernels compile on threads while the weights upload; the "compile" step waits for them
         matrix_types = {t.ggml_type for t in mf.tensors.values() if len(t.shape) == 2}
         compiling = compile_async(quant_kernels.compile_jobs(matrix_types, w_opts.matrix.evict_first, cfg.activation,

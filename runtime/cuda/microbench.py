@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from collections.abc import Sequence
 
 import numpy as np
@@ -278,6 +279,7 @@ def bench_attention(n_tok: int, n_ctx: int, n_head: int = 32, n_head_kv: int = 3
     import cupy as cp
 
     from .attention_launch import attention_split
+    from .op_switches import OpSwitches
     from .ops import Ops
 
     f = Flags() if flags is None else flags
@@ -292,9 +294,7 @@ def bench_attention(n_tok: int, n_ctx: int, n_head: int = 32, n_head_kv: int = 3
     kv_bytes = sum(a.nbytes for p in planes for a in p if a is not None)
     out = cp.empty_like(q)
     pos = cp.asarray(np.array([n_ctx - n_tok], dtype=np.int32))
-    ops = Ops(Trace(), pdl=False, tiled=tiled, mma=mma, evict_first=f.on("K4_EVICT_FIRST"), kv=kv, gqa=gqa,
-              gqa_cols=f.on("K4_GQA_COLS"), gqa_int8=f.on("K4_GQA_INT8"),
-              shared_merge=f.on("K4_SHARED_MERGE"))
+    ops = Ops(Trace(), kv, replace(OpSwitches.from_flags(f), pdl=False, tiled=tiled, mma=mma, gqa=gqa))
     n_split, split_len = attention_split(n_ctx, split, *ops.decode_plan(head_dim, n_head, n_head_kv)) if n_tok == 1 else (1, n_ctx)
     part = cp.empty((n_tok, n_head, n_split, head_dim + 2), cp.float32) if n_split > 1 else None
     ticket = cp.zeros(n_tok * n_head, cp.int32) if n_split > 1 else None

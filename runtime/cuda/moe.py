@@ -109,7 +109,7 @@ def router_weight(m: MoeWeights, o):
     if m.router_w is None and m.router.ggml_type in FLOAT:
         _, n_out, n_in = m.router.shape
         spec = MatrixSpec("ffn_gate_inp.weight", m.router.ggml_type, (n_out, n_in))
-        opts = matmul.WeightOptions(tensor_cores=True, pdl=o.pdl, evict_first=o.evict_first)
+        opts = matmul.WeightOptions(tensor_cores=True, pdl=o.sw.pdl, evict_first=o.sw.evict_first)
         m.router_w = matmul.make_weight(spec, m.router.data, repack=False, opts=opts)
     return m.router_w
 

@@ -26,6 +26,7 @@ from .constants import ST_DRAW, ST_POS, ST_RING, ST_TOK  # noqa: F401 (ops.ST_*:
 from .kernel_names import FILE_OF, GROUP_OF, KERNELS, kv_args
 from .kv_cache import NO_SCALES, cache_types, planes as _planes
 from .launch import launch
+from .op_switches import OpSwitches
 from .op_args import OUT_TYPES, RopeArgs, check_f32, check_out, ring_mask, row_stride
 
 
@@ -55,22 +56,14 @@ RMS_NORM_Q8_MAX = 16 * 1024  # rms_norm with q8: one thread per 16 values, at mo
 
 class Ops(AttentionLaunchers):
     """The kernel launchers. `trace` receives one launch per kernel; the backend swaps it for a
-    scratch Trace while it captures a CUDA graph (runtime/cuda/runner.py). `pdl`: launch with
-    programmatic dependent launch while a graph is being captured (module docstring, K4_PDL).
-    Prefill attention: attn_mma with `mma` (K4_MMA_ATTN), else attn_tiled with `tiled`
-    (K4_TILED_ATTN), where head_dim has an instance; decode attention of a grouped-query model:
-    attn_gqa with `gqa` (K4_GQA_MMA) (attention_kernel). `evict_first`: decode
-    attention reads the KV cache with the L1 evict-first hint (K4_EVICT_FIRST). `kv`: the model's
-    KV cache types (-ctk, -ctv), whose kernel instances kernels_for lists; the launchers take
-    the types of the planes they are given (cache_types)."""
+    scratch Trace while it captures a CUDA graph (runtime/cuda/runner.py). `kv`: the model's KV
+    cache types (-ctk, -ctv), whose kernel instances kernels_for lists; the launchers take the
+    types of the planes they are given (cache_types). `sw`: which kernels to launch
+    (runtime/cuda/op_switches.py; sw.pdl: programmatic dependent launch while a graph is being
+    captured, module docstring)."""
 
-    def __init__(self, trace: Trace, pdl: bool = False, tiled: bool = True, mma: bool = True, evict_first: bool = True,
-                 kv: KVTypes = F16, gqa: bool = True, gqa_cols: bool = True, gqa_int8: bool = True, attn_q8: bool = True,
-                 dyn_split: bool = True, shared_merge: bool = True, short_attn: bool = True):
-        self.trace = trace
-        self.pdl, self.tiled, self.mma, self.evict_first, self.kv, self.gqa = pdl, tiled, mma, evict_first, kv, gqa
-        self.gqa_cols, self.gqa_int8, self.attn_q8, self.dyn_split = gqa_cols, gqa_int8, attn_q8, dyn_split
-        self.shared_merge, self.short_attn = shared_merge, short_attn
+    def __init__(self, trace: Trace, kv: KVTypes = F16, sw: OpSwitches = OpSwitches()):
+        self.trace, self.kv, self.sw = trace, kv, sw
         self._n_sm: int | None = None  # multiprocessors of the device, when a launcher first needs them
         self._functions: dict[tuple[str, str], object] = {}
 
@@ -81,7 +74,7 @@ class Ops(AttentionLaunchers):
         return self._functions[key]
 
     def _defines(self) -> tuple[str, ...]:
-        return () if self.evict_first else ("K4_EVICT_FIRST=0",)
+        return () if self.sw.evict_first else ("K4_EVICT_FIRST=0",)
 
     def kernels_for(self, head_dim: int, group: int = 1) -> list[tuple[str, str]]:
         """(file, kernel) of every kernel a model of head_dim and `group` query heads per KV
@@ -111,7 +104,7 @@ class Ops(AttentionLaunchers):
 
     def _launch(self, filename: str, name: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
                 pdl: bool = True, per_sm: int | None = None) -> None:
-        pdl = pdl and self.pdl and cp.cuda.get_current_stream().is_capturing()
+        pdl = pdl and self.sw.pdl and cp.cuda.get_current_stream().is_capturing()
         launch(self.function(filename, name), grid, block, args, shared_mem, None, self.trace, pdl, per_sm)
 
     def rms_norm(self, x: cp.ndarray, w: cp.ndarray, y: cp.ndarray, eps: float, q8=None) -> None:

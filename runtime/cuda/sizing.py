@@ -21,6 +21,7 @@ from ..trace import Trace
 from . import blas, layout, matmul, memory, ops
 from .buffers import activation_spec, matmul_scratch_bytes, sampler_spec, spec_bytes
 from .kv_cache import KVCache
+from .op_switches import OpSwitches
 from .forward import ForwardOptions
 from .weights import WeightOptions, matrix_plan, weight_bytes
 
@@ -29,16 +30,14 @@ PREFILL_CHUNK = 512  # tokens per prefill batch (rows of the activation buffers)
 
 
 def options(flags: Flags) -> tuple:
-    """(WeightOptions, ForwardOptions, Ops keyword arguments) of a Flags value."""
+    """(WeightOptions, ForwardOptions, OpSwitches) of a Flags value."""
     on = flags.on
     pdl = on("K4_PDL")
     mat = matmul.WeightOptions(tensor_cores=on("K4_PREFILL_TC"), pdl=pdl, evict_first=on("K4_EVICT_FIRST"), mma8=on("K4_MMA8"))
     w = WeightOptions(repack=on("K4_REPACK"), stack=on("K4_STACK"), glu=on("K4_FUSE_SWIGLU"), pinned=on("K4_PINNED_UPLOAD"), matrix=mat)
     f = ForwardOptions(fuse_norm=on("K4_FUSE_NORM"), fuse_rope=on("K4_FUSE_ROPE"), fuse_moe=on("K4_FUSE_MOE"),
                        moe_one=on("K4_MOE_ONE"), qkv_q8=on("K4_QKV_Q8"), qkv_pair=on("K4_QKV_PAIR"))
-    o = dict(pdl=pdl, tiled=on("K4_TILED_ATTN"), mma=on("K4_MMA_ATTN"), evict_first=on("K4_EVICT_FIRST"), gqa=on("K4_GQA_MMA"),
-             gqa_cols=on("K4_GQA_COLS"), gqa_int8=on("K4_GQA_INT8"), attn_q8=on("K4_ATTN_Q8"),
-             dyn_split=on("K4_DYN_SPLIT"), shared_merge=on("K4_SHARED_MERGE"), short_attn=on("K4_SHORT_ATTN"))
+    o = OpSwitches.from_flags(flags)
     return w, f, o
 
 
@@ -80,7 +79,7 @@ def fixed_bytes(mf: ModelFile, flags: Flags, kv_types: KVTypes = F16) -> int:
     """Device bytes the backend needs besides the KV cache (weights, buffers, cuBLAS workspace,
     memory.RESERVED_BYTES), with buffers for a context of the training length (the decode
     attention of kv_types sizes the split partials)."""
-    plan = size_plan(mf, mf.config.n_ctx_train, flags, ops.Ops(Trace(), kv=kv_types, **options(flags)[2]))
+    plan = size_plan(mf, mf.config.n_ctx_train, flags, ops.Ops(Trace(), kv_types, options(flags)[2]))
     return plan.weights + plan.buffers + memory.RESERVED_BYTES
 
 
