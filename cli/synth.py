@@ -9,10 +9,14 @@ import typer
 
 from .render import err, errors_to_exit, progress_bar
 
+# runtime/synthetic.py PRESETS' names, written out so `k4 --help` needs no numpy (test_cli_results checks them)
+PRESET_HELP = ("Model shape: tinyllama-1.1b, llama2-7b, llama3-8b, qwen2.5-0.5b, qwen2.5-7b, qwen3-8b, gemma3-12b, "
+               "gemma3-27b, phi4-14b, qwen3-30b-a3b, or test-tiny (two small layers, for tests).")
+
 
 @errors_to_exit
 def synth(
-    preset: Annotated[str, typer.Argument(help="Model shape: tinyllama-1.1b, llama2-7b, llama3-8b, qwen2.5-0.5b, qwen2.5-7b, qwen3-8b.")],
+    preset: Annotated[str, typer.Argument(help=PRESET_HELP)],
     out: Annotated[Path, typer.Argument(help="Output .gguf path.")],
     vocab: Annotated[Optional[Path], typer.Option("--vocab", help="Take the vocabulary from this GGUF (default: the sample model's, padded).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -276,6 +277,13 @@ def test_synth_presets_are_the_published_configs():
         assert got == want, name
         assert cfg.rope_neox == (cfg.arch != "llama") and cfg.has_qkv_bias == (cfg.arch == "qwen2")
         assert cfg.has_qk_norm == (cfg.arch in ("qwen3", "gemma3", "qwen3moe"))
+
+
+def test_synth_help_names_every_preset():
+    from k4.cli.synth import PRESET_HELP
+
+    listed = PRESET_HELP.removeprefix("Model shape: ").split(" (")[0]
+    assert re.split(r", or |, ", listed) == list(PRESETS)
 
 
 def test_synth_writes_the_preset_shape(tmp_path):
