@@ -55,10 +55,10 @@ __device__ MoeChoice moe_route(const float* __restrict__ logits, int n_expert, i
         const float p = e < n_expert ? prob[e] : 0.f;
         int rank = 0;
         if (e < n_expert) {
-#pragma unroll 8
+#pragma unroll 4
             for (int f = t % tpe; f < n_expert; f += tpe) {
                 const float q = prob[f];
-                rank += (q > p) | ((q == p) & (f < e));  // & and |: the unrolled keys' loads issue together
+                rank += q > p || (q == p && f < e);
             }
         }
         for (int o = 1; o < tpe; o <<= 1) rank += __shfl_xor_sync(0xffffffffu, rank, o);

@@ -55,12 +55,9 @@ extern "C" __global__ void rms_norm_add(const float* t, const float* __restrict_
 // the sum of squares and the stores.
 extern "C" __global__ void rms_norm_q8(const float* x, const float* __restrict__ w, float* y, u8* q8, int n, float eps, int swz) {
     pdl_trigger();
+    pdl_wait();
     const int u = threadIdx.x;
     const bool ok = u < n / 16;
-    float4 g[4];  // the weights, which no kernel writes, loaded before the wait: off the chain after it
-#pragma unroll
-    for (int k = 0; k < 4; ++k) g[k] = ok ? __ldg(reinterpret_cast<const float4*>(w) + 4 * u + k) : make_float4(0.f, 0.f, 0.f, 0.f);
-    pdl_wait();
     const size_t row = (size_t)blockIdx.x * n;
     float v[16];
     float ss = 0.0f;
@@ -75,10 +72,11 @@ extern "C" __global__ void rms_norm_q8(const float* x, const float* __restrict__
     const float scale = rsqrtf(ss / (float)n + eps);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        v[4 * k] = v[4 * k] * scale * g[k].x;
-        v[4 * k + 1] = v[4 * k + 1] * scale * g[k].y;
-        v[4 * k + 2] = v[4 * k + 2] * scale * g[k].z;
-        v[4 * k + 3] = v[4 * k + 3] * scale * g[k].w;
+        const float4 g = ok ? __ldg(reinterpret_cast<const float4*>(w) + 4 * u + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[4 * k] = v[4 * k] * scale * g.x;
+        v[4 * k + 1] = v[4 * k + 1] * scale * g.y;
+        v[4 * k + 2] = v[4 * k + 2] * scale * g.z;
+        v[4 * k + 3] = v[4 * k + 3] * scale * g.w;
         if (ok) reinterpret_cast<float4*>(y + row)[4 * u + k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
     }
     u8* q = q8 + (size_t)blockIdx.x * q8x_bytes(n);
