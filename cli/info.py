@@ -18,8 +18,9 @@ MAX_VALUE_CHARS = 80
 
 @errors_to_exit
 def info(model: c.ModelOpt = None) -> None:
-    """Describe a GGUF file: architecture, sizes, context, vocabulary, tensor types. For a file
-    k4 cannot run, the description is followed by the reason on stderr and exit status 2."""
+    """Describe a GGUF file: architecture, sizes, context, vocabulary, tensor types.
+
+    For a file k4 cannot run, the description is followed by the reason on stderr and exit status 2."""
     from k4.runtime.model import inspect_model
 
     mf, problem = inspect_model(c.model_path(model))

@@ -40,8 +40,9 @@ def quantize(
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
     threads: Annotated[int, typer.Option("-t", "--threads", help="Worker processes, as llama-quantize's nthread (0 = one per CPU core, 1 = no workers).")] = 0,
 ) -> None:
-    """Quantize IN to TYPE as llama-quantize does (no importance matrix): `k4 quantize IN OUT TYPE`,
-    or `k4 quantize --dry-run IN TYPE` to see the plan."""
+    """Quantize IN to TYPE as llama-quantize does (no importance matrix).
+
+    `k4 quantize IN OUT TYPE` writes OUT; `k4 quantize --dry-run IN TYPE` shows the plan."""
     from k4.runtime.model import open_model
     from k4.runtime.quant_mix import get_mix
     from k4.runtime.quantize import plan_quantization

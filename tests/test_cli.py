@@ -179,3 +179,12 @@ def test_ctrl_c_during_generation_exits_130(data):
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
+
+
+def test_every_command_has_a_one_line_summary():
+    """`k4 --help` lists each command by the first paragraph of its docstring; a paragraph that
+    wraps in the source shows its line break in the list (the details go after a blank line)."""
+    for command in app.registered_commands:
+        doc = command.callback.__doc__ or ""
+        summary = doc.strip().split("\n\n")[0]
+        assert summary and "\n" not in summary, f"{command.callback.__name__}: {summary!r}"
