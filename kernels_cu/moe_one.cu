@@ -5,10 +5,12 @@
 //  1. the router: block b computes the logits of experts b, b + G, ... (G blocks; moe_route.cuh
 //     router_logit, moe_router's arithmetic; the rows fetched into L1 before the wait for x),
 //     each written as a tagged word (the launch's 32-bit tag above the float's bits, stored and
-//     polled whole, relaxed at GPU scope), and every block normalizes and quantizes x
-//     (quantize_x, as the SwiGLU launch);
-//  2. gate and up: every block polls the n_expert logits, makes the router's choice
-//     (moe_route.cuh; the weights' division by their sum waits for phase 3), and its warps take the outputs R = b + G w, stepping by G WARPS, of the k
+//     polled whole, relaxed at GPU scope);
+//  2. gate and up: in every block warp 0 polls the n_expert logits and makes the router's choice
+//     (moe_route.cuh moe_choose_warp; the weights' division by their sum waits for phase 3) while
+//     the other warps normalize and quantize x (quantize_x's bits, quantize_x_past_warp0; past
+//     32 * MOE_WARP_EXPERTS experts the whole block does one, then the other, moe_route), then its
+//     warps take the outputs R = b + G w, stepping by G WARPS, of the k
 //     chosen experts' SwiGLU rows flattened (slot R / n_ff, row R % n_ff), each as moe_gemv_q8
 //     computes it (gemv_common.cuh q8_rows: gate row then up row), into h (k, n_ff); then the
 //     block releases its flag (flags[b] = tag);
@@ -49,6 +51,69 @@ __device__ __forceinline__ float ld_tagged(const u64* p, u32 tag) {
     }
 }
 
+// l[i] = the float of words[lane + 32 i] once it carries tag, for lane + 32 i < n (else 0): the
+// lane's N loads in flight together, polled again until all carry it.
+template <int N>
+__device__ __forceinline__ void poll_tagged(const u64* words, int n, u32 tag, float (&l)[N]) {
+    const int lane = threadIdx.x & 31;
+    u64 w[N];
+    for (;;) {
+        bool ready = true;
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            w[i] = (u64)tag << 32;
+            if (lane + 32 * i < n) asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(w[i]) : "l"(words + lane + 32 * i) : "memory");
+        }
+#pragma unroll
+        for (int i = 0; i < N; ++i) ready &= (u32)(w[i] >> 32) == tag;
+        if (ready) break;
+        __nanosleep(32);
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) l[i] = lane + 32 * i < n ? __uint_as_float((u32)w[i]) : 0.f;
+}
+
+// quantize_x's bits with norm_w (the block's: the sum of squares in the order of its blockDim.x
+// threads, gemv_common.cuh rms_scale), made by warps 1.. alone while warp 0 routes: warp 1 also
+// takes warp 0's share (its partial sum, its units). Named barrier 1 over the blockDim.x - 32
+// threads; blockDim.x at most 1,024.
+template <int SWZ>
+__device__ void quantize_x_past_warp0(const float* __restrict__ x, int n_in, const float* __restrict__ norm_w, float eps,
+                                      u8* xq, float* xd, float* xs) {
+    __shared__ float part[32];
+    const int nt = blockDim.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    for (int vw = warp == 1 ? 0 : warp; vw <= warp; ++vw) {  // the thread's place in the whole block
+        float ss = 0.f;
+        for (int i = 32 * vw + lane; i < n_in / 4; i += nt) {
+            const float4 f = __ldg(x4 + i);
+            ss += f.x * f.x + f.y * f.y + f.z * f.z + f.w * f.w;
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) part[vw] = ss;
+    }
+    asm volatile("bar.sync 1, %0;" ::"r"(nt - 32) : "memory");
+    const float scale = rsqrtf(warp_sum(lane < (nt >> 5) ? part[lane] : 0.f) / (float)n_in + eps);
+    const int n_units = n_in >> 4;
+    for (int vw = warp == 1 ? 0 : warp; vw <= warp; ++vw) {
+        for (int base = 0; base < n_units; base += nt) {  // warp-uniform trip count
+            const int u = base + 32 * vw + lane;
+            const bool ok = u < n_units;
+            float v[16];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                float4 f = ok ? __ldg(x4 + 4 * u + q) : make_float4(0.f, 0.f, 0.f, 0.f);
+                if (ok) {
+                    const float4 g = __ldg(reinterpret_cast<const float4*>(norm_w) + 4 * u + q);
+                    f = make_float4(f.x * scale * g.x, f.y * scale * g.y, f.z * scale * g.z, f.w * scale * g.w);
+                }
+                v[4 * q] = f.x; v[4 * q + 1] = f.y; v[4 * q + 2] = f.z; v[4 * q + 3] = f.w;
+            }
+            q8_unit(v, ok, u, SWZ, xq, xd, xs);
+        }
+    }
+}
+
 template <class TG, class TD, int WARPS, int U, bool PF, int DU, bool EARLY>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
@@ -65,6 +130,7 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
         u64* count,                      // (1,) the blocks that finished a launch
         float* y,                        // (n_embd,) x + the experts' weighted sum (may alias x)
         int n_expert, int k, int renorm, int n_embd, int n_ff) {
+    static_assert(WARPS >= 2, "warp 0 routes while the others quantize x");
     extern __shared__ uint4 smem[];
     __shared__ u32 tag_s;
     __shared__ float wsum;
@@ -95,10 +161,22 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
     u8* xq = base;
     float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_embd));
     float* xs = xd + q8x_d_floats(n_embd);
-    quantize_x<TG::x_swizzle>(x, n_embd, norm_w, eps, xq, xd, xs);
-    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) lg[e] = ld_tagged(words + e, tag);
-    __syncthreads();
-    const MoeChoice c = moe_route(lg, n_expert, k, renorm, prob, false);  // the ids; the weights unnormalized
+    __shared__ int ids_w[MOE_MAX_K];
+    __shared__ float w_w[MOE_MAX_K];
+    MoeChoice c{ids_w, w_w};  // the ids; the weights unnormalized
+    if (n_expert <= 32 * MOE_WARP_EXPERTS) {  // warp 0 polls the logits and chooses while the others quantize x
+        if (warp == 0)
+            moe_choose_warp([&](float (&l)[MOE_WARP_EXPERTS]) { poll_tagged<MOE_WARP_EXPERTS>(words, n_expert, tag, l); }, n_expert, k,
+                            ids_w, w_w);
+        else
+            quantize_x_past_warp0<TG::x_swizzle>(x, n_embd, norm_w, eps, xq, xd, xs);
+        __syncthreads();
+    } else {
+        quantize_x<TG::x_swizzle>(x, n_embd, norm_w, eps, xq, xd, xs);
+        for (int e = threadIdx.x; e < n_expert; e += blockDim.x) lg[e] = ld_tagged(words + e, tag);
+        __syncthreads();
+        c = moe_route(lg, n_expert, k, renorm, prob, false);
+    }
 
     // 2. gate and up of the k chosen experts
     {

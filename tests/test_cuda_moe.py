@@ -42,10 +42,13 @@ def o():
     return Ops(Trace())
 
 
+@pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("renorm", [False, True])
-@pytest.mark.parametrize("n_expert,k", [(8, 2), (128, 8), (60, 4)])
-def test_topk_matches_the_reference(o, renorm, n_expert, k):
+@pytest.mark.parametrize("n_expert,k", [(8, 2), (128, 8), (60, 4), (160, 8)])  # up to 128: warp 0 selects; 160: by rank
+def test_topk_matches_the_reference(o, renorm, n_expert, k, ties):
     logits = np.random.default_rng(n_expert).standard_normal((5, n_expert)).astype(np.float32)  # (5 tokens, n_expert)
+    if ties:  # logits in steps of 0.5: equal probabilities, taken by the lower id first
+        logits = np.round(2 * logits) / 2
     ids, w = cp.zeros(5 * k, cp.int32), cp.zeros(5 * k, cp.float32)
     o._launch("moe.cu", "moe_topk", (5,), (128,), (cp.asarray(logits), np.int32(n_expert), np.int32(k), np.int32(renorm), ids, w),
               shared_mem=4 * n_expert, pdl=False)
