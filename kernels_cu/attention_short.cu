@@ -90,7 +90,11 @@ attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __res
         k4mma::cp_async16(k4mma::smem_u32(vs + slot(j, u)), v_cache + e, true);
     }
     k4mma::cp_async_commit();
-    if (fresh_q) k4ops::rope_table(inv_freq, (double)p, rope_dim, mscale, tab, tid, SHORT_THREADS);
+    if (fresh_q) {
+        k4ops::rope_table(inv_freq, (double)p, rope_dim, mscale, tab, tid, SHORT_THREADS);
+        prefetch_l1_floats(q_norm, D);  // the q/k norms' weights, read after the wait (rope_apply)
+        prefetch_l1_floats(k_norm, D);
+    }
     __syncthreads();  // the table
     pdl_wait();
 

@@ -109,6 +109,8 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     typename T::chunk ch[U];
     pdl_trigger();
     if (row < row_end) q8_load<T, PLANAR, U, GLU>(ch, w, nblk, nblk_row, n_chunks, row, lane);  // weights only: before the wait
+    prefetch_l1_floats(x_q8 ? nullptr : norm_w, n_in);  // the prologue's weights too
+    prefetch_l1_floats(x_q8 ? nullptr : post_w, n_in);
     pdl_wait();
     if (x_q8) {
         copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);
@@ -173,6 +175,8 @@ gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in
     typename T1::chunk ch1[U1];
     pdl_trigger();
     if (first < n1) q8_load<T1, PLANAR, U1, false>(ch1, w1, (i64)n1 * nbr1, nbr1, nc1, first, lane);  // before the wait
+    prefetch_l1_floats(norm_w, n_in);  // the prologue's weights too
+    prefetch_l1_floats(post_w, n_in);
     pdl_wait();
     quantize_x<T1::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs, PostNorm{post_t, post_w, x_out, reinterpret_cast<float*>(after)});
     __syncthreads();

@@ -21,6 +21,14 @@ __device__ __forceinline__ float glu_act(float g, float u) {
     return (GELU ? k4ops::gelu_tanh_f32(g) : __fdiv_rn(g, 1.0f + __expf(-g))) * u;
 }
 
+// The 128-byte lines of n floats at p (null: none) fetched into L1 by the block's threads: a hint,
+// no register, no wait. For what a kernel reads after its programmatic-dependent-launch wait but
+// no kernel writes (an RMSNorm's weights), so that it is on its way while the kernel before ends.
+__device__ __forceinline__ void prefetch_l1_floats(const float* p, int n) {
+    if (p != nullptr)
+        for (int i = 32 * threadIdx.x; i < n; i += 32 * blockDim.x) asm volatile("prefetch.global.L1 [%0];" ::"l"(p + i));
+}
+
 // 1 / sqrt(mean(x^2) + eps) of x (n floats, n a multiple of 4, 16-byte aligned), in every thread
 // of the block (all must call it). rms_norm (norm.cu) computes the same, summed in another order.
 __device__ float rms_scale(const float* __restrict__ x, int n, float eps) {

@@ -142,6 +142,7 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
     for (int e = blockIdx.x; e < n_expert; e += G)  // the block's router rows into L1 while the product before ends
         for (int i = 32 * threadIdx.x; i < n_embd; i += 32 * blockDim.x)
             asm volatile("prefetch.global.L1 [%0];" ::"l"(router + ((i64)e * n_embd + i) * type_f32::elem_bytes));
+    prefetch_l1_floats(norm_w, n_embd);  // ffn_norm's weights too
     pdl_trigger();
     pdl_wait();
     if (threadIdx.x == 0) {
