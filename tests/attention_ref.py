@@ -129,8 +129,8 @@ def check_attention_kernels(ops, q: np.ndarray, kc, vc, pos0: int, n_ctx: int, s
     instance that rounds the query to 8 bits (q8_0 keys by int8 mma) is compared with
     reference(gqa_int8_queries(q, scale)) instead of want (reference: want's function of the
     queries; required with a q8_0 key plane). options: ops.attention's keywords (scales, shape).
-    Leaves ops with the switches (ops.sw) it was given, whatever failed. attn_gqa runs for every group it takes (2 and up), below the selector's
-    gqa_min_group too."""
+    Leaves ops with the switches (ops.sw) it was given, whatever failed. attn_gqa runs for every
+    group it takes (2 and up), below the selector's gqa_min_group too."""
     import cupy as cp
 
     from k4.runtime.cuda.attention_launch import ATT_SPLIT_KEYS, GQA_MIN_LIMIT, attention_split

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
