@@ -6,7 +6,7 @@ CuPy stream through runtime.cuda.launch, counted in the trace.
 Arrays are CuPy arrays, C-contiguous unless a method says otherwise; shapes are given per
 method. The kernels trust their inputs: everything they index is validated here.
 
-Inside a CUDA graph capture, with `pdl` set (flag K4_PDL), the kernels that begin with
+Inside a CUDA graph capture, with `sw.pdl` set (flag K4_PDL), the kernels that begin with
 griddepcontrol.wait (all but set_i32) launch with programmatic dependent launch
 (runtime/cuda/launch.py), so each one's launch overlaps the tail of the kernel before it.
 """
