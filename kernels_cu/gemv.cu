@@ -140,15 +140,41 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
 }
 
 // gemv_q8_pair: two products of the same x in one launch, y1 = w1 @ x (+ bias1) and y2 = w2 @ x
-// (+ bias2), w1 in T1's blocks and w2 in T2's (Q4_K_M's q|k and its Q6_K v): their n1 + n2 outputs
-// go round-robin over all warps as one list (w1's first). x is quantized once per block (the
-// RMSNorm and Gemma's post-norm folded in as gemv_q8 does, in blocks of the size both types'
-// gemv_q8 instances run: WARPS) and its units copied into T2's swizzle where that differs; each
-// type's rows run the loop of its own gemv_q8 instance (U1, PF1 and U2, PF2). So every output has
-// the bits gemv_q8 gives it, and the second launch, its kernel boundary and its prologue are gone
-// (docs/PERF.md, session 17). Shared memory: q8x_bytes(n_in), then the larger of 8 n_in bytes
-// (with post_t: its x and t * w, as gemv_q8's) and, where the swizzles differ, T2's units
-// (q8x_bytes_q(n_in)). Launched by runtime/cuda/gemv_pair.py.
+// (+ bias2), w1 in T1's blocks and w2 in T2's (Q4_K_M's q|k and its Q6_K v). The grid is split by
+// block: blocks 0 .. b2 - 1 take w2's rows, the others w1's (the launcher balances the bytes per
+// warp, runtime/cuda/gemv_pair.py), rows round-robin over the part's warps as gemv_q8 hands them
+// out. So every warp runs one type's loop (its own gemv_q8 instance's: U1, PF1 or U2, PF2) and
+// issues its first row's loads before the wait, and each block quantizes x once, in its type's
+// swizzle (the RMSNorm and Gemma's post-norm folded in as gemv_q8 does, in blocks of the size both
+// types' gemv_q8 instances run: WARPS). Every output has the bits gemv_q8 gives it, and the second
+// launch, its kernel boundary and its prologue are gone (docs/PERF.md, sessions 17 and 26; the
+// rows of both types in one list over every warp, the w2 rows after each warp's w1 rows, cost a
+// dependent round of loads between the two loops). Shared memory: q8x_bytes(n_in), then 8 n_in
+// bytes with post_t (its x and t * w, as gemv_q8's). Launched by runtime/cuda/gemv_pair.py.
+template <class T, bool PLANAR, int U, bool PF>
+__device__ __forceinline__ void pair_part(const u8* __restrict__ w, const float* __restrict__ x, float* y, const float* __restrict__ bias,
+                                          const float* __restrict__ norm_w, float eps, int n, int n_in, int part_block, int part_grid,
+                                          const PostNorm& post, uint4* smem) {
+    u8* xq = reinterpret_cast<u8*>(smem);
+    float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
+    float* xs = xd + q8x_d_floats(n_in);
+    const int lane = threadIdx.x & 31, step = part_grid * (int)(blockDim.x >> 5);
+    const int row = part_block + part_grid * (int)(threadIdx.x >> 5);
+    const int n_chunks = n_in / T::chunk_elems, nblk_row = n_in / T::block_elems;
+    typename T::chunk ch[U];
+    if (row < n) q8_load<T, PLANAR, U, false>(ch, w, (i64)n * nblk_row, nblk_row, n_chunks, row, lane);  // before the wait
+    prefetch_l1_floats(norm_w, n_in);  // the prologue's weights too
+    prefetch_l1_floats(post.w, n_in);
+    pdl_wait();
+    quantize_x<T::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs, post);
+    __syncthreads();
+    auto load = [&](typename T::chunk (&dst)[U], int r, int c0) {
+        q8_load<T, PLANAR, U, false>(dst, w, (i64)n * nblk_row, nblk_row, n_chunks, r, c0);
+    };
+    q8_rows<T, U, PF, false>(n_chunks, row, n, step, lane, ch, true, q8x<T::x_swizzle>{xq, xd, xs}, load,
+                             [&](int r, float acc, float) { write_row(y, nullptr, bias, r, acc); });
+}
+
 template <class T1, class T2, bool PLANAR, int WARPS, int U1, bool PF1, int U2, bool PF2>
 __global__ void __maxnreg__(PAIR_REGS)  // constants.py PAIR_REGS: attention's blocks launch beside it
 gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in) of T1, (n2, n_in) of T2, raw or planar
@@ -157,44 +183,16 @@ gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in
              const float* __restrict__ bias1, const float* __restrict__ bias2,  // (n1,), (n2,) or null
              const float* __restrict__ norm_w, float eps,            // (n_in,) or null: RMSNorm prologue
              int n1, int n2, int n_in,
-             const float* __restrict__ post_t, const float* __restrict__ post_w, float* x_out) {  // as gemv_q8's
+             const float* __restrict__ post_t, const float* __restrict__ post_w, float* x_out,  // as gemv_q8's
+             int b2) {                                               // blocks taking w2's rows: 1 .. gridDim.x - 1
     static_assert(32 * WARPS == PAIR_THREADS, "PAIR_REGS is the cap of a block of PAIR_THREADS");
-    constexpr bool SAME = T1::x_swizzle == T2::x_swizzle;
     extern __shared__ uint4 smem[];
-    u8* xq = reinterpret_cast<u8*>(smem);
-    float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
-    float* xs = xd + q8x_d_floats(n_in);
-    u8* after = reinterpret_cast<u8*>(smem) + q8x_bytes(n_in);  // the post-norm's floats, then T2's units
-    const q8x<T1::x_swizzle> xv1{xq, xd, xs};
-    const q8x<T2::x_swizzle> xv2{SAME ? xq : after, xd, xs};
-    const int lane = threadIdx.x & 31;
-    const int step = gridDim.x * WARPS, first = blockIdx.x + gridDim.x * (threadIdx.x >> 5);
-    const int row2 = first < n1 ? first + (n1 - first + step - 1) / step * step - n1 : first - n1;  // the warp's first w2 output
-    const int nc1 = n_in / T1::chunk_elems, nbr1 = n_in / T1::block_elems;
-    const int nc2 = n_in / T2::chunk_elems, nbr2 = n_in / T2::block_elems;
-    typename T1::chunk ch1[U1];
+    const PostNorm post{post_t, post_w, x_out, reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in))};
     pdl_trigger();
-    if (first < n1) q8_load<T1, PLANAR, U1, false>(ch1, w1, (i64)n1 * nbr1, nbr1, nc1, first, lane);  // before the wait
-    prefetch_l1_floats(norm_w, n_in);  // the prologue's weights too
-    prefetch_l1_floats(post_w, n_in);
-    pdl_wait();
-    quantize_x<T1::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs, PostNorm{post_t, post_w, x_out, reinterpret_cast<float*>(after)});
-    __syncthreads();
-    if (!SAME) {  // the post-norm's floats are read: T2's units take their place
-        q8x_units(xq, n_in, T1::x_swizzle, after, T2::x_swizzle);
-        __syncthreads();
-    }
-    auto load1 = [&](typename T1::chunk (&dst)[U1], int r, int c0) {
-        q8_load<T1, PLANAR, U1, false>(dst, w1, (i64)n1 * nbr1, nbr1, nc1, r, c0);
-    };
-    q8_rows<T1, U1, PF1, false>(nc1, first, n1, step, lane, ch1, true, xv1, load1,
-                                [&](int r, float acc, float) { write_row(y1, nullptr, bias1, r, acc); });
-    typename T2::chunk ch2[U2];
-    auto load2 = [&](typename T2::chunk (&dst)[U2], int r, int c0) {
-        q8_load<T2, PLANAR, U2, false>(dst, w2, (i64)n2 * nbr2, nbr2, nc2, r, c0);
-    };
-    q8_rows<T2, U2, PF2, false>(nc2, row2, n2, step, lane, ch2, false, xv2, load2,
-                                [&](int r, float acc, float) { write_row(y2, nullptr, bias2, r, acc); });
+    if ((int)blockIdx.x < b2)  // block-uniform: the barriers inside are the whole block's
+        pair_part<T2, PLANAR, U2, PF2>(w2, x, y2, bias2, norm_w, eps, n2, n_in, blockIdx.x, b2, post, smem);
+    else
+        pair_part<T1, PLANAR, U1, PF1>(w1, x, y1, bias1, norm_w, eps, n1, n_in, blockIdx.x - b2, gridDim.x - b2, post, smem);
 }
 
 // Sum over one weight row (n_in of T at wr) times x (global or shared memory, 16-byte aligned),

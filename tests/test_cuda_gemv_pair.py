@@ -14,9 +14,9 @@ from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import quant_kernels as qk
 from tests.matmul_ref import LIMIT_Q8, fresh_rng, nan_like, rel_err, rms_normed, weight
 
-# (n1, n2, n_in): fewer outputs than warps (some warps hold only w2 rows), and several rows of
-# both per warp (Llama 3 8B's q|k and v)
-SHAPES = ((300, 44, 512), (5120, 1024, 4096))
+# (n1, n2, n_in): fewer outputs than warps, fewer than the grid's blocks (one block on w2's
+# rows), and several rows of both per warp (Llama 3 8B's q|k and v)
+SHAPES = ((300, 44, 512), (40, 8, 256), (5120, 1024, 4096))
 
 
 @pytest.mark.cuda

@@ -1,5 +1,7 @@
 """Which gemv_q8 instance a matrix gets (runtime/cuda/quant_kernels.py gemv_variant): the
-per-type default, or the row-blocks variant where the default runs at half speed. No GPU."""
+per-type default, or the row-blocks variant where the default runs at half speed; and how
+gemv_q8_pair splits its grid between its two matrices (runtime/cuda/gemv_pair.py split_blocks).
+No GPU."""
 
 from __future__ import annotations
 
@@ -47,3 +49,25 @@ def test_every_kernel_asks_for_one_carveout_unless_its_blocks_need_more():
     assert big > launch.SHARED_CARVEOUT and big * launch.SM_SHARED >= 100 * 2 * (110_000 + 1024)
     assert launch.carveout_for(_Kernel(200), 128, 250_000 // 2) <= 100
     assert launch.carveout_for(_Kernel(64), 512, 36_000, on=False) == launch.CARVEOUT_DEFAULT
+
+
+# (n1, bytes of a w1 row, n2, bytes of a w2 row): Q4_K q|k and Q6_K v of Llama 2 7B, Qwen3-30B-A3B,
+# Qwen2.5 7B and TinyLlama, and a matrix pair with fewer rows than the grid has warps
+PAIR_SHAPES = ((8192, 2304, 4096, 3360), (4608, 1152, 512, 1680), (4096, 2016, 512, 2940), (2304, 1152, 256, 1680),
+               (300, 288, 44, 420))
+
+
+@pytest.mark.parametrize("n1, rb1, n2, rb2", PAIR_SHAPES)
+def test_the_pair_gives_each_matrix_blocks_in_proportion_to_its_bytes(n1, rb1, n2, rb2):
+    from k4.runtime.cuda.gemv_pair import split_blocks
+
+    grid, warps = min(132, n1 + n2), 16
+    b2 = split_blocks(grid, warps, n1, rb1, n2, rb2)
+    assert 1 <= b2 < grid
+    busiest = max(-(-n2 // (b2 * warps)) * rb2, -(-n1 // ((grid - b2) * warps)) * rb1)
+    # no warp holds more than an even share of the bytes plus one row of each matrix
+    assert busiest <= (n1 * rb1 + n2 * rb2) / (grid * warps) + rb1 + rb2, (b2, busiest)
+    # and the split is no worse than giving w2 the share of blocks its bytes ask for, either way rounded
+    share = grid * n2 * rb2 / (n1 * rb1 + n2 * rb2)
+    for b in {max(1, min(grid - 1, int(share))), max(1, min(grid - 1, int(share) + 1))}:
+        assert busiest <= max(-(-n2 // (b * warps)) * rb2, -(-n1 // ((grid - b) * warps)) * rb1)

@@ -10,7 +10,7 @@ import numpy as np
 
 from k4.runtime.trace import Trace
 
-from .constants import q8x_bytes, q8x_offsets
+from .constants import q8x_bytes
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
 from .matmul import DeviceWeight, check_array, check_post
 from .quant_kernels import QKV_PAIRS, QUANT, _kernel, gemv_pair_name, gemv_variant
@@ -25,22 +25,35 @@ def pairs(w1: DeviceWeight, w2: DeviceWeight) -> bool:
             and not w1.glu and not w2.glu)
 
 
+def split_blocks(grid: int, warps: int, n1: int, row_bytes1: int, n2: int, row_bytes2: int) -> int:
+    """The blocks of a gemv_q8_pair grid of `grid` blocks (`warps` warps each, grid >= 2) that take
+    w2's n2 rows (row_bytes2 bytes each); the other grid - b2 take w1's n1. Rows go round-robin
+    over a part's warps, so the busiest warp of a part holds its rows' count over the part's warps,
+    rounded up, times the row's bytes: b2 minimizes the larger of the two parts' busiest warps, then
+    the larger of their bytes per block (each block has a multiprocessor's share of the bandwidth).
+    """
+    def cost(b2: int) -> tuple[int, float]:
+        warp = max(-(-n2 // (b2 * warps)) * row_bytes2, -(-n1 // ((grid - b2) * warps)) * row_bytes1)
+        return warp, max(n2 * row_bytes2 / b2, n1 * row_bytes1 / (grid - b2))
+    return min(range(1, grid), key=cost)
+
+
 def _plan(w1: DeviceWeight, w2: DeviceWeight, post: bool):
-    """(kernel, grid, block, shared bytes) of gemv_q8_pair for w1 and w2, cached on w1: the
+    """(kernel, grid, block, shared bytes, b2) of gemv_q8_pair for w1 and w2, cached on w1: the
     warps of both types' own products, the grid as many blocks as fit at once, at most one per
-    output."""
+    output, b2 of them on w2's rows (split_blocks)."""
     key = ("pair", w2.ggml_type, w2.shape[0], post)
     plan = w1._plans.get(key)
     if plan is not None:
         return plan
     n_in = w1.shape[1]
     kernel = _kernel("gemv.cu", gemv_pair_name(w1.ggml_type, w2.ggml_type, w1.planar), w1.evict_first)
-    same = QUANT[w1.ggml_type].x_swizzle == QUANT[w2.ggml_type].x_swizzle
-    smem = q8x_bytes(n_in) + max(8 * n_in if post else 0, 0 if same else q8x_offsets(n_in)[0])
+    smem = q8x_bytes(n_in) + (8 * n_in if post else 0)
     allow_shared(kernel, smem)
-    threads = 32 * QUANT[w1.ggml_type].gemv[0]
-    grid = min(device_limits()[0] * blocks_per_sm(kernel, threads, smem), w1.shape[0] + w2.shape[0])
-    plan = (kernel, (grid,), (threads,), smem)
+    warps = QUANT[w1.ggml_type].gemv[0]
+    grid = max(2, min(device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem), w1.shape[0] + w2.shape[0]))
+    b2 = split_blocks(grid, warps, w1.shape[0], w1.nbytes // w1.shape[0], w2.shape[0], w2.nbytes // w2.shape[0])
+    plan = (kernel, (grid,), (32 * warps,), smem, b2)
     w1._plans[key] = plan
     return plan
 
@@ -70,9 +83,9 @@ def gemv_pair(w1: DeviceWeight, w2: DeviceWeight, x, y1, y2, *, bias1=None, bias
     if norm_w is not None:
         check_array("norm weight", norm_w, (n_in,), align16=True)
     post_t, post_w, x_out = check_post(post, x, n_in, norm_w is not None, False)
-    kernel, grid, block, smem = _plan(w1, w2, post is not None)
+    kernel, grid, block, smem, b2 = _plan(w1, w2, post is not None)
     args = (w1.data, w2.data, x, y1, y2, null_or(bias1), null_or(bias2), null_or(norm_w), np.float32(eps),
-            np.int32(n1), np.int32(n2), np.int32(n_in), null_or(post_t), null_or(post_w), null_or(x_out))
+            np.int32(n1), np.int32(n2), np.int32(n_in), null_or(post_t), null_or(post_w), null_or(x_out), np.int32(b2))
     if pdl is None:
         pdl = w1.pdl and capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl)
