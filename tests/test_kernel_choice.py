@@ -15,15 +15,24 @@ from k4.runtime.cuda import quant_kernels as qk
 def test_rows_of_slow_block_counts_take_the_row_blocks_variant(t):
     # 17, 18, 20, 21, 22, 23, 34, 35, 54, 70, 84 blocks
     for n_in in (4352, 4608, 5120, 5376, 5632, 5888, 8704, 8960, 13824, 17920, 21504):
-        assert qk.gemv_variant(t, n_in) == qk.ROW_BLOCKS_VARIANT[t], n_in
+        assert qk.gemv_variant(t, 4096, n_in) == qk.ROW_BLOCKS_VARIANT[t], n_in
     for n_in in (512, 768, 1792, 2048, 3072, 3584, 3840, 4096, 6144, 11008, 14336, 15360, 18944):
-        assert qk.gemv_variant(t, n_in) == qk.QUANT[t].gemv, n_in
+        assert qk.gemv_variant(t, 4096, n_in) == qk.QUANT[t].gemv, n_in
+
+
+@pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K])
+def test_products_of_at_most_one_row_a_warp_keep_the_default(t):
+    # TinyLlama's down product: 2048 rows of 5632 inputs (22 blocks), where the row-blocks variant
+    # leaves half its warps without a row
+    assert qk.gemv_variant(t, 2048, 5632) == qk.QUANT[t].gemv
+    assert qk.gemv_variant(t, qk.ROW_BLOCKS_FEW_ROWS, 5632) == qk.QUANT[t].gemv
+    assert qk.gemv_variant(t, qk.ROW_BLOCKS_FEW_ROWS + 1, 5632) == qk.ROW_BLOCKS_VARIANT[t]
 
 
 def test_swiglu_pairs_and_other_types_keep_their_variant():
-    assert qk.gemv_variant(T.Q4_K, 5120, glu=True) == qk.QUANT[T.Q4_K].glu
+    assert qk.gemv_variant(T.Q4_K, 5632, 5120, glu=True) == qk.QUANT[T.Q4_K].glu
     for t in (T.Q5_K, T.Q8_0, T.Q3_K):
-        assert qk.gemv_variant(t, 5120) == qk.QUANT[t].gemv
+        assert qk.gemv_variant(t, 4096, 5120) == qk.QUANT[t].gemv
 
 
 def test_the_row_blocks_variant_is_compiled_with_the_type():

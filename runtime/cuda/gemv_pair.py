@@ -21,7 +21,7 @@ def pairs(w1: DeviceWeight, w2: DeviceWeight) -> bool:
     pair, one layout, rows of the same length for which each weight's own product takes its
     type's default variant (quant_kernels.gemv_variant), no gate/up interleave."""
     return ((w1.ggml_type, w2.ggml_type) in QKV_PAIRS and w1.planar == w2.planar and w1.shape[1] == w2.shape[1]
-            and all(gemv_variant(w.ggml_type, w.shape[1]) == QUANT[w.ggml_type].gemv for w in (w1, w2))
+            and all(gemv_variant(w.ggml_type, *w.shape) == QUANT[w.ggml_type].gemv for w in (w1, w2))
             and not w1.glu and not w2.glu)
 
 

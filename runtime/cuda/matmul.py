@@ -162,7 +162,7 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         n_out //= 2
     if w.ggml_type in QUANT:
         q = QUANT[w.ggml_type]
-        variant = variant or gemv_variant(w.ggml_type, n_in, w.glu)
+        variant = variant or gemv_variant(w.ggml_type, n_out, n_in, w.glu)
         warps = variant[0]
         kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act), w.evict_first)
         smem = q8x_bytes(n_in)

@@ -80,7 +80,12 @@ EXTRA_GEMV_VARIANTS: dict[T, tuple[tuple[int, int, int], ...]] = {
 # 1.61 / 1.76 / 2.11 against 1.88 / 2.21 / 2.30 / 2.65 / 3.25; Q6_K alike. At 8 to 15 (and 0) over
 # a multiple of 16, and at 16 blocks or fewer, (16, 2, 1) is the faster by 5-20%. A SwiGLU pair
 # reads two rows per output and keeps its variant: Phi-4's 2 x 17920 x 5120 gate/up runs at 3.3 TB/s.
+# With at most ROW_BLOCKS_FEW_ROWS rows (one a warp of (16, 2, 1)'s grid on the H200's 132
+# multiprocessors) the default is the faster again: TinyLlama's down, 2048 x 5632 (22 blocks), Q4_K
+# 4.42 µs against 4.79 for (32, 2, 0), Q6_K 5.55 against 5.87 (session 26; both give the same bits:
+# the same U).
 ROW_BLOCKS_SLOW = range(1, 8)
+ROW_BLOCKS_FEW_ROWS = 132 * 16
 ROW_BLOCKS_VARIANT: dict[T, tuple[int, int, int]] = {T.Q4_K: (32, 2, 0), T.Q6_K: (32, 2, 0)}
 # SwiGLU-epilogue variants compiled besides the default
 EXTRA_GLU_VARIANTS: dict[T, tuple[tuple[int, int, int], ...]] = {T.Q4_K: ((16, 2, 0),)}
@@ -142,12 +147,14 @@ def _bool(b: bool) -> str:
 GLU_ACTS: dict[str, str] = {"silu": "", "gelu_tanh": ", true"}
 
 
-def gemv_variant(t: T, n_in: int, glu: bool = False) -> tuple[int, int, int]:
-    """(WARPS, U, PF) of the gemv_q8 instance for a matrix of quantized type t with rows of n_in
-    inputs: QUANT[t]'s gemv (glu for a SwiGLU pair), or ROW_BLOCKS_VARIANT[t] where a row holds
-    more than 16 QK_K blocks, ROW_BLOCKS_SLOW over a multiple of 16."""
+def gemv_variant(t: T, n_out: int, n_in: int, glu: bool = False) -> tuple[int, int, int]:
+    """(WARPS, U, PF) of the gemv_q8 instance for a matrix of quantized type t with n_out outputs
+    (SwiGLU pairs with glu) of n_in inputs: QUANT[t]'s gemv (glu for a SwiGLU pair), or
+    ROW_BLOCKS_VARIANT[t] where a row holds more than 16 QK_K blocks, ROW_BLOCKS_SLOW over a
+    multiple of 16, and there are more than ROW_BLOCKS_FEW_ROWS outputs."""
     blocks = n_in // QK_K
-    if not glu and t in ROW_BLOCKS_VARIANT and blocks > 16 and blocks % 16 in ROW_BLOCKS_SLOW:
+    if (not glu and t in ROW_BLOCKS_VARIANT and blocks > 16 and blocks % 16 in ROW_BLOCKS_SLOW
+            and n_out > ROW_BLOCKS_FEW_ROWS):
         return ROW_BLOCKS_VARIANT[t]
     return QUANT[t].glu if glu else QUANT[t].gemv
 
