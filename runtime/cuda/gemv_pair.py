@@ -2,7 +2,8 @@
 q/k/v when they are two runs of different quantized types, as in llama.cpp's K-quant mixes
 (Q4_K_M: q|k in Q4_K, v in Q6_K in about half the layers). Each output has the bits
 matmul.gemv gives it; the second launch, its kernel boundary and its x prologue are gone
-(flag K4_QKV_PAIR, docs/PERF.md session 17)."""
+(flag K4_QKV_PAIR, docs/PERF.md session 17). The grid's blocks are split between the two
+matrices (split_blocks, session 26)."""
 
 from __future__ import annotations
 
@@ -66,10 +67,10 @@ def gemv_pair(w1: DeviceWeight, w2: DeviceWeight, x, y1, y2, *, bias1=None, bias
     rows); bias1, bias2: like y1, y2, or None. norm: None or (norm_w, eps), the RMSNorm folded
     into the prologue; post: None or (t, post_w, x_out), Gemma's post-norm folded in (with
     norm), both as matmul.gemv takes them. pdl: programmatic dependent launch (default: the
-    weights' pdl while the stream is captured). x is quantized to 8 bits per 32 values as
-    matmul.gemv quantizes it for w1 (llama.cpp's q8_1 scheme), so both outputs are the bits two
-    gemv calls give. Raises ValueError when the weights do not pair or on wrong shapes, dtypes
-    or alignment."""
+    weights' pdl while the stream is captured). Each block takes rows of one matrix and
+    quantizes x to 8 bits per 32 values (llama.cpp's q8_1 scheme) in that matrix's layout, as
+    matmul.gemv does, so both outputs are the bits two gemv calls give. Raises ValueError when
+    the weights do not pair or on wrong shapes, dtypes or alignment."""
     if not pairs(w1, w2):
         raise ValueError(f"no paired product of {w1.ggml_type.name} {w1.shape} and {w2.ggml_type.name} {w2.shape}")
     (n1, n_in), n2 = w1.shape, w2.shape[0]
