@@ -1,0 +1,97 @@
+"""The instruction mix of a kernel's main loop, from its SASS (no GPU): compiles the instances of
+one kernels_cu file that match a pattern for sm_90, with the options NVRTC gets at run time
+(runtime.cuda.compile.OPTIONS), disassembles them with cuobjdump, and prints for each the loop
+with the longest body (the span between a backward branch and its target): its instruction count
+and the count of each opcode. docs/PERF.md, session 26, used it to compare the Q4_K and Q6_K row
+loops of gemv_q8 (instructions per chunk and per byte of weights).
+
+Needs nvcc and cuobjdump on PATH (cuobjdump: the CUDA toolkit, or pip's nvidia-cuda-cuobjdump,
+whose binary is nvidia/cu13/bin/cuobjdump in the wheel).
+
+Usage (from the repository root, k4 importable):
+    python scripts/sass_loops.py gemv.cu "gemv_q8<type_q4_K, true, 16, 2, true"
+The pattern is a substring of the instance names the launchers use (quant_kernels.GROUPS,
+kernel_names.KERNELS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,6})\*/\s+([^;]+);")
+BRANCH = re.compile(r"\bBRA\b(?:\.\S+)?\s+(?:\S+,\s*)?0x([0-9a-f]+)")
+
+
+def loop_mix(function_sass: str) -> tuple[int, int, collections.Counter] | None:
+    """(start, end, opcode counts) of the longest loop in one function's SASS (cuobjdump -sass
+    text): the backward branch whose span is widest, its target to the branch inclusive. Opcodes
+    without their predicate and modifiers (LDG.E.128 -> LDG). None if the function has no loop."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in INSTRUCTION.finditer(function_sass)]
+    loops = [(int(b.group(1), 16), addr) for addr, text in ins if (b := BRANCH.search(text)) and int(b.group(1), 16) < addr]
+    if not loops:
+        return None
+    start, end = max(loops, key=lambda span: span[1] - span[0])
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+                              for addr, text in ins if start <= addr <= end)
+    return start, end, ops
+
+
+def functions(sass: str) -> dict[str, str]:
+    """Mangled name -> its SASS text, for every function of a cuobjdump -sass listing."""
+    parts = sass.split("Function : ")[1:]
+    return {p.split("\n", 1)[0].strip(): p for p in parts}
+
+
+def _compile(src: str, names: list[str], out: Path) -> str:
+    from k4.kernels_cu import SOURCE_DIR
+    from k4.runtime.cuda.compile import OPTIONS
+
+    wrapper = out / f"loops_{src}"
+    refs = ",\n".join(f"    (void*)&{n}" for n in names)
+    wrapper.write_text(f'#include "{src}"\nextern void* const k4_loop_instances[];\n'
+                       f"void* const k4_loop_instances[] = {{\n{refs}\n}};\n")
+    options = [o for o in OPTIONS if not o.startswith("-I")] + [f"-I{SOURCE_DIR}"]
+    subprocess.run(["nvcc", "-arch=sm_90", *options, "-cubin", "-o", str(out / "k.cubin"), str(wrapper)], check=True)
+    return subprocess.run(["cuobjdump", "-sass", str(out / "k.cubin")], check=True, capture_output=True, text=True).stdout
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("source", help="a kernels_cu file, e.g. gemv.cu")
+    ap.add_argument("pattern", help="a substring of the instance names to compile")
+    a = ap.parse_args(argv)
+    for tool in ("nvcc", "cuobjdump"):
+        if shutil.which(tool) is None:
+            print(f"error: {tool} is not on PATH (see this script's docstring)", file=sys.stderr)
+            return 2
+    from k4.runtime.cuda import kernel_names, quant_kernels
+
+    group = quant_kernels.GROUPS.get(a.source)
+    every = [n for g in group.values() for n in g] if group else list(kernel_names.KERNELS.get(a.source, ()))
+    names = list(dict.fromkeys(n for n in every if a.pattern in n))
+    if not names:
+        print(f"error: no instance of {a.source} matches {a.pattern!r}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        sass = _compile(a.source, names, Path(tmp))
+    demangled = subprocess.run(["c++filt"], input="\n".join(functions(sass)), capture_output=True, text=True).stdout.split("\n")
+    for (mangled, text), name in zip(functions(sass).items(), demangled):
+        mix = loop_mix(text)
+        if mix is None:
+            print(f"{name}: no loop")
+            continue
+        start, end, ops = mix
+        print(f"{name}\n  loop {start:#x}-{end:#x}: {sum(ops.values())} instructions; "
+              + ", ".join(f"{op} {n}" for op, n in ops.most_common()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
