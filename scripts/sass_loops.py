@@ -5,7 +5,7 @@ with the longest body (the span between a backward branch and its target): its i
 and the count of each opcode. docs/PERF.md, session 26, used it to compare the Q4_K and Q6_K row
 loops of gemv_q8 (instructions per chunk and per byte of weights).
 
-Needs nvcc and cuobjdump on PATH (cuobjdump: the CUDA toolkit, or pip's nvidia-cuda-cuobjdump,
+Needs nvcc, cuobjdump and c++filt on PATH (cuobjdump: the CUDA toolkit, or pip's nvidia-cuda-cuobjdump,
 whose binary is nvidia/cu13/bin/cuobjdump in the wheel).
 
 Usage (from the repository root, k4 importable):
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("source", help="a kernels_cu file, e.g. gemv.cu")
     ap.add_argument("pattern", help="a substring of the instance names to compile")
     a = ap.parse_args(argv)
-    for tool in ("nvcc", "cuobjdump"):
+    for tool in ("nvcc", "cuobjdump", "c++filt"):
         if shutil.which(tool) is None:
             print(f"error: {tool} is not on PATH (see this script's docstring)", file=sys.stderr)
             return 2
@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         sass = _compile(a.source, names, Path(tmp))
-    demangled = subprocess.run(["c++filt"], input="\n".join(functions(sass)), capture_output=True, text=True).stdout.split("\n")
-    for (mangled, text), name in zip(functions(sass).items(), demangled):
+    fs = functions(sass)
+    demangled = subprocess.run(["c++filt"], input="\n".join(fs), capture_output=True, text=True).stdout.split("\n")
+    for text, name in zip(fs.values(), demangled):
         mix = loop_mix(text)
         if mix is None:
             print(f"{name}: no loop")
