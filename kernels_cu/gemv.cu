@@ -111,8 +111,14 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     if (row < row_end) q8_load<T, PLANAR, U, GLU>(ch, w, nblk, nblk_row, n_chunks, row, lane);  // weights only: before the wait
     prefetch_l1_floats(x_q8 ? nullptr : norm_w, n_in);  // the prologue's weights too
     prefetch_l1_floats(x_q8 ? nullptr : post_w, n_in);
+    // Launched in clusters (matmul.py X_CLUSTER: x without norm, post-norm or x_q8), the blocks
+    // of a cluster quantize x together (quantize_x_cluster); the condition is the same in all.
+    const bool shared_x = WARPS <= 16 && cluster_blocks() > 1;  // 1,024-thread instances (64 registers) never
+    if (shared_x) cluster_arrive_relaxed();
     pdl_wait();
-    if (x_q8) {
+    if (shared_x) {
+        quantize_x_cluster<T::x_swizzle>(x, n_in, xq, xd, xs);
+    } else if (x_q8) {
         copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);
     } else {
         // with post_t: its x and t * w kept in shared memory after x's q8 (the y_q8 outputs reuse it)

@@ -197,6 +197,65 @@ __device__ void quantize_x(const float* __restrict__ x, int n_in, const float* _
     }
 }
 
+// Thread-block clusters (sm_90): the blocks of a cluster, this block's rank among them, the
+// cluster barrier (every thread of every block calls arrive, then wait; relaxed: no ordering,
+// only "this block runs"), and the address of shared-memory location p in the block of rank r.
+__device__ __forceinline__ u32 cluster_blocks() {
+    u32 n;
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+}
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ u32 peer_addr(const void* p, u32 r) {
+    u32 a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((u32)__cvta_generic_to_shared(p)), "r"(r));
+    return a;
+}
+
+// quantize_x without norm or post-norm, its units shared out over the blocks of a cluster: block
+// rank r of n quantizes units [r * per, (r + 1) * per) (per even, so a scale's two units stay in
+// adjacent lanes) and stores each into the shared memory of every block of the cluster. Every
+// block then reads 1/n of x from L2 (its x reads arrive behind the weight loads issued before
+// the wait: docs/PERF.md, session 27). The bits are quantize_x's (q8_pack16, q8_unit_scales'
+// values). Every thread of every block calls it, after cluster_arrive_relaxed (this pairs its
+// wait: no block writes into a block that has not started); on return the whole q8 x is in this
+// block's shared memory, and no peer writes into it any more.
+template <int SWZ>
+__device__ void quantize_x_cluster(const float* __restrict__ x, int n_in, u8* xq, float* xd, float* xs) {
+    const u32 n = cluster_blocks(), r = cluster_rank();
+    const int n_units = n_in >> 4;
+    const int per = ((n_units + (int)n - 1) / (int)n + 1) & ~1;
+    const int u_begin = min(n_units, (int)r * per), u_end = min(n_units, u_begin + per);
+    cluster_wait();
+    for (int base = u_begin; base < u_end; base += blockDim.x) {  // block-uniform trip count
+        const int u = base + threadIdx.x;
+        const bool ok = u < u_end;
+        float v[16];
+        load_unit16(x + 16 * u, ok, v);
+        u32 packed[4];
+        int sum;
+        const float d = q8_pack16(v, packed, sum);
+        if (ok) {
+            const float s = d * (float)sum;  // q8_unit_scales' xs[u]
+            for (u32 k = 0; k < n; ++k) {
+                asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(peer_addr(xq + 16 * x_unit_slot(u, SWZ), k)),
+                             "r"(packed[0]), "r"(packed[1]), "r"(packed[2]), "r"(packed[3]) : "memory");
+                asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(peer_addr(xs + u, k)), "f"(s) : "memory");
+                if (!(u & 1)) asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(peer_addr(xd + (u >> 1), k)), "f"(d) : "memory");
+            }
+        }
+    }
+    cluster_arrive();
+    cluster_wait();
+}
+
 // The q8 x of n_in values at q (shared memory, units in swizzle from_swz) copied to out (global
 // memory) for a product of swizzle to_swz: each unit's 16 bytes to its slot there, d and s as
 // they are. Every thread of the block calls it (after the barrier that published q).

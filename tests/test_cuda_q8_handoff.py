@@ -1,7 +1,7 @@
 """Decode's 8-bit handoff between products (K4_FUSE_QUANT; runtime/cuda/q8_handoff.py): q8x_host,
 the host reference of the kernels' q8 x layout; a SwiGLU/GeGLU product writing its output as q8 x
-and the down product reading it, to the bit the same as down on the float output; the checks of
-what does not fit. Inputs: tests/matmul_ref.py."""
+and the down product reading it, to the bit the same as down on the float output; a product
+quantizing a long x itself, to the bit q8x_host's; the checks of what does not fit. Inputs: tests/matmul_ref.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as T
 
 from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import q8_handoff as hand
+from k4.runtime.cuda import quant_kernels as qk
 from tests.matmul_ref import GLU_REF, QUANTIZED, fresh_rng, glu_weight, nan_like, q8_rounded, weight
 
 @pytest.mark.parametrize("swizzle", [1, 2])
@@ -59,6 +60,28 @@ def test_gemv_q8_handoff_is_the_quantization_of_y(glu_type, down_type, act):
         mm.gemv(down, y, z)
         mm.gemv(down, nan_like(n_ff), z_q8, x_q8=q8)
         assert cp.array_equal(z, z_q8), f"{glu_type} -> {down_type} n_ff {n_ff} (seed {seed})"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cluster", [1, 2, 4])
+@pytest.mark.parametrize("type_name,variant", [("Q4_K", None), ("Q6_K", None), ("Q4_K", (32, 2, 0))])
+def test_gemv_quantizes_a_long_x_as_q8x_host(type_name, variant, cluster, monkeypatch):
+    """gemv_q8 quantizing x itself (in blocks of 512 threads and of 1,024; alone, or shared out
+    over clusters of 2 and 4 blocks: quant_kernels.gemv_cluster) equals gemv given q8x_host(x) as x_q8, to
+    the bit. n_in 8,448 (528 units: more than a block has threads; 264 and 132 a cluster block)
+    and 16,896 (1,056 units)."""
+    import cupy as cp
+
+    monkeypatch.setattr(qk, "X_CLUSTER", cluster)
+    rng, seed = fresh_rng()
+    for n_in in (8448, 16896):
+        w, _ = weight(type_name, 300, n_in, rng, True)
+        x = (rng.standard_normal(n_in) * rng.uniform(0.1, 10, n_in)).astype(np.float32)
+        q8 = hand.Q8Vector.for_weight(w, cp.asarray(hand.q8x_host(x, mm.QUANT[w.ggml_type].x_swizzle)))
+        z, z_q8 = nan_like(300), nan_like(300)
+        mm.gemv(w, cp.asarray(x), z, variant=variant)
+        mm.gemv(w, nan_like(n_in), z_q8, variant=variant, x_q8=q8)
+        assert cp.array_equal(z, z_q8), f"{type_name} {variant} cluster {cluster} n_in {n_in} (seed {seed})"
 
 
 @pytest.mark.cuda

@@ -80,3 +80,11 @@ def test_the_pair_gives_each_matrix_blocks_in_proportion_to_its_bytes(n1, rb1, n
     share = grid * n2 * rb2 / (n1 * rb1 + n2 * rb2)
     for b in {max(1, min(grid - 1, int(share))), max(1, min(grid - 1, int(share) + 1))}:
         assert busiest <= max(-(-n2 // (b * warps)) * rb2, -(-n1 // ((grid - b) * warps)) * rb1)
+
+
+def test_clusters_only_for_a_long_x_in_blocks_of_up_to_512_threads():
+    assert qk.gemv_cluster(11008, 16) == qk.X_CLUSTER == 2
+    assert qk.gemv_cluster(18944, 16) == 2
+    assert qk.gemv_cluster(qk.X_CLUSTER_MIN_IN, 16) == 1  # 4096 and 5632 were slower in clusters
+    assert qk.gemv_cluster(5632, 16) == qk.gemv_cluster(4096, 16) == 1
+    assert qk.gemv_cluster(17920, 32) == 1  # 1,024-thread instances: no room for the cluster path

@@ -43,6 +43,7 @@ class ForwardOptions:
     moe_one: bool = True  # K4_MOE_ONE: with fuse_moe, those three as one launch where moe_one.py covers the layer
     qkv_q8: bool = True  # K4_QKV_Q8: decode's later q/k/v runs copy the x the first one quantized (qkv)
     qkv_pair: bool = True  # K4_QKV_PAIR: decode's q/k/v in two runs of paired types as one launch (qkv)
+    x_cluster: bool = True  # K4_X_CLUSTER: decode's products quantizing a long x in clusters of blocks (linear)
 
 
 class Forward:
@@ -235,14 +236,16 @@ class Forward:
         """Y = X W^T (+ bias) (+ residual). X: (n, n_in) f32 (or fp16 on the tensor-core path),
         Y and residual: (n, n_out) f32 views; a glu weight yields silu(gate) * up, (n, n_out / 2),
         on one row. One row: matmul.gemv, with norm = (norm_w, eps) folded into it and the q8
-        handoff x_q8, y_q8, x_q8_out (q8_handoff.Q8Vector); more: matmul.matmul (tensor cores unless
+        handoff x_q8, y_q8, x_q8_out (q8_handoff.Q8Vector), in thread-block clusters where
+        K4_X_CLUSTER allows (matmul.gemv x_cluster); more: matmul.matmul (tensor cores unless
         K4_PREFILL_TC=0; up to GEMV_MAX_TOKENS rows: gemv_batch, reading w once per BATCH_TOKENS rows)."""
         if X.shape[0] == 1:
             post = None
             if norm is not None and len(norm) == 3:  # normed's folded post-norm
                 norm, post = norm[:2], norm[2]
             matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, norm=norm,
-                        stream=self.stream, trace=self.ops.trace, x_q8=x_q8, y_q8=y_q8, post=post, x_q8_out=x_q8_out)
+                        stream=self.stream, trace=self.ops.trace, x_q8=x_q8, y_q8=y_q8, post=post, x_q8_out=x_q8_out,
+                        x_cluster=self.opts.x_cluster)
         else:
             matmul.matmul(w, X, Y, residual=residual, bias=bias, scratch=self.act.mm_scratch, stream=self.stream,
                           trace=self.ops.trace, blas=self.blas, x_q8=x_q8)

@@ -31,6 +31,7 @@ from k4.runtime.errors import GpuError
 from k4.runtime.trace import Trace
 
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 # The carveout kernels ask for with K4_CARVEOUT: percent of the most shared memory, 50 being the
 # 132 KB split on sm_90 (the driver rounds up to a supported size), or what the blocks a kernel is
 # sized for need where that is more (carveout_for: attn_gqa's two or three blocks of 60-110 KB,
@@ -68,15 +69,19 @@ def _dim3(d: tuple[int, ...]):
     return (ctypes.c_uint * 3)(*(tuple(d) + (1, 1))[:3])
 
 
-def _launch_pdl(kernel, grid, block, args, shared_mem: int, stream_ptr: int) -> None:
-    """cuLaunchKernelEx with the PDL attribute; raises cupy's CUDADriverError on a refusal."""
+def _launch_pdl(kernel, grid, block, args, shared_mem: int, stream_ptr: int, pdl: bool = True, cluster: int = 1) -> None:
+    """cuLaunchKernelEx with the PDL attribute (its value: pdl) and, for cluster > 1, clusters of
+    that many blocks along x; raises cupy's CUDADriverError on a refusal."""
     import cupy as cp
 
     values = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cp.ndarray) else _C_SCALARS[a.dtype](a.item()) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    attr = _LaunchAttribute(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value[0] = 1
-    config = _LaunchConfig(_dim3(grid), _dim3(block), shared_mem, stream_ptr, ctypes.pointer(attr), 1)
+    attrs = (_LaunchAttribute * 2)()
+    attrs[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attrs[0].value[0] = int(pdl)
+    attrs[1].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attrs[1].value[0:3] = [cluster, 1, 1]
+    config = _LaunchConfig(_dim3(grid), _dim3(block), shared_mem, stream_ptr, attrs, 2 if cluster > 1 else 1)
     status = _cu_launch_kernel_ex()(ctypes.byref(config), kernel.kernel.ptr, params, None)
     if status != 0:
         raise cp.cuda.driver.CUDADriverError(status)
@@ -215,12 +220,13 @@ def _ask_carveout(kernel, block: tuple[int, ...], smem: int, per_sm: int | None 
 
 
 def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0,
-           stream=None, trace: Trace | None = None, pdl: bool = False, per_sm: int | None = None) -> None:
+           stream=None, trace: Trace | None = None, pdl: bool = False, per_sm: int | None = None, cluster: int = 1) -> None:
     """Launch `kernel` (a cupy.RawKernel) with `grid` blocks of `block` threads and `shared_mem`
     bytes of dynamic shared memory, on `stream` (a cupy.cuda.Stream) or the current stream;
     `pdl`: programmatic dependent launch (see the module docstring); per_sm: the blocks a
     multiprocessor runs at once that its shared-memory carveout is asked for (carveout_for;
-    default as many as fit).
+    default as many as fit); cluster: blocks per thread-block cluster along x (1: none; grid[0]
+    a multiple of it).
 
     Arguments: cupy arrays pass their device pointer, numpy scalars their value with their own
     C type (pass np.int32/np.int64/np.float32, and np.uint64(0) for a null pointer).
@@ -229,12 +235,12 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
     _last.what = kernel
     try:
         _ask_carveout(kernel, block, shared_mem, per_sm)
-        if pdl:
+        if pdl or cluster > 1:
             if stream is None:
                 import cupy as cp
 
                 stream = cp.cuda.get_current_stream()
-            _launch_pdl(kernel, grid, block, args, shared_mem, stream.ptr)
+            _launch_pdl(kernel, grid, block, args, shared_mem, stream.ptr, pdl, cluster)
         elif stream is None:  # on the current stream: no context switch (prefill is launch-bound)
             kernel(grid, block, args, shared_mem=shared_mem)
         else:

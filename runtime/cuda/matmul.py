@@ -53,7 +53,7 @@ from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launc
 from .layout import MatrixSpec, _check_matrix, layout_nbytes
 from .q8_handoff import Q8Vector, check_q8
 from .quant_kernels import (DEQUANT_CHUNK_BYTES, FLOAT, FLOAT_GEMV, GEMV_MAX_TOKENS, GLU_ACTS, QUANT, _dequant_name,
-                            _gemv_f_name, _gemv_q8_name, _kernel, gemv_variant)
+                            _gemv_f_name, _gemv_q8_name, _kernel, gemv_cluster, gemv_variant)
 
 
 # ---- device weights ----------------------------------------------------------------------------
@@ -150,11 +150,14 @@ def make_half(w: DeviceWeight, out, stream=None, trace: Trace | None = None) -> 
     w.half = out
 
 
-def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, norm: bool = False, post: bool = False):
+def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, norm: bool = False, post: bool = False,
+               split: bool = False):
     """(kernel, grid, block, shared_mem) for gemv on w, cached per variant, norm prologue and
-    post-norm prologue (post: its x and t * w kept as floats after x's q8). The grid is as many blocks
-    as fit on the GPU at once, but at most one per output."""
-    plan = w._plans.get((variant, norm, post))
+    post-norm prologue (post: its x and t * w kept as floats after x's q8) and split (x quantized in
+    the kernel without norm or post-norm, by clusters where quant_kernels.gemv_cluster says). The
+    grid is as many blocks as fit on the GPU at once, but at most one per output (a multiple of
+    the cluster). Returns (kernel, grid, block, shared_mem, blocks per cluster)."""
+    plan = w._plans.get((variant, norm, post, split))
     if plan is not None:
         return plan
     n_out, n_in = w.shape
@@ -177,8 +180,10 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         smem = (8 if post else 4) * n_in if norm else 0
     allow_shared(kernel, smem)
     grid = min(device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem), n_out)
-    plan = (kernel, (grid,), (32 * warps,), smem)
-    w._plans[(variant, norm, post)] = plan
+    cluster = gemv_cluster(n_in, warps) if split and w.ggml_type in QUANT else 1
+    grid -= grid % cluster
+    plan = (kernel, (grid,), (32 * warps,), smem, cluster)
+    w._plans[(variant, norm, post, split)] = plan
     return plan
 
 
@@ -200,7 +205,7 @@ def check_array(name: str, a, shape: tuple[int, ...], dtype=np.float32, align16:
 
 def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=None, trace: Trace | None = None,
          variant: tuple[int, int, int] | None = None, pdl: bool | None = None, x_q8: Q8Vector | None = None,
-         y_q8: Q8Vector | None = None, post=None, x_q8_out: Q8Vector | None = None) -> None:
+         y_q8: Q8Vector | None = None, post=None, x_q8_out: Q8Vector | None = None, x_cluster: bool = True) -> None:
     """y = w @ x (+ bias) (+ residual), one kernel launch; with w.glu, y = act(gate @ x) * (up @ x),
     act w.glu_act (silu, or gelu_tanh for gemma).
 
@@ -226,6 +231,9 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     x_q8_out: a quantized weight without x_q8 only: the kernel's first block also writes the x it
     multiplies (after norm and post) into x_q8_out, made for the weight of the next product of
     the same x (Q8Vector.for_weight), the bytes that product would compute itself.
+    x_cluster: a quantized product that quantizes a long x itself without norm or post-norm
+    launches in thread-block clusters that share that work (quant_kernels.gemv_cluster; flag
+    K4_X_CLUSTER); the same bits.
     Raises ValueError on wrong shapes, dtypes or alignment, and for x_q8, y_q8, post or x_q8_out where they do not apply.
     """
     n_out, n_in = w.shape
@@ -248,7 +256,8 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     if x_q8_out is not None and (w.ggml_type not in QUANT or x_q8 is not None or x_q8_out.n != n_in):
         raise ValueError("x_q8_out needs a quantized weight, no x_q8, and a q8 vector of n_in values")
     post_t, post_w, x_out = check_post(post, x, n_in, norm_w is not None, x_q8 is not None)
-    kernel, grid, block, smem = _gemv_plan(w, variant, norm_w is not None, post is not None)
+    split = x_cluster and x_q8 is None and norm_w is None and post is None
+    kernel, grid, block, smem, cluster = _gemv_plan(w, variant, norm_w is not None, post is not None, split)
     args = (w.data, x, y, null_or(residual), null_or(bias), null_or(norm_w), np.float32(eps), np.int32(n_out), np.int32(n_in))
     if w.ggml_type in QUANT:
         args += (null_or(x_q8 and x_q8.data), null_or(y_q8 and y_q8.data), np.int32(y_q8.swizzle if y_q8 else 0))
@@ -257,7 +266,7 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
         args += (null_or(x_q8_out and x_q8_out.data), np.int32(x_q8_out.swizzle if x_q8_out else 0))
     if pdl is None:  # eagerly the driver-API launch costs more host time than it saves
         pdl = w.pdl and capturing(stream)
-    launch(kernel, grid, block, args, smem, stream, trace, pdl)
+    launch(kernel, grid, block, args, smem, stream, trace, pdl, cluster=cluster)
 
 
 def check_post(post, x, n_in: int, norm: bool, x_q8: bool) -> tuple:

@@ -147,6 +147,26 @@ def _bool(b: bool) -> str:
 GLU_ACTS: dict[str, str] = {"silu": "", "gelu_tanh": ", true"}
 
 
+# Thread-block clusters for the gemv_q8 products that quantize a long x themselves without norm
+# or post-norm (decode's down products): the X_CLUSTER blocks of a cluster each quantize a share of
+# x and store it into every block's shared memory (gemv_common.cuh quantize_x_cluster), so each
+# block reads 1 / X_CLUSTER of x from L2, where its reads queue behind the weight loads it issued
+# before its wait. Measured on the H200 (docs/PERF.md, session 27): 4096 x 11008 Q4_K 9.44 ->
+# 8.99 µs, 3584 x 18944 13.77 -> 12.98; but 2048 x 5632 4.47 -> 4.59 and 4096 x 4096 4.70 -> 4.80
+# (the two cluster barriers cost more than the 22 or 16 KB of x save), and clusters of 4 took
+# 60-70% longer. So clusters of 2, for n_in above X_CLUSTER_MIN_IN (x over 32 KB of floats), in
+# blocks of up to 512 threads (the 1,024-thread instances would spill).
+X_CLUSTER = 2
+X_CLUSTER_MIN_IN = 8192
+
+
+def gemv_cluster(n_in: int, warps: int) -> int:
+    """Blocks per thread-block cluster of a gemv_q8 launch of `warps` warps a block that
+    quantizes its own x of n_in values without norm or post-norm: X_CLUSTER past
+    X_CLUSTER_MIN_IN inputs in blocks of at most 16 warps, else 1 (no clusters)."""
+    return X_CLUSTER if n_in > X_CLUSTER_MIN_IN and warps <= 16 else 1
+
+
 def gemv_variant(t: T, n_out: int, n_in: int, glu: bool = False) -> tuple[int, int, int]:
     """(WARPS, U, PF) of the gemv_q8 instance for a matrix of quantized type t with n_out outputs
     (SwiGLU pairs with glu) of n_in inputs: QUANT[t]'s gemv (glu for a SwiGLU pair), or
