@@ -59,7 +59,10 @@ __device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_
 // spill registers for it.
 
 // GELU (GLU only): the epilogue is gelu_tanh(gate) * up instead of silu(gate) * up.
-template <class T, bool PLANAR, int WARPS, int U, bool PF, bool GLU, bool GELU = false>
+// CLUSTER (not GLU; launched in thread-block clusters, x without norm, post-norm or x_q8): the
+// blocks of a cluster quantize x together (quantize_x_cluster). Its own instances, so that the
+// others keep their registers (runtime/cuda/quant_kernels.py gemv_cluster).
+template <class T, bool PLANAR, int WARPS, int U, bool PF, bool GLU, bool GELU = false, bool CLUSTER = false>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw or planar; GLU: (2 n_out, n_in) interleaved
         const float* __restrict__ x,       // (n_in,)
@@ -111,12 +114,9 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     if (row < row_end) q8_load<T, PLANAR, U, GLU>(ch, w, nblk, nblk_row, n_chunks, row, lane);  // weights only: before the wait
     prefetch_l1_floats(x_q8 ? nullptr : norm_w, n_in);  // the prologue's weights too
     prefetch_l1_floats(x_q8 ? nullptr : post_w, n_in);
-    // Launched in clusters (matmul.py X_CLUSTER: x without norm, post-norm or x_q8), the blocks
-    // of a cluster quantize x together (quantize_x_cluster); the condition is the same in all.
-    const bool shared_x = WARPS <= 16 && cluster_blocks() > 1;  // 1,024-thread instances (64 registers) never
-    if (shared_x) cluster_arrive_relaxed();
+    if constexpr (CLUSTER) cluster_arrive_relaxed();
     pdl_wait();
-    if (shared_x) {
+    if constexpr (CLUSTER) {
         quantize_x_cluster<T::x_swizzle>(x, n_in, xq, xd, xs);
     } else if (x_q8) {
         copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);

@@ -82,9 +82,13 @@ def test_the_pair_gives_each_matrix_blocks_in_proportion_to_its_bytes(n1, rb1, n
         assert busiest <= max(-(-n2 // (b * warps)) * rb2, -(-n1 // ((grid - b) * warps)) * rb1)
 
 
-def test_clusters_only_for_a_long_x_in_blocks_of_up_to_512_threads():
-    assert qk.gemv_cluster(11008, 16) == qk.X_CLUSTER == 2
-    assert qk.gemv_cluster(18944, 16) == 2
-    assert qk.gemv_cluster(qk.X_CLUSTER_MIN_IN, 16) == 1  # 4096 and 5632 were slower in clusters
-    assert qk.gemv_cluster(5632, 16) == qk.gemv_cluster(4096, 16) == 1
-    assert qk.gemv_cluster(17920, 32) == 1  # 1,024-thread instances: no room for the cluster path
+def test_clusters_only_for_a_long_x_on_the_compiled_cluster_instances():
+    for t in qk.CLUSTER_TYPES:
+        v = qk.QUANT[t].gemv
+        assert qk.gemv_cluster(t, 11008, v) == qk.gemv_cluster(t, 18944, v) == qk.X_CLUSTER == 2
+        assert qk.gemv_cluster(t, qk.X_CLUSTER_MIN_IN, v) == 1  # 4096 and 5632 were slower in clusters
+        assert qk.gemv_cluster(t, 17920, qk.ROW_BLOCKS_VARIANT[t]) == 1  # no cluster instance
+        for p in (False, True):
+            name = qk._gemv_q8_name(t, p, v, cluster=True)
+            assert name.endswith(", false, false, true>") and name in qk.GROUPS["gemv.cu"][t.name]
+    assert qk.gemv_cluster(T.Q8_0, 11008, qk.QUANT[T.Q8_0].gemv) == 1

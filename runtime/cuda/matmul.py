@@ -167,7 +167,8 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         q = QUANT[w.ggml_type]
         variant = variant or gemv_variant(w.ggml_type, n_out, n_in, w.glu)
         warps = variant[0]
-        kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act), w.evict_first)
+        cluster = gemv_cluster(w.ggml_type, n_in, variant) if split and not w.glu else 1
+        kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act, cluster > 1), w.evict_first)
         smem = q8x_bytes(n_in)
         after = 8 * n_in if post else 0  # the post-norm's x and t * w (floats), then free
         if w.glu and q.handoff:  # room for one block's outputs (y_q8): its 32-output groups
@@ -175,12 +176,11 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
             after = max(after, 4 * 32 * -(-groups // min(device_limits()[0], n_out)))  # the grid has at least this many blocks
         smem += after
     else:
-        warps = FLOAT_GEMV[0]
+        warps, cluster = FLOAT_GEMV[0], 1
         kernel = _kernel("gemv.cu", _gemv_f_name(w.ggml_type, (n_in * FLOAT[w.ggml_type][1]) % 16 == 0, w.glu, w.glu_act))
         smem = (8 if post else 4) * n_in if norm else 0
     allow_shared(kernel, smem)
     grid = min(device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem), n_out)
-    cluster = gemv_cluster(n_in, warps) if split and w.ggml_type in QUANT else 1
     grid -= grid % cluster
     plan = (kernel, (grid,), (32 * warps,), smem, cluster)
     w._plans[(variant, norm, post, split)] = plan

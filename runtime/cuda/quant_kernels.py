@@ -154,17 +154,21 @@ GLU_ACTS: dict[str, str] = {"silu": "", "gelu_tanh": ", true"}
 # before its wait. Measured on the H200 (docs/PERF.md, session 27): 4096 x 11008 Q4_K 9.44 ->
 # 8.99 µs, 3584 x 18944 13.77 -> 12.98; but 2048 x 5632 4.47 -> 4.59 and 4096 x 4096 4.70 -> 4.80
 # (the two cluster barriers cost more than the 22 or 16 KB of x save), and clusters of 4 took
-# 60-70% longer. So clusters of 2, for n_in above X_CLUSTER_MIN_IN (x over 32 KB of floats), in
-# blocks of up to 512 threads (the 1,024-thread instances would spill).
+# 60-70% longer. So clusters of 2, for n_in above X_CLUSTER_MIN_IN (x over 32 KB of floats), of the
+# default variants of CLUSTER_TYPES (Q4_K_M's down products), in their own instances (gemv.cu
+# CLUSTER): the cluster path in every instance took 6 more registers and TinyLlama, which never
+# runs it, 1.2% (docs/PERF.md, session 27).
 X_CLUSTER = 2
 X_CLUSTER_MIN_IN = 8192
+CLUSTER_TYPES = (T.Q4_K, T.Q6_K)
 
 
-def gemv_cluster(n_in: int, warps: int) -> int:
-    """Blocks per thread-block cluster of a gemv_q8 launch of `warps` warps a block that
-    quantizes its own x of n_in values without norm or post-norm: X_CLUSTER past
-    X_CLUSTER_MIN_IN inputs in blocks of at most 16 warps, else 1 (no clusters)."""
-    return X_CLUSTER if n_in > X_CLUSTER_MIN_IN and warps <= 16 else 1
+def gemv_cluster(t: T, n_in: int, variant: tuple[int, int, int]) -> int:
+    """Blocks per thread-block cluster of a gemv_q8 launch (variant (WARPS, U, PF)) on a matrix
+    of type t that quantizes its own x of n_in values without norm or post-norm: X_CLUSTER past
+    X_CLUSTER_MIN_IN inputs for QUANT[t].gemv of CLUSTER_TYPES (the instances compiled with
+    CLUSTER), else 1 (no clusters)."""
+    return X_CLUSTER if n_in > X_CLUSTER_MIN_IN and t in CLUSTER_TYPES and variant == QUANT[t].gemv else 1
 
 
 def gemv_variant(t: T, n_out: int, n_in: int, glu: bool = False) -> tuple[int, int, int]:
@@ -179,9 +183,11 @@ def gemv_variant(t: T, n_out: int, n_in: int, glu: bool = False) -> tuple[int, i
     return QUANT[t].glu if glu else QUANT[t].gemv
 
 
-def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool = False, act: str = "silu") -> str:
+def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool = False, act: str = "silu",
+                  cluster: bool = False) -> str:
     warps, u, pf = variant
-    return f"gemv_q8<{QUANT[t].decoder}, {_bool(planar)}, {warps}, {u}, {_bool(pf)}, {_bool(glu)}{GLU_ACTS[act] if glu else ''}>"
+    tail = GLU_ACTS[act] if glu else ", false, true" if cluster else ""
+    return f"gemv_q8<{QUANT[t].decoder}, {_bool(planar)}, {warps}, {u}, {_bool(pf)}, {_bool(glu)}{tail}>"
 
 
 # The type pairs of one token's q/k/v runs that gemv_q8_pair multiplies in one launch (first run's
@@ -231,12 +237,16 @@ def _dequant_name(t: T, planar: bool, out: str) -> str:
 
 
 def _gemv_names(t: T) -> tuple[str, ...]:
-    """The gemv.cu instances a matrix of type t uses (both layouts, with and without SwiGLU)."""
+    """The gemv.cu instances a matrix of type t uses (both layouts, with and without SwiGLU, and
+    for CLUSTER_TYPES the default's cluster instance)."""
     if t in QUANT:
         variants = ((False, QUANT[t].gemv), (True, QUANT[t].glu))
         if t in ROW_BLOCKS_VARIANT:
             variants += ((False, ROW_BLOCKS_VARIANT[t]),)
-        return tuple(_gemv_q8_name(t, p, v, glu) for glu, v in variants for p in (False, True))
+        names = tuple(_gemv_q8_name(t, p, v, glu) for glu, v in variants for p in (False, True))
+        if t in CLUSTER_TYPES:
+            names += tuple(_gemv_q8_name(t, p, QUANT[t].gemv, cluster=True) for p in (False, True))
+        return names
     return tuple(_gemv_f_name(t, vec, glu) for vec in (True, False) for glu in (False, True))
 
 
