@@ -85,10 +85,11 @@ def test_the_pair_gives_each_matrix_blocks_in_proportion_to_its_bytes(n1, rb1, n
 def test_clusters_only_for_a_long_x_on_the_compiled_cluster_instances():
     for t in qk.CLUSTER_TYPES:
         v = qk.QUANT[t].gemv
-        assert qk.gemv_cluster(t, 11008, v) == qk.gemv_cluster(t, 18944, v) == qk.X_CLUSTER == 2
-        assert qk.gemv_cluster(t, qk.X_CLUSTER_MIN_IN, v) == 1  # 4096 and 5632 were slower in clusters
-        assert qk.gemv_cluster(t, 17920, qk.ROW_BLOCKS_VARIANT[t]) == 1  # no cluster instance
+        assert qk.gemv_cluster(t, 4096, 11008, v) == qk.gemv_cluster(t, 3584, 18944, v) == qk.X_CLUSTER == 2
+        assert qk.gemv_cluster(t, 4096, qk.X_CLUSTER_MIN_IN, v) == 1  # 4096 and 5632 were slower in clusters
+        assert qk.gemv_cluster(t, 5120, 17920, qk.ROW_BLOCKS_VARIANT[t]) == 1  # no cluster instance
+        assert qk.gemv_cluster(t, 4, 11008, v) == 2 and qk.gemv_cluster(t, 3, 11008, v) == 1  # a grid of whole clusters
         for p in (False, True):
             name = qk._gemv_q8_name(t, p, v, cluster=True)
             assert name.endswith(", false, false, true>") and name in qk.GROUPS["gemv.cu"][t.name]
-    assert qk.gemv_cluster(T.Q8_0, 11008, qk.QUANT[T.Q8_0].gemv) == 1
+    assert qk.gemv_cluster(T.Q8_0, 4096, 11008, qk.QUANT[T.Q8_0].gemv) == 1

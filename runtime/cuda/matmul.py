@@ -152,11 +152,11 @@ def make_half(w: DeviceWeight, out, stream=None, trace: Trace | None = None) -> 
 
 def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, norm: bool = False, post: bool = False,
                split: bool = False):
-    """(kernel, grid, block, shared_mem) for gemv on w, cached per variant, norm prologue and
-    post-norm prologue (post: its x and t * w kept as floats after x's q8) and split (x quantized in
-    the kernel without norm or post-norm, by clusters where quant_kernels.gemv_cluster says). The
-    grid is as many blocks as fit on the GPU at once, but at most one per output (a multiple of
-    the cluster). Returns (kernel, grid, block, shared_mem, blocks per cluster)."""
+    """The launch of gemv on w, cached per variant, norm prologue, post-norm prologue (post: its x
+    and t * w kept as floats after x's q8) and split (x quantized in the kernel without norm or
+    post-norm: in clusters where quant_kernels.gemv_cluster says). The grid is as many blocks as
+    fit on the GPU at once, but at most one per output, cut to a multiple of the cluster.
+    Returns (kernel, grid, block, shared_mem, blocks per cluster)."""
     plan = w._plans.get((variant, norm, post, split))
     if plan is not None:
         return plan
@@ -167,7 +167,7 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         q = QUANT[w.ggml_type]
         variant = variant or gemv_variant(w.ggml_type, n_out, n_in, w.glu)
         warps = variant[0]
-        cluster = gemv_cluster(w.ggml_type, n_in, variant) if split and not w.glu else 1
+        cluster = gemv_cluster(w.ggml_type, n_out, n_in, variant) if split and not w.glu else 1
         kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act, cluster > 1), w.evict_first)
         smem = q8x_bytes(n_in)
         after = 8 * n_in if post else 0  # the post-norm's x and t * w (floats), then free

@@ -163,12 +163,15 @@ X_CLUSTER_MIN_IN = 8192
 CLUSTER_TYPES = (T.Q4_K, T.Q6_K)
 
 
-def gemv_cluster(t: T, n_in: int, variant: tuple[int, int, int]) -> int:
+def gemv_cluster(t: T, n_out: int, n_in: int, variant: tuple[int, int, int]) -> int:
     """Blocks per thread-block cluster of a gemv_q8 launch (variant (WARPS, U, PF)) on a matrix
-    of type t that quantizes its own x of n_in values without norm or post-norm: X_CLUSTER past
-    X_CLUSTER_MIN_IN inputs for QUANT[t].gemv of CLUSTER_TYPES (the instances compiled with
-    CLUSTER), else 1 (no clusters)."""
-    return X_CLUSTER if n_in > X_CLUSTER_MIN_IN and t in CLUSTER_TYPES and variant == QUANT[t].gemv else 1
+    of type t with n_out outputs that quantizes its own x of n_in values without norm or
+    post-norm: X_CLUSTER past X_CLUSTER_MIN_IN inputs for QUANT[t].gemv of CLUSTER_TYPES (the
+    instances compiled with CLUSTER) with at least two clusters' worth of outputs (the grid, at
+    most one block an output, is cut to a multiple of the cluster), else 1 (no clusters)."""
+    if n_in > X_CLUSTER_MIN_IN and n_out >= 2 * X_CLUSTER and t in CLUSTER_TYPES and variant == QUANT[t].gemv:
+        return X_CLUSTER
+    return 1
 
 
 def gemv_variant(t: T, n_out: int, n_in: int, glu: bool = False) -> tuple[int, int, int]:
