@@ -12,6 +12,8 @@ which instantiates exactly those kernels (and fails to compile for a name the so
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import re
 import shutil
 import subprocess
@@ -52,11 +54,51 @@ def test_every_launched_kernel_file_has_names():
     assert all(instances(f) for f in (*matmul.GROUPS, *ops.KERNELS))
 
 
+EVICT_SOURCES = ("gemv.cu", "attention.cu")
+
+
+def _build_key(item) -> tuple | None:
+    """The builds key a collected test item reads (None: it reads none)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if item.originalname == "test_compiles_for_sm90":
+        return ("obj", params["src"].name)
+    if item.originalname == "test_once_read_loads_carry_the_evict_first_hint_unless_switched_off":
+        return ("ptx", params["src"], params["evict_first"])
+    return None
+
+
+@pytest.fixture(scope="module")
+def builds(request, tmp_path_factory) -> dict:
+    """The nvcc builds the selected tests below check, run at once on as many threads as this
+    process may use cores (the builds are minutes of one core each, and the test suite runs in
+    one process): ("obj", name) -> the CompletedProcess of the wrapper of SOURCES' `name`
+    compiled to an object with ptxas' register report; ("ptx", name, evict_first) -> (the
+    CompletedProcess, the PTX path) of EVICT_SOURCES' `name` compiled to PTX, with
+    K4_EVICT_FIRST=0 unless evict_first."""
+    def obj(src):
+        d = tmp_path_factory.mktemp(f"obj_{src.stem}")
+        cmd = ["nvcc", "-arch=sm_90", *OPTIONS, "-Xptxas", "-v", "-c", str(wrapper(src, d)), "-o", str(d / "k.o")]
+        return subprocess.run(cmd, capture_output=True, text=True, check=False)
+
+    def ptx(name, evict_first):
+        d = tmp_path_factory.mktemp(f"ptx_{name.split('.')[0]}")
+        define = [] if evict_first else ["-DK4_EVICT_FIRST=0"]
+        cmd = ["nvcc", "-arch=sm_90", *OPTIONS, *define, "-ptx", str(wrapper(SOURCE_DIR / name, d)), "-o", str(d / "k.ptx")]
+        return subprocess.run(cmd, capture_output=True, text=True, check=False), d / "k.ptx"
+
+    wanted = {_build_key(item) for item in request.session.items} - {None}
+    jobs = {("obj", src.name): (obj, (src,)) for src in SOURCES}
+    jobs.update({("ptx", name, e): (ptx, (name, e)) for name in EVICT_SOURCES for e in (True, False)})
+    jobs = {key: job for key, job in jobs.items() if key in wanted}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
+        futures = {key: pool.submit(fn, *args) for key, (fn, args) in jobs.items()}
+        return {key: f.result() for key, f in futures.items()}
+
+
 @needs_nvcc
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
-def test_compiles_for_sm90(src, tmp_path):
-    cmd = ["nvcc", "-arch=sm_90", *OPTIONS, "-Xptxas", "-v", "-c", str(wrapper(src, tmp_path)), "-o", str(tmp_path / "k.o")]
-    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+def test_compiles_for_sm90(src, builds):
+    r = builds[("obj", src.name)]
     assert r.returncode == 0, f"{src.name} does not compile:\n{r.stderr}"
     if src.name in NO_SPILL:
         spills = [line for line in r.stderr.splitlines() if re.search(r"[1-9]\d* bytes spill (stores|loads)", line)]
@@ -68,16 +110,13 @@ def test_every_kernel_file_is_checked():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("src", ["gemv.cu", "attention.cu"])
+@pytest.mark.parametrize("src", EVICT_SOURCES)
 @pytest.mark.parametrize("evict_first", [True, False])
-def test_once_read_loads_carry_the_evict_first_hint_unless_switched_off(src, evict_first, tmp_path):
+def test_once_read_loads_carry_the_evict_first_hint_unless_switched_off(src, evict_first, builds):
     """K4_EVICT_FIRST: the weight loads of gemv.cu and the KV loads of attention.cu are
     ld.global.nc.L1::evict_first, and none is when compiled with K4_EVICT_FIRST=0 (as
     runtime/cuda/matmul.py and ops.py compile them with the flag off)."""
-    define = [] if evict_first else ["-DK4_EVICT_FIRST=0"]
-    ptx = tmp_path / "k.ptx"
-    cmd = ["nvcc", "-arch=sm_90", *OPTIONS, *define, "-ptx", str(wrapper(SOURCE_DIR / src, tmp_path)), "-o", str(ptx)]
-    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    r, ptx = builds[("ptx", src, evict_first)]
     assert r.returncode == 0, r.stderr
     hinted = len(re.findall(r"ld\.global\.nc\.L1::evict_first\.v4\.u32", ptx.read_text()))
     assert (hinted > 0) == evict_first, f"{src}: {hinted} hinted loads"
