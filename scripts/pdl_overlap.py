@@ -81,7 +81,7 @@ CASES = ((50, 50, 50, 60), (50, 50, 50, 60, 1), (50, 50, 50, 60, 1, 1), (50, 50,
 def main() -> None:
     import cupy as cp
 
-    from k4.runtime.cuda.launch import _launch_pdl  # the raw PDL launch: launch() would set its own carveouts
+    from k4.runtime.cuda.launch import _launch_ex  # the raw cuLaunchKernelEx launch (PDL): launch() would set its own carveouts
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hold", type=float, default=20.0, help="µs each block of A holds its registers")
@@ -107,9 +107,9 @@ def main() -> None:
         with stream:
             a0((n_sm,), (512,), (words, scratch, scratch, np.int64(2000), sink, np.int32(0)), shared_mem=a_smem)
             if a0_pdl:  # a second A0 by PDL, so that A's primary is itself a dependent
-                _launch_pdl(a0, (n_sm,), (512,), (words, scratch, scratch, np.int64(2000), sink, np.int32(1)), a_smem, stream.ptr)
-            _launch_pdl(a, (n_sm,), (512,), (words, a_start, a_end, np.int64(args.hold * 1e3), sink, np.int32(wait)), a_smem, stream.ptr)
-            _launch_pdl(b, (2 * n_sm,), (128,), (words, b_start, np.int64(3000), sink), b_kb * KB, stream.ptr)
+                _launch_ex(a0, (n_sm,), (512,), (words, scratch, scratch, np.int64(2000), sink, np.int32(1)), a_smem, stream.ptr)
+            _launch_ex(a, (n_sm,), (512,), (words, a_start, a_end, np.int64(args.hold * 1e3), sink, np.int32(wait)), a_smem, stream.ptr)
+            _launch_ex(b, (2 * n_sm,), (128,), (words, b_start, np.int64(3000), sink), b_kb * KB, stream.ptr)
         graph = stream.end_capture()
         early, first = [], []
         for _ in range(args.reps):

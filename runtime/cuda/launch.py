@@ -8,6 +8,8 @@ CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, sm_90): the kernel may st
 the previous kernel in the stream is still running, so its launch latency and its first loads
 overlap that kernel's tail. Only kernels that execute `griddepcontrol.wait` (pdl_wait in
 kernels_cu/device.cuh) before touching anything an earlier kernel writes may be launched so.
+`cluster=N` launches thread-block clusters of N blocks along x (the cluster-dimension
+attribute of the same call).
 
 Every kernel launched here asks for one split of each multiprocessor's L1 and shared memory
 (K4_CARVEOUT, use_carveout): left to the driver, each kernel gets the split its own shared memory
@@ -69,7 +71,7 @@ def _dim3(d: tuple[int, ...]):
     return (ctypes.c_uint * 3)(*(tuple(d) + (1, 1))[:3])
 
 
-def _launch_pdl(kernel, grid, block, args, shared_mem: int, stream_ptr: int, pdl: bool = True, cluster: int = 1) -> None:
+def _launch_ex(kernel, grid, block, args, shared_mem: int, stream_ptr: int, pdl: bool = True, cluster: int = 1) -> None:
     """cuLaunchKernelEx with the PDL attribute (its value: pdl) and, for cluster > 1, clusters of
     that many blocks along x; raises cupy's CUDADriverError on a refusal."""
     import cupy as cp
@@ -240,7 +242,7 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
                 import cupy as cp
 
                 stream = cp.cuda.get_current_stream()
-            _launch_pdl(kernel, grid, block, args, shared_mem, stream.ptr, pdl, cluster)
+            _launch_ex(kernel, grid, block, args, shared_mem, stream.ptr, pdl, cluster)
         elif stream is None:  # on the current stream: no context switch (prefill is launch-bound)
             kernel(grid, block, args, shared_mem=shared_mem)
         else:
