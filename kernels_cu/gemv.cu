@@ -39,7 +39,9 @@
 // Quantize units u0 .. u0 + n_units - 1 of a q8 y (q8x_bytes(n_out) at y_q8) from their values
 // yo[0 .. 16 n_units) in shared memory: the SwiGLU epilogue's handoff to the down product.
 // Every thread of the block calls it.
-__device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_units, int n_out, int swz, u8* y_q8) {
+// With nw (the next RMSNorm's weights, (n_out,)) non-null the units quantized are y * nw (NQ).
+__device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_units, int n_out, int swz, u8* y_q8,
+                                                 const float* __restrict__ nw = nullptr) {
     float* yd = reinterpret_cast<float*>(y_q8 + q8x_bytes_q(n_out));
     for (int base = 0; base < n_units; base += blockDim.x) {  // warp-uniform trip count
         const int t = base + threadIdx.x;
@@ -47,7 +49,11 @@ __device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_
         float v[16];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            const float4 f = ok ? reinterpret_cast<const float4*>(yo)[4 * t + k] : make_float4(0.f, 0.f, 0.f, 0.f);
+            float4 f = ok ? reinterpret_cast<const float4*>(yo)[4 * t + k] : make_float4(0.f, 0.f, 0.f, 0.f);
+            if (nw && ok) {
+                const float4 g = __ldg(reinterpret_cast<const float4*>(nw) + 4 * (u0 + t) + k);
+                f = make_float4(f.x * g.x, f.y * g.y, f.z * g.z, f.w * g.w);
+            }
             v[4 * k] = f.x; v[4 * k + 1] = f.y; v[4 * k + 2] = f.z; v[4 * k + 3] = f.w;
         }
         q8_unit(v, ok, u0 + t, swz, y_q8, yd, yd + q8x_d_floats(n_out));
@@ -62,7 +68,15 @@ __device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_
 // CLUSTER (not GLU; launched in thread-block clusters, x without norm, post-norm or x_q8): the
 // blocks of a cluster quantize x together (quantize_x_cluster). Its own instances, so that the
 // others keep their registers (runtime/cuda/quant_kernels.py gemv_cluster).
-template <class T, bool PLANAR, int WARPS, int U, bool PF, bool GLU, bool GELU = false, bool CLUSTER = false>
+// NQ (not GLU; y_q8, nq_w and nq_parts non-null; n_out a multiple of 32): the residual product
+// before an RMSNorm hands the next products their input (K4_NORM_Q8). Each block takes whole
+// 32-output groups (as the SwiGLU handoff does), writes y as usual, and also y * nq_w quantized
+// (q8_unit's scheme, without the norm's scale) into y_q8 and the sum of y^2 over its outputs into
+// nq_parts[blockIdx.x]. The next product, given that as x_q8 with x_parts, copies it and scales
+// its sums by rsqrt(mean(y^2) + eps): the RMSNorm's scale is common to every unit of x, and each
+// output is linear in the units' scales (d and d * sum), so it comes out once, at the end. Its
+// own instances (quant_kernels.py NQ_TYPES).
+template <class T, bool PLANAR, int WARPS, int U, bool PF, bool GLU, bool GELU = false, bool CLUSTER = false, bool NQ = false>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw or planar; GLU: (2 n_out, n_in) interleaved
         const float* __restrict__ x,       // (n_in,)
@@ -79,8 +93,14 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         const float* __restrict__ post_w,  // (n_in,) or null
         float* x_out,                      // (n_in,) or null (with post_t): block 0 writes that input here
         u8* __restrict__ x_q8_out,         // q8x_bytes(n_in) or null (not with x_q8): block 0 also writes x's q8 here,
-        int x_out_swz) {                   // for a product of swizzle x_out_swz (the next q/k/v run reads it as its x_q8)
+        int x_out_swz,                     // for a product of swizzle x_out_swz (the next q/k/v run reads it as its x_q8)
+        const float* __restrict__ nq_w,    // NQ: (n_out,) the next RMSNorm's weights
+        float* __restrict__ nq_parts,      // NQ: (gridDim.x,) each block's sum of y^2
+        const float* __restrict__ x_parts,  // with x_q8, null or (n_parts,): x_q8 is an NQ product's y_q8, these its nq_parts
+        int n_parts) {
     extern __shared__ uint4 smem[];
+    __shared__ float x_rs;  // with x_parts: the RMSNorm's scale of x (copy_q8x_normed)
+    if (WARPS > 16) x_parts = nullptr;  // 1,024-thread instances (64 registers) take no x_parts: Q8_0's would spill
     u8* xq = reinterpret_cast<u8*>(smem);
     float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
     float* xs = xd + q8x_d_floats(n_in);
@@ -94,7 +114,8 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     // (with y_q8); both recomputed where used: 1024-thread instances have 64 registers and no more
     auto group = [&](int b) { return (int)((i64)b * ((n_out + 31) / 32) / gridDim.x); };
     auto y_smem = [&]() { return reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in)); };
-    constexpr bool HANDOFF = GLU && T::handoff;
+    constexpr bool HANDOFF = (GLU && T::handoff) || NQ;
+    static_assert(!(NQ && GLU), "NQ: a residual product");
     // Rows go round-robin over all warps; with y_q8 each block takes a run of whole 32-output
     // groups instead (balanced over the grid), so it can quantize its own outputs. That costs
     // balance: 344 groups (n_ff 11008) over 132 blocks is 3 groups on some, 2 on others.
@@ -114,12 +135,16 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     if (row < row_end) q8_load<T, PLANAR, U, GLU>(ch, w, nblk, nblk_row, n_chunks, row, lane);  // weights only: before the wait
     prefetch_l1_floats(x_q8 ? nullptr : norm_w, n_in);  // the prologue's weights too
     prefetch_l1_floats(x_q8 ? nullptr : post_w, n_in);
+    if constexpr (NQ) prefetch_l1_floats(nq_w + 32 * group(blockIdx.x), 32 * (group(blockIdx.x + 1) - group(blockIdx.x)));
     if constexpr (CLUSTER) cluster_arrive_relaxed();
     pdl_wait();
     if constexpr (CLUSTER) {
         quantize_x_cluster<T::x_swizzle>(x, n_in, xq, xd, xs);
     } else if (x_q8) {
-        copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);
+        if (x_parts)
+            copy_q8x_normed(x_q8, n_in, T::x_swizzle, T::x_swizzle, x_parts, n_parts, eps, smem, &x_rs);
+        else
+            copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);
     } else {
         // with post_t: its x and t * w kept in shared memory after x's q8 (the y_q8 outputs reuse it)
         quantize_x<T::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs,
@@ -134,14 +159,25 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
             const float v = glu_act<GELU>(acc, acc_up);
             y[r] = v;
             if (HANDOFF && y_q8) y_smem()[r - 32 * group(blockIdx.x)] = v;
+        } else if constexpr (NQ) {
+            if (bias) acc += bias[r];
+            if (residual) acc += residual[r];
+            y[r] = acc;
+            y_smem()[r - 32 * group(blockIdx.x)] = acc;
         } else {
             write_row(y, residual, bias, r, acc);
         }
     });
     if (HANDOFF && y_q8) {  // quantize this block's outputs (n_out a multiple of 32)
         __syncthreads();
-        const int g0 = group(blockIdx.x);
-        quantize_outputs(y_smem(), 2 * g0, 2 * (group(blockIdx.x + 1) - g0), n_out, y_swz, y_q8);
+        const int g0 = group(blockIdx.x), n = group(blockIdx.x + 1) - g0;
+        if (NQ && threadIdx.x < 32) {  // warp 0: the sum of squares of the block's outputs, in one order
+            float ss = 0.f;
+            for (int i = threadIdx.x; i < 32 * n; i += 32) ss += y_smem()[i] * y_smem()[i];
+            ss = warp_sum(ss);
+            if (threadIdx.x == 0) nq_parts[blockIdx.x] = ss;
+        }
+        quantize_outputs(y_smem(), 2 * g0, 2 * n, n_out, y_swz, y_q8, NQ ? nq_w : nullptr);
     }
 }
 
@@ -160,7 +196,8 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
 template <class T, bool PLANAR, int U, bool PF>
 __device__ __forceinline__ void pair_part(const u8* __restrict__ w, const float* __restrict__ x, float* y, const float* __restrict__ bias,
                                           const float* __restrict__ norm_w, float eps, int n, int n_in, int part_block, int part_grid,
-                                          const PostNorm& post, uint4* smem) {
+                                          const PostNorm& post, uint4* smem, const u8* __restrict__ x_q8, int x_q8_swz,
+                                          const float* __restrict__ x_parts, int n_parts, float* x_rs) {
     u8* xq = reinterpret_cast<u8*>(smem);
     float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
     float* xs = xd + q8x_d_floats(n_in);
@@ -172,7 +209,11 @@ __device__ __forceinline__ void pair_part(const u8* __restrict__ w, const float*
     prefetch_l1_floats(norm_w, n_in);  // the prologue's weights too
     prefetch_l1_floats(post.w, n_in);
     pdl_wait();
-    quantize_x<T::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs, post);
+    if (x_q8) {  // an NQ product's y_q8 (gemv_q8), in its swizzle
+        copy_q8x_normed(x_q8, n_in, x_q8_swz, T::x_swizzle, x_parts, n_parts, eps, smem, x_rs);
+    } else {
+        quantize_x<T::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs, post);
+    }
     __syncthreads();
     auto load = [&](typename T::chunk (&dst)[U], int r, int c0) {
         q8_load<T, PLANAR, U, false>(dst, w, (i64)n * nblk_row, nblk_row, n_chunks, r, c0);
@@ -190,15 +231,20 @@ gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in
              const float* __restrict__ norm_w, float eps,            // (n_in,) or null: RMSNorm prologue
              int n1, int n2, int n_in,
              const float* __restrict__ post_t, const float* __restrict__ post_w, float* x_out,  // as gemv_q8's
-             int b2) {                                               // blocks taking w2's rows: 1 .. gridDim.x - 1
+             int b2,                                                 // blocks taking w2's rows: 1 .. gridDim.x - 1
+             const u8* __restrict__ x_q8, int x_q8_swz,              // null, or an NQ product's y_q8 (no norm_w, no post)
+             const float* __restrict__ x_parts, int n_parts) {       // with x_q8: that product's nq_parts
     static_assert(32 * WARPS == PAIR_THREADS, "PAIR_REGS is the cap of a block of PAIR_THREADS");
     extern __shared__ uint4 smem[];
+    __shared__ float x_rs;
     const PostNorm post{post_t, post_w, x_out, reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in))};
     pdl_trigger();
     if ((int)blockIdx.x < b2)  // block-uniform: the barriers inside are the whole block's
-        pair_part<T2, PLANAR, U2, PF2>(w2, x, y2, bias2, norm_w, eps, n2, n_in, blockIdx.x, b2, post, smem);
+        pair_part<T2, PLANAR, U2, PF2>(w2, x, y2, bias2, norm_w, eps, n2, n_in, blockIdx.x, b2, post, smem, x_q8, x_q8_swz, x_parts,
+                                       n_parts, &x_rs);
     else
-        pair_part<T1, PLANAR, U1, PF1>(w1, x, y1, bias1, norm_w, eps, n1, n_in, blockIdx.x - b2, gridDim.x - b2, post, smem);
+        pair_part<T1, PLANAR, U1, PF1>(w1, x, y1, bias1, norm_w, eps, n1, n_in, blockIdx.x - b2, gridDim.x - b2, post, smem, x_q8,
+                                       x_q8_swz, x_parts, n_parts, &x_rs);
 }
 
 // Sum over one weight row (n_in of T at wr) times x (global or shared memory, 16-byte aligned),

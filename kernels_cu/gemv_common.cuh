@@ -290,6 +290,53 @@ __device__ __forceinline__ void copy_q8x(const uint4* __restrict__ src, int n16,
     }
 }
 
+// A q8 x of n_in values at src (global memory, units in swizzle from_swz) copied into dst
+// (shared memory) in swizzle to_swz: copy_q8x with each unit moved to its slot (x_unit_slot
+// rotates units within runs of 8, so source slot i lands at i's run, rotated by the difference).
+__device__ __forceinline__ void copy_q8x_swizzled(const u8* __restrict__ src, int n_in, int from_swz, int to_swz, uint4* dst) {
+    const int n16 = q8x_bytes(n_in) / 16, n_units = n_in >> 4, delta = to_swz - from_swz;
+    for (int base = 0; base < n16; base += 4 * blockDim.x) {
+        uint4 v[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int i = base + threadIdx.x + k * blockDim.x;
+            if (i < n16) v[k] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int i = base + threadIdx.x + k * blockDim.x;
+            if (i < n16) dst[i < n_units ? (i & ~7) | ((i + delta * (i >> 3)) & 7) : i] = v[k];
+        }
+    }
+}
+
+// The RMSNorm scale 1 / sqrt(sum / n + eps) of a vector whose sum of squares is split into
+// parts[0 .. n_parts) (gemv_q8 NQ's nq_parts), summed in one order: every lane of one warp calls
+// it and gets the same value, as does every warp of every block that calls it.
+__device__ __forceinline__ float parts_rms_scale(const float* __restrict__ parts, int n_parts, int n, float eps) {
+    float s = 0.f;
+    for (int i = threadIdx.x & 31; i < n_parts; i += 32) s += __ldg(parts + i);
+    return rsqrtf(warp_sum(s) / (float)n + eps);
+}
+
+// An NQ product's handoff (gemv.cu gemv_q8 NQ: y * norm_w quantized without the norm's scale, at
+// q in swizzle from_swz, and its blocks' sums of y^2 in parts[0 .. n_parts)) made the q8 x of
+// RMSNorm(y) * norm_w in shared memory dst, swizzle to_swz: copied, then every d and d * sum
+// multiplied by the norm's scale (each output's sum is linear in them), which warp 0 puts in *rs
+// (shared). Every thread of the block calls it; the caller's barrier publishes the scaled q8 x.
+__device__ __forceinline__ void copy_q8x_normed(const u8* __restrict__ q, int n_in, int from_swz, int to_swz,
+                                                const float* __restrict__ parts, int n_parts, float eps, uint4* dst, float* rs) {
+    copy_q8x_swizzled(q, n_in, from_swz, to_swz, dst);
+    if (threadIdx.x < 32) {
+        const float s = parts_rms_scale(parts, n_parts, n_in, eps);
+        if (threadIdx.x == 0) *rs = s;
+    }
+    __syncthreads();
+    float* ds = reinterpret_cast<float*>(reinterpret_cast<u8*>(dst) + q8x_bytes_q(n_in));  // d, then d * sum
+    const float s = *rs;
+    for (int i = threadIdx.x; i < q8x_d_floats(n_in) + (n_in >> 4); i += blockDim.x) ds[i] *= s;
+}
+
 // The first U chunks of a warp's output r, from lane's chunk c0 on: chunks c0, c0 + 32, ... of the
 // output's weights in one matrix of planar or raw layout (both rows of a GLU pair, consecutive:
 // chunk c is in block c / chunks per block).

@@ -82,6 +82,8 @@ def activation_spec(cfg: ModelConfig, chunk: int, n_ctx: int, n_split: int, mm_s
         "attn": Buffer((P, cfg.n_head, cfg.head_dim), f32),  # attention output
         "ff": Buffer((P, cfg.n_ff), f32),  # silu(gate) * up
         "ff16": Buffer((P, cfg.n_ff), f16),
+        "nq8": Buffer((matmul.q8x_bytes(cfg.n_embd),), np.uint8),  # decode's norm input handed over quantized (K4_NORM_Q8)
+        "nq_parts": Buffer((cfg.n_embd,), f32),  # its producer's per-block sums of squares (at most a block per output)
         "ff_q8": Buffer((matmul.q8x_bytes(cfg.n_ff) if fuse_quant else 0,), np.uint8),  # one, the layers take turns
         "logits": Buffer((P, cfg.n_vocab), f32),
         # partials of split decode attention: (1, n_head, n_split, head_dim + 2) of the range in use

@@ -44,6 +44,7 @@ class ForwardOptions:
     qkv_q8: bool = True  # K4_QKV_Q8: decode's later q/k/v runs copy the x the first one quantized (qkv)
     qkv_pair: bool = True  # K4_QKV_PAIR: decode's q/k/v in two runs of paired types as one launch (qkv)
     x_cluster: bool = True  # K4_X_CLUSTER: decode's products quantizing a long x in clusters of blocks (linear)
+    norm_q8: bool = True  # K4_NORM_Q8: decode's residual products hand the next norm's products their input quantized
 
 
 class Forward:
@@ -66,6 +67,10 @@ class Forward:
         self.n_ctx, self.chunk = kv.n_ctx, act.x0.shape[0]
         # one token with fuse_norm: a post-norm (t, post_w, res, Y) the next products fold in (normed)
         self.post: tuple | None = None
+        # one token with norm_q8: the q8 handoff of the residual stream's next RMSNorm input and
+        # that norm's weight (residual's nq), taken by normed
+        self.nq: tuple | None = None
+        self._readers: dict[int, tuple] = {}  # readers(li)
         self.mega = None  # megakernel.MegaStep (K4_MEGAKERNEL), set by the backend where the model allows it
 
     def layers(self, n: int, row_ids: cp.ndarray, split: tuple[int, int, int] | None = None) -> cp.ndarray:
@@ -83,7 +88,7 @@ class Forward:
         configs = {False: (n_split, split_len), True: self.swa_splits[limit] if n == 1 else (1, self.n_ctx)}
         parts = {k: None if c[0] == 1 else a.part[: cfg.n_head * c[0] * (cfg.head_dim + 2)].reshape(1, cfg.n_head, c[0], cfg.head_dim + 2)
                  for k, c in configs.items()}
-        self.post = None  # a pending post-norm of an earlier pass that no output() took: x is rewritten below
+        self.post = self.nq = None  # a pending post-norm or handoff of an earlier pass that no output() took
         # gemma: the embedding rows times sqrt(n_embd), inside the lookup (embed_scale 1: none)
         matmul.dequant_rows(self.w.token_embd, row_ids, x, stream=self.stream, trace=o.trace, scale=cfg.embed_scale)
         for li, L in enumerate(self.w.layers):
@@ -105,14 +110,19 @@ class Forward:
             attn_q8 = self.attn_q8(L.wo, n, configs[sliding][0], limit)
             o.attention(q, k_rows, v_rows, attn, self.pos, *configs[sliding], parts[sliding], a.ticket, fresh, self.shapes[li],
                         scales=row_scales, limit=limit if n == 1 else None, x_q8=attn_q8)
-            self.residual(L.wo, attn.reshape(n, cfg.q_dim), x, x1, L.attn_post_norm, x_q8=attn_q8)
+            nq = None if L.moe is not None or n > 1 else (L.ffn_norm, self.readers(li)[0])
+            self.residual(L.wo, attn.reshape(n, cfg.q_dim), x, x1, L.attn_post_norm, x_q8=attn_q8, nq=nq)
             if L.moe is not None:  # routed experts (+ shared expert) + residual: runtime/cuda/moe.py
                 self.settle()
                 moe.moe_ffn(self, L, x1, x, n)
                 continue
             # feed-forward: norm, gate and up with SwiGLU (GeGLU), down (+ post-norm) + residual
             ff_q8 = self.gate_up(L, x1, ff, half)
-            self.residual(L.w_down, ff, x1, x, L.ffn_post_norm, x_q8=ff_q8)
+            nq = None
+            if n == 1:  # the next layer's q/k/v, or after the last layer the output head
+                nxt = self.w.layers[li + 1] if li + 1 < len(self.w.layers) else None
+                nq = (nxt.attn_norm if nxt else self.w.output_norm, self.readers(li)[1])
+            self.residual(L.w_down, ff, x1, x, L.ffn_post_norm, x_q8=ff_q8, nq=nq)
         return x
 
     def decode_mega(self, row_ids: cp.ndarray) -> None:
@@ -123,14 +133,23 @@ class Forward:
                             scale=self.cfg.embed_scale)
         self.mega.launch(self.pos, self.stream, self.ops.trace)
 
-    def residual(self, w, X: cp.ndarray, res: cp.ndarray, Y: cp.ndarray, post_norm, x_q8=None) -> None:
+    def residual(self, w, X: cp.ndarray, res: cp.ndarray, Y: cp.ndarray, post_norm, x_q8=None, nq=None) -> None:
         """Y = res + X W^T, or with a post-norm weight (gemma) Y = res + rmsnorm(X W^T) * post_norm:
         the product into the scratch h, then rms_norm_add, or for one token with fuse_norm the
         next products' prologue (self.post, taken by normed). X: (n, n_in); res, Y: (n, n_embd) f32.
-        A product on int8 tensor cores (gemv_mma, 3 to 8 rows) gets X quantized once (act.x_q8)."""
+        A product on int8 tensor cores (gemv_mma, 3 to 8 rows) gets X quantized once (act.x_q8).
+        nq: None or (norm_w, reader), the RMSNorm after Y and a weight of the products that read
+        its output (None: none can take a handoff): for one token with norm_q8 and fuse_norm, the
+        product also writes rmsnorm(Y) * norm_w's q8 handoff (matmul.gemv norm_out, act.nq8 and
+        act.nq_parts) for them, and normed gives it to them (self.nq)."""
         if x_q8 is None:
             x_q8 = self.quantized(w, X)
         if post_norm is None:
+            handoff = self.handoff(w, nq, x_q8)
+            if handoff is not None:
+                self.linear(w, X, Y, residual=res, x_q8=x_q8, y_q8=handoff, norm_out=(nq[0], handoff.parts))
+                self.nq = (handoff, nq[0])
+                return
             self.linear(w, X, Y, residual=res, x_q8=x_q8)
             return
         t = self.act.h[: X.shape[0]]  # (n, n_embd) f32: free once the q/k/v (or gate/up) products have read it
@@ -161,6 +180,51 @@ class Forward:
             return None
         return Q8Vector.for_weight(wo, self.act.x_q8)
 
+    def handoff(self, w, nq, x_q8) -> Q8Vector | None:
+        """The q8 handoff (Q8Vector with parts, in act.nq8 and act.nq_parts) that w's one-token
+        product of float x (x_q8 None) or of x_q8 writes for nq's reader (residual), or None where
+        norm_q8 or fuse_norm is off, nq is None, or w's product has no NQ launch."""
+        if nq is None or nq[1] is None or not (self.opts.norm_q8 and self.opts.fuse_norm):
+            return None
+        n_parts = matmul.norm_q8_blocks(w, self.opts.x_cluster and x_q8 is None)
+        if not n_parts:
+            return None
+        vec = Q8Vector.for_weight(nq[1], self.act.nq8)
+        return Q8Vector(vec.data, vec.n, vec.swizzle, self.act.nq_parts, n_parts, self.cfg.rms_eps)
+
+    @staticmethod
+    def reader(ws) -> object | None:
+        """The weight whose swizzle a handoff to the one-token products of weights ws is made in,
+        or None where one of them cannot read it: each quantized, on 16-warp blocks (the 1,024-thread
+        instances take no handoff: gemv.cu), of one swizzle."""
+        for w in ws:
+            variant = matmul.gemv_variant(w.ggml_type, w.shape[0] // (2 if w.glu else 1), w.shape[1], w.glu) \
+                if w.ggml_type in matmul.QUANT else None
+            if variant is None or variant[0] > 16 or not matmul.uses_gemv(w, 1):
+                return None
+        return ws[0] if len({matmul.QUANT[w.ggml_type].x_swizzle for w in ws}) == 1 else None
+
+    def readers(self, li: int) -> tuple:
+        """(reader of layer li's gate/up, reader of the q/k/v of layer li + 1 or after the last
+        layer of the output head), computed once per layer (the eager decode step asks each token)."""
+        r = self._readers.get(li)
+        if r is None:
+            layers = self.w.layers
+            nxt = self.qkv_reader(layers[li + 1]) if li + 1 < len(layers) else self.reader([self.w.output])
+            r = self._readers[li] = (self.gate_up_reader(layers[li]), nxt)
+        return r
+
+    def qkv_reader(self, L: LayerWeights):
+        """reader for layer L's one-token q/k/v products: a gemv_pair pair reads any swizzle (its
+        first run's), separate runs must share one."""
+        if self.opts.qkv_pair and len(L.qkv) == 2 and gemv_pair.pairs(L.qkv[0].w, L.qkv[1].w):
+            return L.qkv[0].w
+        return self.reader([p.w for p in L.qkv])
+
+    def gate_up_reader(self, L: LayerWeights):
+        """reader for layer L's one-token gate/up product: one glu weight, or None."""
+        return self.reader([L.gate_up[0].w]) if len(L.gate_up) == 1 and L.gate_up[0].w.glu else None
+
     def settle(self) -> None:
         """Apply a pending post-norm (self.post) with the rms_norm_add kernel."""
         if self.post is not None:
@@ -184,12 +248,14 @@ class Forward:
         prologue; the same bytes, so the same outputs. Two runs of a type pair gemv_pair takes
         (K4_QKV_PAIR): one launch for both, the same bits again."""
         cols, x_q8, x_q8_out, later = {}, h_q8, None, L.qkv[1:]
-        if n == 1 and self.opts.qkv_pair and len(L.qkv) == 2 and h_q8 is None and gemv_pair.pairs(L.qkv[0].w, L.qkv[1].w):
+        handed = n == 1 and h_q8 is not None and h_q8.parts is not None  # residual's NQ handoff
+        if (n == 1 and self.opts.qkv_pair and len(L.qkv) == 2 and (h_q8 is None or handed)
+                and gemv_pair.pairs(L.qkv[0].w, L.qkv[1].w)):
             (a, b), post = L.qkv, None
             if norm is not None and len(norm) == 3:  # normed's folded post-norm
                 norm, post = norm[:2], norm[2]
             gemv_pair.gemv_pair(a.w, b.w, h[0], a.out[0], b.out[0], bias1=a.bias, bias2=b.bias, norm=norm, post=post,
-                                stream=self.stream, trace=self.ops.trace)
+                                stream=self.stream, trace=self.ops.trace, x_q8=h_q8)
             return {name: c[:1] for p in L.qkv for name, c in p.cols.items()}
         if (n == 1 and self.opts.qkv_q8 and later and norm is not None and h_q8 is None
                 and all(p.w.ggml_type in matmul.QUANT for p in L.qkv)
@@ -219,7 +285,7 @@ class Forward:
         p = L.gate_up[0]
         if p.w.glu and matmul.uses_gemv(p.w, n):  # the matrix-vector path: SwiGLU (GeGLU) in the epilogue
             if n == 1:
-                self.linear(p.w, h, ff, norm=norm, y_q8=L.ff_q8)
+                self.linear(p.w, h, ff, norm=norm, y_q8=L.ff_q8, x_q8=h_q8)
                 return L.ff_q8
             if p.w.ggml_type in matmul.QUANT:  # up to BATCH_TOKENS tokens per read of the weight
                 gemv_rows(p.w, h, ff, stream=self.stream, trace=self.ops.trace, x_q8=h_q8)
@@ -232,11 +298,11 @@ class Forward:
         return None
 
     def linear(self, w, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None, bias=None, norm=None,
-               x_q8=None, y_q8=None, x_q8_out=None) -> None:
+               x_q8=None, y_q8=None, x_q8_out=None, norm_out=None) -> None:
         """Y = X W^T (+ bias) (+ residual). X: (n, n_in) f32 (or fp16 on the tensor-core path),
         Y and residual: (n, n_out) f32 views; a glu weight yields silu(gate) * up, (n, n_out / 2),
         on one row. One row: matmul.gemv, with norm = (norm_w, eps) folded into it and the q8
-        handoff x_q8, y_q8, x_q8_out (q8_handoff.Q8Vector), in thread-block clusters where
+        handoff x_q8, y_q8, x_q8_out (q8_handoff.Q8Vector) and norm_out, in thread-block clusters where
         K4_X_CLUSTER allows (matmul.gemv x_cluster); more: matmul.matmul (tensor cores unless
         K4_PREFILL_TC=0; up to GEMV_MAX_TOKENS rows: gemv_batch, reading w once per BATCH_TOKENS rows)."""
         if X.shape[0] == 1:
@@ -245,20 +311,25 @@ class Forward:
                 norm, post = norm[:2], norm[2]
             matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, norm=norm,
                         stream=self.stream, trace=self.ops.trace, x_q8=x_q8, y_q8=y_q8, post=post, x_q8_out=x_q8_out,
-                        x_cluster=self.opts.x_cluster)
+                        x_cluster=self.opts.x_cluster, norm_out=norm_out)
         else:
             matmul.matmul(w, X, Y, residual=residual, bias=bias, scratch=self.act.mm_scratch, stream=self.stream,
                           trace=self.ops.trace, blas=self.blas, x_q8=x_q8)
 
     def normed(self, x: cp.ndarray, norm_w: cp.ndarray, half: bool):
         """The input of the products after an RMSNorm of x (n, n_embd): (X, norm, X_q8) for linear.
-        One row with fuse_norm: x itself, the norm folded into the product, and a pending
+        One row with fuse_norm and a handoff of residual's (self.nq): (x, None, that Q8Vector).
+        One row with fuse_norm otherwise: x itself, the norm folded into the product, and a pending
         post-norm whose result x is (self.post) folded in too: then (res, (norm_w, eps, (t,
         post_w, x)), None), the products computing x and writing it; otherwise the norm kernel's
         output, fp16 when `half`, and for MMA8_MIN_TOKENS to MMA8_TOKENS rows in f32 also that
         output quantized (gemv_batch.Q8Rows in act.h_q8, Q4_K's swizzle), which the few-token
         products copy instead of quantizing it in every block (else None)."""
         n = x.shape[0]
+        if n == 1 and self.opts.fuse_norm and self.nq is not None:  # residual's q8 handoff of this norm's output
+            (q8, handed_w), self.nq = self.nq, None
+            assert handed_w is norm_w and self.post is None
+            return x, None, q8
         if n == 1 and self.opts.fuse_norm:
             post, self.post = self.post, None
             if post is not None:

@@ -13,7 +13,8 @@ from k4.runtime.trace import Trace
 
 from .constants import q8x_bytes
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
-from .matmul import DeviceWeight, check_array, check_post
+from .arg_checks import check_array, check_post
+from .matmul import DeviceWeight
 from .quant_kernels import QKV_PAIRS, QUANT, _kernel, gemv_pair_name, gemv_variant
 
 
@@ -60,7 +61,7 @@ def _plan(w1: DeviceWeight, w2: DeviceWeight, post: bool):
 
 
 def gemv_pair(w1: DeviceWeight, w2: DeviceWeight, x, y1, y2, *, bias1=None, bias2=None, norm=None, post=None,
-              stream=None, trace: Trace | None = None, pdl: bool | None = None) -> None:
+              stream=None, trace: Trace | None = None, pdl: bool | None = None, x_q8=None) -> None:
     """y1 = w1 @ x (+ bias1) and y2 = w2 @ x (+ bias2) in one kernel launch, for pairs(w1, w2).
 
     x: (n_in,) float32, 16-byte aligned; y1: (n1,), y2: (n2,) float32 (n1, n2: the weights'
@@ -69,8 +70,11 @@ def gemv_pair(w1: DeviceWeight, w2: DeviceWeight, x, y1, y2, *, bias1=None, bias
     norm), both as matmul.gemv takes them. pdl: programmatic dependent launch (default: the
     weights' pdl while the stream is captured). Each block takes rows of one matrix and
     quantizes x to 8 bits per 32 values (llama.cpp's q8_1 scheme) in that matrix's layout, as
-    matmul.gemv does, so both outputs are the bits two gemv calls give. Raises ValueError when
-    the weights do not pair or on wrong shapes, dtypes or alignment."""
+    matmul.gemv does, so both outputs are the bits two gemv calls give. x_q8: None, or an NQ
+    handoff (q8_handoff.Q8Vector with parts, matmul.gemv norm_out) of n_in values in any
+    swizzle, standing for RMSNorm(x) * norm_w (then no norm or post): each block copies it into
+    its type's swizzle. Raises ValueError when the weights do not pair or on wrong shapes,
+    dtypes or alignment."""
     if not pairs(w1, w2):
         raise ValueError(f"no paired product of {w1.ggml_type.name} {w1.shape} and {w2.ggml_type.name} {w2.shape}")
     (n1, n_in), n2 = w1.shape, w2.shape[0]
@@ -84,9 +88,15 @@ def gemv_pair(w1: DeviceWeight, w2: DeviceWeight, x, y1, y2, *, bias1=None, bias
     if norm_w is not None:
         check_array("norm weight", norm_w, (n_in,), align16=True)
     post_t, post_w, x_out = check_post(post, x, n_in, norm_w is not None, False)
+    if x_q8 is not None:
+        if x_q8.parts is None or x_q8.n != n_in or norm is not None or post is not None:
+            raise ValueError(f"gemv_pair's x_q8 is an NQ handoff of {n_in} values, without norm or post")
+        eps = x_q8.eps
     kernel, grid, block, smem, b2 = _plan(w1, w2, post is not None)
     args = (w1.data, w2.data, x, y1, y2, null_or(bias1), null_or(bias2), null_or(norm_w), np.float32(eps),
-            np.int32(n1), np.int32(n2), np.int32(n_in), null_or(post_t), null_or(post_w), null_or(x_out), np.int32(b2))
+            np.int32(n1), np.int32(n2), np.int32(n_in), null_or(post_t), null_or(post_w), null_or(x_out), np.int32(b2),
+            null_or(x_q8 and x_q8.data), np.int32(x_q8.swizzle if x_q8 else 0), null_or(x_q8 and x_q8.parts),
+            np.int32(x_q8.n_parts if x_q8 else 0))
     if pdl is None:
         pdl = w1.pdl and capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl)

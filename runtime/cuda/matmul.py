@@ -46,6 +46,7 @@ from gguf import GGMLQuantizationType as T
 from k4.runtime.model import Tensor
 from k4.runtime.trace import Trace
 
+from .arg_checks import check_array, check_post
 from .constants import q8x_bytes
 from .gemv_batch import gemv_rows
 from .gemv_mma import uses_mma8
@@ -53,7 +54,7 @@ from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launc
 from .layout import MatrixSpec, _check_matrix, layout_nbytes
 from .q8_handoff import Q8Vector, check_q8
 from .quant_kernels import (DEQUANT_CHUNK_BYTES, FLOAT, FLOAT_GEMV, GEMV_MAX_TOKENS, GLU_ACTS, QUANT, _dequant_name,
-                            _gemv_f_name, _gemv_q8_name, _kernel, gemv_cluster, gemv_variant)
+                            NQ_TYPES, _gemv_f_name, _gemv_q8_name, _kernel, gemv_cluster, gemv_variant)
 
 
 # ---- device weights ----------------------------------------------------------------------------
@@ -151,13 +152,13 @@ def make_half(w: DeviceWeight, out, stream=None, trace: Trace | None = None) -> 
 
 
 def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, norm: bool = False, post: bool = False,
-               split: bool = False):
+               split: bool = False, nq: bool = False):
     """The launch of gemv on w, cached per variant, norm prologue, post-norm prologue (post: its x
-    and t * w kept as floats after x's q8) and split (x quantized in the kernel without norm or
-    post-norm: in clusters where quant_kernels.gemv_cluster says). The grid is as many blocks as
-    fit on the GPU at once, but at most one per output, cut to a multiple of the cluster.
-    Returns (kernel, grid, block, shared_mem, blocks per cluster)."""
-    plan = w._plans.get((variant, norm, post, split))
+    and t * w kept as floats after x's q8), split (x quantized in the kernel without norm or
+    post-norm: in clusters where quant_kernels.gemv_cluster says) and nq (the NQ instance, gemv
+    norm_out). The grid is as many blocks as fit on the GPU at once, but at most one per output,
+    cut to a multiple of the cluster. Returns (kernel, grid, block, shared_mem, blocks per cluster)."""
+    plan = w._plans.get((variant, norm, post, split, nq))
     if plan is not None:
         return plan
     n_out, n_in = w.shape
@@ -168,10 +169,10 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         variant = variant or gemv_variant(w.ggml_type, n_out, n_in, w.glu)
         warps = variant[0]
         cluster = gemv_cluster(w.ggml_type, n_out, n_in, variant) if split and not w.glu else 1
-        kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act, cluster > 1), w.evict_first)
+        kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act, cluster > 1, nq), w.evict_first)
         smem = q8x_bytes(n_in)
         after = 8 * n_in if post else 0  # the post-norm's x and t * w (floats), then free
-        if w.glu and q.handoff:  # room for one block's outputs (y_q8): its 32-output groups
+        if (w.glu and q.handoff) or nq:  # room for one block's outputs (y_q8): its 32-output groups
             groups = -(-n_out // 32)
             after = max(after, 4 * 32 * -(-groups // min(device_limits()[0], n_out)))  # the grid has at least this many blocks
         smem += after
@@ -183,29 +184,35 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
     grid = min(device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem), n_out)
     grid -= grid % cluster
     plan = (kernel, (grid,), (32 * warps,), smem, cluster)
-    w._plans[(variant, norm, post, split)] = plan
+    w._plans[(variant, norm, post, split, nq)] = plan
     return plan
 
 
-# ---- argument checks ---------------------------------------------------------------------------
+def norm_q8_blocks(w: DeviceWeight, x_cluster: bool = True) -> int:
+    """The blocks of gemv's NQ launch on w (norm_out, float x; x_cluster as gemv's), the n_parts
+    of its handoff, or 0 where it does not apply: a weight of quant_kernels.NQ_TYPES that takes
+    its type's default variant, no glu, n_out a multiple of 32, and whole 32-output groups per
+    block that give no warp more rows than gemv's round-robin rows do (Llama 2 7B's 4,096
+    outputs: 2 on 132 blocks of 16 warps either way; TinyLlama's 2,048: 2 against 1)."""
+    n_out, n_in = w.shape
+    if w.glu or w.ggml_type not in NQ_TYPES or n_out % 32 or gemv_variant(w.ggml_type, n_out, n_in) != QUANT[w.ggml_type].gemv:
+        return 0
+    _, (grid,), (threads,), _, _ = _gemv_plan(w, None, False, False, x_cluster, True)
+    return grid if nq_balanced(n_out, grid, threads // 32) else 0
 
-def check_array(name: str, a, shape: tuple[int, ...], dtype=np.float32, align16: bool = False) -> None:
-    """Raise ValueError naming `name` unless `a` is a contiguous cupy array of `shape` and `dtype`
-    (16-byte aligned with align16). Also used by gemv_pair.py."""
-    import cupy as cp
 
-    if not isinstance(a, cp.ndarray) or a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
-        got = f"{a.dtype} {a.shape}" if isinstance(a, cp.ndarray) else type(a).__name__
-        raise ValueError(f"{name} must be a contiguous {np.dtype(dtype).name} cupy array of shape {shape}, got {got}")
-    if align16 and a.data.ptr % 16:
-        raise ValueError(f"{name} must start at a 16-byte aligned address")
+def nq_balanced(n_out: int, grid: int, warps: int) -> bool:
+    """Whether whole 32-output groups per block (of `warps` warps, `grid` blocks) give no warp more
+    of the n_out rows than rows round-robin over all warps do (norm_q8_blocks)."""
+    return -(-32 * -(-(n_out // 32) // grid) // warps) <= -(-n_out // (grid * warps))
 
 
 # ---- decode: matrix-vector ---------------------------------------------------------------------
 
 def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=None, trace: Trace | None = None,
          variant: tuple[int, int, int] | None = None, pdl: bool | None = None, x_q8: Q8Vector | None = None,
-         y_q8: Q8Vector | None = None, post=None, x_q8_out: Q8Vector | None = None, x_cluster: bool = True) -> None:
+         y_q8: Q8Vector | None = None, post=None, x_q8_out: Q8Vector | None = None, x_cluster: bool = True,
+         norm_out=None) -> None:
     """y = w @ x (+ bias) (+ residual), one kernel launch; with w.glu, y = act(gate @ x) * (up @ x),
     act w.glu_act (silu, or gelu_tanh for gemma).
 
@@ -221,9 +228,14 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     per 32 values (relative error about 5e-3 on random data); float weights in float32.
     x_q8: x already quantized (by the previous product, see y_q8) for w's type (Q8Vector.for_weight
     of w): the kernel copies it instead of quantizing x, which it then does not read; not with
-    norm. y_q8: w.glu only, a type with QuantKernels.handoff, n_out a multiple of 32: y is also
+    norm; an NQ handoff (x_q8.parts, from norm_out) stands for RMSNorm(x) * norm_w. y_q8: w.glu
+    only, a type with QuantKernels.handoff, n_out a multiple of 32: y is also
     written quantized into y_q8 (made for the weight of the product that will read it), the same
     bytes that product would compute from y itself.
+    norm_out: None or (norm_w, parts), norm_w (n_out,) float32, parts a float32 array of at least
+    norm_q8_blocks(w) values, with y_q8, where norm_q8_blocks(w) is not 0 (flag K4_NORM_Q8): y is
+    written as usual, and y * norm_w quantized into y_q8 and the blocks' sums of y^2 into parts:
+    the next products' x_q8 (Q8Vector with parts) in place of RMSNorm(y) * norm_w.
     post: None or (t, post_w, x_out), each (n_in,) float32, 16-byte aligned, with norm (Gemma's
     post-norm of the product before, folded in): the input is x + RMSNorm(t) * post_w (norm.cu
     rms_norm_add's residual add, same eps) instead of x, and the kernel's first block writes it
@@ -252,35 +264,30 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
         if n_in % 4:
             raise ValueError(f"the fused RMSNorm needs n_in a multiple of 4, got {n_in}")
         check_array("norm weight", norm_w, (n_in,), align16=True)
-    check_q8(w, x_q8, y_q8, n_in, n_out, norm_w is not None)
+    check_q8(w, x_q8, y_q8, n_in, n_out, norm_w is not None, norm_out is not None)
     if x_q8_out is not None and (w.ggml_type not in QUANT or x_q8 is not None or x_q8_out.n != n_in):
         raise ValueError("x_q8_out needs a quantized weight, no x_q8, and a q8 vector of n_in values")
     post_t, post_w, x_out = check_post(post, x, n_in, norm_w is not None, x_q8 is not None)
     split = x_cluster and x_q8 is None and norm_w is None and post is None
-    kernel, grid, block, smem, cluster = _gemv_plan(w, variant, norm_w is not None, post is not None, split)
+    nq_w, parts = (None, None) if norm_out is None else norm_out
+    if norm_out is not None:
+        n_parts = norm_q8_blocks(w, split)
+        check_array("norm_out weight", nq_w, (n_out,))
+        if not n_parts or variant is not None or parts.dtype != np.float32 or parts.size < n_parts:
+            raise ValueError(f"norm_out does not apply to {w.ggml_type.name} {w.shape} or its parts hold fewer than {n_parts} floats")
+    kernel, grid, block, smem, cluster = _gemv_plan(w, variant, norm_w is not None, post is not None, split, norm_out is not None)
+    if x_q8 is not None and x_q8.parts is not None:
+        eps = x_q8.eps
     args = (w.data, x, y, null_or(residual), null_or(bias), null_or(norm_w), np.float32(eps), np.int32(n_out), np.int32(n_in))
     if w.ggml_type in QUANT:
         args += (null_or(x_q8 and x_q8.data), null_or(y_q8 and y_q8.data), np.int32(y_q8.swizzle if y_q8 else 0))
     args += (null_or(post_t), null_or(post_w), null_or(x_out))
     if w.ggml_type in QUANT:
-        args += (null_or(x_q8_out and x_q8_out.data), np.int32(x_q8_out.swizzle if x_q8_out else 0))
+        args += (null_or(x_q8_out and x_q8_out.data), np.int32(x_q8_out.swizzle if x_q8_out else 0), null_or(nq_w), null_or(parts),
+                 null_or(x_q8 and x_q8.parts), np.int32(x_q8.n_parts if x_q8 is not None else 0))
     if pdl is None:  # eagerly the driver-API launch costs more host time than it saves
         pdl = w.pdl and capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl, cluster=cluster)
-
-
-def check_post(post, x, n_in: int, norm: bool, x_q8: bool) -> tuple:
-    """gemv's post argument checked: (t, post_w, x_out), or three Nones."""
-    if post is None:
-        return None, None, None
-    if not norm or x_q8:
-        raise ValueError("a folded post-norm needs the fused RMSNorm (norm) and no x_q8")
-    t, post_w, x_out = post
-    for name, a in (("post-norm input", t), ("post-norm weight", post_w), ("post-norm output", x_out)):
-        check_array(name, a, (n_in,), align16=True)
-    if x_out.data.ptr in (x.data.ptr, t.data.ptr):
-        raise ValueError("the post-norm output must not be x or t")
-    return t, post_w, x_out
 
 
 # ---- embeddings: rows of a matrix ----------------------------------------------------------------

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .constants import q8x_bytes, q8x_offsets
-from .quant_kernels import QUANT
+from .quant_kernels import NQ_TYPES, QUANT
 
 
 @dataclass
@@ -23,6 +23,13 @@ class Q8Vector:
     data: object
     n: int
     swizzle: int
+    # An NQ product's handoff (gemv norm_out, flag K4_NORM_Q8): data holds its y times the next
+    # RMSNorm's weights, quantized without the norm's scale; parts (float32 cupy array) its
+    # blocks' sums of y^2, n_parts of them, and eps the norm's. The product given it as x_q8
+    # scales its sums by rsqrt(sum(parts) / n + eps). None: a plain q8 vector.
+    parts: object = None
+    n_parts: int = 0
+    eps: float = 0.0
 
     @staticmethod
     def for_weight(w, data) -> "Q8Vector":
@@ -68,8 +75,14 @@ def can_hand_off(glu, down) -> bool:
             and n_ff % 32 == 0 and glu.shape[0] == 2 * n_ff)
 
 
-def check_q8(w, x_q8: Q8Vector | None, y_q8: Q8Vector | None, n_in: int, n_out: int, norm: bool) -> None:
+def check_q8(w, x_q8: Q8Vector | None, y_q8: Q8Vector | None, n_in: int, n_out: int, norm: bool, norm_out: bool = False) -> None:
     """gemv's checks of its q8 handoff arguments for matmul.DeviceWeight w (ValueError)."""
+    if norm_out:
+        if y_q8 is None or w.glu or w.ggml_type not in NQ_TYPES or n_out % 32 or x_q8 is not None and x_q8.parts is not None:
+            raise ValueError("norm_out needs y_q8, a non-glu weight of an NQ type, n_out a multiple of 32 and no normed x_q8")
+        if y_q8.n != n_out:
+            raise ValueError(f"y_q8 holds {y_q8.n} values; this product writes {n_out}")
+        y_q8 = None
     q = QUANT.get(w.ggml_type)
     if x_q8 is not None:
         if q is None or norm:

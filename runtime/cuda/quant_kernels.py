@@ -174,6 +174,12 @@ def gemv_cluster(t: T, n_out: int, n_in: int, variant: tuple[int, int, int]) -> 
     return 1
 
 
+# The residual products that hand the next RMSNorm's products their input quantized (gemv.cu NQ,
+# flag K4_NORM_Q8: decode's output and down products of llama-style layers): the default
+# variants of NQ_TYPES, with and without clusters (CLUSTER_TYPES), in instances of their own.
+NQ_TYPES = (T.Q4_K, T.Q6_K)
+
+
 def gemv_variant(t: T, n_out: int, n_in: int, glu: bool = False) -> tuple[int, int, int]:
     """(WARPS, U, PF) of the gemv_q8 instance for a matrix of quantized type t with n_out outputs
     (SwiGLU pairs with glu) of n_in inputs: QUANT[t]'s gemv (glu for a SwiGLU pair), or
@@ -187,9 +193,9 @@ def gemv_variant(t: T, n_out: int, n_in: int, glu: bool = False) -> tuple[int, i
 
 
 def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool = False, act: str = "silu",
-                  cluster: bool = False) -> str:
+                  cluster: bool = False, nq: bool = False) -> str:
     warps, u, pf = variant
-    tail = GLU_ACTS[act] if glu else ", false, true" if cluster else ""
+    tail = GLU_ACTS[act] if glu else f", false, {_bool(cluster)}, true" if nq else ", false, true" if cluster else ""
     return f"gemv_q8<{QUANT[t].decoder}, {_bool(planar)}, {warps}, {u}, {_bool(pf)}, {_bool(glu)}{tail}>"
 
 
@@ -253,6 +259,13 @@ def _gemv_names(t: T) -> tuple[str, ...]:
     return tuple(_gemv_f_name(t, vec, glu) for vec in (True, False) for glu in (False, True))
 
 
+def _nq_names(t: T) -> tuple[str, ...]:
+    """The NQ instances of type t (NQ_TYPES): its default variant, both layouts, with clusters too
+    for CLUSTER_TYPES; their own compile group (f"{t.name}.nq")."""
+    clusters = (False, True) if t in CLUSTER_TYPES else (False,)
+    return tuple(_gemv_q8_name(t, p, QUANT[t].gemv, cluster=c, nq=True) for c in clusters for p in (False, True))
+
+
 def _gelu_names(t: T) -> tuple[str, ...]:
     """The GeGLU-epilogue gemv.cu instances of type t (both layouts): their own compile group
     (f"{t.name}.gelu_tanh"), compiled only for a model whose activation is gelu_tanh."""
@@ -290,6 +303,7 @@ GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
     "gemv.cu": {
         **{t.name: _gemv_names(t) for t in (*QUANT, *FLOAT)},
         **{f"{t.name}.gelu_tanh": _gelu_names(t) for t in (*QUANT, *FLOAT)},
+        **{f"{t.name}.nq": _nq_names(t) for t in NQ_TYPES},
         **{f"pair.{a.name}.{b.name}": _pair_names(a, b) for a, b in QKV_PAIRS},
         "bench": tuple(_gemv_q8_name(t, p, v, glu) for glu, extra in ((False, EXTRA_GEMV_VARIANTS), (True, EXTRA_GLU_VARIANTS))
                        for t, vs in extra.items() for v in vs for p in (False, True)),
@@ -317,7 +331,8 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
     """compile.module() arguments for the matrix kernels of weights of `types` (ggml types with
     CUDA kernels; others are skipped): their gemv, gemv_batch (quantized types), gemv_mma
     (MMA8_DECODERS) and dequantization instances, matmul.cu's conversions, and the gemv_q8_pair
-    instances of every QKV_PAIRS entry whose two types are present; with activation "gelu_tanh"
+    instances of every QKV_PAIRS entry whose two types are present, the NQ instances of NQ_TYPES;
+    with activation "gelu_tanh"
     (ModelConfig.activation) also the GeGLU-epilogue instances; mma8 False (flag K4_MMA8 off):
     no gemv_mma instances. For compile.compile_async at
     load: each gemv_batch and gemv_mma instance is a job of its own (~1 s each with nvcc), so the compile
@@ -332,6 +347,8 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
                  ("matmul.cu", GROUPS["matmul.cu"][t.name], _defines(evict_first))]
         if gelu:
             jobs.append(("gemv.cu", GROUPS["gemv.cu"][f"{t.name}.{activation}"], _defines(evict_first)))
+        if t in NQ_TYPES:
+            jobs.append(("gemv.cu", GROUPS["gemv.cu"][f"{t.name}.nq"], _defines(evict_first)))
         if t in QUANT:
             names = _batch_names(t) + (_batch_names(t, activation) if gelu else ())
             jobs += [("gemv_batch.cu", (name,), _defines(evict_first)) for name in names]
