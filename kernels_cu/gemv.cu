@@ -35,11 +35,13 @@
 // gridDim.x * WARPS (with y_q8: see gemv_q8). The launcher (runtime/cuda/matmul.py) validates
 // shapes and types.
 #include "gemv_common.cuh"
+#include "mma_common.cuh"  // k4mma::cp_async16 (NQ's norm weights)
 
 // Quantize units u0 .. u0 + n_units - 1 of a q8 y (q8x_bytes(n_out) at y_q8) from their values
 // yo[0 .. 16 n_units) in shared memory: the SwiGLU epilogue's handoff to the down product.
 // Every thread of the block calls it.
-// With nw (the next RMSNorm's weights, (n_out,)) non-null the units quantized are y * nw (NQ).
+// With nw non-null (NQ: the next RMSNorm's weights of these units, 16 n_units floats in shared
+// memory) the units quantized are y * nw.
 __device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_units, int n_out, int swz, u8* y_q8,
                                                  const float* __restrict__ nw = nullptr) {
     float* yd = reinterpret_cast<float*>(y_q8 + q8x_bytes_q(n_out));
@@ -51,7 +53,7 @@ __device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_
         for (int k = 0; k < 4; ++k) {
             float4 f = ok ? reinterpret_cast<const float4*>(yo)[4 * t + k] : make_float4(0.f, 0.f, 0.f, 0.f);
             if (nw && ok) {
-                const float4 g = __ldg(reinterpret_cast<const float4*>(nw) + 4 * (u0 + t) + k);
+                const float4 g = reinterpret_cast<const float4*>(nw)[4 * t + k];
                 f = make_float4(f.x * g.x, f.y * g.y, f.z * g.z, f.w * g.w);
             }
             v[4 * k] = f.x; v[4 * k + 1] = f.y; v[4 * k + 2] = f.z; v[4 * k + 3] = f.w;
@@ -135,7 +137,12 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     if (row < row_end) q8_load<T, PLANAR, U, GLU>(ch, w, nblk, nblk_row, n_chunks, row, lane);  // weights only: before the wait
     prefetch_l1_floats(x_q8 ? nullptr : norm_w, n_in);  // the prologue's weights too
     prefetch_l1_floats(x_q8 ? nullptr : post_w, n_in);
-    if constexpr (NQ) prefetch_l1_floats(nq_w + 32 * group(blockIdx.x), 32 * (group(blockIdx.x + 1) - group(blockIdx.x)));
+    if constexpr (NQ) {  // the block's norm weights into shared memory after its outputs, on their way during the loop
+        const int g0 = group(blockIdx.x), n16 = 8 * (group(blockIdx.x + 1) - g0);
+        if ((int)threadIdx.x < n16)
+            k4mma::cp_async16(k4mma::smem_u32(y_smem() + 4 * (n16 + threadIdx.x)), nq_w + 32 * g0 + 4 * threadIdx.x, true);
+        k4mma::cp_async_commit();
+    }
     if constexpr (CLUSTER) cluster_arrive_relaxed();
     pdl_wait();
     if constexpr (CLUSTER) {
@@ -169,6 +176,7 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         }
     });
     if (HANDOFF && y_q8) {  // quantize this block's outputs (n_out a multiple of 32)
+        if constexpr (NQ) k4mma::cp_async_wait_all();
         __syncthreads();
         const int g0 = group(blockIdx.x), n = group(blockIdx.x + 1) - g0;
         if (NQ && threadIdx.x < 32) {  // warp 0: the sum of squares of the block's outputs, in one order
@@ -177,7 +185,7 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
             ss = warp_sum(ss);
             if (threadIdx.x == 0) nq_parts[blockIdx.x] = ss;
         }
-        quantize_outputs(y_smem(), 2 * g0, 2 * n, n_out, y_swz, y_q8, NQ ? nq_w : nullptr);
+        quantize_outputs(y_smem(), 2 * g0, 2 * n, n_out, y_swz, y_q8, NQ ? y_smem() + 32 * n : nullptr);
     }
 }
 

@@ -174,7 +174,8 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         after = 8 * n_in if post else 0  # the post-norm's x and t * w (floats), then free
         if (w.glu and q.handoff) or nq:  # room for one block's outputs (y_q8): its 32-output groups
             groups = -(-n_out // 32)
-            after = max(after, 4 * 32 * -(-groups // min(device_limits()[0], n_out)))  # the grid has at least this many blocks
+            # the grid has at least this many blocks; NQ: the norm weights after the outputs
+            after = max(after, (2 if nq else 1) * 4 * 32 * -(-groups // min(device_limits()[0], n_out)))
         smem += after
     else:
         warps, cluster = FLOAT_GEMV[0], 1
