@@ -40,10 +40,7 @@
 // Quantize units u0 .. u0 + n_units - 1 of a q8 y (q8x_bytes(n_out) at y_q8) from their values
 // yo[0 .. 16 n_units) in shared memory: the SwiGLU epilogue's handoff to the down product.
 // Every thread of the block calls it.
-// With nw non-null (NQ: the next RMSNorm's weights of these units, 16 n_units floats in shared
-// memory) the units quantized are y * nw.
-__device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_units, int n_out, int swz, u8* y_q8,
-                                                 const float* __restrict__ nw = nullptr) {
+__device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_units, int n_out, int swz, u8* y_q8) {
     float* yd = reinterpret_cast<float*>(y_q8 + q8x_bytes_q(n_out));
     for (int base = 0; base < n_units; base += blockDim.x) {  // warp-uniform trip count
         const int t = base + threadIdx.x;
@@ -51,11 +48,7 @@ __device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_
         float v[16];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            float4 f = ok ? reinterpret_cast<const float4*>(yo)[4 * t + k] : make_float4(0.f, 0.f, 0.f, 0.f);
-            if (nw && ok) {
-                const float4 g = reinterpret_cast<const float4*>(nw)[4 * t + k];
-                f = make_float4(f.x * g.x, f.y * g.y, f.z * g.z, f.w * g.w);
-            }
+            const float4 f = ok ? reinterpret_cast<const float4*>(yo)[4 * t + k] : make_float4(0.f, 0.f, 0.f, 0.f);
             v[4 * k] = f.x; v[4 * k + 1] = f.y; v[4 * k + 2] = f.z; v[4 * k + 3] = f.w;
         }
         q8_unit(v, ok, u0 + t, swz, y_q8, yd, yd + q8x_d_floats(n_out));
@@ -101,7 +94,6 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         const float* __restrict__ x_parts,  // with x_q8, null or (n_parts,): x_q8 is an NQ product's y_q8, these its nq_parts
         int n_parts) {
     extern __shared__ uint4 smem[];
-    __shared__ float x_rs;  // with x_parts: the RMSNorm's scale of x (copy_q8x_normed)
     if (WARPS > 16) x_parts = nullptr;  // 1,024-thread instances (64 registers) take no x_parts: Q8_0's would spill
     u8* xq = reinterpret_cast<u8*>(smem);
     float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
@@ -149,7 +141,7 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         quantize_x_cluster<T::x_swizzle>(x, n_in, xq, xd, xs);
     } else if (x_q8) {
         if (x_parts)
-            copy_q8x_normed(x_q8, n_in, T::x_swizzle, T::x_swizzle, x_parts, n_parts, eps, smem, &x_rs);
+            copy_q8x_normed(x_q8, n_in, T::x_swizzle, T::x_swizzle, x_parts, n_parts, eps, smem);
         else
             copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);
     } else {
@@ -175,17 +167,25 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
             write_row(y, residual, bias, r, acc);
         }
     });
-    if (HANDOFF && y_q8) {  // quantize this block's outputs (n_out a multiple of 32)
-        if constexpr (NQ) k4mma::cp_async_wait_all();
+    if constexpr (NQ) {  // warp 0 hands the block's groups over, a value a lane: y * nq_w quantized, the sum of y^2
+        k4mma::cp_async_wait_all();
         __syncthreads();
-        const int g0 = group(blockIdx.x), n = group(blockIdx.x + 1) - g0;
-        if (NQ && threadIdx.x < 32) {  // warp 0: the sum of squares of the block's outputs, in one order
+        if (threadIdx.x < 32) {
+            const int g0 = group(blockIdx.x), n = group(blockIdx.x + 1) - g0;
+            const float* yo = y_smem();
             float ss = 0.f;
-            for (int i = threadIdx.x; i < 32 * n; i += 32) ss += y_smem()[i] * y_smem()[i];
+            for (int j = 0; j < n; ++j) {
+                const float v = yo[32 * j + lane];
+                ss += v * v;
+                q8_lane_store(v * yo[32 * (n + j) + lane], 32 * (g0 + j) + lane, n_out, y_swz, y_q8, lane);
+            }
             ss = warp_sum(ss);
-            if (threadIdx.x == 0) nq_parts[blockIdx.x] = ss;
+            if (lane == 0) nq_parts[blockIdx.x] = ss;
         }
-        quantize_outputs(y_smem(), 2 * g0, 2 * n, n_out, y_swz, y_q8, NQ ? y_smem() + 32 * n : nullptr);
+    } else if (HANDOFF && y_q8) {  // quantize this block's outputs (n_out a multiple of 32)
+        __syncthreads();
+        const int g0 = group(blockIdx.x);
+        quantize_outputs(y_smem(), 2 * g0, 2 * (group(blockIdx.x + 1) - g0), n_out, y_swz, y_q8);
     }
 }
 
@@ -205,7 +205,7 @@ template <class T, bool PLANAR, int U, bool PF>
 __device__ __forceinline__ void pair_part(const u8* __restrict__ w, const float* __restrict__ x, float* y, const float* __restrict__ bias,
                                           const float* __restrict__ norm_w, float eps, int n, int n_in, int part_block, int part_grid,
                                           const PostNorm& post, uint4* smem, const u8* __restrict__ x_q8, int x_q8_swz,
-                                          const float* __restrict__ x_parts, int n_parts, float* x_rs) {
+                                          const float* __restrict__ x_parts, int n_parts) {
     u8* xq = reinterpret_cast<u8*>(smem);
     float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
     float* xs = xd + q8x_d_floats(n_in);
@@ -218,7 +218,7 @@ __device__ __forceinline__ void pair_part(const u8* __restrict__ w, const float*
     prefetch_l1_floats(post.w, n_in);
     pdl_wait();
     if (x_q8) {  // an NQ product's y_q8 (gemv_q8), in its swizzle
-        copy_q8x_normed(x_q8, n_in, x_q8_swz, T::x_swizzle, x_parts, n_parts, eps, smem, x_rs);
+        copy_q8x_normed(x_q8, n_in, x_q8_swz, T::x_swizzle, x_parts, n_parts, eps, smem);
     } else {
         quantize_x<T::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs, post);
     }
@@ -244,15 +244,14 @@ gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in
              const float* __restrict__ x_parts, int n_parts) {       // with x_q8: that product's nq_parts
     static_assert(32 * WARPS == PAIR_THREADS, "PAIR_REGS is the cap of a block of PAIR_THREADS");
     extern __shared__ uint4 smem[];
-    __shared__ float x_rs;
     const PostNorm post{post_t, post_w, x_out, reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in))};
     pdl_trigger();
     if ((int)blockIdx.x < b2)  // block-uniform: the barriers inside are the whole block's
         pair_part<T2, PLANAR, U2, PF2>(w2, x, y2, bias2, norm_w, eps, n2, n_in, blockIdx.x, b2, post, smem, x_q8, x_q8_swz, x_parts,
-                                       n_parts, &x_rs);
+                                       n_parts);
     else
         pair_part<T1, PLANAR, U1, PF1>(w1, x, y1, bias1, norm_w, eps, n1, n_in, blockIdx.x - b2, gridDim.x - b2, post, smem, x_q8,
-                                       x_q8_swz, x_parts, n_parts, &x_rs);
+                                       x_q8_swz, x_parts, n_parts);
 }
 
 // Sum over one weight row (n_in of T at wr) times x (global or shared memory, 16-byte aligned),

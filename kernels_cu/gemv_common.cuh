@@ -321,20 +321,36 @@ __device__ __forceinline__ float parts_rms_scale(const float* __restrict__ parts
 
 // An NQ product's handoff (gemv.cu gemv_q8 NQ: y * norm_w quantized without the norm's scale, at
 // q in swizzle from_swz, and its blocks' sums of y^2 in parts[0 .. n_parts)) made the q8 x of
-// RMSNorm(y) * norm_w in shared memory dst, swizzle to_swz: copied, then every d and d * sum
-// multiplied by the norm's scale (each output's sum is linear in them), which warp 0 puts in *rs
-// (shared). Every thread of the block calls it; the caller's barrier publishes the scaled q8 x.
+// RMSNorm(y) * norm_w in shared memory dst, swizzle to_swz: copied as copy_q8x_swizzled copies,
+// every d and d * sum multiplied by the norm's scale on the way (each output's sum is linear in
+// them). Each warp that copies such a word sums the parts itself (the same value in each), after
+// its first loads of q are issued, so no barrier waits for one warp's sum, and the others read no
+// part. Every thread of the block calls it; the caller's barrier publishes dst.
 __device__ __forceinline__ void copy_q8x_normed(const u8* __restrict__ q, int n_in, int from_swz, int to_swz,
-                                                const float* __restrict__ parts, int n_parts, float eps, uint4* dst, float* rs) {
-    copy_q8x_swizzled(q, n_in, from_swz, to_swz, dst);
-    if (threadIdx.x < 32) {
-        const float s = parts_rms_scale(parts, n_parts, n_in, eps);
-        if (threadIdx.x == 0) *rs = s;
+                                                const float* __restrict__ parts, int n_parts, float eps, uint4* dst) {
+    const int n16 = q8x_bytes(n_in) / 16, n_units = n_in >> 4, n_q16 = q8x_bytes_q(n_in) / 16, delta = to_swz - from_swz;
+    float s = 0.f;
+    for (int base = 0; base < n16; base += 4 * blockDim.x) {  // block-uniform trip count
+        uint4 v[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int i = base + threadIdx.x + k * blockDim.x;
+            if (i < n16) v[k] = __ldg(reinterpret_cast<const uint4*>(q) + i);
+        }
+        bool tail = false;  // a d or d * sum word in this lane's share of the round
+#pragma unroll
+        for (int k = 0; k < 4; ++k) tail |= base + (int)threadIdx.x + k * (int)blockDim.x >= n_q16;
+        if (base == 0 && __any_sync(0xffffffffu, tail)) s = parts_rms_scale(parts, n_parts, n_in, eps);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int i = base + threadIdx.x + k * blockDim.x;
+            if (i >= n16) continue;
+            if (i >= n_q16)
+                v[k] = make_uint4(__float_as_uint(__uint_as_float(v[k].x) * s), __float_as_uint(__uint_as_float(v[k].y) * s),
+                                  __float_as_uint(__uint_as_float(v[k].z) * s), __float_as_uint(__uint_as_float(v[k].w) * s));
+            dst[i < n_units ? (i & ~7) | ((i + delta * (i >> 3)) & 7) : i] = v[k];
+        }
     }
-    __syncthreads();
-    float* ds = reinterpret_cast<float*>(reinterpret_cast<u8*>(dst) + q8x_bytes_q(n_in));  // d, then d * sum
-    const float s = *rs;
-    for (int i = threadIdx.x; i < q8x_d_floats(n_in) + (n_in >> 4); i += blockDim.x) ds[i] *= s;
 }
 
 // The first U chunks of a warp's output r, from lane's chunk c0 on: chunks c0, c0 + 32, ... of the
