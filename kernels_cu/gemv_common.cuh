@@ -323,9 +323,10 @@ __device__ __forceinline__ float parts_rms_scale(const float* __restrict__ parts
 // q in swizzle from_swz, and its blocks' sums of y^2 in parts[0 .. n_parts)) made the q8 x of
 // RMSNorm(y) * norm_w in shared memory dst, swizzle to_swz: copied as copy_q8x_swizzled copies,
 // every d and d * sum multiplied by the norm's scale on the way (each output's sum is linear in
-// them). Each warp that copies such a word sums the parts itself (the same value in each), after
-// its first loads of q are issued, so no barrier waits for one warp's sum, and the others read no
-// part. Every thread of the block calls it; the caller's barrier publishes dst.
+// them). Every warp sums the parts itself (the same value in each), after its first loads of q
+// are issued, so no barrier waits for one warp's sum. (Summing them only in the warps that copy
+// scales measured the same on the H200.) Every thread of the block calls it; the caller's barrier
+// publishes dst.
 __device__ __forceinline__ void copy_q8x_normed(const u8* __restrict__ q, int n_in, int from_swz, int to_swz,
                                                 const float* __restrict__ parts, int n_parts, float eps, uint4* dst) {
     const int n16 = q8x_bytes(n_in) / 16, n_units = n_in >> 4, n_q16 = q8x_bytes_q(n_in) / 16, delta = to_swz - from_swz;
@@ -337,10 +338,7 @@ __device__ __forceinline__ void copy_q8x_normed(const u8* __restrict__ q, int n_
             const int i = base + threadIdx.x + k * blockDim.x;
             if (i < n16) v[k] = __ldg(reinterpret_cast<const uint4*>(q) + i);
         }
-        bool tail = false;  // a d or d * sum word in this lane's share of the round
-#pragma unroll
-        for (int k = 0; k < 4; ++k) tail |= base + (int)threadIdx.x + k * (int)blockDim.x >= n_q16;
-        if (base == 0 && __any_sync(0xffffffffu, tail)) s = parts_rms_scale(parts, n_parts, n_in, eps);
+        if (base == 0) s = parts_rms_scale(parts, n_parts, n_in, eps);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const int i = base + threadIdx.x + k * blockDim.x;

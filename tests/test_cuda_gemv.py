@@ -217,7 +217,7 @@ def test_glu_instances_keep_the_swiglu_names_and_add_gelu_ones():
     assert len(gelu) == 2 and all(n.endswith("true, true>") for n in gelu)
     assert not any(n.endswith("true, true, true>") for n in qk.GROUPS["gemv.cu"]["Q6_K"])
     groups = lambda act: [g for f, g, _ in qk.compile_jobs([T.Q6_K, T.F32], True, act) if f == "gemv.cu"]  # noqa: E731
-    assert groups("silu") == [qk.GROUPS["gemv.cu"]["Q6_K"], qk.GROUPS["gemv.cu"]["F32"]]
+    assert groups("silu") == [qk.GROUPS["gemv.cu"]["Q6_K"], qk.GROUPS["gemv.cu"]["Q6_K.nq"], qk.GROUPS["gemv.cu"]["F32"]]
     assert qk.GROUPS["gemv.cu"]["F32.gelu_tanh"] in groups("gelu_tanh") and len(groups("gelu_tanh")) == 4
     gate_up = Tensor("ffn_gate_up", T.F32, (4, 32), 0, None)
     with pytest.raises(ValueError, match="relu"):

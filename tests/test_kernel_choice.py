@@ -93,3 +93,21 @@ def test_clusters_only_for_a_long_x_on_the_compiled_cluster_instances():
             name = qk._gemv_q8_name(t, p, v, cluster=True)
             assert name.endswith(", false, false, true>") and name in qk.GROUPS["gemv.cu"][t.name]
     assert qk.gemv_cluster(T.Q8_0, 4096, 11008, qk.QUANT[T.Q8_0].gemv) == 1
+
+
+def test_the_norm_handoff_only_where_blocks_of_whole_groups_stay_balanced():
+    """matmul.nq_balanced: NQ products (gemv norm_out) take whole 32-output groups per block, so
+    only where that gives no warp more rows than the round-robin rows (TinyLlama's 2,048 outputs:
+    2 against 1 on 132 blocks of 16 warps) and idles at most a tenth of the blocks (Qwen2.5 7B's
+    3,584: 112 groups on 132 blocks); the NQ instances (both clusterings of CLUSTER_TYPES) in
+    their own compile group, left out for the gelu_tanh families."""
+    from k4.runtime.cuda.matmul import nq_balanced
+
+    assert nq_balanced(4096, 132, 16) and nq_balanced(8192, 132, 16) and nq_balanced(256, 8, 16)
+    assert not nq_balanced(2048, 132, 16) and not nq_balanced(3584, 132, 16) and not nq_balanced(5120, 132, 16)
+    for t in qk.NQ_TYPES:
+        names = qk.GROUPS["gemv.cu"][f"{t.name}.nq"]
+        assert len(names) == (4 if t in qk.CLUSTER_TYPES else 2) and all(n.endswith(", true>") for n in names)
+        assert not set(names) & set(qk.GROUPS["gemv.cu"][t.name])
+        jobs = lambda act: [g for f, g, _ in qk.compile_jobs([t], True, act) if f == "gemv.cu"]  # noqa: E731
+        assert names in jobs("silu") and names not in jobs("gelu_tanh")

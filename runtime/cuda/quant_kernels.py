@@ -331,9 +331,9 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
     """compile.module() arguments for the matrix kernels of weights of `types` (ggml types with
     CUDA kernels; others are skipped): their gemv, gemv_batch (quantized types), gemv_mma
     (MMA8_DECODERS) and dequantization instances, matmul.cu's conversions, and the gemv_q8_pair
-    instances of every QKV_PAIRS entry whose two types are present, the NQ instances of NQ_TYPES;
-    with activation "gelu_tanh"
-    (ModelConfig.activation) also the GeGLU-epilogue instances; mma8 False (flag K4_MMA8 off):
+    instances of every QKV_PAIRS entry whose two types are present; with activation "gelu_tanh"
+    (ModelConfig.activation) also the GeGLU-epilogue instances, else the NQ instances of
+    NQ_TYPES (gemv norm_out); mma8 False (flag K4_MMA8 off):
     no gemv_mma instances. For compile.compile_async at
     load: each gemv_batch and gemv_mma instance is a job of its own (~1 s each with nvcc), so the compile
     threads build them in parallel with the rest."""
@@ -347,7 +347,7 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
                  ("matmul.cu", GROUPS["matmul.cu"][t.name], _defines(evict_first))]
         if gelu:
             jobs.append(("gemv.cu", GROUPS["gemv.cu"][f"{t.name}.{activation}"], _defines(evict_first)))
-        if t in NQ_TYPES:
+        elif t in NQ_TYPES:  # the gelu_tanh families (gemma) have post-norms, which take no handoff
             jobs.append(("gemv.cu", GROUPS["gemv.cu"][f"{t.name}.nq"], _defines(evict_first)))
         if t in QUANT:
             names = _batch_names(t) + (_batch_names(t, activation) if gelu else ())
