@@ -71,7 +71,11 @@ __device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_
 // its sums by rsqrt(mean(y^2) + eps): the RMSNorm's scale is common to every unit of x, and each
 // output is linear in the units' scales (d and d * sum), so it comes out once, at the end. Its
 // own instances (quant_kernels.py NQ_TYPES).
-template <class T, bool PLANAR, int WARPS, int U, bool PF, bool GLU, bool GELU = false, bool CLUSTER = false, bool NQ = false>
+// NX (x_q8 and x_parts non-null, no norm_w or post-norm): x_q8 is an NQ product's handoff, copied
+// and scaled by copy_q8x_normed. Instances of their own too: the reader's code in every instance
+// cost TinyLlama, which never runs it, 1.6% (docs/PERF.md, session 28).
+template <class T, bool PLANAR, int WARPS, int U, bool PF, bool GLU, bool GELU = false, bool CLUSTER = false, bool NQ = false,
+          bool NX = false>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw or planar; GLU: (2 n_out, n_in) interleaved
         const float* __restrict__ x,       // (n_in,)
@@ -91,10 +95,10 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         int x_out_swz,                     // for a product of swizzle x_out_swz (the next q/k/v run reads it as its x_q8)
         const float* __restrict__ nq_w,    // NQ: (n_out,) the next RMSNorm's weights
         float* __restrict__ nq_parts,      // NQ: (gridDim.x,) each block's sum of y^2
-        const float* __restrict__ x_parts,  // with x_q8, null or (n_parts,): x_q8 is an NQ product's y_q8, these its nq_parts
+        const float* __restrict__ x_parts,  // NX: (n_parts,) the nq_parts of the NQ product whose y_q8 is x_q8
         int n_parts) {
     extern __shared__ uint4 smem[];
-    if (WARPS > 16) x_parts = nullptr;  // 1,024-thread instances (64 registers) take no x_parts: Q8_0's would spill
+    static_assert(!NX || (WARPS <= 16 && !CLUSTER && !NQ), "NX: instances of 16 warps or fewer, no cluster, no NQ");
     u8* xq = reinterpret_cast<u8*>(smem);
     float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
     float* xs = xd + q8x_d_floats(n_in);
@@ -139,11 +143,10 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     pdl_wait();
     if constexpr (CLUSTER) {
         quantize_x_cluster<T::x_swizzle>(x, n_in, xq, xd, xs);
+    } else if constexpr (NX) {
+        copy_q8x_normed(x_q8, n_in, T::x_swizzle, T::x_swizzle, x_parts, n_parts, eps, smem);
     } else if (x_q8) {
-        if (x_parts)
-            copy_q8x_normed(x_q8, n_in, T::x_swizzle, T::x_swizzle, x_parts, n_parts, eps, smem);
-        else
-            copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);
+        copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);
     } else {
         // with post_t: its x and t * w kept in shared memory after x's q8 (the y_q8 outputs reuse it)
         quantize_x<T::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs,
@@ -200,8 +203,9 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
 // launch, its kernel boundary and its prologue are gone (docs/PERF.md, sessions 17 and 26; the
 // rows of both types in one list over every warp, the w2 rows after each warp's w1 rows, cost a
 // dependent round of loads between the two loops). Shared memory: q8x_bytes(n_in), then 8 n_in
-// bytes with post_t (its x and t * w, as gemv_q8's). Launched by runtime/cuda/gemv_pair.py.
-template <class T, bool PLANAR, int U, bool PF>
+// bytes with post_t (its x and t * w, as gemv_q8's). NX (instances of their own, as gemv_q8's):
+// x is an NQ product's handoff, copied into each part's swizzle. Launched by runtime/cuda/gemv_pair.py.
+template <class T, bool PLANAR, int U, bool PF, bool NX>
 __device__ __forceinline__ void pair_part(const u8* __restrict__ w, const float* __restrict__ x, float* y, const float* __restrict__ bias,
                                           const float* __restrict__ norm_w, float eps, int n, int n_in, int part_block, int part_grid,
                                           const PostNorm& post, uint4* smem, const u8* __restrict__ x_q8, int x_q8_swz,
@@ -217,7 +221,7 @@ __device__ __forceinline__ void pair_part(const u8* __restrict__ w, const float*
     prefetch_l1_floats(norm_w, n_in);  // the prologue's weights too
     prefetch_l1_floats(post.w, n_in);
     pdl_wait();
-    if (x_q8) {  // an NQ product's y_q8 (gemv_q8), in its swizzle
+    if constexpr (NX) {  // an NQ product's y_q8 (gemv_q8), in its swizzle
         copy_q8x_normed(x_q8, n_in, x_q8_swz, T::x_swizzle, x_parts, n_parts, eps, smem);
     } else {
         quantize_x<T::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs, post);
@@ -230,7 +234,7 @@ __device__ __forceinline__ void pair_part(const u8* __restrict__ w, const float*
                              [&](int r, float acc, float) { write_row(y, nullptr, bias, r, acc); });
 }
 
-template <class T1, class T2, bool PLANAR, int WARPS, int U1, bool PF1, int U2, bool PF2>
+template <class T1, class T2, bool PLANAR, int WARPS, int U1, bool PF1, int U2, bool PF2, bool NX = false>
 __global__ void __maxnreg__(PAIR_REGS)  // constants.py PAIR_REGS: attention's blocks launch beside it
 gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in) of T1, (n2, n_in) of T2, raw or planar
              const float* __restrict__ x,                           // (n_in,)
@@ -240,17 +244,17 @@ gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in
              int n1, int n2, int n_in,
              const float* __restrict__ post_t, const float* __restrict__ post_w, float* x_out,  // as gemv_q8's
              int b2,                                                 // blocks taking w2's rows: 1 .. gridDim.x - 1
-             const u8* __restrict__ x_q8, int x_q8_swz,              // null, or an NQ product's y_q8 (no norm_w, no post)
-             const float* __restrict__ x_parts, int n_parts) {       // with x_q8: that product's nq_parts
+             const u8* __restrict__ x_q8, int x_q8_swz,              // NX: an NQ product's y_q8 (no norm_w, no post)
+             const float* __restrict__ x_parts, int n_parts) {       // NX: that product's nq_parts
     static_assert(32 * WARPS == PAIR_THREADS, "PAIR_REGS is the cap of a block of PAIR_THREADS");
     extern __shared__ uint4 smem[];
     const PostNorm post{post_t, post_w, x_out, reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in))};
     pdl_trigger();
     if ((int)blockIdx.x < b2)  // block-uniform: the barriers inside are the whole block's
-        pair_part<T2, PLANAR, U2, PF2>(w2, x, y2, bias2, norm_w, eps, n2, n_in, blockIdx.x, b2, post, smem, x_q8, x_q8_swz, x_parts,
+        pair_part<T2, PLANAR, U2, PF2, NX>(w2, x, y2, bias2, norm_w, eps, n2, n_in, blockIdx.x, b2, post, smem, x_q8, x_q8_swz, x_parts,
                                        n_parts);
     else
-        pair_part<T1, PLANAR, U1, PF1>(w1, x, y1, bias1, norm_w, eps, n1, n_in, blockIdx.x - b2, gridDim.x - b2, post, smem, x_q8,
+        pair_part<T1, PLANAR, U1, PF1, NX>(w1, x, y1, bias1, norm_w, eps, n1, n_in, blockIdx.x - b2, gridDim.x - b2, post, smem, x_q8,
                                        x_q8_swz, x_parts, n_parts);
 }
 

@@ -77,7 +77,8 @@ def test_every_pair_is_compiled_only_where_both_types_are_present():
     """Each QKV_PAIRS entry has its compile group, which a model compiles when it holds both types."""
     for a, b in qk.QKV_PAIRS:
         names = qk.GROUPS["gemv.cu"][f"pair.{a.name}.{b.name}"]
-        assert names == tuple(qk.gemv_pair_name(a, b, p) for p in (False, True))
+        nx = (False, True) if a in qk.NQ_TYPES and b in qk.NQ_TYPES else (False,)  # the readers of an NQ handoff
+        assert names == tuple(qk.gemv_pair_name(a, b, p, x) for x in nx for p in (False, True))
     groups = lambda types: [g for f, g, _ in qk.compile_jobs(types) if f == "gemv.cu" and "pair" in g[0]]  # noqa: E731
     assert groups([T.Q4_K, T.Q6_K, T.F32]) == [qk.GROUPS["gemv.cu"]["pair.Q4_K.Q6_K"]]
     assert groups([T.Q4_K, T.F32]) == [] and groups([T.Q6_K]) == []

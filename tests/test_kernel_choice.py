@@ -101,13 +101,16 @@ def test_the_norm_handoff_only_where_blocks_of_whole_groups_stay_balanced():
     2 against 1 on 132 blocks of 16 warps) and idles at most a tenth of the blocks (Qwen2.5 7B's
     3,584: 112 groups on 132 blocks); the NQ instances (both clusterings of CLUSTER_TYPES) in
     their own compile group, left out for the gelu_tanh families."""
-    from k4.runtime.cuda.matmul import nq_balanced
-
+    nq_balanced = qk.nq_balanced
     assert nq_balanced(4096, 132, 16) and nq_balanced(8192, 132, 16) and nq_balanced(256, 8, 16)
     assert not nq_balanced(2048, 132, 16) and not nq_balanced(3584, 132, 16) and not nq_balanced(5120, 132, 16)
     for t in qk.NQ_TYPES:
         names = qk.GROUPS["gemv.cu"][f"{t.name}.nq"]
-        assert len(names) == (4 if t in qk.CLUSTER_TYPES else 2) and all(n.endswith(", true>") for n in names)
+        nq = [n for n in names if n.count(",") == 8]  # the rest, one template argument more, read the handoff (NX)
+        assert len(nq) == (4 if t in qk.CLUSTER_TYPES else 2) and all(n.endswith(", true>") for n in names)
+        assert len(names) - len(nq) == (4 if qk.QUANT[t].glu[0] <= 16 else 2)
+        assert qk.nx_reads(t, qk.QUANT[t].gemv, False) and not qk.nx_reads(t, (32, 2, 0), False)
+        assert qk.nx_reads(t, qk.QUANT[t].glu, True) == (qk.QUANT[t].glu[0] <= 16)
         assert not set(names) & set(qk.GROUPS["gemv.cu"][t.name])
         jobs = lambda act: [g for f, g, _ in qk.compile_jobs([t], True, act) if f == "gemv.cu"]  # noqa: E731
         assert names in jobs("silu") and names not in jobs("gelu_tanh")

@@ -24,7 +24,7 @@ from .op_args import AttnShape, FreshKV, RopeArgs
 from .q8_handoff import Q8Vector
 from .gemv_batch import Q8Rows, gemv_rows, quantize_rows
 from .gemv_mma import uses_mma8
-from .quant_kernels import MMA8_MIN_TOKENS, QUANT
+from .quant_kernels import MMA8_MIN_TOKENS, QUANT, nx_reads
 from .kv_cache import KVCache
 from .weights import LayerWeights, Weights
 
@@ -195,12 +195,12 @@ class Forward:
     @staticmethod
     def reader(ws) -> object | None:
         """The weight whose swizzle a handoff to the one-token products of weights ws is made in,
-        or None where one of them cannot read it: each quantized, on 16-warp blocks (the 1,024-thread
-        instances take no handoff: gemv.cu), of one swizzle."""
+        or None where one of them cannot read it: each with a gemv_q8 instance that reads it
+        (quant_kernels.nx_reads), all of one swizzle."""
         for w in ws:
-            variant = matmul.gemv_variant(w.ggml_type, w.shape[0] // (2 if w.glu else 1), w.shape[1], w.glu) \
-                if w.ggml_type in matmul.QUANT else None
-            if variant is None or variant[0] > 16 or not matmul.uses_gemv(w, 1):
+            if w.ggml_type not in matmul.NQ_TYPES or not matmul.uses_gemv(w, 1):
+                return None
+            if not nx_reads(w.ggml_type, matmul.gemv_variant(w.ggml_type, w.shape[0] // (2 if w.glu else 1), w.shape[1], w.glu), w.glu):
                 return None
         return ws[0] if len({matmul.QUANT[w.ggml_type].x_swizzle for w in ws}) == 1 else None
 

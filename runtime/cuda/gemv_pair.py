@@ -15,7 +15,7 @@ from .constants import q8x_bytes
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
 from .arg_checks import check_array, check_post
 from .matmul import DeviceWeight
-from .quant_kernels import QKV_PAIRS, QUANT, _kernel, gemv_pair_name, gemv_variant
+from .quant_kernels import NQ_TYPES, QKV_PAIRS, QUANT, _kernel, gemv_pair_name, gemv_variant
 
 
 def pairs(w1: DeviceWeight, w2: DeviceWeight) -> bool:
@@ -40,16 +40,16 @@ def split_blocks(grid: int, warps: int, n1: int, row_bytes1: int, n2: int, row_b
     return min(range(1, grid), key=cost)
 
 
-def _plan(w1: DeviceWeight, w2: DeviceWeight, post: bool):
+def _plan(w1: DeviceWeight, w2: DeviceWeight, post: bool, nx: bool = False):
     """(kernel, grid, block, shared bytes, b2) of gemv_q8_pair for w1 and w2, cached on w1: the
     warps of both types' own products, the grid as many blocks as fit at once, at most one per
-    output, b2 of them on w2's rows (split_blocks)."""
-    key = ("pair", w2.ggml_type, w2.shape[0], post)
+    output, b2 of them on w2's rows (split_blocks); nx: the instance that reads an NQ handoff."""
+    key = ("pair", w2.ggml_type, w2.shape[0], post, nx)
     plan = w1._plans.get(key)
     if plan is not None:
         return plan
     n_in = w1.shape[1]
-    kernel = _kernel("gemv.cu", gemv_pair_name(w1.ggml_type, w2.ggml_type, w1.planar), w1.evict_first)
+    kernel = _kernel("gemv.cu", gemv_pair_name(w1.ggml_type, w2.ggml_type, w1.planar, nx), w1.evict_first)
     smem = q8x_bytes(n_in) + (8 * n_in if post else 0)
     allow_shared(kernel, smem)
     warps = QUANT[w1.ggml_type].gemv[0]
@@ -89,10 +89,11 @@ def gemv_pair(w1: DeviceWeight, w2: DeviceWeight, x, y1, y2, *, bias1=None, bias
         check_array("norm weight", norm_w, (n_in,), align16=True)
     post_t, post_w, x_out = check_post(post, x, n_in, norm_w is not None, False)
     if x_q8 is not None:
-        if x_q8.parts is None or x_q8.n != n_in or norm is not None or post is not None:
-            raise ValueError(f"gemv_pair's x_q8 is an NQ handoff of {n_in} values, without norm or post")
+        if (x_q8.parts is None or x_q8.n != n_in or norm is not None or post is not None
+                or not all(t in NQ_TYPES for t in (w1.ggml_type, w2.ggml_type))):
+            raise ValueError(f"gemv_pair's x_q8 is an NQ handoff of {n_in} values, for NQ types, without norm or post")
         eps = x_q8.eps
-    kernel, grid, block, smem, b2 = _plan(w1, w2, post is not None)
+    kernel, grid, block, smem, b2 = _plan(w1, w2, post is not None, x_q8 is not None)
     args = (w1.data, w2.data, x, y1, y2, null_or(bias1), null_or(bias2), null_or(norm_w), np.float32(eps),
             np.int32(n1), np.int32(n2), np.int32(n_in), null_or(post_t), null_or(post_w), null_or(x_out), np.int32(b2),
             null_or(x_q8 and x_q8.data), np.int32(x_q8.swizzle if x_q8 else 0), null_or(x_q8 and x_q8.parts),

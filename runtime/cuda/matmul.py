@@ -54,7 +54,8 @@ from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launc
 from .layout import MatrixSpec, _check_matrix, layout_nbytes
 from .q8_handoff import Q8Vector, check_q8
 from .quant_kernels import (DEQUANT_CHUNK_BYTES, FLOAT, FLOAT_GEMV, GEMV_MAX_TOKENS, GLU_ACTS, QUANT, _dequant_name,
-                            NQ_TYPES, _gemv_f_name, _gemv_q8_name, _kernel, gemv_cluster, gemv_variant)
+                            NQ_TYPES, _gemv_f_name, _gemv_q8_name, _kernel, gemv_cluster, gemv_variant, nq_balanced,
+                            nx_reads)
 
 
 # ---- device weights ----------------------------------------------------------------------------
@@ -152,13 +153,13 @@ def make_half(w: DeviceWeight, out, stream=None, trace: Trace | None = None) -> 
 
 
 def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, norm: bool = False, post: bool = False,
-               split: bool = False, nq: bool = False):
+               split: bool = False, nq: bool = False, nx: bool = False):
     """The launch of gemv on w, cached per variant, norm prologue, post-norm prologue (post: its x
     and t * w kept as floats after x's q8), split (x quantized in the kernel without norm or
-    post-norm: in clusters where quant_kernels.gemv_cluster says) and nq (the NQ instance, gemv
-    norm_out). The grid is as many blocks as fit on the GPU at once, but at most one per output,
+    post-norm: in clusters where quant_kernels.gemv_cluster says), nq (the NQ instance, gemv
+    norm_out) and nx (its reader, x_q8 with parts). The grid is as many blocks as fit on the GPU at once, but at most one per output,
     cut to a multiple of the cluster. Returns (kernel, grid, block, shared_mem, blocks per cluster)."""
-    plan = w._plans.get((variant, norm, post, split, nq))
+    plan = w._plans.get((variant, norm, post, split, nq, nx))
     if plan is not None:
         return plan
     n_out, n_in = w.shape
@@ -169,7 +170,8 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         variant = variant or gemv_variant(w.ggml_type, n_out, n_in, w.glu)
         warps = variant[0]
         cluster = gemv_cluster(w.ggml_type, n_out, n_in, variant) if split and not w.glu else 1
-        kernel = _kernel("gemv.cu", _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act, cluster > 1, nq), w.evict_first)
+        name = _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act, cluster > 1, nq, nx)
+        kernel = _kernel("gemv.cu", name, w.evict_first)
         smem = q8x_bytes(n_in)
         after = 8 * n_in if post else 0  # the post-norm's x and t * w (floats), then free
         if (w.glu and q.handoff) or nq:  # room for one block's outputs (y_q8): its 32-output groups
@@ -185,31 +187,19 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
     grid = min(device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem), n_out)
     grid -= grid % cluster
     plan = (kernel, (grid,), (32 * warps,), smem, cluster)
-    w._plans[(variant, norm, post, split, nq)] = plan
+    w._plans[(variant, norm, post, split, nq, nx)] = plan
     return plan
 
 
 def norm_q8_blocks(w: DeviceWeight, x_cluster: bool = True) -> int:
     """The blocks of gemv's NQ launch on w (norm_out, float x; x_cluster as gemv's), the n_parts
     of its handoff, or 0 where it does not apply: a weight of quant_kernels.NQ_TYPES that takes
-    its type's default variant, no glu, n_out a multiple of 32, and whole 32-output groups per
-    block that give no warp more rows than gemv's round-robin rows do (Llama 2 7B's 4,096
-    outputs: 2 on 132 blocks of 16 warps either way; TinyLlama's 2,048: 2 against 1)."""
+    its type's default variant, no glu, n_out a multiple of 32, and quant_kernels.nq_balanced."""
     n_out, n_in = w.shape
     if w.glu or w.ggml_type not in NQ_TYPES or n_out % 32 or gemv_variant(w.ggml_type, n_out, n_in) != QUANT[w.ggml_type].gemv:
         return 0
     _, (grid,), (threads,), _, _ = _gemv_plan(w, None, False, False, x_cluster, True)
     return grid if nq_balanced(n_out, grid, threads // 32) else 0
-
-
-def nq_balanced(n_out: int, grid: int, warps: int) -> bool:
-    """Whether whole 32-output groups per block (of `warps` warps, `grid` blocks) give no warp more
-    of the n_out rows than rows round-robin over all warps do, and leave at most a tenth of the
-    blocks without rows (norm_q8_blocks). On the H200 (docs/PERF.md, session 28) the NQ product
-    of 3,584 outputs (112 groups on 132 blocks) took 1.1 µs more than the plain one at 3,584
-    inputs, more than its reader saves."""
-    groups = n_out // 32
-    return -(-32 * -(-groups // grid) // warps) <= -(-n_out // (grid * warps)) and 10 * groups >= 9 * grid
 
 
 # ---- decode: matrix-vector ---------------------------------------------------------------------
@@ -280,9 +270,13 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
         check_array("norm_out weight", nq_w, (n_out,))
         if not n_parts or variant is not None or parts.dtype != np.float32 or parts.size < n_parts:
             raise ValueError(f"norm_out does not apply to {w.ggml_type.name} {w.shape} or its parts hold fewer than {n_parts} floats")
-    kernel, grid, block, smem, cluster = _gemv_plan(w, variant, norm_w is not None, post is not None, split, norm_out is not None)
-    if x_q8 is not None and x_q8.parts is not None:
+    nx = x_q8 is not None and x_q8.parts is not None
+    if nx:
+        n_y = n_out * (2 if w.glu else 1)
+        if variant is not None or not nx_reads(w.ggml_type, gemv_variant(w.ggml_type, n_out, n_in, w.glu), w.glu):
+            raise ValueError(f"no product of {w.ggml_type.name} {(n_y, n_in)} reads an NQ handoff (x_q8 with parts)")
         eps = x_q8.eps
+    kernel, grid, block, smem, cluster = _gemv_plan(w, variant, norm_w is not None, post is not None, split, norm_out is not None, nx)
     args = (w.data, x, y, null_or(residual), null_or(bias), null_or(norm_w), np.float32(eps), np.int32(n_out), np.int32(n_in))
     if w.ggml_type in QUANT:
         args += (null_or(x_q8 and x_q8.data), null_or(y_q8 and y_q8.data), np.int32(y_q8.swizzle if y_q8 else 0))

@@ -193,9 +193,12 @@ def gemv_variant(t: T, n_out: int, n_in: int, glu: bool = False) -> tuple[int, i
 
 
 def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool = False, act: str = "silu",
-                  cluster: bool = False, nq: bool = False) -> str:
+                  cluster: bool = False, nq: bool = False, nx: bool = False) -> str:
     warps, u, pf = variant
-    tail = GLU_ACTS[act] if glu else f", false, {_bool(cluster)}, true" if nq else ", false, true" if cluster else ""
+    if nx:  # GELU, CLUSTER and NQ false (the readers of gemv.cu's NX)
+        tail = ", false, false, false, true"
+    else:
+        tail = GLU_ACTS[act] if glu else f", false, {_bool(cluster)}, true" if nq else ", false, true" if cluster else ""
     return f"gemv_q8<{QUANT[t].decoder}, {_bool(planar)}, {warps}, {u}, {_bool(pf)}, {_bool(glu)}{tail}>"
 
 
@@ -208,18 +211,21 @@ def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool =
 QKV_PAIRS: tuple[tuple[T, T], ...] = ((T.Q4_K, T.Q6_K),)
 
 
-def gemv_pair_name(t1: T, t2: T, planar: bool) -> str:
+def gemv_pair_name(t1: T, t2: T, planar: bool, nx: bool = False) -> str:
     """The gemv_q8_pair instance of the types (t1, t2) and layout: the warps of both types' default
     gemv_q8 variants (QKV_PAIRS), each type's rows in the loop of its own variant (U, PF), so
-    their sums are that instance's bits."""
+    their sums are that instance's bits; nx: the reader of an NQ handoff (gemv.cu NX)."""
     (w1, u1, pf1), (w2, u2, pf2) = QUANT[t1].gemv, QUANT[t2].gemv
     assert w1 == w2, "a pair's types run blocks of one size"
-    return f"gemv_q8_pair<{QUANT[t1].decoder}, {QUANT[t2].decoder}, {_bool(planar)}, {w1}, {u1}, {_bool(pf1)}, {u2}, {_bool(pf2)}>"
+    tail = ", true" if nx else ""
+    return f"gemv_q8_pair<{QUANT[t1].decoder}, {QUANT[t2].decoder}, {_bool(planar)}, {w1}, {u1}, {_bool(pf1)}, {u2}, {_bool(pf2)}{tail}>"
 
 
 def _pair_names(t1: T, t2: T) -> tuple[str, ...]:
-    """The gemv_q8_pair instances of a QKV_PAIRS entry, both layouts."""
-    return tuple(gemv_pair_name(t1, t2, p) for p in (False, True))
+    """The gemv_q8_pair instances of a QKV_PAIRS entry, both layouts, and (both types in NQ_TYPES)
+    their NQ-handoff readers."""
+    nx = (False, True) if t1 in NQ_TYPES and t2 in NQ_TYPES else (False,)
+    return tuple(gemv_pair_name(t1, t2, p, x) for x in nx for p in (False, True))
 
 
 def _gemv_batch_name(t: T, planar: bool, variant: tuple[int, int, int, int] | None = None, glu: bool = False,
@@ -261,9 +267,28 @@ def _gemv_names(t: T) -> tuple[str, ...]:
 
 def _nq_names(t: T) -> tuple[str, ...]:
     """The NQ instances of type t (NQ_TYPES): its default variant, both layouts, with clusters too
-    for CLUSTER_TYPES; their own compile group (f"{t.name}.nq")."""
+    for CLUSTER_TYPES; and its readers (NX): the default variant and the gate/up one where that
+    runs 16 warps or fewer. Their own compile group (f"{t.name}.nq")."""
     clusters = (False, True) if t in CLUSTER_TYPES else (False,)
-    return tuple(_gemv_q8_name(t, p, QUANT[t].gemv, cluster=c, nq=True) for c in clusters for p in (False, True))
+    names = tuple(_gemv_q8_name(t, p, QUANT[t].gemv, cluster=c, nq=True) for c in clusters for p in (False, True))
+    readers = [(False, QUANT[t].gemv)] + ([(True, QUANT[t].glu)] if QUANT[t].glu[0] <= 16 else [])
+    return names + tuple(_gemv_q8_name(t, p, v, glu, nx=True) for glu, v in readers for p in (False, True))
+
+
+def nq_balanced(n_out: int, grid: int, warps: int) -> bool:
+    """Whether whole 32-output groups per block (of `warps` warps, `grid` blocks) give no warp more
+    of the n_out rows than rows round-robin over all warps do, and leave at most a tenth of the
+    blocks without rows (matmul.norm_q8_blocks). On the H200 (docs/PERF.md, session 28) the NQ product
+    of 3,584 outputs (112 groups on 132 blocks) took 1.1 µs more than the plain one at 3,584
+    inputs, more than its reader saves."""
+    groups = n_out // 32
+    return -(-32 * -(-groups // grid) // warps) <= -(-n_out // (grid * warps)) and 10 * groups >= 9 * grid
+
+
+def nx_reads(t: T, variant: tuple[int, int, int], glu: bool) -> bool:
+    """Whether a gemv_q8 launch of type t, variant (WARPS, U, PF), glu or not, has an NX instance
+    (_nq_names): it can read an NQ handoff (gemv x_q8 with parts)."""
+    return t in NQ_TYPES and variant == (QUANT[t].glu if glu else QUANT[t].gemv) and variant[0] <= 16
 
 
 def _gelu_names(t: T) -> tuple[str, ...]:
