@@ -19,12 +19,10 @@ read from a whole fp16 copy made at load (make_half, DeviceWeight.half); X may c
 already. With K4_PREFILL_TC=0, or for a few tokens, matrix-vector products instead: up to 8
 tokens per read of a quantized W (runtime/cuda/gemv_batch.py), one gemv per token for floats.
 
-Measured on one H200 (copy 4.17 TB/s; gemv in CUDA graphs with PDL, weights streamed from
-memory, next chunks loaded during the products): Q4_K 4096x4096 4.6 µs (2.07 TB/s), 11008x4096
-8.3 µs (3.05 TB/s), 32000x4096 19.9 µs (3.71 TB/s, 88%); Q6_K 32000x4096 27.1 µs (3.97 TB/s,
-94%). A fixed ~2.5 µs per launch (ramp up and drain) is what keeps small matrices lower;
-combined matrices (stacked or interleaved rows) fuse products that share x.
-Prefill Q4_K 512x4096x4096: 50 µs (345 TFLOP/s), 2048 tokens 510 TFLOP/s.
+Measured on one H200 (gemv in CUDA graphs with PDL, weights streamed from memory): Q4_K
+4096x4096 4.0 µs with x quantized beforehand, Q6_K 32000x4096 27 µs (3.97 TB/s, 94%); a fixed
+~2 µs per launch keeps small matrices lower (docs/PERF.md). Prefill Q4_K 512x4096x4096: 50 µs
+(345 TFLOP/s), 2048 tokens 510 TFLOP/s.
 
 Every entry point validates on the host (ValueError: these are programming errors of the
 caller, not user errors), allocates nothing and never synchronizes; launches go through

@@ -1,6 +1,7 @@
 """The 8-bit handoff between decode's matrix-vector products (runtime/cuda/matmul.py gemv's x_q8
-and y_q8, flag K4_FUSE_QUANT): the quantized vector a SwiGLU product writes for the down
-product, its host reference, and the checks gemv applies to it."""
+and y_q8): the quantized vector a SwiGLU product writes for the down product (flag
+K4_FUSE_QUANT), or a residual product for the products after the next RMSNorm (norm_out, flag
+K4_NORM_Q8), its host reference, and the checks gemv applies to it."""
 
 from __future__ import annotations
 
