@@ -30,6 +30,9 @@
 //    leaves it off by default (K4_FUSE_QUANT, docs/PERF.md). Given x_q8_out, block 0 also writes
 //    its own x quantized (after the norm and post-norm prologue) for the next product of the same
 //    x, a q/k/v run of another type, which then copies it instead of its prologue (K4_QKV_Q8).
+//  - norm handoff (NQ and NX instances, K4_NORM_Q8): the output and down products also write the
+//    next RMSNorm's input quantized, without the norm's scale, and their blocks' sums of squares;
+//    the products after the norm copy it and apply the scale (see the template flags below).
 //
 // Thread mapping: warp w of block b starts at output b + gridDim.x * w and steps by
 // gridDim.x * WARPS (with y_q8: see gemv_q8). The launcher (runtime/cuda/matmul.py) validates
@@ -67,10 +70,10 @@ __device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_
 // before an RMSNorm hands the next products their input (K4_NORM_Q8). Each block takes whole
 // 32-output groups (as the SwiGLU handoff does), writes y as usual, and also y * nq_w quantized
 // (q8_unit's scheme, without the norm's scale) into y_q8 and the sum of y^2 over its outputs into
-// nq_parts[blockIdx.x]. The next product, given that as x_q8 with x_parts, copies it and scales
-// its sums by rsqrt(mean(y^2) + eps): the RMSNorm's scale is common to every unit of x, and each
-// output is linear in the units' scales (d and d * sum), so it comes out once, at the end. Its
-// own instances (quant_kernels.py NQ_TYPES).
+// nq_parts[blockIdx.x]. The next product (NX), given that as x_q8 with x_parts, copies it and
+// multiplies its units' scales (d and d * sum) by rsqrt(mean(y^2) + eps): the RMSNorm's scale is
+// common to every unit of x, and each output is linear in those scales. Its own instances
+// (quant_kernels.py NQ_TYPES).
 // NX (x_q8 and x_parts non-null, no norm_w or post-norm): x_q8 is an NQ product's handoff, copied
 // and scaled by copy_q8x_normed. Instances of their own too: the reader's code in every instance
 // cost TinyLlama, which never runs it, 1.6% (docs/PERF.md, session 28).

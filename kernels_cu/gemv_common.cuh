@@ -290,26 +290,6 @@ __device__ __forceinline__ void copy_q8x(const uint4* __restrict__ src, int n16,
     }
 }
 
-// A q8 x of n_in values at src (global memory, units in swizzle from_swz) copied into dst
-// (shared memory) in swizzle to_swz: copy_q8x with each unit moved to its slot (x_unit_slot
-// rotates units within runs of 8, so source slot i lands at i's run, rotated by the difference).
-__device__ __forceinline__ void copy_q8x_swizzled(const u8* __restrict__ src, int n_in, int from_swz, int to_swz, uint4* dst) {
-    const int n16 = q8x_bytes(n_in) / 16, n_units = n_in >> 4, delta = to_swz - from_swz;
-    for (int base = 0; base < n16; base += 4 * blockDim.x) {
-        uint4 v[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const int i = base + threadIdx.x + k * blockDim.x;
-            if (i < n16) v[k] = __ldg(reinterpret_cast<const uint4*>(src) + i);
-        }
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const int i = base + threadIdx.x + k * blockDim.x;
-            if (i < n16) dst[i < n_units ? (i & ~7) | ((i + delta * (i >> 3)) & 7) : i] = v[k];
-        }
-    }
-}
-
 // The RMSNorm scale 1 / sqrt(sum / n + eps) of a vector whose sum of squares is split into
 // parts[0 .. n_parts) (gemv_q8 NQ's nq_parts), summed in one order: every lane of one warp calls
 // it and gets the same value, as does every warp of every block that calls it.
@@ -321,9 +301,10 @@ __device__ __forceinline__ float parts_rms_scale(const float* __restrict__ parts
 
 // An NQ product's handoff (gemv.cu gemv_q8 NQ: y * norm_w quantized without the norm's scale, at
 // q in swizzle from_swz, and its blocks' sums of y^2 in parts[0 .. n_parts)) made the q8 x of
-// RMSNorm(y) * norm_w in shared memory dst, swizzle to_swz: copied as copy_q8x_swizzled copies,
-// every d and d * sum multiplied by the norm's scale on the way (each output's sum is linear in
-// them). Every warp sums the parts itself (the same value in each), after its first loads of q
+// RMSNorm(y) * norm_w in shared memory dst, swizzle to_swz: copied as copy_q8x copies, each unit
+// moved to its slot (x_unit_slot rotates units within runs of 8, so source slot i lands in i's
+// run, rotated by the swizzles' difference), every d and d * sum multiplied by the norm's scale
+// on the way (each output's sum is linear in them). Every warp sums the parts itself (the same value in each), after its first loads of q
 // are issued, so no barrier waits for one warp's sum. (Summing them only in the warps that copy
 // scales measured the same on the H200.) Every thread of the block calls it; the caller's barrier
 // publishes dst.
