@@ -96,7 +96,7 @@ def test_clusters_only_for_a_long_x_on_the_compiled_cluster_instances():
 
 
 def test_the_norm_handoff_only_where_blocks_of_whole_groups_stay_balanced():
-    """matmul.nq_balanced: NQ products (gemv norm_out) take whole 32-output groups per block, so
+    """quant_kernels.nq_balanced: NQ products (gemv norm_out) take whole 32-output groups per block, so
     only where that gives no warp more rows than the round-robin rows (TinyLlama's 2,048 outputs:
     2 against 1 on 132 blocks of 16 warps) and idles at most a tenth of the blocks (Qwen2.5 7B's
     3,584: 112 groups on 132 blocks); the NQ instances (both clusterings of CLUSTER_TYPES) in

@@ -241,7 +241,8 @@ class Forward:
             self.ops.softcap(logits, self.cfg.final_softcap)  # gemma 2: cap * tanh(logits / cap)
 
     def qkv(self, L: LayerWeights, h: cp.ndarray, norm, n: int, h_q8=None) -> dict[str, cp.ndarray]:
-        """The q, k, v products (+ bias) of h (n, n_embd) (h_q8: h quantized, or None): name -> (n,
+        """The q, k, v products (+ bias) of h (n, n_embd) (h_q8: h quantized, residual's NQ handoff
+        of rmsnorm(h) for one token, or None): name -> (n,
         rows) column views. One token with the norm folded in and runs of several quantized types
         (Q4_K_M's q|k and v; K4_QKV_Q8): the first run also writes its normalized x quantized
         (act.h_q8) for the others, which copy it instead of repeating the norm and post-norm
