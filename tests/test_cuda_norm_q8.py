@@ -4,7 +4,8 @@ bytes) and its blocks' sums of y^2; the products after the norm (gemv_q8 of any 
 gate/up, gemv_q8_pair in either swizzle) read that instead of normalizing x, within float
 rounding of the same product given the scaled q8 x, and within the 8-bit error of the normed
 product; end to end, llama.cpp's greedy tokens and the numpy backend's logits with the handoff
-forced on for models too small for its balance rule (quant_kernels.nq_balanced, as matmul binds it). Inputs: tests/matmul_ref.py."""
+forced on for models too small for its balance rule (quant_kernels.nq_balanced, as matmul binds
+it). Inputs: tests/matmul_ref.py."""
 
 from __future__ import annotations
 
