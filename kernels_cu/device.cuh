@@ -195,6 +195,13 @@ __device__ __forceinline__ int dot16(const uint4& a, const uint4& b, int acc) {
     return dp4a((int)a.w, (int)b.w, acc);
 }
 
+// dot16 with a's bytes unsigned (0..255) and b's signed: dp4a.u32.s32.
+__device__ __forceinline__ int dot16_u8(const uint4& a, const uint4& b, int acc) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(acc) : "r"(word(a, k)), "r"(word(b, k)));
+    return acc;
+}
+
 __device__ __forceinline__ uint4 map4(const uint4& v, u32 shift, u32 mask) {
     return make_uint4((v.x >> shift) & mask, (v.y >> shift) & mask, (v.z >> shift) & mask, (v.w >> shift) & mask);
 }

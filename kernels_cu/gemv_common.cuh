@@ -343,7 +343,8 @@ __device__ __forceinline__ void q8_load(typename T::chunk (&dst)[U], const u8* _
 #pragma unroll
     for (int k = 0; k < U; ++k) {
         const int c = c0 + 32 * k;
-        if (c < span * n_chunks) dst[k] = T::template load<PLANAR>(w, nblk, (i64)r * span * nblk_row + c / cpb, c % cpb);
+        if (c < span * n_chunks)  // c >= 0: unsigned division, a shift
+            dst[k] = T::template load<PLANAR>(w, nblk, (i64)r * span * nblk_row + (u32)c / cpb, (int)((u32)c % cpb));
     }
 }
 

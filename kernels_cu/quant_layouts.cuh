@@ -112,4 +112,9 @@ struct q8x {
     __device__ __forceinline__ uint4 unit(int u) const {
         return *reinterpret_cast<const uint4*>(q + 16 * x_unit_slot(u, SWZ));
     }
+    // Unit u + k, in the row of 8 units of u ((u + k) / 8 == u / 8): x_unit_slot's slot, with what
+    // the units of that row share computed once by the caller: hi = u & ~7, t = u + SWZ * (u / 8).
+    __device__ __forceinline__ uint4 unit_at(u32 hi, u32 t, int k) const {
+        return *reinterpret_cast<const uint4*>(q + 16 * (hi | ((t + k) & 7u)));
+    }
 };
