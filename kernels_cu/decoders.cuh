@@ -54,11 +54,11 @@ struct type_q4_K {
         // Written for few instructions in the row loop (docs/PERF.md, session 29): the four x units'
         // slots from one row computation, the high nibbles masked in place, not shifted.
         const int u = 4 * ci;  // x units of this chunk: u, u+1 (sub-block 2j), u+2, u+3 (2j+1)
-        const u32 hi = (u32)u & ~7u, t = (u32)u + SWZ * ((u32)u >> 3);  // q8x::unit_at
-        const int s0 = dot16(map4(c.q1, 0, 0x0F0F0F0Fu), x.unit_at(hi, t, 1), dot16(map4(c.q0, 0, 0x0F0F0F0Fu), x.unit_at(hi, t, 0), 0));
+        const x_row xr = x_row_of(u, SWZ);
+        const int s0 = dot16(map4(c.q1, 0, 0x0F0F0F0Fu), x.unit_at(xr, 1), dot16(map4(c.q0, 0, 0x0F0F0F0Fu), x.unit_at(xr, 0), 0));
         // the high nibbles in place (q & 0xF0, unsigned: 16 times the quant), the sum shifted back (exact)
-        const int s1 = dot16_u8(map4(c.q1, 0, 0xF0F0F0F0u), x.unit_at(hi, t, 3),
-                                dot16_u8(map4(c.q0, 0, 0xF0F0F0F0u), x.unit_at(hi, t, 2), 0)) >> 4;
+        const int s1 = dot16_u8(map4(c.q1, 0, 0xF0F0F0F0u), x.unit_at(xr, 3),
+                                dot16_u8(map4(c.q0, 0, 0xF0F0F0F0u), x.unit_at(xr, 2), 0)) >> 4;
         const float2 dx = *reinterpret_cast<const float2*>(x.d + 2 * ci);
         const float4 sx = *reinterpret_cast<const float4*>(x.s + u);
         const float d = f16_to_f32(c.meta.x & 0xFFFF), dmin = f16_to_f32(c.meta.x >> 16);
@@ -190,12 +190,12 @@ struct type_q6_K {
     __device__ static float dot(const chunk& c, int ci, const q8x<SWZ>& x) {
         const int j = ci & 3;
         const int u = 8 * (ci >> 1) + (ci & 1);  // x unit of run m: u + 2m
-        const u32 hi = (u32)u & ~7u, t = (u32)u + SWZ * ((u32)u >> 3);  // q8x::unit_at (the four units in one row of 8)
+        const x_row xr = x_row_of(u, SWZ);  // the four units lie in one row of 8
         const float4 dx = *reinterpret_cast<const float4*>(x.d + 4 * (ci >> 1));
         float acc = 0.f;
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
-            const int s = dot16(quants(c, m), x.unit_at(hi, t, 2 * m), 0);
+            const int s = dot16(quants(c, m), x.unit_at(xr, 2 * m), 0);
             const float dxm = m == 0 ? dx.x : m == 1 ? dx.y : m == 2 ? dx.z : dx.w;
             acc += (float)scale(c, j, m) * (dxm * (float)s - 32.f * x.s[u + 2 * m]);
         }

@@ -102,6 +102,15 @@ __device__ __forceinline__ const u8* group_at(const u8* w, i64 nblk, i64 blk) {
 // the unit's sum of quants (s), so sum(w*x) over a unit is d*dot(q_w, q_x) and offsets cost one
 // multiply. Unit u is stored at a position rotated within its 128-byte row by SWZ*(u/8), which
 // makes each weight type's read pattern free of shared-memory bank conflicts.
+// Unit u's row of 8 (u >= 0): the row's first slot and u rotated by swz * (u / 8). Unit u + k of
+// the same row ((u + k) / 8 == u / 8) lies at x_row_slot(row, k), x_unit_slot(u + k, swz), so the
+// units of a chunk share one row computation (the decoders' dots). x_unit_slot keeps its own
+// signed form: written through these, nvcc schedules the attention and gemv kernels differently.
+struct x_row {
+    u32 first, rot;
+};
+__device__ __forceinline__ x_row x_row_of(int u, int swz) { return {(u32)u & ~7u, (u32)u + swz * ((u32)u >> 3)}; }
+__device__ __forceinline__ int x_row_slot(x_row r, int k) { return (int)(r.first | ((r.rot + k) & 7u)); }
 __device__ __forceinline__ int x_unit_slot(int u, int swz) { return (u & ~7) | ((u + swz * (u >> 3)) & 7); }
 
 template <int SWZ>
@@ -112,9 +121,8 @@ struct q8x {
     __device__ __forceinline__ uint4 unit(int u) const {
         return *reinterpret_cast<const uint4*>(q + 16 * x_unit_slot(u, SWZ));
     }
-    // Unit u + k, in the row of 8 units of u ((u + k) / 8 == u / 8): x_unit_slot's slot, with what
-    // the units of that row share computed once by the caller: hi = u & ~7, t = u + SWZ * (u / 8).
-    __device__ __forceinline__ uint4 unit_at(u32 hi, u32 t, int k) const {
-        return *reinterpret_cast<const uint4*>(q + 16 * (hi | ((t + k) & 7u)));
+    // Unit k of row r (x_row_of(u, SWZ): unit u + k).
+    __device__ __forceinline__ uint4 unit_at(x_row r, int k) const {
+        return *reinterpret_cast<const uint4*>(q + 16 * x_row_slot(r, k));
     }
 };
