@@ -13,19 +13,23 @@
 //     warps take the outputs R = b + G w, stepping by G WARPS, of the k
 //     chosen experts' SwiGLU rows flattened (slot R / n_ff, row R % n_ff), each as moe_gemv_q8
 //     computes it (gemv_common.cuh q8_rows: gate row then up row), into h (k, n_ff); then the
-//     block releases its flag (flags[b] = tag);
+//     block announces it (*arrived += 1, red.release after a block barrier);
 //  3. down: each warp loads its first row's weights (the experts are known since phase 2): with
-//     EARLY before its block's flag goes out, else after it (raw Q6_K, whose loads shift their two
-//     words at once, so a warp stalls until they arrive: that held the flag back ~3 µs), a
-//     thread per block acquires each flag, every block quantizes the k rows of h read through L2
+//     EARLY before its block's arrival goes out, else after it (raw Q6_K, whose loads shift their
+//     two words at once, so a warp stalls until they arrive: that held the arrival back ~3 µs),
+//     thread 0 polls *arrived until every block of the launch has arrived (ld.acquire; one
+//     poller a block on one word: 132 threads a block each polling one block's flag word cost
+//     ffn_one's alike barrier ~3 µs more, docs/PERF.md session 30), every block quantizes the k rows of h read through L2
 //     (quantize_k_rows' bits) and its warps take rows b + G w, stepping by G WARPS, as
 //     moe_down_combine does (moe_down.cuh DownRows).
-// The logits are polled as words (1 KB a block), h behind the flags: polling h's 6,144 tagged
+// The logits are polled as words (1 KB a block), h behind the arrivals: polling h's 6,144 tagged
 // words in every block took 6.5 MB of L2 reads a round, slower than the barrier it replaced.
 //
 // The tag: *count (64-bit, zero at first) counts the blocks that finished a launch; a launch reads
-// it after its wait (every earlier launch complete) and tags with count / G + 1, which no word or
-// flag left by an earlier launch carries. All blocks must be resident at once, as each waits for
+// it after its wait (every earlier launch complete) and tags with count / G + 1, which no word
+// left by an earlier launch carries. *arrived (64-bit, zero at first) gains G a launch as count
+// does, so the launch's blocks have all arrived once it reaches tag * G (no block finishes before
+// every block has arrived, so count is G (tag - 1) when read). All blocks must be resident at once, as each waits for
 // every other: one block per multiprocessor (the launcher's grid). Programmatic dependent launch
 // as the products: trigger, then wait for x.
 // Dynamic shared memory: max(q8x_bytes(n_embd), k q8x_bytes(n_ff)) + 8 n_expert bytes.
@@ -125,7 +129,7 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
         const float* x,                  // (n_embd,) the residual stream
         const float* __restrict__ norm_w, float eps,  // ffn_norm (n_embd,)
         u64* words,                      // (n_expert,) tagged logits
-        u32* flags,                      // (G,) each block's tag once its SwiGLU rows are in h
+        u64* arrived,                    // (1,) the blocks whose SwiGLU rows are in h
         float* h,                        // (k, n_ff) the SwiGLU rows
         u64* count,                      // (1,) the blocks that finished a launch
         float* y,                        // (n_embd,) x + the experts' weighted sum (may alias x)
@@ -206,19 +210,19 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
     const int row = blockIdx.x + G * warp;
     if (EARLY && row < n_embd) d.load(dch, row, d.sub);  // the weights stream while the other blocks finish
     __syncthreads();  // the block's rows are in h; every warp is done with x's q8 before h's overwrites it
-    if (threadIdx.x == 0) asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(flags + blockIdx.x), "r"(tag) : "memory");
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(arrived) : "memory");
     if (!EARLY && row < n_embd) d.load(dch, row, d.sub);
     if (renorm && threadIdx.x == 0) {  // the weights divided by their sum as moe_route divides them, off phase 2's path
         float t = 0.f;
         for (int j = 0; j < k; ++j) t += c.w[j];
         wsum = t;
     }
-    for (int b = threadIdx.x; b < G; b += blockDim.x) {
+    if (threadIdx.x == 0) {
         for (;;) {
-            u32 f;
-            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(f) : "l"(flags + b) : "memory");
-            if (f == tag) break;
-            __nanosleep(32);  // (without it the spinning slowed the step: 629 against 640 t/s)
+            u64 n;
+            asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(n) : "l"(arrived) : "memory");
+            if (n >= (u64)tag * (u64)G) break;
+            __nanosleep(32);  // (without it the spinning of 132 flag pollers slowed the step: 629 against 640 t/s)
         }
     }
     __syncthreads();  // every block's rows acquired, for the whole block

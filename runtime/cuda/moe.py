@@ -132,9 +132,9 @@ def moe_spec(cfg: ModelConfig, P: int) -> dict:
         "moe_d": Buffer((P * k, cfg.n_embd), f32),
         "moe_items": Buffer((moe_grouped.max_items(P * k, cfg.n_expert), 4), np.int32),  # prefill's slots grouped by expert
         "moe_order": Buffer((P * k,), np.int32),
-        # moe_one.Handoff: tagged logits, the blocks' flags, the finished blocks
+        # moe_one.Handoff: tagged logits, the blocks whose SwiGLU rows are written, the finished blocks
         "moe_words": Buffer((cfg.n_expert,), np.uint64, zero=True),
-        "moe_flags": Buffer((moe_one.MAX_BLOCKS,), np.uint32, zero=True),
+        "moe_arrived": Buffer((1,), np.uint64, zero=True),
         "moe_count": Buffer((1,), np.uint64, zero=True),
     }
     if cfg.n_ff_shexp:
@@ -337,7 +337,7 @@ def decode_fused(fwd, L, x1, x) -> bool:
         return False
     k, norm = cfg.n_expert_used, (L.ffn_norm, cfg.rms_eps)
     logits = a.moe_logits[:1]
-    handoff = moe_one.Handoff(a.moe_words, a.moe_flags, a.moe_count)
+    handoff = moe_one.Handoff(a.moe_words, a.moe_arrived, a.moe_count)
     if fwd.opts.moe_one and moe_one.launch(o, m, x1[0], L.ffn_norm, cfg.rms_eps, a.moe_g[:k], handoff, x[0], k, cfg.expert_norm):
         return True
     o._launch("moe.cu", router_name(m.router.ggml_type), (cfg.n_expert,), (ROUTER_THREADS,),
