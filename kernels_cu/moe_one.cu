@@ -18,10 +18,10 @@
 //     EARLY before its block's arrival goes out, else after it (raw Q6_K, whose loads shift their
 //     two words at once, so a warp stalls until they arrive: that held the arrival back ~3 µs),
 //     thread 0 polls *arrived until every block of the launch has arrived (ld.acquire; one
-//     poller a block on one word: 132 threads a block each polling one block's flag word cost
-//     ffn_one's alike barrier ~3 µs more, docs/PERF.md session 30), every block quantizes the k rows of h read through L2
-//     (quantize_k_rows' bits) and its warps take rows b + G w, stepping by G WARPS, as
-//     moe_down_combine does (moe_down.cuh DownRows).
+//     poller a block on one word, where a flag per block polled by 132 threads of every block
+//     cost 0.45 µs a layer more: docs/PERF.md session 30), every block quantizes the k rows of h
+//     read through L2 (quantize_k_rows' bits) and its warps take rows b + G w, stepping by
+//     G WARPS, as moe_down_combine does (moe_down.cuh DownRows).
 // The logits are polled as words (1 KB a block), h behind the arrivals: polling h's 6,144 tagged
 // words in every block took 6.5 MB of L2 reads a round, slower than the barrier it replaced.
 //
@@ -29,9 +29,9 @@
 // it after its wait (every earlier launch complete) and tags with count / G + 1, which no word
 // left by an earlier launch carries. *arrived (64-bit, zero at first) gains G a launch as count
 // does, so the launch's blocks have all arrived once it reaches tag * G (no block finishes before
-// every block has arrived, so count is G (tag - 1) when read). All blocks must be resident at once, as each waits for
-// every other: one block per multiprocessor (the launcher's grid). Programmatic dependent launch
-// as the products: trigger, then wait for x.
+// every block has arrived, so count is G (tag - 1) when read). All blocks must be resident at
+// once, as each waits for every other: one block per multiprocessor (the launcher's grid).
+// Programmatic dependent launch as the products: trigger, then wait for x.
 // Dynamic shared memory: max(q8x_bytes(n_embd), k q8x_bytes(n_ff)) + 8 n_expert bytes.
 #define K4_WIDE_RAW_Q6_K 1
 #include "gemv_common.cuh"
@@ -222,7 +222,7 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
             u64 n;
             asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(n) : "l"(arrived) : "memory");
             if (n >= (u64)tag * (u64)G) break;
-            __nanosleep(32);  // (without it the spinning of 132 flag pollers slowed the step: 629 against 640 t/s)
+            __nanosleep(32);  // (spinning without it slowed the step when 132 threads a block polled: 629 against 640 t/s)
         }
     }
     __syncthreads();  // every block's rows acquired, for the whole block

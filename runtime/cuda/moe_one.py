@@ -2,8 +2,8 @@
 K4_MOE_ONE): the router product with its RMSNorm, the k chosen experts' gate/up with SwiGLU, and
 their down product with the weighted sum and the residual. The logits pass between the blocks as
 tagged words they poll, the SwiGLU rows behind a count of the blocks that wrote theirs, instead
-of across kernel boundaries. Its output has the bits of the three launches of runtime/cuda/moe.py decode_fused
-(moe_router, the routed SwiGLU launch, moe_down_combine), whose arithmetic it shares
+of across kernel boundaries. Its output has the bits of the three launches of runtime/cuda/moe.py
+decode_fused (moe_router, the routed SwiGLU launch, moe_down_combine), whose arithmetic it shares
 (kernels_cu/moe_route.cuh router_logit and moe_route, gemv_common.cuh q8_rows, moe_down.cuh).
 Layers it does not cover (another router type, expert types outside kernel_names.MOE_ONE_PAIRS)
 keep the three launches.
