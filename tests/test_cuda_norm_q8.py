@@ -137,6 +137,17 @@ def test_norm_out_is_refused_where_it_does_not_apply():
         hand.check_q8(q4, None, hand.Q8Vector(None, 32, 1), 256, 64, False, norm_out=True)
 
 
+def test_an_nq_handoff_is_read_only_by_nx_instances():
+    """check_q8 (host only): an x_q8 with parts goes to a product with an NX instance (nx_reads:
+    an NQ type on its default variant), not to another variant or type."""
+    handed = hand.Q8Vector(None, 256, 1, parts=object(), n_parts=4)
+    q4 = SimpleNamespace(ggml_type=T.Q4_K, glu=False)
+    hand.check_q8(q4, handed, None, 256, 64, False)
+    for w, variant in ((q4, (32, 2, 0)), (SimpleNamespace(ggml_type=T.Q8_0, glu=False), None)):
+        with pytest.raises(ValueError, match="reads an NQ handoff"):
+            hand.check_q8(w, handed, None, 256, 64, False, variant=variant)
+
+
 @pytest.mark.cuda
 def test_decode_with_the_handoff_keeps_golden_tokens_and_numpy_logits(data, tiny_model, monkeypatch):
     """With the handoff forced on (the balance rule off), every output and down product of the

@@ -52,8 +52,7 @@ from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launc
 from .layout import MatrixSpec, _check_matrix, layout_nbytes
 from .q8_handoff import Q8Vector, check_q8
 from .quant_kernels import (DEQUANT_CHUNK_BYTES, FLOAT, FLOAT_GEMV, GEMV_MAX_TOKENS, GLU_ACTS, QUANT, _dequant_name,
-                            NQ_TYPES, _gemv_f_name, _gemv_q8_name, _kernel, gemv_cluster, gemv_variant, nq_balanced,
-                            nx_reads)
+                            NQ_TYPES, _gemv_f_name, _gemv_q8_name, _kernel, gemv_cluster, gemv_variant, nq_balanced)
 
 
 # ---- device weights ----------------------------------------------------------------------------
@@ -257,7 +256,7 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
         if n_in % 4:
             raise ValueError(f"the fused RMSNorm needs n_in a multiple of 4, got {n_in}")
         check_array("norm weight", norm_w, (n_in,), align16=True)
-    check_q8(w, x_q8, y_q8, n_in, n_out, norm_w is not None, norm_out is not None)
+    check_q8(w, x_q8, y_q8, n_in, n_out, norm_w is not None, norm_out is not None, variant)
     if x_q8_out is not None and (w.ggml_type not in QUANT or x_q8 is not None or x_q8_out.n != n_in):
         raise ValueError("x_q8_out needs a quantized weight, no x_q8, and a q8 vector of n_in values")
     post_t, post_w, x_out = check_post(post, x, n_in, norm_w is not None, x_q8 is not None)
@@ -268,11 +267,8 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
         check_array("norm_out weight", nq_w, (n_out,))
         if not n_parts or variant is not None or parts.dtype != np.float32 or parts.size < n_parts:
             raise ValueError(f"norm_out does not apply to {w.ggml_type.name} {w.shape} or its parts hold fewer than {n_parts} floats")
-    nx = x_q8 is not None and x_q8.parts is not None
+    nx = x_q8 is not None and x_q8.parts is not None  # an NQ handoff (check_q8 made sure an instance reads it)
     if nx:
-        n_y = n_out * (2 if w.glu else 1)
-        if variant is not None or not nx_reads(w.ggml_type, gemv_variant(w.ggml_type, n_out, n_in, w.glu), w.glu):
-            raise ValueError(f"no product of {w.ggml_type.name} {(n_y, n_in)} reads an NQ handoff (x_q8 with parts)")
         eps = x_q8.eps
     kernel, grid, block, smem, cluster = _gemv_plan(w, variant, norm_w is not None, post is not None, split, norm_out is not None, nx)
     args = (w.data, x, y, null_or(residual), null_or(bias), null_or(norm_w), np.float32(eps), np.int32(n_out), np.int32(n_in))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .constants import q8x_bytes, q8x_offsets
-from .quant_kernels import NQ_TYPES, QUANT
+from .quant_kernels import NQ_TYPES, QUANT, gemv_variant, nx_reads
 
 
 @dataclass
@@ -76,14 +76,20 @@ def can_hand_off(glu, down) -> bool:
             and n_ff % 32 == 0 and glu.shape[0] == 2 * n_ff)
 
 
-def check_q8(w, x_q8: Q8Vector | None, y_q8: Q8Vector | None, n_in: int, n_out: int, norm: bool, norm_out: bool = False) -> None:
-    """gemv's checks of its q8 handoff arguments for matmul.DeviceWeight w (ValueError)."""
+def check_q8(w, x_q8: Q8Vector | None, y_q8: Q8Vector | None, n_in: int, n_out: int, norm: bool, norm_out: bool = False,
+             variant: tuple[int, int, int] | None = None) -> None:
+    """gemv's checks of its q8 handoff arguments for matmul.DeviceWeight w (n_out: its outputs,
+    SwiGLU pairs for a glu weight) launched with `variant` (ValueError)."""
     if norm_out:
         if y_q8 is None or w.glu or w.ggml_type not in NQ_TYPES or n_out % 32 or x_q8 is not None and x_q8.parts is not None:
             raise ValueError("norm_out needs y_q8, a non-glu weight of an NQ type, n_out a multiple of 32 and no normed x_q8")
         if y_q8.n != n_out:
             raise ValueError(f"y_q8 holds {y_q8.n} values; this product writes {n_out}")
         y_q8 = None
+    if x_q8 is not None and x_q8.parts is not None:  # an NQ handoff: only NX instances read it
+        if variant is not None or not nx_reads(w.ggml_type, gemv_variant(w.ggml_type, n_out, n_in, w.glu), w.glu):
+            n_y = n_out * (2 if w.glu else 1)
+            raise ValueError(f"no product of {w.ggml_type.name} {(n_y, n_in)} reads an NQ handoff (x_q8 with parts)")
     q = QUANT.get(w.ggml_type)
     if x_q8 is not None:
         if q is None or norm:
