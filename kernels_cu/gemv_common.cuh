@@ -303,11 +303,11 @@ __device__ __forceinline__ float parts_rms_scale(const float* __restrict__ parts
 // q in swizzle from_swz, and its blocks' sums of y^2 in parts[0 .. n_parts)) made the q8 x of
 // RMSNorm(y) * norm_w in shared memory dst, swizzle to_swz: copied as copy_q8x copies, each unit
 // moved to its slot (x_unit_slot rotates units within runs of 8, so source slot i lands in i's
-// run, rotated by the swizzles' difference), every d and d * sum multiplied by the norm's scale
-// on the way (each output's sum is linear in them). Every warp sums the parts itself (the same value in each), after its first loads of q
-// are issued, so no barrier waits for one warp's sum. (Summing them only in the warps that copy
-// scales measured the same on the H200.) Every thread of the block calls it; the caller's barrier
-// publishes dst.
+// run, rotated by the swizzles' difference: x_unit_slot(i, to_swz - from_swz)), every d and
+// d * sum multiplied by the norm's scale on the way (each output's sum is linear in them). Every
+// warp sums the parts itself (the same value in each), after its first loads of q are issued, so
+// no barrier waits for one warp's sum. (Summing them only in the warps that copy scales measured
+// the same on the H200.) Every thread of the block calls it; the caller's barrier publishes dst.
 __device__ __forceinline__ void copy_q8x_normed(const u8* __restrict__ q, int n_in, int from_swz, int to_swz,
                                                 const float* __restrict__ parts, int n_parts, float eps, uint4* dst) {
     const int n16 = q8x_bytes(n_in) / 16, n_units = n_in >> 4, n_q16 = q8x_bytes_q(n_in) / 16, delta = to_swz - from_swz;
@@ -327,6 +327,7 @@ __device__ __forceinline__ void copy_q8x_normed(const u8* __restrict__ q, int n_
             if (i >= n_q16)
                 v[k] = make_uint4(__float_as_uint(__uint_as_float(v[k].x) * s), __float_as_uint(__uint_as_float(v[k].y) * s),
                                   __float_as_uint(__uint_as_float(v[k].z) * s), __float_as_uint(__uint_as_float(v[k].w) * s));
+            // x_unit_slot(i, delta) spelt out: through the call, nvcc schedules gemv.cu's kernels otherwise
             dst[i < n_units ? (i & ~7) | ((i + delta * (i >> 3)) & 7) : i] = v[k];
         }
     }
