@@ -103,9 +103,11 @@ gemv_mma(const u8* __restrict__ w,        // (n_out, n_in) in M::T's blocks, raw
          const float* __restrict__ bias,  // (n_out,) or null, added to every row (not with GLU)
          int n_out, int n_in, int n_tok,  // 1 <= n_tok <= MMA8_TOKENS, n_in a multiple of QK_K
          int KS,                          // warps per tile: a divisor of WARPS, at least 4 (gemv_mma.py mma_ks)
-         const u8* __restrict__ x_q8,     // n_tok * q8x_bytes(n_in) (quantize_q8_rows, rms_norm_q8) or null
-         int x_swz) {                     // x_q8's swizzle (x_unit_slot)
+         const u8* __restrict__ x_q8,     // n_tok * q8x_bytes(n_in) (quantize_q8_rows, rms_norm_q8, an NQ product) or null
+         int x_swz,                       // x_q8's swizzle (x_unit_slot)
                                           // (X already quantized: X is then not read)
+         const float* __restrict__ x_parts,  // x_q8 an NQ handoff: its sums of squares (mma8_stage_x), or null
+         int x_n_parts, float x_eps) {    // per token; the RMSNorm's eps
     const int TILES = WARPS / KS;  // 16-row tiles per step; TILES * 128 <= WARPS * 32: a thread per (row, token) of them
     extern __shared__ uint4 smem[];
     const int n_sub = n_in / 32;
@@ -158,7 +160,7 @@ gemv_mma(const u8* __restrict__ w,        // (n_out, n_in) in M::T's blocks, raw
 #pragma unroll 1
     for (int i = 0; i < PREFETCH_AHEAD; ++i) prefetch_next();  // streaming from memory while X is staged
     pdl_wait();
-    mma8_stage_x<false>(x, x_stride, x_q8, x_swz, n_tok, n_in, xq, xsc);
+    mma8_stage_x<false>(x, x_stride, x_q8, x_swz, n_tok, n_in, xq, xsc, x_parts, x_n_parts, x_eps);
     __syncthreads();
 
     int buf = 0;

@@ -28,8 +28,12 @@
 // mma8_step_out writes Y. Rows of a tile past the matrix load the last row again and are not
 // written. With GLU the weight rows interleave gate and up (2 n_out rows).
 //
+// An NQ product (nq_w non-null; runtime/cuda/gemv_mma.py nq_out, flag K4_MMA8_NQ) also hands the
+// products after the next RMSNorm its Y (mma8_common.cuh mma8_step_nq), one step at a time.
+//
 // Shared memory: mma8_smem(n_in, WARPS) + WARPS * S * D::STAGE (runtime/cuda/constants.py
-// mma8_staged_smem, MMA8_STAGE_BYTES):
+// mma8_staged_smem, MMA8_STAGE_BYTES), and for an NQ product 17 TILES * 8 floats after the rings
+// (ys, mma8_step_out's copy of a step's Y):
 //   Q4_K (NATURAL_X): xq (n_in / 256, 4, 32 lanes, 2, 8) int8: for 256-weight block kb, sub-blocks
 //       j = 2i, 2i + 1 and lane 4g + t the 16 bytes at 2048 kb + 512 i + 16 lane: token g's quants
 //       8t..8t+7 of j = 2i, then of j = 2i + 1 (one conflict-free 16-byte read, two B fragments);
@@ -235,8 +239,14 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
                 int n_out, int n_in, int n_tok,  // 1 <= n_tok <= MMA8_TOKENS, n_in a multiple of QK_K
                 int KS,                          // warps per tile: a divisor of WARPS, at least 4 (gemv_mma.py mma_ks)
                 int S,                           // ring stages per warp, 2..4
-                const u8* __restrict__ x_q8,     // n_tok * q8x_bytes(n_in) (quantize_q8_rows, rms_norm_q8) or null
-                int x_swz) {                     // x_q8's swizzle (x_unit_slot)
+                const u8* __restrict__ x_q8,     // n_tok * q8x_bytes(n_in) (quantize_q8_rows, rms_norm_q8, an NQ product) or null
+                int x_swz,                       // x_q8's swizzle (x_unit_slot)
+                const float* __restrict__ x_parts,  // x_q8 an NQ handoff: its sums of squares (mma8_stage_x), or null
+                int x_n_parts, float x_eps,      // per token; the RMSNorm's eps
+                const float* __restrict__ nq_w,  // NQ: the next RMSNorm's weights (n_out,), or null (no handoff)
+                u8* nq_q8,                       // NQ: n_tok * q8x_bytes(n_out), y * nq_w quantized (mma8_step_nq)
+                float* nq_parts,                 // NQ: (n_tok, n_steps) sums of y^2, a step's at [t * n_steps + step]
+                int nq_swz) {                    // NQ: nq_q8's swizzle
     using T = typename D::T;
     const int TILES = WARPS / KS;
     extern __shared__ uint4 smem[];
@@ -246,6 +256,7 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
     float4* red = reinterpret_cast<float4*>(xsc + 32 * n_sub);  // (2, WARPS, 32)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u8* ring = reinterpret_cast<u8*>(red + 2 * WARPS * 32) + warp * S * D::STAGE;
+    float* ys = nq_w ? reinterpret_cast<float*>(reinterpret_cast<u8*>(red + 2 * WARPS * 32) + WARPS * S * D::STAGE) : nullptr;
     const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
 
     const int slot = warp / KS, kl = warp % KS;
@@ -279,13 +290,16 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
     pdl_trigger();
     for (int st = 0; st < S - 1; ++st) issue(st);  // weights only: before the wait
     pdl_wait();
-    mma8_stage_x<D::NATURAL_X>(x, x_stride, x_q8, x_swz, n_tok, n_in, xq, xsc);
+    mma8_stage_x<D::NATURAL_X>(x, x_stride, x_q8, x_swz, n_tok, n_in, xq, xsc, x_parts, x_n_parts, x_eps);
     __syncthreads();
 
     int cur = 0, next = S - 1, buf = 0;  // stage of the item multiplied next, stage the next copy fills
     for (int step = blockIdx.x; step < n_steps; step += gridDim.x) {  // block-uniform
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         const int row0 = 16 * (TILES * step + slot);
+        // mma8_step_nq's norm weights for this step, on their way into L1 during the step
+        if (ys && (int)threadIdx.x < TILES && 16 * (TILES * step + (int)threadIdx.x) < n_out)
+            asm volatile("prefetch.global.L1 [%0];" ::"l"(nq_w + 16 * (TILES * step + threadIdx.x)));
         for (int kb = kl; kb < nblk_row; kb += KS) {
             issue(next);  // into the stage the previous item left
             next = next + 1 == S ? 0 : next + 1;
@@ -297,7 +311,11 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
         }
         red[(buf * WARPS + warp) * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
         __syncthreads();
-        mma8_step_out<GLU, GELU>(red + buf * WARPS * 32, KS, TILES, step, n_rows, n_out, n_tok, y, y_stride, residual, r_stride, bias);
+        mma8_step_out<GLU, GELU>(red + buf * WARPS * 32, KS, TILES, step, n_rows, n_out, n_tok, y, y_stride, residual, r_stride, bias, ys);
+        if (!GLU && ys) {  // block-uniform; the next step's mma8_step_out writes ys after its barrier
+            __syncthreads();
+            mma8_step_nq(ys, TILES, step, n_out, n_tok, nq_w, nq_q8, nq_parts, n_steps, nq_swz);
+        }
         buf ^= 1;
     }
     cp_async_wait<0>();  // no copy outlives the block

@@ -72,6 +72,33 @@ __device__ __forceinline__ float tf32_hi(float v) {
 // 4 of them per mma.
 __device__ __forceinline__ float magic_int_to_float(int v) { return __int_as_float(0x4B400000 + v) - 12582912.f; }
 
+// The RMSNorm scales 1 / sqrt(sum / n + eps) of tokens 0..7 (1 past n_tok), in every lane, from
+// the sums of squares parts[t * n_parts .. + n_parts) of an NQ handoff (mma8_step_nq), summed in
+// one order: lane l adds parts l, l + 32, ... of each token (up to 4 per token issued at once,
+// before any is added), then warp_sum. Every lane of the warp calls it; every warp of every block
+// gets the same values.
+__device__ __forceinline__ void mma8_parts_scales(const float* __restrict__ parts, int n_parts, int n_tok, int n, float eps,
+                                                  float (&r)[MMA8_TOKENS]) {
+    const int lane = threadIdx.x & 31;
+    float s[MMA8_TOKENS];
+#pragma unroll
+    for (int t = 0; t < MMA8_TOKENS; ++t) s[t] = 0.f;
+    for (int base = 0; base < n_parts; base += 128) {  // one pass up to 128 parts
+        float v[MMA8_TOKENS][4];
+#pragma unroll
+        for (int t = 0; t < MMA8_TOKENS; ++t)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int i = base + 32 * k + lane;
+                v[t][k] = t < n_tok && i < n_parts ? __ldg(parts + (i64)t * n_parts + i) : 0.f;
+            }
+#pragma unroll
+        for (int t = 0; t < MMA8_TOKENS; ++t) s[t] += (v[t][0] + v[t][1]) + (v[t][2] + v[t][3]);
+    }
+#pragma unroll
+    for (int t = 0; t < MMA8_TOKENS; ++t) r[t] = t < n_tok ? rsqrtf(warp_sum(s[t]) / (float)n + eps) : 1.f;
+}
+
 // X (n_tok rows of n_in floats, x_stride apart, 16-byte aligned, n_in a multiple of 32) quantized
 // into xq, xsc for MMA8_TOKENS tokens (tokens n_tok.. all zero), by the whole block (blockDim.x a
 // multiple of 32); or, with x_q8 non-null, the same quants and scales copied from X quantized
@@ -81,11 +108,17 @@ __device__ __forceinline__ float magic_int_to_float(int v) { return __int_as_flo
 // of sub-block s = f >> 4 of token (f >> 1) & 7; the two units of a sub-block sit in adjacent
 // lanes (one scale, as q8_unit), which swap halves so that each stores 16 consecutive bytes of xq
 // (a warp writes 512 contiguous bytes). NATURAL: the Q4_K layout of gemv_mma_staged.cu instead (its
-// header), each unit's words stored as they are.
+// header), each unit's words stored as they are. x_parts (with x_q8; null: none): x_q8 is an NQ
+// handoff (mma8_step_nq: y * norm_w quantized without the norm's scale), token t's sums of y^2 at
+// x_parts[t * n_parts ..]; each d is multiplied by token t's 1 / sqrt(sum / n_in + eps), summed
+// in one order in every warp (mma8_parts_scales), so the staged x is RMSNorm(y) * norm_w's.
 template <bool NATURAL>
 __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8* __restrict__ x_q8, int swz, int n_tok, int n_in,
-                             u8* xq, u32* xsc) {
+                             u8* xq, u32* xsc, const float* __restrict__ x_parts, int n_parts, float eps) {
     const int total = MMA8_TOKENS * (n_in >> 4);
+    float scale[MMA8_TOKENS];  // per token: its RMSNorm scale (an NQ handoff), found in the first pass
+#pragma unroll
+    for (int t = 0; t < MMA8_TOKENS; ++t) scale[t] = 1.f;
     for (int base = 0; base < total; base += blockDim.x) {  // warp-uniform trip count
         const int f = base + threadIdx.x;
         const int h = f & 1, tok = (f >> 1) & (MMA8_TOKENS - 1), s = f >> 4;
@@ -98,6 +131,13 @@ __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8
             const uint4* unit = reinterpret_cast<const uint4*>(row + 16 * x_unit_slot(2 * s + h, swz));
             const uint4 v = ok ? __ldg(unit) : make_uint4(0, 0, 0, 0);
             d = ok ? __ldg(reinterpret_cast<const float*>(row + q8x_bytes_q(n_in)) + s) : 0.f;
+            if (x_parts) {
+                if (base == 0) mma8_parts_scales(x_parts, n_parts, n_tok, n_in, eps, scale);  // with the first loads in flight
+                float st = scale[0];
+#pragma unroll
+                for (int t = 1; t < MMA8_TOKENS; ++t) st = tok == t ? scale[t] : st;  // selects, not an indexed array
+                d *= st;
+            }
             q[0] = v.x; q[1] = v.y; q[2] = v.z; q[3] = v.w;
 #pragma unroll
             for (int k = 0; k < 4; ++k) sum = dp4a((int)q[k], 0x01010101, sum);
@@ -187,10 +227,12 @@ __device__ __forceinline__ void q6k_dot(const uint4 (&l0)[2], const uint4& h0, c
 // The end of a step: TILES * 128 threads, one per (tile slot, row, token) of the step's TILES
 // tiles, add the KS warps' partial sums from red (WARPS, 32) float4, warp slot * KS + k holding
 // tile slot's k-th share in C order, and write Y (the GLU epilogue from a gate row and its up row,
-// the next weight row, lane + 4).
+// the next weight row, lane + 4). ys (not with GLU; null: none): each Y value written also at
+// ys[17 (TILES token + r / 16) + r % 16], r its row in the step, for mma8_step_nq.
 template <bool GLU, bool GELU>
 __device__ void mma8_step_out(const float4* red, int KS, int TILES, int step, int n_rows, int n_out, int n_tok,
-                              float* y, int y_stride, const float* residual, int r_stride, const float* __restrict__ bias) {
+                              float* y, int y_stride, const float* residual, int r_stride, const float* __restrict__ bias,
+                              float* ys = nullptr) {
     const int f = threadIdx.x;  // (tile slot, lane, C register) of one output
     if (f >= TILES * 128) return;
     const int sl = f >> 7, ln = (f >> 2) & 31, reg = f & 3;
@@ -206,6 +248,40 @@ __device__ void mma8_step_out(const float4* red, int KS, int TILES, int step, in
             y[(i64)tok * y_stride + row / 2] = glu_act<GELU>(v, u);
         }
     } else if (row < n_out && tok < n_tok) {
-        write_row(y + (i64)tok * y_stride, residual ? residual + (i64)tok * r_stride : nullptr, bias, row, v);
+        if (bias) v += bias[row];  // write_row's sums, in its order
+        if (residual) v += residual[(i64)tok * r_stride + row];
+        y[(i64)tok * y_stride + row] = v;
+        if (ys) {  // 16 values of a token's run in 17 words: mma8_step_nq's lanes read without bank conflicts
+            const int r = row - 16 * TILES * step;
+            ys[17 * (TILES * tok + (r >> 4)) + (r & 15)] = v;
+        }
     }
+}
+
+// An NQ handoff of a step's Y (its 16 TILES rows, TILES 2 or 4, at ys as mma8_step_out wrote
+// them; n_out a multiple of 32) for the products after the RMSNorm of Y with weight norm_w: token
+// t's y * norm_w quantized without the norm's scale into its q8 x at q8 + t * q8x_bytes(n_out)
+// (swizzle swz, q8_unit's bytes), and the step's sum of its y^2 at parts[t * n_parts + step]
+// (n_parts: the product's steps, every one of which writes its rows). The reader (mma8_stage_x
+// with x_parts) scales each d by the norm. Warp 0: lane l = TILES t + i takes values 16 i .. 16 i
+// + 15 of the step's rows of token t (at ys[17 l ..]); the two halves of a scale sit in adjacent
+// lanes, as q8_unit needs.
+__device__ void mma8_step_nq(const float* ys, int TILES, int step, int n_out, int n_tok, const float* __restrict__ norm_w, u8* q8,
+                             float* parts, int n_parts, int swz) {
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x, tok = lane / TILES, i = lane % TILES;
+    const int row = 16 * (TILES * step + i);
+    const bool ok = tok < n_tok && row < n_out;  // lanes past 8 TILES have tok >= 8 >= n_tok
+    float v[16], ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+        const float yv = ok ? ys[17 * lane + k] : 0.f;
+        ss += yv * yv;
+        v[k] = ok ? yv * __ldg(norm_w + row + k) : 0.f;
+    }
+    u8* out = q8 + (i64)(ok ? tok : 0) * q8x_bytes(n_out);
+    float* xd = reinterpret_cast<float*>(out + q8x_bytes_q(n_out));
+    q8_unit(v, ok, row >> 4, swz, out, xd, xd + q8x_d_floats(n_out));
+    for (int o = 1; o < TILES; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (ok && i == 0) parts[(i64)tok * n_parts + step] = ss;
 }

@@ -23,7 +23,7 @@ from .constants import MMA8_TOKENS
 from .op_args import AttnShape, FreshKV, RopeArgs
 from .q8_handoff import Q8Vector
 from .gemv_batch import Q8Rows, gemv_rows, quantize_rows
-from .gemv_mma import uses_mma8
+from .gemv_mma import gemv_mma, nq_parts, uses_mma8
 from .quant_kernels import MMA8_MIN_TOKENS, QUANT, nx_reads
 from .kv_cache import KVCache
 from .weights import LayerWeights, Weights
@@ -45,6 +45,7 @@ class ForwardOptions:
     qkv_pair: bool = True  # K4_QKV_PAIR: decode's q/k/v in two runs of paired types as one launch (qkv)
     x_cluster: bool = True  # K4_X_CLUSTER: decode's products quantizing a long x in clusters of blocks (linear)
     norm_q8: bool = True  # K4_NORM_Q8: decode's residual products hand the next norm's products their input quantized
+    mma8_nq: bool = True  # K4_MMA8_NQ: the same from the verify step's down products on int8 tensor cores (rows_handoff)
 
 
 class Forward:
@@ -110,6 +111,8 @@ class Forward:
             attn_q8 = self.attn_q8(L.wo, n, configs[sliding][0], limit)
             o.attention(q, k_rows, v_rows, attn, self.pos, *configs[sliding], parts[sliding], a.ticket, fresh, self.shapes[li],
                         scales=row_scales, limit=limit if n == 1 else None, x_q8=attn_q8)
+            # a few rows: the output product hands nothing over (rows_handoff: the gate/up product's ramp costs
+            # what the RMSNorm does there)
             nq = None if L.moe is not None or n > 1 else (L.ffn_norm, self.readers(li)[0])
             self.residual(L.wo, attn.reshape(n, cfg.q_dim), x, x1, L.attn_post_norm, x_q8=attn_q8, nq=nq)
             if L.moe is not None:  # routed experts (+ shared expert) + residual: runtime/cuda/moe.py
@@ -118,10 +121,10 @@ class Forward:
                 continue
             # feed-forward: norm, gate and up with SwiGLU (GeGLU), down (+ post-norm) + residual
             ff_q8 = self.gate_up(L, x1, ff, half)
-            nq = None
-            if n == 1:  # the next layer's q/k/v, or after the last layer the output head
-                nxt = self.w.layers[li + 1] if li + 1 < len(self.w.layers) else None
-                nq = (nxt.attn_norm if nxt else self.w.output_norm, self.readers(li)[1])
+            # the next layer's q/k/v, or after the last layer the output head
+            nxt = self.w.layers[li + 1] if li + 1 < len(self.w.layers) else None
+            nq = (nxt.attn_norm if nxt else self.w.output_norm,
+                  self.readers(li)[1] if n == 1 else [p.w for p in nxt.qkv] if nxt else [self.w.output])
             self.residual(L.w_down, ff, x1, x, L.ffn_post_norm, x_q8=ff_q8, nq=nq)
         return x
 
@@ -141,9 +144,18 @@ class Forward:
         nq: None or (norm_w, reader), the RMSNorm after Y and a weight of the products that read
         its output (None: none can take a handoff): for one token with norm_q8 and fuse_norm, the
         product also writes rmsnorm(Y) * norm_w's q8 handoff (matmul.gemv norm_out, act.nq8 and
-        act.nq_parts) for them, and normed gives it to them (self.nq)."""
+        act.nq_parts) for them, and normed gives it to them (self.nq). For 3 to 8 rows nq's second
+        item is the list of those weights instead (rows_handoff)."""
         if x_q8 is None:
             x_q8 = self.quantized(w, X)
+        if post_norm is None and X.shape[0] > 1:
+            rows = self.rows_handoff(w, nq, X.shape[0])
+            if rows is not None:
+                gemv_mma(w, X, Y, residual=res, stream=self.stream, trace=self.ops.trace, x_q8=x_q8, nq_out=(nq[0], rows))
+                self.nq = (rows, nq[0])
+                return
+            self.linear(w, X, Y, residual=res, x_q8=x_q8)
+            return
         if post_norm is None:
             handoff = self.handoff(w, nq, x_q8)
             if handoff is not None:
@@ -191,6 +203,25 @@ class Forward:
             return None
         vec = Q8Vector.for_weight(nq[1], self.act.nq8)
         return Q8Vector(vec.data, vec.n, vec.swizzle, self.act.nq_parts, n_parts, self.cfg.rms_eps)
+
+    def rows_handoff(self, w, nq, n: int) -> Q8Rows | None:
+        """The NQ handoff (Q8Rows with parts, in act.h_q8 and act.nq_rows_parts) that w's product
+        of n rows writes (gemv_mma nq_out) for the products of nq = (norm_w, their weights), or
+        None: mma8_nq off, n outside MMA8_MIN_TOKENS..MMA8_TOKENS, nq or its weights None, w's
+        product without an NQ launch (gemv_mma.nq_parts), or a reader that does not run as
+        gemv_mma (matmul.uses_gemv and uses_mma8: only it reads the handoff). layers asks it for
+        the down products (readers: the next q/k/v or the output head) only: on the H200 the
+        handoff from the output product to gate/up gained 0.9 µs a layer on Llama 2 7B and lost on
+        TinyLlama and Qwen2.5 7B, whose gate/up ramp then costs what the RMSNorm kernel did
+        (docs/PERF.md, session 31)."""
+        if nq is None or nq[1] is None or not (self.opts.mma8_nq and MMA8_MIN_TOKENS <= n <= MMA8_TOKENS):
+            return None
+        n_parts = nq_parts(w, n) if matmul.uses_gemv(w, n) else 0
+        if not n_parts or n * n_parts > self.act.nq_rows_parts.size or Q8Rows.nbytes(n, w.shape[0]) > self.act.h_q8.nbytes:
+            return None
+        if not all(matmul.uses_gemv(r, n) and uses_mma8(r, n) for r in nq[1]):
+            return None
+        return Q8Rows(self.act.h_q8, n, w.shape[0], Q8_SWIZZLE, self.act.nq_rows_parts, n_parts, self.cfg.rms_eps)
 
     @staticmethod
     def reader(ws) -> object | None:
@@ -327,6 +358,12 @@ class Forward:
         output quantized (gemv_batch.Q8Rows in act.h_q8, Q4_K's swizzle), which the few-token
         products copy instead of quantizing it in every block (else None)."""
         n = x.shape[0]
+        if self.nq is not None and isinstance(self.nq[0], Q8Rows):  # residual's handoff of n rows (rows_handoff)
+            (q8, handed_w), self.nq = self.nq, None
+            assert handed_w is norm_w and self.post is None
+            if q8.n_tok == n:
+                return x, None, q8
+            # a prefill's output of its last row only: x is written, the norm runs as usual
         if n == 1 and self.opts.fuse_norm and self.nq is not None:  # residual's q8 handoff of this norm's output
             (q8, handed_w), self.nq = self.nq, None
             assert handed_w is norm_w and self.post is None

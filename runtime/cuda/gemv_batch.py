@@ -46,6 +46,13 @@ class Q8Rows:
     n_tok: int
     n: int
     swizzle: int
+    # An NQ handoff of the verify step's products (gemv_mma nq_out, flag K4_MMA8_NQ): data holds
+    # each row's y times the next RMSNorm's weights, quantized without the norm's scale; parts
+    # (float32 cupy array) the producer's sums of y^2, n_parts per row (row t's at t * n_parts),
+    # eps the norm's. Only gemv_mma reads it (its blocks scale each d by the norm). None: plain rows.
+    parts: object = None
+    n_parts: int = 0
+    eps: float = 0.0
 
     @staticmethod
     def nbytes(n_tok: int, n: int) -> int:
@@ -114,6 +121,8 @@ def gemv_batch(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, 
         raise ValueError(f"gemv_batch multiplies quantized weights; {w.ggml_type.name} runs one gemv per token")
     n_tok, n_out, x_stride, y_stride, r_stride = check_products("gemv_batch", w, X, Y, residual, bias, BATCH_TOKENS)
     n_in = w.shape[1]
+    if x_q8 is not None and x_q8.parts is not None:
+        raise ValueError("gemv_batch does not read an NQ handoff (x_q8 with parts): gemv_mma does")
     if x_q8 is not None and (x_q8.n_tok, x_q8.n, x_q8.swizzle) != (n_tok, n_in, QUANT[w.ggml_type].x_swizzle):
         raise ValueError(f"x_q8 holds {x_q8.n_tok} rows of {x_q8.n} for swizzle {x_q8.swizzle}; this product needs "
                          f"{n_tok} of {n_in} for {QUANT[w.ggml_type].x_swizzle}")
@@ -141,6 +150,9 @@ def gemv_rows(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, t
     for i in range(0, n_tok, BATCH_TOKENS):
         rows = slice(i, i + BATCH_TOKENS)
         mma = uses_mma8(w, min(BATCH_TOKENS, n_tok - i))
+        if x_q8 is not None and x_q8.parts is not None and not (mma and n_tok <= BATCH_TOKENS):
+            raise ValueError(f"an NQ handoff (x_q8 with parts) is read only by gemv_mma; {w.ggml_type.name} {w.shape} "
+                             f"runs {n_tok} tokens otherwise")
         q8 = x_q8 if x_q8 is not None and n_tok <= BATCH_TOKENS and (mma or x_q8.swizzle == QUANT[w.ggml_type].x_swizzle) else None
         product = gemv_mma if mma else gemv_batch
         product(w, X[rows], Y[rows], residual=None if residual is None else residual[rows], bias=bias,

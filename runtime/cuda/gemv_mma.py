@@ -124,8 +124,33 @@ def _mma_plan(w: DeviceWeight, variant: tuple[int, ...] | None):
     return plan
 
 
+def _nq_smem(w: DeviceWeight) -> int:
+    """The shared memory of gemv_mma on w as an NQ product (nq_out): the plan's and, after the
+    rings, a step's Y for mma8_step_nq (16 rows a tile in 17 floats, MMA8_TOKENS tokens); 0 where w's
+    product cannot hand off: the register kernel, a glu weight, n_out not a multiple of 32, a step
+    of other than 2 or 4 tiles (units of 32 rows within a step, a power of two of lanes a token),
+    or more than SMEM_LIMIT bytes."""
+    if w.glu or w.shape[0] % 32:
+        return 0
+    _, _, block, smem, ks, stages = _mma_plan(w, None)
+    tiles = block[0] // 32 // ks
+    smem += 17 * tiles * MMA8_TOKENS * 4
+    return smem if stages and tiles in (2, 4) and smem <= SMEM_LIMIT else 0
+
+
+def nq_parts(w: DeviceWeight, n_tok: int) -> int:
+    """The sums of squares per token that gemv_mma on w writes as an NQ product of n_tok tokens
+    (nq_out: one per step of the product), or 0 where w's product of n_tok tokens does not run as
+    gemv_mma or cannot hand off (_nq_smem)."""
+    if not uses_mma8(w, n_tok) or not _nq_smem(w):
+        return 0
+    _, _, block, _, ks, _ = _mma_plan(w, None)
+    return -(-w.shape[0] // (16 * (block[0] // 32 // ks)))
+
+
 def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, trace: Trace | None = None,
-             pdl: bool | None = None, variant: tuple[int, ...] | None = None, x_q8: Q8Rows | None = None) -> None:
+             pdl: bool | None = None, variant: tuple[int, ...] | None = None, x_q8: Q8Rows | None = None,
+             nq_out: tuple | None = None) -> None:
     """Y[t] = w @ X[t] (+ bias) (+ residual[t]) for n_tok = 1 .. MMA8_TOKENS tokens, one kernel
     launch reading w once, on int8 tensor cores; with w.glu, Y[t] = act(gate @ X[t]) * (up @
     X[t]), act w.glu_act (silu or gelu_tanh).
@@ -143,10 +168,15 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
     against numpy with x rounded the same way (1e-4 relative L2). x_q8: X already quantized by
     gemv_batch.quantize_rows or Ops.rms_norm (n_tok rows of n_in, any swizzle), copied by every
     block instead of reading and quantizing X (not read then, still checked): the same quants,
-    the same Y.
+    the same Y; with parts (an NQ handoff), each block scales the d's by the RMSNorm's scale
+    (mma8_stage_x), so the product takes RMSNorm(y) * norm_w of the NQ product's y.
+    nq_out: (norm_w (n_out,) float32, Q8Rows of n_tok rows of n_out with parts of at least
+    n_tok * nq_parts(w, n_tok) floats and n_parts nq_parts(w, n_tok)): an NQ product, which also
+    hands the products after the next RMSNorm (weight norm_w) its Y (kernels_cu/mma8_common.cuh
+    mma8_step_nq; flag K4_MMA8_NQ); not with variant.
     Raises ValueError on another weight type, n_tok outside 1..MMA8_TOKENS, an n_in whose x does
     not fit in shared memory, wrong shapes, dtypes, strides or alignment, residual/bias with w.glu,
-    or an x_q8 of other rows or size.
+    or an x_q8 of other rows or size, an nq_out for a product that cannot hand off or of other rows.
     """
     if w.ggml_type not in MMA8_DECODERS:
         raise ValueError(f"gemv_mma multiplies {', '.join(t.name for t in MMA8_DECODERS)} weights, not {w.ggml_type.name}")
@@ -162,10 +192,39 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
         raise ValueError(f"x_q8 holds {x_q8.n_tok} rows of {x_q8.n} for swizzle {x_q8.swizzle} ({x_q8.data.nbytes} bytes); "
                          f"this product needs {n_tok} of {n_in} ({need} bytes, swizzle 0..7)")
     kernel, grid, block, smem, ks, stages = _mma_plan(w, variant)
-    ring = (np.int32(stages),) if stages else ()  # gemv_mma_staged's stages per warp
+    parts = x_q8.parts if x_q8 is not None else None
+    if parts is not None and (parts.dtype != np.float32 or parts.size < n_tok * x_q8.n_parts or x_q8.n_parts < 1):
+        raise ValueError(f"x_q8's parts hold {parts.size} {parts.dtype}; {n_tok} rows of {x_q8.n_parts} float32 are read")
     args = (w.data, X, np.int32(x_stride), Y, np.int32(y_stride), null_or(residual), np.int32(r_stride), null_or(bias),
-            np.int32(n_out), np.int32(n_in), np.int32(n_tok), np.int32(ks), *ring, null_or(x_q8 and x_q8.data),
-            np.int32(x_q8.swizzle if x_q8 is not None else 0))
+            np.int32(n_out), np.int32(n_in), np.int32(n_tok), np.int32(ks), *((np.int32(stages),) if stages else ()),
+            null_or(x_q8 and x_q8.data), np.int32(x_q8.swizzle if x_q8 is not None else 0), null_or(parts),
+            np.int32(x_q8.n_parts if parts is not None else 0), np.float32(x_q8.eps if parts is not None else 0))
+    if stages:  # gemv_mma_staged: its NQ arguments
+        args += _nq_args(w, nq_out, n_tok, variant)
+        if nq_out is not None:
+            smem = _nq_smem(w)
+            allow_shared(kernel, smem)
+    elif nq_out is not None:
+        raise ValueError(f"gemv_mma on {w.ggml_type.name} {w.shape} runs the register kernel, which hands nothing off")
     if pdl is None:  # as gemv: eagerly the driver-API launch costs more host time than it saves
         pdl = w.pdl and capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl)
+
+
+def _nq_args(w: DeviceWeight, nq_out: tuple | None, n_tok: int, variant) -> tuple:
+    """gemv_mma_staged's NQ arguments (norm weights, q8 rows, parts, swizzle) for nq_out, checked
+    (ValueError), or nulls for None."""
+    if nq_out is None:
+        return (np.uint64(0), np.uint64(0), np.uint64(0), np.int32(0))
+    norm_w, out = nq_out
+    n_parts = nq_parts(w, n_tok)
+    if variant or not n_parts:
+        raise ValueError(f"gemv_mma on {w.ggml_type.name} {w.shape}{' as a variant' if variant else ''} cannot hand off (nq_out)")
+    n_out = w.shape[0]
+    if getattr(norm_w, "dtype", None) != np.float32 or norm_w.shape != (n_out,):
+        raise ValueError(f"nq_out's norm weights must be ({n_out},) float32, got {getattr(norm_w, 'shape', None)}")
+    if (out.n_tok, out.n, out.n_parts) != (n_tok, n_out, n_parts) or out.data.nbytes < n_tok * q8x_bytes(n_out) \
+            or out.parts is None or out.parts.dtype != np.float32 or out.parts.size < n_tok * n_parts or not 0 <= out.swizzle < 8:
+        raise ValueError(f"nq_out holds {out.n_tok} rows of {out.n} with {out.n_parts} parts; this product writes {n_tok} "
+                         f"of {n_out} with {n_parts} parts ({n_tok * q8x_bytes(n_out)} bytes, swizzle 0..7)")
+    return (norm_w, out.data, out.parts, np.int32(out.swizzle))
