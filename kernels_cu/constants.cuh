@@ -111,6 +111,9 @@
 #ifndef MMA8_STAGE_BYTES_Q6_K
 #error "MMA8_STAGE_BYTES_Q6_K comes from runtime/cuda/constants.py"
 #endif
+#ifndef MMA8_NQ_RUN
+#error "MMA8_NQ_RUN comes from runtime/cuda/constants.py"
+#endif
 
 // Per quantized type T: K4_QK_T (weights per block), K4_CHUNK_T (weights per chunk), K4_BLOCK_BYTES_T, K4_GROUPS_T (planar
 // group offsets), K4_X_SWIZZLE_T, K4_HANDOFF_T (common.cuh checks and uses them).

@@ -32,7 +32,7 @@
 // products after the next RMSNorm its Y (mma8_common.cuh mma8_step_nq), one step at a time.
 //
 // Shared memory: mma8_smem(n_in, WARPS) + WARPS * S * D::STAGE (runtime/cuda/constants.py
-// mma8_staged_smem, MMA8_STAGE_BYTES), and for an NQ product 17 TILES * 8 floats after the rings
+// mma8_staged_smem, MMA8_STAGE_BYTES), and for an NQ product MMA8_NQ_RUN TILES * 8 floats after the rings
 // (ys, mma8_step_out's copy of a step's Y):
 //   Q4_K (NATURAL_X): xq (n_in / 256, 4, 32 lanes, 2, 8) int8: for 256-weight block kb, sub-blocks
 //       j = 2i, 2i + 1 and lane 4g + t the 16 bytes at 2048 kb + 512 i + 16 lane: token g's quants

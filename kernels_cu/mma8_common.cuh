@@ -228,7 +228,7 @@ __device__ __forceinline__ void q6k_dot(const uint4 (&l0)[2], const uint4& h0, c
 // tiles, add the KS warps' partial sums from red (WARPS, 32) float4, warp slot * KS + k holding
 // tile slot's k-th share in C order, and write Y (the GLU epilogue from a gate row and its up row,
 // the next weight row, lane + 4). ys (not with GLU; null: none): each Y value written also at
-// ys[17 (TILES token + r / 16) + r % 16], r its row in the step, for mma8_step_nq.
+// ys[MMA8_NQ_RUN (TILES token + r / 16) + r % 16], r its row in the step, for mma8_step_nq.
 template <bool GLU, bool GELU>
 __device__ void mma8_step_out(const float4* red, int KS, int TILES, int step, int n_rows, int n_out, int n_tok,
                               float* y, int y_stride, const float* residual, int r_stride, const float* __restrict__ bias,
@@ -248,12 +248,12 @@ __device__ void mma8_step_out(const float4* red, int KS, int TILES, int step, in
             y[(i64)tok * y_stride + row / 2] = glu_act<GELU>(v, u);
         }
     } else if (row < n_out && tok < n_tok) {
-        if (bias) v += bias[row];  // write_row's sums, in its order
+        if (bias) v += bias[row];  // write_row's sums, in its order (through write_row, nvcc schedules these kernels otherwise)
         if (residual) v += residual[(i64)tok * r_stride + row];
         y[(i64)tok * y_stride + row] = v;
-        if (ys) {  // 16 values of a token's run in 17 words: mma8_step_nq's lanes read without bank conflicts
+        if (ys) {  // a token's run of 16 values in MMA8_NQ_RUN words: mma8_step_nq's lanes read without bank conflicts
             const int r = row - 16 * TILES * step;
-            ys[17 * (TILES * tok + (r >> 4)) + (r & 15)] = v;
+            ys[MMA8_NQ_RUN * (TILES * tok + (r >> 4)) + (r & 15)] = v;
         }
     }
 }
@@ -264,7 +264,7 @@ __device__ void mma8_step_out(const float4* red, int KS, int TILES, int step, in
 // (swizzle swz, q8_unit's bytes), and the step's sum of its y^2 at parts[t * n_parts + step]
 // (n_parts: the product's steps, every one of which writes its rows). The reader (mma8_stage_x
 // with x_parts) scales each d by the norm. Warp 0: lane l = TILES t + i takes values 16 i .. 16 i
-// + 15 of the step's rows of token t (at ys[17 l ..]); the two halves of a scale sit in adjacent
+// + 15 of the step's rows of token t (at ys[MMA8_NQ_RUN l ..]); the two halves of a scale sit in adjacent
 // lanes, as q8_unit needs.
 __device__ void mma8_step_nq(const float* ys, int TILES, int step, int n_out, int n_tok, const float* __restrict__ norm_w, u8* q8,
                              float* parts, int n_parts, int swz) {
@@ -275,7 +275,7 @@ __device__ void mma8_step_nq(const float* ys, int TILES, int step, int n_out, in
     float v[16], ss = 0.f;
 #pragma unroll
     for (int k = 0; k < 16; ++k) {
-        const float yv = ok ? ys[17 * lane + k] : 0.f;
+        const float yv = ok ? ys[MMA8_NQ_RUN * lane + k] : 0.f;
         ss += yv * yv;
         v[k] = ok ? yv * __ldg(norm_w + row + k) : 0.f;
     }

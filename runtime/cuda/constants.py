@@ -62,6 +62,7 @@ SHORT_REGS = (65536 - PAIR_THREADS * PAIR_REGS) // SHORT_THREADS // 8 * 8
 MMA8_TOKENS = 8  # tokens per gemv_mma launch: the n of its mma.sync shapes (m16n8k32, m16n8k16)
 MMA8_STAGE_BYTES = 16 * 144  # gemv_mma_staged.cu: one Q4_K ring stage, 16 rows of one block_q4_K
 MMA8_STAGE_BYTES_Q6_K = 16 * 208 + 16 * 16  # one Q6_K stage: 16 rows' ql, qh, scales, then their d chunks
+MMA8_NQ_RUN = 17  # an NQ product's copy of a step's Y (mma8_step_nq): floats per run of 16 values (padded: no bank conflicts)
 
 
 # ---- megakernel.cu (runtime/cuda/megakernel.py) ------------------------------------------------
@@ -249,6 +250,7 @@ def defines() -> tuple[str, ...]:
         ("ST_POS", ST_POS), ("ST_RING", ST_RING), ("ST_DRAW", ST_DRAW), ("MOE_WARPS", MOE_WARPS),
         ("MOE_MAX_K", MOE_MAX_K), ("ROUTER_THREADS", ROUTER_THREADS), ("MMA8_TOKENS", MMA8_TOKENS),
         ("MMA8_STAGE_BYTES", MMA8_STAGE_BYTES), ("MMA8_STAGE_BYTES_Q6_K", MMA8_STAGE_BYTES_Q6_K),
+        ("MMA8_NQ_RUN", MMA8_NQ_RUN),
         ("MK_THREADS", MK_THREADS), ("MK_SLOTS", MK_SLOTS), ("MK_SPLIT_KEYS", MK_SPLIT_KEYS), ("MK_SPLIT_MIN", MK_SPLIT_MIN),
         ("MK_MAX_SPLIT", MK_MAX_SPLIT),
         ("MK_MAX_GROUP", MK_MAX_GROUP), ("MK_MAX_D", MK_MAX_D), ("MK_MAX_GD", MK_MAX_GD), ("MK_GEMV", MK_GEMV),

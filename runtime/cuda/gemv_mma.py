@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as T
 from k4.runtime.trace import Trace
 
 from .batch_args import check_products
-from .constants import MMA8_STAGE_BYTES, MMA8_STAGE_BYTES_Q6_K, MMA8_TOKENS, mma8_smem, mma8_staged_smem, q8x_bytes
+from .constants import MMA8_NQ_RUN, MMA8_STAGE_BYTES, MMA8_STAGE_BYTES_Q6_K, MMA8_TOKENS, mma8_smem, mma8_staged_smem, q8x_bytes
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
 from .quant_kernels import EXTRA_MMA8_WARPS, MMA8_DECODERS, MMA8_KERNELS, MMA8_MIN_TOKENS, _gemv_mma_name, _kernel, mma8_file
 
@@ -126,7 +126,7 @@ def _mma_plan(w: DeviceWeight, variant: tuple[int, ...] | None):
 
 def _nq_smem(w: DeviceWeight) -> int:
     """The shared memory of gemv_mma on w as an NQ product (nq_out): the plan's and, after the
-    rings, a step's Y for mma8_step_nq (16 rows a tile in 17 floats, MMA8_TOKENS tokens); 0 where w's
+    rings, a step's Y for mma8_step_nq (16 rows a tile in MMA8_NQ_RUN floats, MMA8_TOKENS tokens); 0 where w's
     product cannot hand off: the register kernel, a glu weight, n_out not a multiple of 32, a step
     of other than 2 or 4 tiles (units of 32 rows within a step, a power of two of lanes a token),
     or more than SMEM_LIMIT bytes."""
@@ -134,7 +134,7 @@ def _nq_smem(w: DeviceWeight) -> int:
         return 0
     _, _, block, smem, ks, stages = _mma_plan(w, None)
     tiles = block[0] // 32 // ks
-    smem += 17 * tiles * MMA8_TOKENS * 4
+    smem += MMA8_NQ_RUN * tiles * MMA8_TOKENS * 4
     return smem if stages and tiles in (2, 4) and smem <= SMEM_LIMIT else 0
 
 
