@@ -116,40 +116,40 @@
 #endif
 
 // Per quantized type T: K4_QK_T (weights per block), K4_CHUNK_T (weights per chunk), K4_BLOCK_BYTES_T, K4_GROUPS_T (planar
-// group offsets), K4_X_SWIZZLE_T, K4_HANDOFF_T (common.cuh checks and uses them).
-#if !defined(K4_QK_Q4_K) || !defined(K4_CHUNK_Q4_K) || !defined(K4_BLOCK_BYTES_Q4_K) || !defined(K4_GROUPS_Q4_K) || !defined(K4_X_SWIZZLE_Q4_K) || !defined(K4_HANDOFF_Q4_K)
-#error "K4_QK_Q4_K, K4_CHUNK_Q4_K, K4_BLOCK_BYTES_Q4_K, K4_GROUPS_Q4_K, K4_X_SWIZZLE_Q4_K, K4_HANDOFF_Q4_K come from runtime/cuda/constants.py"
+// group offsets), K4_X_SWIZZLE_T, K4_HANDOFF_T, K4_EXPERT_PLANAR_T (common.cuh checks and uses them).
+#if !defined(K4_QK_Q4_K) || !defined(K4_CHUNK_Q4_K) || !defined(K4_BLOCK_BYTES_Q4_K) || !defined(K4_GROUPS_Q4_K) || !defined(K4_X_SWIZZLE_Q4_K) || !defined(K4_HANDOFF_Q4_K) || !defined(K4_EXPERT_PLANAR_Q4_K)
+#error "K4_QK_Q4_K, K4_CHUNK_Q4_K, K4_BLOCK_BYTES_Q4_K, K4_GROUPS_Q4_K, K4_X_SWIZZLE_Q4_K, K4_HANDOFF_Q4_K, K4_EXPERT_PLANAR_Q4_K come from runtime/cuda/constants.py"
 #endif
-#if !defined(K4_QK_Q5_K) || !defined(K4_CHUNK_Q5_K) || !defined(K4_BLOCK_BYTES_Q5_K) || !defined(K4_GROUPS_Q5_K) || !defined(K4_X_SWIZZLE_Q5_K) || !defined(K4_HANDOFF_Q5_K)
-#error "K4_QK_Q5_K, K4_CHUNK_Q5_K, K4_BLOCK_BYTES_Q5_K, K4_GROUPS_Q5_K, K4_X_SWIZZLE_Q5_K, K4_HANDOFF_Q5_K come from runtime/cuda/constants.py"
+#if !defined(K4_QK_Q5_K) || !defined(K4_CHUNK_Q5_K) || !defined(K4_BLOCK_BYTES_Q5_K) || !defined(K4_GROUPS_Q5_K) || !defined(K4_X_SWIZZLE_Q5_K) || !defined(K4_HANDOFF_Q5_K) || !defined(K4_EXPERT_PLANAR_Q5_K)
+#error "K4_QK_Q5_K, K4_CHUNK_Q5_K, K4_BLOCK_BYTES_Q5_K, K4_GROUPS_Q5_K, K4_X_SWIZZLE_Q5_K, K4_HANDOFF_Q5_K, K4_EXPERT_PLANAR_Q5_K come from runtime/cuda/constants.py"
 #endif
-#if !defined(K4_QK_Q6_K) || !defined(K4_CHUNK_Q6_K) || !defined(K4_BLOCK_BYTES_Q6_K) || !defined(K4_GROUPS_Q6_K) || !defined(K4_X_SWIZZLE_Q6_K) || !defined(K4_HANDOFF_Q6_K)
-#error "K4_QK_Q6_K, K4_CHUNK_Q6_K, K4_BLOCK_BYTES_Q6_K, K4_GROUPS_Q6_K, K4_X_SWIZZLE_Q6_K, K4_HANDOFF_Q6_K come from runtime/cuda/constants.py"
+#if !defined(K4_QK_Q6_K) || !defined(K4_CHUNK_Q6_K) || !defined(K4_BLOCK_BYTES_Q6_K) || !defined(K4_GROUPS_Q6_K) || !defined(K4_X_SWIZZLE_Q6_K) || !defined(K4_HANDOFF_Q6_K) || !defined(K4_EXPERT_PLANAR_Q6_K)
+#error "K4_QK_Q6_K, K4_CHUNK_Q6_K, K4_BLOCK_BYTES_Q6_K, K4_GROUPS_Q6_K, K4_X_SWIZZLE_Q6_K, K4_HANDOFF_Q6_K, K4_EXPERT_PLANAR_Q6_K come from runtime/cuda/constants.py"
 #endif
-#if !defined(K4_QK_Q8_0) || !defined(K4_CHUNK_Q8_0) || !defined(K4_BLOCK_BYTES_Q8_0) || !defined(K4_GROUPS_Q8_0) || !defined(K4_X_SWIZZLE_Q8_0) || !defined(K4_HANDOFF_Q8_0)
-#error "K4_QK_Q8_0, K4_CHUNK_Q8_0, K4_BLOCK_BYTES_Q8_0, K4_GROUPS_Q8_0, K4_X_SWIZZLE_Q8_0, K4_HANDOFF_Q8_0 come from runtime/cuda/constants.py"
+#if !defined(K4_QK_Q8_0) || !defined(K4_CHUNK_Q8_0) || !defined(K4_BLOCK_BYTES_Q8_0) || !defined(K4_GROUPS_Q8_0) || !defined(K4_X_SWIZZLE_Q8_0) || !defined(K4_HANDOFF_Q8_0) || !defined(K4_EXPERT_PLANAR_Q8_0)
+#error "K4_QK_Q8_0, K4_CHUNK_Q8_0, K4_BLOCK_BYTES_Q8_0, K4_GROUPS_Q8_0, K4_X_SWIZZLE_Q8_0, K4_HANDOFF_Q8_0, K4_EXPERT_PLANAR_Q8_0 come from runtime/cuda/constants.py"
 #endif
-#if !defined(K4_QK_Q5_0) || !defined(K4_CHUNK_Q5_0) || !defined(K4_BLOCK_BYTES_Q5_0) || !defined(K4_GROUPS_Q5_0) || !defined(K4_X_SWIZZLE_Q5_0) || !defined(K4_HANDOFF_Q5_0)
-#error "K4_QK_Q5_0, K4_CHUNK_Q5_0, K4_BLOCK_BYTES_Q5_0, K4_GROUPS_Q5_0, K4_X_SWIZZLE_Q5_0, K4_HANDOFF_Q5_0 come from runtime/cuda/constants.py"
+#if !defined(K4_QK_Q5_0) || !defined(K4_CHUNK_Q5_0) || !defined(K4_BLOCK_BYTES_Q5_0) || !defined(K4_GROUPS_Q5_0) || !defined(K4_X_SWIZZLE_Q5_0) || !defined(K4_HANDOFF_Q5_0) || !defined(K4_EXPERT_PLANAR_Q5_0)
+#error "K4_QK_Q5_0, K4_CHUNK_Q5_0, K4_BLOCK_BYTES_Q5_0, K4_GROUPS_Q5_0, K4_X_SWIZZLE_Q5_0, K4_HANDOFF_Q5_0, K4_EXPERT_PLANAR_Q5_0 come from runtime/cuda/constants.py"
 #endif
-#if !defined(K4_QK_Q5_1) || !defined(K4_CHUNK_Q5_1) || !defined(K4_BLOCK_BYTES_Q5_1) || !defined(K4_GROUPS_Q5_1) || !defined(K4_X_SWIZZLE_Q5_1) || !defined(K4_HANDOFF_Q5_1)
-#error "K4_QK_Q5_1, K4_CHUNK_Q5_1, K4_BLOCK_BYTES_Q5_1, K4_GROUPS_Q5_1, K4_X_SWIZZLE_Q5_1, K4_HANDOFF_Q5_1 come from runtime/cuda/constants.py"
+#if !defined(K4_QK_Q5_1) || !defined(K4_CHUNK_Q5_1) || !defined(K4_BLOCK_BYTES_Q5_1) || !defined(K4_GROUPS_Q5_1) || !defined(K4_X_SWIZZLE_Q5_1) || !defined(K4_HANDOFF_Q5_1) || !defined(K4_EXPERT_PLANAR_Q5_1)
+#error "K4_QK_Q5_1, K4_CHUNK_Q5_1, K4_BLOCK_BYTES_Q5_1, K4_GROUPS_Q5_1, K4_X_SWIZZLE_Q5_1, K4_HANDOFF_Q5_1, K4_EXPERT_PLANAR_Q5_1 come from runtime/cuda/constants.py"
 #endif
 
-#if !defined(K4_QK_Q2_K) || !defined(K4_CHUNK_Q2_K) || !defined(K4_BLOCK_BYTES_Q2_K) || !defined(K4_GROUPS_Q2_K) || !defined(K4_X_SWIZZLE_Q2_K) || !defined(K4_HANDOFF_Q2_K)
-#error "K4_QK_Q2_K, K4_CHUNK_Q2_K, K4_BLOCK_BYTES_Q2_K, K4_GROUPS_Q2_K, K4_X_SWIZZLE_Q2_K, K4_HANDOFF_Q2_K come from runtime/cuda/constants.py"
+#if !defined(K4_QK_Q2_K) || !defined(K4_CHUNK_Q2_K) || !defined(K4_BLOCK_BYTES_Q2_K) || !defined(K4_GROUPS_Q2_K) || !defined(K4_X_SWIZZLE_Q2_K) || !defined(K4_HANDOFF_Q2_K) || !defined(K4_EXPERT_PLANAR_Q2_K)
+#error "K4_QK_Q2_K, K4_CHUNK_Q2_K, K4_BLOCK_BYTES_Q2_K, K4_GROUPS_Q2_K, K4_X_SWIZZLE_Q2_K, K4_HANDOFF_Q2_K, K4_EXPERT_PLANAR_Q2_K come from runtime/cuda/constants.py"
 #endif
-#if !defined(K4_QK_Q3_K) || !defined(K4_CHUNK_Q3_K) || !defined(K4_BLOCK_BYTES_Q3_K) || !defined(K4_GROUPS_Q3_K) || !defined(K4_X_SWIZZLE_Q3_K) || !defined(K4_HANDOFF_Q3_K)
-#error "K4_QK_Q3_K, K4_CHUNK_Q3_K, K4_BLOCK_BYTES_Q3_K, K4_GROUPS_Q3_K, K4_X_SWIZZLE_Q3_K, K4_HANDOFF_Q3_K come from runtime/cuda/constants.py"
+#if !defined(K4_QK_Q3_K) || !defined(K4_CHUNK_Q3_K) || !defined(K4_BLOCK_BYTES_Q3_K) || !defined(K4_GROUPS_Q3_K) || !defined(K4_X_SWIZZLE_Q3_K) || !defined(K4_HANDOFF_Q3_K) || !defined(K4_EXPERT_PLANAR_Q3_K)
+#error "K4_QK_Q3_K, K4_CHUNK_Q3_K, K4_BLOCK_BYTES_Q3_K, K4_GROUPS_Q3_K, K4_X_SWIZZLE_Q3_K, K4_HANDOFF_Q3_K, K4_EXPERT_PLANAR_Q3_K come from runtime/cuda/constants.py"
 #endif
-#if !defined(K4_QK_Q4_0) || !defined(K4_CHUNK_Q4_0) || !defined(K4_BLOCK_BYTES_Q4_0) || !defined(K4_GROUPS_Q4_0) || !defined(K4_X_SWIZZLE_Q4_0) || !defined(K4_HANDOFF_Q4_0)
-#error "K4_QK_Q4_0, K4_CHUNK_Q4_0, K4_BLOCK_BYTES_Q4_0, K4_GROUPS_Q4_0, K4_X_SWIZZLE_Q4_0, K4_HANDOFF_Q4_0 come from runtime/cuda/constants.py"
+#if !defined(K4_QK_Q4_0) || !defined(K4_CHUNK_Q4_0) || !defined(K4_BLOCK_BYTES_Q4_0) || !defined(K4_GROUPS_Q4_0) || !defined(K4_X_SWIZZLE_Q4_0) || !defined(K4_HANDOFF_Q4_0) || !defined(K4_EXPERT_PLANAR_Q4_0)
+#error "K4_QK_Q4_0, K4_CHUNK_Q4_0, K4_BLOCK_BYTES_Q4_0, K4_GROUPS_Q4_0, K4_X_SWIZZLE_Q4_0, K4_HANDOFF_Q4_0, K4_EXPERT_PLANAR_Q4_0 come from runtime/cuda/constants.py"
 #endif
-#if !defined(K4_QK_IQ4_XS) || !defined(K4_CHUNK_IQ4_XS) || !defined(K4_BLOCK_BYTES_IQ4_XS) || !defined(K4_GROUPS_IQ4_XS) || !defined(K4_X_SWIZZLE_IQ4_XS) || !defined(K4_HANDOFF_IQ4_XS)
-#error "K4_QK_IQ4_XS, K4_CHUNK_IQ4_XS, K4_BLOCK_BYTES_IQ4_XS, K4_GROUPS_IQ4_XS, K4_X_SWIZZLE_IQ4_XS, K4_HANDOFF_IQ4_XS come from runtime/cuda/constants.py"
+#if !defined(K4_QK_IQ4_XS) || !defined(K4_CHUNK_IQ4_XS) || !defined(K4_BLOCK_BYTES_IQ4_XS) || !defined(K4_GROUPS_IQ4_XS) || !defined(K4_X_SWIZZLE_IQ4_XS) || !defined(K4_HANDOFF_IQ4_XS) || !defined(K4_EXPERT_PLANAR_IQ4_XS)
+#error "K4_QK_IQ4_XS, K4_CHUNK_IQ4_XS, K4_BLOCK_BYTES_IQ4_XS, K4_GROUPS_IQ4_XS, K4_X_SWIZZLE_IQ4_XS, K4_HANDOFF_IQ4_XS, K4_EXPERT_PLANAR_IQ4_XS come from runtime/cuda/constants.py"
 #endif
-#if !defined(K4_QK_IQ4_NL) || !defined(K4_CHUNK_IQ4_NL) || !defined(K4_BLOCK_BYTES_IQ4_NL) || !defined(K4_GROUPS_IQ4_NL) || !defined(K4_X_SWIZZLE_IQ4_NL) || !defined(K4_HANDOFF_IQ4_NL)
-#error "K4_QK_IQ4_NL, K4_CHUNK_IQ4_NL, K4_BLOCK_BYTES_IQ4_NL, K4_GROUPS_IQ4_NL, K4_X_SWIZZLE_IQ4_NL, K4_HANDOFF_IQ4_NL come from runtime/cuda/constants.py"
+#if !defined(K4_QK_IQ4_NL) || !defined(K4_CHUNK_IQ4_NL) || !defined(K4_BLOCK_BYTES_IQ4_NL) || !defined(K4_GROUPS_IQ4_NL) || !defined(K4_X_SWIZZLE_IQ4_NL) || !defined(K4_HANDOFF_IQ4_NL) || !defined(K4_EXPERT_PLANAR_IQ4_NL)
+#error "K4_QK_IQ4_NL, K4_CHUNK_IQ4_NL, K4_BLOCK_BYTES_IQ4_NL, K4_GROUPS_IQ4_NL, K4_X_SWIZZLE_IQ4_NL, K4_HANDOFF_IQ4_NL, K4_EXPERT_PLANAR_IQ4_NL come from runtime/cuda/constants.py"
 #endif
 #ifndef K4_IQ4NL_VALUES
 #error "K4_IQ4NL_VALUES (IQ4_XS's value table) comes from runtime/cuda/constants.py"

@@ -33,6 +33,8 @@ struct type_q4_K {
     static constexpr int block_bytes = sizeof(block_q4_K), block_elems = QK_K, chunk_elems = K4_CHUNK_Q4_K;
     static constexpr int raw_align = 16, x_swizzle = K4_X_SWIZZLE_Q4_K;
     static constexpr bool handoff = K4_HANDOFF_Q4_K;  // gemv.cu: its SwiGLU instance can write a q8 y
+    // expert tensors in the planar layout (constants.py QuantLayout.expert_planar, switch K4_PLANAR_EXPERTS)
+    static constexpr bool expert_planar = K4_EXPERT_PLANAR_Q4_K && K4_PLANAR_EXPERTS;
     // groups: d, dmin and scales (16 bytes) | qs
     __host__ __device__ static constexpr int cut(int g) {
         return g == 0 ? 0 : g == 1 ? (int)(sizeof(block_q4_K) - sizeof(block_q4_K::qs)) : (int)sizeof(block_q4_K);
@@ -86,6 +88,8 @@ struct type_q5_K {
     static constexpr int block_bytes = sizeof(block_q5_K), block_elems = QK_K, chunk_elems = K4_CHUNK_Q5_K;
     static constexpr int raw_align = 16, x_swizzle = K4_X_SWIZZLE_Q5_K;
     static constexpr bool handoff = K4_HANDOFF_Q5_K;  // gemv.cu: its SwiGLU instance can write a q8 y
+    // expert tensors in the planar layout (constants.py QuantLayout.expert_planar, switch K4_PLANAR_EXPERTS)
+    static constexpr bool expert_planar = K4_EXPERT_PLANAR_Q5_K && K4_PLANAR_EXPERTS;
     // groups: d, dmin and scales (16 bytes) | qh | qs
     __host__ __device__ static constexpr int cut(int g) {
         return g == 0 ? 0 : g == 1 ? (int)(sizeof(block_q5_K) - sizeof(block_q5_K::qh) - sizeof(block_q5_K::qs)) : g == 2 ? (int)(sizeof(block_q5_K) - sizeof(block_q5_K::qs)) : (int)sizeof(block_q5_K);
@@ -153,6 +157,8 @@ struct type_q6_K {
     static constexpr int block_bytes = sizeof(block_q6_K), block_elems = QK_K, chunk_elems = K4_CHUNK_Q6_K;
     static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_Q6_K;
     static constexpr bool handoff = K4_HANDOFF_Q6_K;  // gemv.cu: its SwiGLU instance can write a q8 y
+    // expert tensors in the planar layout (constants.py QuantLayout.expert_planar, switch K4_PLANAR_EXPERTS)
+    static constexpr bool expert_planar = K4_EXPERT_PLANAR_Q6_K && K4_PLANAR_EXPERTS;
     // groups: ql | qh | scales | d
     __host__ __device__ static constexpr int cut(int g) {
         return g == 0 ? 0 : g == 1 ? (int)sizeof(block_q6_K::ql) : g == 2 ? (int)(sizeof(block_q6_K::ql) + sizeof(block_q6_K::qh))
@@ -218,6 +224,8 @@ struct type_q8_0 {
     static constexpr int block_bytes = sizeof(block_q8_0), block_elems = QK8_0, chunk_elems = K4_CHUNK_Q8_0;
     static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_Q8_0;
     static constexpr bool handoff = K4_HANDOFF_Q8_0;  // gemv.cu: its SwiGLU instance can write a q8 y
+    // expert tensors in the planar layout (constants.py QuantLayout.expert_planar, switch K4_PLANAR_EXPERTS)
+    static constexpr bool expert_planar = K4_EXPERT_PLANAR_Q8_0 && K4_PLANAR_EXPERTS;
     // groups: d | qs
     __host__ __device__ static constexpr int cut(int g) {
         return g == 0 ? 0 : g == 1 ? (int)(sizeof(block_q8_0) - sizeof(block_q8_0::qs)) : (int)sizeof(block_q8_0);
@@ -253,6 +261,8 @@ struct type_q5_0 {
     static constexpr int block_bytes = sizeof(block_q5_0), block_elems = QK5_0, chunk_elems = K4_CHUNK_Q5_0;
     static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_Q5_0;
     static constexpr bool handoff = K4_HANDOFF_Q5_0;  // gemv.cu: its SwiGLU instance can write a q8 y
+    // expert tensors in the planar layout (constants.py QuantLayout.expert_planar, switch K4_PLANAR_EXPERTS)
+    static constexpr bool expert_planar = K4_EXPERT_PLANAR_Q5_0 && K4_PLANAR_EXPERTS;
     // groups: d | qh | qs
     __host__ __device__ static constexpr int cut(int g) {
         return g == 0 ? 0 : g == 1 ? (int)sizeof(block_q5_0::d) : g == 2 ? (int)(sizeof(block_q5_0) - sizeof(block_q5_0::qs)) : (int)sizeof(block_q5_0);
@@ -297,6 +307,8 @@ struct type_q5_1 {
     static constexpr int block_bytes = sizeof(block_q5_1), block_elems = QK5_1, chunk_elems = K4_CHUNK_Q5_1;
     static constexpr int raw_align = 4, x_swizzle = K4_X_SWIZZLE_Q5_1;
     static constexpr bool handoff = K4_HANDOFF_Q5_1;  // gemv.cu: its SwiGLU instance can write a q8 y
+    // expert tensors in the planar layout (constants.py QuantLayout.expert_planar, switch K4_PLANAR_EXPERTS)
+    static constexpr bool expert_planar = K4_EXPERT_PLANAR_Q5_1 && K4_PLANAR_EXPERTS;
     // groups: d | m | qh | qs
     __host__ __device__ static constexpr int cut(int g) {
         return g == 0 ? 0 : g == 1 ? 2 : g == 2 ? 4 : g == 3 ? (int)(sizeof(block_q5_1) - sizeof(block_q5_1::qs)) : (int)sizeof(block_q5_1);

@@ -60,6 +60,8 @@ struct type_q2_K {
     static constexpr int block_bytes = sizeof(block_q2_K), block_elems = QK_K, chunk_elems = K4_CHUNK_Q2_K;
     static constexpr int raw_align = 4, x_swizzle = K4_X_SWIZZLE_Q2_K;
     static constexpr bool handoff = K4_HANDOFF_Q2_K;  // gemv.cu: its SwiGLU instance can write a q8 y
+    // expert tensors in the planar layout (constants.py QuantLayout.expert_planar, switch K4_PLANAR_EXPERTS)
+    static constexpr bool expert_planar = K4_EXPERT_PLANAR_Q2_K && K4_PLANAR_EXPERTS;
     // groups: scales | qs | d dmin
     __host__ __device__ static constexpr int cut(int g) {
         return g == 0 ? 0 : g == 1 ? (int)sizeof(block_q2_K::scales) : g == 2 ? (int)(sizeof(block_q2_K::scales) + sizeof(block_q2_K::qs))
@@ -110,6 +112,8 @@ struct type_q3_K {
     static constexpr int block_bytes = sizeof(block_q3_K), block_elems = QK_K, chunk_elems = K4_CHUNK_Q3_K;
     static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_Q3_K;
     static constexpr bool handoff = K4_HANDOFF_Q3_K;  // gemv.cu: its SwiGLU instance can write a q8 y
+    // expert tensors in the planar layout (constants.py QuantLayout.expert_planar, switch K4_PLANAR_EXPERTS)
+    static constexpr bool expert_planar = K4_EXPERT_PLANAR_Q3_K && K4_PLANAR_EXPERTS;
     // groups: hmask | qs | scales | d
     __host__ __device__ static constexpr int cut(int g) {
         return g == 0 ? 0 : g == 1 ? (int)sizeof(block_q3_K::hmask) : g == 2 ? (int)(sizeof(block_q3_K::hmask) + sizeof(block_q3_K::qs))
@@ -189,6 +193,8 @@ struct type_q4_0 : nibble32_block<type_q4_0, block_q4_0> {
     static constexpr int block_bytes = sizeof(block_q4_0), block_elems = QK4_0, chunk_elems = K4_CHUNK_Q4_0;
     static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_Q4_0;
     static constexpr bool handoff = K4_HANDOFF_Q4_0;  // gemv.cu: its SwiGLU instance can write a q8 y
+    // expert tensors in the planar layout (constants.py QuantLayout.expert_planar, switch K4_PLANAR_EXPERTS)
+    static constexpr bool expert_planar = K4_EXPERT_PLANAR_Q4_0 && K4_PLANAR_EXPERTS;
     template <int SWZ>
     __device__ static float dot(const chunk& c, int ci, const q8x<SWZ>& x) {
         const int s = dot16(map4(c.q, 4, 0x0F0F0F0Fu), x.unit(2 * ci + 1), dot16(map4(c.q, 0, 0x0F0F0F0Fu), x.unit(2 * ci), 0));
@@ -239,6 +245,8 @@ struct type_iq4_xs {
     static constexpr int block_bytes = sizeof(block_iq4_xs), block_elems = QK_K, chunk_elems = K4_CHUNK_IQ4_XS;
     static constexpr int raw_align = 8, x_swizzle = K4_X_SWIZZLE_IQ4_XS;
     static constexpr bool handoff = K4_HANDOFF_IQ4_XS;  // gemv.cu: its SwiGLU instance can write a q8 y
+    // expert tensors in the planar layout (constants.py QuantLayout.expert_planar, switch K4_PLANAR_EXPERTS)
+    static constexpr bool expert_planar = K4_EXPERT_PLANAR_IQ4_XS && K4_PLANAR_EXPERTS;
     // groups: d, scales_h and scales_l (8 bytes) | qs
     __host__ __device__ static constexpr int cut(int g) {
         return g == 0 ? 0 : g == 1 ? (int)(sizeof(block_iq4_xs) - sizeof(block_iq4_xs::qs)) : (int)sizeof(block_iq4_xs);
@@ -286,6 +294,8 @@ struct type_iq4_nl : nibble32_block<type_iq4_nl, block_iq4_nl> {  // Q4_0's layo
     static constexpr int block_bytes = sizeof(block_iq4_nl), block_elems = QK4_NL, chunk_elems = K4_CHUNK_IQ4_NL;
     static constexpr int raw_align = 2, x_swizzle = K4_X_SWIZZLE_IQ4_NL;
     static constexpr bool handoff = K4_HANDOFF_IQ4_NL;  // gemv.cu: its SwiGLU instance can write a q8 y
+    // expert tensors in the planar layout (constants.py QuantLayout.expert_planar, switch K4_PLANAR_EXPERTS)
+    static constexpr bool expert_planar = K4_EXPERT_PLANAR_IQ4_NL && K4_PLANAR_EXPERTS;
     template <int SWZ>
     __device__ static float dot(const chunk& c, int ci, const q8x<SWZ>& x) {
         const int s = dot16(iq4nl_lookup4(c.q, 4), x.unit(2 * ci + 1), dot16(iq4nl_lookup4(c.q, 0), x.unit(2 * ci), 0));

@@ -20,6 +20,11 @@ typedef long long i64;
 #ifndef K4_EVICT_FIRST
 #define K4_EVICT_FIRST 1
 #endif
+// K4_PLANAR_EXPERTS=0 keeps every expert tensor in raw blocks (decoders.cuh T::expert_planar;
+// runtime/cuda/ops.py defines it so when flag K4_PLANAR_EXPERTS is 0).
+#ifndef K4_PLANAR_EXPERTS
+#define K4_PLANAR_EXPERTS 1
+#endif
 
 // 16 bytes from p (16-byte aligned, not written while the kernel runs) with the evict-first hint.
 __device__ __forceinline__ uint4 ld_evict_first16(const void* p) {

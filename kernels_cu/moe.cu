@@ -6,8 +6,9 @@
 //    weights (k f32) in device memory (transformers' Qwen3MoeSparseMoeBlock).
 //  - moe_gemv_q / moe_gemv_f: the matrix-vector products of the selected experts on float x:
 //    float expert types and the router (quantized routed experts use moe_gemv.cu's 8-bit x). The
-//    stacked expert tensor (n_expert, n_out, n_in) sits on the device as in the file (raw ggml
-//    blocks, expert e at e * expert_bytes); the kernel reads e = ids[slot] itself, so one launch
+//    stacked expert tensor (n_expert, n_out, n_in) sits on the device expert by expert, expert e
+//    at e * expert_bytes, each in the file's raw ggml blocks or, where T::expert_planar, in the
+//    planar layout of its own blocks (runtime/cuda/layout.py expert_layout); the kernel reads e = ids[slot] itself, so one launch
 //    covers every (token, slot) pair: grid (row blocks, slots). Slot s reads its x at
 //    x + (s / x_div) * x_stride (the token's normed input for gate and up: x_div k; its own
 //    SwiGLU output for down: x_div 1) and writes y + s * n_out. Weights are decoded one ggml
@@ -72,7 +73,7 @@ moe_gemv_q(const u8* __restrict__ w, i64 expert_bytes, const int* __restrict__ i
         for (int blk = 0; blk < nblk_row; ++blk) {
             for (int r = lane; r < runs; r += 32) {
                 const int c = r / runs_per_chunk;
-                const typename T::chunk ch = T::template load<false>(we, nblk, (i64)row * nblk_row + blk, c);
+                const typename T::chunk ch = T::template load<T::expert_planar>(we, nblk, (i64)row * nblk_row + blk, c);
                 T::dequant(ch, c, r % runs_per_chunk, b);
             }
             __syncwarp();

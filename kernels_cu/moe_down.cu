@@ -1,7 +1,8 @@
 // Decode's down product of one token's chosen experts, their weighted sum and the residual in one
 // launch (runtime/cuda/moe.py decode_fused, down_combine): what moe_gemv.cu moe_gemv_q8 and moe.cu
-// moe_combine did in two. The experts stay in the file's raw blocks, so raw Q6_K's 210-byte blocks
-// are read with two wide loads per 16 bytes (K4_WIDE_RAW_Q6_K, device.cuh load16).
+// moe_combine did in two. Experts of a type without T::expert_planar stay in the file's raw
+// blocks; raw Q6_K's 210-byte blocks (K4_PLANAR_EXPERTS=0) are read with two wide loads per 16
+// bytes (K4_WIDE_RAW_Q6_K, device.cuh load16).
 #define K4_WIDE_RAW_Q6_K 1
 #include "gemv_common.cuh"
 #include "moe_down.cuh"
@@ -16,7 +17,7 @@
 // Dynamic shared memory: k q8x_bytes(n_in) + 4 n_expert.
 template <class T, int WARPS, int U>
 __global__ void __launch_bounds__(WARPS * 32, 1)
-moe_down_combine(const u8* __restrict__ w,        // (n_expert, n_out, n_in) in T's raw blocks
+moe_down_combine(const u8* __restrict__ w,        // (n_expert, n_out, n_in) in T's blocks, expert by expert (raw or T::expert_planar)
                  i64 expert_bytes,
                  const float* __restrict__ route,  // (n_expert,) router logits
                  int n_expert, int k, int renorm,

@@ -32,13 +32,14 @@ __device__ void quantize_k_rows(const float* x, int k, int n_in, int swz, u8* q,
 
 // One lane's share of the down rows: y[r] = res[r] + sum_j w_j * (expert e_j's row r . x_j). The
 // warp's lanes split into k groups of 32 / k (k divides 32), group j taking the chunks of expert
-// e_j's row (ids[j], in the file's raw blocks of T at w + e_j * expert_bytes), lane sub of the
+// e_j's row (ids[j], in T's blocks at w + e_j * expert_bytes, raw or
+// T::expert_planar), lane sub of the
 // group chunks sub, sub + 32 / k, ..., U in flight. Each group sums over its lanes, scales by w_j,
 // and the groups sum (xor shuffles).
 template <class T, int U>
 struct DownRows {
     const u8* we;  // the lane's expert matrix
-    i64 nblk;      // blocks of one expert (unused by the raw layout)
+    i64 nblk;      // blocks of one expert (read by the planar layout)
     int lps, j, sub, n_chunks, nblk_row;
 
     __device__ DownRows(const u8* w, i64 expert_bytes, const int* ids, int k, int n_out, int n_in, int lane)
@@ -53,7 +54,7 @@ struct DownRows {
 #pragma unroll
         for (int i = 0; i < U; ++i) {
             const int ci = c0 + lps * i;
-            if (ci < n_chunks) ch[i] = T::template load<false>(we, nblk, (i64)r * nblk_row + ci / cpb, ci % cpb);
+            if (ci < n_chunks) ch[i] = T::template load<T::expert_planar>(we, nblk, (i64)r * nblk_row + ci / cpb, ci % cpb);
         }
     }
 

@@ -1,7 +1,7 @@
 // The routed experts' matrix-vector products with 8-bit x (qwen3moe, qwen2moe; launched by
 // runtime/cuda/moe.py gathered): gemv.cu's gemv_q8 indexed by expert. The stacked expert tensor
-// (n_expert, n_out, n_in) sits on the device as in the file (raw ggml blocks of T, expert e's
-// matrix at w + e * expert_bytes). Slot s (one (token, chosen expert) pair) reads e = ids[s]
+// (n_expert, n_out, n_in) sits on the device expert by expert (expert e's matrix at w + e *
+// expert_bytes, in T's raw ggml blocks or, with T::expert_planar, its planar layout). Slot s (one (token, chosen expert) pair) reads e = ids[s]
 // from device memory (moe.cu moe_topk wrote it), quantizes its x row x + (s / x_div) * x_stride
 // to 8 bits per 32 values in shared memory (gemv_common.cuh quantize_x: llama.cpp's q8_1 idea,
 // as its mmvq does for MUL_MAT_ID) and computes y + s * n_out with dp4a dot products.
@@ -37,7 +37,7 @@
 
 template <class T, int WARPS, int U, bool PF, bool GLU>
 __global__ void __launch_bounds__(WARPS * 32, 1)
-moe_gemv_q8(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw blocks (GLU: the gate experts)
+moe_gemv_q8(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's blocks, expert by expert (GLU: the gate experts)
             const u8* __restrict__ w_up,   // GLU: the up experts, like w; else null (not read)
             i64 expert_bytes,              // bytes of one expert's matrix
             const int* __restrict__ ids,   // (n_slots,) expert of each slot
@@ -60,7 +60,7 @@ moe_gemv_q8(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw
     const int n_chunks = n_in / T::chunk_elems;            // per row
     const int out_chunks = (GLU ? 2 : 1) * n_chunks;       // per output (GLU: gate row, then up row)
     const int nblk_row = n_in / T::block_elems;
-    const i64 nblk = (i64)n_out * nblk_row;                // blocks of one expert (unused by the raw layout)
+    const i64 nblk = (i64)n_out * nblk_row;                // blocks of one expert (read by the planar layout)
     const int row0 = blockIdx.x + gridDim.x * (threadIdx.x >> 5), row_step = gridDim.x * WARPS;
 
     typename T::chunk ch[U];
@@ -78,7 +78,7 @@ moe_gemv_q8(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw
                 const int c = c0 + 32 * k;
                 const bool up = GLU && c >= n_chunks;
                 const int cr = up ? c - n_chunks : c;  // chunk within its row
-                if (c < out_chunks) dst[k] = T::template load<false>(up ? wu : we, nblk, (i64)r * nblk_row + cr / cpb, cr % cpb);
+                if (c < out_chunks) dst[k] = T::template load<T::expert_planar>(up ? wu : we, nblk, (i64)r * nblk_row + cr / cpb, cr % cpb);
             }
         };
         if (row0 < n_out) load(ch, row0, lane);

@@ -65,7 +65,7 @@ extern "C" __global__ void moe_group(const int* __restrict__ ids, int n_slots, i
 
 template <class T, int WARPS, int U, int NT, bool GLU>
 __global__ void __launch_bounds__(WARPS * 32)
-moe_gemv_grouped(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's raw blocks (GLU: the gate experts)
+moe_gemv_grouped(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T's blocks, expert by expert (GLU: the gate experts)
                  const u8* __restrict__ w_up,   // GLU: the up experts, like w; else null
                  i64 expert_bytes,
                  const int4* __restrict__ items, const int* __restrict__ order,  // moe_group's
@@ -95,7 +95,7 @@ moe_gemv_grouped(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T'
     while (lps < 32 && lps * U < out_chunks) lps *= 2;
     const int sub = lane & (lps - 1), rows_per_warp = 32 / lps;
     const int nblk_row = n_in / T::block_elems;
-    const i64 nblk = (i64)n_out * nblk_row;  // unused by the raw layout
+    const i64 nblk = (i64)n_out * nblk_row;  // blocks of one expert (read by the planar layout)
     const u8* we = w + (i64)item.x * expert_bytes;
     const u8* wu = GLU ? w_up + (i64)item.x * expert_bytes : nullptr;
     const int step = gridDim.x * WARPS * rows_per_warp;
@@ -109,7 +109,7 @@ moe_gemv_grouped(const u8* __restrict__ w,      // (n_expert, n_out, n_in) in T'
             const int c = c0 + lps * k;
             const bool up = GLU && c >= n_chunks;
             const int cr = up ? c - n_chunks : c;
-            if (c < out_chunks && row < n_out) ch[k] = T::template load<false>(up ? wu : we, nblk, (i64)row * nblk_row + cr / cpb, cr % cpb);
+            if (c < out_chunks && row < n_out) ch[k] = T::template load<T::expert_planar>(up ? wu : we, nblk, (i64)row * nblk_row + cr / cpb, cr % cpb);
         }
     };
     if (row0 < n_out) load(row0 + mine, sub);  // before x is quantized, so the loads overlap it

@@ -15,8 +15,9 @@
 //     computes it (gemv_common.cuh q8_rows: gate row then up row), into h (k, n_ff); then the
 //     block announces it (*arrived += 1, red.release after a block barrier);
 //  3. down: each warp loads its first row's weights (the experts are known since phase 2): with
-//     EARLY before its block's arrival goes out, else after it (raw Q6_K, whose loads shift their
-//     two words at once, so a warp stalls until they arrive: that held the arrival back ~3 µs),
+//     EARLY or TD::expert_planar before its block's arrival goes out, else after it (raw Q6_K,
+//     K4_PLANAR_EXPERTS=0: its loads shift their two words at once, so a warp stalls until they
+//     arrive, which held the arrival back ~3 µs; planar Q6_K's do not),
 //     thread 0 polls *arrived until every block of the launch has arrived (ld.acquire; one
 //     poller a block on one word, where a flag per block polled by 132 threads of every block
 //     cost 0.45 µs a layer more: docs/PERF.md session 30), every block quantizes the k rows of h
@@ -121,10 +122,10 @@ __device__ void quantize_x_past_warp0(const float* __restrict__ x, int n_in, con
 template <class TG, class TD, int WARPS, int U, bool PF, int DU, bool EARLY>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
-        const u8* __restrict__ w_gate,   // (n_expert, n_ff, n_embd) in TG's raw blocks
+        const u8* __restrict__ w_gate,   // (n_expert, n_ff, n_embd) in TG's blocks, expert by expert
         const u8* __restrict__ w_up,     // likewise
         i64 gate_bytes,                  // bytes of one gate (or up) expert
-        const u8* __restrict__ w_down,   // (n_expert, n_embd, n_ff) in TD's raw blocks
+        const u8* __restrict__ w_down,   // (n_expert, n_embd, n_ff) in TD's blocks, expert by expert
         i64 down_bytes,
         const float* x,                  // (n_embd,) the residual stream
         const float* __restrict__ norm_w, float eps,  // ffn_norm (n_embd,)
@@ -187,7 +188,7 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
     {
         constexpr int cpb = TG::block_elems / TG::chunk_elems;
         const int n_chunks = n_embd / TG::chunk_elems, nblk_row = n_embd / TG::block_elems;
-        const i64 nblk = (i64)n_ff * nblk_row;  // unused by the raw layout
+        const i64 nblk = (i64)n_ff * nblk_row;  // blocks of one expert (read by the planar layout)
         auto load = [&](typename TG::chunk (&dst)[U], int R, int c0) {  // chunks past n_chunks: the up row's
             const int slot = R / n_ff, r = R - slot * n_ff;
             const i64 e_off = (i64)c.ids[slot] * gate_bytes;
@@ -196,7 +197,7 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
                 const int ci = c0 + 32 * i;
                 const bool up = ci >= n_chunks;
                 const int cr = up ? ci - n_chunks : ci;
-                if (ci < 2 * n_chunks) dst[i] = TG::template load<false>((up ? w_up : w_gate) + e_off, nblk, (i64)r * nblk_row + cr / cpb, cr % cpb);
+                if (ci < 2 * n_chunks) dst[i] = TG::template load<TG::expert_planar>((up ? w_up : w_gate) + e_off, nblk, (i64)r * nblk_row + cr / cpb, cr % cpb);
             }
         };
         typename TG::chunk ch[U];
@@ -208,10 +209,11 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
     const DownRows<TD, DU> d(w_down, down_bytes, c.ids, k, n_embd, n_ff, lane);
     typename TD::chunk dch[DU];
     const int row = blockIdx.x + G * warp;
-    if (EARLY && row < n_embd) d.load(dch, row, d.sub);  // the weights stream while the other blocks finish
+    constexpr bool early = EARLY || TD::expert_planar;
+    if (early && row < n_embd) d.load(dch, row, d.sub);  // the weights stream while the other blocks finish
     __syncthreads();  // the block's rows are in h; every warp is done with x's q8 before h's overwrites it
     if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(arrived) : "memory");
-    if (!EARLY && row < n_embd) d.load(dch, row, d.sub);
+    if (!early && row < n_embd) d.load(dch, row, d.sub);
     if (renorm && threadIdx.x == 0) {  // the weights divided by their sum as moe_route divides them, off phase 2's path
         float t = 0.f;
         for (int j = 0; j < k; ++j) t += c.w[j];

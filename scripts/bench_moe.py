@@ -55,7 +55,7 @@ def bench(o, ggml_type: T, n_out: int, n_in: int, x_div: int, n_slots: int, iter
     for label, float_x, glu in (("old", True, False), ("new", False, False), ("glu", False, True)):
         if glu and not swiglu:
             continue
-        experts = [Experts(c, ggml_type, shape, float_x) for c in copies]
+        experts = [Experts.from_raw(c, ggml_type, shape, float_x) for c in copies]
 
         def body(i):
             c = i // per  # with glu the up experts: the next copy (same bytes, other addresses)

@@ -131,4 +131,7 @@ ARCH_CASES = {
                                            "expert_norm": True}),
     "qwen3moe-q4_k": ("qwen3moe", T.Q4_K, {**K_CFG, "has_qk_norm": True, "n_expert": 16, "n_expert_used": 8, "n_ff_exp": 256,
                                            "expert_norm": True}),
+    # Q6_K experts go to the device planar (K4_PLANAR_EXPERTS; moe_one's Q6_K/Q6_K instance)
+    "qwen3moe-q6_k": ("qwen3moe", T.Q6_K, {**K_CFG, "has_qk_norm": True, "n_expert": 16, "n_expert_used": 8, "n_ff_exp": 256,
+                                           "expert_norm": True}),
 }

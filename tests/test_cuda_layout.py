@@ -104,3 +104,52 @@ def test_weight_layout_rejects_partial_blocks():
     bad = Tensor("w", T.Q4_K, (2, 100), t.raw)
     with pytest.raises(ValueError, match="multiple of the Q4_K block"):
         lay.weight_layout(bad, repack=True)
+
+
+# ---- stacked expert tensors (runtime/cuda/moe.py upload_experts) --------------------------------
+
+def _expert_layout_cases(xp):
+    """(host: each expert's weight_layout(repack=True) one after the other, expert_layout's result
+    on xp arrays) for every quantized type; 3 rows of 2 blocks a row: planes that need pads."""
+    rng = np.random.default_rng(5)
+    for type_name in QUANTIZED:
+        t = T[type_name]
+        E, rows, n_in = 3, 3, 2 * GGML_QUANT_SIZES[t][0]
+        experts = [random_weight(t, rows, n_in, rng) for _ in range(E)]
+        host = np.concatenate([lay.weight_layout(e, repack=True) for e in experts])
+        src = xp.asarray(np.concatenate([e.raw_bytes().reshape(-1) for e in experts]))
+        dst = xp.full(E * lay.expert_nbytes(t, (E, rows, n_in), True), 0xA5, xp.uint8)  # pads must be written too
+        lay.expert_layout(dst, src, t, (E, rows, n_in))
+        assert lay.expert_nbytes(t, (E, rows, n_in), False) * E == src.nbytes
+        yield type_name, host, dst
+
+
+def test_expert_layout_is_each_experts_planar_layout():
+    """Expert e's bytes at e * expert_nbytes are weight_layout's of its matrix with repack, so the
+    kernels read them as planar blocks of one expert (T::expert_planar); numpy arrays take the
+    load path's code."""
+    for case, host, got in _expert_layout_cases(np):
+        assert np.array_equal(got, host), case
+
+
+@pytest.mark.cuda
+def test_expert_layout_on_the_gpu_equals_the_host_layout():
+    import cupy as cp
+
+    for case, host, got in _expert_layout_cases(cp):
+        assert np.array_equal(got.get(), host), case
+
+
+def test_expert_layout_rejects_other_sizes_and_float_types():
+    src = np.zeros(2 * 3 * 210, np.uint8)
+    with pytest.raises(ValueError, match="destination bytes"):
+        lay.expert_layout(np.zeros(10, np.uint8), src, T.Q6_K, (2, 3, 256))
+    with pytest.raises(ValueError, match="no planar layout"):
+        lay.expert_layout(np.zeros(8, np.uint8), np.zeros(8, np.uint8), T.F32, (2, 1, 1))
+
+
+def test_only_types_that_say_so_go_planar_and_the_flag_keeps_them_raw():
+    from k4.runtime.cuda.moe import planar_experts
+
+    assert planar_experts(T.Q6_K, True) and not planar_experts(T.Q6_K, False)
+    assert not planar_experts(T.Q4_K, True) and not planar_experts(T.F32, True)

@@ -67,7 +67,7 @@ def test_float_x_gathered_product_reads_the_selected_experts(o, ggml_type):
     else:
         raw = random_blocks(ggml_type, E * rows, n_in, rng, 1 / np.sqrt(n_in))  # (E rows, bytes) uint8
         w = dequantize(raw, ggml_type).reshape(E, rows, n_in)
-    e = cmoe.Experts(cp.asarray(raw.reshape(-1).view(np.uint8)), ggml_type, (E, rows, n_in), float_x=True)
+    e = cmoe.Experts.from_raw(cp.asarray(raw.reshape(-1).view(np.uint8)), ggml_type, (E, rows, n_in), float_x=True)
     x = rng.standard_normal((2, n_in)).astype(np.float32)  # 2 tokens
     ids = np.array([3, 1, 0, 3], np.int32)  # token 0: experts 3, 1; token 1: 0, 3
     y = cp.zeros((4, rows), cp.float32)
@@ -91,7 +91,7 @@ def _q8_case(ggml_type, E: int, rows: int, n_in: int, n_slots: int, x_div: int, 
 
 def _run_q8(o, ggml_type, raw, ids, x, x_div: int, rows: int, n_in: int):
     """moe_gemv_q8 through gathered: y (n_slots, rows) float32 on the host (y starts as NaN)."""
-    e = cmoe.Experts(cp.asarray(raw.reshape(-1)), ggml_type, (raw.shape[0], rows, n_in))
+    e = cmoe.Experts.from_raw(cp.asarray(raw.reshape(-1)), ggml_type, (raw.shape[0], rows, n_in))
     assert e.kernel[0] == "moe_gemv.cu"
     y = cp.full((len(ids), rows), np.nan, cp.float32)
     cmoe.gathered(o, e, cp.asarray(ids), cp.asarray(x), x_div, x.shape[1], y, len(ids))
@@ -166,7 +166,7 @@ def test_q8_gathered_swiglu_is_gemv_of_the_interleaved_pair(o, ggml_type, rows, 
     raw_g, w_g, ids, x = _q8_case(ggml_type, 6, rows, n_in, n_slots, 8, seed)
     raw_u, w_u, _, _ = _q8_case(ggml_type, 6, rows, n_in, n_slots, 8, seed + 1)
     shape = (6, rows, n_in)
-    gate, up = (cmoe.Experts(cp.asarray(r.reshape(-1)), ggml_type, shape) for r in (raw_g, raw_u))
+    gate, up = (cmoe.Experts.from_raw(cp.asarray(r.reshape(-1)), ggml_type, shape) for r in (raw_g, raw_u))
     assert cmoe.fused_glu(gate, up, "silu") and not cmoe.fused_glu(gate, up, "gelu_tanh")
     y = cp.full((n_slots, rows), np.nan, cp.float32)
     cmoe.gathered(o, gate, cp.asarray(ids), cp.asarray(x), 8, x.shape[1], y, n_slots, up=up)
@@ -198,7 +198,7 @@ def test_q8_gathered_swiglu_is_gemv_of_the_interleaved_pair(o, ggml_type, rows, 
 
 def test_q8_gathered_swiglu_refuses_experts_it_cannot_fuse(o):
     rng = np.random.default_rng(3)
-    q4, q5 = (cmoe.Experts(cp.asarray(random_blocks(t, 2 * 64, 256, rng, 0.1).reshape(-1)), t, (2, 64, 256))
+    q4, q5 = (cmoe.Experts.from_raw(cp.asarray(random_blocks(t, 2 * 64, 256, rng, 0.1).reshape(-1)), t, (2, 64, 256))
               for t in (T.Q4_K, T.Q5_K))
     ids, x, y = cp.zeros(8, cp.int32), cp.zeros((1, 256), cp.float32), cp.zeros((8, 64), cp.float32)
     with pytest.raises(ValueError, match="cannot run as one launch"):
@@ -236,7 +236,7 @@ def test_routed_swiglu_routes_and_normalizes_in_each_block(o, ggml_type, E, k, r
     rng = np.random.default_rng(E + k)
     raw_g, w_g, _, _ = _q8_case(ggml_type, E, rows, n_in, 1, 1, E)
     raw_u, w_u, _, _ = _q8_case(ggml_type, E, rows, n_in, 1, 1, E + 1)
-    gate, up = (cmoe.Experts(cp.asarray(r.reshape(-1)), ggml_type, (E, rows, n_in)) for r in (raw_g, raw_u))
+    gate, up = (cmoe.Experts.from_raw(cp.asarray(r.reshape(-1)), ggml_type, (E, rows, n_in)) for r in (raw_g, raw_u))
     x1 = rng.standard_normal((1, n_in)).astype(np.float32)
     norm_w = (1 + 0.1 * rng.standard_normal(n_in)).astype(np.float32)
     logits = rng.standard_normal(E).astype(np.float32)
@@ -284,7 +284,7 @@ def rel_l2(got, want) -> float:
 def test_down_combine_adds_the_weighted_chosen_experts(o, ggml_type, E, k, rows, n_in, renorm):
     rng = np.random.default_rng(rows + k)
     raw, w, _, _ = _q8_case(ggml_type, E, rows, n_in, 1, 1, rows)
-    e = cmoe.Experts(cp.asarray(raw.reshape(-1)), ggml_type, (E, rows, n_in))
+    e = cmoe.Experts.from_raw(cp.asarray(raw.reshape(-1)), ggml_type, (E, rows, n_in))
     x = rng.standard_normal((k, n_in)).astype(np.float32)
     res = rng.standard_normal(rows).astype(np.float32)
     logits = rng.standard_normal(E).astype(np.float32)
@@ -304,7 +304,7 @@ def test_down_combine_adds_the_weighted_chosen_experts(o, ggml_type, E, k, rows,
 
 def test_down_combine_refuses_what_its_lane_groups_cannot_split(o):
     rng = np.random.default_rng(4)
-    e = cmoe.Experts(cp.asarray(random_blocks(T.Q8_0, 8 * 64, 64, rng, 0.1).reshape(-1)), T.Q8_0, (8, 64, 64))
+    e = cmoe.Experts.from_raw(cp.asarray(random_blocks(T.Q8_0, 8 * 64, 64, rng, 0.1).reshape(-1)), T.Q8_0, (8, 64, 64))
     route_ = cmoe.Route(cp.zeros(8, cp.float32), 8, True)
     with pytest.raises(ValueError, match="k dividing 32"):
         cmoe.down_combine(o, e, route_, cp.zeros((3, 64), cp.float32), cp.zeros(64, cp.float32), cp.zeros(64, cp.float32))
@@ -361,6 +361,20 @@ def test_decode_in_one_launch_has_the_bits_of_three(tiny_model, monkeypatch):
         assert (a.view(np.uint32) == b.view(np.uint32)).all()
 
 
+def test_planar_experts_change_no_bit(tiny_model, monkeypatch):
+    """K4_PLANAR_EXPERTS: Q6_K expert tensors (gate, up and down of every layer) go to the device
+    planar (layout.expert_layout at load, T::expert_planar in every MoE kernel, moe_one's down loads
+    before its block's arrival), and the logits of the prompt's prefill and three decode steps are
+    those of the raw blocks (K4_PLANAR_EXPERTS=0), bit for bit."""
+    from k4.runtime.cuda import layout
+
+    mf = tiny_model("qwen3moe-q6_k")
+    out, counts = _decode_steps(mf, monkeypatch, "K4_PLANAR_EXPERTS", ("1", "0"), layout, "expert_layout", 10)
+    assert counts == {"1": 3 * mf.config.n_layer, "0": 0}
+    for a, b in zip(out["1"], out["0"]):
+        assert (a.view(np.uint32) == b.view(np.uint32)).all()
+
+
 # ---- prefill's slots grouped by expert (runtime/cuda/moe_grouped.py) -----------------------------
 
 @pytest.mark.parametrize("n_slots,E", [(72, 6), (4096, 128), (4096, 5)])
@@ -402,11 +416,11 @@ def test_grouped_products_are_the_gathered_ones(o, ggml_type, glu, passes, monke
     seed = zlib.crc32(f"grouped {ggml_type.name} {glu}".encode())
     raw, _, ids, x = _q8_case(ggml_type, E, rows, n_in, n_tok * k, x_div, seed)
     ids[ids == 3] = 2  # an expert nobody chose
-    gate = cmoe.Experts(cp.asarray(raw.reshape(-1)), ggml_type, (E, rows, n_in))
+    gate = cmoe.Experts.from_raw(cp.asarray(raw.reshape(-1)), ggml_type, (E, rows, n_in))
     up = None
     if glu:
         raw_u, _, _, _ = _q8_case(ggml_type, E, rows, n_in, 1, 1, seed + 1)
-        up = cmoe.Experts(cp.asarray(raw_u.reshape(-1)), ggml_type, (E, rows, n_in))
+        up = cmoe.Experts.from_raw(cp.asarray(raw_u.reshape(-1)), ggml_type, (E, rows, n_in))
     n_slots, d_ids, d_x = n_tok * k, cp.asarray(ids), cp.asarray(x)
     want = cp.full((n_slots, rows), np.nan, cp.float32)
     cmoe.gathered(o, gate, d_ids, d_x, x_div, x.shape[1], want, n_slots, up=up)

@@ -33,13 +33,13 @@ def o():
 
 def _experts(rng, t, E: int, rows: int, n_in: int) -> cmoe.Experts:
     raw = random_blocks(t, E * rows, n_in, rng, 1 / np.sqrt(n_in), full_range=True)
-    return cmoe.Experts(cp.asarray(raw.reshape(-1)), t, (E, rows, n_in))
+    return cmoe.Experts.from_raw(cp.asarray(raw.reshape(-1)), t, (E, rows, n_in))
 
 
 def _layer(seed: int, gate_t, down_t, E: int, n_embd: int, n_ff: int) -> cmoe.MoeWeights:
     rng = np.random.default_rng(seed)
     router = (rng.standard_normal((E, n_embd)) / np.sqrt(n_embd)).astype(np.float32)
-    r = cmoe.Experts(cp.asarray(router.view(np.uint8).reshape(-1)), T.F32, (1, E, n_embd), float_x=True)
+    r = cmoe.Experts.from_raw(cp.asarray(router.view(np.uint8).reshape(-1)), T.F32, (1, E, n_embd), float_x=True)
     return cmoe.MoeWeights(r, _experts(rng, gate_t, E, n_ff, n_embd), _experts(rng, gate_t, E, n_ff, n_embd),
                            _experts(rng, down_t, E, n_embd, n_ff))
 

@@ -90,17 +90,22 @@ class QuantLayout:
             field offsets; the last one is the block size): common.cuh T::cut.
     x_swizzle: the rotation of its q8 x units (common.cuh x_unit_slot): T::x_swizzle.
     handoff: its SwiGLU gemv instance can also write its output as a q8 x (gemv y_q8): T::handoff.
+    expert_planar: its stacked expert tensors go to the device in the planar layout, expert by
+            expert (layout.expert_layout), unless K4_PLANAR_EXPERTS=0: T::expert_planar. For types
+            whose raw blocks are not 16-byte aligned, where a raw load shifts two wide words as
+            they land and so stalls the warp that issues it (docs/PERF.md, session 33).
     """
 
     groups: tuple[int, ...]
     x_swizzle: int = 1
     handoff: bool = True
+    expert_planar: bool = False
 
 
 QUANT_LAYOUTS: dict[T, QuantLayout] = {
     T.Q4_K: QuantLayout((0, 16, 144)),                        # d dmin scales | qs
     T.Q5_K: QuantLayout((0, 16, 48, 176)),                    # d dmin scales | qh | qs
-    T.Q6_K: QuantLayout((0, 128, 192, 208, 210), x_swizzle=2),  # ql | qh | scales | d
+    T.Q6_K: QuantLayout((0, 128, 192, 208, 210), x_swizzle=2, expert_planar=True),  # ql | qh | scales | d
     T.Q8_0: QuantLayout((0, 2, 34)),                          # d | qs
     T.Q5_0: QuantLayout((0, 2, 6, 22), handoff=False),        # d | qh | qs
     T.Q5_1: QuantLayout((0, 2, 4, 8, 24), handoff=False),     # d | m | qh | qs
@@ -263,7 +268,7 @@ def defines() -> tuple[str, ...]:
         elems, nbytes = _ggml(t)
         out += [f"K4_QK_{t.name}={elems}", f"K4_BLOCK_BYTES_{t.name}={nbytes}", f"K4_CHUNK_{t.name}={chunk_elems(t)}",
                 f"K4_GROUPS_{t.name}={_list(q.groups)}", f"K4_X_SWIZZLE_{t.name}={q.x_swizzle}",
-                f"K4_HANDOFF_{t.name}={int(q.handoff)}"]
+                f"K4_HANDOFF_{t.name}={int(q.handoff)}", f"K4_EXPERT_PLANAR_{t.name}={int(q.expert_planar)}"]
     tables = {
         "K4_CHECK_Q8X": [v for n in _CHECK_Q8X_N for v in (n, *q8x_offsets(n))],
         "K4_CHECK_ATT_SMEM": [v for d in _CHECK_HEAD_DIMS for v in (d, att_smem(d))],

@@ -54,7 +54,9 @@ def moe_down_name(decoder: str) -> str:
 # it is built for, Q4_K_M's and Q6_K's, and per down decoder (DU, EARLY): its down rows' chunks in
 # flight per lane (3: a row of 768 weights in one round; 4 spilled with Q6_K), and whether a warp
 # loads its first down row before its block's flag goes out (Q4_K: measured faster) or after (raw
-# Q6_K's loads stall the warp; before, they held the flag back: PERF.md session 23). The block is the
+# Q6_K's loads stall the warp; before, they held the flag back: PERF.md session 23). Experts stored
+# planar (constants.QuantLayout.expert_planar: Q6_K unless K4_PLANAR_EXPERTS=0) load before it
+# whatever the flag says (moe_one.cu). The block is the
 # SwiGLU launch's (MOE_Q8_GLU_VARIANTS: 16 warps for these), so the RMSNorm's block sums, and x's
 # 8 bits, are that launch's.
 MOE_ONE_PAIRS = (("type_q4_K", "type_q4_K"), ("type_q4_K", "type_q6_K"), ("type_q6_K", "type_q6_K"))

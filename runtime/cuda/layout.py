@@ -3,7 +3,8 @@
 blocks, each plane padded to 16 bytes, so every wide field is 16-byte aligned whatever the block
 size), and several tensors stacked or gate/up interleaved into one matrix. weight_layout builds
 it on the host (tests, microbenchmarks); the load path uploads the file's bytes and
-device_layout rearranges them on the GPU. Layouts: ggml-common.h.
+device_layout rearranges them on the GPU. A stacked expert tensor keeps its experts apart, each
+planar on its own where its type says so (expert_layout). Layouts: ggml-common.h.
 """
 
 from __future__ import annotations
@@ -151,5 +152,45 @@ def device_layout(dst, src, spec: MatrixSpec | Tensor, repack: bool, glu: bool, 
         if pad:
             dst[off + nblk * (b - a) : off + nblk * (b - a) + pad] = 0
         off += nblk * (b - a) + pad
+        if trace:
+            trace.launch(1 + bool(pad))
+
+
+# ---- expert tensors (runtime/cuda/moe.py): expert by expert, each raw or planar -----------------
+
+def expert_nbytes(ggml_type: T, shape: tuple[int, int, int], planar: bool) -> int:
+    """Device bytes of one expert of a stacked expert tensor of `shape` (n_expert, n_out, n_in):
+    its planar layout's (planes padded to 16) with `planar`, else its blocks as in the file."""
+    _, n_out, n_in = shape
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    nblk = n_out * n_in // block
+    return planar_nbytes(ggml_type, nblk) if planar else nblk * size
+
+
+def expert_layout(dst, src, ggml_type: T, shape: tuple[int, int, int], trace: Trace | None = None) -> None:
+    """Write into `dst` the planar layout of each expert of a stacked expert tensor, expert e's at
+    e * expert_nbytes(ggml_type, shape, True) (what weight_layout gives that expert's matrix with
+    repack), from `src`, the tensor's bytes as the file holds them. dst: uint8 (n_expert *
+    expert_nbytes,); src: uint8 (the file's bytes,); cupy arrays (copies on the current stream, a
+    launch per plane and pad, counted in `trace`) or numpy ones alike; allocates nothing. Raises
+    ValueError for a type without planes or sizes that do not match."""
+    if ggml_type not in QUANT:
+        raise ValueError(f"expert tensors of {ggml_type.name} have no planar layout")
+    n_expert, n_out, n_in = shape
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    nblk = n_out * n_in // block
+    slab = expert_nbytes(ggml_type, shape, True)
+    if n_in % block or src.nbytes != n_expert * nblk * size or dst.nbytes != n_expert * slab:
+        raise ValueError(f"expert_layout of {ggml_type.name} {shape}: got {src.nbytes} source and {dst.nbytes} destination bytes")
+    blocks = src.reshape(n_expert, nblk, size)
+    out = dst.reshape(n_expert, slab)
+    off = 0
+    for a, b in pairwise(QUANT[ggml_type].groups):
+        n = nblk * (b - a)
+        out[:, off : off + n].reshape(n_expert, nblk, b - a)[...] = blocks[:, :, a:b]
+        pad = _round16(n) - n
+        if pad:
+            out[:, off + n : off + n + pad] = 0
+        off += n + pad
         if trace:
             trace.launch(1 + bool(pad))

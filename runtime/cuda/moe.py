@@ -1,8 +1,10 @@
 """Mixture of experts on the GPU (qwen3moe, qwen2moe): the expert weights, their buffers and the
 feed-forward step of runtime/cuda/forward.py; the twin of runtime/moe.py (numpy).
 
-Weights: each stacked expert tensor (n_expert, n_out, n_in) goes to the device as in the file
-(raw ggml blocks, expert e at e * expert_bytes; no repack), the router and the shared expert's
+Weights: each stacked expert tensor (n_expert, n_out, n_in) goes to the device expert by expert
+(expert e at e * expert_bytes): as in the file (raw ggml blocks), or, for a type whose
+constants.QuantLayout says expert_planar (Q6_K) and unless K4_PLANAR_EXPERTS=0, each expert in the
+planar layout (layout.expert_layout), which the kernels read as T::expert_planar says; the router and the shared expert's
 matrices as ordinary DeviceWeights (weights.matrix_plan takes every 2-D tensor), the shared
 expert's gate as an f32 vector. Routing stays on the device (kernels_cu/moe.cu): router product,
 moe_topk writing (k ids, k weights) per token, the gathered products of the selected experts
@@ -23,7 +25,7 @@ import numpy as np
 
 from ..model import ModelConfig, ModelFile
 from ..errors import UnsupportedModelError
-from .constants import MOE_MAX_K, MOE_WARPS as ROW_WARPS, ROUTER_THREADS, q8x_bytes
+from .constants import MOE_MAX_K, MOE_WARPS as ROW_WARPS, QUANT_LAYOUTS, ROUTER_THREADS, q8x_bytes
 from .kernel_names import MOE_DOWN_VARIANT, MOE_Q8_GLU_VARIANTS, MOE_Q8_VARIANTS, moe_down_name, moe_grouped_name, moe_q8_name
 from .quant_kernels import FLOAT, QUANT
 from . import moe_grouped, moe_one
@@ -39,15 +41,32 @@ def router_name(t) -> str:
 
 @dataclass
 class Experts:
-    """One stacked expert tensor on the device: data (n_expert * expert_bytes,) uint8 in the
-    file's ggml blocks; shape (n_expert, n_out, n_in); float_x: its products run on float32 x
-    even when quantized (the router: 8-bit x could pick other experts than the reference)."""
+    """One stacked expert tensor on the device: data (n_expert * expert_bytes,) uint8, each
+    expert in the file's ggml blocks or, with planar, in the planar layout (layout.expert_layout);
+    shape (n_expert, n_out, n_in); float_x: its products run on float32 x even when quantized (the
+    router: 8-bit x could pick other experts than the reference)."""
 
     data: object
     ggml_type: object
     shape: tuple[int, int, int]
     float_x: bool = False
+    planar: bool = False
     _grids: dict = field(default_factory=dict, repr=False, compare=False)  # (n_slots, glu) -> gathered's launch plan
+
+    @classmethod
+    def from_raw(cls, raw, ggml_type, shape: tuple[int, int, int], float_x: bool = False, planar: bool = True) -> Experts:
+        """The Experts of a stacked tensor given as the file holds it (raw: cupy uint8), laid out
+        as upload_experts lays it out: a new planar array where planar_experts(ggml_type, planar),
+        else raw itself. planar: flag K4_PLANAR_EXPERTS, as the kernels were compiled."""
+        if not planar_experts(ggml_type, planar):
+            return cls(raw, ggml_type, shape, float_x)
+        import cupy as cp
+
+        from .layout import expert_layout, expert_nbytes
+
+        out = cp.empty(shape[0] * expert_nbytes(ggml_type, shape, True), cp.uint8)
+        expert_layout(out, raw, ggml_type, shape)
+        return cls(out, ggml_type, shape, float_x, True)
 
     @property
     def expert_bytes(self) -> int:
@@ -151,23 +170,49 @@ def expert_bytes(mf: ModelFile, cfg: ModelConfig) -> int:
     return sum(mf.tensor(f"blk.{i}.{n}.weight").n_bytes for i in range(cfg.n_layer) for n in EXPERT_TENSORS) if cfg.n_expert else 0
 
 
-def upload_experts(mem, up, mf: ModelFile, cfg: ModelConfig) -> dict:
+def planar_experts(t, on: bool) -> bool:
+    """Whether expert tensors of ggml type t go to the device planar: on (flag K4_PLANAR_EXPERTS,
+    which also compiles the kernels' T::expert_planar) and the type's QuantLayout.expert_planar."""
+    return on and t in QUANT_LAYOUTS and QUANT_LAYOUTS[t].expert_planar
+
+
+def scratch_bytes(mf: ModelFile, cfg: ModelConfig, planar: bool) -> int:
+    """The largest expert tensor that upload_experts passes through scratch (0: none)."""
+    names = (f"blk.{i}.{n}.weight" for i in range(cfg.n_layer if cfg.n_expert else 0) for n in EXPERT_TENSORS)
+    return max((t.n_bytes for t in map(mf.tensor, names) if planar_experts(t.ggml_type, planar)), default=0)
+
+
+def upload_experts(mem, up, mf: ModelFile, cfg: ModelConfig, planar: bool = True, scratch=None, copy_stream=None,
+                   trace=None) -> dict:
     """Upload every layer's stacked expert tensors and router (an Experts of one expert, so its
     product runs in float32 through the same kernel: a router rounded to fp16 on tensor cores
     could pick other experts than the reference) with memory.Uploader `up` into buffers of
-    memory.DeviceMemory `mem`: tensor name -> Experts."""
+    memory.DeviceMemory `mem`: tensor name -> Experts. planar: flag K4_PLANAR_EXPERTS; a tensor
+    of a type that goes planar lands in `scratch` (cupy uint8 of at least scratch_bytes) and
+    layout.expert_layout rearranges it on `copy_stream` (up's stream), counted in `trace`."""
     import cupy as cp
+
+    from .layout import expert_layout, expert_nbytes
 
     out = {}
     for i in range(cfg.n_layer if cfg.n_expert else 0):
         for n in EXPERT_TENSORS:
             t = mf.tensor(f"blk.{i}.{n}.weight")
-            buf = mem.empty(t.n_bytes, cp.uint8, "weights")
+            shape = t.shape if len(t.shape) == 3 else (1, *t.shape)
+            pl = planar_experts(t.ggml_type, planar)
+            buf = mem.empty(shape[0] * expert_nbytes(t.ggml_type, shape, True) if pl else t.n_bytes, cp.uint8, "weights")
+            target, then = buf, None
+            if pl:
+                target = scratch[: t.n_bytes]
+
+                def then(buf=buf, target=target, t=t, shape=shape) -> None:
+                    with copy_stream:
+                        expert_layout(buf, target, t.ggml_type, shape, trace)
             if t.file_offset is None:
-                up.upload(buf.data.ptr, t.raw_bytes())
+                up.upload(target.data.ptr, t.raw_bytes(), then)
             else:
-                up.upload_file(buf.data.ptr, mf.path, t.file_offset, t.n_bytes)
-            out[t.name] = Experts(buf, t.ggml_type, t.shape if len(t.shape) == 3 else (1, *t.shape), n == "ffn_gate_inp")
+                up.upload_file(target.data.ptr, mf.path, t.file_offset, t.n_bytes, then)
+            out[t.name] = Experts(buf, t.ggml_type, shape, n == "ffn_gate_inp", pl)
     return out
 
 

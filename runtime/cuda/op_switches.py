@@ -29,6 +29,8 @@ class OpSwitches:
     dyn_split: decode attention sizes each step's splits on the device (K4_DYN_SPLIT).
     shared_merge: attn_gqa's last blocks of a KV head share its merge (K4_SHARED_MERGE).
     short_attn: short decode ranges over an fp16 cache on attn_short (K4_SHORT_ATTN).
+    planar_experts: the MoE kernels read Q6_K expert tensors planar (K4_PLANAR_EXPERTS; compiled in
+        as T::expert_planar, so it must match how runtime/cuda/moe.py uploaded them).
     """
 
     pdl: bool = False
@@ -42,6 +44,7 @@ class OpSwitches:
     dyn_split: bool = True
     shared_merge: bool = True
     short_attn: bool = True
+    planar_experts: bool = True
 
     @classmethod
     def from_flags(cls, flags: Flags) -> OpSwitches:
@@ -51,4 +54,5 @@ class OpSwitches:
 
 FLAG_OF = {"pdl": "K4_PDL", "tiled": "K4_TILED_ATTN", "mma": "K4_MMA_ATTN", "evict_first": "K4_EVICT_FIRST",
            "gqa": "K4_GQA_MMA", "gqa_cols": "K4_GQA_COLS", "gqa_int8": "K4_GQA_INT8", "attn_q8": "K4_ATTN_Q8",
-           "dyn_split": "K4_DYN_SPLIT", "shared_merge": "K4_SHARED_MERGE", "short_attn": "K4_SHORT_ATTN"}
+           "dyn_split": "K4_DYN_SPLIT", "shared_merge": "K4_SHARED_MERGE", "short_attn": "K4_SHORT_ATTN",
+           "planar_experts": "K4_PLANAR_EXPERTS"}

@@ -74,7 +74,7 @@ class Ops(AttentionLaunchers):
         return self._functions[key]
 
     def _defines(self) -> tuple[str, ...]:
-        return () if self.sw.evict_first else ("K4_EVICT_FIRST=0",)
+        return (() if self.sw.evict_first else ("K4_EVICT_FIRST=0",)) + (() if self.sw.planar_experts else ("K4_PLANAR_EXPERTS=0",))
 
     def kernels_for(self, head_dim: int, group: int = 1) -> list[tuple[str, str]]:
         """(file, kernel) of every kernel a model of head_dim and `group` query heads per KV

@@ -24,7 +24,7 @@ from ..rope import RopeTable, factor_tensor, rope_table
 from ..trace import Trace
 from ..weights import dequantize_tensor
 from . import layout, matmul, memory
-from .moe import layer_moe, upload_experts
+from .moe import layer_moe, scratch_bytes as moe_scratch_bytes, upload_experts
 
 STACKED = ("attn_q", "attn_k", "attn_v", "attn_qkv", "ffn_gate", "ffn_up")  # per-layer tensors uploaded as Projections
 
@@ -37,6 +37,7 @@ class WeightOptions:
     stack: bool = True  # K4_STACK: q/k/v (and gate/up) runs of one type as one matrix
     glu: bool = True  # K4_FUSE_SWIGLU: gate/up interleaved for the SwiGLU epilogue
     pinned: bool = True  # K4_PINNED_UPLOAD: pinned staging buffers, reader threads
+    planar_experts: bool = True  # K4_PLANAR_EXPERTS: expert tensors of some types planar (moe.planar_experts)
     matrix: matmul.WeightOptions = field(default_factory=matmul.WeightOptions)
 
 
@@ -171,6 +172,7 @@ class WeightLoader:
         plan = matrix_plan(mf, cfg, self.opts)
         tmp = max([sum(t.n_bytes for t in tensors) for _, tensors, glu in plan
                    if layout.needs_device_layout(tensors[0], self.opts.repack, glu)] or [0])
+        tmp = max(tmp, moe_scratch_bytes(mf, cfg, self.opts.planar_experts))
         load_tmp = self.mem.empty(max(tmp, 1), cp.uint8, "scratch")  # file bytes awaiting device_layout
         up = memory.Uploader(self.trace, self.copy_stream, weight_bytes(mf, cfg), self.opts.pinned, progress)
         try:
@@ -180,7 +182,7 @@ class WeightLoader:
                     dev[name] = self._vector(up, dequantize_tensor(mf.tensor(name)))  # (n,) f32
             rope = model_rope_table(mf, cfg, n_ctx or cfg.n_ctx_train)
             dev["rope_freqs.weight"] = self._vector(up, rope.inv_freq)  # (rope_dim/2,) f64
-            dev.update(upload_experts(self.mem, up, mf, cfg))  # stacked expert tensors, as in the file
+            dev.update(upload_experts(self.mem, up, mf, cfg, self.opts.planar_experts, load_tmp, self.copy_stream, self.trace))
             if cfg.swa_layers:
                 dev["rope_freqs_swa"] = self._vector(up, swa_inv_freq(cfg))  # (rope_dim/2,) f64
             biases = {}
