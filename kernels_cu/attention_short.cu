@@ -101,8 +101,8 @@ attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __res
     const size_t row_p = (size_t)(p & ring) * kv_stride + head_off;
     if (fresh_q) {
         const auto cs = [&](int i) { return make_float2(tab[i], tab[rope_dim / 2 + i]); };
-        if (warp == 0) k4ops::rope_apply(fresh_q + (size_t)h * D, qs, nullptr, q_norm, eps, D, rope_dim, neox, lane, cs);
-        if (warp == 1 && mine) k4ops::rope_apply(fresh_k + head_off, nullptr, kcur, k_norm, eps, D, rope_dim, neox, lane, cs);
+        if (warp == 0) k4ops::rope_apply<D>(fresh_q + (size_t)h * D, qs, nullptr, q_norm, eps, D, rope_dim, neox, lane, cs);
+        if (warp == 1 && mine) k4ops::rope_apply<D>(fresh_k + head_off, nullptr, kcur, k_norm, eps, D, rope_dim, neox, lane, cs);
         if (warp == 2 && mine)
             for (int i = lane; i < D; i += 32) vcur[i] = f32_to_f16(fresh_v[head_off + i]);
     } else {

@@ -121,49 +121,113 @@ __device__ __forceinline__ void rope_table(const double* __restrict__ inv_freq, 
 // dst_f16 is non-null. The rotation's roundings are written out (what nvcc made of x_a c - x_b s
 // and x_a s + x_b c until session 22), so every kernel that rotates gives the same bits whatever
 // the compiler would contract where cs(i) comes from (attention_short.cu's table, rope_row's sincos).
-template <class CosSin>
+// MAXD > 0 (D <= MAXD, a compile-time bound): every value a lane reads is loaded before any is
+// used (at most MAXD / 32 a lane), so the row costs one round trip to memory where the loop of
+// load-then-use steps (MAXD 0: for kernels whose registers are capped, attention.cu's) costs one a
+// step (docs/PERF.md, session 33). The arithmetic and its order are the same, so are the bits.
+template <int MAXD = 0, class CosSin>
 __device__ __forceinline__ void rope_apply(const float* src, float* dst_f32, u16* dst_f16, const float* __restrict__ norm_w, float eps,
                                            int D, int rope_dim, int neox, int lane, CosSin cs) {
-    float scale = 1.0f;
-    if (norm_w != nullptr) {
-        float ss = 0.0f;
-        for (int i = lane; i < D; i += 32) ss += src[i] * src[i];
-        ss = ::warp_sum(ss);
-        scale = rsqrtf(ss / (float)D + eps);
-    }
-    const int half_dim = rope_dim / 2;
-    for (int i = lane; i < half_dim; i += 32) {
-        const int a = neox ? i : 2 * i;
-        const int b = neox ? i + half_dim : 2 * i + 1;
-        float xa = src[a] * scale, xb = src[b] * scale;
+    if constexpr (MAXD == 0) {
+        float scale = 1.0f;
         if (norm_w != nullptr) {
-            xa *= norm_w[a];
-            xb *= norm_w[b];
+            float ss = 0.0f;
+            for (int i = lane; i < D; i += 32) ss += src[i] * src[i];
+            ss = ::warp_sum(ss);
+            scale = rsqrtf(ss / (float)D + eps);
         }
-        const float2 r = cs(i);
-        const float ya = __fsub_rn(__fmul_rn(xa, r.x), __fmul_rn(xb, r.y));
-        const float yb = __fmaf_rn(xa, r.y, __fmul_rn(xb, r.x));
-        if (dst_f32 != nullptr) {
-            dst_f32[a] = ya;
-            dst_f32[b] = yb;
-        } else {
-            dst_f16[a] = f32_to_f16(ya);
-            dst_f16[b] = f32_to_f16(yb);
+        const int half_dim = rope_dim / 2;
+        for (int i = lane; i < half_dim; i += 32) {
+            const int a = neox ? i : 2 * i;
+            const int b = neox ? i + half_dim : 2 * i + 1;
+            float xa = src[a] * scale, xb = src[b] * scale;
+            if (norm_w != nullptr) {
+                xa *= norm_w[a];
+                xb *= norm_w[b];
+            }
+            const float2 r = cs(i);
+            const float ya = __fsub_rn(__fmul_rn(xa, r.x), __fmul_rn(xb, r.y));
+            const float yb = __fmaf_rn(xa, r.y, __fmul_rn(xb, r.x));
+            if (dst_f32 != nullptr) {
+                dst_f32[a] = ya;
+                dst_f32[b] = yb;
+            } else {
+                dst_f16[a] = f32_to_f16(ya);
+                dst_f16[b] = f32_to_f16(yb);
+            }
         }
-    }
-    for (int i = rope_dim + lane; i < D; i += 32) {
-        const float x = src[i] * scale * (norm_w != nullptr ? norm_w[i] : 1.0f);
-        if (dst_f32 != nullptr) dst_f32[i] = x;
-        else dst_f16[i] = f32_to_f16(x);
+        for (int i = rope_dim + lane; i < D; i += 32) {
+            const float x = src[i] * scale * (norm_w != nullptr ? norm_w[i] : 1.0f);
+            if (dst_f32 != nullptr) dst_f32[i] = x;
+            else dst_f16[i] = f32_to_f16(x);
+        }
+    } else {
+        constexpr int V = MAXD / 32, J = MAXD / 64;
+        if (D > MAXD) __trap();
+        const int half_dim = rope_dim / 2;
+        const bool norm = norm_w != nullptr;
+        float xs[V], xt[V], xa[J], xb[J];  // the norm's pass, the part past rope_dim, the pairs
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const int i = lane + 32 * k;
+            xs[k] = norm && i < D ? src[i] : 0.0f;
+            xt[k] = rope_dim + i < D ? src[rope_dim + i] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+            const int i = lane + 32 * j;
+            xa[j] = i < half_dim ? src[neox ? i : 2 * i] : 0.0f;
+            xb[j] = i < half_dim ? src[neox ? i + half_dim : 2 * i + 1] : 0.0f;
+        }
+        float scale = 1.0f;
+        if (norm) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int k = 0; k < V; ++k)
+                if (lane + 32 * k < D) ss += xs[k] * xs[k];
+            ss = ::warp_sum(ss);
+            scale = rsqrtf(ss / (float)D + eps);
+        }
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+            const int i = lane + 32 * j;
+            if (i >= half_dim) break;
+            const int a = neox ? i : 2 * i;
+            const int b = neox ? i + half_dim : 2 * i + 1;
+            float x_a = xa[j] * scale, x_b = xb[j] * scale;
+            if (norm) {
+                x_a *= norm_w[a];
+                x_b *= norm_w[b];
+            }
+            const float2 r = cs(i);  // the loop's roundings, written out as above
+            const float ya = __fsub_rn(__fmul_rn(x_a, r.x), __fmul_rn(x_b, r.y));
+            const float yb = __fmaf_rn(x_a, r.y, __fmul_rn(x_b, r.x));
+            if (dst_f32 != nullptr) {
+                dst_f32[a] = ya;
+                dst_f32[b] = yb;
+            } else {
+                dst_f16[a] = f32_to_f16(ya);
+                dst_f16[b] = f32_to_f16(yb);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const int i = rope_dim + lane + 32 * k;
+            if (i >= D) break;
+            const float x = xt[k] * scale * (norm ? norm_w[i] : 1.0f);
+            if (dst_f32 != nullptr) dst_f32[i] = x;
+            else dst_f16[i] = f32_to_f16(x);
+        }
     }
 }
 
 // rope_apply at position p, each pair's rotation computed as it is used.
+template <int MAXD = 0>
 __device__ __forceinline__ void rope_row(const float* src, float* dst_f32, u16* dst_f16,
                                          const float* __restrict__ norm_w, float eps,
                                          const double* __restrict__ inv_freq, double p, int D, int rope_dim,
                                          int neox, int lane, float mscale) {
-    rope_apply(src, dst_f32, dst_f16, norm_w, eps, D, rope_dim, neox, lane,
+    rope_apply<MAXD>(src, dst_f32, dst_f16, norm_w, eps, D, rope_dim, neox, lane,
                [&](int i) { return rope_cos_sin(inv_freq, p, i, mscale); });
 }
 
