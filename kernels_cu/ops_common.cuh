@@ -115,6 +115,19 @@ __device__ __forceinline__ void rope_table(const double* __restrict__ inv_freq, 
     }
 }
 
+// Pair (a, b) of values (xa, xb) turned by r = (cos, sin) into dst_f32 or dst_f16 (rope_apply).
+__device__ __forceinline__ void rope_turn(float xa, float xb, float2 r, int a, int b, float* dst_f32, u16* dst_f16) {
+    const float ya = __fsub_rn(__fmul_rn(xa, r.x), __fmul_rn(xb, r.y));
+    const float yb = __fmaf_rn(xa, r.y, __fmul_rn(xb, r.x));
+    if (dst_f32 != nullptr) {
+        dst_f32[a] = ya;
+        dst_f32[b] = yb;
+    } else {
+        dst_f16[a] = f32_to_f16(ya);
+        dst_f16[b] = f32_to_f16(yb);
+    }
+}
+
 // RoPE of one head row (D values) by one warp, as rope.cu describes (optional per-head RMSNorm
 // first, pairs (2i, 2i+1) or NeoX (i, i + rope_dim/2), pair i turned by cs(i), its (cos, sin) as
 // rope_cos_sin gives them): src may alias dst_f32 (q is rotated in place); exactly one of dst_f32 /
@@ -145,16 +158,7 @@ __device__ __forceinline__ void rope_apply(const float* src, float* dst_f32, u16
                 xa *= norm_w[a];
                 xb *= norm_w[b];
             }
-            const float2 r = cs(i);
-            const float ya = __fsub_rn(__fmul_rn(xa, r.x), __fmul_rn(xb, r.y));
-            const float yb = __fmaf_rn(xa, r.y, __fmul_rn(xb, r.x));
-            if (dst_f32 != nullptr) {
-                dst_f32[a] = ya;
-                dst_f32[b] = yb;
-            } else {
-                dst_f16[a] = f32_to_f16(ya);
-                dst_f16[b] = f32_to_f16(yb);
-            }
+            rope_turn(xa, xb, cs(i), a, b, dst_f32, dst_f16);
         }
         for (int i = rope_dim + lane; i < D; i += 32) {
             const float x = src[i] * scale * (norm_w != nullptr ? norm_w[i] : 1.0f);
@@ -199,16 +203,7 @@ __device__ __forceinline__ void rope_apply(const float* src, float* dst_f32, u16
                 x_a *= norm_w[a];
                 x_b *= norm_w[b];
             }
-            const float2 r = cs(i);  // the loop's roundings, written out as above
-            const float ya = __fsub_rn(__fmul_rn(x_a, r.x), __fmul_rn(x_b, r.y));
-            const float yb = __fmaf_rn(x_a, r.y, __fmul_rn(x_b, r.x));
-            if (dst_f32 != nullptr) {
-                dst_f32[a] = ya;
-                dst_f32[b] = yb;
-            } else {
-                dst_f16[a] = f32_to_f16(ya);
-                dst_f16[b] = f32_to_f16(yb);
-            }
+            rope_turn(x_a, x_b, cs(i), a, b, dst_f32, dst_f16);
         }
 #pragma unroll
         for (int k = 0; k < V; ++k) {
