@@ -4,9 +4,9 @@ feed-forward step of runtime/cuda/forward.py; the twin of runtime/moe.py (numpy)
 Weights: each stacked expert tensor (n_expert, n_out, n_in) goes to the device expert by expert
 (expert e at e * expert_bytes): as in the file (raw ggml blocks), or, for a type whose
 constants.QuantLayout says expert_planar (Q6_K) and unless K4_PLANAR_EXPERTS=0, each expert in the
-planar layout (layout.expert_layout), which the kernels read as T::expert_planar says; the router and the shared expert's
-matrices as ordinary DeviceWeights (weights.matrix_plan takes every 2-D tensor), the shared
-expert's gate as an f32 vector. Routing stays on the device (kernels_cu/moe.cu): router product,
+planar layout (layout.expert_layout), which the kernels read as T::expert_planar says; the router
+and the shared expert's matrices as ordinary DeviceWeights (weights.matrix_plan takes every 2-D
+tensor), the shared expert's gate as an f32 vector. Routing stays on the device (kernels_cu/moe.cu): router product,
 moe_topk writing (k ids, k weights) per token, the gathered products of the selected experts
 reading those ids (one launch per matrix over every (token, slot); quantized experts with 8-bit
 x and dp4a, kernels_cu/moe_gemv.cu, float ones and the router on float x), SwiGLU, moe_combine adding
