@@ -42,15 +42,15 @@ def router_name(t) -> str:
 @dataclass
 class Experts:
     """One stacked expert tensor on the device: data (n_expert * expert_bytes,) uint8, each
-    expert in the file's ggml blocks or, with planar, in the planar layout (layout.expert_layout);
-    shape (n_expert, n_out, n_in); float_x: its products run on float32 x even when quantized (the
-    router: 8-bit x could pick other experts than the reference)."""
+    expert in the file's ggml blocks or, where planar_experts says so, in the planar layout
+    (layout.expert_layout), as the kernels read it (T::expert_planar); shape (n_expert, n_out,
+    n_in); float_x: its products run on float32 x even when quantized (the router: 8-bit x could
+    pick other experts than the reference)."""
 
     data: object
     ggml_type: object
     shape: tuple[int, int, int]
     float_x: bool = False
-    planar: bool = False
     _grids: dict = field(default_factory=dict, repr=False, compare=False)  # (n_slots, glu) -> gathered's launch plan
 
     @classmethod
@@ -66,7 +66,7 @@ class Experts:
 
         out = cp.empty(shape[0] * expert_nbytes(ggml_type, shape, True), cp.uint8)
         expert_layout(out, raw, ggml_type, shape)
-        return cls(out, ggml_type, shape, float_x, True)
+        return cls(out, ggml_type, shape, float_x)
 
     @property
     def expert_bytes(self) -> int:
@@ -182,8 +182,7 @@ def scratch_bytes(mf: ModelFile, cfg: ModelConfig, planar: bool) -> int:
     return max((t.n_bytes for t in map(mf.tensor, names) if planar_experts(t.ggml_type, planar)), default=0)
 
 
-def upload_experts(mem, up, mf: ModelFile, cfg: ModelConfig, planar: bool = True, scratch=None, copy_stream=None,
-                   trace=None) -> dict:
+def upload_experts(mem, up, mf: ModelFile, cfg: ModelConfig, planar: bool, scratch, copy_stream, trace) -> dict:
     """Upload every layer's stacked expert tensors and router (an Experts of one expert, so its
     product runs in float32 through the same kernel: a router rounded to fp16 on tensor cores
     could pick other experts than the reference) with memory.Uploader `up` into buffers of
@@ -212,7 +211,7 @@ def upload_experts(mem, up, mf: ModelFile, cfg: ModelConfig, planar: bool = True
                 up.upload(target.data.ptr, t.raw_bytes(), then)
             else:
                 up.upload_file(target.data.ptr, mf.path, t.file_offset, t.n_bytes, then)
-            out[t.name] = Experts(buf, t.ggml_type, shape, n == "ffn_gate_inp", pl)
+            out[t.name] = Experts(buf, t.ggml_type, shape, n == "ffn_gate_inp")
     return out
 
 
