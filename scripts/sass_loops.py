@@ -5,8 +5,9 @@ with the longest body (the span between a backward branch and its target): its i
 and the count of each opcode. docs/PERF.md, session 26, used it to compare the Q4_K and Q6_K row
 loops of gemv_q8 (instructions per chunk and per byte of weights).
 
-Needs nvcc, cuobjdump and c++filt on PATH (cuobjdump: the CUDA toolkit, or pip's nvidia-cuda-cuobjdump,
-whose binary is nvidia/cu13/bin/cuobjdump in the wheel).
+Needs nvcc, cuobjdump, nvdisasm (cuobjdump -sass runs it) and c++filt on PATH (cuobjdump and
+nvdisasm: the CUDA toolkit, or pip's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm, whose binaries
+are nvidia/cu13/bin/cuobjdump and nvidia/cu13/bin/nvdisasm in the wheels).
 
 Usage (from the repository root, k4 importable):
     python scripts/sass_loops.py gemv.cu "gemv_q8<type_q4_K, true, 16, 2, true"
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("source", help="a kernels_cu file, e.g. gemv.cu")
     ap.add_argument("pattern", help="a substring of the instance names to compile")
     a = ap.parse_args(argv)
-    for tool in ("nvcc", "cuobjdump", "c++filt"):
+    for tool in ("nvcc", "cuobjdump", "nvdisasm", "c++filt"):
         if shutil.which(tool) is None:
             print(f"error: {tool} is not on PATH (see this script's docstring)", file=sys.stderr)
             return 2
