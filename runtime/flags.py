@@ -25,6 +25,7 @@ FLAGS: dict[str, Flag] = {
         Flag("K4_TRACE", 0, "1 prints the per-phase copy/sync/launch counters after `k4 run`."),
         Flag("K4_CUDA_GRAPH", 1, "Capture the decode step in a CUDA graph (one per range of context lengths, on first use) and replay it every token."),
         Flag("K4_PINGPONG", 1, "Two-stream ping-pong readback: enqueue step t+1 before reading token t."),
+        Flag("K4_CHAIN_EVENTS", 1, "With K4_PINGPONG, each decode step records one CUDA event (its timing end, which the readback also waits for, and the next step's timing start while the GPU is still busy) instead of three: every record between two graph replays widens the gap between them (docs/PERF.md, session 35)."),
         Flag("K4_PINNED_UPLOAD", 1, "Upload weights through a ring of pinned staging buffers filled by reader threads, drained by a copy stream."),
         Flag("K4_REPACK", 1, "Repack quantized weights at load into the layout the matrix-vector kernels read fastest."),
         Flag("K4_PREFILL_TC", 1, "Prefill matrix products on tensor cores (dequantize tiles to fp16); 0 uses matrix-vector per token."),

@@ -265,29 +265,33 @@ class CudaBackend(TokenCache):
     def generate(self, token_ids: Sequence[int], params: SamplingParams, history: Sequence[int] = ()) -> Iterator[int]:
         """See runtime/backend.py. With K4_PINGPONG the step evaluating token t (and sampling
         t+1) is enqueued before t is read, from pinned slot t % 2; on close, that evaluation is
-        dropped from the cache. Without it, each token is copied and the stream synchronized."""
+        dropped from the cache. Without it, each token is copied and the stream synchronized.
+        With K4_CHAIN_EVENTS (and K4_PINGPONG) the steps' timing spans are chained: one event
+        record a step, which the readback waits for (runtime/cuda/timer.py)."""
         ids = [int(t) for t in token_ids]
         if not ids:
             raise ValueError("generate() needs at least one token")
         params.validate()
         self._check_room(len(ids))
         pingpong = self.flags.on("K4_PINGPONG")
+        chain = pingpong and self.flags.on("K4_CHAIN_EVENTS")  # one event record a step (timer.py)
         with self.trace.in_phase("prefill") as c, self.runner.stream, self.gpu_errors:
-            with self.timer.span(self.runner.stream, step=True):
+            with self.timer.span(self.runner.stream, step=True, lend=chain) as span:
                 ring_count = self._start(ids, params, history)
             if pingpong:
-                self.runner.start_readback(ring_count, 0, self.runner.copy_stream)
+                self.runner.start_readback(ring_count, 0, self.runner.copy_stream, span.end if chain else None)
             c.steps += 1
-        slot, ahead = 0, False
+        slot, ahead, lent = 0, False, span.end if chain else None
         try:
             while True:
                 with self.trace.in_phase("decode") as c, self.runner.stream, self.gpu_errors:
                     if pingpong:
                         room = self.n_past < self.n_ctx
                         if room:
-                            with self.timer.span(self.runner.stream, step=True):
+                            with self.timer.span(self.runner.stream, step=True, after=self.timer.chain_start(lent), lend=chain) as span:
                                 self.runner.decode_step(self.n_past)
-                            self.runner.start_readback(ring_count + 1, slot ^ 1, self.runner.copy_stream)
+                            self.runner.start_readback(ring_count + 1, slot ^ 1, self.runner.copy_stream, span.end if chain else None)
+                            lent = span.end if chain else None
                         tok = self.runner.read_slot(slot)
                         self.timer.collect()
                         if room:

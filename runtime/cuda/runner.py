@@ -192,12 +192,16 @@ class Runner:
             self.ops.sample(logits, s.params, s.state, s.ring, s.seen, s.part_val, s.part_idx, advance=False)
         return len(window)
 
-    def start_readback(self, ring_count: int, slot: int, stream) -> None:
+    def start_readback(self, ring_count: int, slot: int, stream, after: cp.cuda.Event | None = None) -> None:
         """Copy the token at ring[ring_count % ring_cap] into pinned slot `slot` on `stream`,
-        after the work enqueued so far on the compute stream."""
+        after the work enqueued so far on the compute stream. after: an event recorded on the
+        compute stream after that work (the step's timing end, runtime/cuda/timer.py), waited
+        for instead of recording one more (each record between two decode graphs widens the gap
+        between them)."""
         if stream is not self.stream:
-            self.io.computed[slot].record(self.stream)
-            stream.wait_event(self.io.computed[slot])
+            if after is None:
+                self.io.computed[slot].record(self.stream)
+            stream.wait_event(after if after is not None else self.io.computed[slot])
         ring = self.smp.ring
         src = ring.data.ptr + 4 * (ring_count % ring.shape[0])
         memory.d2h_async(self.trace, self.io.slots[slot], 0, src, 4, stream)
