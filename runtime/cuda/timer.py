@@ -59,11 +59,17 @@ class DeviceTimer:
     def _event(self):
         return self.free.pop() if self.free else self.events.new()
 
-    @staticmethod
-    def chain_start(lent):
+    def chain_start(self, lent):
         """`lent` (an end event a span lent, or None) if the GPU has not reached it yet, else None:
-        a span chained to an end the GPU has passed would count the time it waited for the host."""
-        return lent if lent is not None and not lent.done else None
+        a span chained to an end the GPU has passed would count the time it waited for the host.
+        An end not taken goes back to the free list once its own span has resolved (every span
+        before it has finished too: one stream), so a host slower than the GPU allocates none."""
+        if lent is None or not lent.done:
+            return lent
+        self.collect()
+        if all(p[3] is not lent for p in self.pending):
+            self.free.append(lent)
+        return None
 
     @contextmanager
     def span(self, stream, step: bool = False, after=None, lend: bool = False):
@@ -74,7 +80,7 @@ class DeviceTimer:
         after: None, or the end event of the last span on `stream`, which was opened with
         lend=True, with nothing enqueued on the stream since: the span starts there (no record
         of its own) and frees that event once resolved. lend: keep this span's end event for the
-        next span's `after` (an end no span takes is dropped, not reused)."""
+        next span's `after` (`chain_start` frees an end no span takes)."""
         phase = self.trace.phase
         start = after if after is not None else self._event()
         if after is None:
