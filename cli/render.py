@@ -21,13 +21,36 @@ from rich.text import Text
 
 from k4.runtime.errors import K4Error
 
+# The width tables are laid out for when no terminal tells one (a CI log, `nohup k4 bench > f`,
+# ssh without a tty): rich would take 80 columns and cut the figures of a wide table to "2,0…".
+LOG_WIDTH = 240
+
+
+def _any_terminal() -> bool:
+    """Whether stdin, stdout or stderr is a terminal that reports its size (rich's own probe)."""
+    for fd in (0, 1, 2):
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            if os.get_terminal_size(fd).columns > 0:
+                return True
+    return False
+
+
 class _Console(Console):
     """rich's Console, except that a closed pipe raises BrokenPipeError (rich exits with status 1;
-    k4 exits 0 when the reader of its output has gone, as `| head` does)."""
+    k4 exits 0 when the reader of its output has gone, as `| head` does), and that output going
+    nowhere near a terminal (and no COLUMNS set) is laid out LOG_WIDTH columns wide instead of 80,
+    so tables keep every figure whole."""
 
     def on_broken_pipe(self) -> None:
         _output_lost()
         raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    @Console.size.getter
+    def size(self):
+        dims = Console.size.fget(self)
+        if self._width is None and not self.is_terminal and "COLUMNS" not in self._environ and not _any_terminal():
+            return dims._replace(width=max(dims.width, LOG_WIDTH))
+        return dims
 
 
 out = _Console(highlight=False, soft_wrap=True)
