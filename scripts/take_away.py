@@ -1,0 +1,137 @@
+"""What one piece of a decode step's critical path is worth, before anyone builds a faster way to
+do it (GPU): `k4 bench`'s tgN in one process, alternating main's kernels with a temporary build
+that leaves the piece out. The build's outputs are wrong; only its speed means anything, and what
+it gains is the most that any fusion, handoff or rewrite of that piece could gain. docs/PERF.md
+(session 36) has the first figures: decode attention after its wait, the down products' x, and
+moe_one's route and x quantization.
+
+A cut is a few exact edits of kernels_cu sources, applied to a copy in a temporary directory (the
+repository is never touched); the bench compiles from that copy through runtime/cuda/compile.py
+(its SOURCE_DIR and include path, and a fresh module cache). Each edit's anchor must occur once in
+today's source: when a kernel changes under it, the script stops and says which.
+
+Usage (from the repository root, k4 importable, on the GPU machine):
+    python scripts/take_away.py CUT -m MODEL.gguf [-n 128] [-r 3] [--rounds 2]
+    python scripts/take_away.py --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+# name -> (what the build leaves out, [(kernels_cu file, anchor, replacement)])
+CUTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
+    "attention": (
+        "attn_short's work after its programmatic-dependent-launch wait (its keys and values still go "
+        "to shared memory before it); the output product reads a stale input",
+        [("attention_short.cu", "    __syncthreads();  // the table\n    pdl_wait();\n",
+          "    __syncthreads();  // the table\n    pdl_wait();\n    if (true) return;\n")]),
+    "down-x": (
+        "the x quantization of the down products that quantize x in clusters (their barriers stay)",
+        [("gemv_common.cuh", "for (int base = u_begin; base < u_end; base += blockDim.x) {",
+          "for (int base = u_begin; base < u_end && false; base += blockDim.x) {")]),
+    "moe-route": (
+        "moe_one's router logits, their exchange and the choice (a fixed choice of k spread experts, weights 1/k)",
+        [("moe_one.cu", "for (int e = blockIdx.x; e < n_expert; e += G) {\n        const float v = router_logit",
+          "for (int e = blockIdx.x; e < n_expert && false; e += G) {\n        const float v = router_logit"),
+         ("moe_one.cu", "        if (warp == 0)\n            moe_choose_warp(",
+          "        if (warp == 0) {\n            if (lane < k) {\n                ids_w[lane] = (lane * 16 + 3) % n_expert;\n"
+          "                w_w[lane] = 1.0f / k;\n            }\n        } else if (false)\n            moe_choose_warp(")]),
+    "moe-quant": (
+        "moe_one's normalization and quantization of x (the route as usual, which then follows stale x)",
+        [("moe_one.cu", "        else\n            quantize_x_past_warp0<",
+          "        else if (false)\n            quantize_x_past_warp0<")]),
+}
+CUTS["moe-route-quant"] = ("both moe-route and moe-quant", CUTS["moe-route"][1] + CUTS["moe-quant"][1])
+
+
+def apply_cut(src: Path, dst: Path, edits: list[tuple[str, str, str]]) -> None:
+    """Copy the kernel sources (*.cu, *.cuh) of src into dst with the edits applied. Raises
+    SystemExit naming the file when an anchor does not occur exactly once."""
+    for path in [*src.glob("*.cu"), *src.glob("*.cuh")]:
+        shutil.copy2(path, dst / path.name)
+    for name, anchor, replacement in edits:
+        text = (dst / name).read_text()
+        if text.count(anchor) != 1:
+            raise SystemExit(f"error: the cut's anchor occurs {text.count(anchor)} times in kernels_cu/{name}, not once; "
+                             "update scripts/take_away.py CUTS to today's source")
+        (dst / name).write_text(text.replace(anchor, replacement))
+
+
+def use_sources(directory: Path) -> None:
+    """Make runtime/cuda/compile.py compile from `directory` from now on: its SOURCE_DIR, its -I
+    option, the headers' digest (part of CuPy's cache key), a fresh module cache, and a fresh
+    cache of the products' kernel lookups (quant_kernels._kernel; each Ops keeps its own)."""
+    from k4.runtime.cuda import compile as comp
+    from k4.runtime.cuda import quant_kernels
+
+    comp.SOURCE_DIR = directory
+    comp.OPTIONS = tuple(f"-I{directory}" if o.startswith("-I") else o for o in comp.OPTIONS)
+    comp.headers_digest.cache_clear()
+    comp._modules.clear()
+    quant_kernels._kernel.cache_clear()
+
+
+def bench_ts(bench_args: list[str]) -> float:
+    """tgN t/s (the mean over its repetitions) of `k4 bench bench_args -o json`, in this process."""
+    from k4.cli.app import main as k4_main
+
+    sys.argv = ["k4", "bench", *bench_args, "-o", "json"]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        try:
+            k4_main()
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise
+    records = json.loads(buf.getvalue())
+    return next(r["avg_ts"] for r in records if r["test"].startswith("tg"))
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cut", nargs="?", choices=sorted(CUTS))
+    ap.add_argument("-m", "--model")
+    ap.add_argument("-n", type=int, default=128, help="tokens a tgN run generates (default 128)")
+    ap.add_argument("-r", type=int, default=3, help="repetitions a run (default 3)")
+    ap.add_argument("--rounds", type=int, default=2, help="main / cut pairs, alternated (default 2)")
+    ap.add_argument("--list", action="store_true", help="print the cuts and exit")
+    a = ap.parse_args(argv)
+    if a.list or a.cut is None:
+        for name, (what, _) in CUTS.items():
+            print(f"{name:16s} {what}")
+        return
+    if a.model is None:
+        raise SystemExit("error: give the model with -m MODEL.gguf")
+
+    from k4.kernels_cu import SOURCE_DIR
+    from k4.runtime.model import open_model
+
+    n_layer = open_model(a.model).config.n_layer
+    args = ["-m", a.model, "--backend", "cuda", "-p", "0", "-n", str(a.n), "-r", str(a.r)]
+    with tempfile.TemporaryDirectory(prefix="k4-cut-") as tmp:
+        cut_dir = Path(tmp)
+        apply_cut(SOURCE_DIR, cut_dir, CUTS[a.cut][1])
+        runs: dict[str, list[float]] = {"main": [], a.cut: []}
+        for _ in range(a.rounds):
+            for name, directory in (("main", SOURCE_DIR), (a.cut, cut_dir)):
+                use_sources(directory)
+                runs[name].append(bench_ts(args))
+                print(f"{name:16s} tg{a.n} {runs[name][-1]:10.2f} t/s", flush=True)
+        use_sources(SOURCE_DIR)
+    base, cut = (sum(v) / len(v) for v in runs.values())
+    step_us = 1e6 / base - 1e6 / cut
+    print(f"{a.cut}: {CUTS[a.cut][0]}")
+    print(f"main {base:.2f} t/s, without it {cut:.2f} t/s ({cut / base - 1:+.1%}): {step_us:.1f} µs a step, "
+          f"{step_us / n_layer:.2f} µs a layer ({n_layer} layers) on the critical path")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
