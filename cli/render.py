@@ -26,8 +26,10 @@ from k4.runtime.errors import K4Error
 LOG_WIDTH = 240
 
 
+@functools.cache
 def _any_terminal() -> bool:
-    """Whether stdin, stdout or stderr is a terminal that reports its size (rich's own probe)."""
+    """Whether stdin, stdout or stderr is a terminal that reports its size (rich's own probe);
+    asked once a process, as every print asks the console's size."""
     for fd in (0, 1, 2):
         with contextlib.suppress(AttributeError, ValueError, OSError):
             if os.get_terminal_size(fd).columns > 0:
