@@ -99,32 +99,37 @@ attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __res
     pdl_wait();
 
     const size_t row_p = (size_t)(p & ring) * kv_stride + head_off;
-    if (fresh_q) {
+    if (fresh_q) {  // one warp each turns q (scaled as it is made) and k and converts v; k's and v's warps hold and cache them
         const auto cs = [&](int i) { return make_float2(tab[i], tab[rope_dim / 2 + i]); };
-        if (warp == 0) k4ops::rope_apply<D>(fresh_q + (size_t)h * D, qs, nullptr, q_norm, eps, D, rope_dim, neox, lane, cs);
-        if (warp == 1 && mine) k4ops::rope_apply<D>(fresh_k + head_off, nullptr, kcur, k_norm, eps, D, rope_dim, neox, lane, cs);
-        if (warp == 2 && mine)
+        // the token's row (fp16, in kcur or vcur) to held row n - 1, and to the cache by the first query head of its KV head
+        const auto hold = [&](const u16* cur, u16* held, u16* cache) {
+            __syncwarp();
+            for (int u = lane; u < U; u += 32) {
+                const uint4 w = reinterpret_cast<const uint4*>(cur)[u];
+                *reinterpret_cast<uint4*>(held + slot(n - 1, u)) = w;
+                if (h % group == 0) *reinterpret_cast<uint4*>(cache + row_p + 8 * u) = w;
+            }
+        };
+        if (warp == 0) k4ops::rope_apply<D>(fresh_q + (size_t)h * D, qs, nullptr, q_norm, eps, D, rope_dim, neox, lane, cs, scale);
+        if (warp == 1 && mine) {
+            k4ops::rope_apply<D>(fresh_k + head_off, nullptr, kcur, k_norm, eps, D, rope_dim, neox, lane, cs);
+            hold(kcur, ks, k_cache);
+        }
+        if (warp == 2 && mine) {
             for (int i = lane; i < D; i += 32) vcur[i] = f32_to_f16(fresh_v[head_off + i]);
+            hold(vcur, vs, v_cache);
+        }
+        k4mma::cp_async_wait_all();
+        __syncthreads();
     } else {
-        for (int i = tid; i < D; i += SHORT_THREADS) qs[i] = q[(size_t)h * D + i];
-        for (int u = tid; u < U && mine; u += SHORT_THREADS) {
-            reinterpret_cast<uint4*>(kcur)[u] = *reinterpret_cast<const uint4*>(k_cache + row_p + 8 * u);
-            reinterpret_cast<uint4*>(vcur)[u] = *reinterpret_cast<const uint4*>(v_cache + row_p + 8 * u);
+        for (int i = tid; i < D; i += SHORT_THREADS) qs[i] = q[(size_t)h * D + i] * scale;
+        for (int u = tid; u < U && mine; u += SHORT_THREADS) {  // the token's key and value: held row n - 1
+            *reinterpret_cast<uint4*>(ks + slot(n - 1, u)) = *reinterpret_cast<const uint4*>(k_cache + row_p + 8 * u);
+            *reinterpret_cast<uint4*>(vs + slot(n - 1, u)) = *reinterpret_cast<const uint4*>(v_cache + row_p + 8 * u);
         }
+        k4mma::cp_async_wait_all();
+        __syncthreads();
     }
-    k4mma::cp_async_wait_all();
-    __syncthreads();
-    for (int i = tid; i < D; i += SHORT_THREADS) qs[i] *= scale;
-    for (int u = tid; u < U && mine; u += SHORT_THREADS) {  // the token's key and value: held row n - 1, and the cache
-        const uint4 kw = reinterpret_cast<const uint4*>(kcur)[u], vw = reinterpret_cast<const uint4*>(vcur)[u];
-        *reinterpret_cast<uint4*>(ks + slot(n - 1, u)) = kw;
-        *reinterpret_cast<uint4*>(vs + slot(n - 1, u)) = vw;
-        if (fresh_q && h % group == 0) {
-            *reinterpret_cast<uint4*>(k_cache + row_p + 8 * u) = kw;
-            *reinterpret_cast<uint4*>(v_cache + row_p + 8 * u) = vw;
-        }
-    }
-    __syncthreads();
 
     // scores (KPT keys a thread), then the softmax over every key at once
     const int piece = tid % TPG;  // the thread's piece of its key
@@ -153,7 +158,13 @@ attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __res
         sk[k] = s;
         mx = fmaxf(mx, s);
     }
-    const float m = k4ops::block_max(mx);
+    // the block's max and sum: each warp's, one barrier, then every warp combines them (block_max's
+    // and block_sum's order, so their bits, without their leading barriers: each runs once here)
+    __shared__ float warp_m[WARPS], warp_l[WARPS];
+    mx = ::warp_max(mx);
+    if (lane == 0) warp_m[warp] = mx;
+    __syncthreads();
+    const float m = ::warp_max(lane < WARPS ? warp_m[lane] : -k4ops::inf_f32());
     float ps = 0.0f;
 #pragma unroll
     for (int k = 0; k < KPT; ++k) {
@@ -164,13 +175,17 @@ attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __res
             ps += e;
         }
     }
-    const float l = k4ops::block_sum(ps), inv_l = 1.0f / l;  // its barriers also publish sc
+    ps = ::warp_sum(ps);
+    if (lane == 0) warp_l[warp] = ps;
+    __syncthreads();  // also publishes sc
+    const float l = ::warp_sum(lane < WARPS ? warp_l[lane] : 0.0f), inv_l = 1.0f / l;
 
     // values
     const int c = tid % U;
     float acc[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc[k] = 0.0f;
+#pragma unroll 4
     for (int jj = tid / U; jj < n; jj += KL) {
         float v[8];
         k4ops::unpack_half8(*reinterpret_cast<const uint4*>(vs + slot(jj, c)), v);

@@ -116,12 +116,13 @@ __device__ __forceinline__ void rope_table(const double* __restrict__ inv_freq, 
 }
 
 // Pair (a, b) of values (xa, xb) turned by r = (cos, sin) into dst_f32 or dst_f16 (rope_apply).
-__device__ __forceinline__ void rope_turn(float xa, float xb, float2 r, int a, int b, float* dst_f32, u16* dst_f16) {
+// post: a factor the float outputs are then multiplied by (rounded once more; 1: none).
+__device__ __forceinline__ void rope_turn(float xa, float xb, float2 r, int a, int b, float* dst_f32, u16* dst_f16, float post = 1.0f) {
     const float ya = __fsub_rn(__fmul_rn(xa, r.x), __fmul_rn(xb, r.y));
     const float yb = __fmaf_rn(xa, r.y, __fmul_rn(xb, r.x));
     if (dst_f32 != nullptr) {
-        dst_f32[a] = ya;
-        dst_f32[b] = yb;
+        dst_f32[a] = __fmul_rn(ya, post);
+        dst_f32[b] = __fmul_rn(yb, post);
     } else {
         dst_f16[a] = f32_to_f16(ya);
         dst_f16[b] = f32_to_f16(yb);
@@ -138,9 +139,11 @@ __device__ __forceinline__ void rope_turn(float xa, float xb, float2 r, int a, i
 // used (at most MAXD / 32 a lane), so the row costs one round trip to memory where the loop of
 // load-then-use steps (MAXD 0: for kernels whose registers are capped, attention.cu's) costs one a
 // step (docs/PERF.md, session 33). The arithmetic and its order are the same, so are the bits.
+// post: each float output multiplied by it once it is made, as a pass over dst_f32
+// afterwards would (attention_short.cu's query scale), in the same rounding.
 template <int MAXD = 0, class CosSin>
 __device__ __forceinline__ void rope_apply(const float* src, float* dst_f32, u16* dst_f16, const float* __restrict__ norm_w, float eps,
-                                           int D, int rope_dim, int neox, int lane, CosSin cs) {
+                                           int D, int rope_dim, int neox, int lane, CosSin cs, float post = 1.0f) {
     if constexpr (MAXD == 0) {
         float scale = 1.0f;
         if (norm_w != nullptr) {
@@ -158,11 +161,11 @@ __device__ __forceinline__ void rope_apply(const float* src, float* dst_f32, u16
                 xa *= norm_w[a];
                 xb *= norm_w[b];
             }
-            rope_turn(xa, xb, cs(i), a, b, dst_f32, dst_f16);
+            rope_turn(xa, xb, cs(i), a, b, dst_f32, dst_f16, post);
         }
         for (int i = rope_dim + lane; i < D; i += 32) {
             const float x = src[i] * scale * (norm_w != nullptr ? norm_w[i] : 1.0f);
-            if (dst_f32 != nullptr) dst_f32[i] = x;
+            if (dst_f32 != nullptr) dst_f32[i] = __fmul_rn(x, post);
             else dst_f16[i] = f32_to_f16(x);
         }
     } else {
@@ -203,14 +206,14 @@ __device__ __forceinline__ void rope_apply(const float* src, float* dst_f32, u16
                 x_a *= norm_w[a];
                 x_b *= norm_w[b];
             }
-            rope_turn(x_a, x_b, cs(i), a, b, dst_f32, dst_f16);
+            rope_turn(x_a, x_b, cs(i), a, b, dst_f32, dst_f16, post);
         }
 #pragma unroll
         for (int k = 0; k < V; ++k) {
             const int i = rope_dim + lane + 32 * k;
             if (i >= D) break;
             const float x = xt[k] * scale * (norm ? norm_w[i] : 1.0f);
-            if (dst_f32 != nullptr) dst_f32[i] = x;
+            if (dst_f32 != nullptr) dst_f32[i] = __fmul_rn(x, post);
             else dst_f16[i] = f32_to_f16(x);
         }
     }
