@@ -84,10 +84,22 @@ __host__ __device__ constexpr bool cuts_are(G... g) {
     return want[sizeof...(G) - 1] == T::block_bytes;
 }
 
+// Whether T's planar groups before group G all take a multiple of 16 bytes a block, so that each
+// starts at nblk * cut(G) whatever nblk is (its round16 padding is zero).
+template <class T, int G>
+__host__ __device__ constexpr bool groups_unpadded() {
+    for (int g = 0; g < G; ++g)
+        if ((T::cut(g + 1) - T::cut(g)) % 16 != 0) return false;
+    return true;
+}
+
 // Pointer to group G of block `blk` of the tensor at `w` (T supplies block_bytes and cut()).
+// Where no group before G is padded its start is one product (the padded sum's value): the row
+// loops address a chunk's groups in a few instructions instead of summing the pads again for each.
 template <class T, int G, bool PLANAR>
 __device__ __forceinline__ const u8* group_at(const u8* w, i64 nblk, i64 blk) {
     if (PLANAR) {
+        if constexpr (groups_unpadded<T, G>()) return w + nblk * T::cut(G) + blk * (T::cut(G + 1) - T::cut(G));
         i64 base = 0;
 #pragma unroll
         for (int g = 0; g < G; ++g) base += round16(nblk * (T::cut(g + 1) - T::cut(g)));
