@@ -38,9 +38,9 @@
 // % U (U = D / 8), so the 8 lanes of a quarter warp hit 8 bank groups in both passes. Scores: TPG
 // threads a key (128 / keys, at least 1), KPT keys a thread (keys / 128, at least 1), each
 // thread's share of a key U / TPG units, its TPG lanes summed by shuffles; one softmax over the
-// split's keys (block_max, block_sum). Values: thread t takes unit c = t % U of keys t / U, t / U
-// + KL, ... (KL = SHORT_THREADS / U key lanes); the key lanes of a warp are summed by shuffles,
-// the warps' in one pass over red.
+// split's keys (block_max's and block_sum's arithmetic, a barrier each). Values: thread t takes
+// unit c = t % U of keys t / U, t / U + KL, ... (KL = SHORT_THREADS / U key lanes); the key lanes
+// of a warp are summed by shuffles, the warps' in one pass over red.
 #include "kv_cache.cuh"
 #include "attention_sizes.cuh"
 #include "gemv_common.cuh"  // q8_lane_store
@@ -99,9 +99,10 @@ attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __res
     pdl_wait();
 
     const size_t row_p = (size_t)(p & ring) * kv_stride + head_off;
-    if (fresh_q) {  // one warp each turns q (scaled as it is made) and k and converts v; k's and v's warps hold and cache them
+    if (fresh_q) {  // a warp each turns q (scaled as it is made) and k and converts v; k's and v's warps hold them
         const auto cs = [&](int i) { return make_float2(tab[i], tab[rope_dim / 2 + i]); };
-        // the token's row (fp16, in kcur or vcur) to held row n - 1, and to the cache by the first query head of its KV head
+        // the token's row (fp16, in kcur or vcur) to held row n - 1, and to the cache by the first
+        // query head of its KV head
         const auto hold = [&](const u16* cur, u16* held, u16* cache) {
             __syncwarp();
             for (int u = lane; u < U; u += 32) {
