@@ -115,14 +115,16 @@ __device__ __forceinline__ const u8* group_at(const u8* w, i64 nblk, i64 blk) {
 // multiply. Unit u is stored at a position rotated within its 128-byte row by SWZ*(u/8), which
 // makes each weight type's read pattern free of shared-memory bank conflicts.
 // Unit u's row of 8 (u >= 0): the row's first slot and u rotated by swz * (u / 8). Unit u + k of
-// the same row ((u + k) / 8 == u / 8) lies at x_row_slot(row, k), x_unit_slot(u + k, swz), so the
+// the same row ((u + k) / 8 == u / 8) lies at byte x_row_byte(row, k), 16 x_unit_slot(u + k, swz), so the
 // units of a chunk share one row computation (the decoders' dots). x_unit_slot keeps its own
 // signed form: written through these, nvcc schedules the attention and gemv kernels differently.
+// A row in bytes: its first slot's offset (a multiple of 128) and the rotated unit's, times 16, so
+// a unit's offset is one add and one mask-and-or (x_row_byte).
 struct x_row {
-    u32 first, rot;
+    u32 first, rot;  // 16 x (the row's first slot), 16 x (u rotated)
 };
-__device__ __forceinline__ x_row x_row_of(int u, int swz) { return {(u32)u & ~7u, (u32)u + swz * ((u32)u >> 3)}; }
-__device__ __forceinline__ int x_row_slot(x_row r, int k) { return (int)(r.first | ((r.rot + k) & 7u)); }
+__device__ __forceinline__ x_row x_row_of(int u, int swz) { return {16u * ((u32)u & ~7u), 16u * ((u32)u + swz * ((u32)u >> 3))}; }
+__device__ __forceinline__ u32 x_row_byte(x_row r, int k) { return r.first | ((r.rot + 16u * k) & 0x70u); }
 __device__ __forceinline__ int x_unit_slot(int u, int swz) { return (u & ~7) | ((u + swz * (u >> 3)) & 7); }
 
 template <int SWZ>
@@ -135,6 +137,6 @@ struct q8x {
     }
     // Unit k of row r (x_row_of(u, SWZ): unit u + k).
     __device__ __forceinline__ uint4 unit_at(x_row r, int k) const {
-        return *reinterpret_cast<const uint4*>(q + 16 * x_row_slot(r, k));
+        return *reinterpret_cast<const uint4*>(q + x_row_byte(r, k));
     }
 };
