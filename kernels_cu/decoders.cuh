@@ -21,6 +21,20 @@ __device__ __forceinline__ void get_scale_min_k4(int p, u32 s0, u32 s1, u32 s2, 
     m1 = (m >> (sh + 8)) & 0xFF;
 }
 
+// get_scale_min_k4's four values as exact floats: each byte put under 2^23's exponent bits (a
+// byte permute) and 2^23 taken away, two instructions where a shift, a mask and a conversion take
+// three (the same values, so the same bits downstream).
+__device__ __forceinline__ void get_scale_min_k4_f(int p, u32 s0, u32 s1, u32 s2, float& sc0, float& sc1, float& m0, float& m1) {
+    const u32 sc = p < 2 ? s0 & 0x3F3F3F3Fu : (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u);
+    const u32 m = p < 2 ? s1 & 0x3F3F3F3Fu : ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u);
+    const u32 b = 2u * (p & 1);
+    auto f = [](u32 w, u32 i) { return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540u + i)) - 8388608.0f; };
+    sc0 = f(sc, b);
+    sc1 = f(sc, b + 1);
+    m0 = f(m, b);
+    m1 = f(m, b + 1);
+}
+
 // ---- per-type decoders ----------------------------------------------------------------------------
 // Each weight type T splits a row into chunks of T::chunk_elems weights, the work of one thread:
 //   chunk load<PLANAR>(w, nblk, blk, j)   issue the loads of chunk j of block blk (global index)
@@ -51,8 +65,8 @@ struct type_q4_K {
     }
     template <int SWZ>
     __device__ static float dot(const chunk& c, int ci, const q8x<SWZ>& x) {
-        int sc0, sc1, m0, m1;
-        get_scale_min_k4(ci & 3, c.meta.y, c.meta.z, c.meta.w, sc0, sc1, m0, m1);
+        float sc0, sc1, m0, m1;
+        get_scale_min_k4_f(ci & 3, c.meta.y, c.meta.z, c.meta.w, sc0, sc1, m0, m1);
         // Written for few instructions in the row loop (docs/PERF.md, session 29): the four x units'
         // slots from one row computation, the high nibbles masked in place, not shifted.
         const int u = 4 * ci;  // x units of this chunk: u, u+1 (sub-block 2j), u+2, u+3 (2j+1)
@@ -64,8 +78,7 @@ struct type_q4_K {
         const float2 dx = *reinterpret_cast<const float2*>(x.d + 2 * ci);
         const float4 sx = *reinterpret_cast<const float4*>(x.s + u);
         const float d = f16_to_f32(c.meta.x & 0xFFFF), dmin = f16_to_f32(c.meta.x >> 16);
-        return d * ((float)sc0 * dx.x * (float)s0 + (float)sc1 * dx.y * (float)s1) -
-               dmin * ((float)m0 * (sx.x + sx.y) + (float)m1 * (sx.z + sx.w));
+        return d * (sc0 * dx.x * (float)s0 + sc1 * dx.y * (float)s1) - dmin * (m0 * (sx.x + sx.y) + m1 * (sx.z + sx.w));
     }
     // Run r (0..3) of chunk ci: weights 64ci+16r .. +15; r < 2: low nibbles of q0/q1 (sub-block
     // 2j), else high nibbles (2j+1).
