@@ -376,10 +376,12 @@ __device__ __forceinline__ void q8_rows(int n_chunks, int row, int row_end, int 
             const int c = c0 + 32 * k;
             if (!GLU) {
                 if (c < n_chunks) acc += T::dot(ch[k], c, xv);
-            } else if (c < n_chunks) {
-                acc += T::dot(ch[k], c, xv);
-            } else if (c < out_chunks) {
-                acc_up += T::dot(ch[k], c - n_chunks, xv);
+            } else if (c < out_chunks) {  // one copy of the dot for both rows of the pair (code size), added as `acc += dot`
+                const bool up = c >= n_chunks;
+                float a = up ? acc_up : acc;
+                a += T::dot(ch[k], up ? c - n_chunks : c, xv);
+                acc = up ? acc : a;
+                acc_up = up ? a : acc_up;
             }
         }
         if (next_row != row) {  // output done
