@@ -356,6 +356,8 @@ __device__ __forceinline__ void q8_load(typename T::chunk (&dst)[U], const u8* _
 // ones are multiplied. load(dst, r, c0) fetches output r's U chunks from c0 on; ch holds the
 // first output's first chunks when `loaded` (issued by the caller before its wait). Each
 // output's sums, reduced over the warp, go to out(r, acc, acc_up) in lane 0 (acc_up: the up row).
+// The loop's code size counts (docs/PERF.md, session 38): unrolled twice to drop the copy of nx
+// it ran 7-15% slower.
 template <class T, int U, bool PF, bool GLU, class Load, class Out>
 __device__ __forceinline__ void q8_rows(int n_chunks, int row, int row_end, int row_step, int lane, typename T::chunk (&ch)[U],
                                         bool loaded, const q8x<T::x_swizzle>& xv, Load load, Out out) {
@@ -376,7 +378,7 @@ __device__ __forceinline__ void q8_rows(int n_chunks, int row, int row_end, int 
             const int c = c0 + 32 * k;
             if (!GLU) {
                 if (c < n_chunks) acc += T::dot(ch[k], c, xv);
-            } else if (c < out_chunks) {  // one copy of the dot for both rows of the pair (code size), added as `acc += dot`
+            } else if (c < out_chunks) {  // one copy of the dot for both rows (half the loop's code), as `a += dot` (same bits)
                 const bool up = c >= n_chunks;
                 float a = up ? acc_up : acc;
                 a += T::dot(ch[k], up ? c - n_chunks : c, xv);
