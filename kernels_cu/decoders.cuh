@@ -193,12 +193,23 @@ struct type_q6_K {
         return {load16<A, W>(ql), load16<A, W>(ql + 32), load16<A, W>(qh), load16<A, W>(group_at<type_q6_K, 2, PLANAR>(w, nblk, blk)),
                 load2(group_at<type_q6_K, 3, PLANAR>(w, nblk, blk))};
     }
-    // bits 2m, 2m+1 of each byte of qh word h, moved to bits 4, 5
-    __device__ static u32 hbits(u32 h, int m) { return (m == 0 ? h << 4 : m == 1 ? h << 2 : m == 2 ? h : h >> 2) & 0x30303030u; }
-    // 6-bit quants (0..63) of run m
+    // 6-bit quants (0..63) of run m, four to a word: the low nibble from ql word l (shifted, not
+    // masked), bits 2m, 2m+1 of qh word h at bits 4, 5 (h masked to the pairs of m's parity, the
+    // two masks shared by the four runs, then shifted), merged by one select by mask (lop3). In
+    // PTX so that nvcc does not fold the shared masks into a mask per run.
+    __device__ static u32 quant_word(u32 l, u32 h, int m) {
+        u32 p, q;
+        if (m & 1)
+            asm("and.b32 %0, %1, 0xCCCCCCCC;" : "=r"(p) : "r"(h));
+        else
+            asm("and.b32 %0, %1, 0x33333333;" : "=r"(p) : "r"(h));
+        const u32 hb = m == 0 ? p << 4 : m == 1 ? p << 2 : m == 2 ? p : p >> 2;  // bits 6, 7 clear
+        asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(q) : "r"(l >> (4 * (m >> 1))), "r"(hb), "n"(0x0F0F0F0Fu));
+        return q;
+    }
     __device__ static uint4 quants(const chunk& c, int m) {
-        const uint4 l = map4(m & 1 ? c.lb : c.la, 4 * (m >> 1), 0x0F0F0F0Fu);
-        return make_uint4(l.x | hbits(c.h.x, m), l.y | hbits(c.h.y, m), l.z | hbits(c.h.z, m), l.w | hbits(c.h.w, m));
+        const uint4& l = m & 1 ? c.lb : c.la;
+        return make_uint4(quant_word(l.x, c.h.x, m), quant_word(l.y, c.h.y, m), quant_word(l.z, c.h.z, m), quant_word(l.w, c.h.w, m));
     }
     // signed scale of run m
     __device__ static int scale(const chunk& c, int j, int m) {
@@ -211,12 +222,17 @@ struct type_q6_K {
         const int u = 8 * (ci >> 1) + (ci & 1);  // x unit of run m: u + 2m
         const x_row xr = x_row_of(u, SWZ);  // the four units lie in one row of 8
         const float4 dx = *reinterpret_cast<const float4*>(x.d + 4 * (ci >> 1));
+        int s[4];  // the runs' integer dots, runs 0, 2 (the same qh masks), then 1, 3
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int m = i < 2 ? 2 * i : 2 * i - 3;
+            s[m] = dot16(quants(c, m), x.unit_at(xr, 2 * m), 0);
+        }
         float acc = 0.f;
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
-            const int s = dot16(quants(c, m), x.unit_at(xr, 2 * m), 0);
             const float dxm = m == 0 ? dx.x : m == 1 ? dx.y : m == 2 ? dx.z : dx.w;
-            acc += (float)scale(c, j, m) * (dxm * (float)s - 32.f * x.s[u + 2 * m]);
+            acc += (float)scale(c, j, m) * (dxm * (float)s[m] - 32.f * x.s[u + 2 * m]);
         }
         return f16_to_f32(c.d) * acc;
     }

@@ -186,8 +186,7 @@ __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8
 // of group i (0..63 each), from word t of the ql pieces (l[0]: 0..3, l[1]: 4..7) and qh pieces (h).
 __device__ __forceinline__ u32 q6k_quants(const uint4 (&l)[2], const uint4& h, int i) {
     const int half = i >> 3, m = (i >> 1) & 3, lr = i & 1;
-    const u32 lo = (word(l[half], 2 * (m & 1) + lr) >> (4 * (m >> 1))) & 0x0F0F0F0Fu;
-    return lo | type_q6_K::hbits(word(h, 2 * half + lr), m);
+    return type_q6_K::quant_word(word(l[half], 2 * (m & 1) + lr), word(h, 2 * half + lr), m);
 }
 
 // acc (C order: rows g, g + 8 x tokens 2t, 2t + 1) += one Q6_K block of rows g (l0, h0: word t
