@@ -222,7 +222,8 @@ struct type_q6_K {
         const int u = 8 * (ci >> 1) + (ci & 1);  // x unit of run m: u + 2m
         const x_row xr = x_row_of(u, SWZ);  // the four units lie in one row of 8
         const float4 dx = *reinterpret_cast<const float4*>(x.d + 4 * (ci >> 1));
-        int s[4];  // the runs' integer dots, runs 0, 2 (the same qh masks), then 1, 3
+        int s[4];  // the runs' integer dots, runs 0, 2 (one qh mask), then 1, 3: in order 0..3 the 64-register
+                   // instances (row blocks, 32 warps) spilled
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int m = i < 2 ? 2 * i : 2 * i - 3;
