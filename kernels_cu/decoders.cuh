@@ -11,9 +11,14 @@
 // 12 scale bytes as little-endian words s0, s1, s2 (bytes 0-3, 4-7, 8-11). Same bits as
 // ggml-quants.c get_scale_min_k4: sub-block i < 4 keeps the low 6 bits of bytes i (scale) and
 // i+4 (min); i >= 4 takes its low 4 bits from byte i+4 and its top 2 from bytes i-4 and i.
+// The scales (sc) and mins (m) of sub-blocks 4 (p >> 1) .. + 3, a byte each.
+__device__ __forceinline__ void scale_min_words(int p, u32 s0, u32 s1, u32 s2, u32& sc, u32& m) {
+    sc = p < 2 ? s0 & 0x3F3F3F3Fu : (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u);
+    m = p < 2 ? s1 & 0x3F3F3F3Fu : ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u);
+}
 __device__ __forceinline__ void get_scale_min_k4(int p, u32 s0, u32 s1, u32 s2, int& sc0, int& sc1, int& m0, int& m1) {
-    const u32 sc = p < 2 ? s0 & 0x3F3F3F3Fu : (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u);
-    const u32 m = p < 2 ? s1 & 0x3F3F3F3Fu : ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u);
+    u32 sc, m;
+    scale_min_words(p, s0, s1, s2, sc, m);
     const int sh = 16 * (p & 1);
     sc0 = (sc >> sh) & 0xFF;
     sc1 = (sc >> (sh + 8)) & 0xFF;
@@ -25,8 +30,8 @@ __device__ __forceinline__ void get_scale_min_k4(int p, u32 s0, u32 s1, u32 s2, 
 // byte permute) and 2^23 taken away, two instructions where a shift, a mask and a conversion take
 // three (the same values, so the same bits downstream).
 __device__ __forceinline__ void get_scale_min_k4_f(int p, u32 s0, u32 s1, u32 s2, float& sc0, float& sc1, float& m0, float& m1) {
-    const u32 sc = p < 2 ? s0 & 0x3F3F3F3Fu : (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u);
-    const u32 m = p < 2 ? s1 & 0x3F3F3F3Fu : ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u);
+    u32 sc, m;
+    scale_min_words(p, s0, s1, s2, sc, m);
     const u32 b = 2u * (p & 1);
     auto f = [](u32 w, u32 i) { return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540u + i)) - 8388608.0f; };
     sc0 = f(sc, b);
