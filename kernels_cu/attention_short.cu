@@ -120,17 +120,15 @@ attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __res
             for (int i = lane; i < D; i += 32) vcur[i] = f32_to_f16(fresh_v[head_off + i]);
             hold(vcur, vs, v_cache);
         }
-        k4mma::cp_async_wait_all();
-        __syncthreads();
     } else {
         for (int i = tid; i < D; i += SHORT_THREADS) qs[i] = q[(size_t)h * D + i] * scale;
         for (int u = tid; u < U && mine; u += SHORT_THREADS) {  // the token's key and value: held row n - 1
             *reinterpret_cast<uint4*>(ks + slot(n - 1, u)) = *reinterpret_cast<const uint4*>(k_cache + row_p + 8 * u);
             *reinterpret_cast<uint4*>(vs + slot(n - 1, u)) = *reinterpret_cast<const uint4*>(v_cache + row_p + 8 * u);
         }
-        k4mma::cp_async_wait_all();
-        __syncthreads();
     }
+    k4mma::cp_async_wait_all();  // every key and value in shared memory
+    __syncthreads();
 
     // scores (KPT keys a thread), then the softmax over every key at once
     const int piece = tid % TPG;  // the thread's piece of its key
