@@ -160,7 +160,7 @@ gemv_mma(const u8* __restrict__ w,        // (n_out, n_in) in M::T's blocks, raw
 #pragma unroll 1
     for (int i = 0; i < PREFETCH_AHEAD; ++i) prefetch_next();  // streaming from memory while X is staged
     pdl_wait();
-    mma8_stage_x<false>(x, x_stride, x_q8, x_swz, n_tok, n_in, xq, xsc, x_parts, x_n_parts, x_eps);
+    mma8_stage_x<false>(x, x_stride, x_q8, x_swz, n_tok, n_in, xq, xsc, x_parts, x_n_parts, x_eps, [] {});
     __syncthreads();
 
     int buf = 0;

@@ -20,6 +20,9 @@
 // loads neither hold registers nor wait for the compiler's schedule. Each decoder's copier takes
 // 128 contiguous bytes of 4 rows per copy instruction where it can, and finds the rows'
 // addresses once per step. Its item() reads the fragments from the stage conflict-free.
+// Before the programmatic-dependent-launch wait a warp fills MMA8_PRE_STAGES of its stages; the
+// others go out right after x's loads, which would otherwise queue behind the whole ring (the
+// verify products' x took 3 µs of a 4096 x 4096 product; docs/PERF.md, session 39).
 //
 // Thread mapping (as gemv_mma.cu): the block's WARPS warps take TILES = WARPS / KS tiles of 16
 // weight rows at a step (tile TILES * step + w / KS; KS from runtime/cuda/gemv_mma.py mma_ks); the
@@ -44,6 +47,12 @@
 //   Q6_K: gemv_mma.cu's layout (its header);
 //   red (2, WARPS, 32) float4: the warps' partial sums in C order; then the rings.
 #include "mma8_common.cuh"
+
+// Ring stages a warp fills before the programmatic-dependent-launch wait (the header). Measured on
+// the H200 with 8 tokens (bench_gemv_batch): 1 against S - 1 (= 3 at 4,096 inputs), Q4_K output
+// 7.71 -> 7.19 µs, down 14.22 -> 13.64, Q6_K down 24.45 -> 19.94 with x's loads four at once, q|k|v
+// 13.68 -> 14.18; 0 and 2 no better.
+constexpr int MMA8_PRE_STAGES = 1;
 
 static_assert(MMA8_STAGE_BYTES == 16 * K4_BLOCK_BYTES_Q4_K, "a Q4_K ring stage is 16 rows of one block_q4_K");
 static_assert(MMA8_STAGE_BYTES_Q6_K == 16 * (K4_BLOCK_BYTES_Q6_K - 2) + 16 * 16, "a Q6_K stage: 16 rows' ql, qh, scales and 16-byte d chunks");
@@ -288,9 +297,13 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
     };
 
     pdl_trigger();
-    for (int st = 0; st < S - 1; ++st) issue(st);  // weights only: before the wait
+    const int pre = min(S - 1, MMA8_PRE_STAGES);
+    for (int st = 0; st < pre; ++st) issue(st);  // weights only: before the wait
     pdl_wait();
-    mma8_stage_x<D::NATURAL_X>(x, x_stride, x_q8, x_swz, n_tok, n_in, xq, xsc, x_parts, x_n_parts, x_eps);
+    // x's loads first, then the ring's other stages: x queues behind fewer weight bytes
+    mma8_stage_x<D::NATURAL_X>(x, x_stride, x_q8, x_swz, n_tok, n_in, xq, xsc, x_parts, x_n_parts, x_eps, [&] {
+        for (int st = pre; st < S - 1; ++st) issue(st);
+    });
     __syncthreads();
 
     int cur = 0, next = S - 1, buf = 0;  // stage of the item multiplied next, stage the next copy fills

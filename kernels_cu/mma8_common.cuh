@@ -33,6 +33,9 @@ static_assert(mma8_smem_agrees(), "gemv_mma's shared memory differs from runtime
 constexpr int Q4X_DX_T_WORDS = 20, Q4X_DX_WORDS = 4 * Q4X_DX_T_WORDS;
 static_assert(Q4X_DX_WORDS + 128 <= 8 * 4 * MMA8_TOKENS, "the Q4_K x layout fits in xsc's 32 words per sub-block");
 
+// Units of x_q8 a thread of mma8_stage_x loads at once (one L2 round trip a round).
+constexpr int MMA8_X_ROUND = 4;
+
 // Bring the 128-byte line holding p into L2 (a hint: no register, no wait).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
@@ -112,71 +115,113 @@ __device__ __forceinline__ void mma8_parts_scales(const float* __restrict__ part
 // handoff (mma8_step_nq: y * norm_w quantized without the norm's scale), token t's sums of y^2 at
 // x_parts[t * n_parts ..]; each d is multiplied by token t's 1 / sqrt(sum / n_in + eps), summed
 // in one order in every warp (mma8_parts_scales), so the staged x is RMSNorm(y) * norm_w's.
+// Unit f of mma8_stage_x's order (f < total: stored; every lane of the warp calls it, for the
+// shuffles) into xq, xsc: its quants q (word k: values 4k..4k+3), their sum and its scale d.
 template <bool NATURAL>
+__device__ __forceinline__ void mma8_put_unit(int f, int total, const u32 (&q)[4], int sum, float d, int n_in, u8* xq, u32* xsc) {
+    const int h = f & 1, tok = (f >> 1) & (MMA8_TOKENS - 1), s = f >> 4;
+    // xq bytes 0..15 of (s, tok) are words 0, 1 of both units (unit 0's first), 16..31 words 2, 3:
+    // unit 0 keeps words 0, 1 and receives unit 1's; unit 1 keeps words 2, 3 and receives unit 0's
+    // (NATURAL: each unit's words as they are)
+    const u32 s0 = NATURAL ? 0 : __shfl_xor_sync(0xffffffffu, h ? q[0] : q[2], 1);
+    const u32 s1 = NATURAL ? 0 : __shfl_xor_sync(0xffffffffu, h ? q[1] : q[3], 1);
+    const int other = __shfl_xor_sync(0xffffffffu, sum, 1);
+    if (f >= total) return;
+    if (NATURAL) {  // the Q4_K layout (gemv_mma_staged.cu): B pairs, padded dx, the mins' B split in tf32 high and low
+        const int kb = s >> 3, j = s & 7;
+        uint2* pair = reinterpret_cast<uint2*>(xq + 2048 * kb + 512 * (j >> 1) + 8 * (j & 1));
+        pair[2 * (4 * tok + 2 * h)] = make_uint2(q[0], q[1]);      // values 16h .. 16h + 7: lane 4 tok + 2h
+        pair[2 * (4 * tok + 2 * h + 1)] = make_uint2(q[2], q[3]);  // 16h + 8 .. 16h + 15: the next lane
+        if (!h) {
+            float* xs = reinterpret_cast<float*>(xsc);
+            const float sx = d * (float)(sum + other), hi = tf32_hi(sx);
+            xs[Q4X_DX_WORDS * kb + Q4X_DX_T_WORDS * (tok >> 1) + 2 * j + (tok & 1)] = d;
+            float* mb = xs + Q4X_DX_WORDS * (n_in >> 8) + 128 * kb + 4 * (4 * tok + (j & 3)) + (j >> 2);
+            mb[0] = hi;
+            mb[2] = sx - hi;
+        }
+    } else {
+        *reinterpret_cast<uint4*>(xq + 256 * s + 32 * tok + 16 * h) = h ? make_uint4(s0, q[2], s1, q[3]) : make_uint4(q[0], s0, q[1], s1);
+        u32* sc = xsc + 32 * s + 8 * (tok >> 1) + (tok & 1);
+        if (!h) {
+            sc[0] = __float_as_uint(d);
+            sc[2] = __float_as_uint(d * (float)(sum + other));
+        }
+        sc[4 + 2 * h] = (u32)(-32 * sum);
+    }
+}
+
+// X (n_tok rows of n_in floats, x_stride apart, 16-byte aligned, n_in a multiple of 32) quantized
+// into xq, xsc for MMA8_TOKENS tokens (tokens n_tok.. all zero), by the whole block (blockDim.x a
+// multiple of 32); or, with x_q8 non-null, the same quants and scales copied from X quantized
+// beforehand (gemv_batch.cu quantize_q8_rows, norm.cu rms_norm_q8: n_tok q8 x of q8x_bytes(n_in)
+// bytes, swizzle swz, any),
+// the sums recomputed from the quants: the same bytes. Thread f takes 16 values: unit h = f & 1
+// of sub-block s = f >> 4 of token (f >> 1) & 7; the two units of a sub-block sit in adjacent
+// lanes (one scale, as q8_unit), which swap halves so that each stores 16 consecutive bytes of xq
+// (a warp writes 512 contiguous bytes). NATURAL: the Q4_K layout of gemv_mma_staged.cu instead (its
+// header), each unit's words stored as they are. x_parts (with x_q8; null: none): x_q8 is an NQ
+// handoff (mma8_step_nq: y * norm_w quantized without the norm's scale), token t's sums of y^2 at
+// x_parts[t * n_parts ..]; each d is multiplied by token t's 1 / sqrt(sum / n_in + eps), summed
+// in one order in every warp (mma8_parts_scales), so the staged x is RMSNorm(y) * norm_w's.
+// A thread's x_q8 loads go out MMA8_X_ROUND units at a time, all before any is stored: one L2
+// round trip per round instead of per unit. then(): called once by every thread, right after the
+// first round's loads are issued (with float x, before its first loads): the caller's weight loads
+// that should queue behind x's.
+template <bool NATURAL, class Then>
 __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8* __restrict__ x_q8, int swz, int n_tok, int n_in,
-                             u8* xq, u32* xsc, const float* __restrict__ x_parts, int n_parts, float eps) {
+                             u8* xq, u32* xsc, const float* __restrict__ x_parts, int n_parts, float eps, Then then) {
     const int total = MMA8_TOKENS * (n_in >> 4);
-    float scale[MMA8_TOKENS];  // per token: its RMSNorm scale (an NQ handoff), found in the first pass
+    if (!x_q8) then();
+    if (x_q8) {  // block-uniform
+        float scale[MMA8_TOKENS];  // per token: its RMSNorm scale (an NQ handoff), found in the first round
 #pragma unroll
-    for (int t = 0; t < MMA8_TOKENS; ++t) scale[t] = 1.f;
+        for (int t = 0; t < MMA8_TOKENS; ++t) scale[t] = 1.f;
+        for (int base = 0; base < total; base += MMA8_X_ROUND * (int)blockDim.x) {  // warp-uniform trip count
+            uint4 v[MMA8_X_ROUND];
+            float dv[MMA8_X_ROUND];
+#pragma unroll
+            for (int r = 0; r < MMA8_X_ROUND; ++r) {
+                const int f = base + r * blockDim.x + threadIdx.x;
+                const int h = f & 1, tok = (f >> 1) & (MMA8_TOKENS - 1), s = f >> 4;
+                const bool ok = f < total && tok < n_tok;
+                const u8* row = x_q8 + (i64)(ok ? tok : 0) * q8x_bytes(n_in);
+                v[r] = ok ? __ldg(reinterpret_cast<const uint4*>(row + 16 * x_unit_slot(2 * s + h, swz))) : make_uint4(0, 0, 0, 0);
+                dv[r] = ok ? __ldg(reinterpret_cast<const float*>(row + q8x_bytes_q(n_in)) + s) : 0.f;
+            }
+            if (base == 0) {
+                then();
+                if (x_parts) mma8_parts_scales(x_parts, n_parts, n_tok, n_in, eps, scale);  // with the first loads in flight
+            }
+#pragma unroll
+            for (int r = 0; r < MMA8_X_ROUND; ++r) {
+                const int f = base + r * blockDim.x + threadIdx.x, tok = (f >> 1) & (MMA8_TOKENS - 1);
+                float d = dv[r];
+                if (x_parts) {
+                    float st = scale[0];
+#pragma unroll
+                    for (int t = 1; t < MMA8_TOKENS; ++t) st = tok == t ? scale[t] : st;  // selects, not an indexed array
+                    d *= st;
+                }
+                const u32 q[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
+                int sum = 0;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) sum = dp4a((int)q[k], 0x01010101, sum);
+                mma8_put_unit<NATURAL>(f, total, q, sum, d, n_in, xq, xsc);
+            }
+        }
+        return;
+    }
     for (int base = 0; base < total; base += blockDim.x) {  // warp-uniform trip count
         const int f = base + threadIdx.x;
         const int h = f & 1, tok = (f >> 1) & (MMA8_TOKENS - 1), s = f >> 4;
         const bool ok = f < total && tok < n_tok;
-        u32 q[4];  // word k: values 4k..4k+3 of the unit
+        u32 q[4];
         int sum = 0;
-        float d;
-        if (x_q8) {  // block-uniform
-            const u8* row = x_q8 + (i64)(ok ? tok : 0) * q8x_bytes(n_in);
-            const uint4* unit = reinterpret_cast<const uint4*>(row + 16 * x_unit_slot(2 * s + h, swz));
-            const uint4 v = ok ? __ldg(unit) : make_uint4(0, 0, 0, 0);
-            d = ok ? __ldg(reinterpret_cast<const float*>(row + q8x_bytes_q(n_in)) + s) : 0.f;
-            if (x_parts) {
-                if (base == 0) mma8_parts_scales(x_parts, n_parts, n_tok, n_in, eps, scale);  // with the first loads in flight
-                float st = scale[0];
-#pragma unroll
-                for (int t = 1; t < MMA8_TOKENS; ++t) st = tok == t ? scale[t] : st;  // selects, not an indexed array
-                d *= st;
-            }
-            q[0] = v.x; q[1] = v.y; q[2] = v.z; q[3] = v.w;
-#pragma unroll
-            for (int k = 0; k < 4; ++k) sum = dp4a((int)q[k], 0x01010101, sum);
-        } else {
-            float v[16];
-            load_unit16(x + (i64)(ok ? tok : 0) * x_stride + (ok ? 16 * (2 * s + h) : 0), ok, v);
-            d = q8_pack16(v, q, sum);  // q8_unit's arithmetic: the same bits
-        }
-        // xq bytes 0..15 of (s, tok) are words 0, 1 of both units (unit 0's first), 16..31 words 2, 3:
-        // unit 0 keeps words 0, 1 and receives unit 1's; unit 1 keeps words 2, 3 and receives unit 0's
-        // (NATURAL: each unit's words as they are)
-        const u32 s0 = NATURAL ? 0 : __shfl_xor_sync(0xffffffffu, h ? q[0] : q[2], 1);
-        const u32 s1 = NATURAL ? 0 : __shfl_xor_sync(0xffffffffu, h ? q[1] : q[3], 1);
-        const int other = __shfl_xor_sync(0xffffffffu, sum, 1);
-        if (f < total) {
-            const uint4 out = h ? make_uint4(s0, q[2], s1, q[3]) : make_uint4(q[0], s0, q[1], s1);
-            if (NATURAL) {  // the Q4_K layout (gemv_mma_staged.cu): B pairs, padded dx, the mins' B split in tf32 high and low
-                const int kb = s >> 3, j = s & 7;
-                uint2* pair = reinterpret_cast<uint2*>(xq + 2048 * kb + 512 * (j >> 1) + 8 * (j & 1));
-                pair[2 * (4 * tok + 2 * h)] = make_uint2(q[0], q[1]);      // values 16h .. 16h + 7: lane 4 tok + 2h
-                pair[2 * (4 * tok + 2 * h + 1)] = make_uint2(q[2], q[3]);  // 16h + 8 .. 16h + 15: the next lane
-                if (!h) {
-                    float* xs = reinterpret_cast<float*>(xsc);
-                    const float sx = d * (float)(sum + other), hi = tf32_hi(sx);
-                    xs[Q4X_DX_WORDS * kb + Q4X_DX_T_WORDS * (tok >> 1) + 2 * j + (tok & 1)] = d;
-                    float* mb = xs + Q4X_DX_WORDS * (n_in >> 8) + 128 * kb + 4 * (4 * tok + (j & 3)) + (j >> 2);
-                    mb[0] = hi;
-                    mb[2] = sx - hi;
-                }
-            } else {
-                *reinterpret_cast<uint4*>(xq + 256 * s + 32 * tok + 16 * h) = out;
-                u32* sc = xsc + 32 * s + 8 * (tok >> 1) + (tok & 1);
-                if (!h) {
-                    sc[0] = __float_as_uint(d);
-                    sc[2] = __float_as_uint(d * (float)(sum + other));
-                }
-                sc[4 + 2 * h] = (u32)(-32 * sum);
-            }
-        }
+        float v[16];
+        load_unit16(x + (i64)(ok ? tok : 0) * x_stride + (ok ? 16 * (2 * s + h) : 0), ok, v);
+        const float d = q8_pack16(v, q, sum);  // q8_unit's arithmetic: the same bits
+        mma8_put_unit<NATURAL>(f, total, q, sum, d, n_in, xq, xsc);
     }
 }
 
