@@ -102,19 +102,6 @@ __device__ __forceinline__ void mma8_parts_scales(const float* __restrict__ part
     for (int t = 0; t < MMA8_TOKENS; ++t) r[t] = t < n_tok ? rsqrtf(warp_sum(s[t]) / (float)n + eps) : 1.f;
 }
 
-// X (n_tok rows of n_in floats, x_stride apart, 16-byte aligned, n_in a multiple of 32) quantized
-// into xq, xsc for MMA8_TOKENS tokens (tokens n_tok.. all zero), by the whole block (blockDim.x a
-// multiple of 32); or, with x_q8 non-null, the same quants and scales copied from X quantized
-// beforehand (gemv_batch.cu quantize_q8_rows, norm.cu rms_norm_q8: n_tok q8 x of q8x_bytes(n_in)
-// bytes, swizzle swz, any),
-// the sums recomputed from the quants: the same bytes. Thread f takes 16 values: unit h = f & 1
-// of sub-block s = f >> 4 of token (f >> 1) & 7; the two units of a sub-block sit in adjacent
-// lanes (one scale, as q8_unit), which swap halves so that each stores 16 consecutive bytes of xq
-// (a warp writes 512 contiguous bytes). NATURAL: the Q4_K layout of gemv_mma_staged.cu instead (its
-// header), each unit's words stored as they are. x_parts (with x_q8; null: none): x_q8 is an NQ
-// handoff (mma8_step_nq: y * norm_w quantized without the norm's scale), token t's sums of y^2 at
-// x_parts[t * n_parts ..]; each d is multiplied by token t's 1 / sqrt(sum / n_in + eps), summed
-// in one order in every warp (mma8_parts_scales), so the staged x is RMSNorm(y) * norm_w's.
 // Unit f of mma8_stage_x's order (f < total: stored; every lane of the warp calls it, for the
 // shuffles) into xq, xsc: its quants q (word k: values 4k..4k+3), their sum and its scale d.
 template <bool NATURAL>
@@ -172,8 +159,8 @@ template <bool NATURAL, class Then>
 __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8* __restrict__ x_q8, int swz, int n_tok, int n_in,
                              u8* xq, u32* xsc, const float* __restrict__ x_parts, int n_parts, float eps, Then then) {
     const int total = MMA8_TOKENS * (n_in >> 4);
-    if (!x_q8) then();
-    if (x_q8) {  // block-uniform
+    if (!x_q8) then();  // block-uniform
+    if (x_q8) {
         float scale[MMA8_TOKENS];  // per token: its RMSNorm scale (an NQ handoff), found in the first round
 #pragma unroll
         for (int t = 0; t < MMA8_TOKENS; ++t) scale[t] = 1.f;
