@@ -26,18 +26,20 @@ __device__ __forceinline__ void get_scale_min_k4(int p, u32 s0, u32 s1, u32 s2, 
     m1 = (m >> (sh + 8)) & 0xFF;
 }
 
-// get_scale_min_k4's four values as exact floats: each byte put under 2^23's exponent bits (a
-// byte permute) and 2^23 taken away, two instructions where a shift, a mask and a conversion take
-// three (the same values, so the same bits downstream).
+// Byte i (0..3) of w as an exact float: the byte put under 2^23's exponent bits (a byte permute)
+// and 2^23 taken away, two instructions where a shift, a mask and a conversion take three.
+__device__ __forceinline__ float byte_as_float(u32 w, u32 i) { return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540u + i)) - 8388608.0f; }
+
+// get_scale_min_k4's four values as exact floats (byte_as_float: the same values, so the same bits
+// downstream).
 __device__ __forceinline__ void get_scale_min_k4_f(int p, u32 s0, u32 s1, u32 s2, float& sc0, float& sc1, float& m0, float& m1) {
     u32 sc, m;
     scale_min_words(p, s0, s1, s2, sc, m);
     const u32 b = 2u * (p & 1);
-    auto f = [](u32 w, u32 i) { return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540u + i)) - 8388608.0f; };
-    sc0 = f(sc, b);
-    sc1 = f(sc, b + 1);
-    m0 = f(m, b);
-    m1 = f(m, b + 1);
+    sc0 = byte_as_float(sc, b);
+    sc1 = byte_as_float(sc, b + 1);
+    m0 = byte_as_float(m, b);
+    m1 = byte_as_float(m, b + 1);
 }
 
 // ---- per-type decoders ----------------------------------------------------------------------------

@@ -147,11 +147,8 @@ struct staged_q4_K {
             }
         }
         // the mins: A = m of sub-blocks t, t + 4 of rows g, g + 8 (exact small integers), B = sx hi, lo
-        const u32 sel = 0x7540u + t;  // byte t into the low byte of 2^23's bits
-        const float a0 = __int_as_float(__byte_perm(mn0_lo, 0x4B000000u, sel)) - 8388608.f;
-        const float a1 = __int_as_float(__byte_perm(mn1_lo, 0x4B000000u, sel)) - 8388608.f;
-        const float a2 = __int_as_float(__byte_perm(mn0_hi, 0x4B000000u, sel)) - 8388608.f;
-        const float a3 = __int_as_float(__byte_perm(mn1_hi, 0x4B000000u, sel)) - 8388608.f;
+        const float a0 = byte_as_float(mn0_lo, t), a1 = byte_as_float(mn1_lo, t);
+        const float a2 = byte_as_float(mn0_hi, t), a3 = byte_as_float(mn1_hi, t);
         const float4 bs = reinterpret_cast<const float4*>(xsc + Q4X_DX_WORDS * nblk_row)[32 * kb + lane];
         float mins[4] = {0.f, 0.f, 0.f, 0.f};
         mma_tf32(mins, a0, a1, a2, a3, bs.x, bs.y);
