@@ -32,10 +32,12 @@
 // written. With GLU the weight rows interleave gate and up (2 n_out rows).
 //
 // An NQ product (nq_w non-null; runtime/cuda/gemv_mma.py nq_out, flag K4_MMA8_NQ) also hands the
-// products after the next RMSNorm its Y (mma8_common.cuh mma8_step_nq), one step at a time.
+// products after the next RMSNorm its Y (mma8_common.cuh mma8_step_nq), one step at a time; a
+// product with nq_q8 but no nq_w writes its Y also quantized as it is (gemv_mma.py y_q8, flag
+// K4_MMA8_FFQ8: the gate/up products' output for the down products).
 //
 // Shared memory: mma8_smem(n_in, WARPS) + WARPS * S * D::STAGE (runtime/cuda/constants.py
-// mma8_staged_smem, MMA8_STAGE_BYTES), and for an NQ product MMA8_NQ_RUN TILES * 8 floats after the rings
+// mma8_staged_smem, MMA8_STAGE_BYTES), and with nq_q8 MMA8_NQ_RUN TILES * 8 floats after the rings
 // (ys, mma8_step_out's copy of a step's Y):
 //   Q4_K (NATURAL_X): xq (n_in / 256, 4, 32 lanes, 2, 8) int8: for 256-weight block kb, sub-blocks
 //       j = 2i, 2i + 1 and lane 4g + t the 16 bytes at 2048 kb + 512 i + 16 lane: token g's quants
@@ -249,10 +251,10 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
                 int x_swz,                       // x_q8's swizzle (x_unit_slot)
                 const float* __restrict__ x_parts,  // x_q8 an NQ handoff: its sums of squares (mma8_stage_x), or null
                 int x_n_parts, float x_eps,      // per token; the RMSNorm's eps
-                const float* __restrict__ nq_w,  // NQ: the next RMSNorm's weights (n_out,), or null (no handoff)
-                u8* nq_q8,                       // NQ: n_tok * q8x_bytes(n_out), y * nq_w quantized (mma8_step_nq)
+                const float* __restrict__ nq_w,  // NQ: the next RMSNorm's weights (n_out,), or null (Y quantized as it is)
+                u8* nq_q8,                       // n_tok * q8x_bytes(n_out): y (* nq_w) quantized (mma8_step_nq), or null
                 float* nq_parts,                 // NQ: (n_tok, n_steps) sums of y^2, a step's at [t * n_steps + step]
-                int nq_swz) {                    // NQ: nq_q8's swizzle
+                int nq_swz) {                    // nq_q8's swizzle
     using T = typename D::T;
     const int TILES = WARPS / KS;
     extern __shared__ uint4 smem[];
@@ -262,7 +264,7 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
     float4* red = reinterpret_cast<float4*>(xsc + 32 * n_sub);  // (2, WARPS, 32)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u8* ring = reinterpret_cast<u8*>(red + 2 * WARPS * 32) + warp * S * D::STAGE;
-    float* ys = nq_w ? reinterpret_cast<float*>(reinterpret_cast<u8*>(red + 2 * WARPS * 32) + WARPS * S * D::STAGE) : nullptr;
+    float* ys = nq_q8 ? reinterpret_cast<float*>(reinterpret_cast<u8*>(red + 2 * WARPS * 32) + WARPS * S * D::STAGE) : nullptr;
     const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
 
     const int slot = warp / KS, kl = warp % KS;
@@ -308,7 +310,7 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         const int row0 = 16 * (TILES * step + slot);
         // mma8_step_nq's norm weights for this step, on their way into L1 during the step
-        if (ys && (int)threadIdx.x < TILES && 16 * (TILES * step + (int)threadIdx.x) < n_out)
+        if (nq_w && (int)threadIdx.x < TILES && 16 * (TILES * step + (int)threadIdx.x) < n_out)
             asm volatile("prefetch.global.L1 [%0];" ::"l"(nq_w + 16 * (TILES * step + threadIdx.x)));
         for (int kb = kl; kb < nblk_row; kb += KS) {
             issue(next);  // into the stage the previous item left
@@ -322,9 +324,9 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
         red[(buf * WARPS + warp) * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
         __syncthreads();
         mma8_step_out<GLU, GELU>(red + buf * WARPS * 32, KS, TILES, step, n_rows, n_out, n_tok, y, y_stride, residual, r_stride, bias, ys);
-        if (!GLU && ys) {  // block-uniform; the next step's mma8_step_out writes ys after its barrier
+        if (ys) {  // block-uniform; the next step's mma8_step_out writes ys after its barrier
             __syncthreads();
-            mma8_step_nq(ys, TILES, step, n_out, n_tok, nq_w, nq_q8, nq_parts, n_steps, nq_swz);
+            mma8_step_nq(ys, mma8_step_units(TILES, GLU), step, n_out, n_tok, nq_w, nq_q8, nq_parts, n_steps, nq_swz);
         }
         buf ^= 1;
     }

@@ -255,11 +255,16 @@ __device__ __forceinline__ void q6k_dot(const uint4 (&l0)[2], const uint4& h0, c
     acc[3] += d1 * dot_s[3];
 }
 
+// The runs of 16 outputs a token that a step of TILES tiles writes: 16 rows a tile, 8 outputs
+// with GLU (a gate row and its up row make one).
+__host__ __device__ constexpr int mma8_step_units(int tiles, bool glu) { return glu ? tiles / 2 : tiles; }
+
 // The end of a step: TILES * 128 threads, one per (tile slot, row, token) of the step's TILES
 // tiles, add the KS warps' partial sums from red (WARPS, 32) float4, warp slot * KS + k holding
 // tile slot's k-th share in C order, and write Y (the GLU epilogue from a gate row and its up row,
-// the next weight row, lane + 4). ys (not with GLU; null: none): each Y value written also at
-// ys[MMA8_NQ_RUN (TILES token + r / 16) + r % 16], r its row in the step, for mma8_step_nq.
+// the next weight row, lane + 4). ys (null: none): each Y value written also at
+// ys[MMA8_NQ_RUN (U token + r / 16) + r % 16], r its output in the step and U = mma8_step_units
+// (TILES, GLU) its runs of 16 a token, for mma8_step_nq.
 template <bool GLU, bool GELU>
 __device__ void mma8_step_out(const float4* red, int KS, int TILES, int step, int n_rows, int n_out, int n_tok,
                               float* y, int y_stride, const float* residual, int r_stride, const float* __restrict__ bias,
@@ -276,7 +281,12 @@ __device__ void mma8_step_out(const float4* red, int KS, int TILES, int step, in
         if (!(row & 1) && row < n_rows && tok < n_tok) {  // a gate row: its up row is the next, lane ln + 4
             float u = 0.f;
             for (int k = 0; k < KS; ++k) u += part[128 * k + 4 * (ln + 4) + reg];
-            y[(i64)tok * y_stride + row / 2] = glu_act<GELU>(v, u);
+            const float out = glu_act<GELU>(v, u);
+            y[(i64)tok * y_stride + row / 2] = out;
+            if (ys) {  // 8 outputs a tile
+                const int r = row / 2 - 8 * TILES * step;
+                ys[MMA8_NQ_RUN * (mma8_step_units(TILES, true) * tok + (r >> 4)) + (r & 15)] = out;
+            }
         }
     } else if (row < n_out && tok < n_tok) {
         if (bias) v += bias[row];  // write_row's sums, in its order (through write_row, nvcc schedules these kernels otherwise)
@@ -284,35 +294,37 @@ __device__ void mma8_step_out(const float4* red, int KS, int TILES, int step, in
         y[(i64)tok * y_stride + row] = v;
         if (ys) {  // a token's run of 16 values in MMA8_NQ_RUN words: mma8_step_nq's lanes read without bank conflicts
             const int r = row - 16 * TILES * step;
-            ys[MMA8_NQ_RUN * (TILES * tok + (r >> 4)) + (r & 15)] = v;
+            ys[MMA8_NQ_RUN * (mma8_step_units(TILES, false) * tok + (r >> 4)) + (r & 15)] = v;
         }
     }
 }
 
-// An NQ handoff of a step's Y (its 16 TILES rows, TILES 2 or 4, at ys as mma8_step_out wrote
-// them; n_out a multiple of 32) for the products after the RMSNorm of Y with weight norm_w: token
-// t's y * norm_w quantized without the norm's scale into its q8 x at q8 + t * q8x_bytes(n_out)
-// (swizzle swz, q8_unit's bytes), and the step's sum of its y^2 at parts[t * n_parts + step]
-// (n_parts: the product's steps, every one of which writes its rows). The reader (mma8_stage_x
-// with x_parts) scales each d by the norm. Warp 0: lane l = TILES t + i takes values 16 i .. 16 i
-// + 15 of the step's rows of token t (at ys[MMA8_NQ_RUN l ..]); the two halves of a scale sit in adjacent
-// lanes, as q8_unit needs.
-__device__ void mma8_step_nq(const float* ys, int TILES, int step, int n_out, int n_tok, const float* __restrict__ norm_w, u8* q8,
+// A step's Y handed over quantized (its U = mma8_step_units runs of 16 outputs a token, U 2 or 4,
+// at ys as mma8_step_out wrote them; n_out a multiple of 32): token t's y, or with norm_w (an NQ
+// handoff, for the products after the RMSNorm of Y with weight norm_w) y * norm_w quantized
+// without the norm's scale, into its q8 x at q8 + t * q8x_bytes(n_out) (swizzle swz, q8_unit's
+// bytes: the same as quantize_q8_rows of Y, or of Y * norm_w), and with norm_w the step's sum of
+// its y^2 at parts[t * n_parts + step] (n_parts: the product's steps, every one of which writes
+// its rows). The reader of an NQ handoff (mma8_stage_x with x_parts) scales each d by the norm.
+// Warp 0: lane l = U t + i takes outputs 16 i .. 16 i + 15 of the step's of token t (at
+// ys[MMA8_NQ_RUN l ..]); the two halves of a scale sit in adjacent lanes, as q8_unit needs.
+__device__ void mma8_step_nq(const float* ys, int U, int step, int n_out, int n_tok, const float* __restrict__ norm_w, u8* q8,
                              float* parts, int n_parts, int swz) {
     if (threadIdx.x >= 32) return;
-    const int lane = threadIdx.x, tok = lane / TILES, i = lane % TILES;
-    const int row = 16 * (TILES * step + i);
-    const bool ok = tok < n_tok && row < n_out;  // lanes past 8 TILES have tok >= 8 >= n_tok
+    const int lane = threadIdx.x, tok = lane / U, i = lane % U;
+    const int row = 16 * (U * step + i);  // the run's first output
+    const bool ok = tok < n_tok && row < n_out;  // lanes past 8 U have tok >= 8 >= n_tok
     float v[16], ss = 0.f;
 #pragma unroll
     for (int k = 0; k < 16; ++k) {
         const float yv = ok ? ys[MMA8_NQ_RUN * lane + k] : 0.f;
         ss += yv * yv;
-        v[k] = ok ? yv * __ldg(norm_w + row + k) : 0.f;
+        v[k] = !ok ? 0.f : norm_w ? yv * __ldg(norm_w + row + k) : yv;
     }
     u8* out = q8 + (i64)(ok ? tok : 0) * q8x_bytes(n_out);
     float* xd = reinterpret_cast<float*>(out + q8x_bytes_q(n_out));
     q8_unit(v, ok, row >> 4, swz, out, xd, xd + q8x_d_floats(n_out));
-    for (int o = 1; o < TILES; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (!norm_w) return;
+    for (int o = 1; o < U; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (ok && i == 0) parts[(i64)tok * n_parts + step] = ss;
 }

@@ -196,6 +196,33 @@ def test_decode_attention_hands_over_the_output_quantized(ops, rng, n_head, n_he
         ops.sw = saved
 
 
+@pytest.mark.parametrize("n_tok,n_head,n_head_kv,D", [(3, 32, 32, 128), (8, 28, 4, 128), (5, 8, 2, 64), (6, 16, 8, 256), (70, 4, 2, 128)])
+def test_attn_mma_hands_over_its_rows_quantized(ops, rng, n_tok, n_head, n_head_kv, D):
+    """attn_mma (several queries: the verify step's) writes its output rows quantized too (x_q8
+    a Q8Rows, K4_ATTN_Q8) with the bytes gemv_q8 would make of each row (q8x_host), in every
+    products' swizzle; 70 queries: two query blocks, the second with rows past the last query."""
+    from k4.runtime.cuda.gemv_batch import Q8Rows
+    from k4.runtime.cuda.q8_handoff import q8x_host
+    from k4.runtime.cuda.quant_kernels import QUANT
+
+    pos0, n_ctx = 300, 512
+    q, keys, values = attention_inputs(rng, n_tok, pos0, n_head, n_head_kv, D)
+    kc, vc = cp.asarray(f16_plane(keys, n_ctx)), cp.asarray(f16_plane(values, n_ctx))
+    group = n_head // n_head_kv
+    assert ops.attention_kernel(n_tok, D, group=group).startswith("attn_mma") and ops.uses_attn_q8(n_tok, D, group, 1, None)
+    n = n_head * D
+    plain = cp.full((n_tok, n_head, D), np.nan, cp.float32)
+    ops.attention(cp.asarray(q), kc, vc, plain, cp.asarray([pos0], dtype=cp.int32), 1, n_ctx, None, None)
+    for swz in sorted({k.x_swizzle for k in QUANT.values()}):
+        x_q8 = Q8Rows(cp.zeros(Q8Rows.nbytes(n_tok, n), cp.uint8), n_tok, n, swz)
+        out = cp.full((n_tok, n_head, D), np.nan, cp.float32)
+        ops.attention(cp.asarray(q), kc, vc, out, cp.asarray([pos0], dtype=cp.int32), 1, n_ctx, None, None, x_q8=x_q8)
+        got, y = x_q8.data.get().reshape(n_tok, -1), out.get().reshape(n_tok, n)
+        assert np.array_equal(y, plain.get().reshape(n_tok, n)), f"swizzle {swz}: the float output changed"
+        for t in range(n_tok):
+            assert np.array_equal(got[t], q8x_host(y[t], swz)), f"swizzle {swz}: row {t}"
+
+
 @pytest.mark.parametrize("arch,n_head,n_head_kv,D,pos0,n_ctx", [("llama", 8, 2, 64, 77, 256), ("qwen3", 4, 4, 128, 5, 4096),
                                                                   ("qwen2", 6, 3, 96, 300, 320)])
 def test_attention_with_fused_rope_equals_rope_then_attention(ops, rng, arch, n_head, n_head_kv, D, pos0, n_ctx):

@@ -180,14 +180,17 @@ class AttentionLaunchers:
         return attn_kv_name(kv.k, kv.v, n_tok == 1 and (limit is None or limit > GQA_MIN_LIMIT))
 
     def uses_attn_q8(self, n_tok: int, D: int, group: int, n_split: int, limit: int | None, kv: KVTypes | None = None) -> bool:
-        """Whether the decode attention of n_tok queries (head_dim D, group query heads per KV
-        head, n_split splits, a range of at most `limit` keys, cache types kv) hands its output
+        """Whether the attention of n_tok queries (head_dim D, group query heads per KV head,
+        n_split splits, a range of at most `limit` keys, cache types kv) hands its output
         quantized to the output product (attention's x_q8), with `attn_q8` (K4_ATTN_Q8) on: one
         query, on attn_gqa with splits (its merge writes it), or on attn_kv's short-range
         instance with D a multiple of 32 up to 2 * ATT_THREADS (a thread per output, or two; the
-        deep instance would spill)."""
-        if not (self.sw.attn_q8 and n_tok == 1):
+        deep instance would spill); several queries (the verify step's rows) on attn_mma with D
+        a multiple of 32 (attn_mma_row_q8: a quad holds each group of 32)."""
+        if not self.sw.attn_q8:
             return False
+        if n_tok > 1:
+            return self.attention_kernel(n_tok, D, kv, group=group).startswith("attn_mma") and D % 32 == 0
         name = self.attention_kernel(1, D, kv, group=group, limit=limit)
         if name.startswith("attn_gqa"):
             return n_split > 1
@@ -289,8 +292,9 @@ class AttentionLaunchers:
         inside the kernel (FreshKV); q is then not read, and the token's k and v are written to
         cache row pos. shape: the query scale, sliding window, score soft-cap and the ring of
         a sliding layer's cache (AttnShape; a ring's rows are a multiple of every kernel's key
-        tile). x_q8: None, or a q8_handoff.Q8Vector of n_head * D values that the kernel also
-        writes out into (where uses_attn_q8), for the output product to copy (K4_ATTN_Q8).
+        tile). x_q8: None, or (where uses_attn_q8) a q8_handoff.Q8Vector of n_head * D values (one
+        query), or a gemv_batch.Q8Rows of n_tok rows of them (attn_mma), that the kernel also
+        writes its output into, for the output product to copy (K4_ATTN_Q8).
         """
         n_tok, n_head, D = q.shape
         n_ctx, n_head_kv, _ = k_cache.shape
@@ -306,8 +310,8 @@ class AttentionLaunchers:
         planes = _planes(k_cache, v_cache, scales)
         assert x_q8 is None or (self.uses_attn_q8(n_tok, D, n_head // n_head_kv, n_split, limit, types) and x_q8.n == n_head * D)
         if name.startswith(("attn_mma", "attn_tiled")):
-            assert n_split == 1 and fresh is None
-            self._attention_tiles(name, q, planes, out, pos, shape)
+            assert n_split == 1 and fresh is None and (x_q8 is None or x_q8.n_tok == n_tok)
+            self._attention_tiles(name, q, planes, out, pos, shape, x_q8)
         elif name.startswith("attn_short"):
             assert limit <= n_split * self.short_limit(D, types), "attn_short's splits must hold the range (decode_splits)"
             self._attention_short(name, q, planes, out, pos, n_split, part, ticket, fresh, shape, x_q8)
@@ -336,9 +340,10 @@ class AttentionLaunchers:
                       np.int32(n_head), np.int32(n_head_kv), *shape.kernel_args(D), *head, *tail,
                       NULL if x_q8 is None else x_q8.data, np.int32(0 if x_q8 is None else x_q8.swizzle)), shared_mem=smem, per_sm=1)
 
-    def _attention_tiles(self, name: str, q, planes: tuple, out, pos, shape: AttnShape) -> None:
+    def _attention_tiles(self, name: str, q, planes: tuple, out, pos, shape: AttnShape, x_q8=None) -> None:
         """Launch attn_mma or attn_tiled (planes: k, k_d, v, v_d): several queries per block,
-        keys staged in shared memory. Without programmatic dependent launch, whatever the Ops'
+        keys staged in shared memory; attn_mma also writes its output quantized into x_q8 (a
+        gemv_batch.Q8Rows of n_tok rows) unless None. Without programmatic dependent launch, whatever the Ops'
         switch: with it, the prefill graph of 512 tokens of the synthetic Qwen3-30B-A3B stopped
         with an illegal address (H200; from session 8 to 10 MoE models ran without PDL at all).
         Session 11's bisection: PDL off for these launches alone ended it; off for the RoPE
@@ -351,8 +356,9 @@ class AttentionLaunchers:
         allow_shared(self.function(FILE_OF[name], name), smem)
         rows, threads = (MMA_BQ, MMA_THREADS) if mma else (TILE_Q, TILE_THREADS)
         self._launch(FILE_OF[name], name, (n_head, -(-n_tok // rows)), (threads,),
-                     (q, *planes, out, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv),
-                      *shape.kernel_args(D)), shared_mem=smem, pdl=False)
+                     (q, *planes, out, pos, np.int32(n_tok), np.int32(n_head), np.int32(n_head_kv), *shape.kernel_args(D),
+                      *((NULL if x_q8 is None else x_q8.data, np.int32(0 if x_q8 is None else x_q8.swizzle)) if mma else ())),
+                     shared_mem=smem, pdl=False)
 
     def _attention_rows(self, name: str, q, planes: tuple, types: KVTypes, out, pos, n_split: int, split_len: int, part, ticket,
                         fresh: FreshKV | None, shape: AttnShape, x_q8=None) -> None:

@@ -23,7 +23,7 @@ from .constants import MMA8_TOKENS
 from .op_args import AttnShape, FreshKV, RopeArgs
 from .q8_handoff import Q8Vector
 from .gemv_batch import Q8Rows, gemv_rows, quantize_rows
-from .gemv_mma import gemv_mma, nq_parts, uses_mma8
+from .gemv_mma import gemv_mma, nq_parts, uses_mma8, writes_q8
 from .quant_kernels import MMA8_MIN_TOKENS, QUANT, nx_reads
 from .kv_cache import KVCache
 from .weights import LayerWeights, Weights
@@ -46,6 +46,7 @@ class ForwardOptions:
     x_cluster: bool = True  # K4_X_CLUSTER: decode's products quantizing a long x in clusters of blocks (linear)
     norm_q8: bool = True  # K4_NORM_Q8: decode's residual products hand the next norm's products their input quantized
     mma8_nq: bool = True  # K4_MMA8_NQ: the same from the verify step's down products on int8 tensor cores (rows_handoff)
+    mma8_ffq8: bool = True  # K4_MMA8_FFQ8: the verify step's gate/up product writes its output quantized for down (gate_up)
 
 
 class Forward:
@@ -182,15 +183,37 @@ class Forward:
         quantize_rows(X, q8, stream=self.stream, trace=self.ops.trace)
         return q8
 
-    def attn_q8(self, wo, n: int, n_split: int, limit: int) -> Q8Vector | None:
+    def ff_rows(self, L: LayerWeights, n: int) -> Q8Rows | None:
+        """The Q8Rows (in act.x_q8, Q8_SWIZZLE) that layer L's glu gate/up product of n rows also
+        writes its output into for w_down (gemv_mma y_q8), or None: mma8_ffq8 off, n outside
+        MMA8_MIN_TOKENS..MMA8_TOKENS, the gate/up product unable to (gemv_mma.writes_q8: steps of
+        whole 32-output groups), or w_down's product not gemv_mma (only it reads x_q8 of any
+        swizzle; what quantized would give it: the same bytes)."""
+        w, down = L.gate_up[0].w, L.w_down
+        if not (self.opts.mma8_ffq8 and MMA8_MIN_TOKENS <= n <= MMA8_TOKENS and down.ggml_type in matmul.QUANT):
+            return None
+        n_ff = w.shape[0] // 2
+        if not (matmul.uses_gemv(w, n) and writes_q8(w, n) and matmul.uses_gemv(down, n) and uses_mma8(down, n)
+                and Q8Rows.nbytes(n, n_ff) <= self.act.x_q8.nbytes):
+            return None
+        return Q8Rows(self.act.x_q8, n, n_ff, Q8_SWIZZLE)
+
+    def attn_q8(self, wo, n: int, n_split: int, limit: int) -> Q8Vector | Q8Rows | None:
         """The q8 vector (in act.x_q8, free in decode) that decode attention hands the output
         product wo, its output quantized by the attention kernel (Ops.uses_attn_q8; K4_ATTN_Q8),
         or None where it does not: n tokens, the range's n_split splits and most keys `limit`,
-        wo quantized."""
+        wo quantized. For MMA8_MIN_TOKENS to MMA8_TOKENS rows (the verify step) a Q8Rows (in
+        act.x_q8, Q8_SWIZZLE) where wo's product is gemv_mma, which copies it instead of a
+        quantize_q8_rows kernel running first (quantized: the same bytes)."""
         cfg = self.cfg
         if wo.ggml_type not in matmul.QUANT or not self.ops.uses_attn_q8(n, cfg.head_dim, cfg.n_head // cfg.n_head_kv, n_split, limit):
             return None
-        return Q8Vector.for_weight(wo, self.act.x_q8)
+        if n == 1:
+            return Q8Vector.for_weight(wo, self.act.x_q8)
+        if not (MMA8_MIN_TOKENS <= n <= MMA8_TOKENS and matmul.uses_gemv(wo, n) and uses_mma8(wo, n)
+                and Q8Rows.nbytes(n, cfg.q_dim) <= self.act.x_q8.nbytes):
+            return None
+        return Q8Rows(self.act.x_q8, n, cfg.q_dim, Q8_SWIZZLE)
 
     def handoff(self, w, nq, x_q8) -> Q8Vector | None:
         """The q8 handoff (Q8Vector with parts, in act.nq8 and act.nq_parts) that w's one-token
@@ -304,8 +327,8 @@ class Forward:
         """ff (n, n_ff) = act(gate) * up of rmsnorm(x1 (n, n_embd)) * ffn_norm, act cfg.activation
         (silu, gemma's gelu_tanh): in the product's epilogue for a glu weight on the matrix-vector
         path (its glu_act; quantized: gemv_batch.gemv_rows, 8 tokens per launch), else by the
-        swiglu (geglu) kernel. Returns L.ff_q8 when the epilogue also wrote ff quantized into it
-        for w_down (one token), else None."""
+        swiglu (geglu) kernel. Returns the q8 ff the epilogue also wrote for w_down, else None:
+        L.ff_q8 for one token, ff_rows's for the verify step's rows."""
         n = x1.shape[0]
         h, norm, h_q8 = self.normed(x1, L.ffn_norm, half)
         if len(L.gate_up) == 2:  # separate gate and up
@@ -319,6 +342,10 @@ class Forward:
             if n == 1:
                 self.linear(p.w, h, ff, norm=norm, y_q8=L.ff_q8, x_q8=h_q8)
                 return L.ff_q8
+            ff_q8 = self.ff_rows(L, n)
+            if ff_q8 is not None:  # the verify step: ff also quantized for w_down, in the same launch
+                gemv_mma(p.w, h, ff, stream=self.stream, trace=self.ops.trace, x_q8=h_q8, y_q8=ff_q8)
+                return ff_q8
             if p.w.ggml_type in matmul.QUANT:  # up to BATCH_TOKENS tokens per read of the weight
                 gemv_rows(p.w, h, ff, stream=self.stream, trace=self.ops.trace, x_q8=h_q8)
                 return None

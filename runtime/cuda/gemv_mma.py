@@ -124,25 +124,34 @@ def _mma_plan(w: DeviceWeight, variant: tuple[int, ...] | None):
     return plan
 
 
-def _nq_smem(w: DeviceWeight) -> int:
-    """The shared memory of gemv_mma on w as an NQ product (nq_out): the plan's and, after the
-    rings, a step's Y for mma8_step_nq (16 rows a tile in MMA8_NQ_RUN floats, MMA8_TOKENS tokens); 0 where w's
-    product cannot hand off: the register kernel, a glu weight, n_out not a multiple of 32, a step
-    of other than 2 or 4 tiles (units of 32 rows within a step, a power of two of lanes a token),
-    or more than SMEM_LIMIT bytes."""
-    if w.glu or w.shape[0] % 32:
+def _q8_out_smem(w: DeviceWeight, nq: bool) -> int:
+    """The shared memory of gemv_mma on w when it also writes its Y quantized (nq_out with nq, an
+    NQ handoff; y_q8 without): the plan's and, after the rings, a step's Y for mma8_step_nq (16
+    rows a tile in MMA8_NQ_RUN floats, MMA8_TOKENS tokens); 0 where w's product cannot: the
+    register kernel, a glu weight for an NQ handoff, outputs (n_out, half a glu weight's rows) not
+    a multiple of 32, a step of other than 2 or 4 runs of 16 outputs a token (mma8_step_units:
+    units of 32 within a step, a power of two of lanes a token), or more than SMEM_LIMIT bytes."""
+    n_out = w.shape[0] // 2 if w.glu else w.shape[0]
+    if (nq and w.glu) or n_out % 32:
         return 0
     _, _, block, smem, ks, stages = _mma_plan(w, None)
     tiles = block[0] // 32 // ks
+    units = tiles // 2 if w.glu else tiles  # constants.mma8_step_units
     smem += MMA8_NQ_RUN * tiles * MMA8_TOKENS * 4
-    return smem if stages and tiles in (2, 4) and smem <= SMEM_LIMIT else 0
+    return smem if stages and units in (2, 4) and smem <= SMEM_LIMIT else 0
+
+
+def writes_q8(w: DeviceWeight, n_tok: int) -> bool:
+    """Whether gemv_mma on w for n_tok tokens can also write its Y quantized (y_q8): it runs as
+    gemv_mma (uses_mma8) in steps that hold whole 32-output groups (_q8_out_smem)."""
+    return uses_mma8(w, n_tok) and _q8_out_smem(w, False) > 0
 
 
 def nq_parts(w: DeviceWeight, n_tok: int) -> int:
     """The sums of squares per token that gemv_mma on w writes as an NQ product of n_tok tokens
     (nq_out: one per step of the product), or 0 where w's product of n_tok tokens does not run as
-    gemv_mma or cannot hand off (_nq_smem)."""
-    if not uses_mma8(w, n_tok) or not _nq_smem(w):
+    gemv_mma or cannot hand off (_q8_out_smem)."""
+    if not uses_mma8(w, n_tok) or not _q8_out_smem(w, True):
         return 0
     _, _, block, _, ks, _ = _mma_plan(w, None)
     return -(-w.shape[0] // (16 * (block[0] // 32 // ks)))
@@ -150,7 +159,7 @@ def nq_parts(w: DeviceWeight, n_tok: int) -> int:
 
 def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, trace: Trace | None = None,
              pdl: bool | None = None, variant: tuple[int, ...] | None = None, x_q8: Q8Rows | None = None,
-             nq_out: tuple | None = None) -> None:
+             nq_out: tuple | None = None, y_q8: Q8Rows | None = None) -> None:
     """Y[t] = w @ X[t] (+ bias) (+ residual[t]) for n_tok = 1 .. MMA8_TOKENS tokens, one kernel
     launch reading w once, on int8 tensor cores; with w.glu, Y[t] = act(gate @ X[t]) * (up @
     X[t]), act w.glu_act (silu or gelu_tanh).
@@ -174,9 +183,12 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
     n_tok * nq_parts(w, n_tok) floats and n_parts nq_parts(w, n_tok)): an NQ product, which also
     hands the products after the next RMSNorm (weight norm_w) its Y (kernels_cu/mma8_common.cuh
     mma8_step_nq; flag K4_MMA8_NQ); not with variant.
+    y_q8: Q8Rows of n_tok rows of n_out (n_out / 2 outputs for w.glu), no parts, where writes_q8
+    says the product can: Y also written quantized, the bytes quantize_rows would write from Y
+    (flag K4_MMA8_FFQ8: the gate/up product's output for the down product); not with nq_out or variant.
     Raises ValueError on another weight type, n_tok outside 1..MMA8_TOKENS, an n_in whose x does
     not fit in shared memory, wrong shapes, dtypes, strides or alignment, residual/bias with w.glu,
-    or an x_q8 of other rows or size, an nq_out for a product that cannot hand off or of other rows.
+    or an x_q8 of other rows or size, an nq_out or y_q8 for a product that cannot write it or of other rows.
     """
     if w.ggml_type not in MMA8_DECODERS:
         raise ValueError(f"gemv_mma multiplies {', '.join(t.name for t in MMA8_DECODERS)} weights, not {w.ggml_type.name}")
@@ -200,12 +212,12 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
             null_or(x_q8 and x_q8.data), np.int32(x_q8.swizzle if x_q8 is not None else 0), null_or(parts),
             np.int32(x_q8.n_parts if parts is not None else 0), np.float32(x_q8.eps if parts is not None else 0))
     if stages:  # gemv_mma_staged: its NQ arguments
-        args += _nq_args(w, nq_out, n_tok, variant)
-        if nq_out is not None:
-            smem = _nq_smem(w)
+        args += _nq_args(w, nq_out, n_tok, variant) if y_q8 is None else _y_q8_args(w, y_q8, n_tok, n_out, variant, nq_out)
+        if nq_out is not None or y_q8 is not None:
+            smem = _q8_out_smem(w, nq_out is not None)
             allow_shared(kernel, smem)
-    elif nq_out is not None:
-        raise ValueError(f"gemv_mma on {w.ggml_type.name} {w.shape} runs the register kernel, which hands nothing off")
+    elif nq_out is not None or y_q8 is not None:
+        raise ValueError(f"gemv_mma on {w.ggml_type.name} {w.shape} runs the register kernel, which writes no q8 output")
     if pdl is None:  # as gemv: eagerly the driver-API launch costs more host time than it saves
         pdl = w.pdl and capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl)
@@ -228,3 +240,17 @@ def _nq_args(w: DeviceWeight, nq_out: tuple | None, n_tok: int, variant) -> tupl
         raise ValueError(f"nq_out holds {out.n_tok} rows of {out.n} with {out.n_parts} parts; this product writes {n_tok} "
                          f"of {n_out} with {n_parts} parts ({n_tok * q8x_bytes(n_out)} bytes, swizzle 0..7)")
     return (norm_w, out.data, out.parts, np.int32(out.swizzle))
+
+
+def _y_q8_args(w: DeviceWeight, out: Q8Rows, n_tok: int, n_out: int, variant, nq_out) -> tuple:
+    """gemv_mma_staged's arguments for y_q8 (no norm weights, q8 rows, no parts, swizzle), checked
+    (ValueError)."""
+    if nq_out is not None or variant or not writes_q8(w, n_tok):
+        raise ValueError(f"gemv_mma on {w.ggml_type.name} {w.shape}{' as a variant' if variant else ''}"
+                         f"{' with nq_out' if nq_out is not None else ''} cannot write y_q8")
+    if (out.n_tok, out.n) != (n_tok, n_out) or out.parts is not None or out.data.nbytes < n_tok * q8x_bytes(n_out) \
+            or not 0 <= out.swizzle < 8:
+        raise ValueError(f"y_q8 holds {out.n_tok} rows of {out.n}{' with parts' if out.parts is not None else ''} "
+                         f"({out.data.nbytes} bytes); this product writes {n_tok} of {n_out} without parts "
+                         f"({n_tok * q8x_bytes(n_out)} bytes, swizzle 0..7)")
+    return (np.uint64(0), out.data, np.uint64(0), np.int32(out.swizzle))
