@@ -26,56 +26,6 @@
 // well; 32 rows won by 5-13% only on single 4096-query calls, which k4 never makes.
 // MMA_WARPS, MMA_THREADS = 32 * MMA_WARPS, MMA_BQ = 16 * MMA_WARPS: constants.cuh. The mma helpers (k4mma): mma_common.cuh.
 
-// Row g + 8 r of a warp's output (o: the accumulator, lane = 4g + t holding columns 8c + 2t, + 1
-// of chunk c) times inv_l, quantized into its q8 x at q (q8x_bytes(n) bytes, n the row's values,
-// this head's first at value base, swizzle swz): q8_pack16's bits (the same max, quants, sum and
-// scale as quantize_q8_rows of the float output), by shuffles within the quad, which holds every
-// group of 32 of the row whole. ok false: nothing stored (the quad still shuffles). Every lane of
-// the warp calls it.
-template <int D>
-__device__ __forceinline__ void attn_mma_row_q8(const float (&o)[D / 8][4], int r, float inv_l, bool ok, int base, int n, int swz,
-                                                u8* __restrict__ q, int t) {
-    float* xd = reinterpret_cast<float*>(q + q8x_bytes_q(n));
-#pragma unroll
-    for (int v = 0; v < D / 32; ++v) {  // group v: chunks 4v .. 4v + 3, units 2v (chunks 4v, 4v + 1) and 2v + 1
-        float x[8], amax = 0.f;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            x[2 * c] = o[4 * v + c][2 * r] * inv_l;
-            x[2 * c + 1] = o[4 * v + c][2 * r + 1] * inv_l;
-            amax = fmaxf(amax, fmaxf(fabsf(x[2 * c]), fabsf(x[2 * c + 1])));
-        }
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        const float id = q8_inv_scale(amax);
-        u32 a[4];  // chunk c's two quants, then (even t) with lane t + 1's above them: unit bytes 2t .. 2t + 3
-        int sum[2] = {0, 0};
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int q0 = __float2int_rn(x[2 * c] * id), q1 = __float2int_rn(x[2 * c + 1] * id);
-            sum[c >> 1] += q0 + q1;
-            a[c] = (u32)(q0 & 0xFF) | (u32)(q1 & 0xFF) << 8;
-        }
-#pragma unroll
-        for (int c = 0; c < 4; ++c) a[c] |= __shfl_xor_sync(0xffffffffu, a[c], 1) << 16;
-        u32 b[4];  // the other even lane's words
-#pragma unroll
-        for (int c = 0; c < 4; ++c) b[c] = __shfl_xor_sync(0xffffffffu, a[c], 2);
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 1);
-            sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 2);
-        }
-        // lane t = 0 stores unit 2v (words 0, 2 its own, 1, 3 lane 2's), t = 2 unit 2v + 1 (words 1, 3 its own)
-        const int u = (base >> 4) + 2 * v + (t >> 1);
-        if (ok && !(t & 1)) {
-            const uint4 word = t ? make_uint4(b[2], a[2], b[3], a[3]) : make_uint4(a[0], b[0], a[1], b[1]);
-            *reinterpret_cast<uint4*>(q + 16 * x_unit_slot(u, swz)) = word;
-            q8_unit_scales(u, q8_scale(amax), sum[t >> 1], xd, xd + q8x_d_floats(n));
-        }
-    }
-}
-
 // Causal attention of n_tok queries (query t at position pos0 + t, pos0 = *pos) over the cache
 // rows 0 .. pos0 + t, on tensor cores. q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx,
 // n_head_kv, D) of KT::elem / VT::elem with k_d, v_d their scale planes or null (kv_cache.cuh:
@@ -85,7 +35,7 @@ __device__ __forceinline__ void attn_mma_row_q8(const float (&o)[D / 8][4], int 
 // applies to S in log2 units with cap * log2(e)). Grid: (n_head, ceil(n_tok / MMA_BQ)); block:
 // MMA_THREADS; dynamic shared memory mma_smem(D, BK). Requires D % 16 == 0, BK % 16 == 0. out_q8
 // (D % 32 == 0; null: none): out also quantized, row t's q8 x at out_q8 + t * q8x_bytes(n_head D),
-// swizzle q8_swz (attn_mma_row_q8), for the output product (K4_ATTN_Q8's rows).
+// swizzle q8_swz (q8_unit's bytes), for the output product (K4_ATTN_Q8's rows).
 // Thread mapping: lane = 4g + t holds rows g and g + 8 of its warp's 16 queries and, per 8-column
 // chunk of S or O, columns 2t and 2t + 1 (the mma accumulator layout).
 template <int D, int BK, class KT, class VT>
@@ -262,6 +212,15 @@ attn_mma(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
         }
     }
 
+    // out_q8: the rows go through shared memory (the tiles' space, once every warp is done with
+    // it), where a thread per 16-value unit quantizes them with q8_unit, the code quantize_q8_rows
+    // runs: the same bytes. (Quantizing in the accumulator layout, a quad per group of 32, made
+    // one warp run every group of its rows one after another: +1.7 µs a launch on the H200.)
+    constexpr int YS = D + 4;  // the staged rows' stride (floats)
+    static_assert(MMA_BQ * YS * 4 <= mma_smem(D, BK), "attn_mma's staged output rows fit in its shared memory");
+    const bool q8 = D % 32 == 0 && out_q8 != nullptr;  // block-uniform
+    float* ys = reinterpret_cast<float*>(mma_buf);
+    if (q8) __syncthreads();
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float lr = l[r];
@@ -269,15 +228,30 @@ attn_mma(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
         lr += __shfl_xor_sync(k4ops::FULL_MASK, lr, 2);
         const float inv_l = 1.f / lr;
         const int row = wrow + g + 8 * r;
-        if constexpr (D % 32 == 0) {
-            if (out_q8) {  // block-uniform; before the row test: the quad's shuffles
-                const int n = n_head * D;
-                attn_mma_row_q8<D>(o, r, inv_l, row < nq, h * D, n, q8_swz, out_q8 + (size_t)(row < nq ? q0 + row : 0) * q8x_bytes(n), t);
-            }
-        }
         if (row >= nq) continue;
         float* dst = out + ((size_t)(q0 + row) * n_head + h) * D + 2 * t;
 #pragma unroll
-        for (int c = 0; c < NOC; ++c) *reinterpret_cast<float2*>(dst + 8 * c) = make_float2(o[c][2 * r] * inv_l, o[c][2 * r + 1] * inv_l);
+        for (int c = 0; c < NOC; ++c) {
+            const float2 v = make_float2(o[c][2 * r] * inv_l, o[c][2 * r + 1] * inv_l);
+            *reinterpret_cast<float2*>(dst + 8 * c) = v;
+            if (q8) *reinterpret_cast<float2*>(ys + row * YS + 8 * c + 2 * t) = v;
+        }
+    }
+    if (!q8) return;
+    __syncthreads();
+    constexpr int UNITS = D / 16;  // a row's units of this head; even: a scale's two in adjacent lanes
+    const int n = n_head * D;
+    for (int base = 0; base < nq * UNITS; base += MMA_THREADS) {  // block-uniform trip count
+        const int f = base + tid, row = f / UNITS, u = f % UNITS;
+        const bool ok = f < nq * UNITS;
+        float v[16];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float4 a = ok ? *reinterpret_cast<const float4*>(ys + row * YS + 16 * u + 4 * k) : make_float4(0.f, 0.f, 0.f, 0.f);
+            v[4 * k] = a.x; v[4 * k + 1] = a.y; v[4 * k + 2] = a.z; v[4 * k + 3] = a.w;
+        }
+        u8* q = out_q8 + (size_t)(ok ? q0 + row : 0) * q8x_bytes(n);
+        float* xd = reinterpret_cast<float*>(q + q8x_bytes_q(n));
+        q8_unit(v, ok, h * UNITS + u, q8_swz, q, xd, xd + q8x_d_floats(n));
     }
 }

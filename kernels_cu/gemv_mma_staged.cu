@@ -34,10 +34,12 @@
 // An NQ product (nq_w non-null; runtime/cuda/gemv_mma.py nq_out, flag K4_MMA8_NQ) also hands the
 // products after the next RMSNorm its Y (mma8_common.cuh mma8_step_nq), one step at a time; a
 // product with nq_q8 but no nq_w writes its Y also quantized as it is (gemv_mma.py y_q8, flag
-// K4_MMA8_FFQ8: the gate/up products' output for the down products).
+// K4_MMA8_FFQ8: the gate/up products' output for the down products), every step's at once after
+// its last step, a warp per step (one warp after each step cost the gate/up product 1.4 µs).
 //
 // Shared memory: mma8_smem(n_in, WARPS) + WARPS * S * D::STAGE (runtime/cuda/constants.py
 // mma8_staged_smem, MMA8_STAGE_BYTES), and with nq_q8 MMA8_NQ_RUN TILES * 8 floats after the rings
+// (without nq_w that many for each of the block's steps: they are quantized after the last)
 // (ys, mma8_step_out's copy of a step's Y):
 //   Q4_K (NATURAL_X): xq (n_in / 256, 4, 32 lanes, 2, 8) int8: for 256-weight block kb, sub-blocks
 //       j = 2i, 2i + 1 and lane 4g + t the 16 bytes at 2048 kb + 512 i + 16 lane: token g's quants
@@ -306,7 +308,9 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
     __syncthreads();
 
     int cur = 0, next = S - 1, buf = 0;  // stage of the item multiplied next, stage the next copy fills
-    for (int step = blockIdx.x; step < n_steps; step += gridDim.x) {  // block-uniform
+    const int ys_step = MMA8_NQ_RUN * TILES * MMA8_TOKENS;  // floats of a step's Y in ys
+    int local = 0;  // the block's steps so far
+    for (int step = blockIdx.x; step < n_steps; step += gridDim.x, ++local) {  // block-uniform
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         const int row0 = 16 * (TILES * step + slot);
         // mma8_step_nq's norm weights for this step, on their way into L1 during the step
@@ -323,12 +327,18 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
         }
         red[(buf * WARPS + warp) * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
         __syncthreads();
-        mma8_step_out<GLU, GELU>(red + buf * WARPS * 32, KS, TILES, step, n_rows, n_out, n_tok, y, y_stride, residual, r_stride, bias, ys);
-        if (ys) {  // block-uniform; the next step's mma8_step_out writes ys after its barrier
+        mma8_step_out<GLU, GELU>(red + buf * WARPS * 32, KS, TILES, step, n_rows, n_out, n_tok, y, y_stride, residual, r_stride, bias,
+                                 ys && !nq_w ? ys + local * ys_step : ys);
+        if (nq_w) {  // block-uniform; the next step's mma8_step_out writes ys after its barrier
             __syncthreads();
-            mma8_step_nq(ys, mma8_step_units(TILES, GLU), step, n_out, n_tok, nq_w, nq_q8, nq_parts, n_steps, nq_swz);
+            if (warp == 0) mma8_step_nq(ys, mma8_step_units(TILES, GLU), step, n_out, n_tok, nq_w, nq_q8, nq_parts, n_steps, nq_swz);
         }
         buf ^= 1;
+    }
+    if (ys && !nq_w) {  // Y quantized as it is: every step's at once after the last, warp i taking the block's step i
+        __syncthreads();
+        for (int i = warp; i < local; i += WARPS)
+            mma8_step_nq(ys + i * ys_step, mma8_step_units(TILES, GLU), blockIdx.x + i * gridDim.x, n_out, n_tok, nullptr, nq_q8, nullptr, 0, nq_swz);
     }
     cp_async_wait<0>();  // no copy outlives the block
 }

@@ -306,12 +306,11 @@ __device__ void mma8_step_out(const float4* red, int KS, int TILES, int step, in
 // bytes: the same as quantize_q8_rows of Y, or of Y * norm_w), and with norm_w the step's sum of
 // its y^2 at parts[t * n_parts + step] (n_parts: the product's steps, every one of which writes
 // its rows). The reader of an NQ handoff (mma8_stage_x with x_parts) scales each d by the norm.
-// Warp 0: lane l = U t + i takes outputs 16 i .. 16 i + 15 of the step's of token t (at
-// ys[MMA8_NQ_RUN l ..]); the two halves of a scale sit in adjacent lanes, as q8_unit needs.
+// One warp (the caller's choice): lane l = U t + i takes outputs 16 i .. 16 i + 15 of the step's
+// of token t (at ys[MMA8_NQ_RUN l ..]); the two halves of a scale sit in adjacent lanes, as q8_unit needs.
 __device__ void mma8_step_nq(const float* ys, int U, int step, int n_out, int n_tok, const float* __restrict__ norm_w, u8* q8,
                              float* parts, int n_parts, int swz) {
-    if (threadIdx.x >= 32) return;
-    const int lane = threadIdx.x, tok = lane / U, i = lane % U;
+    const int lane = threadIdx.x & 31, tok = lane / U, i = lane % U;
     const int row = 16 * (U * step + i);  // the run's first output
     const bool ok = tok < n_tok && row < n_out;  // lanes past 8 U have tok >= 8 >= n_tok
     float v[16], ss = 0.f;

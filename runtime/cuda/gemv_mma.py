@@ -127,17 +127,19 @@ def _mma_plan(w: DeviceWeight, variant: tuple[int, ...] | None):
 def _q8_out_smem(w: DeviceWeight, nq: bool) -> int:
     """The shared memory of gemv_mma on w when it also writes its Y quantized (nq_out with nq, an
     NQ handoff; y_q8 without): the plan's and, after the rings, a step's Y for mma8_step_nq (16
-    rows a tile in MMA8_NQ_RUN floats, MMA8_TOKENS tokens); 0 where w's product cannot: the
+    rows a tile in MMA8_NQ_RUN floats, MMA8_TOKENS tokens), for y_q8 one for each of a block's
+    steps (quantized after its last: kernels_cu/gemv_mma_staged.cu); 0 where w's product cannot: the
     register kernel, a glu weight for an NQ handoff, outputs (n_out, half a glu weight's rows) not
     a multiple of 32, a step of other than 2 or 4 runs of 16 outputs a token (mma8_step_units:
     units of 32 within a step, a power of two of lanes a token), or more than SMEM_LIMIT bytes."""
     n_out = w.shape[0] // 2 if w.glu else w.shape[0]
     if (nq and w.glu) or n_out % 32:
         return 0
-    _, _, block, smem, ks, stages = _mma_plan(w, None)
+    _, grid, block, smem, ks, stages = _mma_plan(w, None)
     tiles = block[0] // 32 // ks
-    units = tiles // 2 if w.glu else tiles  # constants.mma8_step_units
-    smem += MMA8_NQ_RUN * tiles * MMA8_TOKENS * 4
+    units = tiles // 2 if w.glu else tiles  # mma8_common.cuh mma8_step_units
+    steps = 1 if nq else -(-(-(-w.shape[0] // (16 * tiles))) // grid[0])  # ys's steps: the most a block takes
+    smem += MMA8_NQ_RUN * tiles * MMA8_TOKENS * 4 * steps
     return smem if stages and units in (2, 4) and smem <= SMEM_LIMIT else 0
 
 
