@@ -186,7 +186,7 @@ class AttentionLaunchers:
         query, on attn_gqa with splits (its merge writes it), or on attn_kv's short-range
         instance with D a multiple of 32 up to 2 * ATT_THREADS (a thread per output, or two; the
         deep instance would spill); several queries (the verify step's rows) on attn_mma with D
-        a multiple of 32 (attn_mma_row_q8: a quad holds each group of 32)."""
+        a multiple of 32 (its rows staged in shared memory, a thread per 16-value unit)."""
         if not self.sw.attn_q8:
             return False
         if n_tok > 1:
