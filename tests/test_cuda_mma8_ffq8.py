@@ -83,27 +83,10 @@ def test_the_verify_step_hands_gate_up_output_to_down(data, on, monkeypatch):
     """stories260K-pad (Q4_K, n_ff 256: its gate/up products run gemv_mma in steps of four tiles):
     with the flag each layer's gate/up product of a verify step writes y_q8 for its down product,
     none without; the accepted tokens equal the numpy backend's either way."""
-    from k4.runtime.backend import make_backend
-    from k4.runtime.cuda import forward
-    from k4.runtime.model import open_model
-    from tests.test_cuda_speculative import PROMPT, _greedy_continuation
+    from tests.test_cuda_speculative import verify_product_calls
 
     monkeypatch.setenv("K4_MMA8_FFQ8", str(int(on)))
-    written = []
-    product = forward.gemv_mma
-
-    def counted(*args, **kwargs):
-        written.append(kwargs.get("y_q8") is not None)
-        product(*args, **kwargs)
-
-    monkeypatch.setattr(forward, "gemv_mma", counted)
-    mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
-    gpu, ref = make_backend(mf, "cuda", 256), make_backend(mf, "numpy", 256)
-    for be in (gpu, ref):
-        be.eval(PROMPT)
-    for n in (3, MMA8_TOKENS):
-        before = sum(written)
-        batch = _greedy_continuation(mf, ref.tokens, n)
-        assert gpu.verify(batch) == ref.verify(batch), (n, batch)
-        made = sum(written) - before
-        assert made == (mf.config.n_layer if on else 0), (n, made)
+    n_layer, steps = verify_product_calls(data, monkeypatch)
+    for calls in steps:
+        made = sum(c.get("y_q8") is not None for c in calls)
+        assert made == (n_layer if on else 0), made

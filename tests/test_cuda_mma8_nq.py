@@ -122,28 +122,10 @@ def test_the_verify_step_hands_each_down_products_output_over(data, on, monkeypa
     with the flag each layer's down product of a verify step hands its output to the next q/k/v
     (the last layer's to the output head) through forward.py's direct gemv_mma call, none without;
     the accepted tokens equal the numpy backend's either way."""
-    from k4.runtime.backend import make_backend
-    from k4.runtime.cuda import forward
-    from k4.runtime.model import open_model
-    from tests.test_cuda_speculative import PROMPT, _greedy_continuation
+    from tests.test_cuda_speculative import verify_product_calls
 
     monkeypatch.setenv("K4_MMA8_NQ", str(int(on)))
-    handoffs = []
-    product = forward.gemv_mma
-
-    def counted(*args, **kwargs):
-        if kwargs.get("y_q8") is None:  # not a gate/up product (K4_MMA8_FFQ8): a residual product
-            handoffs.append(kwargs.get("nq_out") is not None)
-        product(*args, **kwargs)
-
-    monkeypatch.setattr(forward, "gemv_mma", counted)
-    mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
-    gpu, ref = make_backend(mf, "cuda", 256), make_backend(mf, "numpy", 256)
-    for be in (gpu, ref):
-        be.eval(PROMPT)
-    for n in (3, MMA8_TOKENS):
-        before = len(handoffs)
-        batch = _greedy_continuation(mf, ref.tokens, n)
-        assert gpu.verify(batch) == ref.verify(batch), (n, batch)
-        made = len(handoffs) - before
-        assert all(handoffs) and made % mf.config.n_layer == 0 and (made > 0) == on, (n, made)
+    n_layer, steps = verify_product_calls(data, monkeypatch)
+    for calls in steps:
+        residual = [c.get("nq_out") is not None for c in calls if c.get("y_q8") is None]  # not gate/up (K4_MMA8_FFQ8)
+        assert all(residual) and len(residual) % n_layer == 0 and (len(residual) > 0) == on, residual

@@ -30,6 +30,35 @@ def _greedy_continuation(mf, cache: list[int], n: int) -> list[int]:
         gen.close()
 
 
+def verify_product_calls(data, monkeypatch) -> tuple[int, list[list[dict]]]:
+    """Verify steps of 3 and MMA8_TOKENS tokens of stories260K-pad (Q4_K) on the GPU, each
+    asserted to accept the numpy backend's tokens: (the model's n_layer, per step the keyword
+    arguments of every gemv_mma call runtime/cuda/forward.py made: its direct calls, the gate/up
+    and residual products that write a q8 output). Set the switches under test before calling."""
+    from k4.runtime.cuda import forward
+    from k4.runtime.cuda.constants import MMA8_TOKENS
+
+    calls: list[dict] = []
+    product = forward.gemv_mma
+
+    def recorded(*args, **kwargs):
+        calls.append(kwargs)
+        product(*args, **kwargs)
+
+    monkeypatch.setattr(forward, "gemv_mma", recorded)
+    mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
+    gpu, ref = make_backend(mf, "cuda", 256), make_backend(mf, "numpy", 256)
+    for be in (gpu, ref):
+        be.eval(PROMPT)
+    steps = []
+    for n in (3, MMA8_TOKENS):
+        before = len(calls)
+        batch = _greedy_continuation(mf, ref.tokens, n)
+        assert gpu.verify(batch) == ref.verify(batch), (n, batch)
+        steps.append(calls[before:])
+    return mf.config.n_layer, steps
+
+
 @pytest.mark.parametrize("model", ["stories260K.gguf", "stories260K-pad-q4_k_m.gguf"])
 def test_verify_matches_numpy_and_rolls_back(data, model):
     """Batches of 1..8 tokens: the greedy continuation of the cache with one token replaced at
