@@ -1,7 +1,7 @@
 // Launched by runtime/cuda/ops.py (Ops.attention, flag K4_MMA_ATTN).
 #include "mma_common.cuh"
 #include "attention_sizes.cuh"
-#include "gemv_common.cuh"  // the q8 scheme (q8_inv_scale, q8_scale, q8_unit_scales), q8x_bytes
+#include "gemv_common.cuh"  // q8_row_put, q8x_bytes
 
 // ---- attn_mma: prefill attention on tensor cores ----------------------------------------------
 // FlashAttention-2 (Dao 2023) with mma.sync.m16n8k16 (fp16 inputs, f32 accumulators; operand and
@@ -35,7 +35,7 @@
 // applies to S in log2 units with cap * log2(e)). Grid: (n_head, ceil(n_tok / MMA_BQ)); block:
 // MMA_THREADS; dynamic shared memory mma_smem(D, BK). Requires D % 16 == 0, BK % 16 == 0. out_q8
 // (D % 32 == 0; null: none): out also quantized, row t's q8 x at out_q8 + t * q8x_bytes(n_head D),
-// swizzle q8_swz (q8_unit's bytes), for the output product (K4_ATTN_Q8's rows).
+// swizzle q8_swz (q8_row_put's bytes), for the output product (K4_ATTN_Q8's rows).
 // Thread mapping: lane = 4g + t holds rows g and g + 8 of its warp's 16 queries and, per 8-column
 // chunk of S or O, columns 2t and 2t + 1 (the mma accumulator layout).
 template <int D, int BK, class KT, class VT>
@@ -213,8 +213,8 @@ attn_mma(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
     }
 
     // out_q8: the rows go through shared memory (the tiles' space, once every warp is done with
-    // it), where a thread per 16-value unit quantizes them with q8_unit, the code quantize_q8_rows
-    // runs: the same bytes. (Quantizing in the accumulator layout, a quad per group of 32, made
+    // it), where a thread per 16-value unit quantizes them with q8_row_put, the code
+    // quantize_q8_rows runs: the same bytes. (Quantizing in the accumulator layout, a quad per group of 32, made
     // one warp run every group of its rows one after another: +1.7 µs a launch on the H200.)
     constexpr int YS = D + 4;  // the staged rows' stride (floats)
     static_assert(MMA_BQ * YS * 4 <= mma_smem(D, BK), "attn_mma's staged output rows fit in its shared memory");
@@ -250,8 +250,6 @@ attn_mma(const float* __restrict__ q, const typename KT::elem* __restrict__ k_ca
             const float4 a = ok ? *reinterpret_cast<const float4*>(ys + row * YS + 16 * u + 4 * k) : make_float4(0.f, 0.f, 0.f, 0.f);
             v[4 * k] = a.x; v[4 * k + 1] = a.y; v[4 * k + 2] = a.z; v[4 * k + 3] = a.w;
         }
-        u8* q = out_q8 + (size_t)(ok ? q0 + row : 0) * q8x_bytes(n);
-        float* xd = reinterpret_cast<float*>(q + q8x_bytes_q(n));
-        q8_unit(v, ok, h * UNITS + u, q8_swz, q, xd, xd + q8x_d_floats(n));
+        q8_row_put(v, ok, h * UNITS + u, n, q8_swz, out_q8 + (size_t)(ok ? q0 + row : 0) * q8x_bytes(n));
     }
 }

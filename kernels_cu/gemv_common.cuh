@@ -438,13 +438,17 @@ __device__ __forceinline__ void q8_lane_store(float v, int i, int n_in, int swz,
     }
 }
 
-// Quantize unit u (values 16u .. 16u + 15) of one row of x (n_in floats at row, 16-byte aligned)
-// into that row's q8 x at q (q8x_bytes(n_in) bytes, the layout quantize_x leaves), swizzle swz:
-// the bits quantize_x gives. The same pairing rule as q8_unit: units 2i and 2i + 1 in adjacent
-// lanes, every lane calling (ok false: a lane with no unit, nothing read or stored).
+// Unit u's 16 values v quantized into a row's q8 x at q (q8x_bytes(n_in) bytes, the layout
+// quantize_x leaves), swizzle swz: q8_unit with the row's d and s arrays, and its pairing rule.
+__device__ __forceinline__ void q8_row_put(const float (&v)[16], bool ok, int u, int n_in, int swz, u8* q) {
+    float* d = reinterpret_cast<float*>(q + q8x_bytes_q(n_in));
+    q8_unit(v, ok, u, swz, q, d, d + q8x_d_floats(n_in));
+}
+
+// Unit u (values 16u .. 16u + 15) of one row of x (n_in floats at row, 16-byte aligned) into
+// that row's q8 x at q (q8_row_put): the bits quantize_x gives (ok false: nothing read or stored).
 __device__ __forceinline__ void q8_row_unit(const float* __restrict__ row, int n_in, int u, bool ok, int swz, u8* q) {
     float v[16];
     load_unit16(row + 16 * u, ok, v);
-    float* d = reinterpret_cast<float*>(q + q8x_bytes_q(n_in));
-    q8_unit(v, ok, u, swz, q, d, d + q8x_d_floats(n_in));
+    q8_row_put(v, ok, u, n_in, swz, q);
 }

@@ -320,9 +320,7 @@ __device__ void mma8_step_nq(const float* ys, int U, int step, int n_out, int n_
         ss += yv * yv;
         v[k] = !ok ? 0.f : norm_w ? yv * __ldg(norm_w + row + k) : yv;
     }
-    u8* out = q8 + (i64)(ok ? tok : 0) * q8x_bytes(n_out);
-    float* xd = reinterpret_cast<float*>(out + q8x_bytes_q(n_out));
-    q8_unit(v, ok, row >> 4, swz, out, xd, xd + q8x_d_floats(n_out));
+    q8_row_put(v, ok, row >> 4, n_out, swz, q8 + (i64)(ok ? tok : 0) * q8x_bytes(n_out));
     if (!norm_w) return;
     for (int o = 1; o < U; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (ok && i == 0) parts[(i64)tok * n_parts + step] = ss;
