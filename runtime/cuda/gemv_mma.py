@@ -124,6 +124,13 @@ def _mma_plan(w: DeviceWeight, variant: tuple[int, ...] | None):
     return plan
 
 
+def _steps(w: DeviceWeight) -> tuple[int, int]:
+    """(tiles of 16 weight rows a step, steps) of gemv_mma's plan on w (kernels_cu/gemv_mma_staged.cu)."""
+    _, _, block, _, ks, _ = _mma_plan(w, None)
+    tiles = block[0] // 32 // ks
+    return tiles, -(-w.shape[0] // (16 * tiles))
+
+
 def _q8_out_smem(w: DeviceWeight, nq: bool) -> int:
     """The shared memory of gemv_mma on w when it also writes its Y quantized (nq_out with nq, an
     NQ handoff; y_q8 without): the plan's and, after the rings, a step's Y for mma8_step_nq (16
@@ -135,11 +142,11 @@ def _q8_out_smem(w: DeviceWeight, nq: bool) -> int:
     n_out = w.shape[0] // 2 if w.glu else w.shape[0]
     if (nq and w.glu) or n_out % 32:
         return 0
-    _, grid, block, smem, ks, stages = _mma_plan(w, None)
-    tiles = block[0] // 32 // ks
+    _, grid, _, smem, _, stages = _mma_plan(w, None)
+    tiles, n_steps = _steps(w)
     units = tiles // 2 if w.glu else tiles  # mma8_common.cuh mma8_step_units
-    steps = 1 if nq else -(-(-(-w.shape[0] // (16 * tiles))) // grid[0])  # ys's steps: the most a block takes
-    smem += MMA8_NQ_RUN * tiles * MMA8_TOKENS * 4 * steps
+    ys_steps = 1 if nq else -(-n_steps // grid[0])  # y_q8: the most steps a block takes
+    smem += MMA8_NQ_RUN * tiles * MMA8_TOKENS * 4 * ys_steps
     return smem if stages and units in (2, 4) and smem <= SMEM_LIMIT else 0
 
 
@@ -155,8 +162,7 @@ def nq_parts(w: DeviceWeight, n_tok: int) -> int:
     gemv_mma or cannot hand off (_q8_out_smem)."""
     if not uses_mma8(w, n_tok) or not _q8_out_smem(w, True):
         return 0
-    _, _, block, _, ks, _ = _mma_plan(w, None)
-    return -(-w.shape[0] // (16 * (block[0] // 32 // ks)))
+    return _steps(w)[1]
 
 
 def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, trace: Trace | None = None,
