@@ -171,49 +171,44 @@ class Forward:
         if X.shape[0] > 1 or not self.opts.fuse_norm:
             self.settle()
 
-    def quantized(self, w, X: cp.ndarray):
-        """X (n, n_in) f32 quantized into act.x_q8 (gemv_batch.quantize_rows: one launch) when w's
-        product of n rows runs as gemv_mma, which then copies it instead of every block
-        quantizing X (docs/PERF.md); else None."""
-        n, n_in = X.shape
-        if not (MMA8_MIN_TOKENS <= n <= MMA8_TOKENS and X.dtype == cp.float32 and n_in % 32 == 0
-                and matmul.uses_gemv(w, n) and uses_mma8(w, n) and Q8Rows.nbytes(n, n_in) <= self.act.x_q8.nbytes):
+    def x_q8_rows(self, w, n: int) -> Q8Rows | None:
+        """act.x_q8 as the Q8Rows (Q8_SWIZZLE) of n rows of w's inputs that w's product copies
+        instead of every block quantizing its X, where that product runs as gemv_mma (n from
+        MMA8_MIN_TOKENS to MMA8_TOKENS, inputs a multiple of 32) and the rows fit; else None."""
+        n_in = w.shape[1]
+        if not (MMA8_MIN_TOKENS <= n <= MMA8_TOKENS and n_in % 32 == 0 and matmul.uses_gemv(w, n) and uses_mma8(w, n)
+                and Q8Rows.nbytes(n, n_in) <= self.act.x_q8.nbytes):
             return None
-        q8 = Q8Rows(self.act.x_q8, n, n_in, Q8_SWIZZLE)
-        quantize_rows(X, q8, stream=self.stream, trace=self.ops.trace)
+        return Q8Rows(self.act.x_q8, n, n_in, Q8_SWIZZLE)
+
+    def quantized(self, w, X: cp.ndarray):
+        """X (n, n_in) f32 quantized into act.x_q8 (gemv_batch.quantize_rows: one launch) where
+        x_q8_rows gives w's product of n rows its x that way (docs/PERF.md); else None."""
+        q8 = self.x_q8_rows(w, X.shape[0]) if X.dtype == cp.float32 else None
+        if q8 is not None:
+            quantize_rows(X, q8, stream=self.stream, trace=self.ops.trace)
         return q8
 
     def ff_rows(self, L: LayerWeights, n: int) -> Q8Rows | None:
-        """The Q8Rows (in act.x_q8, Q8_SWIZZLE) that layer L's glu gate/up product of n rows also
-        writes its output into for w_down (gemv_mma y_q8), or None: mma8_ffq8 off, n outside
-        MMA8_MIN_TOKENS..MMA8_TOKENS, the gate/up product unable to (gemv_mma.writes_q8: steps of
-        whole 32-output groups), or w_down's product not gemv_mma (only it reads x_q8 of any
-        swizzle; what quantized would give it: the same bytes)."""
-        w, down = L.gate_up[0].w, L.w_down
-        if not (self.opts.mma8_ffq8 and MMA8_MIN_TOKENS <= n <= MMA8_TOKENS and down.ggml_type in matmul.QUANT):
+        """The Q8Rows that layer L's glu gate/up product of n rows also writes its output into for
+        w_down (gemv_mma y_q8): x_q8_rows's for w_down (what quantized would give it: the same
+        bytes), or None: mma8_ffq8 off, the gate/up product unable to (gemv_mma.writes_q8: steps
+        of whole 32-output groups), or no x_q8_rows for w_down."""
+        w = L.gate_up[0].w
+        if not (self.opts.mma8_ffq8 and matmul.uses_gemv(w, n) and writes_q8(w, n)):
             return None
-        n_ff = w.shape[0] // 2
-        if not (matmul.uses_gemv(w, n) and writes_q8(w, n) and matmul.uses_gemv(down, n) and uses_mma8(down, n)
-                and Q8Rows.nbytes(n, n_ff) <= self.act.x_q8.nbytes):
-            return None
-        return Q8Rows(self.act.x_q8, n, n_ff, Q8_SWIZZLE)
+        return self.x_q8_rows(L.w_down, n)
 
     def attn_q8(self, wo, n: int, n_split: int, limit: int) -> Q8Vector | Q8Rows | None:
         """The q8 vector (in act.x_q8, free in decode) that decode attention hands the output
         product wo, its output quantized by the attention kernel (Ops.uses_attn_q8; K4_ATTN_Q8),
         or None where it does not: n tokens, the range's n_split splits and most keys `limit`,
-        wo quantized. For MMA8_MIN_TOKENS to MMA8_TOKENS rows (the verify step) a Q8Rows (in
-        act.x_q8, Q8_SWIZZLE) where wo's product is gemv_mma, which copies it instead of a
-        quantize_q8_rows kernel running first (quantized: the same bytes)."""
+        wo quantized. For several rows (the verify step) x_q8_rows's for wo, which wo's product
+        copies instead of a quantize_q8_rows kernel running first (quantized: the same bytes)."""
         cfg = self.cfg
         if wo.ggml_type not in matmul.QUANT or not self.ops.uses_attn_q8(n, cfg.head_dim, cfg.n_head // cfg.n_head_kv, n_split, limit):
             return None
-        if n == 1:
-            return Q8Vector.for_weight(wo, self.act.x_q8)
-        if not (MMA8_MIN_TOKENS <= n <= MMA8_TOKENS and matmul.uses_gemv(wo, n) and uses_mma8(wo, n)
-                and Q8Rows.nbytes(n, cfg.q_dim) <= self.act.x_q8.nbytes):
-            return None
-        return Q8Rows(self.act.x_q8, n, cfg.q_dim, Q8_SWIZZLE)
+        return Q8Vector.for_weight(wo, self.act.x_q8) if n == 1 else self.x_q8_rows(wo, n)
 
     def handoff(self, w, nq, x_q8) -> Q8Vector | None:
         """The q8 handoff (Q8Vector with parts, in act.nq8 and act.nq_parts) that w's one-token
