@@ -11,7 +11,8 @@ repository is never touched); the bench compiles from that copy through runtime/
 today's source: when a kernel changes under it, the script stops and says which.
 
 Usage (from the repository root, k4 importable, on the GPU machine):
-    python scripts/take_away.py CUT -m MODEL.gguf [-n 128] [-r 3] [--rounds 2]
+    python scripts/take_away.py CUT -m MODEL.gguf [-n 128] [-r 3] [--rounds 2] [--verify 8]
+(--verify N: the speculative verify step of N tokens, tvN, instead of tgN; the verify-x-half cut)
     python scripts/take_away.py --list
 """
 
@@ -37,6 +38,17 @@ CUTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         "the x quantization of the down products that quantize x in clusters (their barriers stay)",
         [("gemv_common.cuh", "for (int base = u_begin; base < u_end; base += blockDim.x) {",
           "for (int base = u_begin; base < u_end && false; base += blockDim.x) {")]),
+    "norm-sum": (
+        "the sum of squares of the RMSNorm folded into a decode product's prologue (quantize_x: the "
+        "block's reads of x, its reduction and barrier; x is then quantized unscaled)",
+        [("gemv_common.cuh", "make_float2(0.f, norm_w ? rms_scale(x, n_in, eps) : 1.f)", "make_float2(0.f, 1.f)")]),
+    "verify-x-half": (
+        "half of the x each block of a verify product (gemv_mma, x handed in quantized) stages: half the "
+        "L2 reads and conversions, half the x stale (measure with --verify N)",
+        [("mma8_common.cuh", "                const bool ok = f < total && tok < n_tok;\n                const u8* row",
+          "                const bool ok = f < total / 2 && tok < n_tok;\n                const u8* row"),
+         ("mma8_common.cuh", "                mma8_put_unit<NATURAL>(f, total, q, sum, d, n_in, xq, xsc);\n            }\n        }\n        return;",
+          "                mma8_put_unit<NATURAL>(f, total / 2, q, sum, d, n_in, xq, xsc);\n            }\n        }\n        return;")]),
     "moe-route": (
         "moe_one's router logits, their exchange and the choice (a fixed choice of k spread experts, weights 1/k)",
         [("moe_one.cu", "for (int e = blockIdx.x; e < n_expert; e += G) {\n        const float v = router_logit",
@@ -79,8 +91,9 @@ def use_sources(directory: Path) -> None:
     quant_kernels._kernel.cache_clear()
 
 
-def bench_ts(bench_args: list[str]) -> float:
-    """tgN t/s (the mean over its repetitions) of `k4 bench bench_args -o json`, in this process."""
+def bench_ts(bench_args: list[str], test: str = "tg") -> float:
+    """tgN t/s (the mean over its repetitions) of `k4 bench bench_args -o json`, in this process;
+    with test "tvN" (--verify N in bench_args) that test's: N over its verify step's seconds."""
     from k4.cli.app import main as k4_main
 
     sys.argv = ["k4", "bench", *bench_args, "-o", "json"]
@@ -92,7 +105,7 @@ def bench_ts(bench_args: list[str]) -> float:
             if exc.code not in (None, 0):
                 raise
     records = json.loads(buf.getvalue())
-    return next(r["avg_ts"] for r in records if r["test"].startswith("tg"))
+    return next(r["avg_ts"] for r in records if r["test"].startswith(test))
 
 
 def main(argv: list[str]) -> None:
@@ -102,6 +115,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("-n", type=int, default=128, help="tokens a tgN run generates (default 128)")
     ap.add_argument("-r", type=int, default=3, help="repetitions a run (default 3)")
     ap.add_argument("--rounds", type=int, default=2, help="main / cut pairs, alternated (default 2)")
+    ap.add_argument("--verify", type=int, default=0, help="time the speculative verify step of this many tokens (tvN) "
+                    "instead of tgN")
     ap.add_argument("--list", action="store_true", help="print the cuts and exit")
     a = ap.parse_args(argv)
     if a.list or a.cut is None:
@@ -116,6 +131,9 @@ def main(argv: list[str]) -> None:
 
     n_layer = open_model(a.model).config.n_layer
     args = ["-m", a.model, "--backend", "cuda", "-p", "0", "-n", str(a.n), "-r", str(a.r)]
+    test = f"tv{a.verify}" if a.verify else f"tg{a.n}"
+    if a.verify:
+        args += ["--verify", str(a.verify)]
     with tempfile.TemporaryDirectory(prefix="k4-cut-") as tmp:
         cut_dir = Path(tmp)
         apply_cut(SOURCE_DIR, cut_dir, CUTS[a.cut][1])
@@ -123,8 +141,8 @@ def main(argv: list[str]) -> None:
         for _ in range(a.rounds):
             for name, directory in (("main", SOURCE_DIR), (a.cut, cut_dir)):
                 use_sources(directory)
-                runs[name].append(bench_ts(args))
-                print(f"{name:16s} tg{a.n} {runs[name][-1]:10.2f} t/s", flush=True)
+                runs[name].append(bench_ts(args, test if a.verify else "tg"))
+                print(f"{name:16s} {test} {runs[name][-1]:10.2f} t/s", flush=True)
         use_sources(SOURCE_DIR)
     base, cut = (sum(v) / len(v) for v in runs.values())
     step_us = 1e6 / base - 1e6 / cut
