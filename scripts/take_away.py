@@ -49,6 +49,14 @@ CUTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
           "                const bool ok = f < total / 2 && tok < n_tok;\n                const u8* row"),
          ("mma8_common.cuh", "                mma8_put_unit<NATURAL>(f, total, q, sum, d, n_in, xq, xsc);\n            }\n        }\n        return;",
           "                mma8_put_unit<NATURAL>(f, total / 2, q, sum, d, n_in, xq, xsc);\n            }\n        }\n        return;")]),
+    "verify-x-copy": (
+        "the conversion in a verify product's x staging (x handed in quantized): each unit's 16 bytes and "
+        "scale stored as loaded, no sums, shuffles or layout (what a producer writing the staged layout "
+        "would leave; measure with --verify N)",
+        [("mma8_common.cuh", "                mma8_put_unit<NATURAL>(f, total, q, sum, d, n_in, xq, xsc);\n            }\n        }\n        return;",
+          "                if (f < total) {\n                    reinterpret_cast<uint4*>(xq)[f] = v[r];\n"
+          "                    if (!(f & 1)) reinterpret_cast<float*>(xsc)[f >> 1] = d;\n                }\n"
+          "            }\n        }\n        return;")]),
     "moe-route": (
         "moe_one's router logits, their exchange and the choice (a fixed choice of k spread experts, weights 1/k)",
         [("moe_one.cu", "for (int e = blockIdx.x; e < n_expert; e += G) {\n        const float v = router_logit",
@@ -145,7 +153,7 @@ def main(argv: list[str]) -> None:
                 print(f"{name:16s} {test} {runs[name][-1]:10.2f} t/s", flush=True)
         use_sources(SOURCE_DIR)
     base, cut = (sum(v) / len(v) for v in runs.values())
-    step_us = 1e6 / base - 1e6 / cut
+    step_us = (a.verify or 1) * (1e6 / base - 1e6 / cut)  # a tvN step makes N tokens
     print(f"{a.cut}: {CUTS[a.cut][0]}")
     print(f"main {base:.2f} t/s, without it {cut:.2f} t/s ({cut / base - 1:+.1%}): {step_us:.1f} µs a step, "
           f"{step_us / n_layer:.2f} µs a layer ({n_layer} layers) on the critical path")
