@@ -12,8 +12,8 @@ today's source: when a kernel changes under it, the script stops and says which.
 
 Usage (from the repository root, k4 importable, on the GPU machine):
     python scripts/take_away.py CUT -m MODEL.gguf [-n 128] [-r 3] [--rounds 2] [--verify 8]
-(--verify N: the speculative verify step of N tokens, tvN, instead of tgN; the verify-x-half cut)
     python scripts/take_away.py --list
+--verify N times the speculative verify step of N tokens (tvN) instead of tgN (the verify-* cuts).
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+# mma8_stage_x's store of a unit of x handed in quantized, the anchor of the verify-* cuts
+_X_PUT = "                mma8_put_unit<NATURAL>(f, total, q, sum, d, n_in, xq, xsc);\n            }\n        }\n        return;"
 
 # name -> (what the build leaves out, [(kernels_cu file, anchor, replacement)])
 CUTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
@@ -47,13 +50,12 @@ CUTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         "L2 reads and conversions, half the x stale (measure with --verify N)",
         [("mma8_common.cuh", "                const bool ok = f < total && tok < n_tok;\n                const u8* row",
           "                const bool ok = f < total / 2 && tok < n_tok;\n                const u8* row"),
-         ("mma8_common.cuh", "                mma8_put_unit<NATURAL>(f, total, q, sum, d, n_in, xq, xsc);\n            }\n        }\n        return;",
-          "                mma8_put_unit<NATURAL>(f, total / 2, q, sum, d, n_in, xq, xsc);\n            }\n        }\n        return;")]),
+         ("mma8_common.cuh", _X_PUT, _X_PUT.replace("(f, total,", "(f, total / 2,"))]),
     "verify-x-copy": (
         "the conversion in a verify product's x staging (x handed in quantized): each unit's 16 bytes and "
         "scale stored as loaded, no sums, shuffles or layout (what a producer writing the staged layout "
         "would leave; measure with --verify N)",
-        [("mma8_common.cuh", "                mma8_put_unit<NATURAL>(f, total, q, sum, d, n_in, xq, xsc);\n            }\n        }\n        return;",
+        [("mma8_common.cuh", _X_PUT,
           "                if (f < total) {\n                    reinterpret_cast<uint4*>(xq)[f] = v[r];\n"
           "                    if (!(f & 1)) reinterpret_cast<float*>(xsc)[f >> 1] = d;\n                }\n"
           "            }\n        }\n        return;")]),
@@ -149,7 +151,7 @@ def main(argv: list[str]) -> None:
         for _ in range(a.rounds):
             for name, directory in (("main", SOURCE_DIR), (a.cut, cut_dir)):
                 use_sources(directory)
-                runs[name].append(bench_ts(args, test if a.verify else "tg"))
+                runs[name].append(bench_ts(args, test))
                 print(f"{name:16s} {test} {runs[name][-1]:10.2f} t/s", flush=True)
         use_sources(SOURCE_DIR)
     base, cut = (sum(v) / len(v) for v in runs.values())
