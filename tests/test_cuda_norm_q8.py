@@ -60,11 +60,15 @@ def scaled(q8, y: np.ndarray) -> hand.Q8Vector:
 def test_the_residual_product_hands_its_norm_input_over(type_name, monkeypatch):
     """y is the plain product's to the bit; the handoff is q8x_host(y * norm_w); the parts sum to
     sum(y^2), blocks without outputs writing 0. 256 outputs (8 groups: most blocks have none),
-    4,352 (more groups than blocks), 4,096 at 11,008 inputs (clusters of two quantize x)."""
-    monkeypatch.setattr(mm, "nq_balanced", lambda *a: True)
+    4,352 (more groups than blocks), 4,096 at 11,008 inputs (clusters of two quantize x), and
+    Qwen2.5 7B's down, 3,584 at 18,944 inputs, which the balance rule itself gives a handoff
+    (112 groups: blocks idle on the H200's 132)."""
     rng, seed = fresh_rng()
-    for n_out, n_in in ((256, 512), (4352, 1024), (4096, 11008)):
-        w, _ = weight(type_name, n_out, n_in, rng, True)
+    qwen_down, _ = weight(type_name, 3584, 18944, rng, True)
+    assert mm.norm_q8_blocks(qwen_down), "the balance rule refuses Qwen2.5 7B's down product"
+    monkeypatch.setattr(mm, "nq_balanced", lambda *a: True)
+    for n_out, n_in in ((256, 512), (4352, 1024), (4096, 11008), (3584, 18944)):
+        w = qwen_down if n_in == 18944 else weight(type_name, n_out, n_in, rng, True)[0]
         reader, _ = weight("Q4_K", 64, n_out, rng, True)
         y, q8, nw, y_plain = produce(w, reader, rng, n_out)
         assert bool((y == y_plain).all()), f"{type_name} {n_out}x{n_in} (seed {seed})"

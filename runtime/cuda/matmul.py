@@ -196,7 +196,7 @@ def norm_q8_blocks(w: DeviceWeight, x_cluster: bool = True) -> int:
     if w.glu or w.ggml_type not in NQ_TYPES or n_out % 32 or gemv_variant(w.ggml_type, n_out, n_in) != QUANT[w.ggml_type].gemv:
         return 0
     _, (grid,), (threads,), _, _ = _gemv_plan(w, None, False, False, x_cluster, True)
-    return grid if nq_balanced(n_out, grid, threads // 32) else 0
+    return grid if nq_balanced(n_out, n_in, grid, threads // 32) else 0
 
 
 # ---- decode: matrix-vector ---------------------------------------------------------------------

@@ -275,14 +275,17 @@ def _nq_names(t: T) -> tuple[str, ...]:
     return names + tuple(_gemv_q8_name(t, p, v, glu, nx=True) for glu, v in readers for p in (False, True))
 
 
-def nq_balanced(n_out: int, grid: int, warps: int) -> bool:
+def nq_balanced(n_out: int, n_in: int, grid: int, warps: int) -> bool:
     """Whether whole 32-output groups per block (of `warps` warps, `grid` blocks) give no warp more
-    of the n_out rows than rows round-robin over all warps do, and leave at most a tenth of the
-    blocks without rows (matmul.norm_q8_blocks). On the H200 (docs/PERF.md, session 28) the NQ product
-    of 3,584 outputs (112 groups on 132 blocks) took 1.1 µs more than the plain one at 3,584
-    inputs, more than its reader saves."""
+    of the n_out rows than rows round-robin over all warps do, and leave few enough blocks without
+    rows (matmul.norm_q8_blocks): at most a tenth, or a quarter where the rows are long (n_in at
+    least 4 n_out), whose stream the busy blocks still fill. On the H200 (docs/PERF.md, sessions 28
+    and 42) the NQ product of 3,584 outputs (112 groups on 132 blocks) took 1.1 µs more than the plain
+    one at 3,584 inputs, more than its reader saves, and 0.5 µs more at 18,944 inputs, less than
+    its reader (Qwen2.5 7B's q/k/v) saves: tg128 +1.4%."""
     groups = n_out // 32
-    return -(-32 * -(-groups // grid) // warps) <= -(-n_out // (grid * warps)) and 10 * groups >= 9 * grid
+    idle_ok = 10 * groups >= 9 * grid or (n_in >= 4 * n_out and 4 * groups >= 3 * grid)
+    return -(-32 * -(-groups // grid) // warps) <= -(-n_out // (grid * warps)) and idle_ok
 
 
 def nx_reads(t: T, variant: tuple[int, int, int], glu: bool) -> bool:
