@@ -19,7 +19,7 @@ FUSIONS = ("K4_STACK", "K4_FUSE_NORM", "K4_FUSE_SWIGLU", "K4_FUSE_ROPE", "K4_PRE
            "K4_MMA_ATTN", "K4_PREFILL_GRAPH", "K4_EVICT_FIRST")
 ALL_FLAGS = ("K4_CUDA_GRAPH", "K4_PINGPONG", "K4_CHAIN_EVENTS", "K4_PINNED_UPLOAD", "K4_REPACK", "K4_PREFILL_TC", "K4_SPLIT_ATTN", "K4_GQA_MMA",
              "K4_CARVEOUT", "K4_QKV_Q8", "K4_QKV_PAIR", "K4_ATTN_Q8", "K4_DYN_SPLIT", "K4_SHARED_MERGE",
-             "K4_SHORT_ATTN", "K4_X_CLUSTER", "K4_NORM_Q8", "K4_MMA8_NQ", "K4_MMA8_FFQ8") + FUSIONS
+             "K4_SHORT_ATTN", "K4_X_CLUSTER", "K4_NORM_Q8", "K4_MMA8_NQ", "K4_MMA8_FFQ8", "K4_WO_WIDE") + FUSIONS
 
 
 # Error limits against the numpy backend (relative L2 of the logits), each just above what a

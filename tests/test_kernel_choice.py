@@ -41,6 +41,19 @@ def test_the_row_blocks_variant_is_compiled_with_the_type():
             assert qk._gemv_q8_name(t, planar, v) in qk.GROUPS["gemv.cu"][t.name]
 
 
+def test_the_output_product_after_attention_runs_wide_where_measured():
+    """quant_kernels.after_attention_variant (K4_WO_WIDE): Q4_K's one-token output product without a
+    handoff runs (32, 1, 0) up to 2,048 inputs (TinyLlama) and (32, 2, 0) past them (Qwen2.5 7B's
+    3,584), both compiled in Q4_K's own group (not the microbenchmarks'); other types keep matmul's."""
+    assert qk.after_attention_variant(T.Q4_K, 2048) == (32, 1, 0) and qk.after_attention_variant(T.Q4_K, 1536) == (32, 1, 0)
+    assert qk.after_attention_variant(T.Q4_K, 2304) == (32, 2, 0) and qk.after_attention_variant(T.Q4_K, 3584) == (32, 2, 0)
+    assert qk.after_attention_variant(T.Q6_K, 3584) is None and qk.after_attention_variant(T.Q5_K, 2048) is None
+    for v in qk.AFTER_ATTENTION_VARIANTS:
+        for planar in (False, True):
+            name = qk._gemv_q8_name(T.Q4_K, planar, v)
+            assert name in qk.GROUPS["gemv.cu"]["Q4_K"] and name not in qk.GROUPS["gemv.cu"]["bench"]
+
+
 class _Kernel:  # what launch.blocks_per_sm reads of a cupy Function
     def __init__(self, num_regs: int):
         self.num_regs = num_regs

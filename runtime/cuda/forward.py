@@ -24,7 +24,7 @@ from .op_args import AttnShape, FreshKV, RopeArgs
 from .q8_handoff import Q8Vector
 from .gemv_batch import Q8Rows, gemv_rows, quantize_rows
 from .gemv_mma import gemv_mma, nq_parts, uses_mma8, writes_q8
-from .quant_kernels import MMA8_MIN_TOKENS, QUANT, nx_reads
+from .quant_kernels import MMA8_MIN_TOKENS, QUANT, after_attention_variant, nx_reads
 from .kv_cache import KVCache
 from .weights import LayerWeights, Weights
 
@@ -47,6 +47,7 @@ class ForwardOptions:
     norm_q8: bool = True  # K4_NORM_Q8: decode's residual products hand the next norm's products their input quantized
     mma8_nq: bool = True  # K4_MMA8_NQ: the same from the verify step's down products on int8 tensor cores (rows_handoff)
     mma8_ffq8: bool = True  # K4_MMA8_FFQ8: the verify step's gate/up product writes its output quantized for down (gate_up)
+    wo_wide: bool = True  # K4_WO_WIDE: decode's output product without a handoff in quant_kernels.after_attention_variant (residual)
 
 
 class Forward:
@@ -115,7 +116,8 @@ class Forward:
             # a few rows: the output product hands nothing over (rows_handoff: the gate/up product's ramp costs
             # what the RMSNorm does there)
             nq = None if L.moe is not None or n > 1 else (L.ffn_norm, self.readers(li)[0])
-            self.residual(L.wo, attn.reshape(n, cfg.q_dim), x, x1, L.attn_post_norm, x_q8=attn_q8, nq=nq)
+            wide = after_attention_variant(L.wo.ggml_type, cfg.q_dim) if self.opts.wo_wide else None
+            self.residual(L.wo, attn.reshape(n, cfg.q_dim), x, x1, L.attn_post_norm, x_q8=attn_q8, nq=nq, variant=wide)
             if L.moe is not None:  # routed experts (+ shared expert) + residual: runtime/cuda/moe.py
                 self.settle()
                 moe.moe_ffn(self, L, x1, x, n)
@@ -137,7 +139,7 @@ class Forward:
                             scale=self.cfg.embed_scale)
         self.mega.launch(self.pos, self.stream, self.ops.trace)
 
-    def residual(self, w, X: cp.ndarray, res: cp.ndarray, Y: cp.ndarray, post_norm, x_q8=None, nq=None) -> None:
+    def residual(self, w, X: cp.ndarray, res: cp.ndarray, Y: cp.ndarray, post_norm, x_q8=None, nq=None, variant=None) -> None:
         """Y = res + X W^T, or with a post-norm weight (gemma) Y = res + rmsnorm(X W^T) * post_norm:
         the product into the scratch h, then rms_norm_add, or for one token with fuse_norm the
         next products' prologue (self.post, taken by normed). X: (n, n_in); res, Y: (n, n_embd) f32.
@@ -146,7 +148,8 @@ class Forward:
         its output (None: none can take a handoff): for one token with norm_q8 and fuse_norm, the
         product also writes rmsnorm(Y) * norm_w's q8 handoff (matmul.gemv norm_out, act.nq8 and
         act.nq_parts) for them, and normed gives it to them (self.nq). For 3 to 8 rows nq's second
-        item is the list of those weights instead (rows_handoff)."""
+        item is the list of those weights instead (rows_handoff). variant: the gemv_q8 (WARPS, U, PF) of
+        one token's product where it hands nothing over (None: matmul's choice)."""
         if x_q8 is None:
             x_q8 = self.quantized(w, X)
         if post_norm is None and X.shape[0] > 1:
@@ -163,7 +166,7 @@ class Forward:
                 self.linear(w, X, Y, residual=res, x_q8=x_q8, y_q8=handoff, norm_out=(nq[0], handoff.parts))
                 self.nq = (handoff, nq[0])
                 return
-            self.linear(w, X, Y, residual=res, x_q8=x_q8)
+            self.linear(w, X, Y, residual=res, x_q8=x_q8, variant=variant)
             return
         t = self.act.h[: X.shape[0]]  # (n, n_embd) f32: free once the q/k/v (or gate/up) products have read it
         self.linear(w, X, t, x_q8=x_q8)
@@ -352,12 +355,12 @@ class Forward:
         return None
 
     def linear(self, w, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None, bias=None, norm=None,
-               x_q8=None, y_q8=None, x_q8_out=None, norm_out=None) -> None:
+               x_q8=None, y_q8=None, x_q8_out=None, norm_out=None, variant=None) -> None:
         """Y = X W^T (+ bias) (+ residual). X: (n, n_in) f32 (or fp16 on the tensor-core path),
         Y and residual: (n, n_out) f32 views; a glu weight yields silu(gate) * up, (n, n_out / 2),
         on one row. One row: matmul.gemv, with norm = (norm_w, eps) folded into it and the q8
         handoff x_q8, y_q8, x_q8_out (q8_handoff.Q8Vector) and norm_out, in thread-block clusters where
-        K4_X_CLUSTER allows (matmul.gemv x_cluster); more: matmul.matmul (tensor cores unless
+        K4_X_CLUSTER allows (matmul.gemv x_cluster), in gemv_q8 variant `variant` if given; more: matmul.matmul (tensor cores unless
         K4_PREFILL_TC=0; up to GEMV_MAX_TOKENS rows: gemv_batch, reading w once per BATCH_TOKENS rows)."""
         if X.shape[0] == 1:
             post = None
@@ -365,7 +368,7 @@ class Forward:
                 norm, post = norm[:2], norm[2]
             matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, norm=norm,
                         stream=self.stream, trace=self.ops.trace, x_q8=x_q8, y_q8=y_q8, post=post, x_q8_out=x_q8_out,
-                        x_cluster=self.opts.x_cluster, norm_out=norm_out)
+                        x_cluster=self.opts.x_cluster, norm_out=norm_out, variant=variant)
         else:
             matmul.matmul(w, X, Y, residual=residual, bias=bias, scratch=self.act.mm_scratch, stream=self.stream,
                           trace=self.ops.trace, blas=self.blas, x_q8=x_q8)
