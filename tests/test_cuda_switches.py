@@ -172,3 +172,29 @@ def test_q8_handoffs_change_no_bit_of_the_decode_logits(data, monkeypatch, flag)
         logits[on] = [be.eval([t]) for t in (7, 8, 9)]
         be.close()
     assert all(np.array_equal(a, b) for a, b in zip(logits[True], logits[False]))
+
+
+def test_the_wide_output_product_changes_no_bit_of_the_decode_logits(tiny_model, monkeypatch):
+    """K4_WO_WIDE: the output product without a handoff in after_attention_variant's (32, 2, 0), here
+    forced onto a tiny Q4_K llama model (the input bound at 0), sums its rows in the default's order:
+    the decode logits are the same bits with the flag on and off, and the variant runs only when on."""
+    from k4.runtime.cuda import matmul as mm
+    from k4.runtime.cuda import quant_kernels as qk
+
+    monkeypatch.setattr(qk, "AFTER_ATTENTION_MIN_IN", 0)
+    wide = qk.ROW_BLOCKS_VARIANT[qk.T.Q4_K]
+    calls = []
+    gemv = mm.gemv
+    monkeypatch.setattr(mm, "gemv", lambda *a, **k: (calls.append(k.get("variant") == wide), gemv(*a, **k))[1])
+    small = tiny_model("llama-q4_k")
+    prompt = np.random.default_rng(5).integers(3, small.config.n_vocab, size=17).tolist()
+    logits = {}
+    for on in (True, False):
+        monkeypatch.setenv("K4_WO_WIDE", str(int(on)))
+        calls.clear()
+        be = cuda(small, 64)
+        be.eval(prompt)
+        logits[on] = [be.eval([t]) for t in (7, 8, 9)]
+        assert (sum(calls) >= small.config.n_layer) if on else not any(calls)
+        be.close()
+    assert all(np.array_equal(a, b) for a, b in zip(logits[True], logits[False]))

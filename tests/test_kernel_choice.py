@@ -43,15 +43,16 @@ def test_the_row_blocks_variant_is_compiled_with_the_type():
 
 def test_the_output_product_after_attention_runs_wide_where_measured():
     """quant_kernels.after_attention_variant (K4_WO_WIDE): Q4_K's one-token output product without a
-    handoff runs (32, 1, 0) up to 2,048 inputs (TinyLlama) and (32, 2, 0) past them (Qwen2.5 7B's
-    3,584), both compiled in Q4_K's own group (not the microbenchmarks'); other types keep matmul's."""
-    assert qk.after_attention_variant(T.Q4_K, 2048) == (32, 1, 0) and qk.after_attention_variant(T.Q4_K, 1536) == (32, 1, 0)
-    assert qk.after_attention_variant(T.Q4_K, 2304) == (32, 2, 0) and qk.after_attention_variant(T.Q4_K, 3584) == (32, 2, 0)
-    assert qk.after_attention_variant(T.Q6_K, 3584) is None and qk.after_attention_variant(T.Q5_K, 2048) is None
-    for v in qk.AFTER_ATTENTION_VARIANTS:
-        for planar in (False, True):
-            name = qk._gemv_q8_name(T.Q4_K, planar, v)
-            assert name in qk.GROUPS["gemv.cu"]["Q4_K"] and name not in qk.GROUPS["gemv.cu"]["bench"]
+    handoff runs the row-blocks variant (32, 2, 0) past 2,048 inputs (Qwen2.5 7B's 3,584,
+    Qwen3-30B-A3B's 4,096), with the default's U (so its bits), compiled with the type; TinyLlama's
+    2,048 and the other types keep matmul's choice."""
+    assert qk.after_attention_variant(T.Q4_K, 3584) == qk.after_attention_variant(T.Q4_K, 4096) == (32, 2, 0)
+    assert qk.after_attention_variant(T.Q4_K, 2048) is None and qk.after_attention_variant(T.Q4_K, 1536) is None
+    assert qk.after_attention_variant(T.Q6_K, 3584) is None and qk.after_attention_variant(T.Q5_K, 4096) is None
+    v = qk.after_attention_variant(T.Q4_K, 3584)
+    assert v[1] == qk.QUANT[T.Q4_K].gemv[1]
+    for planar in (False, True):
+        assert qk._gemv_q8_name(T.Q4_K, planar, v) in qk.GROUPS["gemv.cu"]["Q4_K"]
 
 
 class _Kernel:  # what launch.blocks_per_sm reads of a cupy Function

@@ -70,7 +70,7 @@ FLOAT: dict[T, tuple[str, int]] = {T.F32: ("type_f32", 4), T.F16: ("type_f16", 2
 # 4.02 TB/s; Q4_K (16, 3, 1) is no faster than (16, 2, 1). Llama 2 7B tg128: 456 t/s without PF,
 # 550 with it (docs/PERF.md).
 EXTRA_GEMV_VARIANTS: dict[T, tuple[tuple[int, int, int], ...]] = {
-    T.Q4_K: ((16, 2, 0), (16, 1, 1)), T.Q6_K: ((32, 1, 0), (16, 1, 1), (16, 2, 0)),
+    T.Q4_K: ((16, 2, 0), (16, 1, 1), (32, 1, 0)), T.Q6_K: ((32, 1, 0), (16, 1, 1), (16, 2, 0)),
     T.Q5_K: ((16, 2, 1), (16, 1, 1))}
 # The gemv variant of a product without SwiGLU whose rows hold more than 16 QK_K blocks and 1 to 7
 # over a multiple of 16 (ROW_BLOCKS_SLOW): there (16, 2, 1) runs at half to two thirds of its
@@ -88,15 +88,16 @@ ROW_BLOCKS_SLOW = range(1, 8)
 ROW_BLOCKS_FEW_ROWS = 132 * 16
 ROW_BLOCKS_VARIANT: dict[T, tuple[int, int, int]] = {T.Q4_K: (32, 2, 0), T.Q6_K: (32, 2, 0)}
 # The one-token output product right after decode attention, where it hands nothing over (no NQ:
-# Qwen2.5 7B's 3,584 and TinyLlama's 2,048 outputs), flag K4_WO_WIDE: nothing hides its arithmetic
-# there, and 32 warps without prefetch issue it faster than (16, 2, 1). Measured on the H200 (tg128,
-# variants alternating in one process, three rounds): Qwen2.5 7B (3,584 inputs) (32, 2, 0) 686.4
-# against 679.6 (+1.0%; (32, 1, 0) 680.1), TinyLlama (2,048) (32, 1, 0) 2,201 against 2,186 (+0.7%;
-# (32, 2, 0) 2,185); (16, 2, 0) and (16, 1, 1) slower on both (docs/PERF.md, session 42). Q4_K only:
-# the other types were not measured.
+# Qwen2.5 7B's 3,584 outputs, Qwen3-30B-A3B's MoE layers), flag K4_WO_WIDE: nothing hides its
+# arithmetic there, and ROW_BLOCKS_VARIANT's 32 warps without prefetch issue it faster than (16, 2,
+# 1), with the same U, so the same bits. Measured on the H200 (tg128, in one process): Qwen2.5 7B
+# (3,584 inputs) 686.4 against 679.6 (variants alternating, three rounds) and 679.1 / 681.9 against
+# 677.4 / 675.7 (flag); Qwen3-30B-A3B (2,048 x 4,096) 760.5 against 743.7 (seven and six runs, every
+# pair in the same direction). At TinyLlama's 2,048 inputs neither (32, 2, 0) nor (32, 1, 0) beat the
+# default beyond the bench's order effect (docs/PERF.md, session 42), so it keeps it. Q4_K only: the
+# other types were not measured.
 AFTER_ATTENTION_TYPES = (T.Q4_K,)
-AFTER_ATTENTION_VARIANTS = ((32, 1, 0), (32, 2, 0))  # up to AFTER_ATTENTION_NARROW inputs, past it
-AFTER_ATTENTION_NARROW = 2048
+AFTER_ATTENTION_MIN_IN = 2048  # inputs the product must exceed
 # SwiGLU-epilogue variants compiled besides the default
 EXTRA_GLU_VARIANTS: dict[T, tuple[tuple[int, int, int], ...]] = {T.Q4_K: ((16, 2, 0),)}
 FLOAT_GEMV = (8, 4)  # gemv_f: warps per block, 16-byte chunks in flight per lane
@@ -204,10 +205,9 @@ def gemv_variant(t: T, n_out: int, n_in: int, glu: bool = False) -> tuple[int, i
 
 def after_attention_variant(t: T, n_in: int) -> tuple[int, int, int] | None:
     """(WARPS, U, PF) of the one-token output product of type t and n_in inputs that hands nothing
-    over (AFTER_ATTENTION_VARIANTS), or None for types outside AFTER_ATTENTION_TYPES: gemv_variant's."""
-    if t not in AFTER_ATTENTION_TYPES:
-        return None
-    return AFTER_ATTENTION_VARIANTS[n_in > AFTER_ATTENTION_NARROW]
+    over: ROW_BLOCKS_VARIANT[t] for AFTER_ATTENTION_TYPES past AFTER_ATTENTION_MIN_IN inputs, else
+    None (gemv_variant's choice)."""
+    return ROW_BLOCKS_VARIANT[t] if t in AFTER_ATTENTION_TYPES and n_in > AFTER_ATTENTION_MIN_IN else None
 
 
 def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool = False, act: str = "silu",
@@ -274,8 +274,8 @@ def _gemv_names(t: T) -> tuple[str, ...]:
     for CLUSTER_TYPES the default's cluster instance)."""
     if t in QUANT:
         variants = ((False, QUANT[t].gemv), (True, QUANT[t].glu))
-        extra = ([ROW_BLOCKS_VARIANT[t]] if t in ROW_BLOCKS_VARIANT else []) + list(AFTER_ATTENTION_VARIANTS if t in AFTER_ATTENTION_TYPES else ())
-        variants += tuple((False, v) for v in dict.fromkeys(extra))
+        if t in ROW_BLOCKS_VARIANT:
+            variants += ((False, ROW_BLOCKS_VARIANT[t]),)
         names = tuple(_gemv_q8_name(t, p, v, glu) for glu, v in variants for p in (False, True))
         if t in CLUSTER_TYPES:
             names += tuple(_gemv_q8_name(t, p, QUANT[t].gemv, cluster=True) for p in (False, True))
