@@ -8,7 +8,8 @@ moe_one's route and x quantization.
 A cut is a few exact edits of kernels_cu sources, applied to a copy in a temporary directory (the
 repository is never touched); the bench compiles from that copy through runtime/cuda/compile.py
 (its SOURCE_DIR and include path, and a fresh module cache). Each edit's anchor must occur once in
-today's source: when a kernel changes under it, the script stops and says which.
+today's source: when a kernel changes under it, the script stops and says which. A launch cut
+(LAUNCH_CUTS) instead leaves a whole launch out of the forward pass, patched in this process only.
 
 Usage (from the repository root, k4 importable, on the GPU machine):
     python scripts/take_away.py CUT -m MODEL.gguf [-n 128] [-r 3] [--rounds 2] [--verify 8]
@@ -74,6 +75,29 @@ CUTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
 CUTS["moe-route-quant"] = ("both moe-route and moe-quant", CUTS["moe-route"][1] + CUTS["moe-quant"][1])
 
 
+def _no_output_product(forward_class=None):
+    """Forward.residual (of forward_class, default runtime/cuda/forward.py's Forward) without the
+    one-token output product (w's inputs q_dim, no post-norm): its launch is left out and the
+    feed-forward reads the residual stream as it was. Returns the undo."""
+    if forward_class is None:
+        from k4.runtime.cuda.forward import Forward as forward_class
+
+    residual = forward_class.residual
+
+    def patched(self, w, X, res, Y, post_norm, **kw):
+        if X.shape[0] == 1 and post_norm is None and w.shape[1] == self.cfg.q_dim:
+            return None
+        return residual(self, w, X, res, Y, post_norm, **kw)
+
+    forward_class.residual = patched
+    return lambda: setattr(forward_class, "residual", residual)
+
+
+# name -> (what the run leaves out, a function that patches it out and returns the undo)
+LAUNCH_CUTS = {"wo": ("the one-token output product's launch (attention's output never reaches the residual stream)",
+                      _no_output_product)}
+
+
 def apply_cut(src: Path, dst: Path, edits: list[tuple[str, str, str]]) -> None:
     """Copy the kernel sources (*.cu, *.cuh) of src into dst with the edits applied. Raises
     SystemExit naming the file when an anchor does not occur exactly once."""
@@ -120,7 +144,7 @@ def bench_ts(bench_args: list[str], test: str = "tg") -> float:
 
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cut", nargs="?", choices=sorted(CUTS))
+    ap.add_argument("cut", nargs="?", choices=sorted([*CUTS, *LAUNCH_CUTS]))
     ap.add_argument("-m", "--model")
     ap.add_argument("-n", type=int, default=128, help="tokens a tgN run generates (default 128)")
     ap.add_argument("-r", type=int, default=3, help="repetitions a run (default 3)")
@@ -130,7 +154,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--list", action="store_true", help="print the cuts and exit")
     a = ap.parse_args(argv)
     if a.list or a.cut is None:
-        for name, (what, _) in CUTS.items():
+        for name, (what, _) in [*CUTS.items(), *LAUNCH_CUTS.items()]:
             print(f"{name:16s} {what}")
         return
     if a.model is None:
@@ -144,19 +168,23 @@ def main(argv: list[str]) -> None:
     test = f"tv{a.verify}" if a.verify else f"tg{a.n}"
     if a.verify:
         args += ["--verify", str(a.verify)]
+    runs: dict[str, list[float]] = {"main": [], a.cut: []}
     with tempfile.TemporaryDirectory(prefix="k4-cut-") as tmp:
-        cut_dir = Path(tmp)
-        apply_cut(SOURCE_DIR, cut_dir, CUTS[a.cut][1])
-        runs: dict[str, list[float]] = {"main": [], a.cut: []}
+        if a.cut in LAUNCH_CUTS:
+            sides = (("main", lambda: (lambda: None)), (a.cut, LAUNCH_CUTS[a.cut][1]))
+        else:
+            apply_cut(SOURCE_DIR, Path(tmp), CUTS[a.cut][1])
+            sides = (("main", lambda: use_sources(SOURCE_DIR) or (lambda: None)),
+                     (a.cut, lambda: use_sources(Path(tmp)) or (lambda: use_sources(SOURCE_DIR))))
         for _ in range(a.rounds):
-            for name, directory in (("main", SOURCE_DIR), (a.cut, cut_dir)):
-                use_sources(directory)
+            for name, install in sides:
+                undo = install()
                 runs[name].append(bench_ts(args, test))
+                undo()
                 print(f"{name:16s} {test} {runs[name][-1]:10.2f} t/s", flush=True)
-        use_sources(SOURCE_DIR)
     base, cut = (sum(v) / len(v) for v in runs.values())
     step_us = (a.verify or 1) * (1e6 / base - 1e6 / cut)  # a tvN step makes N tokens
-    print(f"{a.cut}: {CUTS[a.cut][0]}")
+    print(f"{a.cut}: {(CUTS.get(a.cut) or LAUNCH_CUTS[a.cut])[0]}")
     print(f"main {base:.2f} t/s, without it {cut:.2f} t/s ({cut / base - 1:+.1%}): {step_us:.1f} µs a step, "
           f"{step_us / n_layer:.2f} µs a layer ({n_layer} layers) on the critical path")
 

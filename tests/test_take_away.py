@@ -1,6 +1,7 @@
 """scripts/take_away.py's temporary builds (no GPU): every cut's edits still find their anchors in
-today's kernels_cu, a stale anchor stops the script with a one-line error, and its source switch
-points runtime/cuda/compile.py at the copy and back."""
+today's kernels_cu, a stale anchor stops the script with a one-line error, its source switch
+points runtime/cuda/compile.py at the copy and back, and the launch cut "wo" leaves out exactly the
+one-token output product."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from k4.kernels_cu import SOURCE_DIR
 from k4.runtime.cuda import compile as comp
 from k4.runtime.cuda import quant_kernels
-from scripts.take_away import CUTS, apply_cut, use_sources
+from scripts.take_away import CUTS, LAUNCH_CUTS, apply_cut, use_sources
 
 
 @pytest.mark.parametrize("cut", sorted(CUTS))
@@ -42,3 +43,54 @@ def test_use_sources_switches_the_compiler_and_back(tmp_path, monkeypatch):
     finally:
         use_sources(Path(SOURCE_DIR))
     assert comp.SOURCE_DIR == SOURCE_DIR and f"-I{SOURCE_DIR}" in comp.OPTIONS and comp.headers_digest() == digest
+
+
+def test_the_wo_cut_leaves_out_only_the_one_token_output_product():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    calls = []
+
+    class Forward:  # what the cut patches of runtime/cuda/forward.py's
+        def residual(self, w, X, res, Y, post_norm, x_q8=None, nq=None, variant=None):
+            calls.append((X.shape[0], w.shape[1]))
+
+    fwd = SimpleNamespace(cfg=SimpleNamespace(q_dim=64))
+    wo, down = SimpleNamespace(shape=(48, 64)), SimpleNamespace(shape=(48, 160))
+    undo = LAUNCH_CUTS["wo"][1](Forward)
+    try:
+        Forward.residual(fwd, wo, np.zeros((1, 64)), None, None, None)  # left out
+        Forward.residual(fwd, wo, np.zeros((5, 64)), None, None, None)  # prefill, verify: kept
+        Forward.residual(fwd, wo, np.zeros((1, 64)), None, None, "post-norm")  # gemma's: kept
+        Forward.residual(fwd, down, np.zeros((1, 160)), None, None, None, x_q8=None)
+    finally:
+        undo()
+    assert calls == [(5, 64), (1, 64), (1, 160)]
+    Forward.residual(fwd, wo, np.zeros((1, 64)), None, None, None)
+    assert calls[-1] == (1, 64)
+
+
+@pytest.mark.parametrize("cut", ["norm-sum", "wo"])
+def test_main_alternates_main_and_the_cut_and_restores_both(cut, monkeypatch, capsys):
+    """The script's loop (the bench stubbed): main and the cut in turn for each round, the sources
+    (or the forward pass) back as they were after each cut run, and the per-layer figure printed."""
+    from types import SimpleNamespace
+
+    import scripts.take_away as ta
+    from k4.runtime import model
+
+    monkeypatch.setattr(comp, "OPTIONS", comp.OPTIONS)
+    monkeypatch.setattr(comp, "SOURCE_DIR", comp.SOURCE_DIR)
+    monkeypatch.setattr(model, "open_model", lambda path: SimpleNamespace(config=SimpleNamespace(n_layer=4)))
+    undone = []
+    if cut in ta.LAUNCH_CUTS:
+        monkeypatch.setitem(ta.LAUNCH_CUTS, cut, (ta.LAUNCH_CUTS[cut][0], lambda: (lambda: undone.append(True))))
+    seen = []
+    monkeypatch.setattr(ta, "bench_ts", lambda args, test: seen.append(comp.SOURCE_DIR) or (100.0 if len(seen) % 2 else 125.0))
+    ta.main([cut, "-m", "model.gguf", "--rounds", "2"])
+    assert len(seen) == 4 and seen[0] == seen[2] == SOURCE_DIR
+    assert (seen[1] == seen[3] == SOURCE_DIR) == (cut == "wo") and comp.SOURCE_DIR == SOURCE_DIR
+    assert undone == ([True, True] if cut == "wo" else [])
+    out = capsys.readouterr().out
+    assert "main 100.00 t/s, without it 125.00 t/s (+25.0%): 2000.0 µs a step, 500.00 µs a layer (4 layers)" in out
