@@ -77,6 +77,22 @@ def cuda(mf, n_ctx: int, **kw):
     return CudaBackend(mf, n_ctx, **kw)
 
 
+def decode_by_flag(monkeypatch, mf, flag: str, prompt: list[int], tokens, calls: list, expect) -> dict[bool, list]:
+    """{on: the decode logits of `tokens` after `prompt`} for `flag` on and off (CudaBackend, n_ctx 64).
+    calls: a list some patched launcher appends to (a bool per launch), cleared before each setting;
+    expect(on, calls) must hold after each (what the flag's launches were)."""
+    logits = {}
+    for on in (True, False):
+        monkeypatch.setenv(flag, str(int(on)))
+        calls.clear()
+        be = cuda(mf, 64)
+        be.eval(prompt)
+        logits[on] = [be.eval([t]) for t in tokens]
+        assert expect(on, calls), f"{flag}={int(on)}: {sum(calls)} of {len(calls)} launches counted"
+        be.close()
+    return logits
+
+
 def greedy_cases(data, model: str) -> list[dict]:
     return [c for c in json.loads((data / "golden" / "greedy.json").read_text())["cases"] if c["model"] == model]
 

@@ -161,7 +161,7 @@ def test_decode_with_the_handoff_keeps_golden_tokens_and_numpy_logits(data, tiny
     from k4.runtime.model import open_model
     from k4.runtime.reference import NumpyBackend
     from k4.runtime.tokenizer import Tokenizer
-    from tests.cuda_backend_cases import ARCH_CASES, check_q4_k_m_greedy, cuda, decode_limit, rel_l2
+    from tests.cuda_backend_cases import ARCH_CASES, check_q4_k_m_greedy, cuda, decode_by_flag, decode_limit, rel_l2
 
     monkeypatch.setattr(mm, "nq_balanced", lambda *a: True)
     monkeypatch.setitem(ARCH_CASES, "qwen2-q4_k-nq", ("qwen2", T.Q4_K, ARCH_CASES["llama-q4_k"][2]))
@@ -174,17 +174,10 @@ def test_decode_with_the_handoff_keeps_golden_tokens_and_numpy_logits(data, tiny
     be.close()
     small = tiny_model("qwen2-q4_k-nq")
     prompt = np.random.default_rng(4).integers(3, small.config.n_vocab, size=19).tolist()
-    logits = {}
-    for on in (True, False):
-        monkeypatch.setenv("K4_NORM_Q8", str(int(on)))
-        calls.clear()
-        be = cuda(small, 64)
-        be.eval(prompt)
-        logits[on] = be.eval([7])
-        assert (sum(calls) >= 2 * small.config.n_layer - 1) if on else not any(calls)  # graph captures add more
-        be.close()
+    logits = decode_by_flag(monkeypatch, small, "K4_NORM_Q8", prompt, (7,), calls,  # graph captures add more launches
+                            lambda on, calls: sum(calls) >= 2 * small.config.n_layer - 1 if on else not any(calls))
     ref = NumpyBackend(small, 64)
     ref.eval(prompt)
     want = ref.eval([7])
-    assert rel_l2(logits[True], want) < decode_limit(small)
-    assert rel_l2(logits[True], logits[False]) < decode_limit(small)
+    assert rel_l2(logits[True][0], want) < decode_limit(small)
+    assert rel_l2(logits[True][0], logits[False][0]) < decode_limit(small)

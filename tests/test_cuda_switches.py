@@ -13,8 +13,8 @@ import pytest
 from k4.runtime.model import open_model
 from k4.runtime.reference import NumpyBackend
 from k4.runtime.tokenizer import Tokenizer
-from tests.cuda_backend_cases import (ALL_FLAGS, FUSIONS, GREEDY, LIMIT_PREFILL, continuation, cuda, decode_limit, greedy_cases,
-                                      rel_l2, take)
+from tests.cuda_backend_cases import (ALL_FLAGS, FUSIONS, GREEDY, LIMIT_PREFILL, continuation, cuda, decode_by_flag, decode_limit,
+                                      greedy_cases, rel_l2, take)
 from tests.gpu import cupy_or_skip
 
 cp = cupy_or_skip()
@@ -188,13 +188,6 @@ def test_the_wide_output_product_changes_no_bit_of_the_decode_logits(tiny_model,
     monkeypatch.setattr(mm, "gemv", lambda *a, **k: (calls.append(k.get("variant") == wide), gemv(*a, **k))[1])
     small = tiny_model("llama-q4_k")
     prompt = np.random.default_rng(5).integers(3, small.config.n_vocab, size=17).tolist()
-    logits = {}
-    for on in (True, False):
-        monkeypatch.setenv("K4_WO_WIDE", str(int(on)))
-        calls.clear()
-        be = cuda(small, 64)
-        be.eval(prompt)
-        logits[on] = [be.eval([t]) for t in (7, 8, 9)]
-        assert (sum(calls) >= small.config.n_layer) if on else not any(calls)
-        be.close()
+    logits = decode_by_flag(monkeypatch, small, "K4_WO_WIDE", prompt, (7, 8, 9), calls,
+                            lambda on, calls: sum(calls) >= small.config.n_layer if on else not any(calls))
     assert all(np.array_equal(a, b) for a, b in zip(logits[True], logits[False]))
