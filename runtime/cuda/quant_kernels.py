@@ -300,7 +300,7 @@ def nq_balanced(n_out: int, n_in: int, grid: int, warps: int) -> bool:
     least 4 n_out), whose stream the busy blocks still fill. On the H200 (docs/PERF.md, sessions 28
     and 42) the NQ product of 3,584 outputs (112 groups on 132 blocks) took 1.1 µs more than the plain
     one at 3,584 inputs, more than its reader saves, and 0.5 µs more at 18,944 inputs, less than
-    its reader (Qwen2.5 7B's q/k/v) saves: tg128 +1.4%."""
+    its reader (Qwen2.5 7B's q/k/v) saves: tg128 +0.8% (three rounds; +1.4% in one)."""
     groups = n_out // 32
     idle_ok = 10 * groups >= 9 * grid or (n_in >= 4 * n_out and 4 * groups >= 3 * grid)
     return -(-32 * -(-groups // grid) // warps) <= -(-n_out // (grid * warps)) and idle_ok
