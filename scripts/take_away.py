@@ -171,16 +171,19 @@ def main(argv: list[str]) -> None:
     runs: dict[str, list[float]] = {"main": [], a.cut: []}
     with tempfile.TemporaryDirectory(prefix="k4-cut-") as tmp:
         if a.cut in LAUNCH_CUTS:
-            sides = (("main", lambda: (lambda: None)), (a.cut, LAUNCH_CUTS[a.cut][1]))
+            install = LAUNCH_CUTS[a.cut][1]
         else:
             apply_cut(SOURCE_DIR, Path(tmp), CUTS[a.cut][1])
-            sides = (("main", lambda: use_sources(SOURCE_DIR) or (lambda: None)),
-                     (a.cut, lambda: use_sources(Path(tmp)) or (lambda: use_sources(SOURCE_DIR))))
+
+            def install():  # compile from the cut's copy until the undo
+                use_sources(Path(tmp))
+                return lambda: use_sources(SOURCE_DIR)
         for _ in range(a.rounds):
-            for name, install in sides:
-                undo = install()
+            for name in runs:
+                undo = install() if name == a.cut else None
                 runs[name].append(bench_ts(args, test))
-                undo()
+                if undo:
+                    undo()
                 print(f"{name:16s} {test} {runs[name][-1]:10.2f} t/s", flush=True)
     base, cut = (sum(v) / len(v) for v in runs.values())
     step_us = (a.verify or 1) * (1e6 / base - 1e6 / cut)  # a tvN step makes N tokens
