@@ -360,8 +360,9 @@ class Forward:
         Y and residual: (n, n_out) f32 views; a glu weight yields silu(gate) * up, (n, n_out / 2),
         on one row. One row: matmul.gemv, with norm = (norm_w, eps) folded into it and the q8
         handoff x_q8, y_q8, x_q8_out (q8_handoff.Q8Vector) and norm_out, in thread-block clusters where
-        K4_X_CLUSTER allows (matmul.gemv x_cluster), in gemv_q8 variant `variant` if given; more: matmul.matmul (tensor cores unless
-        K4_PREFILL_TC=0; up to GEMV_MAX_TOKENS rows: gemv_batch, reading w once per BATCH_TOKENS rows)."""
+        K4_X_CLUSTER allows (matmul.gemv x_cluster), in gemv_q8 variant `variant` if given; more:
+        matmul.matmul (tensor cores unless K4_PREFILL_TC=0; up to GEMV_MAX_TOKENS rows: gemv_batch,
+        reading w once per BATCH_TOKENS rows)."""
         if X.shape[0] == 1:
             post = None
             if norm is not None and len(norm) == 3:  # normed's folded post-norm
