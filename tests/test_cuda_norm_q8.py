@@ -80,6 +80,42 @@ def test_the_residual_product_hands_its_norm_input_over(type_name, monkeypatch):
 
 
 @pytest.mark.cuda
+def test_the_wide_output_product_hands_over_as_the_default_does():
+    """The NQ instance of the output product's wide variant (quant_kernels.nq_variants, K4_WO_WIDE),
+    as the 7B's output product runs it (attention's q8 x, the residual): y, the handoff and its
+    parts' sum as the default variant's (the same U, so the same y), its blocks the n_parts."""
+    import cupy as cp
+
+    from k4.runtime.cuda.quant_kernels import after_attention_variant
+
+    rng, seed = fresh_rng()
+    n = 4096
+    w, _ = weight("Q4_K", n, n, rng, True)
+    reader, _ = weight("Q4_K", 64, n, rng, True)
+    wide = after_attention_variant(T.Q4_K, n)
+    x = rng.standard_normal(n).astype(np.float32)
+    res = cp.asarray((rng.standard_normal(n) * 4).astype(np.float32))
+    nw = cp.asarray((1 + 0.5 * rng.standard_normal(n)).astype(np.float32))
+    vec = hand.Q8Vector.for_weight(w, cp.zeros(mm.q8x_bytes(n), cp.uint8))
+    x_q8 = hand.Q8Vector(cp.asarray(hand.q8x_host(x, vec.swizzle)), vec.n, vec.swizzle)
+    out = {}
+    for v in (wide, None):
+        n_parts = mm.norm_q8_blocks(w, False, v)
+        assert n_parts, f"no NQ launch of {v}"
+        rv = hand.Q8Vector.for_weight(reader, cp.zeros(mm.q8x_bytes(n), cp.uint8))
+        q8 = hand.Q8Vector(rv.data, rv.n, rv.swizzle, cp.full(n, cp.nan, cp.float32), n_parts, EPS)
+        y = nan_like(n)
+        mm.gemv(w, nan_like(n), y, residual=res, x_q8=x_q8, y_q8=q8, norm_out=(nw, q8.parts), variant=v)
+        out[v] = (y.get(), q8.data.get(), q8.parts.get()[:n_parts])
+    (y_w, q_w, p_w), (y_d, q_d, p_d) = out[wide], out[None]
+    assert np.array_equal(y_w, y_d), f"seed {seed}"
+    np.testing.assert_array_equal(q_w, hand.q8x_host(y_w * nw.get(), rv.swizzle))
+    np.testing.assert_array_equal(q_w, q_d)
+    assert not np.isnan(p_w).any()
+    np.testing.assert_allclose(p_w.astype(np.float64).sum(), p_d.astype(np.float64).sum(), rtol=1e-5)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("reader_type,glu", [("Q4_K", False), ("Q6_K", False), ("Q4_K", True)])
 def test_a_reader_of_the_handoff_is_the_normed_product(reader_type, glu, monkeypatch):
     """A product given the handoff as x_q8 equals the same product given the norm-scaled q8 x

@@ -124,7 +124,9 @@ def test_the_norm_handoff_only_where_blocks_of_whole_groups_stay_balanced():
     for t in qk.NQ_TYPES:
         names = qk.GROUPS["gemv.cu"][f"{t.name}.nq"]
         nq = [n for n in names if n.count(",") == 8]  # the rest, one template argument more, read the handoff (NX)
-        assert len(nq) == (4 if t in qk.CLUSTER_TYPES else 2) and all(n.endswith(", true>") for n in names)
+        assert len(nq) == (4 if t in qk.CLUSTER_TYPES else 2) + 2 * (len(qk.nq_variants(t)) - 1)
+        assert all(n.endswith(", true>") for n in names)
+        assert all(qk._gemv_q8_name(t, p, v, nq=True) in names for v in qk.nq_variants(t) for p in (False, True))
         assert len(names) - len(nq) == (4 if qk.QUANT[t].glu[0] <= 16 else 2)
         assert qk.nx_reads(t, qk.QUANT[t].gemv, False) and not qk.nx_reads(t, (32, 2, 0), False)
         assert qk.nx_reads(t, qk.QUANT[t].glu, True) == (qk.QUANT[t].glu[0] <= 16)

@@ -149,7 +149,7 @@ class Forward:
         product also writes rmsnorm(Y) * norm_w's q8 handoff (matmul.gemv norm_out, act.nq8 and
         act.nq_parts) for them, and normed gives it to them (self.nq). For 3 to 8 rows nq's second
         item is the list of those weights instead (rows_handoff). variant: the gemv_q8 (WARPS, U, PF) of
-        one token's product where it hands nothing over (None: matmul's choice)."""
+        one token's product (None: matmul's choice), its handoff's too where it has NQ instances."""
         if x_q8 is None:
             x_q8 = self.quantized(w, X)
         if post_norm is None and X.shape[0] > 1:
@@ -161,9 +161,11 @@ class Forward:
             self.linear(w, X, Y, residual=res, x_q8=x_q8)
             return
         if post_norm is None:
-            handoff = self.handoff(w, nq, x_q8)
+            handoff, v = self.handoff(w, nq, x_q8, variant), variant
+            if handoff is None and variant is not None:  # no NQ launch in that variant: the default's
+                handoff, v = self.handoff(w, nq, x_q8), None
             if handoff is not None:
-                self.linear(w, X, Y, residual=res, x_q8=x_q8, y_q8=handoff, norm_out=(nq[0], handoff.parts))
+                self.linear(w, X, Y, residual=res, x_q8=x_q8, y_q8=handoff, norm_out=(nq[0], handoff.parts), variant=v)
                 self.nq = (handoff, nq[0])
                 return
             self.linear(w, X, Y, residual=res, x_q8=x_q8, variant=variant)
@@ -213,13 +215,14 @@ class Forward:
             return None
         return Q8Vector.for_weight(wo, self.act.x_q8) if n == 1 else self.x_q8_rows(wo, n)
 
-    def handoff(self, w, nq, x_q8) -> Q8Vector | None:
+    def handoff(self, w, nq, x_q8, variant=None) -> Q8Vector | None:
         """The q8 handoff (Q8Vector with parts, in act.nq8 and act.nq_parts) that w's one-token
-        product of float x (x_q8 None) or of x_q8 writes for nq's reader (residual), or None where
-        norm_q8 or fuse_norm is off, nq is None, or w's product has no NQ launch."""
+        product of float x (x_q8 None) or of x_q8, in gemv_q8 variant `variant` (None: matmul's),
+        writes for nq's reader (residual), or None where norm_q8 or fuse_norm is off, nq is None,
+        or w's product has no NQ launch in that variant."""
         if nq is None or nq[1] is None or not (self.opts.norm_q8 and self.opts.fuse_norm):
             return None
-        n_parts = matmul.norm_q8_blocks(w, self.opts.x_cluster and x_q8 is None)
+        n_parts = matmul.norm_q8_blocks(w, self.opts.x_cluster and x_q8 is None, variant)
         if not n_parts:
             return None
         vec = Q8Vector.for_weight(nq[1], self.act.nq8)

@@ -51,8 +51,8 @@ from .gemv_mma import uses_mma8
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
 from .layout import MatrixSpec, _check_matrix, layout_nbytes
 from .q8_handoff import Q8Vector, check_q8
-from .quant_kernels import (DEQUANT_CHUNK_BYTES, FLOAT, FLOAT_GEMV, GEMV_MAX_TOKENS, GLU_ACTS, QUANT, _dequant_name,
-                            NQ_TYPES, _gemv_f_name, _gemv_q8_name, _kernel, gemv_cluster, gemv_variant, nq_balanced)
+from .quant_kernels import (DEQUANT_CHUNK_BYTES, FLOAT, FLOAT_GEMV, GEMV_MAX_TOKENS, GLU_ACTS, QUANT, _dequant_name, NQ_TYPES,
+                            _gemv_f_name, _gemv_q8_name, _kernel, gemv_cluster, gemv_variant, nq_balanced, nq_variants)
 
 
 # ---- device weights ----------------------------------------------------------------------------
@@ -188,14 +188,15 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
     return plan
 
 
-def norm_q8_blocks(w: DeviceWeight, x_cluster: bool = True) -> int:
-    """The blocks of gemv's NQ launch on w (norm_out, float x; x_cluster as gemv's), the n_parts
-    of its handoff, or 0 where it does not apply: a weight of quant_kernels.NQ_TYPES that takes
-    its type's default variant, no glu, n_out a multiple of 32, and quant_kernels.nq_balanced."""
-    n_out, n_in = w.shape
-    if w.glu or w.ggml_type not in NQ_TYPES or n_out % 32 or gemv_variant(w.ggml_type, n_out, n_in) != QUANT[w.ggml_type].gemv:
+def norm_q8_blocks(w: DeviceWeight, x_cluster: bool = True, variant: tuple[int, int, int] | None = None) -> int:
+    """The blocks (n_parts) of gemv's NQ launch on w (norm_out, float x; x_cluster, variant as gemv's), or 0:
+    not a non-glu weight of NQ_TYPES with n_out a multiple of 32 in a variant of nq_variants (None: the
+    default, where gemv_variant chooses it) that quant_kernels.nq_balanced admits."""
+    (n_out, n_in), t = w.shape, w.ggml_type
+    if (w.glu or t not in NQ_TYPES or n_out % 32 or variant not in (None, *nq_variants(t))
+            or variant is None and gemv_variant(t, n_out, n_in) != QUANT[t].gemv):
         return 0
-    _, (grid,), (threads,), _, _ = _gemv_plan(w, None, False, False, x_cluster, True)
+    _, (grid,), (threads,), _, _ = _gemv_plan(w, variant, False, False, x_cluster, True)
     return grid if nq_balanced(n_out, n_in, grid, threads // 32) else 0
 
 
@@ -263,9 +264,9 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     split = x_cluster and x_q8 is None and norm_w is None and post is None
     nq_w, parts = (None, None) if norm_out is None else norm_out
     if norm_out is not None:
-        n_parts = norm_q8_blocks(w, split)
+        n_parts = norm_q8_blocks(w, split, variant)
         check_array("norm_out weight", nq_w, (n_out,))
-        if not n_parts or variant is not None or parts.dtype != np.float32 or parts.size < n_parts:
+        if not n_parts or parts.dtype != np.float32 or parts.size < n_parts:
             raise ValueError(f"norm_out does not apply to {w.ggml_type.name} {w.shape} or its parts hold fewer than {n_parts} floats")
     nx = x_q8 is not None and x_q8.parts is not None  # an NQ handoff (check_q8 made sure an instance reads it)
     if nx:

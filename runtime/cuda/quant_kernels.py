@@ -283,12 +283,19 @@ def _gemv_names(t: T) -> tuple[str, ...]:
     return tuple(_gemv_f_name(t, vec, glu) for vec in (True, False) for glu in (False, True))
 
 
+def nq_variants(t: T) -> tuple[tuple[int, int, int], ...]:
+    """The gemv_q8 variants (WARPS, U, PF) with NQ instances of type t (NQ_TYPES): its default, and
+    for AFTER_ATTENTION_TYPES the output product's wide variant (K4_WO_WIDE; no cluster instance)."""
+    return (QUANT[t].gemv,) + ((ROW_BLOCKS_VARIANT[t],) if t in AFTER_ATTENTION_TYPES else ())
+
+
 def _nq_names(t: T) -> tuple[str, ...]:
-    """The NQ instances of type t (NQ_TYPES): its default variant, both layouts, with clusters too
-    for CLUSTER_TYPES; and its readers (NX): the default variant and the gate/up one where that
-    runs 16 warps or fewer. Their own compile group (f"{t.name}.nq")."""
+    """The NQ instances of type t (NQ_TYPES): nq_variants(t) in both layouts, the default's with
+    clusters too for CLUSTER_TYPES; and its readers (NX): the default variant and the gate/up one
+    where that runs 16 warps or fewer. Their own compile group (f"{t.name}.nq")."""
     clusters = (False, True) if t in CLUSTER_TYPES else (False,)
     names = tuple(_gemv_q8_name(t, p, QUANT[t].gemv, cluster=c, nq=True) for c in clusters for p in (False, True))
+    names += tuple(_gemv_q8_name(t, p, v, nq=True) for v in nq_variants(t)[1:] for p in (False, True))
     readers = [(False, QUANT[t].gemv)] + ([(True, QUANT[t].glu)] if QUANT[t].glu[0] <= 16 else [])
     return names + tuple(_gemv_q8_name(t, p, v, glu, nx=True) for glu, v in readers for p in (False, True))
 
