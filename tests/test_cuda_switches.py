@@ -175,9 +175,10 @@ def test_q8_handoffs_change_no_bit_of_the_decode_logits(data, monkeypatch, flag)
 
 
 def test_the_wide_output_product_changes_no_bit_of_the_decode_logits(tiny_model, monkeypatch):
-    """K4_WO_WIDE: the output product without a handoff in after_attention_variant's (32, 2, 0), here
-    forced onto a tiny Q4_K llama model (the input bound at 0), sums its rows in the default's order:
-    the decode logits are the same bits with the flag on and off, and the variant runs only when on."""
+    """K4_WO_WIDE: the output product in after_attention_variant's (32, 2, 0) (its NQ instance where it
+    hands over), here forced onto a tiny Q4_K llama model (the input bound at 0), sums its rows in the
+    default's order: the decode logits are the same bits with the flag on and off, and the variant
+    runs only when on."""
     from k4.runtime.cuda import matmul as mm
     from k4.runtime.cuda import quant_kernels as qk
 

@@ -47,7 +47,7 @@ class ForwardOptions:
     norm_q8: bool = True  # K4_NORM_Q8: decode's residual products hand the next norm's products their input quantized
     mma8_nq: bool = True  # K4_MMA8_NQ: the same from the verify step's down products on int8 tensor cores (rows_handoff)
     mma8_ffq8: bool = True  # K4_MMA8_FFQ8: the verify step's gate/up product writes its output quantized for down (gate_up)
-    wo_wide: bool = True  # K4_WO_WIDE: decode's output product without a handoff in quant_kernels.after_attention_variant (residual)
+    wo_wide: bool = True  # K4_WO_WIDE: decode's output product in quant_kernels.after_attention_variant (residual)
 
 
 class Forward:

@@ -87,15 +87,16 @@ EXTRA_GEMV_VARIANTS: dict[T, tuple[tuple[int, int, int], ...]] = {
 ROW_BLOCKS_SLOW = range(1, 8)
 ROW_BLOCKS_FEW_ROWS = 132 * 16
 ROW_BLOCKS_VARIANT: dict[T, tuple[int, int, int]] = {T.Q4_K: (32, 2, 0), T.Q6_K: (32, 2, 0)}
-# The one-token output product right after decode attention, where it hands nothing over (no NQ:
-# Qwen2.5 7B's 3,584 outputs, Qwen3-30B-A3B's MoE layers), flag K4_WO_WIDE: nothing hides its
+# The one-token output product right after decode attention, flag K4_WO_WIDE: nothing hides its
 # arithmetic there, and ROW_BLOCKS_VARIANT's 32 warps without prefetch issue it faster than (16, 2,
 # 1), with the same U, so the same bits. Measured on the H200 (tg128, in one process): Qwen2.5 7B
 # (3,584 inputs) 686.4 against 679.6 (variants alternating, three rounds) and 679.1 / 681.9 against
 # 677.4 / 675.7 (flag); Qwen3-30B-A3B (2,048 x 4,096) 760.5 against 743.7 (seven and six runs, every
 # pair in the same direction). At TinyLlama's 2,048 inputs neither (32, 2, 0) nor (32, 1, 0) beat the
-# default beyond the bench's order effect (docs/PERF.md, session 42), so it keeps it. Q4_K only: the
-# other types were not measured.
+# default beyond the bench's order effect (docs/PERF.md, session 42), so it keeps it. Where the
+# product hands the next RMSNorm its input (NQ: Llama 2 7B's 4,096 outputs) the variant's NQ instance
+# runs (nq_variants): 721.4 / 721.3 against 718.4 / 720.2 (session 43). Q4_K only: the other types
+# were not measured (Q6_K's NQ instance of (32, 2, 0) spills 8 bytes).
 AFTER_ATTENTION_TYPES = (T.Q4_K,)
 AFTER_ATTENTION_MIN_IN = 2048  # inputs the product must exceed
 # SwiGLU-epilogue variants compiled besides the default
@@ -204,8 +205,8 @@ def gemv_variant(t: T, n_out: int, n_in: int, glu: bool = False) -> tuple[int, i
 
 
 def after_attention_variant(t: T, n_in: int) -> tuple[int, int, int] | None:
-    """(WARPS, U, PF) of the one-token output product of type t and n_in inputs that hands nothing
-    over: ROW_BLOCKS_VARIANT[t] for AFTER_ATTENTION_TYPES past AFTER_ATTENTION_MIN_IN inputs, else
+    """(WARPS, U, PF) of the one-token output product of type t and n_in inputs, with or without
+    its handoff (nq_variants): ROW_BLOCKS_VARIANT[t] for AFTER_ATTENTION_TYPES past AFTER_ATTENTION_MIN_IN inputs, else
     None (gemv_variant's choice)."""
     return ROW_BLOCKS_VARIANT[t] if t in AFTER_ATTENTION_TYPES and n_in > AFTER_ATTENTION_MIN_IN else None
 
