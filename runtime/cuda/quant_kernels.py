@@ -94,9 +94,10 @@ ROW_BLOCKS_VARIANT: dict[T, tuple[int, int, int]] = {T.Q4_K: (32, 2, 0), T.Q6_K:
 # 677.4 / 675.7 (flag); Qwen3-30B-A3B (2,048 x 4,096) 760.5 against 743.7 (seven and six runs, every
 # pair in the same direction). At TinyLlama's 2,048 inputs neither (32, 2, 0) nor (32, 1, 0) beat the
 # default beyond the bench's order effect (docs/PERF.md, session 42), so it keeps it. Where the
-# product hands the next RMSNorm its input (NQ: Llama 2 7B's 4,096 outputs) the variant's NQ instance
-# runs (nq_variants): 721.4 / 721.3 against 718.4 / 720.2 (session 43). Q4_K only: the other types
-# were not measured (Q6_K's NQ instance of (32, 2, 0) spills 8 bytes).
+# product hands the next RMSNorm its input (NQ: Llama 2 7B's 4,096 outputs; Qwen2.5 7B's 3,584, which
+# nq_balanced admits only in 32-warp blocks) the variant's NQ instance runs (nq_variants): 721.4 /
+# 721.3 against 718.4 / 720.2 with the flag off, Qwen2.5 7B +1.0-1.2% (session 43). Q4_K only: the
+# other types were not measured (Q6_K's NQ instance of (32, 2, 0) spills 8 bytes).
 AFTER_ATTENTION_TYPES = (T.Q4_K,)
 AFTER_ATTENTION_MIN_IN = 2048  # inputs the product must exceed
 # SwiGLU-epilogue variants compiled besides the default
