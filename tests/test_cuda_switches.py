@@ -174,19 +174,28 @@ def test_q8_handoffs_change_no_bit_of_the_decode_logits(data, monkeypatch, flag)
     assert all(np.array_equal(a, b) for a, b in zip(logits[True], logits[False]))
 
 
-def test_the_wide_output_product_changes_no_bit_of_the_decode_logits(tiny_model, monkeypatch):
-    """K4_WO_WIDE: the output product in after_attention_variant's (32, 2, 0) (its NQ instance where it
-    hands over), here forced onto a tiny Q4_K llama model (the input bound at 0), sums its rows in the
-    default's order: the decode logits are the same bits with the flag on and off, and the variant
-    runs only when on."""
+@pytest.mark.parametrize("handoff", [False, True])
+def test_the_wide_output_product_changes_no_bit_of_the_decode_logits(tiny_model, monkeypatch, handoff):
+    """K4_WO_WIDE: the output product in after_attention_variant's (32, 2, 0), here forced onto a tiny
+    Q4_K llama model (the input bound at 0), sums its rows in the default's order: the decode logits
+    are the same bits with the flag on and off, and the variant runs only when on. With the handoff
+    forced (nq_balanced: the model is too small for it) the variant's NQ instance runs, its blocks
+    the default's groups, so the reader's scale is the same bits too."""
     from k4.runtime.cuda import matmul as mm
     from k4.runtime.cuda import quant_kernels as qk
 
     monkeypatch.setattr(qk, "AFTER_ATTENTION_MIN_IN", 0)
+    if handoff:
+        monkeypatch.setattr(mm, "nq_balanced", lambda *a: True)
     wide = qk.ROW_BLOCKS_VARIANT[qk.T.Q4_K]
     calls = []
     gemv = mm.gemv
-    monkeypatch.setattr(mm, "gemv", lambda *a, **k: (calls.append(k.get("variant") == wide), gemv(*a, **k))[1])
+
+    def counted(*a, **k):  # a launch of the wide variant (with its handoff where forced)
+        calls.append(k.get("variant") == wide and (not handoff or k.get("norm_out") is not None))
+        return gemv(*a, **k)
+
+    monkeypatch.setattr(mm, "gemv", counted)
     small = tiny_model("llama-q4_k")
     prompt = np.random.default_rng(5).integers(3, small.config.n_vocab, size=17).tolist()
     logits = decode_by_flag(monkeypatch, small, "K4_WO_WIDE", prompt, (7, 8, 9), calls,
