@@ -207,8 +207,8 @@ def gemv_variant(t: T, n_out: int, n_in: int, glu: bool = False) -> tuple[int, i
 
 def after_attention_variant(t: T, n_in: int) -> tuple[int, int, int] | None:
     """(WARPS, U, PF) of the one-token output product of type t and n_in inputs, with or without
-    its handoff (nq_variants): ROW_BLOCKS_VARIANT[t] for AFTER_ATTENTION_TYPES past AFTER_ATTENTION_MIN_IN inputs, else
-    None (gemv_variant's choice)."""
+    its handoff (nq_variants): ROW_BLOCKS_VARIANT[t] for AFTER_ATTENTION_TYPES past
+    AFTER_ATTENTION_MIN_IN inputs, else None (gemv_variant's choice)."""
     return ROW_BLOCKS_VARIANT[t] if t in AFTER_ATTENTION_TYPES and n_in > AFTER_ATTENTION_MIN_IN else None
 
 
