@@ -189,9 +189,9 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
 
 
 def norm_q8_blocks(w: DeviceWeight, x_cluster: bool = True, variant: tuple[int, int, int] | None = None) -> int:
-    """The blocks (n_parts) of gemv's NQ launch on w (norm_out, float x; x_cluster, variant as gemv's), or 0:
-    not a non-glu weight of NQ_TYPES with n_out a multiple of 32 in a variant of nq_variants (None: the
-    default, where gemv_variant chooses it) that quant_kernels.nq_balanced admits."""
+    """The blocks (n_parts) of gemv's NQ launch on w (norm_out, float x; x_cluster, variant as gemv's), or 0: not a
+    non-glu NQ_TYPES weight, n_out a multiple of 32, in a variant of nq_variants (None: the default where
+    gemv_variant chooses it) that quant_kernels.nq_balanced admits."""
     (n_out, n_in), t = w.shape, w.ggml_type
     if (w.glu or t not in NQ_TYPES or n_out % 32 or variant not in (None, *nq_variants(t))
             or variant is None and gemv_variant(t, n_out, n_in) != QUANT[t].gemv):

@@ -308,18 +308,18 @@ def nq_balanced(n_out: int, n_in: int, grid: int, warps: int) -> bool:
     rows (matmul.norm_q8_blocks): at most a tenth, or a quarter where the rows are long (n_in at
     least 4 n_out), whose stream the busy blocks still fill, or where a busy warp holds one row (32
     warps a block: the plain product's warps hold one too); and whose busiest block holds at most a
-    quarter more rows than the plain product's (round-robin) busiest block. On the H200 (docs/PERF.md, sessions 28,
-    42 and 43) the NQ product of 3,584 outputs (112 groups on 132 blocks of 16 warps) took 1.1 µs more
+    quarter more rows than the plain product's (round-robin) busiest block. On the H200
+    (docs/PERF.md, sessions 28, 42 and 43) the NQ product of 3,584 outputs (112 groups on 132 blocks of 16 warps) took 1.1 µs more
     than the plain one at 3,584 inputs, more than its reader saves, and 0.5 µs more at 18,944 inputs,
     less than its reader (Qwen2.5 7B's q/k/v) saves: tg128 +0.8% (three rounds; +1.4% in one). In
     blocks of 32 warps (K4_WO_WIDE) the 3,584 x 3,584 output product's handoff gained 1.0% (three
     rounds, every pair in the same direction); Phi-4's 5,120 x 5,120 one (160 groups: blocks of 64
     rows beside blocks of 32, where the plain product's hold 39) lost 0.3%."""
     groups = n_out // 32
-    one_row = 32 * -(-groups // grid) <= warps
-    idle_ok = 10 * groups >= 9 * grid or ((n_in >= 4 * n_out or one_row) and 4 * groups >= 3 * grid)
-    spread = 4 * 32 * -(-groups // grid) <= 5 * -(-n_out // grid)
-    return -(-32 * -(-groups // grid) // warps) <= -(-n_out // (grid * warps)) and idle_ok and spread
+    rows = 32 * -(-groups // grid)  # the busiest NQ block's
+    idle_ok = 10 * groups >= 9 * grid or ((n_in >= 4 * n_out or rows <= warps) and 4 * groups >= 3 * grid)
+    spread = 4 * rows <= 5 * -(-n_out // grid)
+    return -(-rows // warps) <= -(-n_out // (grid * warps)) and idle_ok and spread
 
 
 def nx_reads(t: T, variant: tuple[int, int, int], glu: bool) -> bool:
