@@ -17,8 +17,9 @@
 // first is the first piece of its block: done early, while the group's first piece may be its
 // block's second. So:
 //  - a piece that is not its group's first (slot > 0 among the group's pieces) stores its partial
-//    sums in part[group][slot], each warp its rows, and announces them (a release add to
-//    count[group]; no wait);
+//    sums in part[group][slot], each warp its rows, and announces them after the block's last
+//    piece (a fence and an add to count[group]: a fence between the pieces drained every warp's
+//    loads);
 //  - the group's first piece keeps its sums in shared memory; after its last piece the block
 //    finishes those groups, a warp each: it waits until count[group] has every other piece's
 //    warps (acquire; they are done by then, as a rule), adds their sums in slot order (so the
@@ -34,6 +35,9 @@
 // wait, as gemv_q8 does.
 #include "gemv_common.cuh"
 
+#ifndef SK_DIAG
+#define SK_DIAG 0
+#endif
 static_assert(SK_UNIT % 1024 == 0, "a piece must start where x's q8 swizzle repeats (64 units of 16)");
 
 template <class T, bool PLANAR, int WARPS, int U, bool PF>
@@ -85,12 +89,13 @@ gemv_q8_sk(const u8* __restrict__ w,           // (n_out, n_in) in T's blocks, r
     pdl_wait();
     if (x_q8) {
         copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);
-    } else {
+    } else if (!(SK_DIAG & 2)) {
         quantize_x<T::x_swizzle>(x, n_in, nullptr, 0.f, xq, xd, xs);
     }
     __syncthreads();
 
     int own0 = -1, own1 = -1;  // the groups whose first piece is this block's piece 0, 1: finished at the end
+    int shared_g = -1;  // the group of this block's piece that is not its group's first (at most one: piece 0)
     for (i64 i = begin, p = 0; i < end; ++p) {
         const i64 next = piece(i, g, cb, ce);
         const int slot = (int)blockIdx.x - owner((i64)g * ku);
@@ -102,17 +107,20 @@ gemv_q8_sk(const u8* __restrict__ w,           // (n_out, n_in) in T's blocks, r
         float* out = slot == 0 ? yo[p] : part + ((i64)g * SK_SLOTS + slot) * 32;
         q8_rows<T, U, PF, false>(ce - cb, 32 * g + warp, 32 * g + 32, WARPS, lane, ch, true, xv, load,
                                  [&](int r, float acc, float) { out[r & 31] = acc; });
-        if (slot == 0) {
+        if (slot == 0)
             (p ? own1 : own0) = g;
-        } else if (lane == 0) {  // this warp's rows of the piece are stored: announce them (no wait)
-            asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(count + g) : "memory");
-        }
+        else
+            shared_g = g;
         i = next;
         if (i < end) {  // the next piece's first weights, before the barrier-free turn
             int c_end;
             piece(i, g, cb, c_end);
             q8_load<T, PLANAR, U, false>(ch, w, nblk, nblk_row, c_end, 32 * g + warp, cb + lane);
         }
+    }
+    if (shared_g >= 0 && lane == 0) {  // this warp's rows of that piece are stored: announce them, once the last piece is done
+        __threadfence();
+        asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;" ::"l"(count + shared_g) : "memory");
     }
     __syncthreads();  // publishes yo
     g = warp == 0 ? own0 : warp == 1 ? own1 : -1;
@@ -123,7 +131,7 @@ gemv_q8_sk(const u8* __restrict__ w,           // (n_out, n_in) in T's blocks, r
         float v = yo[warp][lane];
         if (n > 1) {
             const float* pg = part + (i64)g * SK_SLOTS * 32;
-            if (lane == 0)
+            if (lane == 0 && !(SK_DIAG & 1))
                 while (ld_acquire(count + g) < (n - 1) * WARPS) {
                 }
             __syncwarp();
