@@ -40,6 +40,19 @@
 #endif
 static_assert(SK_UNIT % 1024 == 0, "a piece must start where x's q8 swizzle repeats (64 units of 16)");
 
+// Units [ua, ub) of x (floats; ua even, so a scale's two units sit in adjacent lanes) quantized
+// into the q8 x arrays in shared memory, as quantize_x does without norm. Every thread of the block calls it.
+template <int SWZ>
+__device__ void quantize_units(const float* __restrict__ x, int ua, int ub, u8* xq, float* xd, float* xs) {
+    for (int base = ua; base < ub; base += blockDim.x) {  // block-uniform trip count
+        const int u = base + threadIdx.x;
+        const bool ok = u < ub;
+        float v[16];
+        load_unit16(x + 16 * u, ok, v);
+        q8_unit(v, ok, u, SWZ, xq, xd, xs);
+    }
+}
+
 template <class T, bool PLANAR, int WARPS, int U, bool PF>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 gemv_q8_sk(const u8* __restrict__ w,           // (n_out, n_in) in T's blocks, raw or planar
@@ -79,51 +92,78 @@ gemv_q8_sk(const u8* __restrict__ w,           // (n_out, n_in) in T's blocks, r
         return stop;
     };
 
-    typename T::chunk ch[U];
-    int g, cb, ce;
+    // The block's pieces (at most two; at least one: the launcher gives no block an empty run): group,
+    // chunks [cb, ce) of each of its rows, where the sums go.
+    int g0, cb0, ce0, g1 = -1, cb1 = 0, ce1 = 0;
+    const i64 mid = piece(begin, g0, cb0, ce0);
+    const bool two = mid < end;
+    if (two) piece(mid, g1, cb1, ce1);
+    const int slot0 = (int)blockIdx.x - owner((i64)g0 * ku), slot1 = two ? (int)blockIdx.x - owner((i64)g1 * ku) : 0;
+    float* out0 = slot0 == 0 ? yo[0] : part + ((i64)g0 * SK_SLOTS + slot0) * 32;
+    float* out1 = slot1 == 0 ? yo[1] : part + ((i64)g1 * SK_SLOTS + slot1) * 32;
+    constexpr int RPW = 32 / WARPS;  // a group's rows per warp: 32 g + warp + WARPS j, j < RPW
+
+    typename T::chunk ch[U], nx[U];
     pdl_trigger();
-    if (begin < end) {  // weights only: before the wait
-        piece(begin, g, cb, ce);
-        q8_load<T, PLANAR, U, false>(ch, w, nblk, nblk_row, ce, 32 * g + warp, cb + lane);
-    }
+    q8_load<T, PLANAR, U, false>(ch, w, nblk, nblk_row, ce0, 32 * g0 + warp, cb0 + lane);  // weights only: before the wait
     pdl_wait();
     if (x_q8) {
         copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);
-    } else if (!(SK_DIAG & 2)) {
-        quantize_x<T::x_swizzle>(x, n_in, nullptr, 0.f, xq, xd, xs);
+    } else if (!(SK_DIAG & 2)) {  // only the units of x the pieces multiply: piece 1 starts its group, piece 0 ends its own
+        constexpr int cu = T::chunk_elems / 16;  // units per chunk
+        if (two && cu * ce1 < cu * cb0) {
+            quantize_units<T::x_swizzle>(x, cu * cb1, cu * ce1, xq, xd, xs);
+            quantize_units<T::x_swizzle>(x, cu * cb0, cu * ce0, xq, xd, xs);
+        } else {
+            quantize_units<T::x_swizzle>(x, cu * (two ? min(cb0, cb1) : cb0), cu * (two ? max(ce0, ce1) : ce0), xq, xd, xs);
+        }
     }
     __syncthreads();
 
-    int own0 = -1, own1 = -1;  // the groups whose first piece is this block's piece 0, 1: finished at the end
-    int shared_g = -1;  // the group of this block's piece that is not its group's first (at most one: piece 0)
-    for (i64 i = begin, p = 0; i < end; ++p) {
-        const i64 next = piece(i, g, cb, ce);
-        const int slot = (int)blockIdx.x - owner((i64)g * ku);
-        const int u0 = cb * (T::chunk_elems / 16);  // the piece's first 16-value unit of x
-        const q8x<T::x_swizzle> xv{xq + 16 * u0, xd + u0 / 2, xs + u0};
-        auto load = [&](typename T::chunk (&dst)[U], int r, int c0) {
-            q8_load<T, PLANAR, U, false>(dst, w, nblk, nblk_row, ce, r, cb + c0);
-        };
-        float* out = slot == 0 ? yo[p] : part + ((i64)g * SK_SLOTS + slot) * 32;
-        q8_rows<T, U, PF, false>(ce - cb, 32 * g + warp, 32 * g + 32, WARPS, lane, ch, true, xv, load,
-                                 [&](int r, float acc, float) { out[r & 31] = acc; });
-        if (slot == 0)
-            (p ? own1 : own0) = g;
-        else
-            shared_g = g;
-        i = next;
-        if (i < end) {  // the next piece's first weights, before the barrier-free turn
-            int c_end;
-            piece(i, g, cb, c_end);
-            q8_load<T, PLANAR, U, false>(ch, w, nblk, nblk_row, c_end, 32 * g + warp, cb + lane);
+    // The warp's rows of both pieces in one loop (q8_rows' scheme, chunk indices absolute, so x is
+    // the whole q8 x): the next U chunks, of this row, the next or the next piece's first, load
+    // while the current ones are multiplied.
+    const q8x<T::x_swizzle> xv{xq, xd, xs};
+    int p = 0, j = 0, c = cb0 + lane;
+    float acc = 0.f;
+    while (true) {
+        const int ce = p ? ce1 : ce0;
+        int np = p, nj = j, nc = c + 32 * U;
+        if (nc >= ce) {
+            if (++nj == RPW) {
+                nj = 0;
+                ++np;
+            }
+            nc = (np ? cb1 : cb0) + lane;
         }
+        const bool more = np == 0 || (np == 1 && two);
+        if (more) {
+            const int ng = np ? g1 : g0;
+            q8_load<T, PLANAR, U, false>(nx, w, nblk, nblk_row, np ? ce1 : ce0, 32 * ng + warp + WARPS * nj, nc);
+        }
+#pragma unroll
+        for (int k = 0; k < U; ++k)
+            if (c + 32 * k < ce) acc += T::dot(ch[k], c + 32 * k, xv);
+        if (nj != j || np != p) {  // the row is done
+            acc = warp_sum(acc);
+            if (lane == 0) (p ? out1 : out0)[warp + WARPS * j] = acc;
+            acc = 0.f;
+        }
+        if (!more) break;
+        p = np;
+        j = nj;
+        c = nc;
+#pragma unroll
+        for (int k = 0; k < U; ++k) ch[k] = nx[k];
     }
+    const int own0 = slot0 == 0 ? g0 : -1, own1 = two && slot1 == 0 ? g1 : -1;  // finished at the end
+    const int shared_g = slot0 > 0 ? g0 : -1;  // a piece not its group's first: piece 0 only
     if (shared_g >= 0 && lane == 0) {  // this warp's rows of that piece are stored: announce them, once the last piece is done
         __threadfence();
         asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;" ::"l"(count + shared_g) : "memory");
     }
     __syncthreads();  // publishes yo
-    g = warp == 0 ? own0 : warp == 1 ? own1 : -1;
+    const int g = warp == 0 ? own0 : warp == 1 ? own1 : -1;
     if (g >= 0) {  // warp p finishes the group of piece p: its other pieces are the first ones of the next blocks
         const int r = 32 * g + lane;
         const int n = owner((i64)(g + 1) * ku - 1) - owner((i64)g * ku) + 1;  // blocks holding the group
