@@ -114,9 +114,6 @@
 #ifndef MMA8_NQ_RUN
 #error "MMA8_NQ_RUN comes from runtime/cuda/constants.py"
 #endif
-#if !defined(SK_UNIT) || !defined(SK_SLOTS)
-#error "SK_UNIT and SK_SLOTS come from runtime/cuda/constants.py"
-#endif
 
 // Per quantized type T: K4_QK_T (weights per block), K4_CHUNK_T (weights per chunk), K4_BLOCK_BYTES_T, K4_GROUPS_T (planar
 // group offsets), K4_X_SWIZZLE_T, K4_HANDOFF_T, K4_EXPERT_PLANAR_T (common.cuh checks and uses them).

@@ -16,7 +16,7 @@ import cupy as cp
 import numpy as np
 
 from ..model import ModelConfig
-from . import gemv_streamk, matmul, ops
+from . import matmul, ops
 from .constants import MMA8_TOKENS
 from .memory import DeviceMemory, PinnedBuffer
 from .moe import moe_spec
@@ -84,8 +84,6 @@ def activation_spec(cfg: ModelConfig, chunk: int, n_ctx: int, n_split: int, mm_s
         "ff16": Buffer((P, cfg.n_ff), f16),
         "nq8": Buffer((matmul.q8x_bytes(cfg.n_embd),), np.uint8),  # decode's norm input handed over quantized (K4_NORM_Q8)
         "nq_parts": Buffer((cfg.n_embd,), f32),  # its producer's per-block sums of squares (at most a block per output)
-        "sk_part": Buffer((gemv_streamk.scratch_floats(cfg.n_embd),), f32),  # a stream-K product's split groups' sums (K4_STREAM_K)
-        "sk_count": Buffer((cfg.n_embd // 32,), np.int32, zero=True),  # their pieces done, back to zero after each launch
         "nq_rows_parts": Buffer((MMA8_TOKENS * (cfg.n_embd // 32),), f32),  # the verify step's (K4_MMA8_NQ): a step per 32 rows at most
         "ff_q8": Buffer((matmul.q8x_bytes(cfg.n_ff) if fuse_quant else 0,), np.uint8),  # one, the layers take turns
         "logits": Buffer((P, cfg.n_vocab), f32),

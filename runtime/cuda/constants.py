@@ -65,11 +65,6 @@ MMA8_STAGE_BYTES_Q6_K = 16 * 208 + 16 * 16  # one Q6_K stage: 16 rows' ql, qh, s
 MMA8_NQ_RUN = 17  # an NQ product's copy of a step's Y (mma8_step_nq): floats per run of 16 values (padded: no bank conflicts)
 
 
-# ---- gemv_streamk.cu (runtime/cuda/gemv_streamk.py) --------------------------------------------
-SK_UNIT = 1024  # inputs per unit of a stream-K product's work: x's q8 swizzle repeats every 1,024 values
-SK_SLOTS = 3  # partial sums kept per 32-output group: the most blocks one group is split over
-
-
 # ---- megakernel.cu (runtime/cuda/megakernel.py) ------------------------------------------------
 MK_THREADS = 512  # threads of the persistent decode kernel's blocks (one per multiprocessor)
 MK_SLOTS = 3  # weight tiles in flight per block (the shared-memory ring; 3 of ~54 KB beat 4 of ~37 KB, docs/PERF.md)
@@ -260,7 +255,7 @@ def defines() -> tuple[str, ...]:
         ("ST_POS", ST_POS), ("ST_RING", ST_RING), ("ST_DRAW", ST_DRAW), ("MOE_WARPS", MOE_WARPS),
         ("MOE_MAX_K", MOE_MAX_K), ("ROUTER_THREADS", ROUTER_THREADS), ("MMA8_TOKENS", MMA8_TOKENS),
         ("MMA8_STAGE_BYTES", MMA8_STAGE_BYTES), ("MMA8_STAGE_BYTES_Q6_K", MMA8_STAGE_BYTES_Q6_K),
-        ("MMA8_NQ_RUN", MMA8_NQ_RUN), ("SK_UNIT", SK_UNIT), ("SK_SLOTS", SK_SLOTS),
+        ("MMA8_NQ_RUN", MMA8_NQ_RUN),
         ("MK_THREADS", MK_THREADS), ("MK_SLOTS", MK_SLOTS), ("MK_SPLIT_KEYS", MK_SPLIT_KEYS), ("MK_SPLIT_MIN", MK_SPLIT_MIN),
         ("MK_MAX_SPLIT", MK_MAX_SPLIT),
         ("MK_MAX_GROUP", MK_MAX_GROUP), ("MK_MAX_D", MK_MAX_D), ("MK_MAX_GD", MK_MAX_GD), ("MK_GEMV", MK_GEMV),

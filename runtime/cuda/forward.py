@@ -18,7 +18,7 @@ import cupy as cp
 from gguf import GGMLQuantizationType as T
 
 from ..model import ModelConfig
-from . import gemv_pair, gemv_streamk, matmul, moe, ops
+from . import gemv_pair, matmul, moe, ops
 from .constants import MMA8_TOKENS
 from .op_args import AttnShape, FreshKV, RopeArgs
 from .q8_handoff import Q8Vector
@@ -48,7 +48,6 @@ class ForwardOptions:
     mma8_nq: bool = True  # K4_MMA8_NQ: the same from the verify step's down products on int8 tensor cores (rows_handoff)
     mma8_ffq8: bool = True  # K4_MMA8_FFQ8: the verify step's gate/up product writes its output quantized for down (gate_up)
     wo_wide: bool = True  # K4_WO_WIDE: decode's output product in quant_kernels.after_attention_variant (residual)
-    stream_k: bool = True  # K4_STREAM_K: decode's residual products with a handoff, stream-K where sk_grid says (residual)
 
 
 class Forward:
@@ -161,8 +160,6 @@ class Forward:
                 return
             self.linear(w, X, Y, residual=res, x_q8=x_q8)
             return
-        if post_norm is None and self.stream_k(w, X, res, Y, nq, x_q8):
-            return
         if post_norm is None:
             handoff, v = self.handoff(w, nq, x_q8, variant), variant
             if handoff is None and variant is not None:  # no NQ launch in that variant: the default's
@@ -230,20 +227,6 @@ class Forward:
             return None
         vec = Q8Vector.for_weight(nq[1], self.act.nq8)
         return Q8Vector(vec.data, vec.n, vec.swizzle, self.act.nq_parts, n_parts, self.cfg.rms_eps)
-
-    def stream_k(self, w, X: cp.ndarray, res: cp.ndarray, Y: cp.ndarray, nq, x_q8) -> bool:
-        """For one token with stream_k and a handoff (handoff's conditions): Y = res + X W^T by
-        gemv_streamk.gemv_sk, its handoff given to normed (self.nq), and True; False (nothing
-        enqueued) where gemv_streamk.sk_groups refuses w."""
-        n_parts = gemv_streamk.sk_groups(w) if X.shape[0] == 1 and self.opts.stream_k else 0
-        if not n_parts or nq is None or nq[1] is None or not (self.opts.norm_q8 and self.opts.fuse_norm):
-            return False
-        vec = Q8Vector.for_weight(nq[1], self.act.nq8)
-        handoff = Q8Vector(vec.data, vec.n, vec.swizzle, self.act.nq_parts, n_parts, self.cfg.rms_eps)
-        gemv_streamk.gemv_sk(w, X[0], Y[0], y_q8=handoff, norm_w=nq[0], parts=self.act.nq_parts, residual=res[0], x_q8=x_q8,
-                             scratch=(self.act.sk_part, self.act.sk_count), stream=self.stream, trace=self.ops.trace)
-        self.nq = (handoff, nq[0])
-        return True
 
     def rows_handoff(self, w, nq, n: int) -> Q8Rows | None:
         """The NQ handoff (Q8Rows with parts, in act.h_q8 and act.nq_rows_parts) that w's product

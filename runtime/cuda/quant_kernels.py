@@ -322,13 +322,6 @@ def nq_balanced(n_out: int, n_in: int, grid: int, warps: int) -> bool:
     return -(-rows // warps) <= -(-n_out // (grid * warps)) and idle_ok and spread
 
 
-def sk_name(t: T, planar: bool) -> str:
-    """The gemv_streamk.cu instance of type t (NQ_TYPES) and layout: the default gemv variant's
-    (WARPS, U, PF), so its row loop is gemv_q8's (runtime/cuda/gemv_streamk.py)."""
-    warps, u, pf = QUANT[t].gemv
-    return f"gemv_q8_sk<{QUANT[t].decoder}, {_bool(planar)}, {warps}, {u}, {_bool(pf)}>"
-
-
 def nx_reads(t: T, variant: tuple[int, int, int], glu: bool) -> bool:
     """Whether a gemv_q8 launch of type t, variant (WARPS, U, PF), glu or not, has an NX instance
     (_nq_names): it can read an NQ handoff (gemv x_q8 with parts)."""
@@ -388,7 +381,6 @@ GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
                        if f == "gemv_mma.cu" for v in vs for glu in (False, True)),
     } for f in ("gemv_mma_staged.cu", "gemv_mma.cu")},
     "matmul.cu": {**{t.name: _matmul_names(t) for t in (*QUANT, *FLOAT)}, "common": ("convert_f32_f16", "add_rows")},
-    "gemv_streamk.cu": {t.name: tuple(sk_name(t, p) for p in (False, True)) for t in NQ_TYPES},
 }
 _GROUP_OF = {(f, name): names for f, groups in GROUPS.items() for names in groups.values() for name in names}
 
@@ -418,8 +410,7 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
         if gelu:
             jobs.append(("gemv.cu", GROUPS["gemv.cu"][f"{t.name}.{activation}"], _defines(evict_first)))
         elif t in NQ_TYPES:  # the gelu_tanh families (gemma) have post-norms, which take no handoff
-            jobs += [("gemv.cu", GROUPS["gemv.cu"][f"{t.name}.nq"], _defines(evict_first)),
-                     ("gemv_streamk.cu", GROUPS["gemv_streamk.cu"][t.name], _defines(evict_first))]
+            jobs.append(("gemv.cu", GROUPS["gemv.cu"][f"{t.name}.nq"], _defines(evict_first)))
         if t in QUANT:
             names = _batch_names(t) + (_batch_names(t, activation) if gelu else ())
             jobs += [("gemv_batch.cu", (name,), _defines(evict_first)) for name in names]
