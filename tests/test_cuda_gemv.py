@@ -101,7 +101,7 @@ def test_stacked_rows_multiply_as_one_matrix():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("type_name,variant", [(t, v) for t, vs in qk.EXTRA_GEMV_VARIANTS.items() for v in vs]
-                         + list(qk.ROW_BLOCKS_VARIANT.items()) + list(qk.ONE_ROW_VARIANT.items()))
+                         + list(qk.ROW_BLOCKS_VARIANT.items()))
 def test_gemv_variants_match_numpy(type_name, variant):
     import cupy as cp
 
@@ -111,26 +111,6 @@ def test_gemv_variants_match_numpy(type_name, variant):
     y = nan_like(777)
     mm.gemv(w, cp.asarray(x), y, variant=variant)
     assert rel_err(y.get(), ref_w @ q8_rounded(x)) < LIMIT_Q8_ROUNDED, f"seed {seed}"
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
-def test_the_one_row_variant_gives_the_defaults_bits(type_name):
-    """quant_kernels.ONE_ROW_VARIANT on TinyLlama's down product (2,048 x 5,632, the residual added):
-    a lane adds its chunks in the default's order whatever its U, so y is the default's to the bit."""
-    import cupy as cp
-
-    rng, seed = fresh_rng()
-    t = T[type_name]
-    w, ref_w = weight(type_name, 2048, 5632, rng, True)
-    assert mm.gemv_variant(t, 2048, 5632) == qk.ONE_ROW_VARIANT[t]
-    x = cp.asarray(rng.standard_normal(5632).astype(np.float32))
-    r = cp.asarray(rng.standard_normal(2048).astype(np.float32))
-    y, y_default = nan_like(2048), nan_like(2048)
-    mm.gemv(w, x, y, residual=r)
-    mm.gemv(w, x, y_default, residual=r, variant=qk.QUANT[t].gemv)
-    assert np.array_equal(y.get(), y_default.get()), f"seed {seed}"
-    assert rel_err(y.get() - r.get(), ref_w @ q8_rounded(x.get())) < LIMIT_Q8_ROUNDED, f"seed {seed}"
 
 
 @pytest.mark.cuda

@@ -21,27 +21,12 @@ def test_rows_of_slow_block_counts_take_the_row_blocks_variant(t):
 
 
 @pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K])
-def test_products_of_at_most_one_row_a_warp_skip_the_row_blocks_variant(t):
+def test_products_of_at_most_one_row_a_warp_keep_the_default(t):
     # TinyLlama's down product: 2048 rows of 5632 inputs (22 blocks), where the row-blocks variant
-    # leaves half its warps without a row; its rows are 2.75 chunks a lane: ONE_ROW_VARIANT loads
-    # them whole before the wait
-    assert qk.gemv_variant(t, 2048, 5632) == qk.ONE_ROW_VARIANT[t]
-    assert qk.gemv_variant(t, qk.ROW_BLOCKS_FEW_ROWS, 5632) == qk.ONE_ROW_VARIANT[t]
+    # leaves half its warps without a row
+    assert qk.gemv_variant(t, 2048, 5632) == qk.QUANT[t].gemv
+    assert qk.gemv_variant(t, qk.ROW_BLOCKS_FEW_ROWS, 5632) == qk.QUANT[t].gemv
     assert qk.gemv_variant(t, qk.ROW_BLOCKS_FEW_ROWS + 1, 5632) == qk.ROW_BLOCKS_VARIANT[t]
-
-
-@pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K])
-def test_one_row_a_warp_of_two_to_three_chunks_a_lane_loads_it_whole(t):
-    """ONE_ROW_VARIANT between 4,096 (two chunks of 64 a lane: the default's U) and 6,144 inputs
-    (three), for at most ROW_BLOCKS_FEW_ROWS outputs, not for SwiGLU pairs; its U covers the row."""
-    for n_in in (4352, 5120, 5632, 6144):
-        assert qk.gemv_variant(t, 2048, n_in) == qk.ONE_ROW_VARIANT[t], n_in
-        assert qk.gemv_variant(t, 2048, n_in, glu=True) == qk.QUANT[t].glu, n_in
-    for n_in in (2048, 4096, 6400, 8192):
-        assert qk.gemv_variant(t, 2048, n_in) == qk.QUANT[t].gemv, n_in
-    warps, u, pf = qk.ONE_ROW_VARIANT[t]
-    assert u * 64 * 32 >= max(qk.ONE_ROW_IN) and not pf and warps == qk.QUANT[t].gemv[0]
-    assert qk.gemv_variant(T.Q5_K, 2048, 5632) == qk.QUANT[T.Q5_K].gemv
 
 
 def test_swiglu_pairs_and_other_types_keep_their_variant():
@@ -50,8 +35,8 @@ def test_swiglu_pairs_and_other_types_keep_their_variant():
         assert qk.gemv_variant(t, 4096, 5120) == qk.QUANT[t].gemv
 
 
-def test_the_row_blocks_and_one_row_variants_are_compiled_with_the_type():
-    for t, v in (*qk.ROW_BLOCKS_VARIANT.items(), *qk.ONE_ROW_VARIANT.items()):
+def test_the_row_blocks_variant_is_compiled_with_the_type():
+    for t, v in qk.ROW_BLOCKS_VARIANT.items():
         for planar in (False, True):
             assert qk._gemv_q8_name(t, planar, v) in qk.GROUPS["gemv.cu"][t.name]
 

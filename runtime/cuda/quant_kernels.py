@@ -87,15 +87,6 @@ EXTRA_GEMV_VARIANTS: dict[T, tuple[tuple[int, int, int], ...]] = {
 ROW_BLOCKS_SLOW = range(1, 8)
 ROW_BLOCKS_FEW_ROWS = 132 * 16
 ROW_BLOCKS_VARIANT: dict[T, tuple[int, int, int]] = {T.Q4_K: (32, 2, 0), T.Q6_K: (32, 2, 0)}
-# The gemv variant of a product without SwiGLU of at most ROW_BLOCKS_FEW_ROWS outputs (a warp holds
-# one row at most) whose rows are more than two and at most three chunks a lane (ONE_ROW_IN: TinyLlama's
-# down, 2,048 x 5,632): three chunks a lane in flight without prefetch, so a lane's whole row loads
-# before the kernel's wait, where (16, 2, 1) loads its third chunk after it. A lane adds its chunks
-# in the same order whatever U (ascending), so the outputs are the default's bits. Measured on the
-# H200 (scripts/variant_sweep.py, three rounds, session 44): TinyLlama tg128 2,207.5 against
-# 2,189.5 for (16, 2, 1) (+0.8%) and 2,184.6 for (16, 3, 1).
-ONE_ROW_VARIANT: dict[T, tuple[int, int, int]] = {T.Q4_K: (16, 3, 0), T.Q6_K: (16, 3, 0)}
-ONE_ROW_IN = range(4096 + 1, 6144 + 1)  # inputs: 64 weights a chunk, 32 lanes: two to three chunks a lane
 # The one-token output product right after decode attention, flag K4_WO_WIDE: nothing hides its
 # arithmetic there, and ROW_BLOCKS_VARIANT's 32 warps without prefetch issue it faster than (16, 2,
 # 1), with the same U, so the same bits. Measured on the H200 (tg128, in one process): Qwen2.5 7B
@@ -206,14 +197,11 @@ def gemv_variant(t: T, n_out: int, n_in: int, glu: bool = False) -> tuple[int, i
     """(WARPS, U, PF) of the gemv_q8 instance for a matrix of quantized type t with n_out outputs
     (SwiGLU pairs with glu) of n_in inputs: QUANT[t]'s gemv (glu for a SwiGLU pair), or
     ROW_BLOCKS_VARIANT[t] where a row holds more than 16 QK_K blocks, ROW_BLOCKS_SLOW over a
-    multiple of 16, and there are more than ROW_BLOCKS_FEW_ROWS outputs; ONE_ROW_VARIANT[t] where
-    there are at most that many and n_in is in ONE_ROW_IN."""
+    multiple of 16, and there are more than ROW_BLOCKS_FEW_ROWS outputs."""
     blocks = n_in // QK_K
     if (not glu and t in ROW_BLOCKS_VARIANT and blocks > 16 and blocks % 16 in ROW_BLOCKS_SLOW
             and n_out > ROW_BLOCKS_FEW_ROWS):
         return ROW_BLOCKS_VARIANT[t]
-    if not glu and t in ONE_ROW_VARIANT and n_out <= ROW_BLOCKS_FEW_ROWS and n_in in ONE_ROW_IN:
-        return ONE_ROW_VARIANT[t]
     return QUANT[t].glu if glu else QUANT[t].gemv
 
 
@@ -288,7 +276,8 @@ def _gemv_names(t: T) -> tuple[str, ...]:
     for CLUSTER_TYPES the default's cluster instance)."""
     if t in QUANT:
         variants = ((False, QUANT[t].gemv), (True, QUANT[t].glu))
-        variants += tuple((False, v[t]) for v in (ROW_BLOCKS_VARIANT, ONE_ROW_VARIANT) if t in v)
+        if t in ROW_BLOCKS_VARIANT:
+            variants += ((False, ROW_BLOCKS_VARIANT[t]),)
         names = tuple(_gemv_q8_name(t, p, v, glu) for glu, v in variants for p in (False, True))
         if t in CLUSTER_TYPES:
             names += tuple(_gemv_q8_name(t, p, QUANT[t].gemv, cluster=True) for p in (False, True))
