@@ -108,10 +108,12 @@ struct staged_q4_K {
     };
 
     // acc (C order: rows g, g + 8 x tokens 2t, 2t + 1) += the products of the item in stage st
-    // (block kb of the tile's rows) with the x of block kb (the header's layouts).
-    __device__ static void item(const u8* st, const u8* xq, const u32* xsc_w, int nblk_row, int kb, int, int, int lane,
+    // (block kb of the tile's rows) with the x of block kb, at index kx of x's layout of nblk_lay
+    // blocks (the header's layouts; kx = kb but in a cluster's blocks).
+    __device__ static void item(const u8* st, const u8* xq, const u32* xsc_w, int nblk_lay, int kx, int, int, int, int, int lane,
                                 float (&acc)[4]) {
         const float* xsc = reinterpret_cast<const float*>(xsc_w);
+        const int kb = kx;  // x's layout holds the block at index kx
         const int g = lane >> 2, t = lane & 3;
         const u8* w0 = st + K4_BLOCK_BYTES_Q4_K * stage_row(g);
         const u8* w1 = st + K4_BLOCK_BYTES_Q4_K * stage_row(g + 8);
@@ -153,7 +155,7 @@ struct staged_q4_K {
         // the mins: A = m of sub-blocks t, t + 4 of rows g, g + 8 (exact small integers), B = sx hi, lo
         const float a0 = byte_as_float(mn0_lo, t), a1 = byte_as_float(mn1_lo, t);
         const float a2 = byte_as_float(mn0_hi, t), a3 = byte_as_float(mn1_hi, t);
-        const float4 bs = reinterpret_cast<const float4*>(xsc + Q4X_DX_WORDS * nblk_row)[32 * kb + lane];
+        const float4 bs = reinterpret_cast<const float4*>(xsc + Q4X_DX_WORDS * nblk_lay)[32 * kb + lane];
         float mins[4] = {0.f, 0.f, 0.f, 0.f};
         mma_tf32(mins, a0, a1, a2, a3, bs.x, bs.y);
         mma_tf32(mins, a0, a1, a2, a3, bs.z, bs.w);
@@ -212,9 +214,9 @@ struct staged_q6_K {
     };
 
     // acc (C order) += the products of the item in stage st (block kb of rows row0 + g, row0 + g + 8)
-    // with the x of block kb (gemv_mma.cu's layout).
-    __device__ static void item(const u8* st, const u8* xq, const u32* xsc, int nblk_row, int kb, int row0, int n_rows, int lane,
-                                float (&acc)[4]) {
+    // with the x of block kb, at index kx of x's layout (gemv_mma.cu's).
+    __device__ static void item(const u8* st, const u8* xq, const u32* xsc, int, int kx, int nblk_row, int kb, int row0, int n_rows,
+                                int lane, float (&acc)[4]) {
         const int g = lane >> 2, t = lane & 3;
         uint4 l[2][2], h[2], sc[2];  // per row: word t of ql pieces 0..3 and 4..7, of qh pieces 0..3; the scales
         float dd[2];
@@ -229,14 +231,22 @@ struct staged_q6_K {
             const int blk = (int)(((i64)min(row0 + g + 8 * r, n_rows - 1) * nblk_row + kb) & 7);
             dd[r] = f16_to_f32(*reinterpret_cast<const u16*>(st + 16 * ROW + 16 * (g + 8 * r) + 2 * blk));
         }
-        q6k_dot(l[0], h[0], sc[0], dd[0], l[1], h[1], sc[1], dd[1], xq + 256 * 8 * kb, xsc + 32 * 8 * kb, lane, acc);
+        q6k_dot(l[0], h[0], sc[0], dd[0], l[1], h[1], sc[1], dd[1], xq + 256 * 8 * kx, xsc + 32 * 8 * kx, lane, acc);
     }
 };
 
 // ---- the kernel ----------------------------------------------------------------------------------
-// Dynamic shared memory: mma8_smem(n_in, WARPS) + WARPS * S * D::STAGE bytes. D: staged_q4_K,
-// staged_q6_K.
-template <class D, bool PLANAR, int WARPS, bool GLU, bool GELU = false>
+// Dynamic shared memory: mma8_smem(n_lay, WARPS) + (CL - 1) * 2 * WARPS * 512 + WARPS * S * D::STAGE
+// bytes (n_lay: QK_K * ceil(n_in / QK_K / CL)). D: staged_q4_K, staged_q6_K.
+//
+// CL > 1: launched in thread-block clusters of CL blocks along x, the blocks of a cluster
+// splitting every row's 256-weight blocks: rank r takes blocks [r nblk / CL, (r + 1) nblk / CL)
+// of the cluster's steps (blockIdx.x / CL, + gridDim.x / CL, ...) and stages only their x (a
+// layout of n_lay inputs), so each block reads and converts 1 / CL of x. At a step's end the
+// other ranks store their warps' partial sums into rank 0's shared memory (red's set r;
+// st.shared::cluster) and arrive at the cluster barrier; rank 0 waits for them and writes Y,
+// adding the sets in rank order (the same sums in every launch).
+template <class D, bool PLANAR, int WARPS, bool GLU, bool GELU = false, int CL = 1>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's blocks; GLU: (2 n_out, n_in) interleaved
                 const float* __restrict__ x,     // (n_tok, n_in) rows x_stride floats apart, 16-byte aligned
@@ -258,35 +268,41 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
                 float* nq_parts,                 // NQ: (n_tok, n_steps) sums of y^2, a step's at [t * n_steps + step]
                 int nq_swz) {                    // nq_q8's swizzle
     using T = typename D::T;
+    static_assert(CL == 1 || CL == 2 || CL == 4, "clusters of 1, 2 or 4 blocks");
     const int TILES = WARPS / KS;
     extern __shared__ uint4 smem[];
-    const int n_sub = n_in / 32, nblk_row = n_in / QK_K;
+    const int nblk_row = n_in / QK_K;
+    const int rank = CL > 1 ? (int)(blockIdx.x % CL) : 0;  // the cluster's blocks along x: its rank
+    const int kb_lo = rank * nblk_row / CL, kb_hi = (rank + 1) * nblk_row / CL;  // this block's share of every row
+    const int nblk_lay = (nblk_row + CL - 1) / CL, n_sub = 8 * nblk_lay;  // x's layout: kb_hi - kb_lo <= nblk_lay blocks
+    const int cid = blockIdx.x / CL, n_cl = gridDim.x / CL;
     u8* xq = reinterpret_cast<u8*>(smem);
     u32* xsc = reinterpret_cast<u32*>(xq + 256 * n_sub);
-    float4* red = reinterpret_cast<float4*>(xsc + 32 * n_sub);  // (2, WARPS, 32)
+    float4* red = reinterpret_cast<float4*>(xsc + 32 * n_sub);  // (2, CL, WARPS, 32)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u8* ring = reinterpret_cast<u8*>(red + 2 * WARPS * 32) + warp * S * D::STAGE;
-    float* ys = nq_q8 ? reinterpret_cast<float*>(reinterpret_cast<u8*>(red + 2 * WARPS * 32) + WARPS * S * D::STAGE) : nullptr;
+    u8* ring = reinterpret_cast<u8*>(red + 2 * CL * WARPS * 32) + warp * S * D::STAGE;
+    float* ys = nq_q8 ? reinterpret_cast<float*>(reinterpret_cast<u8*>(red + 2 * CL * WARPS * 32) + WARPS * S * D::STAGE) : nullptr;
     const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
+    if constexpr (CL > 1) cluster_arrive_relaxed();  // the start: no block stores into rank 0 before it runs
 
     const int slot = warp / KS, kl = warp % KS;
     const int n_rows = GLU ? 2 * n_out : n_out;  // weight rows
     const i64 nblk = (i64)n_rows * nblk_row;
     const int n_steps = (n_rows + 16 * TILES - 1) / (16 * TILES);
 
-    // This warp's items in order: (step, kb), kb = kl, kl + KS, ... then the next step.
+    // This warp's items in order: (step, kb), kb = kb_lo + kl, + KS, ... then the next step.
     auto advance = [&](int& step, int& kb) {
         kb += KS;
-        if (kb >= nblk_row) {
-            step += gridDim.x;
-            kb = kl;
+        if (kb >= kb_hi) {
+            step += n_cl;
+            kb = kb_lo + kl;
         }
     };
     // Copy the next item of the sequence (if any) into stage st, as one cp.async group.
     typename D::template copier<PLANAR> cp;
-    int is_step = blockIdx.x, is_kb = kl, at_step = -1;
+    int is_step = cid, is_kb = kb_lo + kl, at_step = -1;
     auto issue = [&](int st) {
-        if (is_step < n_steps && kl < nblk_row) {
+        if (is_step < n_steps && kb_lo + kl < kb_hi) {
             if (is_step != at_step) {
                 at_step = is_step;
                 cp.locate(w, nblk, 16 * (TILES * is_step + slot), n_rows, nblk_row, lane);
@@ -304,41 +320,57 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
     // x's loads first, then the ring's other stages: x queues behind fewer weight bytes
     mma8_stage_x<D::NATURAL_X>(x, x_stride, x_q8, x_swz, n_tok, n_in, xq, xsc, x_parts, x_n_parts, x_eps, [&] {
         for (int st = pre; st < S - 1; ++st) issue(st);
-    });
+    }, 16 * MMA8_TOKENS * kb_lo, 16 * MMA8_TOKENS * kb_hi, QK_K * nblk_lay);
     __syncthreads();
 
     int cur = 0, next = S - 1, buf = 0;  // stage of the item multiplied next, stage the next copy fills
     const int ys_step = MMA8_NQ_RUN * TILES * MMA8_TOKENS;  // floats of a step's Y in ys
     int local = 0;  // the block's steps so far
-    for (int step = blockIdx.x; step < n_steps; step += gridDim.x, ++local) {  // block-uniform
+    for (int step = cid; step < n_steps; step += n_cl, ++local) {  // block-uniform
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         const int row0 = 16 * (TILES * step + slot);
         // mma8_step_nq's norm weights for this step, on their way into L1 during the step
         if (nq_w && (int)threadIdx.x < TILES && 16 * (TILES * step + (int)threadIdx.x) < n_out)
             asm volatile("prefetch.global.L1 [%0];" ::"l"(nq_w + 16 * (TILES * step + threadIdx.x)));
-        for (int kb = kl; kb < nblk_row; kb += KS) {
+        for (int kb = kb_lo + kl; kb < kb_hi; kb += KS) {
             issue(next);  // into the stage the previous item left
             next = next + 1 == S ? 0 : next + 1;
             cp_async_wait_pending(S - 1);  // this item's group has landed
             __syncwarp();
-            D::item(ring + cur * D::STAGE, xq, xsc, nblk_row, kb, row0, n_rows, lane, acc);
+            D::item(ring + cur * D::STAGE, xq, xsc, nblk_lay, kb - kb_lo, nblk_row, kb, row0, n_rows, lane, acc);
             __syncwarp();  // every lane done with the stage before it is refilled
             cur = cur + 1 == S ? 0 : cur + 1;
         }
-        red[(buf * WARPS + warp) * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-        __syncthreads();
-        mma8_step_out<GLU, GELU>(red + buf * WARPS * 32, KS, TILES, step, n_rows, n_out, n_tok, y, y_stride, residual, r_stride, bias,
-                                 ys && !nq_w ? ys + local * ys_step : ys);
+        float4* set = red + ((buf * CL + rank) * WARPS + warp) * 32 + lane;  // this warp's partial sums in rank 0's red
+        if constexpr (CL > 1) {
+            if (rank) {  // into rank 0's shared memory; its epilogue of two steps back is over (the barrier's last phase)
+                cluster_wait();
+                asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(peer_addr(set, 0)), "f"(acc[0]), "f"(acc[1]),
+                             "f"(acc[2]), "f"(acc[3]) : "memory");
+                cluster_arrive();
+                buf ^= 1;
+                continue;
+            }
+            *set = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            if (local == 0) cluster_wait();  // the start's phase
+            cluster_arrive();
+            cluster_wait();  // every rank's partial sums are in red (and this block's threads past the barrier)
+        } else {
+            *set = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            __syncthreads();
+        }
+        mma8_step_out<GLU, GELU>(red + buf * CL * WARPS * 32, KS, TILES, step, n_rows, n_out, n_tok, y, y_stride, residual, r_stride, bias,
+                                 ys && !nq_w ? ys + local * ys_step : ys, CL, WARPS * 32);
         if (nq_w) {  // block-uniform; the next step's mma8_step_out writes ys after its barrier
             __syncthreads();
             if (warp == 0) mma8_step_nq(ys, mma8_step_units(TILES, GLU), step, n_out, n_tok, nq_w, nq_q8, nq_parts, n_steps, nq_swz);
         }
         buf ^= 1;
     }
-    if (ys && !nq_w) {  // Y quantized as it is: every step's at once after the last, warp i taking the block's step i
+    if (ys && !nq_w && rank == 0) {  // Y quantized as it is: every step's at once after the last, warp i taking the block's step i
         __syncthreads();
         for (int i = warp; i < local; i += WARPS)
-            mma8_step_nq(ys + i * ys_step, mma8_step_units(TILES, GLU), blockIdx.x + i * gridDim.x, n_out, n_tok, nullptr, nq_q8, nullptr, 0, nq_swz);
+            mma8_step_nq(ys + i * ys_step, mma8_step_units(TILES, GLU), cid + i * n_cl, n_out, n_tok, nullptr, nq_q8, nullptr, 0, nq_swz);
     }
     cp_async_wait<0>();  // no copy outlives the block
 }

@@ -155,16 +155,21 @@ __device__ __forceinline__ void mma8_put_unit(int f, int total, const u32 (&q)[4
 // round trip per round instead of per unit. then(): called once by every thread, right after the
 // first round's loads are issued (with float x, before its first loads): the caller's weight loads
 // that should queue behind x's.
+// Units [f0, f1) only (f0 a multiple of 128: whole 256-input blocks; default all): unit f stored
+// as unit f - f0 of a layout of n_lay inputs (default n_in), so a block of a cluster that takes
+// blocks [f0 / 128, f1 / 128) of every row (gemv_mma_staged.cu CL) holds just those.
 template <bool NATURAL, class Then>
 __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8* __restrict__ x_q8, int swz, int n_tok, int n_in,
-                             u8* xq, u32* xsc, const float* __restrict__ x_parts, int n_parts, float eps, Then then) {
-    const int total = MMA8_TOKENS * (n_in >> 4);
+                             u8* xq, u32* xsc, const float* __restrict__ x_parts, int n_parts, float eps, Then then,
+                             int f0 = 0, int f1 = -1, int n_lay = -1) {
+    const int total = f1 < 0 ? MMA8_TOKENS * (n_in >> 4) : f1;
+    if (n_lay < 0) n_lay = n_in;
     if (!x_q8) then();  // block-uniform
     if (x_q8) {
         float scale[MMA8_TOKENS];  // per token: its RMSNorm scale (an NQ handoff), found in the first round
 #pragma unroll
         for (int t = 0; t < MMA8_TOKENS; ++t) scale[t] = 1.f;
-        for (int base = 0; base < total; base += MMA8_X_ROUND * (int)blockDim.x) {  // warp-uniform trip count
+        for (int base = f0; base < total; base += MMA8_X_ROUND * (int)blockDim.x) {  // warp-uniform trip count
             uint4 v[MMA8_X_ROUND];
             float dv[MMA8_X_ROUND];
 #pragma unroll
@@ -176,7 +181,7 @@ __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8
                 v[r] = ok ? __ldg(reinterpret_cast<const uint4*>(row + 16 * x_unit_slot(2 * s + h, swz))) : make_uint4(0, 0, 0, 0);
                 dv[r] = ok ? __ldg(reinterpret_cast<const float*>(row + q8x_bytes_q(n_in)) + s) : 0.f;
             }
-            if (base == 0) {
+            if (base == f0) {
                 then();
                 if (x_parts) mma8_parts_scales(x_parts, n_parts, n_tok, n_in, eps, scale);  // with the first loads in flight
             }
@@ -194,12 +199,12 @@ __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8
                 int sum = 0;
 #pragma unroll
                 for (int k = 0; k < 4; ++k) sum = dp4a((int)q[k], 0x01010101, sum);
-                mma8_put_unit<NATURAL>(f, total, q, sum, d, n_in, xq, xsc);
+                mma8_put_unit<NATURAL>(f - f0, total - f0, q, sum, d, n_lay, xq, xsc);
             }
         }
         return;
     }
-    for (int base = 0; base < total; base += blockDim.x) {  // warp-uniform trip count
+    for (int base = f0; base < total; base += blockDim.x) {  // warp-uniform trip count
         const int f = base + threadIdx.x;
         const int h = f & 1, tok = (f >> 1) & (MMA8_TOKENS - 1), s = f >> 4;
         const bool ok = f < total && tok < n_tok;
@@ -208,7 +213,7 @@ __device__ void mma8_stage_x(const float* __restrict__ x, int x_stride, const u8
         float v[16];
         load_unit16(x + (i64)(ok ? tok : 0) * x_stride + (ok ? 16 * (2 * s + h) : 0), ok, v);
         const float d = q8_pack16(v, q, sum);  // q8_unit's arithmetic: the same bits
-        mma8_put_unit<NATURAL>(f, total, q, sum, d, n_in, xq, xsc);
+        mma8_put_unit<NATURAL>(f - f0, total - f0, q, sum, d, n_lay, xq, xsc);
     }
 }
 
@@ -265,22 +270,27 @@ __host__ __device__ constexpr int mma8_step_units(int tiles, bool glu) { return 
 // the next weight row, lane + 4). ys (null: none): each Y value written also at
 // ys[MMA8_NQ_RUN (U token + r / 16) + r % 16], r its output in the step and U = mma8_step_units
 // (TILES, GLU) its runs of 16 a token, for mma8_step_nq.
+// With CL > 1 (gemv_mma_staged.cu's clusters), red holds CL such sets of partial sums, each
+// set_stride float4 after the one before (the blocks of a cluster, rank order), added in that
+// order after the KS shares of each.
 template <bool GLU, bool GELU>
 __device__ void mma8_step_out(const float4* red, int KS, int TILES, int step, int n_rows, int n_out, int n_tok,
                               float* y, int y_stride, const float* residual, int r_stride, const float* __restrict__ bias,
-                              float* ys = nullptr) {
+                              float* ys = nullptr, int CL = 1, int set_stride = 0) {
     const int f = threadIdx.x;  // (tile slot, lane, C register) of one output
     if (f >= TILES * 128) return;
     const int sl = f >> 7, ln = (f >> 2) & 31, reg = f & 3;
     const float* part = reinterpret_cast<const float*>(red + sl * KS * 32);
     float v = 0.f;
-    for (int k = 0; k < KS; ++k) v += part[128 * k + 4 * ln + reg];
+    for (int c = 0; c < CL; ++c)
+        for (int k = 0; k < KS; ++k) v += part[4 * set_stride * c + 128 * k + 4 * ln + reg];
     const int row = 16 * (TILES * step + sl) + (ln >> 2) + 8 * (reg >> 1);  // weight row
     const int tok = 2 * (ln & 3) + (reg & 1);
     if (GLU) {
         if (!(row & 1) && row < n_rows && tok < n_tok) {  // a gate row: its up row is the next, lane ln + 4
             float u = 0.f;
-            for (int k = 0; k < KS; ++k) u += part[128 * k + 4 * (ln + 4) + reg];
+            for (int c = 0; c < CL; ++c)
+                for (int k = 0; k < KS; ++k) u += part[4 * set_stride * c + 128 * k + 4 * (ln + 4) + reg];
             const float out = glu_act<GELU>(v, u);
             y[(i64)tok * y_stride + row / 2] = out;
             if (ys) {  // 8 outputs a tile

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 # mma8_stage_x's store of a unit of x handed in quantized, the anchor of the verify-* cuts
-_X_PUT = "                mma8_put_unit<NATURAL>(f, total, q, sum, d, n_in, xq, xsc);\n            }\n        }\n        return;"
+_X_PUT = "                mma8_put_unit<NATURAL>(f - f0, total - f0, q, sum, d, n_lay, xq, xsc);\n            }\n        }\n        return;"
 
 # name -> (what the build leaves out, [(kernels_cu file, anchor, replacement)])
 CUTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
@@ -50,15 +50,15 @@ CUTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         "half of the x each block of a verify product (gemv_mma, x handed in quantized) stages: half the "
         "L2 reads and conversions, half the x stale (measure with --verify N)",
         [("mma8_common.cuh", "                const bool ok = f < total && tok < n_tok;\n                const u8* row",
-          "                const bool ok = f < total / 2 && tok < n_tok;\n                const u8* row"),
-         ("mma8_common.cuh", _X_PUT, _X_PUT.replace("(f, total,", "(f, total / 2,"))]),
+          "                const bool ok = f < f0 + (total - f0) / 2 && tok < n_tok;\n                const u8* row"),
+         ("mma8_common.cuh", _X_PUT, _X_PUT.replace("(f - f0, total - f0,", "(f - f0, (total - f0) / 2,"))]),
     "verify-x-copy": (
         "the conversion in a verify product's x staging (x handed in quantized): each unit's 16 bytes and "
         "scale stored as loaded, no sums, shuffles or layout (what a producer writing the staged layout "
         "would leave; measure with --verify N)",
         [("mma8_common.cuh", _X_PUT,
-          "                if (f < total) {\n                    reinterpret_cast<uint4*>(xq)[f] = v[r];\n"
-          "                    if (!(f & 1)) reinterpret_cast<float*>(xsc)[f >> 1] = d;\n                }\n"
+          "                if (f < total) {\n                    reinterpret_cast<uint4*>(xq)[f - f0] = v[r];\n"
+          "                    if (!(f & 1)) reinterpret_cast<float*>(xsc)[(f - f0) >> 1] = d;\n                }\n"
           "            }\n        }\n        return;")]),
     "moe-route": (
         "moe_one's router logits, their exchange and the choice (a fixed choice of k spread experts, weights 1/k)",

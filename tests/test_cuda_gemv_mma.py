@@ -230,9 +230,9 @@ def test_gemv_mma_argument_errors():
         gemv_mma(w, cp.zeros((4, 260), cp.float32)[:, 1:257], Y)
     with pytest.raises(ValueError, match="shape"):
         gemv_mma(w, X, Y, bias=cp.zeros(63, cp.float32))
-    big = SimpleNamespace(**{**vars(w), "shape": (64, 28672), "_plans": {}})
+    big = SimpleNamespace(**{**vars(w), "shape": (64, 57344), "_plans": {}})  # too wide even in clusters of two
     with pytest.raises(ValueError, match="shared memory"):
-        gemv_mma(big, cp.zeros((2, 28672), cp.float32), cp.zeros((2, 64), cp.float32))
+        gemv_mma(big, cp.zeros((2, 57344), cp.float32), cp.zeros((2, 64), cp.float32))
 
 
 @pytest.mark.cuda
@@ -249,8 +249,9 @@ def test_bench_gemv_batch_times_gemv_mma():
 
 # ---- CPU: selection, flag, compile jobs ----------------------------------------------------------
 
-def _spec(type_name: str, n_in: int = 4096, mma8: bool = True, prefill_tc: bool = True):
-    return SimpleNamespace(ggml_type=T[type_name], shape=(4096, n_in), mma8=mma8, prefill_tc=prefill_tc, planar=True)
+def _spec(type_name: str, n_in: int = 4096, mma8: bool = True, prefill_tc: bool = True, cluster: bool = True):
+    return SimpleNamespace(ggml_type=T[type_name], shape=(4096, n_in), mma8=mma8, prefill_tc=prefill_tc, planar=True,
+                           mma8_cluster=cluster)
 
 
 def test_uses_mma8_for_3_to_8_tokens_of_q4_k_and_q6_k_that_fit():
@@ -260,7 +261,10 @@ def test_uses_mma8_for_3_to_8_tokens_of_q4_k_and_q6_k_that_fit():
         assert not any(uses_mma8(_spec(name, mma8=False), n) for n in range(1, 9))
         assert [n for n in range(1, 12) if mm.uses_gemv(_spec(name, mma8=False), n)] == [1, 2, 3, 4]
         assert uses_mma8(_spec(name, n_in=14336), 8)  # Llama 3 8B's down: 170 KB of shared memory
-        assert not uses_mma8(_spec(name, n_in=28672), 8)  # Llama 3 70B's down does not fit
+        assert not uses_mma8(_spec(name, n_in=28672, cluster=False), 8)  # Llama 3 70B's down does not fit one block
+        # in clusters of two (K4_MMA8_CLUSTER), half of x a block: Q4_K's 8 warps fit, Q6_K's 12 do not
+        assert uses_mma8(_spec(name, n_in=28672), 8) == (name == "Q4_K")
+        assert not uses_mma8(_spec(name, n_in=57344), 8)
     for name in ("Q5_K", "Q8_0", "F16"):
         assert not any(uses_mma8(_spec(name), n) for n in range(1, 9))
     from k4.runtime.cuda.gemv_mma import mma_shape
@@ -268,6 +272,7 @@ def test_uses_mma8_for_3_to_8_tokens_of_q4_k_and_q6_k_that_fit():
     for t in qk.MMA8_DECODERS:
         for planar in (False, True):
             assert mma_shape(t, 14336, planar) is not None and mma_shape(t, 28672, planar) is None
+            assert (mma_shape(t, 28672, planar, cl=qk.MMA8_CLUSTER) is not None) == (t == T.Q4_K)
     assert mma_shape(T.Q4_K, 4096, True) == (True, 16, 4) and mma_shape(T.Q4_K, 11008, False) == (True, 16, 2)
     assert mma_shape(T.Q4_K, 14336, True) == (True, 8, 2) and mma_shape(T.Q6_K, 4096, False) == (False, 8, 0)
     assert mma_shape(T.Q6_K, 4096, True) == (True, 16, 2) and mma_shape(T.Q6_K, 11008, True) == (True, 12, 2)
@@ -285,18 +290,22 @@ def test_flag_k4_mma8_reaches_the_weight_options():
 
 def test_mma8_instances_compile_with_the_model_types_one_module_each():
     """The gemv_mma instances for a model: Q4_K (both layouts) and planar Q6_K in gemv_mma_staged.cu,
-    16 and 8 warps; Q6_K (both layouts) in gemv_mma.cu; plain and SwiGLU, GeGLU only for a gelu_tanh model,
-    none for other types or with K4_MMA8=0, each its own module."""
+    16 and 8 warps (12 for Q6_K), each also for clusters of MMA8_CLUSTER blocks; Q6_K (both layouts)
+    in gemv_mma.cu; plain and SwiGLU, GeGLU only for a gelu_tanh model, none for other types or with
+    K4_MMA8=0, each its own module."""
     assert qk._gemv_mma_name(T.Q6_K, False, 12, True, staged=False) == "gemv_mma<mma_q6_K, false, 12, true>"
     assert qk._gemv_mma_name(T.Q6_K, True, 16, True) == "gemv_mma_staged<staged_q6_K, true, 16, true>"
     assert qk._gemv_mma_name(T.Q4_K, False, 8, True, "gelu_tanh") == "gemv_mma_staged<staged_q4_K, false, 8, true, true>"
+    assert qk._gemv_mma_name(T.Q4_K, False, 8, True, "gelu_tanh", cl=2) == "gemv_mma_staged<staged_q4_K, false, 8, true, true, 2>"
+    assert qk._gemv_mma_name(T.Q6_K, True, 12, False, cl=2) == "gemv_mma_staged<staged_q6_K, true, 12, false, false, 2>"
     jobs = lambda types, act, on=True: [(f, g) for f, g, _ in qk.compile_jobs(types, True, act, on) if "gemv_mma" in f]  # noqa: E731
     silu = jobs([T.Q4_K, T.Q8_0, T.F16], "silu")
-    assert len(silu) == 8 and all(f == "gemv_mma_staged.cu" and len(g) == 1 and g[0].startswith("gemv_mma_staged<staged_q4_K, ")
-                                  for f, g in silu)
+    assert len(silu) == 16 and all(f == "gemv_mma_staged.cu" and len(g) == 1 and g[0].startswith("gemv_mma_staged<staged_q4_K, ")
+                                   for f, g in silu)
+    assert sum(g[0].endswith(f", {qk.MMA8_CLUSTER}>") for _, g in silu) == 8
     gelu = jobs([T.Q6_K], "gelu_tanh")
-    assert [f for f, _ in gelu] == ["gemv_mma_staged.cu"] * 4 + ["gemv_mma.cu"] * 4 + ["gemv_mma_staged.cu"] * 2 + ["gemv_mma.cu"] * 2
-    assert all(n.endswith("true, true>") for _, (n,) in gelu[8:])
+    assert [f for f, _ in gelu] == ["gemv_mma_staged.cu"] * 8 + ["gemv_mma.cu"] * 4 + ["gemv_mma_staged.cu"] * 4 + ["gemv_mma.cu"] * 2
+    assert all(n.endswith(("true, true>", f"true, true, {qk.MMA8_CLUSTER}>")) for _, (n,) in gelu[12:])
     assert jobs([T.Q5_K, T.Q8_0], "silu") == [] and jobs([T.Q4_K, T.Q6_K], "silu", False) == []
 
 

@@ -72,6 +72,7 @@ def test_y_q8_argument_errors():
     # 48 outputs (no whole 32-output group a step); 2048 (KS 8: 16 outputs a step)
     for n_ff, n_in in ((48, 256), (2048, 2048)):
         other = glu_weight(T.Q4_K, n_ff, n_in, rng)[0]
+        other.mma8_cluster = False  # in clusters of two (K4_MMA8_CLUSTER) its steps take 32 outputs
         assert not writes_q8(other, 4), (n_ff, _mma_plan(other, None))
         with pytest.raises(ValueError, match="cannot write y_q8"):
             gemv_mma(other, strided_rows(rng, 4, n_in)[0], nan_like((4, n_ff)), y_q8=poisoned_rows(4, n_ff))

@@ -28,7 +28,7 @@ from k4.runtime.trace import Trace
 from .batch_args import check_products
 from .constants import MMA8_NQ_RUN, MMA8_STAGE_BYTES, MMA8_STAGE_BYTES_Q6_K, MMA8_TOKENS, mma8_smem, mma8_staged_smem, q8x_bytes
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
-from .quant_kernels import EXTRA_MMA8_WARPS, MMA8_DECODERS, MMA8_KERNELS, MMA8_MIN_TOKENS, _gemv_mma_name, _kernel, mma8_file
+from .quant_kernels import EXTRA_MMA8_WARPS, MMA8_CLUSTER, MMA8_DECODERS, MMA8_KERNELS, MMA8_MIN_TOKENS, _gemv_mma_name, _kernel, mma8_file
 
 if TYPE_CHECKING:
     from .gemv_batch import Q8Rows
@@ -41,10 +41,17 @@ def uses_mma8(w: DeviceWeight, n_tok: int, variant: tuple[int, ...] | None = Non
     """Whether a product of n_tok tokens on w runs as gemv_mma: w's mma8 option is on (K4_MMA8),
     its type has an mma kernel (quant_kernels.MMA8_DECODERS: Q4_K, Q6_K), MMA8_MIN_TOKENS <= n_tok
     <= MMA8_TOKENS, and the 8 tokens' quantized x (and the staged kernel's rings) fit in one
-    block's shared memory (mma_shape: n_in up to about 15,600 for Q4_K, 18,600 for Q6_K). Measured on the H200
+    block's shared memory (mma_shape: n_in up to about 15,600 for Q4_K, 18,600 for Q6_K; about twice
+    that in clusters, mma8_cluster). Measured on the H200
     (scripts/bench_gemv_mma.py, Llama 2 7B's products; docs/PERF.md)."""
-    return (w.mma8 and w.ggml_type in MMA8_DECODERS and MMA8_MIN_TOKENS <= n_tok <= MMA8_TOKENS
-            and mma_shape(w.ggml_type, w.shape[1], w.planar, variant) is not None)
+    return w.mma8 and w.ggml_type in MMA8_DECODERS and MMA8_MIN_TOKENS <= n_tok <= MMA8_TOKENS and _fits(w, variant)
+
+
+def _fits(w: DeviceWeight, variant: tuple[int, ...] | None) -> bool:
+    """Whether a gemv_mma instance fits w's rows: without clusters, or in clusters where w's
+    mma8_cluster option allows them (half of x a block: Qwen2.5 7B's down product of 18,944 inputs)."""
+    return (mma_shape(w.ggml_type, w.shape[1], w.planar, variant) is not None
+            or (w.mma8_cluster and mma_shape(w.ggml_type, w.shape[1], w.planar, variant, MMA8_CLUSTER) is not None))
 
 
 STEP_COST = 2  # mma_ks: a step's end (barrier, partial sums) in 256-weight blocks of one warp
@@ -52,15 +59,16 @@ STAGES = (4, 3, 2)  # gemv_mma_staged ring stages per warp, the most that fit fi
 STAGE_BYTES = {T.Q4_K: MMA8_STAGE_BYTES, T.Q6_K: MMA8_STAGE_BYTES_Q6_K}
 
 
-def mma_shape(t, n_in: int, planar: bool, variant: tuple[int, ...] | None = None) -> tuple[bool, int, int] | None:
+def mma_shape(t, n_in: int, planar: bool, variant: tuple[int, ...] | None = None, cl: int = 1) -> tuple[bool, int, int] | None:
     """(staged, warps, stages) of the gemv_mma instance for rows of n_in inputs of type t in its
     layout, or None where none fits: the first of quant_kernels.MMA8_KERNELS[t] for the layout whose
     shared memory fits (SMEM_LIMIT) with one of its warp counts, in order: the staged kernel with the
     most ring stages (STAGES) that fit (mma8_staged_smem), the register kernel with stages 0
     (mma8_smem). variant (WARPS, KS[, STAGES]) fixes the warps (the first kernel compiled with
-    them, EXTRA_MMA8_WARPS for the register kernel) and, if non-zero, the stages."""
+    them, EXTRA_MMA8_WARPS for the register kernel) and, if non-zero, the stages. cl > 1: the
+    staged kernel's instance for clusters of cl blocks (mma8_staged_smem's cl), or None."""
     for staged, layouts, warp_list in MMA8_KERNELS[t]:
-        if planar not in layouts:
+        if planar not in layouts or (cl > 1 and not staged):
             continue
         if variant:
             if variant[0] not in (*warp_list, *(() if staged else EXTRA_MMA8_WARPS.get(t, ()))):
@@ -72,7 +80,7 @@ def mma_shape(t, n_in: int, planar: bool, variant: tuple[int, ...] | None = None
                     return False, warps, 0
                 continue
             for st in (variant[2],) if variant and len(variant) > 2 and variant[2] else STAGES:
-                if mma8_staged_smem(n_in, warps, st, STAGE_BYTES[t]) <= SMEM_LIMIT:
+                if mma8_staged_smem(n_in, warps, st, STAGE_BYTES[t], cl) <= SMEM_LIMIT:
                     return True, warps, st
     return None
 
@@ -102,31 +110,62 @@ def mma_ks(n_rows: int, n_in: int, warps: int, resident: int) -> tuple[int, int]
     return best[1], best[2]
 
 
+# A product runs in clusters (MMA8_CLUSTER) only where no cluster takes more steps than this: each
+# step ends at a cluster barrier, and rank 0 writes every step's Y. Measured on the H200 (8 tokens,
+# x handed in quantized, µs, clusters against none; docs/PERF.md): Llama 2 7B's q|k|v (3 steps a
+# cluster) 13.75 against 14.4, its output product (1) 6.61 against 7.22, Q6_K down (1) 18.8
+# against 21.4; gate/up (6 steps) 25.4 against 20.5, the Q6_K output head (8) 48.6 against 46.2.
+MMA8_CLUSTER_STEPS = 3
+
+
+def mma8_cluster(w: DeviceWeight, variant: tuple[int, ...] | None = None) -> int:
+    """Blocks per thread-block cluster of gemv_mma on w (kernels_cu/gemv_mma_staged.cu CL): MMA8_CLUSTER
+    where w's mma8_cluster option is on (flag K4_MMA8_CLUSTER), the staged kernel's cluster
+    instance fits (mma_shape) and either no cluster takes more than MMA8_CLUSTER_STEPS steps or
+    the kernel without clusters does not fit; else 1."""
+    return _mma_plan(w, variant)[6]
+
+
 def _mma_plan(w: DeviceWeight, variant: tuple[int, ...] | None):
-    """(kernel, grid, block, shared_mem, KS, stages) of gemv_mma on w, cached in w._plans: warps
-    and stages from mma_shape, one block per multiprocessor or more where the shared memory and
-    registers allow, KS from mma_ks unless the variant names one."""
+    """(kernel, grid, block, shared_mem, KS, stages, cluster) of gemv_mma on w, cached in w._plans:
+    the blocks per cluster as mma8_cluster says, warps and stages from mma_shape, one block per
+    multiprocessor or more where the shared memory and registers allow (the grid whole clusters),
+    KS from mma_ks (over a block's share of each row's blocks) unless the variant names one."""
     key = ("mma8", variant)
     plan = w._plans.get(key)
     if plan is not None:
         return plan
-    staged, warps, stages = mma_shape(w.ggml_type, w.shape[1], w.planar, variant)
-    kernel = _kernel(mma8_file(staged), _gemv_mma_name(w.ggml_type, w.planar, warps, w.glu, w.glu_act, staged), w.evict_first)
-    smem = mma8_staged_smem(w.shape[1], warps, stages, STAGE_BYTES[w.ggml_type]) if stages else mma8_smem(w.shape[1], warps)
-    allow_shared(kernel, smem)
-    resident = device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem)
-    ks, grid = mma_ks(w.shape[0], w.shape[1], warps, resident)  # weight rows: a glu weight's gate and up rows alike
-    if variant and variant[1]:
-        ks = variant[1]
-        grid = min(resident, -(-w.shape[0] // (16 * (warps // ks))))
-    plan = (kernel, (grid,), (32 * warps,), smem, ks, stages)
+    plan = None
+    alone = mma_shape(w.ggml_type, w.shape[1], w.planar, variant) is not None
+    if w.mma8_cluster and mma_shape(w.ggml_type, w.shape[1], w.planar, variant, MMA8_CLUSTER) is not None:
+        plan = _plan_for(w, variant, MMA8_CLUSTER)
+        _, (grid,), (threads,), _, ks, _, cl = plan
+        steps = -(-w.shape[0] // (16 * (threads // 32 // ks)))
+        if alone and -(-steps // (grid // cl)) > MMA8_CLUSTER_STEPS:
+            plan = None
+    plan = plan or _plan_for(w, variant, 1)
     w._plans[key] = plan
     return plan
 
 
+def _plan_for(w: DeviceWeight, variant: tuple[int, ...] | None, cl: int):
+    """_mma_plan's plan for clusters of cl blocks (1: none), not cached."""
+    staged, warps, stages = mma_shape(w.ggml_type, w.shape[1], w.planar, variant, cl)
+    kernel = _kernel(mma8_file(staged), _gemv_mma_name(w.ggml_type, w.planar, warps, w.glu, w.glu_act, staged, cl), w.evict_first)
+    smem = mma8_staged_smem(w.shape[1], warps, stages, STAGE_BYTES[w.ggml_type], cl) if stages else mma8_smem(w.shape[1], warps)
+    allow_shared(kernel, smem)
+    resident = device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem) // cl  # clusters
+    n_lay = 256 * -(-(w.shape[1] // 256) // cl)  # a block's share of each row
+    ks, grid = mma_ks(w.shape[0], n_lay, warps, resident)  # weight rows: a glu weight's gate and up rows alike
+    if variant and variant[1]:
+        ks = variant[1]
+        grid = min(resident, -(-w.shape[0] // (16 * (warps // ks))))
+    return kernel, (cl * grid,), (32 * warps,), smem, ks, stages, cl
+
+
 def _steps(w: DeviceWeight) -> tuple[int, int]:
     """(tiles of 16 weight rows a step, steps) of gemv_mma's plan on w (kernels_cu/gemv_mma_staged.cu)."""
-    _, _, block, _, ks, _ = _mma_plan(w, None)
+    _, _, block, _, ks, _, _ = _mma_plan(w, None)
     tiles = block[0] // 32 // ks
     return tiles, -(-w.shape[0] // (16 * tiles))
 
@@ -142,10 +181,10 @@ def _q8_out_smem(w: DeviceWeight, nq: bool) -> int:
     n_out = w.shape[0] // 2 if w.glu else w.shape[0]
     if (nq and w.glu) or n_out % 32:
         return 0
-    _, grid, _, smem, _, stages = _mma_plan(w, None)
+    _, grid, _, smem, _, stages, cl = _mma_plan(w, None)
     tiles, n_steps = _steps(w)
     units = tiles // 2 if w.glu else tiles  # mma8_common.cuh mma8_step_units
-    ys_steps = 1 if nq else -(-n_steps // grid[0])  # y_q8: the most steps a block takes
+    ys_steps = 1 if nq else -(-n_steps // (grid[0] // cl))  # y_q8: the most steps a cluster takes
     smem += MMA8_NQ_RUN * tiles * MMA8_TOKENS * 4 * ys_steps
     return smem if stages and units in (2, 4) and smem <= SMEM_LIMIT else 0
 
@@ -204,14 +243,14 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
     n_in = w.shape[1]
     if variant and variant[1] and (variant[1] < 4 or variant[0] % variant[1]):
         raise ValueError(f"gemv_mma variant {variant}: KS must divide WARPS and be at least 4")
-    if mma_shape(w.ggml_type, n_in, w.planar, variant) is None:
+    if not _fits(w, variant):
         raise ValueError(f"gemv_mma holds the x of {MMA8_TOKENS} tokens in shared memory: {mma8_smem(n_in, 8)} bytes or more "
                          f"for n_in {n_in}, more than {SMEM_LIMIT} with its rings")
     need = n_tok * q8x_bytes(n_in)
     if x_q8 is not None and ((x_q8.n_tok, x_q8.n) != (n_tok, n_in) or x_q8.data.nbytes < need or not 0 <= x_q8.swizzle < 8):
         raise ValueError(f"x_q8 holds {x_q8.n_tok} rows of {x_q8.n} for swizzle {x_q8.swizzle} ({x_q8.data.nbytes} bytes); "
                          f"this product needs {n_tok} of {n_in} ({need} bytes, swizzle 0..7)")
-    kernel, grid, block, smem, ks, stages = _mma_plan(w, variant)
+    kernel, grid, block, smem, ks, stages, cl = _mma_plan(w, variant)
     parts = x_q8.parts if x_q8 is not None else None
     if parts is not None and (parts.dtype != np.float32 or parts.size < n_tok * x_q8.n_parts or x_q8.n_parts < 1):
         raise ValueError(f"x_q8's parts hold {parts.size} {parts.dtype}; {n_tok} rows of {x_q8.n_parts} float32 are read")
@@ -228,7 +267,7 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
         raise ValueError(f"gemv_mma on {w.ggml_type.name} {w.shape} runs the register kernel, which writes no q8 output")
     if pdl is None:  # as gemv: eagerly the driver-API launch costs more host time than it saves
         pdl = w.pdl and capturing(stream)
-    launch(kernel, grid, block, args, smem, stream, trace, pdl)
+    launch(kernel, grid, block, args, smem, stream, trace, pdl, cluster=cl)
 
 
 def _nq_args(w: DeviceWeight, nq_out: tuple | None, n_tok: int, variant) -> tuple:

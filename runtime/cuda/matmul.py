@@ -70,7 +70,8 @@ class DeviceWeight:
     glu_act: that act, a quant_kernels.GLU_ACTS key: "silu" (SwiGLU) or "gelu_tanh" (GeGLU);
     half: None or a cupy float16 (n_out, n_in) copy that matmul multiplies directly (make_half);
     mma8: products of 3 to 8 tokens run on int8 tensor cores where gemv_mma.uses_mma8 allows
-    (flag K4_MMA8).
+    (flag K4_MMA8); mma8_cluster: those products in thread-block clusters that split the rows'
+    blocks where gemv_mma.mma8_cluster says (flag K4_MMA8_CLUSTER).
     """
 
     ggml_type: T
@@ -84,6 +85,7 @@ class DeviceWeight:
     half: object = None
     glu_act: str = "silu"
     mma8: bool = True
+    mma8_cluster: bool = True
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -104,6 +106,7 @@ class WeightOptions:
     pdl: bool = True  # K4_PDL: programmatic dependent launch inside graph capture
     evict_first: bool = True  # K4_EVICT_FIRST: weight loads with the L1 evict-first hint
     mma8: bool = True  # K4_MMA8: products of 3 to 8 tokens on int8 tensor cores (Q4_K, Q6_K)
+    mma8_cluster: bool = True  # K4_MMA8_CLUSTER: those products in clusters that split each row's blocks
 
 
 def make_weight(t: Tensor | MatrixSpec, device_bytes, repack: bool, glu: bool = False,
@@ -126,7 +129,8 @@ def make_weight(t: Tensor | MatrixSpec, device_bytes, repack: bool, glu: bool = 
     if glu_act not in GLU_ACTS:
         raise ValueError(f"{t.name}: no gate/up epilogue for activation {glu_act!r} (have {', '.join(GLU_ACTS)})")
     return DeviceWeight(t.ggml_type, (n_out, n_in), device_bytes, planar, opts.tensor_cores, opts.pdl, glu,
-                        evict_first=opts.evict_first, glu_act=glu_act, mma8=opts.mma8)
+                        evict_first=opts.evict_first, glu_act=glu_act, mma8=opts.mma8,
+                        mma8_cluster=opts.mma8_cluster)
 
 
 def half_bytes(w: DeviceWeight) -> int:

@@ -47,12 +47,13 @@ def random_weight(ggml_type: T, n_out: int, n_in: int, rng: np.random.Generator)
 
 def _copies(t: Tensor, repack: bool, f: Flags, factor: float, cap: int, glu: bool = False) -> list[DeviceWeight]:
     """Enough device copies of t to exceed `factor` times the L2, so timings stream from memory;
-    their options from the flags K4_PREFILL_TC, K4_PDL, K4_EVICT_FIRST, K4_MMA8 of `f`; glu: the rows
+    their options from the flags K4_PREFILL_TC, K4_PDL, K4_EVICT_FIRST, K4_MMA8, K4_MMA8_CLUSTER of `f`; glu: the rows
     count as interleaved gate/up pairs (make_weight glu)."""
     import cupy as cp
 
     host = weight_layout(t, repack)
-    opts = WeightOptions(f.on("K4_PREFILL_TC"), f.on("K4_PDL"), f.on("K4_EVICT_FIRST"), f.on("K4_MMA8"))
+    opts = WeightOptions(f.on("K4_PREFILL_TC"), f.on("K4_PDL"), f.on("K4_EVICT_FIRST"), f.on("K4_MMA8"),
+                          f.on("K4_MMA8_CLUSTER"))
     return [make_weight(t, cp.asarray(host), repack, glu, opts) for _ in range(_n_copies(host.nbytes, factor, cap))]
 
 

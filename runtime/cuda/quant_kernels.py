@@ -140,6 +140,10 @@ MMA8_KERNELS: dict[T, tuple[tuple[bool, tuple[bool, ...], tuple[int, ...]], ...]
     T.Q6_K: ((True, (True,), (16, 12)), (False, (False, True), (8,))),
 }
 MMA8_DECODERS = tuple(MMA8_KERNELS)  # the types with a gemv_mma kernel
+# The staged kernel in thread-block clusters whose blocks split every row's blocks (flag
+# K4_MMA8_CLUSTER; kernels_cu/gemv_mma_staged.cu CL): each block stages 1 / MMA8_CLUSTER of the
+# tokens' x. Every staged instance also has one for clusters of this size.
+MMA8_CLUSTER = 2
 EXTRA_MMA8_WARPS: dict[T, tuple[int, ...]] = {T.Q6_K: (12,)}
 
 
@@ -255,9 +259,12 @@ def _gemv_batch_name(t: T, planar: bool, variant: tuple[int, int, int, int] | No
             f"{_bool(glu)}{GLU_ACTS[act] if glu else ''}>")
 
 
-def _gemv_mma_name(t: T, planar: bool, warps: int, glu: bool = False, act: str = "silu", staged: bool = True) -> str:
-    """The gemv_mma instance of type t and layout, the staged or the register kernel (mma8_file)."""
+def _gemv_mma_name(t: T, planar: bool, warps: int, glu: bool = False, act: str = "silu", staged: bool = True, cl: int = 1) -> str:
+    """The gemv_mma instance of type t and layout, the staged or the register kernel (mma8_file);
+    cl > 1: the staged kernel's instance for thread-block clusters of cl blocks (MMA8_CLUSTER)."""
     args = f"{_bool(planar)}, {warps}, {_bool(glu)}{GLU_ACTS[act] if glu else ''}"
+    if cl > 1:
+        args += f"{'' if glu and act != 'silu' else ', false'}, {cl}"
     return f"gemv_mma_staged<staged_{t.name[:2].lower()}_K, {args}>" if staged else f"gemv_mma<mma_{t.name[:2].lower()}_K, {args}>"
 
 
@@ -348,8 +355,9 @@ def _mma8_names(t: T, act: str = "silu") -> tuple[tuple[str, str], ...]:
     """(file, name) of the gemv_mma instances of type t, every MMA8_KERNELS entry, layout and warp
     count: plain and SwiGLU, or with act "gelu_tanh" the GeGLU ones only (as _batch_names)."""
     glus = (True,) if act != "silu" else (False, True)
-    return tuple((mma8_file(staged), _gemv_mma_name(t, p, w, glu, act if glu else "silu", staged))
-                 for staged, layouts, warps in MMA8_KERNELS[t] for p in layouts for w in warps for glu in glus)
+    return tuple((mma8_file(staged), _gemv_mma_name(t, p, w, glu, act if glu else "silu", staged, cl))
+                 for staged, layouts, warps in MMA8_KERNELS[t] for p in layouts for w in warps for glu in glus
+                 for cl in ((1, MMA8_CLUSTER) if staged else (1,)))
 
 
 def _matmul_names(t: T) -> tuple[str, ...]:
