@@ -246,41 +246,36 @@ struct staged_q6_K {
 // other ranks store their warps' partial sums into rank 0's shared memory (red's set r;
 // st.shared::cluster) and arrive at the cluster barrier; rank 0 waits for them and writes Y,
 // adding the sets in rank order (the same sums in every launch).
-// The kernels' parameters (gemv_mma_staged's; gemv_mma_pair's twice, prefixed a_ and b_):
-//   w: (n_out, n_in) in D::T's blocks; GLU: (2 n_out, n_in) interleaved
-//   x: (n_tok, n_in) rows x_stride floats apart, 16-byte aligned
-//   y: (n_tok, n_out) rows y_stride floats apart
-//   residual: (n_tok, n_out) rows r_stride apart, or null; may alias y (not with GLU)
-//   bias: (n_out,) or null, added to every row (not with GLU)
-//   n_out, n_in, n_tok: 1 <= n_tok <= MMA8_TOKENS, n_in a multiple of QK_K
-//   KS: warps per tile, a divisor of WARPS, at least 4 (gemv_mma.py mma_ks); S: ring stages per warp, 2..4
-//   x_q8: n_tok * q8x_bytes(n_in) (quantize_q8_rows, rms_norm_q8, an NQ product) or null; x_swz its swizzle
-//   x_parts: x_q8 an NQ handoff: its sums of squares (mma8_stage_x), or null; x_n_parts per token; x_eps the norm's eps
-//   nq_w: NQ: the next RMSNorm's weights (n_out,), or null (Y quantized as it is)
-//   nq_q8: n_tok * q8x_bytes(n_out): y (* nq_w) quantized (mma8_step_nq), or null
-//   nq_parts: NQ: (n_tok, n_steps) sums of y^2, a step's at [t * n_steps + step]; nq_swz: nq_q8's swizzle
-#define K4_MMA8_PARAMS(P)                                                                                                      \
-    const u8* __restrict__ P##w, const float* __restrict__ P##x, int P##x_stride, float* P##y, int P##y_stride,              \
-        const float* P##residual, int P##r_stride, const float* __restrict__ P##bias, int P##n_out, int P##n_in,              \
-        int P##n_tok, int P##KS, int P##S, const u8* __restrict__ P##x_q8, int P##x_swz, const float* __restrict__ P##x_parts, \
-        int P##x_n_parts, float P##x_eps, const float* __restrict__ P##nq_w, u8* P##nq_q8, float* P##nq_parts, int P##nq_swz
-#define K4_MMA8_ARGS(P)                                                                                                   \
-    P##w, P##x, P##x_stride, P##y, P##y_stride, P##residual, P##r_stride, P##bias, P##n_out, P##n_in, P##n_tok, P##KS, P##S, \
-        P##x_q8, P##x_swz, P##x_parts, P##x_n_parts, P##x_eps, P##nq_w, P##nq_q8, P##nq_parts, P##nq_swz
-
-// The product as block bid of nb (blockIdx.x and gridDim.x in gemv_mma_staged; a part of the grid
-// in gemv_mma_pair, nb and the part's first block multiples of CL).
-template <class D, bool PLANAR, int WARPS, bool GLU, bool GELU, int CL>
-__device__ __forceinline__ void mma8_staged(int bid, int nb, K4_MMA8_PARAMS()) {
+template <class D, bool PLANAR, int WARPS, bool GLU, bool GELU = false, int CL = 1>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's blocks; GLU: (2 n_out, n_in) interleaved
+                const float* __restrict__ x,     // (n_tok, n_in) rows x_stride floats apart, 16-byte aligned
+                int x_stride,
+                float* y,                        // (n_tok, n_out) rows y_stride floats apart
+                int y_stride,
+                const float* residual,           // (n_tok, n_out) rows r_stride apart, or null; may alias y (not with GLU)
+                int r_stride,
+                const float* __restrict__ bias,  // (n_out,) or null, added to every row (not with GLU)
+                int n_out, int n_in, int n_tok,  // 1 <= n_tok <= MMA8_TOKENS, n_in a multiple of QK_K
+                int KS,                          // warps per tile: a divisor of WARPS, at least 4 (gemv_mma.py mma_ks)
+                int S,                           // ring stages per warp, 2..4
+                const u8* __restrict__ x_q8,     // n_tok * q8x_bytes(n_in) (quantize_q8_rows, rms_norm_q8, an NQ product) or null
+                int x_swz,                       // x_q8's swizzle (x_unit_slot)
+                const float* __restrict__ x_parts,  // x_q8 an NQ handoff: its sums of squares (mma8_stage_x), or null
+                int x_n_parts, float x_eps,      // per token; the RMSNorm's eps
+                const float* __restrict__ nq_w,  // NQ: the next RMSNorm's weights (n_out,), or null (Y quantized as it is)
+                u8* nq_q8,                       // n_tok * q8x_bytes(n_out): y (* nq_w) quantized (mma8_step_nq), or null
+                float* nq_parts,                 // NQ: (n_tok, n_steps) sums of y^2, a step's at [t * n_steps + step]
+                int nq_swz) {                    // nq_q8's swizzle
     using T = typename D::T;
     static_assert(CL == 1 || CL == 2 || CL == 4, "clusters of 1, 2 or 4 blocks");
     const int TILES = WARPS / KS;
     extern __shared__ uint4 smem[];
     const int nblk_row = n_in / QK_K;
-    const int rank = CL > 1 ? bid % CL : 0;  // the cluster's blocks along x: its rank
+    const int rank = CL > 1 ? (int)(blockIdx.x % CL) : 0;  // the cluster's blocks along x: its rank
     const int kb_lo = rank * nblk_row / CL, kb_hi = (rank + 1) * nblk_row / CL;  // this block's share of every row
     const int nblk_lay = (nblk_row + CL - 1) / CL, n_sub = 8 * nblk_lay;  // x's layout: kb_hi - kb_lo <= nblk_lay blocks
-    const int cid = bid / CL, n_cl = nb / CL;
+    const int cid = blockIdx.x / CL, n_cl = gridDim.x / CL;
     u8* xq = reinterpret_cast<u8*>(smem);
     u32* xsc = reinterpret_cast<u32*>(xq + 256 * n_sub);
     float4* red = reinterpret_cast<float4*>(xsc + 32 * n_sub);  // (2, CL, WARPS, 32)
@@ -378,21 +373,4 @@ __device__ __forceinline__ void mma8_staged(int bid, int nb, K4_MMA8_PARAMS()) {
             mma8_step_nq(ys + i * ys_step, mma8_step_units(TILES, GLU), cid + i * n_cl, n_out, n_tok, nullptr, nq_q8, nullptr, 0, nq_swz);
     }
     cp_async_wait<0>();  // no copy outlives the block
-}
-
-template <class D, bool PLANAR, int WARPS, bool GLU, bool GELU = false, int CL = 1>
-__global__ void __launch_bounds__(WARPS * 32, 1) gemv_mma_staged(K4_MMA8_PARAMS()) {
-    mma8_staged<D, PLANAR, WARPS, GLU, GELU, CL>(blockIdx.x, gridDim.x, K4_MMA8_ARGS());
-}
-
-// Two products of one x_q8 in one launch (runtime/cuda/gemv_mma.py gemv_mma_pair: the verify
-// step's q|k in Q4_K and v in Q6_K, Q4_K_M's mix): blocks [0, split) multiply the planar Q4_K
-// weight a_w, the others the planar Q6_K b_w, each part as gemv_mma_staged would with that grid
-// (16 warps, clusters of CL, split a multiple of CL). Dynamic shared memory: the larger part's.
-template <int CL>
-__global__ void __launch_bounds__(16 * 32, 1) gemv_mma_pair(K4_MMA8_PARAMS(a_), K4_MMA8_PARAMS(b_), int split) {
-    if ((int)blockIdx.x < split)
-        mma8_staged<staged_q4_K, true, 16, false, false, CL>(blockIdx.x, split, K4_MMA8_ARGS(a_));
-    else
-        mma8_staged<staged_q6_K, true, 16, false, false, CL>(blockIdx.x - split, gridDim.x - split, K4_MMA8_ARGS(b_));
 }

@@ -18,7 +18,7 @@ import cupy as cp
 from gguf import GGMLQuantizationType as T
 
 from ..model import ModelConfig
-from . import gemv_mma_pair, gemv_pair, matmul, moe, ops
+from . import gemv_pair, matmul, moe, ops
 from .constants import MMA8_TOKENS
 from .op_args import AttnShape, FreshKV, RopeArgs
 from .q8_handoff import Q8Vector
@@ -46,7 +46,6 @@ class ForwardOptions:
     x_cluster: bool = True  # K4_X_CLUSTER: decode's products quantizing a long x in clusters of blocks (linear)
     norm_q8: bool = True  # K4_NORM_Q8: decode's residual products hand the next norm's products their input quantized
     mma8_nq: bool = True  # K4_MMA8_NQ: the same from the verify step's down products on int8 tensor cores (rows_handoff)
-    mma8_pair: bool = True  # K4_MMA8_PAIR: the verify step's q|k (Q4_K) and v (Q6_K) products in one launch (qkv)
     mma8_ffq8: bool = True  # K4_MMA8_FFQ8: the verify step's gate/up product writes its output quantized for down (gate_up)
     wo_wide: bool = True  # K4_WO_WIDE: decode's output product in quant_kernels.after_attention_variant (residual)
 
@@ -303,15 +302,8 @@ class Forward:
         (Q4_K_M's q|k and v; K4_QKV_Q8): the first run also writes its normalized x quantized
         (act.h_q8) for the others, which copy it instead of repeating the norm and post-norm
         prologue; the same bytes, so the same outputs. Two runs of a type pair gemv_pair takes
-        (K4_QKV_PAIR): one launch for both, the same bits again. Of 3 to 8 rows, two runs
-        gemv_mma_pair takes (K4_MMA8_PAIR): one launch on int8 tensor cores."""
+        (K4_QKV_PAIR): one launch for both, the same bits again."""
         cols, x_q8, x_q8_out, later = {}, h_q8, None, L.qkv[1:]
-        if (n > 1 and self.opts.mma8_pair and len(L.qkv) == 2 and h.dtype == cp.float32
-                and all(matmul.uses_gemv(p.w, n) for p in L.qkv) and gemv_mma_pair.pairs(L.qkv[0].w, L.qkv[1].w, n)):
-            (a, b), x_q8 = L.qkv, h_q8 if h_q8 is not None else self.quantized(L.qkv[0].w, h)
-            gemv_mma_pair.gemv_mma_pair(a.w, b.w, h, a.out[:n], b.out[:n], bias_a=a.bias, bias_b=b.bias, x_q8=x_q8,
-                                        stream=self.stream, trace=self.ops.trace)
-            return {name: c[:n] for p in L.qkv for name, c in p.cols.items()}
         handed = n == 1 and h_q8 is not None and h_q8.parts is not None  # residual's NQ handoff
         if (n == 1 and self.opts.qkv_pair and len(L.qkv) == 2 and (h_q8 is None or handed)
                 and gemv_pair.pairs(L.qkv[0].w, L.qkv[1].w)):

@@ -110,24 +110,19 @@ def mma_ks(n_rows: int, n_in: int, warps: int, resident: int) -> tuple[int, int]
     return best[1], best[2]
 
 
-# A product runs in clusters (MMA8_CLUSTER) where its rows have at least MMA8_CLUSTER_MIN_IN inputs
-# (half of x is what a block saves) and no cluster takes more than MMA8_CLUSTER_STEPS steps (each
-# step ends at a cluster barrier, and rank 0 writes every step's Y), or where only clusters fit x.
-# Measured on the H200 (8 tokens, x handed in quantized, µs, clusters against none; docs/PERF.md):
-# Llama 2 7B's q|k|v (3 steps a cluster) 13.7 against 14.6, its output product (1) 6.6 against 7.3,
-# Q6_K down (1) 18.8 against 21.4, TinyLlama's downs (5,632 inputs) 6.2 / 8.1 against 7.5 / 9.1;
-# but the 7B's gate/up (6 steps) 25.4 against 20.6, TinyLlama's (2,048 inputs, 3 steps) 9.5 against
-# 8.4, its output product 4.3 against 4.2 and its Q6_K v (256 rows) 4.8 against 4.4.
+# A product runs in clusters (MMA8_CLUSTER) only where no cluster takes more steps than this: each
+# step ends at a cluster barrier, and rank 0 writes every step's Y. Measured on the H200 (8 tokens,
+# x handed in quantized, µs, clusters against none; docs/PERF.md): Llama 2 7B's q|k|v (3 steps a
+# cluster) 13.75 against 14.4, its output product (1) 6.61 against 7.22, Q6_K down (1) 18.8
+# against 21.4; gate/up (6 steps) 25.4 against 20.5, the Q6_K output head (8) 48.6 against 46.2.
 MMA8_CLUSTER_STEPS = 3
-MMA8_CLUSTER_MIN_IN = 3072
 
 
 def mma8_cluster(w: DeviceWeight, variant: tuple[int, ...] | None = None) -> int:
     """Blocks per thread-block cluster of gemv_mma on w (kernels_cu/gemv_mma_staged.cu CL): MMA8_CLUSTER
     where w's mma8_cluster option is on (flag K4_MMA8_CLUSTER), the staged kernel's cluster
-    instance fits (mma_shape) and either the rows have MMA8_CLUSTER_MIN_IN inputs or more and no
-    cluster takes more than MMA8_CLUSTER_STEPS steps, or the kernel without clusters does not fit;
-    else 1."""
+    instance fits (mma_shape) and either no cluster takes more than MMA8_CLUSTER_STEPS steps or
+    the kernel without clusters does not fit; else 1."""
     return _mma_plan(w, variant)[6]
 
 
@@ -146,7 +141,7 @@ def _mma_plan(w: DeviceWeight, variant: tuple[int, ...] | None):
         plan = _plan_for(w, variant, MMA8_CLUSTER)
         _, (grid,), (threads,), _, ks, _, cl = plan
         steps = -(-w.shape[0] // (16 * (threads // 32 // ks)))
-        if alone and (w.shape[1] < MMA8_CLUSTER_MIN_IN or -(-steps // (grid // cl)) > MMA8_CLUSTER_STEPS):
+        if alone and -(-steps // (grid // cl)) > MMA8_CLUSTER_STEPS:
             plan = None
     plan = plan or _plan_for(w, variant, 1)
     w._plans[key] = plan
@@ -242,9 +237,27 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
     not fit in shared memory, wrong shapes, dtypes, strides or alignment, residual/bias with w.glu,
     or an x_q8 of other rows or size, an nq_out or y_q8 for a product that cannot write it or of other rows.
     """
-    check_weight(w, variant)
+    if w.ggml_type not in MMA8_DECODERS:
+        raise ValueError(f"gemv_mma multiplies {', '.join(t.name for t in MMA8_DECODERS)} weights, not {w.ggml_type.name}")
+    n_tok, n_out, x_stride, y_stride, r_stride = check_products("gemv_mma", w, X, Y, residual, bias, MMA8_TOKENS)
+    n_in = w.shape[1]
+    if variant and variant[1] and (variant[1] < 4 or variant[0] % variant[1]):
+        raise ValueError(f"gemv_mma variant {variant}: KS must divide WARPS and be at least 4")
+    if not _fits(w, variant):
+        raise ValueError(f"gemv_mma holds the x of {MMA8_TOKENS} tokens in shared memory: {mma8_smem(n_in, 8)} bytes or more "
+                         f"for n_in {n_in}, more than {SMEM_LIMIT} with its rings")
+    need = n_tok * q8x_bytes(n_in)
+    if x_q8 is not None and ((x_q8.n_tok, x_q8.n) != (n_tok, n_in) or x_q8.data.nbytes < need or not 0 <= x_q8.swizzle < 8):
+        raise ValueError(f"x_q8 holds {x_q8.n_tok} rows of {x_q8.n} for swizzle {x_q8.swizzle} ({x_q8.data.nbytes} bytes); "
+                         f"this product needs {n_tok} of {n_in} ({need} bytes, swizzle 0..7)")
     kernel, grid, block, smem, ks, stages, cl = _mma_plan(w, variant)
-    args, n_tok, n_out = product_args(w, X, Y, residual, bias, x_q8, ks, stages)
+    parts = x_q8.parts if x_q8 is not None else None
+    if parts is not None and (parts.dtype != np.float32 or parts.size < n_tok * x_q8.n_parts or x_q8.n_parts < 1):
+        raise ValueError(f"x_q8's parts hold {parts.size} {parts.dtype}; {n_tok} rows of {x_q8.n_parts} float32 are read")
+    args = (w.data, X, np.int32(x_stride), Y, np.int32(y_stride), null_or(residual), np.int32(r_stride), null_or(bias),
+            np.int32(n_out), np.int32(n_in), np.int32(n_tok), np.int32(ks), *((np.int32(stages),) if stages else ()),
+            null_or(x_q8 and x_q8.data), np.int32(x_q8.swizzle if x_q8 is not None else 0), null_or(parts),
+            np.int32(x_q8.n_parts if parts is not None else 0), np.float32(x_q8.eps if parts is not None else 0))
     if stages:  # gemv_mma_staged: its NQ arguments
         args += _nq_args(w, nq_out, n_tok, variant) if y_q8 is None else _y_q8_args(w, y_q8, n_tok, n_out, variant, nq_out)
         if nq_out is not None or y_q8 is not None:
@@ -255,38 +268,6 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
     if pdl is None:  # as gemv: eagerly the driver-API launch costs more host time than it saves
         pdl = w.pdl and capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl, cluster=cl)
-
-
-def check_weight(w: DeviceWeight, variant: tuple[int, ...] | None = None) -> None:
-    """ValueError where gemv_mma cannot multiply w: another type, a wrong variant, rows too long for
-    any instance."""
-    if w.ggml_type not in MMA8_DECODERS:
-        raise ValueError(f"gemv_mma multiplies {', '.join(t.name for t in MMA8_DECODERS)} weights, not {w.ggml_type.name}")
-    if variant and variant[1] and (variant[1] < 4 or variant[0] % variant[1]):
-        raise ValueError(f"gemv_mma variant {variant}: KS must divide WARPS and be at least 4")
-    if not _fits(w, variant):
-        raise ValueError(f"gemv_mma holds the x of {MMA8_TOKENS} tokens in shared memory: {mma8_smem(w.shape[1], 8)} bytes or "
-                         f"more for n_in {w.shape[1]}, more than {SMEM_LIMIT} with its rings")
-
-
-def product_args(w: DeviceWeight, X, Y, residual, bias, x_q8: Q8Rows | None, ks: int, stages: int) -> tuple[tuple, int, int]:
-    """(the kernel arguments up to the NQ ones, n_tok, n_out) of gemv_mma's product on w with KS ks
-    and `stages` ring stages (0: the register kernel), its inputs checked as gemv_mma documents
-    (ValueError)."""
-    n_tok, n_out, x_stride, y_stride, r_stride = check_products("gemv_mma", w, X, Y, residual, bias, MMA8_TOKENS)
-    n_in = w.shape[1]
-    need = n_tok * q8x_bytes(n_in)
-    if x_q8 is not None and ((x_q8.n_tok, x_q8.n) != (n_tok, n_in) or x_q8.data.nbytes < need or not 0 <= x_q8.swizzle < 8):
-        raise ValueError(f"x_q8 holds {x_q8.n_tok} rows of {x_q8.n} for swizzle {x_q8.swizzle} ({x_q8.data.nbytes} bytes); "
-                         f"this product needs {n_tok} of {n_in} ({need} bytes, swizzle 0..7)")
-    parts = x_q8.parts if x_q8 is not None else None
-    if parts is not None and (parts.dtype != np.float32 or parts.size < n_tok * x_q8.n_parts or x_q8.n_parts < 1):
-        raise ValueError(f"x_q8's parts hold {parts.size} {parts.dtype}; {n_tok} rows of {x_q8.n_parts} float32 are read")
-    args = (w.data, X, np.int32(x_stride), Y, np.int32(y_stride), null_or(residual), np.int32(r_stride), null_or(bias),
-            np.int32(n_out), np.int32(n_in), np.int32(n_tok), np.int32(ks), *((np.int32(stages),) if stages else ()),
-            null_or(x_q8 and x_q8.data), np.int32(x_q8.swizzle if x_q8 is not None else 0), null_or(parts),
-            np.int32(x_q8.n_parts if parts is not None else 0), np.float32(x_q8.eps if parts is not None else 0))
-    return args, n_tok, n_out
 
 
 def _nq_args(w: DeviceWeight, nq_out: tuple | None, n_tok: int, variant) -> tuple:

@@ -144,14 +144,6 @@ MMA8_DECODERS = tuple(MMA8_KERNELS)  # the types with a gemv_mma kernel
 # K4_MMA8_CLUSTER; kernels_cu/gemv_mma_staged.cu CL): each block stages 1 / MMA8_CLUSTER of the
 # tokens' x. Every staged instance also has one for clusters of this size.
 MMA8_CLUSTER = 2
-# The verify step's q|k (Q4_K) and v (Q6_K) products in one launch (gemv_mma_staged.cu gemv_mma_pair,
-# runtime/cuda/gemv_mma.py gemv_mma_pair; flag K4_MMA8_PAIR): without and with clusters.
-MMA8_PAIR_TYPES = (T.Q4_K, T.Q6_K)
-
-
-def gemv_mma_pair_name(cl: int) -> str:
-    """The gemv_mma_pair instance for clusters of cl blocks (1: none)."""
-    return f"gemv_mma_pair<{cl}>"
 EXTRA_MMA8_WARPS: dict[T, tuple[int, ...]] = {T.Q6_K: (12,)}
 
 
@@ -395,7 +387,6 @@ GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
         **{name: (name,) for t in MMA8_DECODERS for act in GLU_ACTS for nf, name in _mma8_names(t, act) if nf == f},
         "bench": tuple(_gemv_mma_name(t, False, v, glu, staged=False) for t, vs in EXTRA_MMA8_WARPS.items()
                        if f == "gemv_mma.cu" for v in vs for glu in (False, True)),
-        **({f"pair{cl}": (gemv_mma_pair_name(cl),) for cl in (1, MMA8_CLUSTER)} if f == "gemv_mma_staged.cu" else {}),
     } for f in ("gemv_mma_staged.cu", "gemv_mma.cu")},
     "matmul.cu": {**{t.name: _matmul_names(t) for t in (*QUANT, *FLOAT)}, "common": ("convert_f32_f16", "add_rows")},
 }
@@ -434,8 +425,6 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
         if mma8 and t in MMA8_DECODERS:
             names = _mma8_names(t) + (_mma8_names(t, activation) if gelu else ())
             jobs += [(f, (name,), _defines(evict_first)) for f, name in names]
-    if mma8 and all(t in present for t in MMA8_PAIR_TYPES):
-        jobs += [("gemv_mma_staged.cu", (gemv_mma_pair_name(cl),), _defines(evict_first)) for cl in (1, MMA8_CLUSTER)]
     return jobs
 
 
