@@ -242,10 +242,11 @@ struct staged_q6_K {
 // CL > 1: launched in thread-block clusters of CL blocks along x, the blocks of a cluster
 // splitting every row's 256-weight blocks: rank r takes blocks [r nblk / CL, (r + 1) nblk / CL)
 // of the cluster's steps (blockIdx.x / CL, + gridDim.x / CL, ...) and stages only their x (a
-// layout of n_lay inputs), so each block reads and converts 1 / CL of x. At a step's end the
-// other ranks store their warps' partial sums into rank 0's shared memory (red's set r;
-// st.shared::cluster) and arrive at the cluster barrier; rank 0 waits for them and writes Y,
-// adding the sets in rank order (the same sums in every launch).
+// layout of n_lay inputs), so each block reads and converts 1 / CL of x. The cluster's i-th step
+// is finished by rank i % CL (the epilogues alternate): at the step's end the other ranks store
+// their warps' partial sums into its shared memory (red's set r; st.shared::cluster) and arrive
+// at the cluster barrier; the finisher waits for them and writes Y and its handoffs, adding the
+// sets in rank order (the same sums in every launch).
 template <class D, bool PLANAR, int WARPS, bool GLU, bool GELU = false, int CL = 1>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's blocks; GLU: (2 n_out, n_in) interleaved
@@ -326,6 +327,8 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
     int cur = 0, next = S - 1, buf = 0;  // stage of the item multiplied next, stage the next copy fills
     const int ys_step = MMA8_NQ_RUN * TILES * MMA8_TOKENS;  // floats of a step's Y in ys
     int local = 0;  // the block's steps so far
+    int done = 0;   // the steps whose Y it wrote (with CL > 1, those it finished)
+    bool pending = CL > 1;  // this thread arrived at the cluster barrier and has not waited since (the start's arrival)
     for (int step = cid; step < n_steps; step += n_cl, ++local) {  // block-uniform
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         const int row0 = 16 * (TILES * step + slot);
@@ -341,36 +344,42 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
             __syncwarp();  // every lane done with the stage before it is refilled
             cur = cur + 1 == S ? 0 : cur + 1;
         }
-        float4* set = red + ((buf * CL + rank) * WARPS + warp) * 32 + lane;  // this warp's partial sums in rank 0's red
+        float4* set = red + ((buf * CL + rank) * WARPS + warp) * 32 + lane;  // this warp's partial sums in the finisher's red
         if constexpr (CL > 1) {
-            if (rank) {  // into rank 0's shared memory; its epilogue of two steps back is over (the barrier's last phase)
-                cluster_wait();
-                asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(peer_addr(set, 0)), "f"(acc[0]), "f"(acc[1]),
-                             "f"(acc[2]), "f"(acc[3]) : "memory");
+            // the step's finisher: rank local % CL. Before any store into a finisher's red, this thread's
+            // last arrival is waited for: every rank has then finished the epilogues that read it.
+            const int fin = local % CL;
+            if (pending) cluster_wait();
+            if (rank != fin) {
+                asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(peer_addr(set, fin)), "f"(acc[0]),
+                             "f"(acc[1]), "f"(acc[2]), "f"(acc[3]) : "memory");
                 cluster_arrive();
+                pending = true;
                 buf ^= 1;
                 continue;
             }
             *set = make_float4(acc[0], acc[1], acc[2], acc[3]);
-            if (local == 0) cluster_wait();  // the start's phase
             cluster_arrive();
             cluster_wait();  // every rank's partial sums are in red (and this block's threads past the barrier)
+            pending = false;
         } else {
             *set = make_float4(acc[0], acc[1], acc[2], acc[3]);
             __syncthreads();
         }
         mma8_step_out<GLU, GELU>(red + buf * CL * WARPS * 32, KS, TILES, step, n_rows, n_out, n_tok, y, y_stride, residual, r_stride, bias,
-                                 ys && !nq_w ? ys + local * ys_step : ys, CL, WARPS * 32);
+                                 ys && !nq_w ? ys + done * ys_step : ys, CL, WARPS * 32);
+        ++done;
         if (nq_w) {  // block-uniform; the next step's mma8_step_out writes ys after its barrier
             __syncthreads();
             if (warp == 0) mma8_step_nq(ys, mma8_step_units(TILES, GLU), step, n_out, n_tok, nq_w, nq_q8, nq_parts, n_steps, nq_swz);
         }
         buf ^= 1;
     }
-    if (ys && !nq_w && rank == 0) {  // Y quantized as it is: every step's at once after the last, warp i taking the block's step i
+    if (ys && !nq_w) {  // Y quantized as it is: every step's at once after the last, warp i taking the block's step i
         __syncthreads();
-        for (int i = warp; i < local; i += WARPS)
-            mma8_step_nq(ys + i * ys_step, mma8_step_units(TILES, GLU), cid + i * n_cl, n_out, n_tok, nullptr, nq_q8, nullptr, 0, nq_swz);
+        for (int i = warp; i < done; i += WARPS)  // the i-th step this block finished: the cluster's step CL i + rank
+            mma8_step_nq(ys + i * ys_step, mma8_step_units(TILES, GLU), cid + (CL * i + rank) * n_cl, n_out, n_tok, nullptr, nq_q8,
+                         nullptr, 0, nq_swz);
     }
     cp_async_wait<0>();  // no copy outlives the block
 }

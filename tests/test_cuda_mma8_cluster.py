@@ -110,3 +110,24 @@ def test_a_row_of_18944_inputs_in_clusters_only():
     assert rel_err(Y.get(), ref) < LIMIT_Q8_ROUNDED, f"seed {seed}: {rel_err(Y.get(), ref):.2e}"
     with pytest.raises(ValueError, match="shared memory"):
         gm.gemv_mma(alone(w), X, nan_like((MMA8_TOKENS, 300)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_tok", [3, MMA8_TOKENS])
+def test_handoffs_with_every_product_in_clusters(n_tok, monkeypatch):
+    """The y_q8 and NQ outputs (each step's, written by the rank that finishes it) with every
+    product in clusters, several steps a cluster: test_cuda_mma8_ffq8's and test_cuda_mma8_nq's
+    checks (the handoff's bytes are quantize_rows' / q8x_host's of this Y) on their shapes."""
+    from tests import test_cuda_mma8_ffq8 as ffq8
+    from tests import test_cuda_mma8_nq as nq
+
+    monkeypatch.setattr(gm, "MMA8_CLUSTER_STEPS", 99)
+    monkeypatch.setattr(gm, "MMA8_CLUSTER_MIN_IN", 256)
+    rng, _ = fresh_rng()
+    for type_name, n_out, n_in, glu in ffq8.CASES:
+        w = glu_weight(T[type_name], n_out, n_in, rng)[0] if glu else weight(type_name, n_out, n_in, rng, True)[0]
+        assert gm.mma8_cluster(w) == qk.MMA8_CLUSTER, (type_name, n_out, n_in)
+        ffq8.test_y_q8_is_quantize_rows_of_the_same_y((type_name, n_out, n_in, glu), n_tok)
+    for case in nq.CASES:
+        assert gm.mma8_cluster(weight(case[0], *case[1], rng, True)[0]) == qk.MMA8_CLUSTER, case
+        nq.test_nq_handoff_feeds_the_products_after_the_norm(case, n_tok)

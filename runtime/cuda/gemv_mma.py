@@ -184,7 +184,7 @@ def _q8_out_smem(w: DeviceWeight, nq: bool) -> int:
     _, grid, _, smem, _, stages, cl = _mma_plan(w, None)
     tiles, n_steps = _steps(w)
     units = tiles // 2 if w.glu else tiles  # mma8_common.cuh mma8_step_units
-    ys_steps = 1 if nq else -(-n_steps // (grid[0] // cl))  # y_q8: the most steps a cluster takes
+    ys_steps = 1 if nq else -(-(-(-n_steps // (grid[0] // cl))) // cl)  # y_q8: the most steps a block finishes
     smem += MMA8_NQ_RUN * tiles * MMA8_TOKENS * 4 * ys_steps
     return smem if stages and units in (2, 4) and smem <= SMEM_LIMIT else 0
 
