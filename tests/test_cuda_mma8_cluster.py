@@ -41,6 +41,7 @@ def test_clusters_where_the_rule_says():
     assert gm.mma8_cluster(weight("Q6_K", 4096, 11008, rng, True)[0]) == qk.MMA8_CLUSTER
     gate_up = glu_weight(T.Q4_K, 11008, 4096, rng)[0]  # six steps a cluster: the kernel without clusters
     assert gm.mma8_cluster(gate_up) == 1
+    assert gm.mma8_cluster(weight("Q4_K", 2048, 2048, rng, True)[0]) == 1  # rows of fewer than MMA8_CLUSTER_MIN_IN inputs
     assert gm.mma8_cluster(alone(weight("Q4_K", 4096, 4096, rng, True)[0])) == 1
     wide = weight("Q4_K", 512, 18944, rng, True)[0]  # Qwen2.5 7B's down: x of 8 tokens fits only halved
     assert gm.mma_shape(T.Q4_K, 18944, True) is None and gm.uses_mma8(wide, 8) and gm.mma8_cluster(wide) == qk.MMA8_CLUSTER
@@ -49,7 +50,7 @@ def test_clusters_where_the_rule_says():
     assert plan[1][0] % qk.MMA8_CLUSTER == 0 and plan[6] == qk.MMA8_CLUSTER
 
 
-# (type, n_out, n_in, glu, steps rule): one step a cluster with the rows' blocks split 8 / 8, 21 /
+# (type, n_out, n_in, glu, steps rule; every n_in admitted): one step a cluster with the rows' blocks split 8 / 8, 21 /
 # 22 (Q6_K, 12 warps) and 2 / 2 (a partial tile, warps of rank 1 without blocks); several steps a
 # cluster (the rule lifted): the gate/up epilogue over 6 steps, 3 steps of 4 tiles
 CASES = [("Q4_K", 4096, 4096, False, None), ("Q6_K", 4096, 11008, False, None), ("Q4_K", 301, 1024, False, None),
@@ -65,6 +66,7 @@ def test_cluster_products_agree_with_one_block(case, n_tok, monkeypatch):
     t, n_out, n_in, glu, steps = case
     if steps:
         monkeypatch.setattr(gm, "MMA8_CLUSTER_STEPS", steps)
+    monkeypatch.setattr(gm, "MMA8_CLUSTER_MIN_IN", 256)
     rng, seed = fresh_rng()
     if glu:
         w, ref_g, ref_u = glu_weight(T[t], n_out, n_in, rng)

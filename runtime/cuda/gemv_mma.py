@@ -110,19 +110,25 @@ def mma_ks(n_rows: int, n_in: int, warps: int, resident: int) -> tuple[int, int]
     return best[1], best[2]
 
 
-# A product runs in clusters (MMA8_CLUSTER) only where no cluster takes more steps than this: each
-# step ends at a cluster barrier, and rank 0 writes every step's Y. Measured on the H200 (8 tokens,
+# A product runs in clusters (MMA8_CLUSTER) where its rows have at least MMA8_CLUSTER_MIN_IN inputs
+# (half of x is what a block saves) and no cluster takes more than MMA8_CLUSTER_STEPS steps (each
+# step ends at a cluster barrier), or where only clusters fit x. Measured on the H200 (8 tokens,
 # x handed in quantized, µs, clusters against none; docs/PERF.md): Llama 2 7B's q|k|v (3 steps a
-# cluster) 13.75 against 14.4, its output product (1) 6.61 against 7.22, Q6_K down (1) 18.8
-# against 21.4; gate/up (6 steps) 25.4 against 20.5, the Q6_K output head (8) 48.6 against 46.2.
+# cluster) 13.7 against 14.6, its output product (1) 6.6 against 7.3, Q6_K down (1) 18.8 against
+# 21.4, TinyLlama's downs (5,632 inputs) 6.2 / 8.1 against 7.5 / 9.1; but the 7B's gate/up (6
+# steps) 25.4 against 20.6, its Q6_K output head (8) 50.6 against 44.6, TinyLlama's gate/up (2,048
+# inputs, 3 steps) 9.5 against 8.4, its output product 4.3 against 4.2 and its Q6_K v (256 rows)
+# 4.8 against 4.4.
 MMA8_CLUSTER_STEPS = 3
+MMA8_CLUSTER_MIN_IN = 3072
 
 
 def mma8_cluster(w: DeviceWeight, variant: tuple[int, ...] | None = None) -> int:
     """Blocks per thread-block cluster of gemv_mma on w (kernels_cu/gemv_mma_staged.cu CL): MMA8_CLUSTER
     where w's mma8_cluster option is on (flag K4_MMA8_CLUSTER), the staged kernel's cluster
-    instance fits (mma_shape) and either no cluster takes more than MMA8_CLUSTER_STEPS steps or
-    the kernel without clusters does not fit; else 1."""
+    instance fits (mma_shape) and either the rows have MMA8_CLUSTER_MIN_IN inputs or more and no
+    cluster takes more than MMA8_CLUSTER_STEPS steps, or the kernel without clusters does not fit;
+    else 1."""
     return _mma_plan(w, variant)[6]
 
 
@@ -141,7 +147,7 @@ def _mma_plan(w: DeviceWeight, variant: tuple[int, ...] | None):
         plan = _plan_for(w, variant, MMA8_CLUSTER)
         _, (grid,), (threads,), _, ks, _, cl = plan
         steps = -(-w.shape[0] // (16 * (threads // 32 // ks)))
-        if alone and -(-steps // (grid // cl)) > MMA8_CLUSTER_STEPS:
+        if alone and (w.shape[1] < MMA8_CLUSTER_MIN_IN or -(-steps // (grid // cl)) > MMA8_CLUSTER_STEPS):
             plan = None
     plan = plan or _plan_for(w, variant, 1)
     w._plans[key] = plan
