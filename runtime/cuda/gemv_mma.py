@@ -12,7 +12,9 @@ with gemv to float rounding, not bit for bit (tests/test_cuda_gemv_mma.py states
 
 matmul.matmul (through gemv_batch.gemv_rows) and forward.py's gate/up path use it for
 MMA8_MIN_TOKENS to MMA8_TOKENS tokens when the weight's mma8 option is on (flag K4_MMA8, on by
-default) and uses_mma8 says the product fits. Like matmul.py's entry points: validates on the host (ValueError: programming
+default) and uses_mma8 says the product fits. Where mma8_cluster says (flag K4_MMA8_CLUSTER), the
+staged kernel runs in thread-block clusters of two whose blocks split each row's 256-weight
+blocks, so each block stages half of the tokens' x (docs/PERF.md session 45). Like matmul.py's entry points: validates on the host (ValueError: programming
 errors of the caller), allocates nothing, never synchronizes, can be captured in a CUDA graph.
 """
 
