@@ -50,7 +50,6 @@
 //       (the mins product's B fragments);
 //   Q6_K: gemv_mma.cu's layout (its header);
 //   red (2, WARPS, 32) float4: the warps' partial sums in C order; then the rings.
-#include "cluster_handoff.cuh"
 #include "mma8_common.cuh"
 
 // Ring stages a warp fills before the programmatic-dependent-launch wait (the header). Measured on
@@ -237,19 +236,17 @@ struct staged_q6_K {
 };
 
 // ---- the kernel ----------------------------------------------------------------------------------
-// Dynamic shared memory: mma8_smem(n_lay, WARPS) + (CL - 1) * (2 * WARPS * 512 + 16) + WARPS * S *
-// D::STAGE bytes (n_lay: QK_K * ceil(n_in / QK_K / CL)). D: staged_q4_K, staged_q6_K.
+// Dynamic shared memory: mma8_smem(n_lay, WARPS) + (CL - 1) * 2 * WARPS * 512 + WARPS * S * D::STAGE
+// bytes (n_lay: QK_K * ceil(n_in / QK_K / CL)). D: staged_q4_K, staged_q6_K.
 //
 // CL > 1: launched in thread-block clusters of CL blocks along x, the blocks of a cluster
 // splitting every row's 256-weight blocks: rank r takes blocks [r nblk / CL, (r + 1) nblk / CL)
 // of the cluster's steps (blockIdx.x / CL, + gridDim.x / CL, ...) and stages only their x (a
 // layout of n_lay inputs), so each block reads and converts 1 / CL of x. The cluster's i-th step
-// is finished by rank i % 2 (the epilogues alternate): at the step's end the other block stores
-// its warps' partial sums into the finisher's shared memory (red's set r; st.async counted on the
-// finisher's mbarrier full, cluster_handoff.cuh), once the finisher has arrived on its mbarrier
-// empty after reading the ones before; the finisher waits on full and writes Y and its handoffs,
-// adding the sets in rank order (the same sums in every launch). No cluster-wide barrier but at
-// the start and the end.
+// is finished by rank i % CL (the epilogues alternate): at the step's end the other ranks store
+// their warps' partial sums into its shared memory (red's set r; st.shared::cluster) and arrive
+// at the cluster barrier; the finisher waits for them and writes Y and its handoffs, adding the
+// sets in rank order (the same sums in every launch).
 template <class D, bool PLANAR, int WARPS, bool GLU, bool GELU = false, int CL = 1>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's blocks; GLU: (2 n_out, n_in) interleaved
@@ -272,7 +269,7 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
                 float* nq_parts,                 // NQ: (n_tok, n_steps) sums of y^2, a step's at [t * n_steps + step]
                 int nq_swz) {                    // nq_q8's swizzle
     using T = typename D::T;
-    static_assert(CL == 1 || CL == 2, "clusters of 1 or 2 blocks");
+    static_assert(CL == 1 || CL == 2 || CL == 4, "clusters of 1, 2 or 4 blocks");
     const int TILES = WARPS / KS;
     extern __shared__ uint4 smem[];
     const int nblk_row = n_in / QK_K;
@@ -283,22 +280,11 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
     u8* xq = reinterpret_cast<u8*>(smem);
     u32* xsc = reinterpret_cast<u32*>(xq + 256 * n_sub);
     float4* red = reinterpret_cast<float4*>(xsc + 32 * n_sub);  // (2, CL, WARPS, 32)
-    // CL > 1: mbarriers full (the peer's partial sums of a step this block finishes have landed)
-    // and empty (the peer has read what this block stored into its red)
-    unsigned long long* bars = reinterpret_cast<unsigned long long*>(red + 2 * CL * WARPS * 32);
-    u8* rings = reinterpret_cast<u8*>(bars) + (CL > 1 ? 16 : 0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u8* ring = rings + warp * S * D::STAGE;
-    float* ys = nq_q8 ? reinterpret_cast<float*>(rings + WARPS * S * D::STAGE) : nullptr;
+    u8* ring = reinterpret_cast<u8*>(red + 2 * CL * WARPS * 32) + warp * S * D::STAGE;
+    float* ys = nq_q8 ? reinterpret_cast<float*>(reinterpret_cast<u8*>(red + 2 * CL * WARPS * 32) + WARPS * S * D::STAGE) : nullptr;
     const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
-    if constexpr (CL > 1) {
-        if (threadIdx.x == 0) {
-            mbar_init(bars, 1);
-            mbar_init(bars + 1, 1);
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        }
-        cluster_arrive();  // the start (release: the barriers' init): no block touches the peer before it has run
-    }
+    if constexpr (CL > 1) cluster_arrive_relaxed();  // the start: no block stores into rank 0 before it runs
 
     const int slot = warp / KS, kl = warp % KS;
     const int n_rows = GLU ? 2 * n_out : n_out;  // weight rows
@@ -342,7 +328,7 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
     const int ys_step = MMA8_NQ_RUN * TILES * MMA8_TOKENS;  // floats of a step's Y in ys
     int local = 0;  // the block's steps so far
     int done = 0;   // the steps whose Y it wrote (with CL > 1, those it finished)
-    int sent = 0;   // CL > 1: the steps whose partial sums it stored into the peer's red
+    bool pending = CL > 1;  // this thread arrived at the cluster barrier and has not waited since (the start's arrival)
     for (int step = cid; step < n_steps; step += n_cl, ++local) {  // block-uniform
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         const int row0 = 16 * (TILES * step + slot);
@@ -360,21 +346,22 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
         }
         float4* set = red + ((buf * CL + rank) * WARPS + warp) * 32 + lane;  // this warp's partial sums in the finisher's red
         if constexpr (CL > 1) {
-            // the step's finisher: rank local % 2. The other stores its partial sums into the finisher's
-            // red once the finisher has read its previous ones (empty), counted on the finisher's full.
-            const int fin = local & 1;
-            if (local == 0) cluster_wait();  // the start's phase: the peer runs, its barriers are set up
+            // the step's finisher: rank local % CL. Before any store into a finisher's red, this thread's
+            // last arrival is waited for: every rank has then finished the epilogues that read it.
+            const int fin = local % CL;
+            if (pending) cluster_wait();
             if (rank != fin) {
-                if (sent) mbar_wait(bars + 1, (sent - 1) & 1);
-                st_async_v4(peer_addr(set, fin), acc, peer_addr(bars, fin));
-                ++sent;
+                asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(peer_addr(set, fin)), "f"(acc[0]),
+                             "f"(acc[1]), "f"(acc[2]), "f"(acc[3]) : "memory");
+                cluster_arrive();
+                pending = true;
                 buf ^= 1;
                 continue;
             }
             *set = make_float4(acc[0], acc[1], acc[2], acc[3]);
-            if (threadIdx.x == 0) mbar_expect_tx(bars, WARPS * 32 * 16);
-            mbar_wait(bars, done & 1);
-            __syncthreads();  // this block's own partial sums
+            cluster_arrive();
+            cluster_wait();  // every rank's partial sums are in red (and this block's threads past the barrier)
+            pending = false;
         } else {
             *set = make_float4(acc[0], acc[1], acc[2], acc[3]);
             __syncthreads();
@@ -386,10 +373,6 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
             __syncthreads();
             if (warp == 0) mma8_step_nq(ys, mma8_step_units(TILES, GLU), step, n_out, n_tok, nq_w, nq_q8, nq_parts, n_steps, nq_swz);
         }
-        if constexpr (CL > 1) {  // red read: the peer may store into it again
-            __syncthreads();
-            if (threadIdx.x == 0) mbar_arrive_remote(peer_addr(bars + 1, rank ^ 1));
-        }
         buf ^= 1;
     }
     if (ys && !nq_w) {  // Y quantized as it is: every step's at once after the last, warp i taking the block's step i
@@ -397,11 +380,6 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
         for (int i = warp; i < done; i += WARPS)  // the i-th step this block finished: the cluster's step CL i + rank
             mma8_step_nq(ys + i * ys_step, mma8_step_units(TILES, GLU), cid + (CL * i + rank) * n_cl, n_out, n_tok, nullptr, nq_q8,
                          nullptr, 0, nq_swz);
-    }
-    if constexpr (CL > 1) {  // neither block leaves while the other may still store into it or arrive on its barriers
-        if (local == 0) cluster_wait();
-        cluster_arrive();
-        cluster_wait();
     }
     cp_async_wait<0>();  // no copy outlives the block
 }
