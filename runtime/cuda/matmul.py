@@ -128,9 +128,8 @@ def make_weight(t: Tensor | MatrixSpec, device_bytes, repack: bool, glu: bool = 
         raise ValueError(f"{t.name}: a gate/up interleaved matrix needs an even number of rows, got {n_out}")
     if glu_act not in GLU_ACTS:
         raise ValueError(f"{t.name}: no gate/up epilogue for activation {glu_act!r} (have {', '.join(GLU_ACTS)})")
-    return DeviceWeight(t.ggml_type, (n_out, n_in), device_bytes, planar, opts.tensor_cores, opts.pdl, glu,
-                        evict_first=opts.evict_first, glu_act=glu_act, mma8=opts.mma8,
-                        mma8_cluster=opts.mma8_cluster)
+    return DeviceWeight(t.ggml_type, (n_out, n_in), device_bytes, planar, opts.tensor_cores, opts.pdl, glu, evict_first=opts.evict_first,
+                        glu_act=glu_act, mma8=opts.mma8, mma8_cluster=opts.mma8_cluster)
 
 
 def half_bytes(w: DeviceWeight) -> int:
