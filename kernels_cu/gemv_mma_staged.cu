@@ -58,6 +58,13 @@
 // 13.68 -> 14.18; 0 and 2 no better.
 constexpr int MMA8_PRE_STAGES = 1;
 
+// Without clusters and an NQ handoff, a step's end joins only the KS warps of each tile (a named
+// barrier, 1 + the tile's slot) and they write the tile's Y, instead of the whole block at one
+// barrier: the tiles' warps do not wait for each other.
+#ifndef MMA8_TILE_SYNC
+#define MMA8_TILE_SYNC 1
+#endif
+
 static_assert(MMA8_STAGE_BYTES == 16 * K4_BLOCK_BYTES_Q4_K, "a Q4_K ring stage is 16 rows of one block_q4_K");
 static_assert(MMA8_STAGE_BYTES_Q6_K == 16 * (K4_BLOCK_BYTES_Q6_K - 2) + 16 * 16, "a Q6_K stage: 16 rows' ql, qh, scales and 16-byte d chunks");
 
@@ -362,6 +369,16 @@ gemv_mma_staged(const u8* __restrict__ w,        // (n_out, n_in) in D::T's bloc
             cluster_arrive();
             cluster_wait();  // every rank's partial sums are in red (and this block's threads past the barrier)
             pending = false;
+        } else if (MMA8_TILE_SYNC && !nq_w) {  // block-uniform
+            *set = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            asm volatile("bar.sync %0, %1;" ::"r"(1 + slot), "r"(32 * KS) : "memory");
+            const int f = 32 * kl + lane;  // this thread's output of the tile: (lane f / 4, C register f % 4)
+            if (f < 128)
+                mma8_step_out<GLU, GELU>(red + buf * WARPS * 32, KS, TILES, step, n_rows, n_out, n_tok, y, y_stride, residual, r_stride,
+                                         bias, ys ? ys + done * ys_step : ys, 1, 0, 128 * slot + f);
+            ++done;
+            buf ^= 1;
+            continue;
         } else {
             *set = make_float4(acc[0], acc[1], acc[2], acc[3]);
             __syncthreads();

@@ -276,8 +276,8 @@ __host__ __device__ constexpr int mma8_step_units(int tiles, bool glu) { return 
 template <bool GLU, bool GELU>
 __device__ void mma8_step_out(const float4* red, int KS, int TILES, int step, int n_rows, int n_out, int n_tok,
                               float* y, int y_stride, const float* residual, int r_stride, const float* __restrict__ bias,
-                              float* ys = nullptr, int CL = 1, int set_stride = 0) {
-    const int f = threadIdx.x;  // (tile slot, lane, C register) of one output
+                              float* ys = nullptr, int CL = 1, int set_stride = 0, int f = -1) {
+    if (f < 0) f = threadIdx.x;  // (tile slot, lane, C register) of one output: by default the thread's
     if (f >= TILES * 128) return;
     const int sl = f >> 7, ln = (f >> 2) & 31, reg = f & 3;
     const float* part = reinterpret_cast<const float*>(red + sl * KS * 32);
