@@ -60,10 +60,8 @@ constexpr int MMA8_PRE_STAGES = 1;
 
 // Without clusters and an NQ handoff, a step's end joins only the KS warps of each tile (a named
 // barrier, 1 + the tile's slot) and they write the tile's Y, instead of the whole block at one
-// barrier: the tiles' warps do not wait for each other.
-#ifndef MMA8_TILE_SYNC
-#define MMA8_TILE_SYNC 1
-#endif
+// barrier: the tiles' warps do not wait for each other (docs/PERF.md, session 45).
+constexpr bool MMA8_TILE_SYNC = true;
 
 static_assert(MMA8_STAGE_BYTES == 16 * K4_BLOCK_BYTES_Q4_K, "a Q4_K ring stage is 16 rows of one block_q4_K");
 static_assert(MMA8_STAGE_BYTES_Q6_K == 16 * (K4_BLOCK_BYTES_Q6_K - 2) + 16 * 16, "a Q6_K stage: 16 rows' ql, qh, scales and 16-byte d chunks");
@@ -115,12 +113,11 @@ struct staged_q4_K {
     };
 
     // acc (C order: rows g, g + 8 x tokens 2t, 2t + 1) += the products of the item in stage st
-    // (block kb of the tile's rows) with the x of block kb, at index kx of x's layout of nblk_lay
-    // blocks (the header's layouts; kx = kb but in a cluster's blocks).
-    __device__ static void item(const u8* st, const u8* xq, const u32* xsc_w, int nblk_lay, int kx, int, int, int, int, int lane,
+    // (block kb of the tile's rows) with the x of block kb, at index kb of x's layout of nblk_lay
+    // blocks (the header's layouts; in a cluster's block, kb counts from the block's first).
+    __device__ static void item(const u8* st, const u8* xq, const u32* xsc_w, int nblk_lay, int kb, int, int, int, int, int lane,
                                 float (&acc)[4]) {
         const float* xsc = reinterpret_cast<const float*>(xsc_w);
-        const int kb = kx;  // x's layout holds the block at index kx
         const int g = lane >> 2, t = lane & 3;
         const u8* w0 = st + K4_BLOCK_BYTES_Q4_K * stage_row(g);
         const u8* w1 = st + K4_BLOCK_BYTES_Q4_K * stage_row(g + 8);

@@ -14,8 +14,9 @@ matmul.matmul (through gemv_batch.gemv_rows) and forward.py's gate/up path use i
 MMA8_MIN_TOKENS to MMA8_TOKENS tokens when the weight's mma8 option is on (flag K4_MMA8, on by
 default) and uses_mma8 says the product fits. Where mma8_cluster says (flag K4_MMA8_CLUSTER), the
 staged kernel runs in thread-block clusters of two whose blocks split each row's 256-weight
-blocks, so each block stages half of the tokens' x (docs/PERF.md session 45). Like matmul.py's entry points: validates on the host (ValueError: programming
-errors of the caller), allocates nothing, never synchronizes, can be captured in a CUDA graph.
+blocks, so each block stages half of the tokens' x (docs/PERF.md session 45). Like matmul.py's
+entry points: validates on the host (ValueError: programming errors of the caller), allocates
+nothing, never synchronizes, can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -145,11 +146,12 @@ def _mma_plan(w: DeviceWeight, variant: tuple[int, ...] | None):
         return plan
     plan = None
     alone = mma_shape(w.ggml_type, w.shape[1], w.planar, variant) is not None
-    if w.mma8_cluster and mma_shape(w.ggml_type, w.shape[1], w.planar, variant, MMA8_CLUSTER) is not None:
+    if (w.mma8_cluster and not (alone and w.shape[1] < MMA8_CLUSTER_MIN_IN)
+            and mma_shape(w.ggml_type, w.shape[1], w.planar, variant, MMA8_CLUSTER) is not None):
         plan = _plan_for(w, variant, MMA8_CLUSTER)
         _, (grid,), (threads,), _, ks, _, cl = plan
         steps = -(-w.shape[0] // (16 * (threads // 32 // ks)))
-        if alone and (w.shape[1] < MMA8_CLUSTER_MIN_IN or -(-steps // (grid // cl)) > MMA8_CLUSTER_STEPS):
+        if alone and -(-steps // (grid // cl)) > MMA8_CLUSTER_STEPS:
             plan = None
     plan = plan or _plan_for(w, variant, 1)
     w._plans[key] = plan
@@ -192,7 +194,8 @@ def _q8_out_smem(w: DeviceWeight, nq: bool) -> int:
     _, grid, _, smem, _, stages, cl = _mma_plan(w, None)
     tiles, n_steps = _steps(w)
     units = tiles // 2 if w.glu else tiles  # mma8_common.cuh mma8_step_units
-    ys_steps = 1 if nq else -(-(-(-n_steps // (grid[0] // cl))) // cl)  # y_q8: the most steps a block finishes
+    per_cluster = -(-n_steps // (grid[0] // cl))  # the most steps a cluster (a block, cl 1) takes
+    ys_steps = 1 if nq else -(-per_cluster // cl)  # y_q8: the most steps a block finishes (they alternate)
     smem += MMA8_NQ_RUN * tiles * MMA8_TOKENS * 4 * ys_steps
     return smem if stages and units in (2, 4) and smem <= SMEM_LIMIT else 0
 
