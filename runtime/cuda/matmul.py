@@ -69,9 +69,8 @@ class DeviceWeight:
     act(gate) * up, (n_out / 2,), and matmul the interleaved (n_tok, n_out) products;
     glu_act: that act, a quant_kernels.GLU_ACTS key: "silu" (SwiGLU) or "gelu_tanh" (GeGLU);
     half: None or a cupy float16 (n_out, n_in) copy that matmul multiplies directly (make_half);
-    mma8: products of 3 to 8 tokens run on int8 tensor cores where gemv_mma.uses_mma8 allows
-    (flag K4_MMA8); mma8_cluster: those products in thread-block clusters that split the rows'
-    blocks where gemv_mma.mma8_cluster says (flag K4_MMA8_CLUSTER).
+    mma8: products of 3 to 8 tokens run on int8 tensor cores where gemv_mma.uses_mma8 allows (flag
+    K4_MMA8); mma8_cluster: in clusters where gemv_mma.mma8_cluster says (flag K4_MMA8_CLUSTER).
     """
 
     ggml_type: T
