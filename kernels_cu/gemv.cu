@@ -37,6 +37,7 @@
 // Thread mapping: warp w of block b starts at output b + gridDim.x * w and steps by
 // gridDim.x * WARPS (with y_q8: see gemv_q8). The launcher (runtime/cuda/matmul.py) validates
 // shapes and types.
+#include "argmax.cuh"       // NO_INDEX, beats (AM)
 #include "gemv_common.cuh"
 #include "mma_common.cuh"  // k4mma::cp_async16 (NQ's norm weights)
 
@@ -77,8 +78,13 @@ __device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_
 // NX (x_q8 and x_parts non-null, no norm_w or post-norm): x_q8 is an NQ product's handoff, copied
 // and scaled by copy_q8x_normed. Instances of their own too: the reader's code in every instance
 // cost TinyLlama, which never runs it, 1.6% (docs/PERF.md, session 28).
+// AM (not GLU, NQ or CLUSTER; no bias or residual): decode's output head also does the sampler's
+// first argmax pass (sampling.cu sample_argmax_partial's, flag K4_HEAD_ARGMAX): each warp writes
+// the largest of its outputs y[r] and its r (argmax.cuh beats: the lowest r on equal values) to
+// am_val[i], am_idx[i], i = blockIdx.x * WARPS + warp, gridDim.x * WARPS partials for sample_finish
+// (a warp without rows: -inf and NO_INDEX). A partial per block cost the block a barrier.
 template <class T, bool PLANAR, int WARPS, int U, bool PF, bool GLU, bool GELU = false, bool CLUSTER = false, bool NQ = false,
-          bool NX = false>
+          bool NX = false, bool AM = false>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw or planar; GLU: (2 n_out, n_in) interleaved
         const float* __restrict__ x,       // (n_in,)
@@ -99,9 +105,12 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         const float* __restrict__ nq_w,    // NQ: (n_out,) the next RMSNorm's weights
         float* __restrict__ nq_parts,      // NQ: (gridDim.x,) each block's sum of y^2
         const float* __restrict__ x_parts,  // NX: (n_parts,) the nq_parts of the NQ product whose y_q8 is x_q8
-        int n_parts) {
+        int n_parts,
+        float* __restrict__ am_val,        // AM: (gridDim.x * WARPS,) each warp's largest output
+        int* __restrict__ am_idx) {        // AM: (gridDim.x * WARPS,) its row
     extern __shared__ uint4 smem[];
     static_assert(!NX || (WARPS <= 16 && !CLUSTER && !NQ), "NX: instances of 16 warps or fewer, no cluster, no NQ");
+    static_assert(!AM || !(GLU || CLUSTER || NQ), "AM: a plain product");
     u8* xq = reinterpret_cast<u8*>(smem);
     float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
     float* xs = xd + q8x_d_floats(n_in);
@@ -159,6 +168,8 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     if (x_q8_out && blockIdx.x == 0) q8x_store(xq, n_in, T::x_swizzle, x_q8_out, x_out_swz);
 
     auto load = [&](typename T::chunk (&dst)[U], int r, int c0) { q8_load<T, PLANAR, U, GLU>(dst, w, nblk, nblk_row, n_chunks, r, c0); };
+    float am_v = -k4ops::inf_f32();  // AM: the warp's largest output so far (lane 0), in ascending rows
+    int am_i = NO_INDEX;
     q8_rows<T, U, PF, GLU>(n_chunks, row, row_end, row_step, lane, ch, true, xv, load, [&](int r, float acc, float acc_up) {
         if constexpr (GLU) {
             const float v = glu_act<GELU>(acc, acc_up);
@@ -171,8 +182,16 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
             y_smem()[r - 32 * group(blockIdx.x)] = acc;
         } else {
             write_row(y, residual, bias, r, acc);
+            if (AM && beats(acc, r, am_v, am_i)) {
+                am_v = acc;
+                am_i = r;
+            }
         }
     });
+    if (AM && lane == 0) {  // no barrier: the warp's own partial (NO_INDEX where it had no row)
+        am_val[blockIdx.x * WARPS + (threadIdx.x >> 5)] = am_v;
+        am_idx[blockIdx.x * WARPS + (threadIdx.x >> 5)] = am_i;
+    }
     if constexpr (NQ) {  // warp 0 hands the block's groups over, a value a lane: y * nq_w quantized, the sum of y^2
         k4mma::cp_async_wait_all();
         __syncthreads();

@@ -297,7 +297,9 @@ __device__ int draw_token(const float* __restrict__ x, int n, const SamplerParam
 // Pick the token (greedy from the argmax partials, else draw_token), then update the decode
 // state: push the token into the ring, make it the next step's input, count the draw, and when
 // `advance` is set (a decode step, whose input token is now cached) increment the position.
-// logits: (n,) f32. part_val/part_idx: (n_part,), n_part <= blockDim.x. state: (4,) int32.
+// The partials may come from the output head (gemv.cu AM, K4_HEAD_ARGMAX), before sample_penalty
+// changed any logit: where the penalty applies, greedy takes the argmax of the logits themselves.
+// logits: (n,) f32. part_val/part_idx: (n_part,) argmax partials (any number). state: (4,) int32.
 // ring: (ring_cap,) int32. One block of SAMPLE_THREADS threads.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_finish(const float* __restrict__ logits, int n, const float* __restrict__ part_val,
@@ -309,8 +311,22 @@ sample_finish(const float* __restrict__ logits, int n, const float* __restrict__
     const int draw = state[ST_DRAW];
     int token;
     if (sp->temperature <= 0.0) {
-        float v = tid < n_part ? part_val[tid] : -k4ops::inf_f32();
-        token = tid < n_part ? part_idx[tid] : NO_INDEX;
+        float v = -k4ops::inf_f32();
+        token = NO_INDEX;
+        for (int i = tid; i < n_part; i += blockDim.x)
+            if (beats(part_val[i], part_idx[i], v, token)) {
+                v = part_val[i];
+                token = part_idx[i];
+            }
+        if (sp->repeat_penalty != 1.0 && min((long long)state[ST_RING], sp->repeat_last_n) > 0) {  // sample_penalty's test
+            v = -k4ops::inf_f32();
+            token = NO_INDEX;
+            for (int i = tid; i < n; i += blockDim.x)
+                if (beats(logits[i], i, v, token)) {
+                    v = logits[i];
+                    token = i;
+                }
+        }
         block_argmax(v, token);
     } else {
         token = draw_token(logits, n, sp, draw);

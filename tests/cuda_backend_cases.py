@@ -19,7 +19,20 @@ FUSIONS = ("K4_STACK", "K4_FUSE_NORM", "K4_FUSE_SWIGLU", "K4_FUSE_ROPE", "K4_PRE
            "K4_MMA_ATTN", "K4_PREFILL_GRAPH", "K4_EVICT_FIRST")
 ALL_FLAGS = ("K4_CUDA_GRAPH", "K4_PINGPONG", "K4_CHAIN_EVENTS", "K4_PINNED_UPLOAD", "K4_REPACK", "K4_PREFILL_TC", "K4_SPLIT_ATTN", "K4_GQA_MMA",
              "K4_CARVEOUT", "K4_QKV_Q8", "K4_QKV_PAIR", "K4_ATTN_Q8", "K4_DYN_SPLIT", "K4_SHARED_MERGE",
-             "K4_SHORT_ATTN", "K4_X_CLUSTER", "K4_NORM_Q8", "K4_MMA8_NQ", "K4_MMA8_FFQ8", "K4_WO_WIDE", "K4_MMA8_CLUSTER") + FUSIONS
+             "K4_SHORT_ATTN", "K4_X_CLUSTER", "K4_NORM_Q8", "K4_MMA8_NQ", "K4_MMA8_FFQ8", "K4_WO_WIDE", "K4_MMA8_CLUSTER", "K4_HEAD_ARGMAX") + FUSIONS
+
+
+def sampling_kernels(mf, head_argmax: bool = True) -> int:
+    """The sampling kernels of a decode step: sample_penalty, sample_argmax_partial (unless the
+    output head writes its partials: K4_HEAD_ARGMAX on, a quantized head whose default gemv_q8
+    variant runs, no final soft-cap) and sample_finish."""
+    from k4.runtime.cuda.quant_kernels import QUANT, gemv_variant
+
+    cfg = mf.config
+    head = mf.tensor("token_embd.weight" if cfg.tied_embeddings else "output.weight")
+    t, (n_out, n_in) = head.ggml_type, head.shape
+    fused = head_argmax and t in QUANT and gemv_variant(t, n_out, n_in) == QUANT[t].gemv and not cfg.final_softcap
+    return 2 if fused else 3
 
 
 # Error limits against the numpy backend (relative L2 of the logits), each just above what a

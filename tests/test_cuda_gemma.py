@@ -24,6 +24,7 @@ from k4.runtime.flags import Flags
 from k4.runtime.model import open_model
 from k4.runtime.reference import NumpyBackend
 from tests.attention_ref import attention_inputs, check_attention_kernels, f16_plane
+from tests.cuda_backend_cases import sampling_kernels
 from tests.gpu import cupy_or_skip
 from tests.test_gemma import GEMMA_CASES, attention_f64, gemma_tiny, rel_l2
 from tests.tiny import write_tiny
@@ -118,14 +119,14 @@ def gemma_step_kernels(mf, fuse_glu: bool) -> int:
     epilogue (a separate geglu kernel without K4_FUSE_SWIGLU), down; the post-attention and
     post-FFN norms with their residual adds are folded into the next products' prologue; then
     the embedding (its sqrt(n_embd) scale inside), lm_head (the final norm and the last post-FFN
-    norm folded in), gemma 2's logit soft-cap, and 3 sampling kernels. Before the GeGLU epilogue
+    norm folded in), gemma 2's logit soft-cap, and the sampling kernels (sampling_kernels). Before the GeGLU epilogue
     and the scale fold: 7 per layer + 6; before the post-norm fold: 6 per layer + 5."""
     from k4.runtime.cuda.weights import runs_of_one_type
 
     cfg = mf.config
     qkv = sum(len(runs_of_one_type([mf.tensor(f"blk.{i}.attn_{p}.weight").ggml_type for p in "qkv"], True))
               for i in range(cfg.n_layer))
-    return qkv + (4 if fuse_glu else 5) * cfg.n_layer + 5 + (1 if cfg.final_softcap else 0)
+    return qkv + (4 if fuse_glu else 5) * cfg.n_layer + 2 + sampling_kernels(mf) + (1 if cfg.final_softcap else 0)
 
 
 @pytest.mark.parametrize("case", list(GEMMA_CASES))

@@ -10,6 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from k4.runtime.cuda import matmul as mm
+from k4.runtime.cuda.dequant import dequant_rows
 from k4.runtime.cuda.microbench import bench_gemv, bench_matmul
 from tests.matmul_ref import (FLOATS, LIMIT_F32, LIMIT_FP16, LIMIT_Q8_ROUNDED, QUANTIZED, fresh_rng, glu_weight, nan_like, q8_rounded,
                               rel_err, shapes, weight)
@@ -147,13 +148,13 @@ def test_dequant_rows_is_exact(type_name, repack):
     ids[:2] = [0, n_out - 1]
     ids[-1] = ids[2]
     out = nan_like((9, n_in))
-    mm.dequant_rows(w, cp.asarray(ids), out)
+    dequant_rows(w, cp.asarray(ids), out)
     assert np.array_equal(out.get(), ref_w[ids].astype(np.float32)), f"{type_name} repack={repack} (seed {seed})"
     # gemma's embedding scale inside the launch: numpy's one float32 product per value, over
     # 301 rows (many thread blocks, the last one partly idle)
     ids = rng.integers(0, n_out, size=301).astype(np.int32)
     out = nan_like((301, n_in))
-    mm.dequant_rows(w, cp.asarray(ids), out, scale=61.96773)
+    dequant_rows(w, cp.asarray(ids), out, scale=61.96773)
     want = ref_w[ids].astype(np.float32) * np.float32(61.96773)
     assert np.array_equal(out.get(), want), f"{type_name} repack={repack} scaled (seed {seed})"
 

@@ -289,14 +289,14 @@ class DeviceSampler:
     """The buffers ops.sample works on, for one vocabulary size; draw() runs it on host data."""
 
     def __init__(self, ops, n_vocab: int, ring_cap: int = 1024):
-        from k4.runtime.cuda.ops import STATE_WORDS, argmax_parts
+        from k4.runtime.cuda.ops import ARGMAX_PARTS, STATE_WORDS
 
         self.ops = ops
         self.state = cp.zeros(STATE_WORDS, cp.int32)
         self.ring = cp.zeros(ring_cap, cp.int32)
         self.seen = cp.zeros(n_vocab, cp.int32)
-        self.part_val = cp.empty(argmax_parts(n_vocab), cp.float32)
-        self.part_idx = cp.empty(argmax_parts(n_vocab), cp.int32)
+        self.part_val = cp.empty(ARGMAX_PARTS, cp.float32)
+        self.part_idx = cp.empty(ARGMAX_PARTS, cp.int32)
 
     def draw(self, logits: np.ndarray, params: SamplingParams, history: list[int], step: int):
         """-> (token, penalized logits) after one ops.sample on fresh buffers."""

@@ -14,7 +14,7 @@ from k4.runtime.model import open_model
 from k4.runtime.reference import NumpyBackend
 from k4.runtime.tokenizer import Tokenizer
 from tests.cuda_backend_cases import (ALL_FLAGS, FUSIONS, GREEDY, LIMIT_PREFILL, continuation, cuda, decode_by_flag, decode_limit,
-                                      greedy_cases, rel_l2, take)
+                                      greedy_cases, rel_l2, sampling_kernels, take)
 from tests.gpu import cupy_or_skip
 
 cp = cupy_or_skip()
@@ -41,7 +41,7 @@ def step_kernels(mf, flag: str | None) -> int:
     """Kernels of one decode step with `flag` off: per layer the q/k/v products (one per run of
     one type when stacked, one for two runs of a paired type), attention (with RoPE and the cache store, its splits merged in the
     kernel), output, gate/up with SwiGLU, down; then the embedding, lm_head (the final norm
-    folded into both), and 3 sampling kernels. Each switch off adds its kernels."""
+    folded into both), and the sampling kernels (sampling_kernels). Each switch off adds its kernels."""
     from k4.runtime.cuda.quant_kernels import QKV_PAIRS
     from k4.runtime.cuda.weights import runs_of_one_type
 
@@ -55,7 +55,7 @@ def step_kernels(mf, flag: str | None) -> int:
 
     qkv = sum(launches(i) for i in range(n))
     extra = {"K4_FUSE_SWIGLU": n, "K4_FUSE_ROPE": n, "K4_FUSE_NORM": 2 * n + 1}.get(flag, 0)
-    return qkv + 4 * n + 5 + extra
+    return qkv + 4 * n + 2 + sampling_kernels(mf, flag != "K4_HEAD_ARGMAX") + extra
 
 
 SWITCHES = [None, *(f"{name}=0" for name in ALL_FLAGS), "K4_FUSE_QUANT=1"]  # default, each off alone, the one default-off on
@@ -77,7 +77,7 @@ def test_each_switch_keeps_golden_tokens_and_numpy_logits(data, tiny_model, monk
         monkeypatch.setenv(flag, value)
     mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
     tok, be = Tokenizer.from_model(mf), cuda(mf, 256)
-    if flag is None or (flag in FUSIONS and flag != "K4_PREFILL_F16_CACHE"):
+    if flag in (None, "K4_HEAD_ARGMAX") or (flag in FUSIONS and flag != "K4_PREFILL_F16_CACHE"):
         assert be.graph_launches == step_kernels(mf, flag)
     assert (be.memory_report()["prefill_f16"] > 0) == (flag not in ("K4_PREFILL_F16_CACHE", "K4_PREFILL_TC"))
     for case in greedy_cases(data, "stories260K-pad-q4_k_m.gguf"):

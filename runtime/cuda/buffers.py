@@ -17,7 +17,7 @@ import numpy as np
 
 from ..model import ModelConfig
 from . import matmul, ops
-from .constants import MMA8_TOKENS
+from .constants import ARGMAX_PARTS, MMA8_TOKENS
 from .memory import DeviceMemory, PinnedBuffer
 from .moe import moe_spec
 
@@ -98,13 +98,12 @@ def activation_spec(cfg: ModelConfig, chunk: int, n_ctx: int, n_split: int, mm_s
 
 def sampler_spec(cfg: ModelConfig, ring: int = RING_MIN) -> Spec:
     """The decode state and the on-device sampler's buffers (kernels_cu/sampling.cu)."""
-    n_part = ops.argmax_parts(cfg.n_vocab)
     return {
         "state": Buffer((ops.STATE_WORDS,), np.int32, zero=True),  # [tok, pos, ring_count, draw] (ops.ST_*)
         "params": Buffer((ops.SAMPLER_PARAM_WORDS,), np.uint64, zero=True),  # ops.pack_sampler_params
         "seen": Buffer((cfg.n_vocab,), np.int32, zero=True),  # repeat-penalty counts
-        "part_val": Buffer((n_part,), np.float32),  # argmax partials
-        "part_idx": Buffer((n_part,), np.int32),
+        "part_val": Buffer((ARGMAX_PARTS,), np.float32),  # argmax partials (sample_argmax_partial's or the head's)
+        "part_idx": Buffer((ARGMAX_PARTS,), np.int32),
         "ring": Buffer((ring,), np.int32, zero=True),  # recent tokens: penalty window, readback source
     }
 

@@ -18,7 +18,7 @@ import cupy as cp
 from gguf import GGMLQuantizationType as T
 
 from ..model import ModelConfig
-from . import gemv_pair, matmul, moe, ops
+from . import dequant, gemv_pair, matmul, moe, ops
 from .constants import MMA8_TOKENS
 from .op_args import AttnShape, FreshKV, RopeArgs
 from .q8_handoff import Q8Vector
@@ -48,6 +48,7 @@ class ForwardOptions:
     mma8_nq: bool = True  # K4_MMA8_NQ: the same from the verify step's down products on int8 tensor cores (rows_handoff)
     mma8_ffq8: bool = True  # K4_MMA8_FFQ8: the verify step's gate/up product writes its output quantized for down (gate_up)
     wo_wide: bool = True  # K4_WO_WIDE: decode's output product in quant_kernels.after_attention_variant (residual)
+    head_argmax: bool = True  # K4_HEAD_ARGMAX: decode's output head writes the sampler's argmax partials (output)
 
 
 class Forward:
@@ -93,7 +94,7 @@ class Forward:
                  for k, c in configs.items()}
         self.post = self.nq = None  # a pending post-norm or handoff of an earlier pass that no output() took
         # gemma: the embedding rows times sqrt(n_embd), inside the lookup (embed_scale 1: none)
-        matmul.dequant_rows(self.w.token_embd, row_ids, x, stream=self.stream, trace=o.trace, scale=cfg.embed_scale)
+        dequant.dequant_rows(self.w.token_embd, row_ids, x, stream=self.stream, trace=o.trace, scale=cfg.embed_scale)
         for li, L in enumerate(self.w.layers):
             # attention: norm, q/k/v projections (+bias), [q/k norm] + RoPE + cache store, attention, output + residual
             h, norm, h_q8 = self.normed(x, L.attn_norm, half)
@@ -135,7 +136,7 @@ class Forward:
         """The decode step's forward pass in one persistent kernel (self.mega): the embedding of
         the token (row_ids (1,) int32 on the device) into act.x0, then every layer and lm_head
         into act.logits[0]."""
-        matmul.dequant_rows(self.w.token_embd, row_ids, self.act.x0[:1], stream=self.stream, trace=self.ops.trace,
+        dequant.dequant_rows(self.w.token_embd, row_ids, self.act.x0[:1], stream=self.stream, trace=self.ops.trace,
                             scale=self.cfg.embed_scale)
         self.mega.launch(self.pos, self.stream, self.ops.trace)
 
@@ -287,13 +288,19 @@ class Forward:
             self.post = None
             self.ops.rms_norm_add(t, post_norm, res, Y, self.cfg.rms_eps)
 
-    def output(self, x: cp.ndarray, logits: cp.ndarray) -> None:
-        """logits (n, n_vocab) = output · rmsnorm(x (n, n_embd)) * output_norm."""
+    def output(self, x: cp.ndarray, logits: cp.ndarray, argmax=None) -> int:
+        """logits (n, n_vocab) = output · rmsnorm(x (n, n_embd)) * output_norm. argmax: None or the
+        sampler's (part_val, part_idx): for one token with head_argmax, where matmul.argmax_ok allows
+        and no soft-cap follows, the product also writes its blocks' argmax partials there.
+        Returns how many it wrote (0: none)."""
         n = x.shape[0]
         h, norm, h_q8 = self.normed(x, self.w.output_norm, n > 1 and self.half(n))
-        self.linear(self.w.output, h, logits, norm=norm, x_q8=h_q8)
+        am = n == 1 and argmax is not None and self.opts.head_argmax and not self.cfg.final_softcap
+        parts = self.linear(self.w.output, h, logits, norm=norm, x_q8=h_q8,
+                            argmax=argmax if am and matmul.argmax_ok(self.w.output) else None)
         if self.cfg.final_softcap:
             self.ops.softcap(logits, self.cfg.final_softcap)  # gemma 2: cap * tanh(logits / cap)
+        return parts
 
     def qkv(self, L: LayerWeights, h: cp.ndarray, norm, n: int, h_q8=None) -> dict[str, cp.ndarray]:
         """The q, k, v products (+ bias) of h (n, n_embd) (h_q8: h quantized, residual's NQ handoff
@@ -358,24 +365,26 @@ class Forward:
         return None
 
     def linear(self, w, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None, bias=None, norm=None,
-               x_q8=None, y_q8=None, x_q8_out=None, norm_out=None, variant=None) -> None:
+               x_q8=None, y_q8=None, x_q8_out=None, norm_out=None, variant=None, argmax=None) -> int:
         """Y = X W^T (+ bias) (+ residual). X: (n, n_in) f32 (or fp16 on the tensor-core path),
         Y and residual: (n, n_out) f32 views; a glu weight yields silu(gate) * up, (n, n_out / 2),
         on one row. One row: matmul.gemv, with norm = (norm_w, eps) folded into it and the q8
         handoff x_q8, y_q8, x_q8_out (q8_handoff.Q8Vector) and norm_out, in thread-block clusters where
         K4_X_CLUSTER allows (matmul.gemv x_cluster), in gemv_q8 variant `variant` if given; more:
         matmul.matmul (tensor cores unless K4_PREFILL_TC=0; up to GEMV_MAX_TOKENS rows: gemv_batch,
-        reading w once per BATCH_TOKENS rows)."""
+        reading w once per BATCH_TOKENS rows). argmax: one row only, matmul.gemv's. Returns the
+        argmax partials written (0: none)."""
         if X.shape[0] == 1:
             post = None
             if norm is not None and len(norm) == 3:  # normed's folded post-norm
                 norm, post = norm[:2], norm[2]
-            matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, norm=norm,
-                        stream=self.stream, trace=self.ops.trace, x_q8=x_q8, y_q8=y_q8, post=post, x_q8_out=x_q8_out,
-                        x_cluster=self.opts.x_cluster, norm_out=norm_out, variant=variant)
-        else:
-            matmul.matmul(w, X, Y, residual=residual, bias=bias, scratch=self.act.mm_scratch, stream=self.stream,
-                          trace=self.ops.trace, blas=self.blas, x_q8=x_q8)
+            warps = matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, norm=norm,
+                                 stream=self.stream, trace=self.ops.trace, x_q8=x_q8, y_q8=y_q8, post=post, x_q8_out=x_q8_out,
+                                 x_cluster=self.opts.x_cluster, norm_out=norm_out, variant=variant, argmax=argmax)
+            return warps if argmax is not None else 0
+        matmul.matmul(w, X, Y, residual=residual, bias=bias, scratch=self.act.mm_scratch, stream=self.stream,
+                      trace=self.ops.trace, blas=self.blas, x_q8=x_q8)
+        return 0
 
     def normed(self, x: cp.ndarray, norm_w: cp.ndarray, half: bool):
         """The input of the products after an RMSNorm of x (n, n_embd): (X, norm, X_q8) for linear.

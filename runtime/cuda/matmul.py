@@ -1,6 +1,6 @@
 """The dequant-matmul family on the GPU: matrix-vector products for decode (gemv), matrix-matrix
-products for prefill (matmul), the embedding lookup (dequant_rows); their microbenchmarks are in
-runtime/cuda/microbench.py.
+products for prefill (matmul); their microbenchmarks are in runtime/cuda/microbench.py. The
+embedding lookup and the row dequantization both use: runtime/cuda/dequant.py.
 
 Weights stay in their ggml encoding on the device (Q4_K keeps 144 bytes per 256 weights). With
 repacking on (flag K4_REPACK) a quantized tensor is stored *planar*: each byte range of the
@@ -26,7 +26,7 @@ Measured on one H200 (gemv in CUDA graphs with PDL, weights streamed from memory
 
 Every entry point validates on the host (ValueError: these are programming errors of the
 caller, not user errors), allocates nothing and never synchronizes; launches go through
-runtime.cuda.launch and are counted in `trace` when given. gemv and dequant_rows can be
+runtime.cuda.launch and are counted in `trace` when given. gemv can be
 captured in a CUDA graph; matmul's tensor-core path can be when given a runtime.cuda.blas.Blas
 (CuPy's own cuBLAS calls refuse stream capture), its per-token gemv path always can.
 """
@@ -46,12 +46,13 @@ from k4.runtime.trace import Trace
 
 from .arg_checks import check_array, check_post
 from .constants import q8x_bytes
+from .dequant import dequant_launch
 from .gemv_batch import gemv_rows
 from .gemv_mma import uses_mma8
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
 from .layout import MatrixSpec, _check_matrix, layout_nbytes
 from .q8_handoff import Q8Vector, check_q8
-from .quant_kernels import (DEQUANT_CHUNK_BYTES, FLOAT, FLOAT_GEMV, GEMV_MAX_TOKENS, GLU_ACTS, QUANT, _dequant_name, NQ_TYPES,
+from .quant_kernels import (DEQUANT_CHUNK_BYTES, FLOAT, FLOAT_GEMV, GEMV_MAX_TOKENS, GLU_ACTS, QUANT, NQ_TYPES,
                             _gemv_f_name, _gemv_q8_name, _kernel, gemv_cluster, gemv_variant, nq_balanced, nq_variants)
 
 
@@ -147,18 +148,18 @@ def make_half(w: DeviceWeight, out, stream=None, trace: Trace | None = None) -> 
     rows = _chunk_rows(w)
     for r0 in range(0, w.shape[0], rows):
         n = min(rows, w.shape[0] - r0)
-        _dequant_launch(w, None, r0, n, out[r0 : r0 + n], "u16", stream, trace)
+        dequant_launch(w, None, r0, n, out[r0 : r0 + n], "u16", stream, trace)
     w.half = out
 
 
 def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, norm: bool = False, post: bool = False,
-               split: bool = False, nq: bool = False, nx: bool = False):
+               split: bool = False, nq: bool = False, nx: bool = False, am: bool = False):
     """The launch of gemv on w, cached per variant, norm prologue, post-norm prologue (post: its x
     and t * w kept as floats after x's q8), split (x quantized in the kernel without norm or
     post-norm: in clusters where quant_kernels.gemv_cluster says), nq (the NQ instance, gemv
-    norm_out) and nx (its reader, x_q8 with parts). The grid is as many blocks as fit on the GPU at once, but at most one per output,
+    norm_out), nx (its reader, x_q8 with parts) and am (gemv argmax). The grid is as many blocks as fit on the GPU at once, but at most one per output,
     cut to a multiple of the cluster. Returns (kernel, grid, block, shared_mem, blocks per cluster)."""
-    plan = w._plans.get((variant, norm, post, split, nq, nx))
+    plan = w._plans.get((variant, norm, post, split, nq, nx, am))
     if plan is not None:
         return plan
     n_out, n_in = w.shape
@@ -169,7 +170,7 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         variant = variant or gemv_variant(w.ggml_type, n_out, n_in, w.glu)
         warps = variant[0]
         cluster = gemv_cluster(w.ggml_type, n_out, n_in, variant) if split and not w.glu else 1
-        name = _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act, cluster > 1, nq, nx)
+        name = _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act, cluster > 1, nq, nx, am)
         kernel = _kernel("gemv.cu", name, w.evict_first)
         smem = q8x_bytes(n_in)
         after = 8 * n_in if post else 0  # the post-norm's x and t * w (floats), then free
@@ -186,8 +187,15 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
     grid = min(device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem), n_out)
     grid -= grid % cluster
     plan = (kernel, (grid,), (32 * warps,), smem, cluster)
-    w._plans[(variant, norm, post, split, nq, nx)] = plan
+    w._plans[(variant, norm, post, split, nq, nx, am)] = plan
     return plan
+
+
+def argmax_ok(w: DeviceWeight) -> bool:
+    """Whether gemv can write w's argmax partials (gemv argmax): a quantized weight without glu whose
+    default gemv_q8 variant runs (quant_kernels.gemv_variant)."""
+    (n_out, n_in), t = w.shape, w.ggml_type
+    return t in QUANT and not w.glu and gemv_variant(t, n_out, n_in) == QUANT[t].gemv
 
 
 def norm_q8_blocks(w: DeviceWeight, x_cluster: bool = True, variant: tuple[int, int, int] | None = None) -> int:
@@ -207,7 +215,7 @@ def norm_q8_blocks(w: DeviceWeight, x_cluster: bool = True, variant: tuple[int, 
 def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=None, trace: Trace | None = None,
          variant: tuple[int, int, int] | None = None, pdl: bool | None = None, x_q8: Q8Vector | None = None,
          y_q8: Q8Vector | None = None, post=None, x_q8_out: Q8Vector | None = None, x_cluster: bool = True,
-         norm_out=None) -> None:
+         norm_out=None, argmax=None) -> int:
     """y = w @ x (+ bias) (+ residual), one kernel launch; with w.glu, y = act(gate @ x) * (up @ x),
     act w.glu_act (silu, or gelu_tanh for gemma).
 
@@ -231,6 +239,10 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     norm_q8_blocks(w) values, with y_q8, where norm_q8_blocks(w) is not 0 (flag K4_NORM_Q8): y is
     written as usual, and y * norm_w quantized into y_q8 and the blocks' sums of y^2 into parts:
     the next products' x_q8 (Q8Vector with parts) in place of RMSNorm(y) * norm_w.
+    argmax: None or (part_val, part_idx), float32 and int32 arrays of at least the grid's warps,
+    where argmax_ok(w) (the output head, K4_HEAD_ARGMAX), without bias, residual, y_q8, x_q8_out
+    or norm_out: warp i also writes its largest y[r] and that r (the lowest on equal values; -inf
+    and NO_INDEX without rows) to part_val[i], part_idx[i], the partials of sampling.cu's sample_finish.
     post: None or (t, post_w, x_out), each (n_in,) float32, 16-byte aligned, with norm (Gemma's
     post-norm of the product before, folded in): the input is x + RMSNorm(t) * post_w (norm.cu
     rms_norm_add's residual add, same eps) instead of x, and the kernel's first block writes it
@@ -241,7 +253,8 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     x_cluster: a quantized product that quantizes a long x itself without norm or post-norm
     launches in thread-block clusters that share that work (quant_kernels.gemv_cluster; flag
     K4_X_CLUSTER); the same bits.
-    Raises ValueError on wrong shapes, dtypes or alignment, and for x_q8, y_q8, post or x_q8_out where they do not apply.
+    Returns the grid's warps. Raises ValueError on wrong shapes, dtypes or alignment, and for
+    x_q8, y_q8, post, x_q8_out or argmax where they do not apply.
     """
     n_out, n_in = w.shape
     if w.glu:
@@ -263,7 +276,11 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     if x_q8_out is not None and (w.ggml_type not in QUANT or x_q8 is not None or x_q8_out.n != n_in):
         raise ValueError("x_q8_out needs a quantized weight, no x_q8, and a q8 vector of n_in values")
     post_t, post_w, x_out = check_post(post, x, n_in, norm_w is not None, x_q8 is not None)
-    split = x_cluster and x_q8 is None and norm_w is None and post is None
+    am = argmax is not None
+    if am and not (argmax_ok(w) and variant in (None, QUANT[w.ggml_type].gemv)
+                   and residual is bias is y_q8 is x_q8_out is norm_out is None):
+        raise ValueError(f"argmax partials need a plain product of {w.ggml_type.name} {w.shape} in its default variant")
+    split = x_cluster and x_q8 is None and norm_w is None and post is None and not am
     nq_w, parts = (None, None) if norm_out is None else norm_out
     if norm_out is not None:
         n_parts = norm_q8_blocks(w, split, variant)
@@ -273,50 +290,24 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     nx = x_q8 is not None and x_q8.parts is not None  # an NQ handoff (check_q8 made sure an instance reads it)
     if nx:
         eps = x_q8.eps
-    kernel, grid, block, smem, cluster = _gemv_plan(w, variant, norm_w is not None, post is not None, split, norm_out is not None, nx)
+    kernel, grid, block, smem, cluster = _gemv_plan(w, variant, norm_w is not None, post is not None, split, norm_out is not None, nx,
+                                                    am)
+    warps = grid[0] * block[0] // 32
+    if am:
+        check_array("argmax values", argmax[0][:warps], (warps,))
+        check_array("argmax rows", argmax[1][:warps], (warps,), np.int32)
     args = (w.data, x, y, null_or(residual), null_or(bias), null_or(norm_w), np.float32(eps), np.int32(n_out), np.int32(n_in))
     if w.ggml_type in QUANT:
         args += (null_or(x_q8 and x_q8.data), null_or(y_q8 and y_q8.data), np.int32(y_q8.swizzle if y_q8 else 0))
     args += (null_or(post_t), null_or(post_w), null_or(x_out))
     if w.ggml_type in QUANT:
         args += (null_or(x_q8_out and x_q8_out.data), np.int32(x_q8_out.swizzle if x_q8_out else 0), null_or(nq_w), null_or(parts),
-                 null_or(x_q8 and x_q8.parts), np.int32(x_q8.n_parts if x_q8 is not None else 0))
+                 null_or(x_q8 and x_q8.parts), np.int32(x_q8.n_parts if x_q8 is not None else 0),
+                 null_or(argmax and argmax[0]), null_or(argmax and argmax[1]))
     if pdl is None:  # eagerly the driver-API launch costs more host time than it saves
         pdl = w.pdl and capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl, cluster=cluster)
-
-
-# ---- embeddings: rows of a matrix ----------------------------------------------------------------
-
-def _dequant_launch(w: DeviceWeight, row_ids, row0: int, n_rows: int, out, out_type: str, stream, trace,
-                    scale: float = 1.0) -> None:
-    n_in = w.shape[1]
-    kernel = _kernel("matmul.cu", _dequant_name(w.ggml_type, w.planar, out_type), w.evict_first)
-    if w.ggml_type in QUANT:
-        per_row = n_in // 16  # runs of 16 weights per row
-        args = (w.data, np.int64(w.n_blocks), np.int32(n_in), null_or(row_ids), np.int32(row0), np.int32(n_rows), out)
-    else:
-        per_row = n_in
-        args = (w.data, np.int32(n_in), null_or(row_ids), np.int32(row0), np.int32(n_rows), out)
-    args += (np.float32(scale),)
-    threads = 256  # a multiple of every type's runs per ggml block (dequant_q's scale needs it)
-    launch(kernel, (math.ceil(n_rows * per_row / threads),), (threads,), args, 0, stream, trace)
-
-
-def dequant_rows(w: DeviceWeight, row_ids, out, stream=None, trace: Trace | None = None, scale: float = 1.0) -> None:
-    """out[i] = float32 row row_ids[i] of w, exactly as gguf's numpy dequantize computes it;
-    times `scale` (gemma's embedding scale sqrt(n_embd)) when not 1, exactly as numpy's
-    row * np.float32(scale) (one float32 product per value).
-
-    row_ids: (n,) int32 cupy array of row indices, each in [0, n_out) (not checked: the ids
-    stay on the device); out: (n, n_in) float32 cupy array, contiguous, 16-byte aligned.
-    Raises ValueError on wrong shapes or dtypes.
-    """
-    n = row_ids.shape[0] if getattr(row_ids, "ndim", 0) == 1 else -1
-    check_array("row_ids", row_ids, (n,), np.int32)
-    check_array("out", out, (n, w.shape[1]), align16=True)
-    if n:
-        _dequant_launch(w, row_ids, 0, n, out, "float", stream, trace, scale)
+    return warps
 
 
 # ---- prefill: matrix-matrix --------------------------------------------------------------------
@@ -443,7 +434,7 @@ def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, str
             elif wh is None:
                 a_ptr = w.data.data.ptr + r0 * n_in * (4 if w.ggml_type == T.F32 else 2)
             else:
-                _dequant_launch(w, None, r0, n, wh, "u16", None, trace)
+                dequant_launch(w, None, r0, n, wh, "u16", None, trace)
                 a_ptr = wh.data.ptr
             _gemm(n, n_tok, n_in, a_ptr, a_type, b_ptr, b_type, Y.data.ptr + 4 * r0, n_out, in_place, blas)
             if trace is not None:

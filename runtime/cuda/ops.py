@@ -21,7 +21,7 @@ from ..sampling import MASK64, SamplingParams
 from ..trace import Trace
 from .attention_launch import GQA_MIN_LIMIT, AttentionLaunchers
 from .compile import module
-from .constants import SAMPLE_THREADS, SAMPLER_PARAM_WORDS, STATE_WORDS, short_keys
+from .constants import ARGMAX_PARTS, SAMPLE_THREADS, SAMPLER_PARAM_WORDS, STATE_WORDS, short_keys
 from .constants import ST_DRAW, ST_POS, ST_RING, ST_TOK  # noqa: F401 (ops.ST_*: the decode state's words)
 from .kernel_names import FILE_OF, GROUP_OF, KERNELS, kv_args
 from .kv_cache import NO_SCALES, cache_types, planes as _planes
@@ -216,25 +216,29 @@ class Ops(AttentionLaunchers):
         self._launch("elementwise.cu", "set_i32", (1,), (1,), (dst, np.int32(value)), pdl=False)
 
     def sample(self, logits: cp.ndarray, params: cp.ndarray, state: cp.ndarray, ring: cp.ndarray, seen: cp.ndarray,
-               part_val: cp.ndarray, part_idx: cp.ndarray, advance: bool) -> None:
+               part_val: cp.ndarray, part_idx: cp.ndarray, advance: bool, head_parts: int = 0) -> None:
         """Sample the next token on the device (sampling.cu) and update the decode state.
 
         logits: (n_vocab,) f32, penalized in place; params: (8,) uint64 from pack_sampler_params;
         state: (4,) int32 [tok, pos, ring_count, draw]; ring: (ring_cap,) int32 token history;
-        seen: (n_vocab,) int32 zeros; part_val, part_idx: (argmax_parts(n_vocab),) f32 / int32.
+        seen: (n_vocab,) int32 zeros; part_val, part_idx: (ARGMAX_PARTS,) f32 / int32 argmax
+        partials. head_parts: how many the output head wrote into them (matmul.gemv argmax,
+        K4_HEAD_ARGMAX; at most ARGMAX_PARTS), or 0: sample_argmax_partial writes
+        argmax_parts(n_vocab) of them.
         advance: also increment state[pos] (after a decode step).
         """
         n_vocab = logits.shape[0]
         check_f32(logits, n_vocab)
-        n_part = argmax_parts(n_vocab)
+        n_part = head_parts or argmax_parts(n_vocab)
         assert params.dtype == cp.uint64 and params.shape == (SAMPLER_PARAM_WORDS,)
         assert state.dtype == ring.dtype == seen.dtype == part_idx.dtype == cp.int32
         assert state.shape == (STATE_WORDS,) and seen.shape == (n_vocab,) and ring.ndim == 1
-        check_f32(part_val, n_part)
-        assert part_idx.shape == (n_part,)
+        check_f32(part_val, ARGMAX_PARTS)
+        assert part_idx.shape == (ARGMAX_PARTS,) and 0 <= head_parts <= ARGMAX_PARTS
         ring_cap = np.int32(ring.shape[0])
         self._launch("sampling.cu", "sample_penalty", (1,), (SAMPLE_THREADS,), (logits, seen, ring, state, ring_cap, params))
-        self._launch("sampling.cu", "sample_argmax_partial", (n_part,), (256,), (logits, np.int32(n_vocab), part_val, part_idx))
+        if not head_parts:
+            self._launch("sampling.cu", "sample_argmax_partial", (n_part,), (256,), (logits, np.int32(n_vocab), part_val, part_idx))
         self._launch("sampling.cu", "sample_finish", (1,), (SAMPLE_THREADS,),
                      (logits, np.int32(n_vocab), part_val, part_idx, np.int32(n_part), state, ring, ring_cap, params,
                       np.int32(advance)))

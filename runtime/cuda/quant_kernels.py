@@ -217,9 +217,11 @@ def after_attention_variant(t: T, n_in: int) -> tuple[int, int, int] | None:
 
 
 def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool = False, act: str = "silu",
-                  cluster: bool = False, nq: bool = False, nx: bool = False) -> str:
+                  cluster: bool = False, nq: bool = False, nx: bool = False, am: bool = False) -> str:
     warps, u, pf = variant
-    if nx:  # GELU, CLUSTER and NQ false (the readers of gemv.cu's NX)
+    if am:  # the output head's argmax partials (gemv.cu AM; not GLU, CLUSTER or NQ), NX as given
+        tail = f", false, false, false, {_bool(nx)}, true"
+    elif nx:  # GELU, CLUSTER and NQ false (the readers of gemv.cu's NX)
         tail = ", false, false, false, true"
     else:
         tail = GLU_ACTS[act] if glu else f", false, {_bool(cluster)}, true" if nq else ", false, true" if cluster else ""
@@ -335,6 +337,14 @@ def nx_reads(t: T, variant: tuple[int, int, int], glu: bool) -> bool:
     return t in NQ_TYPES and variant == (QUANT[t].glu if glu else QUANT[t].gemv) and variant[0] <= 16
 
 
+def _am_names(t: T) -> tuple[str, ...]:
+    """The output head's AM instances of quantized type t (K4_HEAD_ARGMAX): its default variant in
+    both layouts, reading x itself or, where NX instances exist (16 warps or fewer), an NQ handoff.
+    Their own compile group (f"{t.name}.am")."""
+    readers = (False, True) if QUANT[t].gemv[0] <= 16 else (False,)
+    return tuple(_gemv_q8_name(t, p, QUANT[t].gemv, nx=nx, am=True) for nx in readers for p in (False, True))
+
+
 def _gelu_names(t: T) -> tuple[str, ...]:
     """The GeGLU-epilogue gemv.cu instances of type t (both layouts): their own compile group
     (f"{t.name}.gelu_tanh"), compiled only for a model whose activation is gelu_tanh."""
@@ -374,6 +384,7 @@ GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
         **{t.name: _gemv_names(t) for t in (*QUANT, *FLOAT)},
         **{f"{t.name}.gelu_tanh": _gelu_names(t) for t in (*QUANT, *FLOAT)},
         **{f"{t.name}.nq": _nq_names(t) for t in NQ_TYPES},
+        **{f"{t.name}.am": _am_names(t) for t in QUANT},
         **{f"pair.{a.name}.{b.name}": _pair_names(a, b) for a, b in QKV_PAIRS},
         "bench": tuple(_gemv_q8_name(t, p, v, glu) for glu, extra in ((False, EXTRA_GEMV_VARIANTS), (True, EXTRA_GLU_VARIANTS))
                        for t, vs in extra.items() for v in vs for p in (False, True)),
@@ -397,18 +408,21 @@ def _defines(evict_first: bool) -> tuple[str, ...]:
     return () if evict_first else ("K4_EVICT_FIRST=0",)
 
 
-def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str = "silu", mma8: bool = False) -> list:
+def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str = "silu", mma8: bool = False,
+                 head: T | None = None) -> list:
     """compile.module() arguments for the matrix kernels of weights of `types` (ggml types with
     CUDA kernels; others are skipped): their gemv, gemv_batch (quantized types), gemv_mma
     (MMA8_DECODERS) and dequantization instances, matmul.cu's conversions, and the gemv_q8_pair
     instances of every QKV_PAIRS entry whose two types are present; with activation "gelu_tanh"
     (ModelConfig.activation) also the GeGLU-epilogue instances, else the NQ instances of
     NQ_TYPES (gemv norm_out); mma8 False (flag K4_MMA8 off):
-    no gemv_mma instances. For compile.compile_async at
+    no gemv_mma instances; head: the output head's type, whose AM instances (K4_HEAD_ARGMAX) come
+    too where it is quantized. For compile.compile_async at
     load: each gemv_batch and gemv_mma instance is a job of its own (~1 s each with nvcc), so the compile
     threads build them in parallel with the rest."""
     present = [t for t in dict.fromkeys(types) if t in QUANT or t in FLOAT]
     jobs = [("matmul.cu", GROUPS["matmul.cu"]["common"], ())]
+    jobs += [("gemv.cu", GROUPS["gemv.cu"][f"{head.name}.am"], _defines(evict_first))] if head in QUANT else []
     gelu = activation != "silu" and activation in GLU_ACTS
     jobs += [("gemv.cu", GROUPS["gemv.cu"][f"pair.{a.name}.{b.name}"], _defines(evict_first))
              for a, b in QKV_PAIRS if a in present and b in present]

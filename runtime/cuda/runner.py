@@ -112,12 +112,14 @@ class Runner:
         attention configuration (Forward.layers); ranges of up to fwd.mega.max_keys keys run the
         megakernel instead, when there is one (K4_MEGAKERNEL)."""
         fwd, s = self.fwd, self.smp
+        parts = 0  # argmax partials the output head wrote (K4_HEAD_ARGMAX)
         if self.mega_runs(split):
             fwd.decode_mega(self.tok_view)
         else:
             x = fwd.layers(1, self.tok_view, split)
-            fwd.output(x, fwd.act.logits[:1])
-        self.ops.sample(fwd.act.logits[0], s.params, s.state, s.ring, s.seen, s.part_val, s.part_idx, advance=True)
+            parts = fwd.output(x, fwd.act.logits[:1], (s.part_val, s.part_idx))
+        self.ops.sample(fwd.act.logits[0], s.params, s.state, s.ring, s.seen, s.part_val, s.part_idx, advance=True,
+                        head_parts=parts)
 
     def mega_runs(self, split: tuple[int, int, int] | None) -> bool:
         """Whether a one-token pass with attention configuration `split` runs the megakernel
