@@ -10,8 +10,9 @@
 // when top_k is off or larger than SAMPLE_CAP, top-p, min-p and the draw see the SAMPLE_CAP most
 // probable tokens, with top-p's normalization still taken over the whole top-k set. The host
 // sampler differs only when the kept set would exceed SAMPLE_CAP tokens.
-// Launched by runtime/cuda/ops.py (Ops.sample): sample_penalty, sample_argmax_partial,
-// sample_finish, in that order on one stream.
+// Launched by runtime/cuda/ops.py (Ops.sample): sample_argmax_partial (unless the output head
+// wrote the argmax partials) and sample_finish, in that order on one stream. The logits are
+// read through plain loads everywhere: sample_finish penalizes them in place first.
 // SAMPLE_THREADS (threads per block), SAMPLE_CAP, SAMPLER_PARAM_WORDS and the ST_* words of the
 // decode state come from runtime/cuda/constants.py (constants.cuh).
 #include "ops_common.cuh"
@@ -74,7 +75,7 @@ struct Selected {
 
 // The K-th largest of x[0..n) (1 <= K <= n), by radix select on order_key, 8 bits per pass.
 // hist: (256,) shared; sel: (3,) shared. Every thread of the block calls it.
-__device__ Selected radix_select(const float* __restrict__ x, int n, int K, unsigned* hist, int* sel) {
+__device__ Selected radix_select(const float* x, int n, int K, unsigned* hist, int* sel) {
     const int tid = threadIdx.x, bd = blockDim.x, lane = tid & 31;
     unsigned prefix = 0, mask = 0;
     int rem = K, n_eq = 0;
@@ -131,16 +132,15 @@ __device__ Selected radix_select(const float* __restrict__ x, int n, int K, unsi
 // Apply the repeat penalty in place to each distinct id among the last repeat_last_n ring
 // entries: a positive logit is divided by the penalty, a negative one multiplied (float32,
 // correctly rounded, as numpy does). logits: (n_vocab,) f32. seen: (n_vocab,) int32, all zero
-// on entry and on exit. ring: (ring_cap,) int32. One block; threads stride over the window.
-extern "C" __global__ void sample_penalty(float* logits, int* seen, const int* __restrict__ ring,
-                                          const int* __restrict__ state, int ring_cap,
-                                          const SamplerParams* __restrict__ sp) {
-    pdl_trigger();
-    pdl_wait();
+// on entry and on exit. ring: (ring_cap,) int32. Every thread of one block calls it; the threads
+// stride over the window, and the block sees the penalized logits after it. Returns whether it
+// changed anything (the penalty is not 1 and the window not empty).
+__device__ bool apply_penalty(float* logits, int* seen, const int* __restrict__ ring, const int* state, int ring_cap,
+                              const SamplerParams* __restrict__ sp) {
     const double penalty = sp->repeat_penalty;
     const int count = state[ST_RING];
     const int L = (int)min((long long)count, sp->repeat_last_n);
-    if (penalty == 1.0 || L <= 0) return;
+    if (penalty == 1.0 || L <= 0) return false;  // the same for every thread
     const float pf = (float)penalty;
     for (int j = threadIdx.x; j < L; j += blockDim.x) {
         const int id = ring[(count - 1 - j) % ring_cap];
@@ -151,6 +151,8 @@ extern "C" __global__ void sample_penalty(float* logits, int* seen, const int* _
     }
     __syncthreads();
     for (int j = threadIdx.x; j < L; j += blockDim.x) seen[ring[(count - 1 - j) % ring_cap]] = 0;
+    __syncthreads();
+    return true;
 }
 
 // Per-block argmax of logits (n,) f32 into part_val/part_idx (gridDim.x,), lowest index on ties.
@@ -176,7 +178,7 @@ extern "C" __global__ void sample_argmax_partial(const float* __restrict__ logit
 }
 
 // The chain after the penalty for temperature > 0; returns the drawn id (every thread).
-__device__ int draw_token(const float* __restrict__ x, int n, const SamplerParams* __restrict__ sp, int draw) {
+__device__ int draw_token(const float* x, int n, const SamplerParams* __restrict__ sp, int draw) {
     __shared__ unsigned hist[256];
     __shared__ int sel[3];
     __shared__ float cv[SAMPLE_CAP];
@@ -294,20 +296,21 @@ __device__ int draw_token(const float* __restrict__ x, int n, const SamplerParam
     return ci[idx == NO_INDEX ? keep - 1 : idx];
 }
 
-// Pick the token (greedy from the argmax partials, else draw_token), then update the decode
-// state: push the token into the ring, make it the next step's input, count the draw, and when
-// `advance` is set (a decode step, whose input token is now cached) increment the position.
-// The partials may come from the output head (gemv.cu AM, K4_HEAD_ARGMAX), before sample_penalty
-// changed any logit: where the penalty applies, greedy takes the argmax of the logits themselves.
-// logits: (n,) f32. part_val/part_idx: (n_part,) argmax partials (any number). state: (4,) int32.
-// ring: (ring_cap,) int32. One block of SAMPLE_THREADS threads.
+// Apply the repeat penalty (apply_penalty), pick the token (greedy from the argmax partials, else
+// draw_token), then update the decode state: push the token into the ring, make it the next
+// step's input, count the draw, and when `advance` is set (a decode step, whose input token is
+// now cached) increment the position. The partials (sample_argmax_partial's, or the output
+// head's: gemv.cu AM, K4_HEAD_ARGMAX) predate the penalty: where it changed logits, greedy takes
+// the argmax of the logits themselves. logits: (n,) f32, penalized in place. seen: (n,) int32
+// zeros. part_val/part_idx: (n_part,) argmax partials (any number). state: (4,) int32. ring:
+// (ring_cap,) int32. One block of SAMPLE_THREADS threads.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-sample_finish(const float* __restrict__ logits, int n, const float* __restrict__ part_val,
-              const int* __restrict__ part_idx, int n_part, int* state, int* ring, int ring_cap,
-              const SamplerParams* __restrict__ sp, int advance) {
+sample_finish(float* logits, int n, int* seen, const float* __restrict__ part_val, const int* __restrict__ part_idx, int n_part,
+              int* state, int* ring, int ring_cap, const SamplerParams* __restrict__ sp, int advance) {
     pdl_trigger();
     pdl_wait();
     const int tid = threadIdx.x;
+    const bool penalized = apply_penalty(logits, seen, ring, state, ring_cap, sp);
     const int draw = state[ST_DRAW];
     int token;
     if (sp->temperature <= 0.0) {
@@ -318,7 +321,7 @@ sample_finish(const float* __restrict__ logits, int n, const float* __restrict__
                 v = part_val[i];
                 token = part_idx[i];
             }
-        if (sp->repeat_penalty != 1.0 && min((long long)state[ST_RING], sp->repeat_last_n) > 0) {  // sample_penalty's test
+        if (penalized) {
             v = -k4ops::inf_f32();
             token = NO_INDEX;
             for (int i = tid; i < n; i += blockDim.x)

@@ -23,16 +23,16 @@ ALL_FLAGS = ("K4_CUDA_GRAPH", "K4_PINGPONG", "K4_CHAIN_EVENTS", "K4_PINNED_UPLOA
 
 
 def sampling_kernels(mf, head_argmax: bool = True) -> int:
-    """The sampling kernels of a decode step: sample_penalty, sample_argmax_partial (unless the
-    output head writes its partials: K4_HEAD_ARGMAX on, a quantized head whose default gemv_q8
-    variant runs, no final soft-cap) and sample_finish."""
+    """The sampling kernels of a decode step: sample_argmax_partial (unless the output head writes
+    its partials: K4_HEAD_ARGMAX on, a quantized head whose default gemv_q8 variant runs, no final
+    soft-cap) and sample_finish (the repeat penalty inside)."""
     from k4.runtime.cuda.quant_kernels import QUANT, gemv_variant
 
     cfg = mf.config
     head = mf.tensor("token_embd.weight" if cfg.tied_embeddings else "output.weight")
     t, (n_out, n_in) = head.ggml_type, head.shape
     fused = head_argmax and t in QUANT and gemv_variant(t, n_out, n_in) == QUANT[t].gemv and not cfg.final_softcap
-    return 2 if fused else 3
+    return 1 if fused else 2
 
 
 # Error limits against the numpy backend (relative L2 of the logits), each just above what a

@@ -40,8 +40,8 @@ def test_q4_k_m_greedy_matches_llama_cpp(data, monkeypatch):
     tok = Tokenizer.from_model(mf)
     be = backend(mf, 256, True, monkeypatch)
     check_q4_k_m_greedy(data, tok, be)
-    # the decode graph replayed: the embedding, the megakernel, 3 sampling kernels
-    assert be.trace.get("decode").graph_replays > 0 and be.graph_launches == 5
+    # the decode graph replayed: the embedding, the megakernel, 2 sampling kernels (the argmax partials, the finish)
+    assert be.trace.get("decode").graph_replays > 0 and be.graph_launches == 4
     be.close()
 
 

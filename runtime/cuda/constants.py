@@ -35,7 +35,7 @@ SHORT_THREADS = 128  # attn_short (attention_short.cu): threads per block, one b
 SHORT_DIMS = 16384  # attn_short: keys x head_dim one block holds in shared memory (128 keys of 128)
 
 # ---- sampling.cu -------------------------------------------------------------------------------
-SAMPLE_THREADS = 1024  # threads of sample_penalty and sample_finish (one block)
+SAMPLE_THREADS = 1024  # threads of sample_finish (one block)
 SAMPLE_CAP = 1024  # candidates kept after top-k
 ARGMAX_PARTS = 8192  # argmax partials sample_finish can take: the output head's, one a warp (K4_HEAD_ARGMAX)
 SAMPLER_PARAM_WORDS = 8  # 8-byte words of sampling.cu SamplerParams (ops.pack_sampler_params)

@@ -236,10 +236,9 @@ class Ops(AttentionLaunchers):
         check_f32(part_val, ARGMAX_PARTS)
         assert part_idx.shape == (ARGMAX_PARTS,) and 0 <= head_parts <= ARGMAX_PARTS
         ring_cap = np.int32(ring.shape[0])
-        self._launch("sampling.cu", "sample_penalty", (1,), (SAMPLE_THREADS,), (logits, seen, ring, state, ring_cap, params))
         if not head_parts:
             self._launch("sampling.cu", "sample_argmax_partial", (n_part,), (256,), (logits, np.int32(n_vocab), part_val, part_idx))
         self._launch("sampling.cu", "sample_finish", (1,), (SAMPLE_THREADS,),
-                     (logits, np.int32(n_vocab), part_val, part_idx, np.int32(n_part), state, ring, ring_cap, params,
+                     (logits, np.int32(n_vocab), seen, part_val, part_idx, np.int32(n_part), state, ring, ring_cap, params,
                       np.int32(advance)))
 
