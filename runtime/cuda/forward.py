@@ -291,7 +291,7 @@ class Forward:
     def output(self, x: cp.ndarray, logits: cp.ndarray, argmax=None) -> int:
         """logits (n, n_vocab) = output · rmsnorm(x (n, n_embd)) * output_norm. argmax: None or the
         sampler's (part_val, part_idx): for one token with head_argmax, where matmul.argmax_ok allows
-        and no soft-cap follows, the product also writes its blocks' argmax partials there.
+        and no soft-cap follows, the product also writes its warps' argmax partials there.
         Returns how many it wrote (0: none)."""
         n = x.shape[0]
         h, norm, h_q8 = self.normed(x, self.w.output_norm, n > 1 and self.half(n))

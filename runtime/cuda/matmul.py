@@ -1,6 +1,6 @@
 """The dequant-matmul family on the GPU: matrix-vector products for decode (gemv), matrix-matrix
-products for prefill (matmul); their microbenchmarks are in runtime/cuda/microbench.py. The
-embedding lookup and the row dequantization both use: runtime/cuda/dequant.py.
+products for prefill (matmul); their microbenchmarks are in runtime/cuda/microbench.py. Rows
+dequantized whole (the embedding lookup, prefill's fp16 row ranges): runtime/cuda/dequant.py.
 
 Weights stay in their ggml encoding on the device (Q4_K keeps 144 bytes per 256 weights). With
 repacking on (flag K4_REPACK) a quantized tensor is stored *planar*: each byte range of the
@@ -26,8 +26,8 @@ Measured on one H200 (gemv in CUDA graphs with PDL, weights streamed from memory
 
 Every entry point validates on the host (ValueError: these are programming errors of the
 caller, not user errors), allocates nothing and never synchronizes; launches go through
-runtime.cuda.launch and are counted in `trace` when given. gemv can be
-captured in a CUDA graph; matmul's tensor-core path can be when given a runtime.cuda.blas.Blas
+runtime.cuda.launch and are counted in `trace` when given. gemv can be captured in a CUDA
+graph; matmul's tensor-core path can be when given a runtime.cuda.blas.Blas
 (CuPy's own cuBLAS calls refuse stream capture), its per-token gemv path always can.
 """
 
