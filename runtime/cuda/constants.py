@@ -199,13 +199,18 @@ def mma8_smem(n_in: int, warps: int) -> int:
     return (n_in // 32) * MMA8_TOKENS * (32 + 16) + 2 * warps * 32 * 16
 
 
+def mma8_lay_in(n_in: int, cl: int = 1) -> int:
+    """Inputs of the x layout one block of gemv_mma_staged<..., cl> holds: its 1 / cl of each row's
+    256-input blocks, rounded up (kernels_cu/gemv_mma_staged.cu nblk_lay, in inputs)."""
+    return 256 * -(-(n_in // 256) // cl)
+
+
 def mma8_staged_smem(n_in: int, warps: int, stages: int, stage_bytes: int, cl: int = 1) -> int:
     """Dynamic shared memory (bytes) of gemv_mma_staged<D, PLANAR, warps, ..., cl> with `stages`
     ring stages per warp of stage_bytes each (MMA8_STAGE_BYTES for Q4_K, MMA8_STAGE_BYTES_Q6_K):
     mma8_smem's x (of a block's 1 / cl of each row's 256-input blocks, rounded up) and partial
     sums (cl sets of them), then each warp's ring."""
-    n_lay = 256 * -(-(n_in // 256) // cl)
-    return mma8_smem(n_lay, warps) + (cl - 1) * 2 * warps * 32 * 16 + warps * stages * stage_bytes
+    return mma8_smem(mma8_lay_in(n_in, cl), warps) + (cl - 1) * 2 * warps * 32 * 16 + warps * stages * stage_bytes
 
 
 # arguments the size checks are evaluated at: the compiled instances and common model shapes

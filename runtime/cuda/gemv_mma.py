@@ -29,7 +29,8 @@ from gguf import GGMLQuantizationType as T
 from k4.runtime.trace import Trace
 
 from .batch_args import check_products
-from .constants import MMA8_NQ_RUN, MMA8_STAGE_BYTES, MMA8_STAGE_BYTES_Q6_K, MMA8_TOKENS, mma8_smem, mma8_staged_smem, q8x_bytes
+from .constants import (MMA8_NQ_RUN, MMA8_STAGE_BYTES, MMA8_STAGE_BYTES_Q6_K, MMA8_TOKENS, mma8_lay_in, mma8_smem,
+                        mma8_staged_smem, q8x_bytes)
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
 from .quant_kernels import EXTRA_MMA8_WARPS, MMA8_CLUSTER, MMA8_DECODERS, MMA8_KERNELS, MMA8_MIN_TOKENS, _gemv_mma_name, _kernel, mma8_file
 
@@ -165,8 +166,8 @@ def _plan_for(w: DeviceWeight, variant: tuple[int, ...] | None, cl: int):
     smem = mma8_staged_smem(w.shape[1], warps, stages, STAGE_BYTES[w.ggml_type], cl) if stages else mma8_smem(w.shape[1], warps)
     allow_shared(kernel, smem)
     resident = device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem) // cl  # clusters
-    n_lay = 256 * -(-(w.shape[1] // 256) // cl)  # a block's share of each row
-    ks, grid = mma_ks(w.shape[0], n_lay, warps, resident)  # weight rows: a glu weight's gate and up rows alike
+    # weight rows (a glu weight's gate and up rows alike) over a block's share of each row
+    ks, grid = mma_ks(w.shape[0], mma8_lay_in(w.shape[1], cl), warps, resident)
     if variant and variant[1]:
         ks = variant[1]
         grid = min(resident, -(-w.shape[0] // (16 * (warps // ks))))
