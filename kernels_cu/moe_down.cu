@@ -38,5 +38,5 @@ moe_down_combine(const u8* __restrict__ w,        // (n_expert, n_out, n_in) in 
     __syncthreads();
     u8* xq = reinterpret_cast<u8*>(smem) + d.j * xb;
     float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
-    d.rows(ch, row, gridDim.x * WARPS, n_out, q8x<T::x_swizzle>{xq, xd, xd + q8x_d_floats(n_in)}, c.w[d.j], res, y, lane, [](int, float) {});
+    d.rows(ch, row, gridDim.x * WARPS, n_out, q8x<T::x_swizzle>{xq, xd, xd + q8x_d_floats(n_in)}, c.w[d.j], res, y, lane);
 }

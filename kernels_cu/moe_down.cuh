@@ -59,11 +59,9 @@ struct DownRows {
     }
 
     // the warp's rows row, row + row_step, ... below n_out; ch holds row's first chunks (load(ch,
-    // row, sub) issued by the caller); xv: x_j's q8 x; wj: w_j. res may alias y. Lane 0 also hands
-    // each output to out(r, y[r]) (moe_one.cu's NQ handoff; a no-op elsewhere).
-    template <class Out>
+    // row, sub) issued by the caller); xv: x_j's q8 x; wj: w_j. res may alias y.
     __device__ __forceinline__ void rows(typename T::chunk (&ch)[U], int row, int row_step, int n_out,
-                                         const q8x<T::x_swizzle>& xv, float wj, const float* res, float* y, int lane, Out out) const {
+                                         const q8x<T::x_swizzle>& xv, float wj, const float* res, float* y, int lane) const {
         while (row < n_out) {
             const float r_res = res[row];  // issued before the dots, not after them
             float acc = 0.f;
@@ -80,10 +78,7 @@ struct DownRows {
             for (int o = 1; o < lps; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
             float v = wj * acc;
             for (int o = lps; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0) {
-                y[row] = r_res + v;
-                out(row, r_res + v);
-            }
+            if (lane == 0) y[row] = r_res + v;
             row += row_step;
             if (row < n_out) load(ch, row, sub);
         }

@@ -33,17 +33,7 @@
 // every block has arrived, so count is G (tag - 1) when read). All blocks must be resident at
 // once, as each waits for every other: one block per multiprocessor (the launcher's grid).
 // Programmatic dependent launch as the products: trigger, then wait for x.
-// NQ (flag K4_MOE_NQ): y also goes to the next RMSNorm's products as gemv.cu's NQ products hand it
-// (y * nq_w quantized without the norm's scale into y_q8, in swizzle y_swz; the sum of y^2 of
-// 32-output group g into nq_parts[g]), so they copy it instead of normalizing and quantizing y in
-// every block. Launched in clusters of two blocks: cluster c takes the whole groups [c groups /
-// (G / 2), (c + 1) groups / (G / 2)) in phase 3, one row a warp of its two blocks a group (block
-// rank r's warp w: row 32 g + r + 2 w), so every warp keeps the one row it has without it. Each
-// row's y goes into the shared memory of the block that owns its group (the cluster's groups
-// alternate between the ranks; st.shared::cluster), and after a cluster barrier the owner's warp
-// 0 quantizes it (gemv_common.cuh q8_lane_store, gemv.cu NQ's bits) and sums its squares.
-// Dynamic shared memory: max(q8x_bytes(n_embd), k q8x_bytes(n_ff)) + 8 n_expert bytes, then
-// with NQ 128 bytes for each group a block owns at most.
+// Dynamic shared memory: max(q8x_bytes(n_embd), k q8x_bytes(n_ff)) + 8 n_expert bytes.
 #define K4_WIDE_RAW_Q6_K 1
 #include "gemv_common.cuh"
 #include "moe_down.cuh"
@@ -129,9 +119,7 @@ __device__ void quantize_x_past_warp0(const float* __restrict__ x, int n_in, con
     }
 }
 
-constexpr int MOE_NQ_OWN = 4;  // NQ: the most groups a block owns (runtime/cuda/moe_one.py nq_ok)
-
-template <class TG, class TD, int WARPS, int U, bool PF, int DU, bool EARLY, bool NQ = false>
+template <class TG, class TD, int WARPS, int U, bool PF, int DU, bool EARLY>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
         const u8* __restrict__ w_gate,   // (n_expert, n_ff, n_embd) in TG's blocks, expert by expert
@@ -146,13 +134,8 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
         float* h,                        // (k, n_ff) the SwiGLU rows
         u64* count,                      // (1,) the blocks that finished a launch
         float* y,                        // (n_embd,) x + the experts' weighted sum (may alias x)
-        int n_expert, int k, int renorm, int n_embd, int n_ff,
-        const float* __restrict__ nq_w,  // NQ: (n_embd,) the next RMSNorm's weights
-        u8* __restrict__ y_q8,           // NQ: q8x_bytes(n_embd), y * nq_w quantized for swizzle y_swz
-        int y_swz,
-        float* __restrict__ nq_parts) {  // NQ: (n_embd / 32,) each group's sum of y^2
+        int n_expert, int k, int renorm, int n_embd, int n_ff) {
     static_assert(WARPS >= 2, "warp 0 routes while the others quantize x");
-    static_assert(!NQ || WARPS == 16, "NQ: a group's 32 rows are one a warp of a cluster's two blocks");
     extern __shared__ uint4 smem[];
     __shared__ u32 tag_s;
     __shared__ float wsum;
@@ -165,7 +148,6 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
         for (int i = 32 * threadIdx.x; i < n_embd; i += 32 * blockDim.x)
             asm volatile("prefetch.global.L1 [%0];" ::"l"(router + ((i64)e * n_embd + i) * type_f32::elem_bytes));
     prefetch_l1_floats(norm_w, n_embd);  // ffn_norm's weights too
-    if constexpr (NQ) cluster_arrive_relaxed();  // paired with phase 3's wait: no peer stores into a block not yet started
     pdl_trigger();
     pdl_wait();
     if (threadIdx.x == 0) {
@@ -226,23 +208,12 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
     // 3. down, the weighted sum and the residual
     const DownRows<TD, DU> d(w_down, down_bytes, c.ids, k, n_embd, n_ff, lane);
     typename TD::chunk dch[DU];
-    // NQ: the cluster's groups [g0, g1), rank r's warp w taking rows 32 g + r + 2 w
-    const int rank = blockIdx.x & 1, n_cl = G >> 1, groups = n_embd >> 5;
-    const int g0 = NQ ? (int)((i64)(blockIdx.x >> 1) * groups / n_cl) : 0, g1 = NQ ? (int)((i64)((blockIdx.x >> 1) + 1) * groups / n_cl) : 0;
-    const int row = NQ ? 32 * g0 + rank + 2 * warp : blockIdx.x + G * warp, row_end = NQ ? 32 * g1 : n_embd;
+    const int row = blockIdx.x + G * warp;
     constexpr bool early = EARLY || TD::expert_planar;
-    if (early && row < row_end) d.load(dch, row, d.sub);  // the weights stream while the other blocks finish
-    float nw[NQ ? MOE_NQ_OWN : 1];  // NQ, warp 0: the norm weights of the groups the block owns (g0 + rank + 2 i)
-    if (NQ && warp == 0) {
-#pragma unroll
-        for (int i = 0; i < (NQ ? MOE_NQ_OWN : 1); ++i) {
-            const int g = g0 + rank + 2 * i;
-            nw[i] = g < g1 ? __ldg(nq_w + 32 * g + lane) : 0.f;
-        }
-    }
+    if (early && row < n_embd) d.load(dch, row, d.sub);  // the weights stream while the other blocks finish
     __syncthreads();  // the block's rows are in h; every warp is done with x's q8 before h's overwrites it
     if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(arrived) : "memory");
-    if (!early && row < row_end) d.load(dch, row, d.sub);
+    if (!early && row < n_embd) d.load(dch, row, d.sub);
     if (renorm && threadIdx.x == 0) {  // the weights divided by their sum as moe_route divides them, off phase 2's path
         float t = 0.f;
         for (int j = 0; j < k; ++j) t += c.w[j];
@@ -262,29 +233,6 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
     u8* hq = base + d.j * xb;
     float* hd = reinterpret_cast<float*>(hq + q8x_bytes_q(n_ff));
     const float wj = renorm ? __fdiv_rn(c.w[d.j], wsum) : c.w[d.j];
-    const q8x<TD::x_swizzle> hv{hq, hd, hd + q8x_d_floats(n_ff)};
-    if constexpr (NQ) {
-        float* ys = reinterpret_cast<float*>(base + x_area + 8 * n_expert);  // (owned groups, 32) their y
-        cluster_wait();  // both blocks started (the arrive at the top)
-        d.rows(dch, row, 32, row_end, hv, wj, x, y, lane, [&](int r, float v) {
-            const int j = (r >> 5) - g0;  // the cluster's group j: block rank j & 1 owns it
-            asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(peer_addr(ys + 32 * (j >> 1) + (r & 31), j & 1)), "f"(v) : "memory");
-        });
-        cluster_arrive();
-        cluster_wait();  // every y of the block's groups in ys
-        if (warp == 0) {
-#pragma unroll
-            for (int i = 0; i < MOE_NQ_OWN; ++i) {
-                const int g = g0 + rank + 2 * i;
-                if (g >= g1) break;
-                const float v = ys[32 * i + lane];
-                q8_lane_store(v * nw[i], 32 * g + lane, n_embd, y_swz, y_q8, lane);
-                const float ss = warp_sum(v * v);
-                if (lane == 0) nq_parts[g] = ss;
-            }
-        }
-    } else {
-        d.rows(dch, row, G * WARPS, n_embd, hv, wj, x, y, lane, [](int, float) {});
-    }
+    d.rows(dch, row, G * WARPS, n_embd, q8x<TD::x_swizzle>{hq, hd, hd + q8x_d_floats(n_ff)}, wj, x, y, lane);
     if (threadIdx.x == 0) atomicAdd(count, 1ull);
 }

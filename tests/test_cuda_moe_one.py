@@ -88,46 +88,6 @@ def test_one_launch_has_the_bits_of_three(o, gate_t, down_t, E, k, n_embd, n_ff,
     assert (cp.asnumpy(x2).view(np.uint32) == want[2].view(np.uint32)).all()
 
 
-@pytest.mark.parametrize("gate_t,down_t,E,k,n_embd,n_ff", [
-    (T.Q4_K, T.Q4_K, 128, 8, 2048, 768),  # Qwen3-30B-A3B's: 64 groups, a cluster of two blocks a group, two clusters idle
-    (T.Q4_K, T.Q6_K, 16, 4, 4608, 256),   # 144 groups: two or three a cluster, one or two a block
-    (T.Q6_K, T.Q6_K, 16, 8, 256, 512),    # 8 groups: most clusters idle
-], ids=lambda v: getattr(v, "name", str(v)))
-def test_nq_handoff(o, gate_t, down_t, E, k, n_embd, n_ff):
-    """moe_one.cu NQ (K4_MOE_NQ): y has the bits of the plain instance's, the handoff is
-    q8x_host(y * nq_w) in either reader's swizzle (the bytes gemv.cu's NQ products write), and each
-    32-output group's part is its sum of y^2 (within float32 summation order), over two launches
-    (the tags) and in place."""
-    from k4.runtime.cuda.q8_handoff import Q8Vector, q8x_host
-    from k4.runtime.cuda.quant_kernels import QUANT
-
-    m = _layer(E + n_embd, gate_t, down_t, E, n_embd, n_ff)
-    assert moe_one.nq_blocks(o, m, k) == n_embd // 32  # the H200's 132 blocks: 66 clusters of two
-    rng = np.random.default_rng(n_embd + 1)
-    x = cp.asarray(rng.standard_normal(n_embd).astype(np.float32))
-    norm_w, nq_w = (cp.asarray((1 + 0.1 * rng.standard_normal(n_embd)).astype(np.float32)) for _ in range(2))
-    ho = moe_one.Handoff(cp.zeros(E, cp.uint64), cp.zeros(1, cp.uint64), cp.zeros(1, cp.uint64))
-    h = cp.full((k, n_ff), np.nan, cp.float32)
-    want = cp.full(n_embd, np.nan, cp.float32)
-    assert moe_one.launch(o, m, x, norm_w, EPS, h, ho, want, k, True)
-    want = cp.asnumpy(want)
-    for swz in sorted({QUANT[t].x_swizzle for t in (T.Q4_K, T.Q6_K)}):
-        q8 = Q8Vector(cp.zeros(len(q8x_host(np.zeros(n_embd, np.float32), swz)), cp.uint8), n_embd, swz)
-        parts = cp.full(n_embd // 32 + 1, np.nan, cp.float32)
-        x2 = x.copy()
-        for xin, y in ((x, cp.full(n_embd, np.nan, cp.float32)), (x2, x2)):  # y apart, then in place
-            q8.data.fill(0)
-            assert moe_one.launch(o, m, xin, norm_w, EPS, h, ho, y, k, True, moe_one.NormOut(nq_w, q8, parts))
-            y_h = cp.asnumpy(y)
-            assert (y_h.view(np.uint32) == want.view(np.uint32)).all()
-            np.testing.assert_array_equal(cp.asnumpy(q8.data), q8x_host(y_h * cp.asnumpy(nq_w), swz))
-            got = cp.asnumpy(parts)
-            np.testing.assert_allclose(got[:-1], (y_h.astype(np.float64) ** 2).reshape(-1, 32).sum(1), rtol=1e-5)
-            assert np.isnan(got[-1])  # nothing past the groups
-    with pytest.raises(ValueError, match="nq_blocks"):  # a handoff of another length
-        moe_one.launch(o, m, x, norm_w, EPS, h, ho, x.copy(), k, True, moe_one.NormOut(nq_w, Q8Vector(q8.data, 32, swz), parts))
-
-
 def test_other_types_keep_three_launches():
     m = _layer(1, T.Q8_0, T.Q8_0, 8, 256, 256)
     assert moe_one.kernel_name(T.F32, m.gate, m.down) is None

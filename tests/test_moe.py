@@ -132,8 +132,7 @@ def test_cuda_compile_jobs_pick_the_q8_expert_products_and_a_float_x_router():
         (T.F32, T.Q4_K, T.Q4_K, {("moe.cu", ("moe_gemv_f<type_f32>",)), q8("type_q4_K", "false"), q8("type_q4_K", "true"),
                                  *(("moe_down.cu", (f"moe_down_combine<{t}, 8, 4>",)) for t in ("type_q4_K", "type_q6_K")),
                                  ("moe.cu", ("moe_router<type_f32>",)),  # decode in one launch (moe_one) where it applies
-                                 *(("moe_one.cu", (moe_one_name("type_q4_K", t, nq),)) for t in ("type_q4_K", "type_q6_K")
-                                   for nq in (False, True))}),
+                                 *(("moe_one.cu", (moe_one_name("type_q4_K", t),)) for t in ("type_q4_K", "type_q6_K"))}),
         (T.Q8_0, T.Q4_K, T.Q6_K, {("moe.cu", ("moe_gemv_q<type_q8_0>",)), q8("type_q4_K", "false"), q8("type_q4_K", "true")}),
         (T.F32, T.Q5_K, T.Q6_K, {("moe.cu", ("moe_gemv_f<type_f32>",)), q8("type_q4_K", "false"), q8("type_q5_K", "false")}),
     )

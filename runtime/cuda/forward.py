@@ -41,7 +41,6 @@ class ForwardOptions:
     fuse_rope: bool = True  # K4_FUSE_ROPE: decode RoPE + cache store inside attention
     fuse_moe: bool = True  # K4_FUSE_MOE: decode's expert feed-forward in three launches (moe.decode_fused)
     moe_one: bool = True  # K4_MOE_ONE: with fuse_moe, those three as one launch where moe_one.py covers the layer
-    moe_nq: bool = True  # K4_MOE_NQ: with norm_q8, that launch hands the next norm's products their input quantized
     qkv_q8: bool = True  # K4_QKV_Q8: decode's later q/k/v runs copy the x the first one quantized (qkv)
     qkv_pair: bool = True  # K4_QKV_PAIR: decode's q/k/v in two runs of paired types as one launch (qkv)
     x_cluster: bool = True  # K4_X_CLUSTER: decode's products quantizing a long x in clusters of blocks (linear)
@@ -120,16 +119,16 @@ class Forward:
             nq = None if L.moe is not None or n > 1 else (L.ffn_norm, self.readers(li)[0])
             wide = after_attention_variant(L.wo.ggml_type, cfg.q_dim) if self.opts.wo_wide else None
             self.residual(L.wo, attn.reshape(n, cfg.q_dim), x, x1, L.attn_post_norm, x_q8=attn_q8, nq=nq, variant=wide)
-            # the next layer's q/k/v, or after the last layer the output head: the RMSNorm before them
-            nxt = self.w.layers[li + 1] if li + 1 < len(self.w.layers) else None
-            nxt_norm = nxt.attn_norm if nxt else self.w.output_norm
             if L.moe is not None:  # routed experts (+ shared expert) + residual: runtime/cuda/moe.py
                 self.settle()
-                moe.moe_ffn(self, L, x1, x, n, (nxt_norm, self.readers(li)[1]) if n == 1 else None)
+                moe.moe_ffn(self, L, x1, x, n)
                 continue
             # feed-forward: norm, gate and up with SwiGLU (GeGLU), down (+ post-norm) + residual
             ff_q8 = self.gate_up(L, x1, ff, half)
-            nq = (nxt_norm, self.readers(li)[1] if n == 1 else [p.w for p in nxt.qkv] if nxt else [self.w.output])
+            # the next layer's q/k/v, or after the last layer the output head
+            nxt = self.w.layers[li + 1] if li + 1 < len(self.w.layers) else None
+            nq = (nxt.attn_norm if nxt else self.w.output_norm,
+                  self.readers(li)[1] if n == 1 else [p.w for p in nxt.qkv] if nxt else [self.w.output])
             self.residual(L.w_down, ff, x1, x, L.ffn_post_norm, x_q8=ff_q8, nq=nq)
         return x
 

@@ -63,13 +63,12 @@ MOE_ONE_PAIRS = (("type_q4_K", "type_q4_K"), ("type_q4_K", "type_q6_K"), ("type_
 MOE_ONE_DOWN = {"type_q4_K": (3, True), "type_q6_K": (3, False)}
 
 
-def moe_one_name(gate: str, down: str, nq: bool = False) -> str:
-    """The moe_one.cu instance for gate/up experts of decoder gate and down experts of decoder down;
-    nq: the one that also hands the next RMSNorm's products their input (moe_one.cu NQ)."""
+def moe_one_name(gate: str, down: str) -> str:
+    """The moe_one.cu instance for gate/up experts of decoder gate and down experts of decoder down."""
     warps, u, pf = MOE_Q8_GLU_VARIANTS[gate]
     du, early = MOE_ONE_DOWN[down]
     b = lambda v: "true" if v else "false"  # noqa: E731
-    return f"moe_one<{gate}, {down}, {warps}, {u}, {b(pf)}, {du}, {b(early)}{', true' if nq else ''}>"
+    return f"moe_one<{gate}, {down}, {warps}, {u}, {b(pf)}, {du}, {b(early)}>"
 
 
 # moe_grouped.cu moe_gemv_grouped (prefill's experts grouped by expert): (WARPS, U) and the slots
@@ -153,7 +152,7 @@ KERNELS = {
     "moe_grouped.cu": ("moe_group", *(moe_grouped_name(d, glu) for d in MOE_QUANT_DECODERS for glu in (False, True))),
     "moe_gemv.cu": tuple(moe_q8_name(d, glu) for d in MOE_QUANT_DECODERS for glu in (False, True)),
     "moe_down.cu": tuple(moe_down_name(d) for d in MOE_QUANT_DECODERS),
-    "moe_one.cu": tuple(moe_one_name(g, d, nq) for g, d in MOE_ONE_PAIRS for nq in (False, True)),
+    "moe_one.cu": tuple(moe_one_name(g, d) for g, d in MOE_ONE_PAIRS),
     "megakernel.cu": ("megakernel",),
 }
 # Compile groups: one module per group, so a model compiles only the attention and RoPE-store

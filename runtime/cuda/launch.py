@@ -175,32 +175,6 @@ def blocks_per_sm(kernel, threads: int, smem: int) -> int:
     return max(1, min(2048 // threads, 65536 // (regs * threads), SM_SHARED // (smem + (1 << 10))))
 
 
-@cache
-def _cu_max_active_clusters():
-    fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-@cache
-def clusters_fit(kernel, grid: int, threads: int, smem: int, cluster: int) -> bool:
-    """Whether all `grid` blocks of `threads` threads and `smem` bytes of dynamic shared memory,
-    in clusters of `cluster` blocks, can be resident at once (CUDA driver
-    cuOccupancyMaxActiveClusters, with the carveout the kernel's launches ask for): a kernel whose
-    blocks wait for each other needs it. On the H200, 132 blocks of one per multiprocessor fit in
-    clusters of 2, and only 120 in clusters of 4 or 8 (docs/PERF.md, session 47)."""
-    _ask_carveout(kernel, (threads,), smem)
-    attrs = (_LaunchAttribute * 1)()
-    attrs[0].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attrs[0].value[0:3] = [cluster, 1, 1]
-    config = _LaunchConfig(_dim3((grid,)), _dim3((threads,)), smem, None, attrs, 1)
-    n = ctypes.c_int(0)
-    if _cu_max_active_clusters()(ctypes.byref(n), kernel.kernel.ptr, ctypes.byref(config)) != 0:
-        return False
-    return n.value * cluster >= grid
-
-
 def allow_shared(kernel, smem: int) -> None:
     """Let kernel launch with smem bytes of dynamic shared memory: its limit raised past the
     default 48 KB where smem needs it, never lowered (weights and layers of other sizes share a

@@ -248,8 +248,6 @@ def compile_jobs(mf: ModelFile, cfg: ModelConfig, o) -> list:
             kernels.update((("moe.cu", router_name(router)), ("moe_down.cu", moe_down_name(decoder(down)))))
             if (one := moe_one.kernel_name(router, gate, down)) is not None:
                 kernels.add(("moe_one.cu", one))
-                if cfg.n_embd % 32 == 0:  # and its NQ instance (moe_one.nq_blocks)
-                    kernels.add(("moe_one.cu", moe_one.kernel_name(router, gate, down, nq=True)))
     return [(f, GROUP_OF[(f, name)], o._defines()) for f, name in sorted(kernels)]
 
 
@@ -368,16 +366,14 @@ def decode_fusable(cfg: ModelConfig, gate: Experts, up: Experts, down: Experts, 
             and 32 % cfg.n_expert_used == 0 and cfg.n_embd % 32 == 0 and cfg.n_ff_exp % 32 == 0)
 
 
-def decode_fused(fwd, L, x1, x, nq=None) -> bool:
+def decode_fused(fwd, L, x1, x) -> bool:
     """One token's feed-forward in three launches when decode_fusable and the forward options
     fuse it (K4_FUSE_MOE): the router product with the RMSNorm in its prologue (moe.cu moe_router), the
     routed SwiGLU launch of gate and up (each block makes the router's choice and normalizes
     x1 itself), and moe_down_combine (the same choice; the weighted sum and the residual in
     its epilogue), instead of RMSNorm, router, moe_topk, SwiGLU, down and moe_combine, all three
     with programmatic dependent launch; with K4_MOE_ONE, where runtime/cuda/moe_one.py covers the
-    layer, those three as one launch, which also hands the next RMSNorm's products their input
-    where moe_one.norm_out gives nq a handoff (then fwd.nq, as forward.py residual leaves it).
-    Returns False (nothing enqueued) otherwise."""
+    layer, those three as one launch. Returns False (nothing enqueued) otherwise."""
     cfg, o, a, m = fwd.cfg, fwd.ops, fwd.act, L.moe
     if not fwd.opts.fuse_moe or x1.shape[0] != 1:
         return False
@@ -386,10 +382,7 @@ def decode_fused(fwd, L, x1, x, nq=None) -> bool:
     k, norm = cfg.n_expert_used, (L.ffn_norm, cfg.rms_eps)
     logits = a.moe_logits[:1]
     handoff = moe_one.Handoff(a.moe_words, a.moe_arrived, a.moe_count)
-    out = moe_one.norm_out(fwd, m, k, nq) if fwd.opts.moe_one else None
-    if fwd.opts.moe_one and moe_one.launch(o, m, x1[0], L.ffn_norm, cfg.rms_eps, a.moe_g[:k], handoff, x[0], k, cfg.expert_norm, out):
-        if out is not None:
-            fwd.nq = (out.vector(cfg.rms_eps), nq[0])
+    if fwd.opts.moe_one and moe_one.launch(o, m, x1[0], L.ffn_norm, cfg.rms_eps, a.moe_g[:k], handoff, x[0], k, cfg.expert_norm):
         return True
     o._launch("moe.cu", router_name(m.router.ggml_type), (cfg.n_expert,), (ROUTER_THREADS,),
               (m.router.data, x1, L.ffn_norm, np.float32(cfg.rms_eps), logits, np.int32(cfg.n_embd)))
@@ -400,12 +393,11 @@ def decode_fused(fwd, L, x1, x, nq=None) -> bool:
     return True
 
 
-def moe_ffn(fwd, L, x1, x, n: int, nq=None) -> None:
+def moe_ffn(fwd, L, x1, x, n: int) -> None:
     """x (n, n_embd) = x1 + the experts' output for rmsnorm(x1) * ffn_norm (runtime/moe.py
     MoeFfn.forward), enqueued on fwd's stream: fwd is the runtime/cuda/forward.py Forward, L the
-    layer's LayerWeights (L.moe a MoeWeights). One token: decode_fused where it applies (nq: the
-    next RMSNorm's handoff it may write, as forward.py residual's)."""
-    if n == 1 and decode_fused(fwd, L, x1, x, nq):
+    layer's LayerWeights (L.moe a MoeWeights). One token: decode_fused where it applies."""
+    if n == 1 and decode_fused(fwd, L, x1, x):
         return
     cfg, o, a, m = fwd.cfg, fwd.ops, fwd.act, L.moe
     k, E = cfg.n_expert_used, cfg.n_expert

@@ -103,9 +103,9 @@ class Ops(AttentionLaunchers):
             self.function(filename, name)
 
     def _launch(self, filename: str, name: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
-                pdl: bool = True, per_sm: int | None = None, cluster: int = 1) -> None:
+                pdl: bool = True, per_sm: int | None = None) -> None:
         pdl = pdl and self.sw.pdl and cp.cuda.get_current_stream().is_capturing()
-        launch(self.function(filename, name), grid, block, args, shared_mem, None, self.trace, pdl, per_sm, cluster)
+        launch(self.function(filename, name), grid, block, args, shared_mem, None, self.trace, pdl, per_sm)
 
     def rms_norm(self, x: cp.ndarray, w: cp.ndarray, y: cp.ndarray, eps: float, q8=None) -> None:
         """y = x / sqrt(mean(x^2, last axis) + eps) * w. x: (n_rows, n) f32; y: (n_rows, n) f32

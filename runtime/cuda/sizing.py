@@ -38,7 +38,7 @@ def options(flags: Flags) -> tuple:
     w = WeightOptions(repack=on("K4_REPACK"), stack=on("K4_STACK"), glu=on("K4_FUSE_SWIGLU"), pinned=on("K4_PINNED_UPLOAD"),
                       planar_experts=on("K4_PLANAR_EXPERTS"), matrix=mat)
     f = ForwardOptions(fuse_norm=on("K4_FUSE_NORM"), fuse_rope=on("K4_FUSE_ROPE"), fuse_moe=on("K4_FUSE_MOE"),
-                       moe_one=on("K4_MOE_ONE"), moe_nq=on("K4_MOE_NQ"), qkv_q8=on("K4_QKV_Q8"), qkv_pair=on("K4_QKV_PAIR"),
+                       moe_one=on("K4_MOE_ONE"), qkv_q8=on("K4_QKV_Q8"), qkv_pair=on("K4_QKV_PAIR"),
                        x_cluster=on("K4_X_CLUSTER"), norm_q8=on("K4_NORM_Q8"),
                        mma8_nq=on("K4_MMA8_NQ"), mma8_ffq8=on("K4_MMA8_FFQ8"), wo_wide=on("K4_WO_WIDE"),
                        head_argmax=on("K4_HEAD_ARGMAX"))
