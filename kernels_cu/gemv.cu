@@ -120,6 +120,7 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
     const int n_chunks = n_in / T::chunk_elems;  // per weight row
     const int nblk_row = n_in / T::block_elems;
     const i64 nblk = (i64)(GLU ? 2 : 1) * n_out * nblk_row;
+    const float* norm_part = nullptr;  // the RMSNorm folded into the outputs: quantize_x_unscaled's sums
     // first group of 32 outputs of block b, and the block's outputs in shared memory after x
     // (with y_q8); both recomputed where used: 1024-thread instances have 64 registers and no more
     auto group = [&](int b) { return (int)((i64)b * ((n_out + 31) / 32) / gridDim.x); };
@@ -159,18 +160,27 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         copy_q8x_normed(x_q8, n_in, T::x_swizzle, T::x_swizzle, x_parts, n_parts, eps, smem);
     } else if (x_q8) {
         copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);
+        if (norm_w) norm_part = x_sq_parts(x, n_in);  // a folded q8 x (below): the scale from x, as its maker's
+    } else if (WARPS <= 16 && norm_w && !post_t) {
+        // the RMSNorm's scale goes to the outputs (out_scale; quant_kernels.folds_norm), x_q8_out's q8 x
+        // without it (a folded handoff). 32-warp instances keep two passes: at 64 registers the 7B's wide
+        // output product spilled with both
+        norm_part = quantize_x_unscaled<T::x_swizzle>(x, n_in, norm_w, xq, xd, xs);
     } else {
         // with post_t: its x and t * w kept in shared memory after x's q8 (the y_q8 outputs reuse it)
         quantize_x<T::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs,
                                  PostNorm{post_t, post_w, x_out, reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in))});
     }
     __syncthreads();
+    const float out_scale = norm_part ? folded_scale(norm_part, n_in, eps) : 1.f;  // 1: the outputs' bits unchanged
     if (x_q8_out && blockIdx.x == 0) q8x_store(xq, n_in, T::x_swizzle, x_q8_out, x_out_swz);
 
     auto load = [&](typename T::chunk (&dst)[U], int r, int c0) { q8_load<T, PLANAR, U, GLU>(dst, w, nblk, nblk_row, n_chunks, r, c0); };
     float am_v = -k4ops::inf_f32();  // AM: the warp's largest output so far (lane 0), in ascending rows
     int am_i = NO_INDEX;
     q8_rows<T, U, PF, GLU>(n_chunks, row, row_end, row_step, lane, ch, true, xv, load, [&](int r, float acc, float acc_up) {
+        acc *= out_scale;
+        acc_up *= out_scale;
         if constexpr (GLU) {
             const float v = glu_act<GELU>(acc, acc_up);
             y[r] = v;
@@ -243,17 +253,21 @@ __device__ __forceinline__ void pair_part(const u8* __restrict__ w, const float*
     prefetch_l1_floats(norm_w, n_in);  // the prologue's weights too
     prefetch_l1_floats(post.w, n_in);
     pdl_wait();
+    const float* norm_part = nullptr;  // as gemv_q8's: the RMSNorm's scale goes to the outputs
     if constexpr (NX) {  // an NQ product's y_q8 (gemv_q8), in its swizzle
         copy_q8x_normed(x_q8, n_in, x_q8_swz, T::x_swizzle, x_parts, n_parts, eps, smem);
+    } else if (norm_w && !post.t) {
+        norm_part = quantize_x_unscaled<T::x_swizzle>(x, n_in, norm_w, xq, xd, xs);
     } else {
         quantize_x<T::x_swizzle>(x, n_in, norm_w, eps, xq, xd, xs, post);
     }
     __syncthreads();
+    const float out_scale = norm_part ? folded_scale(norm_part, n_in, eps) : 1.f;
     auto load = [&](typename T::chunk (&dst)[U], int r, int c0) {
         q8_load<T, PLANAR, U, false>(dst, w, (i64)n * nblk_row, nblk_row, n_chunks, r, c0);
     };
     q8_rows<T, U, PF, false>(n_chunks, row, n, step, lane, ch, true, q8x<T::x_swizzle>{xq, xd, xs}, load,
-                             [&](int r, float acc, float) { write_row(y, nullptr, bias, r, acc); });
+                             [&](int r, float acc, float) { write_row(y, nullptr, bias, r, acc * out_scale); });
 }
 
 template <class T1, class T2, bool PLANAR, int WARPS, int U1, bool PF1, int U2, bool PF2, bool NX = false>

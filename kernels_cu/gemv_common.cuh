@@ -197,6 +197,65 @@ __device__ void quantize_x(const float* __restrict__ x, int n_in, const float* _
     }
 }
 
+// A float4's squares summed (quantize_x_unscaled and x_sq_parts: the same order, the same bits).
+__device__ __forceinline__ float sq4(float4 f) { return f.x * f.x + f.y * f.y + f.z * f.z + f.w * f.w; }
+
+// quantize_x's RMSNorm in one pass, for a product that scales its outputs instead (gemv.cu gemv_q8
+// and gemv_q8_pair with norm_w and no post-norm): x * norm_w quantized into the q8x arrays, whose
+// quants are those of x * s * norm_w (s = rms_scale(x) is common to every value and each output
+// is linear in the units' scales; only the rounding of a unit's scale can differ), and the sum of
+// x^2 over each warp's units left in the returned (WARPS,) shared array for folded_scale after
+// the caller's barrier. So no block reduction stands between x's loads and the row loop
+// (docs/PERF.md, sessions 41 and 47). One thread per 16-value unit.
+template <int SWZ>
+__device__ float* quantize_x_unscaled(const float* __restrict__ x, int n_in, const float* __restrict__ norm_w, u8* xq, float* xd,
+                                      float* xs) {
+    __shared__ float part[32];
+    const int n_units = n_in >> 4;
+    float ss = 0.f;
+    for (int base = 0; base < n_units; base += blockDim.x) {  // warp-uniform trip count
+        const int u = base + threadIdx.x;
+        const bool ok = u < n_units;
+        float v[16];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (ok) {
+                f = __ldg(reinterpret_cast<const float4*>(x) + 4 * u + k);
+                const float4 g = __ldg(reinterpret_cast<const float4*>(norm_w) + 4 * u + k);
+                ss += sq4(f);
+                f = make_float4(f.x * g.x, f.y * g.y, f.z * g.z, f.w * g.w);
+            }
+            v[4 * k] = f.x; v[4 * k + 1] = f.y; v[4 * k + 2] = f.z; v[4 * k + 3] = f.w;
+        }
+        q8_unit(v, ok, u, SWZ, xq, xd, xs);
+    }
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    return part;
+}
+
+// quantize_x_unscaled's sums alone, in its order (the same parts, so the same scale): for a product
+// given that q8 x by another (gemv.cu x_q8 with norm_w, K4_QKV_Q8's later runs).
+__device__ float* x_sq_parts(const float* __restrict__ x, int n_in) {
+    __shared__ float part[32];
+    const int n_units = n_in >> 4;
+    float ss = 0.f;
+    for (int u = threadIdx.x; u < n_units; u += blockDim.x)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) ss += sq4(__ldg(reinterpret_cast<const float4*>(x) + 4 * u + k));
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    return part;
+}
+
+// The RMSNorm's scale rsqrt(mean(x^2) + eps) from quantize_x_unscaled's parts (published by a
+// barrier), in every lane of the calling warp (all must call it).
+__device__ __forceinline__ float folded_scale(const float* part, int n_in, float eps) {
+    const int lane = threadIdx.x & 31;
+    return rsqrtf(warp_sum(lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f) / (float)n_in + eps);
+}
+
 // Thread-block clusters (sm_90): the blocks of a cluster, this block's rank among them, the
 // cluster barrier (every thread of every block calls arrive, then wait; relaxed: no ordering,
 // only "this block runs"), and the address of shared-memory location p in the block of rank r.

@@ -37,9 +37,9 @@ EDITS: list[tuple[str, str, str]] = [
     ("gemv.cu", "    if constexpr (CLUSTER) cluster_arrive_relaxed();\n    pdl_wait();\n",
      "    if constexpr (CLUSTER) cluster_arrive_relaxed();\n    pdl_wait();\n    if (threadIdx.x == 0) "
      + _STAMP.format(row=1, i="blockIdx.x") + "\n"),
-    ("gemv.cu", "    __syncthreads();\n    if (x_q8_out && blockIdx.x == 0)",
+    ("gemv.cu", "    __syncthreads();\n    const float out_scale = norm_part ? folded_scale(norm_part, n_in, eps) : 1.f;  // 1:",
      "    __syncthreads();\n    if (threadIdx.x == 0) " + _STAMP.format(row=2, i="blockIdx.x")
-     + "\n    if (x_q8_out && blockIdx.x == 0)"),
+     + "\n    const float out_scale = norm_part ? folded_scale(norm_part, n_in, eps) : 1.f;  // 1:"),
     ("gemv.cu", "    if (AM && lane == 0) {  // no barrier",
      "    if (lane == 0) " + _STAMP.format(row=3, i="blockIdx.x * 32 + (threadIdx.x >> 5)")
      + "\n    if (AM && lane == 0) {  // no barrier"),

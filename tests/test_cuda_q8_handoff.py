@@ -5,6 +5,8 @@ quantizing a long x itself, to the bit q8x_host's; the checks of what does not f
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -12,7 +14,7 @@ from gguf import GGMLQuantizationType as T
 from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import q8_handoff as hand
 from k4.runtime.cuda import quant_kernels as qk
-from tests.matmul_ref import GLU_REF, QUANTIZED, fresh_rng, glu_weight, nan_like, q8_rounded, weight
+from tests.matmul_ref import GLU_REF, LIMIT_Q8, QUANTIZED, fresh_rng, glu_weight, nan_like, q8_rounded, rel_err, weight
 
 @pytest.mark.parametrize("swizzle", [1, 2])
 def test_q8x_host_is_q8_rounded_in_the_kernel_layout(swizzle):
@@ -85,6 +87,47 @@ def test_gemv_quantizes_a_long_x_as_q8x_host(type_name, variant, cluster, monkey
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("type_name,variant", [("Q4_K", None), ("Q6_K", None), ("Q4_K", (32, 2, 0))])
+def test_the_rms_norm_folds_into_the_outputs(type_name, variant):
+    """A normed product in blocks of at most 16 warps (q8_handoff.folds_norm) quantizes x * norm_w
+    and scales its outputs by the norm's scale: it equals the product given q8x_host(x * norm_w)
+    times rsqrt(mean(x^2) + eps), within the float32 rounding of that scale (limit 1e-5; the 32-warp
+    instances normalize x first: within the 8-bit limit of it). Its x_q8_out is that folded q8 x,
+    byte for byte, and a Q6_K product given it with the norm has the bits of the same product
+    normalizing x itself (K4_QKV_Q8's later runs). x_q8_out's folded flag must say which it is."""
+    import cupy as cp
+
+    rng, seed = fresh_rng()
+    n_out, n_in, eps = 300, 4096, 1e-5
+    w, _ = weight(type_name, n_out, n_in, rng, True)
+    w6, _ = weight("Q6_K", 200, n_in, rng, True)
+    x = (3 * rng.standard_normal(n_in) + 0.5).astype(np.float32)
+    nw = (1 + 0.3 * rng.standard_normal(n_in)).astype(np.float32)
+    dx, norm = cp.asarray(x), (cp.asarray(nw), eps)
+    folds = hand.folds_norm(variant or qk.gemv_variant(w.ggml_type, n_out, n_in))
+    assert folds == (variant is None)
+    y, y_q8 = nan_like(n_out), nan_like(n_out)
+    mm.gemv(w, dx, y, norm=norm, variant=variant)
+    q8 = hand.Q8Vector.for_weight(w, cp.asarray(hand.q8x_host(x * nw, mm.QUANT[w.ggml_type].x_swizzle)))
+    mm.gemv(w, nan_like(n_in), y_q8, x_q8=q8, variant=variant)
+    s = np.float32(1 / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps))
+    err = rel_err(y.get(), y_q8.get() * s)
+    assert err < (1e-5 if folds else LIMIT_Q8), f"{type_name} {variant}: {err:.2e} (seed {seed})"
+    out = replace(hand.Q8Vector.for_weight(w6, cp.zeros(mm.q8x_bytes(n_in), cp.uint8)), folded=folds)
+    y2 = nan_like(n_out)
+    mm.gemv(w, dx, y2, norm=norm, variant=variant, x_q8_out=out)
+    assert cp.array_equal(y2, y)
+    with pytest.raises(ValueError, match="folds its norm"):
+        mm.gemv(w, dx, y2, norm=norm, variant=variant, x_q8_out=replace(out, folded=not folds))
+    if folds:
+        np.testing.assert_array_equal(out.data.get(), hand.q8x_host(x * nw, out.swizzle))
+        z, z_q8 = nan_like(200), nan_like(200)
+        mm.gemv(w6, dx, z, norm=norm)
+        mm.gemv(w6, dx, z_q8, norm=norm, x_q8=out)
+        assert cp.array_equal(z, z_q8), f"{type_name}'s folded q8 x read by Q6_K (seed {seed})"
+
+
+@pytest.mark.cuda
 def test_gemv_q8_handoff_rejects_what_does_not_fit():
     import cupy as cp
 
@@ -95,8 +138,10 @@ def test_gemv_q8_handoff_rejects_what_does_not_fit():
     x, y = cp.zeros(256, cp.float32), cp.zeros(64, cp.float32)
     with pytest.raises(ValueError, match="swizzle"):
         mm.gemv(w, x, y, x_q8=hand.Q8Vector.for_weight(w6, buf))
-    with pytest.raises(ValueError, match="no fused norm"):
+    with pytest.raises(ValueError, match="norm exactly when it is folded"):
         mm.gemv(w, x, y, x_q8=hand.Q8Vector.for_weight(w, buf), norm=(x, 1e-6))
+    with pytest.raises(ValueError, match="norm exactly when it is folded"):  # a folded q8 x needs the norm
+        mm.gemv(w, x, y, x_q8=replace(hand.Q8Vector.for_weight(w, buf), folded=True))
     with pytest.raises(ValueError, match="glu"):
         mm.gemv(w, x, y, y_q8=hand.Q8Vector(buf, 64, 1))
     with pytest.raises(ValueError, match="needs 352 uint8 bytes"):
