@@ -197,9 +197,6 @@ __device__ void quantize_x(const float* __restrict__ x, int n_in, const float* _
     }
 }
 
-// A float4's squares summed (quantize_x_unscaled and x_sq_parts: the same order, the same bits).
-__device__ __forceinline__ float sq4(float4 f) { return f.x * f.x + f.y * f.y + f.z * f.z + f.w * f.w; }
-
 // quantize_x's RMSNorm in one pass, for a product that scales its outputs instead (gemv.cu gemv_q8
 // and gemv_q8_pair with norm_w and no post-norm): x * norm_w quantized into the q8x arrays, whose
 // quants are those of x * s * norm_w (s = rms_scale(x) is common to every value and each output
@@ -223,27 +220,13 @@ __device__ float* quantize_x_unscaled(const float* __restrict__ x, int n_in, con
             if (ok) {
                 f = __ldg(reinterpret_cast<const float4*>(x) + 4 * u + k);
                 const float4 g = __ldg(reinterpret_cast<const float4*>(norm_w) + 4 * u + k);
-                ss += sq4(f);
+                ss += f.x * f.x + f.y * f.y + f.z * f.z + f.w * f.w;
                 f = make_float4(f.x * g.x, f.y * g.y, f.z * g.z, f.w * g.w);
             }
             v[4 * k] = f.x; v[4 * k + 1] = f.y; v[4 * k + 2] = f.z; v[4 * k + 3] = f.w;
         }
         q8_unit(v, ok, u, SWZ, xq, xd, xs);
     }
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-    return part;
-}
-
-// quantize_x_unscaled's sums alone, in its order (the same parts, so the same scale): for a product
-// given that q8 x by another (gemv.cu x_q8 with norm_w, K4_QKV_Q8's later runs).
-__device__ float* x_sq_parts(const float* __restrict__ x, int n_in) {
-    __shared__ float part[32];
-    const int n_units = n_in >> 4;
-    float ss = 0.f;
-    for (int u = threadIdx.x; u < n_units; u += blockDim.x)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) ss += sq4(__ldg(reinterpret_cast<const float4*>(x) + 4 * u + k));
     ss = warp_sum(ss);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
     return part;

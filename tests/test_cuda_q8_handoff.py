@@ -5,8 +5,6 @@ quantizing a long x itself, to the bit q8x_host's; the checks of what does not f
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -92,17 +90,17 @@ def test_the_rms_norm_folds_into_the_outputs(type_name, variant):
     """A normed product in blocks of at most 16 warps (q8_handoff.folds_norm) quantizes x * norm_w
     and scales its outputs by the norm's scale: it equals the product given q8x_host(x * norm_w)
     times rsqrt(mean(x^2) + eps), within the float32 rounding of that scale (limit 1e-5; the 32-warp
-    instances normalize x first: within the 8-bit limit of it). Its x_q8_out is that folded q8 x,
-    byte for byte, and a Q6_K product given it with the norm has the bits of the same product
-    normalizing x itself (K4_QKV_Q8's later runs). x_q8_out's folded flag must say which it is."""
+    instances normalize x first: within the 8-bit limit of it). Given x_q8_out it normalizes x first
+    too, and hands that q8 x on (K4_QKV_Q8): with a post-norm (where no product folds) a Q6_K product
+    reading it has the bits of the same product normalizing x itself."""
     import cupy as cp
 
     rng, seed = fresh_rng()
     n_out, n_in, eps = 300, 4096, 1e-5
     w, _ = weight(type_name, n_out, n_in, rng, True)
     w6, _ = weight("Q6_K", 200, n_in, rng, True)
-    x = (3 * rng.standard_normal(n_in) + 0.5).astype(np.float32)
-    nw = (1 + 0.3 * rng.standard_normal(n_in)).astype(np.float32)
+    x, t = ((3 * rng.standard_normal(n_in) + 0.5).astype(np.float32) for _ in range(2))
+    nw, pw = ((1 + 0.3 * rng.standard_normal(n_in)).astype(np.float32) for _ in range(2))
     dx, norm = cp.asarray(x), (cp.asarray(nw), eps)
     folds = hand.folds_norm(variant or qk.gemv_variant(w.ggml_type, n_out, n_in))
     assert folds == (variant is None)
@@ -113,18 +111,17 @@ def test_the_rms_norm_folds_into_the_outputs(type_name, variant):
     s = np.float32(1 / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps))
     err = rel_err(y.get(), y_q8.get() * s)
     assert err < (1e-5 if folds else LIMIT_Q8), f"{type_name} {variant}: {err:.2e} (seed {seed})"
-    out = replace(hand.Q8Vector.for_weight(w6, cp.zeros(mm.q8x_bytes(n_in), cp.uint8)), folded=folds)
+    out = hand.Q8Vector.for_weight(w6, cp.zeros(mm.q8x_bytes(n_in), cp.uint8))
     y2 = nan_like(n_out)
-    mm.gemv(w, dx, y2, norm=norm, variant=variant, x_q8_out=out)
-    assert cp.array_equal(y2, y)
-    with pytest.raises(ValueError, match="folds its norm"):
-        mm.gemv(w, dx, y2, norm=norm, variant=variant, x_q8_out=replace(out, folded=not folds))
-    if folds:
-        np.testing.assert_array_equal(out.data.get(), hand.q8x_host(x * nw, out.swizzle))
-        z, z_q8 = nan_like(200), nan_like(200)
-        mm.gemv(w6, dx, z, norm=norm)
-        mm.gemv(w6, dx, z_q8, norm=norm, x_q8=out)
-        assert cp.array_equal(z, z_q8), f"{type_name}'s folded q8 x read by Q6_K (seed {seed})"
+    mm.gemv(w, dx, y2, norm=norm, variant=variant, x_q8_out=out)  # normalized first, as without the fold
+    err = rel_err(y2.get(), y.get())
+    assert err <= (LIMIT_Q8 if folds else 0), f"{type_name} {variant} with x_q8_out: {err:.2e} (seed {seed})"
+    post = (cp.asarray(t), cp.asarray(pw), cp.zeros(n_in, cp.float32))
+    mm.gemv(w, dx, y2, norm=norm, variant=variant, post=post, x_q8_out=out)
+    z, z_q8 = nan_like(200), nan_like(200)
+    mm.gemv(w6, dx, z, norm=norm, post=(post[0], post[1], cp.zeros(n_in, cp.float32)))
+    mm.gemv(w6, nan_like(n_in), z_q8, x_q8=out)
+    assert cp.array_equal(z, z_q8), f"{type_name}'s q8 x with a post-norm read by Q6_K (seed {seed})"
 
 
 @pytest.mark.cuda
@@ -138,10 +135,8 @@ def test_gemv_q8_handoff_rejects_what_does_not_fit():
     x, y = cp.zeros(256, cp.float32), cp.zeros(64, cp.float32)
     with pytest.raises(ValueError, match="swizzle"):
         mm.gemv(w, x, y, x_q8=hand.Q8Vector.for_weight(w6, buf))
-    with pytest.raises(ValueError, match="norm exactly when it is folded"):
+    with pytest.raises(ValueError, match="no fused norm"):
         mm.gemv(w, x, y, x_q8=hand.Q8Vector.for_weight(w, buf), norm=(x, 1e-6))
-    with pytest.raises(ValueError, match="norm exactly when it is folded"):  # a folded q8 x needs the norm
-        mm.gemv(w, x, y, x_q8=replace(hand.Q8Vector.for_weight(w, buf), folded=True))
     with pytest.raises(ValueError, match="glu"):
         mm.gemv(w, x, y, y_q8=hand.Q8Vector(buf, 64, 1))
     with pytest.raises(ValueError, match="needs 352 uint8 bytes"):

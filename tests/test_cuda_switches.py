@@ -112,8 +112,10 @@ HANDOFFS = {
     # instead of quantizing it in every block
     "K4_FUSE_QUANT": lambda be, on: all((L.ff_q8 is not None) == on for L in be.layers),
     # K4_QKV_Q8: in the layers whose q|k and v are runs of two types (Q4_K_M: Q4_K and Q6_K), the
-    # v product copies the x the q|k product normalized and quantized (another swizzle); measured
-    # with K4_QKV_PAIR off, which launches both runs as one product
+    # v product copies the x the q|k product normalized and quantized (another swizzle), where it
+    # does not fold the norm's scale into its outputs (q8_handoff.folds_norm; here it does, so the
+    # flag must change nothing: test_cuda_q8_handoff checks the handoff's bits with a post-norm);
+    # measured with K4_QKV_PAIR off, which launches both runs as one product
     "K4_QKV_Q8": lambda be, on: any(len(L.qkv) > 1 for L in be.layers),
     # K4_QKV_PAIR: those two runs in one launch (gemv_q8_pair)
     "K4_QKV_PAIR": lambda be, on: any(len(L.qkv) == 2 and paired(L.qkv[0].w, L.qkv[1].w) for L in be.layers),

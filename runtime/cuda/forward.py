@@ -12,7 +12,7 @@ them (matmul.takes_half).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import cupy as cp
 from gguf import GGMLQuantizationType as T
@@ -307,9 +307,9 @@ class Forward:
         of rmsnorm(h) for one token, or None): name -> (n,
         rows) column views. One token with the norm folded in and runs of several quantized types
         (Q4_K_M's q|k and v; K4_QKV_Q8): the first run also writes its normalized x quantized
-        (act.h_q8; where it folds the norm, without the norm's scale, which the others then compute
-        from h) for the others, which copy it instead of repeating the norm and post-norm
-        prologue; the same bytes, so the same outputs. Two runs of a type pair gemv_pair takes
+        (act.h_q8) for the others, which copy it instead of repeating the norm and post-norm
+        prologue; the same bytes, so the same outputs (so not where they fold the norm's scale
+        into their outputs: q8_handoff.folds_norm). Two runs of a type pair gemv_pair takes
         (K4_QKV_PAIR): one launch for both, the same bits again."""
         cols, x_q8, x_q8_out, later = {}, h_q8, None, L.qkv[1:]
         handed = n == 1 and h_q8 is not None and h_q8.parts is not None  # residual's NQ handoff
@@ -324,18 +324,16 @@ class Forward:
         if (n == 1 and self.opts.qkv_q8 and later and norm is not None and h_q8 is None
                 and all(p.w.ggml_type in matmul.QUANT for p in L.qkv)
                 and len({matmul.QUANT[p.w.ggml_type].x_swizzle for p in later}) == 1):
-            # where every run folds the norm's scale into its outputs (q8_handoff.folds_norm) the first
-            # one's q8 x goes without it, and the later runs compute the scale from x as they would
-            # themselves; with a post-norm none folds. Where some runs fold and others (32-warp ones)
-            # do not, nothing is handed over: a reader would take the q8 x in other bits than its own.
-            folded = len(norm) == 2 and all(folds_norm(matmul.gemv_variant(p.w.ggml_type, *p.w.shape)) for p in L.qkv)
-            if folded or len(norm) == 3:
-                x_q8_out = replace(Q8Vector.for_weight(later[0].w, self.act.h_q8), folded=folded)
+            # only where no later run folds the norm's scale into its outputs (q8_handoff.folds_norm: with
+            # a post-norm none does): a run that folds it computes other bits than the first run's q8 x
+            # would give it, and its one-pass prologue costs about what the copy does
+            if len(norm) == 3 or not any(folds_norm(matmul.gemv_variant(p.w.ggml_type, *p.w.shape)) for p in later):
+                x_q8_out = Q8Vector.for_weight(later[0].w, self.act.h_q8)
         for p in L.qkv:
             self.linear(p.w, h, p.out[:n], bias=p.bias, norm=norm, x_q8=x_q8, x_q8_out=x_q8_out)
             cols.update({name: c[:n] for name, c in p.cols.items()})
-            if x_q8_out is not None:  # the later runs: the first one's q8 x, no prologue (folded: the norm's scale from x)
-                norm, x_q8, x_q8_out = norm if x_q8_out.folded else None, x_q8_out, None
+            if x_q8_out is not None:  # the later runs: the first one's q8 x, no prologue
+                norm, x_q8, x_q8_out = None, x_q8_out, None
         return cols
 
     def gate_up(self, L: LayerWeights, x1: cp.ndarray, ff: cp.ndarray, half: bool):

@@ -51,7 +51,7 @@ from .gemv_batch import gemv_rows
 from .gemv_mma import uses_mma8
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
 from .layout import MatrixSpec, _check_matrix, layout_nbytes
-from .q8_handoff import Q8Vector, check_q8, folds_norm
+from .q8_handoff import Q8Vector, check_q8
 from .quant_kernels import (DEQUANT_CHUNK_BYTES, FLOAT, FLOAT_GEMV, GEMV_MAX_TOKENS, GLU_ACTS, QUANT, NQ_TYPES,
                             _gemv_f_name, _gemv_q8_name, _kernel, gemv_cluster, gemv_variant, nq_balanced, nq_variants)
 
@@ -230,10 +230,8 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     for it before reading x or writing y. Quantized weights compute with x quantized to 8 bits
     per 32 values (relative error about 5e-3 on random data); float weights in float32.
     x_q8: x already quantized (by the previous product, see y_q8) for w's type (Q8Vector.for_weight
-    of w): the kernel copies it instead of quantizing x, which it then does not read, except with
-    norm, which goes only with a folded x_q8 (another product's x_q8_out of x * norm_w without the
-    norm's scale, which the kernel computes from x); an NQ handoff (x_q8.parts, from norm_out)
-    stands for RMSNorm(x) * norm_w. y_q8: w.glu
+    of w): the kernel copies it instead of quantizing x, which it then does not read; not with
+    norm; an NQ handoff (x_q8.parts, from norm_out) stands for RMSNorm(x) * norm_w. y_q8: w.glu
     only, a type with QuantKernels.handoff, n_out a multiple of 32: y is also
     written quantized into y_q8 (made for the weight of the product that will read it), the same
     bytes that product would compute from y itself.
@@ -251,8 +249,9 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     to x_out (the new residual stream; not x or t).
     x_q8_out: a quantized weight without x_q8 only: the kernel's first block also writes the x it
     multiplies (after norm and post) into x_q8_out, made for the weight of the next product of
-    the same x (Q8Vector.for_weight), the bytes that product would compute itself; folded
-    (without the norm's scale) exactly where this launch folds its norm (q8_handoff.folds_norm).
+    the same x (Q8Vector.for_weight), the bytes that product would compute itself where it does
+    not fold the norm's scale into its outputs (q8_handoff.folds_norm; with x_q8_out this launch
+    does not either).
     x_cluster: a quantized product that quantizes a long x itself without norm or post-norm
     launches in thread-block clusters that share that work (quant_kernels.gemv_cluster; flag
     K4_X_CLUSTER); the same bits.
@@ -278,9 +277,6 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     check_q8(w, x_q8, y_q8, n_in, n_out, norm_w is not None, norm_out is not None, variant)
     if x_q8_out is not None and (w.ggml_type not in QUANT or x_q8 is not None or x_q8_out.n != n_in):
         raise ValueError("x_q8_out needs a quantized weight, no x_q8, and a q8 vector of n_in values")
-    if x_q8_out is not None and x_q8_out.folded != (norm_w is not None and post is None
-                                                    and folds_norm(variant or gemv_variant(w.ggml_type, n_out, n_in, w.glu))):
-        raise ValueError("x_q8_out.folded must say whether this product folds its norm's scale (q8_handoff.folds_norm)")
     post_t, post_w, x_out = check_post(post, x, n_in, norm_w is not None, x_q8 is not None)
     am = argmax is not None
     if am and not (argmax_ok(w) and variant in (None, QUANT[w.ggml_type].gemv)

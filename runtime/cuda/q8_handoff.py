@@ -31,11 +31,6 @@ class Q8Vector:
     parts: object = None
     n_parts: int = 0
     eps: float = 0.0
-    # A folded q8 x: x * norm_w quantized without the RMSNorm's scale, by a product that folds the
-    # norm into its outputs (folds_norm) and hands its q8 x on (gemv x_q8_out, K4_QKV_Q8). Its
-    # readers take the norm too and compute the scale from x, so their outputs keep the bits of
-    # the same products that quantize x themselves.
-    folded: bool = False
 
     @staticmethod
     def for_weight(w, data) -> "Q8Vector":
@@ -51,9 +46,10 @@ class Q8Vector:
 
 
 def folds_norm(variant: tuple[int, int, int]) -> bool:
-    """Whether a gemv_q8 launch of variant (WARPS, U, PF) with an RMSNorm and no post-norm folds the
-    norm's scale into its outputs (kernels_cu/gemv.cu: quantize_x_unscaled, one pass over x, in
-    instances of at most 16 warps; the 32-warp ones, at 64 registers, keep two passes)."""
+    """Whether a gemv_q8 launch of variant (WARPS, U, PF) with an RMSNorm, no post-norm and no
+    x_q8_out folds the norm's scale into its outputs (kernels_cu/gemv.cu: quantize_x_unscaled, one
+    pass over x, in instances of at most 16 warps; the 32-warp ones, at 64 registers, keep two
+    passes, as do products handing their q8 x on)."""
     return variant[0] <= 16
 
 
@@ -104,8 +100,8 @@ def check_q8(w, x_q8: Q8Vector | None, y_q8: Q8Vector | None, n_in: int, n_out: 
             raise ValueError(f"no product of {w.ggml_type.name} {(n_y, n_in)} reads an NQ handoff (x_q8 with parts)")
     q = QUANT.get(w.ggml_type)
     if x_q8 is not None:
-        if q is None or norm != x_q8.folded:
-            raise ValueError("x_q8 needs a quantized weight, and the fused norm exactly when it is folded (Q8Vector.folded)")
+        if q is None or norm:
+            raise ValueError("x_q8 needs a quantized weight and no fused norm")
         if (x_q8.n, x_q8.swizzle) != (n_in, q.x_swizzle):
             raise ValueError(f"x_q8 holds {x_q8.n} values for swizzle {x_q8.swizzle}; this product needs {n_in} for {q.x_swizzle}")
     if y_q8 is not None:
