@@ -92,7 +92,8 @@ def test_the_rms_norm_folds_into_the_outputs(type_name, variant):
     times rsqrt(mean(x^2) + eps), within the float32 rounding of that scale (limit 1e-5; the 32-warp
     instances normalize x first: within the 8-bit limit of it). Given x_q8_out it normalizes x first
     too, and hands that q8 x on (K4_QKV_Q8): with a post-norm (where no product folds) a Q6_K product
-    reading it has the bits of the same product normalizing x itself."""
+    reading it has the bits of the same product normalizing x itself where both run blocks of 16
+    warps (a 32-warp block sums x^2 in another order: within the 8-bit limit)."""
     import cupy as cp
 
     rng, seed = fresh_rng()
@@ -121,7 +122,8 @@ def test_the_rms_norm_folds_into_the_outputs(type_name, variant):
     z, z_q8 = nan_like(200), nan_like(200)
     mm.gemv(w6, dx, z, norm=norm, post=(post[0], post[1], cp.zeros(n_in, cp.float32)))
     mm.gemv(w6, nan_like(n_in), z_q8, x_q8=out)
-    assert cp.array_equal(z, z_q8), f"{type_name}'s q8 x with a post-norm read by Q6_K (seed {seed})"
+    err = rel_err(z_q8.get(), z.get())
+    assert err <= (0 if folds else LIMIT_Q8), f"{type_name} {variant}'s q8 x with a post-norm read by Q6_K: {err:.2e} (seed {seed})"
 
 
 @pytest.mark.cuda
