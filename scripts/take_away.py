@@ -43,8 +43,9 @@ CUTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         [("gemv_common.cuh", "for (int base = u_begin; base < u_end; base += blockDim.x) {",
           "for (int base = u_begin; base < u_end && false; base += blockDim.x) {")]),
     "norm-sum": (
-        "the sum of squares of the RMSNorm folded into a decode product's prologue (quantize_x: the "
-        "block's reads of x, its reduction and barrier; x is then quantized unscaled)",
+        "the sum of squares of the RMSNorm in a decode product's two-pass prologue (quantize_x: the "
+        "block's reads of x, its reduction and barrier; x is then quantized unscaled). Since session 47 "
+        "only 32-warp products, post-norms and K4_QKV_Q8's first run take two passes",
         [("gemv_common.cuh", "make_float2(0.f, norm_w ? rms_scale(x, n_in, eps) : 1.f)", "make_float2(0.f, 1.f)")]),
     "verify-x-half": (
         "half of the x each block of a verify product (gemv_mma, x handed in quantized) stages: half the "
@@ -93,9 +94,43 @@ def _no_output_product(forward_class=None):
     return lambda: setattr(forward_class, "residual", residual)
 
 
+def _zeroed_moe_handoff(moe_module=None):
+    """runtime/cuda/moe.py moe_ffn (of moe_module, default runtime/cuda/moe.py) that, after one
+    token's expert feed-forward, hands the next layer's q/k/v products (after the last layer the
+    output head) a zeroed NQ handoff of their input (Forward.nq, as residual leaves a real one), so
+    they copy it instead of normalizing and quantizing x: the most an NQ epilogue in moe_one could
+    give its readers (docs/PERF.md, session 47). The buffers are zeroed outside graph captures
+    only (a fill would be captured into the step), so no NaN reaches the sampler. Returns the undo."""
+    if moe_module is None:
+        from k4.runtime.cuda import moe as moe_module
+    from k4.runtime.cuda import launch
+    from k4.runtime.cuda.q8_handoff import Q8Vector
+
+    ffn = moe_module.moe_ffn
+
+    def patched(fwd, L, x1, x, n, *args, **kwargs):
+        ffn(fwd, L, x1, x, n, *args, **kwargs)
+        layers = list(fwd.w.layers)
+        li = next(i for i, layer in enumerate(layers) if layer is L)
+        reader = fwd.readers(li)[1]
+        if n != 1 or reader is None:
+            return
+        if not launch.capturing(None):
+            fwd.act.nq8.fill(0)
+            fwd.act.nq_parts.fill(0)
+        vec = Q8Vector.for_weight(reader, fwd.act.nq8)
+        norm_w = layers[li + 1].attn_norm if li + 1 < len(layers) else fwd.w.output_norm
+        fwd.nq = (Q8Vector(vec.data, vec.n, vec.swizzle, fwd.act.nq_parts, 1, fwd.cfg.rms_eps), norm_w)
+
+    moe_module.moe_ffn = patched
+    return lambda: setattr(moe_module, "moe_ffn", ffn)
+
+
 # name -> (what the run leaves out, a function that patches it out and returns the undo)
 LAUNCH_CUTS = {"wo": ("the one-token output product's launch (attention's output never reaches the residual stream)",
-                      _no_output_product)}
+                      _no_output_product),
+               "moe-nx": ("the x prologue of the products after a MoE layer: they read a zeroed NQ handoff "
+                          "(what moe_one handing them their input could save at most)", _zeroed_moe_handoff)}
 
 
 def apply_cut(src: Path, dst: Path, edits: list[tuple[str, str, str]]) -> None:

@@ -1,7 +1,7 @@
 """scripts/take_away.py's temporary builds (no GPU): every cut's edits still find their anchors in
 today's kernels_cu, a stale anchor stops the script with a one-line error, its source switch
-points runtime/cuda/compile.py at the copy and back, and the launch cut "wo" leaves out exactly the
-one-token output product."""
+points runtime/cuda/compile.py at the copy and back, the launch cut "wo" leaves out exactly the
+one-token output product, and "moe-nx" hands the products after a MoE layer a zeroed handoff."""
 
 from __future__ import annotations
 
@@ -69,6 +69,45 @@ def test_the_wo_cut_leaves_out_only_the_one_token_output_product():
     assert calls == [(5, 64), (1, 64), (1, 160)]
     Forward.residual(fwd, wo, np.zeros((1, 64)), None, None, None)
     assert calls[-1] == (1, 64)
+
+
+def test_the_moe_nx_cut_hands_the_next_norm_a_zeroed_handoff(monkeypatch):
+    """After one token's MoE feed-forward the cut leaves Forward.nq a handoff (the zeroed buffers,
+    the parts, the norm's eps) for the next layer's norm, after the last layer the output norm's;
+    prompts (n > 1) and layers without a reader are left alone, and the undo restores moe_ffn."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    from k4.runtime.cuda import launch
+
+    monkeypatch.setattr(launch, "capturing", lambda stream: False)
+    calls = []
+    moe = SimpleNamespace(moe_ffn=lambda fwd, L, x1, x, n, *a: calls.append(n))
+    layers = [SimpleNamespace(attn_norm=f"norm{i}") for i in range(3)]
+    reader = SimpleNamespace(ggml_type=T.Q4_K, shape=(512, 256))
+    act = SimpleNamespace(nq8=np.full(4096, 7, np.uint8), nq_parts=np.ones(64, np.float32))
+    fwd = SimpleNamespace(w=SimpleNamespace(layers=layers, output_norm="out_norm"), act=act, nq=None,
+                          cfg=SimpleNamespace(rms_eps=1e-6), readers=lambda li: (None, None if li == 1 else reader))
+    undo = LAUNCH_CUTS["moe-nx"][1](moe)
+    try:
+        moe.moe_ffn(fwd, layers[0], None, None, 4)  # a prompt: nothing handed over
+        assert fwd.nq is None
+        moe.moe_ffn(fwd, layers[0], None, None, 1)
+        vec, norm_w = fwd.nq
+        assert norm_w == "norm1" and vec.data is act.nq8 and vec.parts is act.nq_parts and (vec.n, vec.n_parts) == (256, 1)
+        assert not act.nq8.any() and not act.nq_parts.any() and vec.eps == 1e-6
+        fwd.nq = None
+        moe.moe_ffn(fwd, layers[1], None, None, 1)  # no reader after layer 1
+        assert fwd.nq is None
+        moe.moe_ffn(fwd, layers[2], None, None, 1)
+        assert fwd.nq[1] == "out_norm"
+    finally:
+        undo()
+    assert calls == [4, 1, 1, 1]
+    moe.moe_ffn(fwd, layers[0], None, None, 1)
+    assert calls[-1] == 1 and fwd.nq[1] == "out_norm"
 
 
 @pytest.mark.parametrize("cut", ["norm-sum", "wo"])
