@@ -46,7 +46,7 @@ CUTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         "the sum of squares of the RMSNorm in a decode product's two-pass prologue (quantize_x: the "
         "block's reads of x, its reduction and barrier; x is then quantized unscaled). Since session 47 "
         "only 32-warp products, post-norms and K4_QKV_Q8's first run take two passes",
-        [("gemv_common.cuh", "make_float2(0.f, norm_w ? rms_scale(x, n_in, eps) : 1.f)", "make_float2(0.f, 1.f)")]),
+        [("norm_prologue.cuh", "make_float2(0.f, norm_w ? rms_scale(x, n_in, eps) : 1.f)", "make_float2(0.f, 1.f)")]),
     "verify-x-half": (
         "half of the x each block of a verify product (gemv_mma, x handed in quantized) stages: half the "
         "L2 reads and conversions, half the x stale (measure with --verify N)",
