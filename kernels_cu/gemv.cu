@@ -18,7 +18,7 @@
 //    (Zhang & Sennrich 2019, as llama.cpp's rms_norm then mul), each block computing the sum of
 //    squares itself while x sits in L2, so the separate norm kernel and its output vanish. Blocks
 //    of at most 16 warps without a post-norm or x_q8_out do it in one pass: they quantize x * norm_w
-//    and multiply each output by the norm's scale (gemv_common.cuh quantize_x_unscaled; the
+//    and multiply each output by the norm's scale (norm_prologue.cuh quantize_x_unscaled; the
 //    quants are the same up to the rounding of a unit's scale), so no block reduction stands
 //    between x's loads and the row loop.
 //  - SwiGLU epilogue (GLU instances): W holds 2 * n_out rows interleaved, row 2i = ffn_gate row i,
