@@ -24,6 +24,9 @@
 #ifndef PAIR_THREADS
 #error "PAIR_THREADS comes from runtime/cuda/constants.py"
 #endif
+#ifndef FOLD_MAX_WARPS
+#error "FOLD_MAX_WARPS comes from runtime/cuda/constants.py"
+#endif
 #ifndef ATT_CHUNK
 #error "ATT_CHUNK comes from runtime/cuda/constants.py"
 #endif

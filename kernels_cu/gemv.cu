@@ -164,11 +164,11 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         copy_q8x_normed(x_q8, n_in, T::x_swizzle, T::x_swizzle, x_parts, n_parts, eps, smem);
     } else if (x_q8) {
         copy_q8x(reinterpret_cast<const uint4*>(x_q8), q8x_bytes(n_in) / 16, smem);
-    } else if (WARPS <= 16 && norm_w && !post_t && !x_q8_out) {
+    } else if (WARPS <= FOLD_MAX_WARPS && norm_w && !post_t && !x_q8_out) {
         // the RMSNorm's scale goes to the outputs (out_scale; q8_handoff.folds_norm). Two passes stay for
-        // 32-warp instances (at 64 registers the 7B's wide output product spilled with both) and where
-        // block 0 hands its q8 x on (K4_QKV_Q8, whose readers copy x normalized: forward.py qkv). A reader
-        // of an unscaled q8 x computing the scale from x cost Qwen3-30B-A3B 0.8% in every instance
+        // 32-warp instances (constants.py FOLD_MAX_WARPS) and where block 0 hands its q8 x on (K4_QKV_Q8,
+        // whose readers copy x normalized: forward.py qkv). A reader of an unscaled q8 x computing the
+        // scale from x cost Qwen3-30B-A3B 0.8% in every instance
         norm_part = quantize_x_unscaled<T::x_swizzle>(x, n_in, norm_w, xq, xd, xs);
     } else {
         // with post_t: its x and t * w kept in shared memory after x's q8 (the y_q8 outputs reuse it)

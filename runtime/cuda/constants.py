@@ -43,6 +43,12 @@ STATE_WORDS = 4  # int32 words of the decode state
 ST_TOK, ST_POS, ST_RING, ST_DRAW = range(STATE_WORDS)  # token, its position, ring count, draws made
 
 
+# ---- gemv.cu gemv_q8 ---------------------------------------------------------------------------
+# The most warps of a gemv_q8 block that folds the RMSNorm's scale into its outputs (one pass over
+# x: norm_prologue.cuh quantize_x_unscaled; q8_handoff.folds_norm). The 32-warp instances, at 64
+# registers, keep two passes: the 7B's wide NQ output product spilled 28 bytes with both (session 47).
+FOLD_MAX_WARPS = 16
+
 # ---- gemv.cu gemv_q8_pair ----------------------------------------------------------------------
 # Its register cap. A decode product launches the attention after it early (programmatic dependent
 # launch) only where the multiprocessor has registers left beside the product's 512-thread block.
@@ -254,7 +260,7 @@ def defines() -> tuple[str, ...]:
     followed by the result; lists as _list)."""
     out = [f"{name}={value}" for name, value in (
         ("ATT_THREADS", ATT_THREADS), ("ATT_BLOCKS", ATT_BLOCKS), ("ATT_BLOCKS_DEEP", ATT_BLOCKS_DEEP), ("PAIR_REGS", PAIR_REGS),
-        ("PAIR_THREADS", PAIR_THREADS), ("ATT_CHUNK", ATT_CHUNK), ("ATT_MAX_SPLIT", ATT_MAX_SPLIT),
+        ("PAIR_THREADS", PAIR_THREADS), ("FOLD_MAX_WARPS", FOLD_MAX_WARPS), ("ATT_CHUNK", ATT_CHUNK), ("ATT_MAX_SPLIT", ATT_MAX_SPLIT),
         ("MERGE_SLICE", MERGE_SLICE), ("TILE_Q", TILE_Q), ("TILE_K", TILE_K),
         ("TILE_THREADS", TILE_THREADS), ("TILE_PS", TILE_PS), ("MMA_WARPS", MMA_WARPS), ("MMA_THREADS", MMA_THREADS),
         ("MMA_BQ", MMA_BQ), ("GQA_WARPS", GQA_WARPS), ("GQA_THREADS", GQA_THREADS), ("SHORT_THREADS", SHORT_THREADS),

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .constants import q8x_bytes, q8x_offsets
+from .constants import FOLD_MAX_WARPS, q8x_bytes, q8x_offsets
 from .quant_kernels import NQ_TYPES, QUANT, gemv_variant, nx_reads
 
 
@@ -48,9 +48,9 @@ class Q8Vector:
 def folds_norm(variant: tuple[int, int, int]) -> bool:
     """Whether a gemv_q8 launch of variant (WARPS, U, PF) with an RMSNorm, no post-norm and no
     x_q8_out folds the norm's scale into its outputs (kernels_cu/gemv.cu: quantize_x_unscaled, one
-    pass over x, in instances of at most 16 warps; the 32-warp ones, at 64 registers, keep two
-    passes, as do products handing their q8 x on)."""
-    return variant[0] <= 16
+    pass over x, in instances of at most FOLD_MAX_WARPS warps; the 32-warp ones, at 64 registers,
+    keep two passes, as do products handing their q8 x on)."""
+    return variant[0] <= FOLD_MAX_WARPS
 
 
 def q8x_host(x: np.ndarray, swizzle: int) -> np.ndarray:
