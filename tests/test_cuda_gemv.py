@@ -14,6 +14,7 @@ from gguf.quants import dequantize
 from k4.runtime.cuda import layout as lay
 from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import quant_kernels as qk
+from k4.runtime.cuda.matrix_jobs import compile_jobs
 from k4.runtime.cuda.microbench import random_weight
 from k4.runtime.model import Tensor
 from tests.helpers_matmul import stack_rows
@@ -240,7 +241,7 @@ def test_glu_instances_keep_the_swiglu_names_and_add_gelu_ones():
     gelu = qk.GROUPS["gemv.cu"]["Q6_K.gelu_tanh"]
     assert len(gelu) == 2 and all(n.endswith("true, true>") for n in gelu)
     assert not any(n.endswith("true, true, true>") for n in qk.GROUPS["gemv.cu"]["Q6_K"])
-    groups = lambda act: [g for f, g, _ in qk.compile_jobs([T.Q6_K, T.F32], True, act) if f == "gemv.cu"]  # noqa: E731
+    groups = lambda act: [g for f, g, _ in compile_jobs([T.Q6_K, T.F32], True, act) if f == "gemv.cu"]  # noqa: E731
     assert groups("silu") == [qk.GROUPS["gemv.cu"]["Q6_K"], qk.GROUPS["gemv.cu"]["Q6_K.nq"], qk.GROUPS["gemv.cu"]["F32"]]
     assert qk.GROUPS["gemv.cu"]["F32.gelu_tanh"] in groups("gelu_tanh") and len(groups("gelu_tanh")) == 4
     gate_up = Tensor("ffn_gate_up", T.F32, (4, 32), 0, None)

@@ -22,6 +22,7 @@ from k4.runtime.cuda import layout as lay
 from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import q8_handoff as hand
 from k4.runtime.cuda import quant_kernels as qk
+from k4.runtime.cuda.matrix_jobs import compile_jobs
 from k4.runtime.cuda.gemv_batch import gemv_batch, gemv_rows
 from k4.runtime.cuda.microbench import random_weight
 from k4.runtime.trace import Trace
@@ -204,7 +205,7 @@ def test_batch_instances_compile_with_the_model_types_one_module_each():
     assert qk.GEMV_MAX_TOKENS <= qk.BATCH_TOKENS == 8
     assert (qk._gemv_batch_name(T.Q6_K, True, (8, 1, 1, 2), True)
             == "gemv_q8_batch<type_q6_K, true, 8, 1, true, 2, 8, true>")
-    jobs = lambda act: [g for f, g, _ in qk.compile_jobs([T.Q4_K, T.F16], True, act) if f == "gemv_batch.cu"]  # noqa: E731
+    jobs = lambda act: [g for f, g, _ in compile_jobs([T.Q4_K, T.F16], True, act) if f == "gemv_batch.cu"]  # noqa: E731
     silu = jobs("silu")
     assert all(len(g) == 1 and g[0].startswith("gemv_q8_batch<type_q4_K, ") for g in silu) and len(silu) == 4
     assert sorted(n.endswith("true>") for (n,) in silu) == [False, False, True, True]  # plain, glu

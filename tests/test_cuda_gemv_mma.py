@@ -24,6 +24,7 @@ from k4.runtime.cuda import gemv_batch as gb
 from k4.runtime.cuda import layout as lay
 from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import quant_kernels as qk
+from k4.runtime.cuda.matrix_jobs import compile_jobs
 from k4.runtime.cuda.constants import MMA8_TOKENS
 from k4.runtime.cuda.gemv_mma import gemv_mma, uses_mma8
 from k4.runtime.cuda.microbench import random_weight
@@ -298,7 +299,7 @@ def test_mma8_instances_compile_with_the_model_types_one_module_each():
     assert qk._gemv_mma_name(T.Q4_K, False, 8, True, "gelu_tanh") == "gemv_mma_staged<staged_q4_K, false, 8, true, true>"
     assert qk._gemv_mma_name(T.Q4_K, False, 8, True, "gelu_tanh", cl=2) == "gemv_mma_staged<staged_q4_K, false, 8, true, true, 2>"
     assert qk._gemv_mma_name(T.Q6_K, True, 12, False, cl=2) == "gemv_mma_staged<staged_q6_K, true, 12, false, false, 2>"
-    jobs = lambda types, act, on=True: [(f, g) for f, g, _ in qk.compile_jobs(types, True, act, on) if "gemv_mma" in f]  # noqa: E731
+    jobs = lambda types, act, on=True: [(f, g) for f, g, _ in compile_jobs(types, True, act, on) if "gemv_mma" in f]  # noqa: E731
     silu = jobs([T.Q4_K, T.Q8_0, T.F16], "silu")
     assert len(silu) == 16 and all(f == "gemv_mma_staged.cu" and len(g) == 1 and g[0].startswith("gemv_mma_staged<staged_q4_K, ")
                                    for f, g in silu)

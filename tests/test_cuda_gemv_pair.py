@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as T
 
 from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import quant_kernels as qk
+from k4.runtime.cuda.matrix_jobs import compile_jobs
 from tests.matmul_ref import LIMIT_Q8, fresh_rng, nan_like, rel_err, rms_normed, weight
 
 # (n1, n2, n_in): fewer outputs than warps, fewer than the grid's blocks (one block on w2's
@@ -79,6 +80,6 @@ def test_every_pair_is_compiled_only_where_both_types_are_present():
         names = qk.GROUPS["gemv.cu"][f"pair.{a.name}.{b.name}"]
         nx = (False, True) if a in qk.NQ_TYPES and b in qk.NQ_TYPES else (False,)  # the readers of an NQ handoff
         assert names == tuple(qk.gemv_pair_name(a, b, p, x) for x in nx for p in (False, True))
-    groups = lambda types: [g for f, g, _ in qk.compile_jobs(types) if f == "gemv.cu" and "pair" in g[0]]  # noqa: E731
+    groups = lambda types: [g for f, g, _ in compile_jobs(types) if f == "gemv.cu" and "pair" in g[0]]  # noqa: E731
     assert groups([T.Q4_K, T.Q6_K, T.F32]) == [qk.GROUPS["gemv.cu"]["pair.Q4_K.Q6_K"]]
     assert groups([T.Q4_K, T.F32]) == [] and groups([T.Q6_K]) == []

@@ -9,6 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from k4.runtime.cuda import quant_kernels as qk
+from k4.runtime.cuda.matrix_jobs import compile_jobs
 
 
 @pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K])
@@ -137,7 +138,7 @@ def test_the_norm_handoff_only_where_blocks_of_whole_groups_stay_balanced():
         assert qk.nx_reads(t, qk.QUANT[t].gemv, False) and not qk.nx_reads(t, (32, 2, 0), False)
         assert qk.nx_reads(t, qk.QUANT[t].glu, True) == (qk.QUANT[t].glu[0] <= 16)
         assert not set(names) & set(qk.GROUPS["gemv.cu"][t.name])
-        jobs = lambda act: [g for f, g, _ in qk.compile_jobs([t], True, act) if f == "gemv.cu"]  # noqa: E731
+        jobs = lambda act: [g for f, g, _ in compile_jobs([t], True, act) if f == "gemv.cu"]  # noqa: E731
         assert names in jobs("silu") and names not in jobs("gelu_tanh")
 
 
@@ -145,12 +146,12 @@ def test_the_head_argmax_instances_compile_only_for_the_heads_type():
     """K4_HEAD_ARGMAX: the AM instances (gemv.cu) of a quantized head type are their own compile
     group, asked for only with head=; NX readers only where the default variant has 16 warps or
     fewer (gemv.cu's NX instances)."""
-    with_head = qk.compile_jobs([T.Q4_K, T.Q6_K], head=T.Q6_K)
+    with_head = compile_jobs([T.Q4_K, T.Q6_K], head=T.Q6_K)
     assert (("gemv.cu", qk.GROUPS["gemv.cu"]["Q6_K.am"], ()) in with_head
             and qk.GROUPS["gemv.cu"]["Q4_K.am"] not in [g for _, g, _ in with_head])
-    assert not any(g == qk.GROUPS["gemv.cu"]["Q6_K.am"] for _, g, _ in qk.compile_jobs([T.Q6_K]))
+    assert not any(g == qk.GROUPS["gemv.cu"]["Q6_K.am"] for _, g, _ in compile_jobs([T.Q6_K]))
     am_groups = [qk.GROUPS["gemv.cu"][f"{t.name}.am"] for t in qk.QUANT]
-    assert not any(g in am_groups for _, g, _ in qk.compile_jobs([T.F32], head=T.F32))
+    assert not any(g in am_groups for _, g, _ in compile_jobs([T.F32], head=T.F32))
     for t, q in qk.QUANT.items():
         names = qk.GROUPS["gemv.cu"][f"{t.name}.am"]
         assert len(names) == (4 if q.gemv[0] <= 16 else 2), t.name

@@ -30,7 +30,7 @@ try:
 except ModuleNotFoundError:  # require_cuda() says so
     cp = None
 else:
-    from . import blas, megakernel, memory, moe, ops, q8_handoff, quant_kernels
+    from . import blas, matrix_jobs, megakernel, memory, moe, ops, q8_handoff
     from .attention_launch import MAX_HEAD_DIM
     from .buffers import allocate, place, sampler_spec
     from .kv_cache import KVCache
@@ -104,7 +104,7 @@ class CudaBackend(TokenCache):
         # kernels compile on threads while the weights upload; the "compile" step waits for them
         matrix_types = {t.ggml_type for t in mf.tensors.values() if len(t.shape) == 2}
         head = mf.tensors["token_embd.weight" if cfg.tied_embeddings else "output.weight"].ggml_type
-        compiling = compile_async(quant_kernels.compile_jobs(matrix_types, w_opts.matrix.evict_first, cfg.activation,
+        compiling = compile_async(matrix_jobs.compile_jobs(matrix_types, w_opts.matrix.evict_first, cfg.activation,
                                                              w_opts.matrix.mma8, head if f_opts.head_argmax else None)
                                   + o.compile_jobs(cfg.head_dim, cfg.n_head // cfg.n_head_kv) + moe.compile_jobs(mf, cfg, o))
         plan = size_plan(mf, n_ctx, self.flags, o)
