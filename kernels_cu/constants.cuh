@@ -27,6 +27,12 @@
 #ifndef FOLD_MAX_WARPS
 #error "FOLD_MAX_WARPS comes from runtime/cuda/constants.py"
 #endif
+#ifndef QKV_WARPS
+#error "QKV_WARPS comes from runtime/cuda/constants.py"
+#endif
+#ifndef QKV_REGS
+#error "QKV_REGS comes from runtime/cuda/constants.py"
+#endif
 #ifndef ATT_CHUNK
 #error "ATT_CHUNK comes from runtime/cuda/constants.py"
 #endif

@@ -63,6 +63,14 @@ __device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_
     }
 }
 
+// The register cap of a gemv_q8 block of `warps` warps: what __launch_bounds__(32 warps, 1)
+// implies (one block a multiprocessor), or for the q/k/v products' QKV_WARPS (runtime/cuda/
+// constants.py QKV_REGS) what leaves attn_short's block, the launch after them, room beside it.
+__host__ __device__ constexpr int gemv_q8_regs(int warps) {
+    const int one_block = 65536 / (32 * warps) / 8 * 8;
+    return warps == QKV_WARPS ? QKV_REGS : one_block < 255 ? one_block : 255;
+}
+
 // Which GLU instances can hand a q8 y on (y_q8): T::handoff (runtime/cuda/constants.py
 // QuantLayout.handoff), false for the legacy 5-bit types, whose 1024-thread instances would
 // spill registers for it.
@@ -89,7 +97,7 @@ __device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_
 // (a warp without rows: -inf and NO_INDEX). A partial per block cost the block a barrier.
 template <class T, bool PLANAR, int WARPS, int U, bool PF, bool GLU, bool GELU = false, bool CLUSTER = false, bool NQ = false,
           bool NX = false, bool AM = false>
-__global__ void __launch_bounds__(WARPS * 32, 1)
+__global__ void __launch_bounds__(WARPS * 32, 1) __maxnreg__(gemv_q8_regs(WARPS))
 gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw or planar; GLU: (2 n_out, n_in) interleaved
         const float* __restrict__ x,       // (n_in,)
         float* y,                          // (n_out,)
@@ -113,7 +121,8 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         float* __restrict__ am_val,        // AM: (gridDim.x * WARPS,) each warp's largest output
         int* __restrict__ am_idx) {        // AM: (gridDim.x * WARPS,) its row
     extern __shared__ uint4 smem[];
-    static_assert(!NX || (WARPS <= 16 && !CLUSTER && !NQ), "NX: instances of 16 warps or fewer, no cluster, no NQ");
+    static_assert(!NX || ((WARPS <= 16 || WARPS == QKV_WARPS) && !CLUSTER && !NQ),
+                  "NX: instances of 16 warps or fewer, or QKV_WARPS; no cluster, no NQ");
     static_assert(!AM || !(GLU || CLUSTER || NQ), "AM: a plain product");
     u8* xq = reinterpret_cast<u8*>(smem);
     float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));

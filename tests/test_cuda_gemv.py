@@ -139,6 +139,35 @@ def test_the_output_products_wide_variant_reads_attentions_q8():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("repack", [True, False], ids=["planar", "raw"])
+def test_the_qkv_variant_sums_the_rows_as_the_default_does(repack):
+    """quant_kernels.qkv_variant's 20-warp instance (K4_QKV_WIDE) on Qwen2.5 7B's q|k|v shape
+    (4,608 x 3,584, bias): x quantized as it is, the bits of the default (16, 2, 1), whose rows
+    run the same loop (U, PF); with the RMSNorm folded in, numpy's normed product within the 8-bit
+    limit and the default's within float32 rounding (the norm's sum of squares meets over other
+    warps, so its scale may differ in the last bits)."""
+    import cupy as cp
+
+    rng, seed = fresh_rng()
+    n_out, n_in = 4608, 3584
+    variant = qk.qkv_variant(T.Q4_K, n_out, 132)
+    assert variant == qk.QKV_VARIANT[T.Q4_K]
+    w, ref_w = weight("Q4_K", n_out, n_in, rng, repack)
+    x = (3 * rng.standard_normal(n_in) + 0.5).astype(np.float32)
+    b = cp.asarray(rng.standard_normal(n_out).astype(np.float32))
+    norm_w = cp.asarray((1 + 0.3 * rng.standard_normal(n_in)).astype(np.float32))
+    wide, default = nan_like(n_out), nan_like(n_out)
+    mm.gemv(w, cp.asarray(x), wide, bias=b, variant=variant)
+    mm.gemv(w, cp.asarray(x), default, bias=b)
+    assert bool((wide == default).all()), f"seed {seed}"
+    assert rel_err(wide.get() - b.get(), ref_w @ q8_rounded(x)) < LIMIT_Q8_ROUNDED, f"seed {seed}"
+    mm.gemv(w, cp.asarray(x), wide, bias=b, norm=(norm_w, 1e-5), variant=variant)
+    mm.gemv(w, cp.asarray(x), default, bias=b, norm=(norm_w, 1e-5))
+    assert rel_err(wide.get(), default.get().astype(np.float64)) < 5e-6, f"seed {seed}"
+    assert rel_err(wide.get() - b.get(), ref_w @ rms_normed(x, norm_w.get(), 1e-5)) < LIMIT_Q8, f"seed {seed}"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "F32"])
 def test_gemv_epilogues(type_name):
     import cupy as cp

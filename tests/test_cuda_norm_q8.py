@@ -148,6 +148,28 @@ def test_a_reader_of_the_handoff_is_the_normed_product(reader_type, glu, monkeyp
 
 
 @pytest.mark.cuda
+def test_the_qkv_variant_reads_the_handoff_as_the_default_does(monkeypatch):
+    """The 20-warp q/k/v instance (quant_kernels.qkv_variant, K4_QKV_WIDE) given a handoff copies
+    and scales it as the default's NX instance does and runs the same row loop: the same bits, on
+    Qwen2.5 7B's q|k|v shape after its 3,584-output down product (bias added)."""
+    import cupy as cp
+
+    from k4.runtime.cuda import quant_kernels as qk
+
+    monkeypatch.setattr(mm, "nq_balanced", lambda *a: True)
+    rng, seed = fresh_rng()
+    n_out = 3584
+    w, _ = weight("Q4_K", n_out, 4096, rng, True)
+    reader, _ = weight("Q4_K", 4608, n_out, rng, True)
+    _, q8, _, _ = produce(w, reader, rng, n_out)
+    b = cp.asarray(rng.standard_normal(4608).astype(np.float32))
+    wide, default = nan_like(4608), nan_like(4608)
+    mm.gemv(reader, nan_like(n_out), wide, bias=b, x_q8=q8, variant=qk.QKV_VARIANT[T.Q4_K])
+    mm.gemv(reader, nan_like(n_out), default, bias=b, x_q8=q8)
+    assert bool((wide == default).all()), f"seed {seed}"
+
+
+@pytest.mark.cuda
 def test_the_pair_reads_the_handoff_in_both_swizzles(monkeypatch):
     """gemv_q8_pair (Q4_K q|k, Q6_K v) given one handoff (made in Q4_K's swizzle) equals each
     product alone given the handoff made in its own swizzle, to the bit."""
@@ -188,7 +210,7 @@ def test_norm_out_is_refused_where_it_does_not_apply():
 
 def test_an_nq_handoff_is_read_only_by_nx_instances():
     """check_q8 (host only): an x_q8 with parts goes to a product with an NX instance (nx_reads:
-    an NQ type on its default variant), not to another variant or type."""
+    an NQ type on its default variant or the q/k/v variant), not to another variant or type."""
     handed = hand.Q8Vector(None, 256, 1, parts=object(), n_parts=4)
     q4 = SimpleNamespace(ggml_type=T.Q4_K, glu=False)
     hand.check_q8(q4, handed, None, 256, 64, False)

@@ -58,7 +58,7 @@ def step_kernels(mf, flag: str | None) -> int:
     return qkv + 4 * n + 2 + sampling_kernels(mf, flag != "K4_HEAD_ARGMAX") + extra
 
 
-SWITCHES = [None, *(f"{name}=0" for name in ALL_FLAGS), "K4_FUSE_QUANT=1"]  # default, each off alone, the one default-off on
+SWITCHES = [None, *(f"{name}=0" for name in ALL_FLAGS), "K4_FUSE_QUANT=1", "K4_QKV_WIDE=1"]  # default, each off alone, the default-off ones on
 
 
 def family_cases(data) -> list[dict]:
@@ -176,6 +176,48 @@ def test_q8_handoffs_change_no_bit_of_the_decode_logits(data, monkeypatch, flag)
     assert all(np.array_equal(a, b) for a, b in zip(logits[True], logits[False]))
 
 
+def counted_launches(monkeypatch, handoff: bool, count) -> list:
+    """matmul.gemv patched to append count(its keyword arguments) for each launch; the list.
+    handoff: the NQ handoff forced (nq_balanced: the tiny models are too small for it)."""
+    from k4.runtime.cuda import matmul as mm
+
+    if handoff:
+        monkeypatch.setattr(mm, "nq_balanced", lambda *a: True)
+    calls, gemv = [], mm.gemv
+
+    def counted(*a, **k):
+        calls.append(count(k))
+        return gemv(*a, **k)
+
+    monkeypatch.setattr(mm, "gemv", counted)
+    return calls
+
+
+@pytest.mark.parametrize("handoff", [False, True])
+def test_the_wide_qkv_product_keeps_the_decode_logits(tiny_model, monkeypatch, handoff):
+    """K4_QKV_WIDE: the q/k/v product in QKV_VARIANT's 20 warps, here forced onto a tiny Q4_K llama
+    model (qkv_variant chooses it only for a few rounds of rows on the whole GPU), runs the
+    default's row loop: the decode logits with the flag on and off agree within 1e-3 (the RMSNorm's
+    sum of squares folded in meets over 20 warps instead of 16, in layer 0 and every layer without
+    the handoff, so its scale may differ in the last bits and move an 8-bit rounding downstream; the
+    handoff's readers give the same bits: test_cuda_norm_q8; a wrong row errs by far more). The
+    variant runs only when on, reading the down product's handoff where it is forced (nq_balanced)."""
+    from k4.runtime.cuda import forward as fw
+    from k4.runtime.cuda import quant_kernels as qk
+
+    monkeypatch.setattr(fw, "qkv_variant", lambda t, n_out, n_sm: qk.QKV_VARIANT.get(t))
+    wide = qk.QKV_VARIANT[qk.T.Q4_K]
+    # a launch of the wide variant (reading the handoff where forced)
+    calls = counted_launches(monkeypatch, handoff, lambda k: k.get("variant") == wide and (
+        not handoff or (k.get("x_q8") is not None and k["x_q8"].parts is not None)))
+    small = tiny_model("llama-q4_k")
+    prompt = np.random.default_rng(5).integers(3, small.config.n_vocab, size=17).tolist()
+    # with the handoff, layer 0's q/k/v still normalizes the embedding itself
+    logits = decode_by_flag(monkeypatch, small, "K4_QKV_WIDE", prompt, (7, 8, 9), calls,
+                            lambda on, calls: sum(calls) >= (small.config.n_layer - handoff) if on else not any(calls))
+    assert all(rel_l2(a, b) < 1e-3 for a, b in zip(logits[True], logits[False]))
+
+
 @pytest.mark.parametrize("handoff", [False, True])
 def test_the_wide_output_product_changes_no_bit_of_the_decode_logits(tiny_model, monkeypatch, handoff):
     """K4_WO_WIDE: the output product in after_attention_variant's (32, 2, 0), here forced onto a tiny
@@ -183,21 +225,12 @@ def test_the_wide_output_product_changes_no_bit_of_the_decode_logits(tiny_model,
     are the same bits with the flag on and off, and the variant runs only when on. With the handoff
     forced (nq_balanced: the model is too small for it) the variant's NQ instance runs, its blocks
     the default's groups, so the reader's scale is the same bits too."""
-    from k4.runtime.cuda import matmul as mm
     from k4.runtime.cuda import quant_kernels as qk
 
     monkeypatch.setattr(qk, "AFTER_ATTENTION_MIN_IN", 0)
-    if handoff:
-        monkeypatch.setattr(mm, "nq_balanced", lambda *a: True)
     wide = qk.ROW_BLOCKS_VARIANT[qk.T.Q4_K]
-    calls = []
-    gemv = mm.gemv
-
-    def counted(*a, **k):  # a launch of the wide variant (with its handoff where forced)
-        calls.append(k.get("variant") == wide and (not handoff or k.get("norm_out") is not None))
-        return gemv(*a, **k)
-
-    monkeypatch.setattr(mm, "gemv", counted)
+    # a launch of the wide variant (with its handoff where forced)
+    calls = counted_launches(monkeypatch, handoff, lambda k: k.get("variant") == wide and (not handoff or k.get("norm_out") is not None))
     small = tiny_model("llama-q4_k")
     prompt = np.random.default_rng(5).integers(3, small.config.n_vocab, size=17).tolist()
     logits = decode_by_flag(monkeypatch, small, "K4_WO_WIDE", prompt, (7, 8, 9), calls,

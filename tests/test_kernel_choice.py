@@ -156,3 +156,38 @@ def test_the_head_argmax_instances_compile_only_for_the_heads_type():
         names = qk.GROUPS["gemv.cu"][f"{t.name}.am"]
         assert len(names) == (4 if q.gemv[0] <= 16 else 2), t.name
         assert all(n.endswith(", true>") and f"{q.gemv[0]}, {q.gemv[1]}," in n for n in names), t.name
+
+
+def test_the_qkv_variant_takes_a_round_of_rows_off_few_row_products():
+    """K4_QKV_WIDE (quant_kernels.qkv_variant): the one-token q/k/v of one Q4_K run takes
+    QKV_VARIANT's 20-warp blocks where their grid leaves the busiest warp fewer rows than 16
+    warps' and at most QKV_MAX_ROUNDS; on the H200's 132 multiprocessors Qwen2.5 7B's 4,608 rows
+    (3 -> 2), TinyLlama's 2,560 (2 -> 1) and Qwen3-30B-A3B's 5,120 (3 -> 2), not Llama 2 7B's 12,288
+    (6 -> 5: more than 3), 4,096 or 2,048 (the same rounds), nor a type without the variant."""
+    wide = qk.QKV_VARIANT[T.Q4_K]
+    assert wide[0] == 20 and wide[1:] == qk.QUANT[T.Q4_K].gemv[1:]  # the default's U and PF: the same row loop
+    for n_out in (4608, 2560, 5120, 2113, 2640, 4225, 5280):
+        assert qk.qkv_variant(T.Q4_K, n_out, 132) == wide, n_out
+    for n_out in (12288, 6144, 4096, 2048, 2112, 2641, 4224, 5281, 64):
+        assert qk.qkv_variant(T.Q4_K, n_out, 132) is None, n_out
+    assert qk.qkv_variant(T.Q4_K, 4608, 100) is None  # another GPU: 4,608 rows over 100 x 16 warps or 100 x 20, 3 rounds each
+    assert qk.qkv_variant(T.Q6_K, 4608, 132) is None and qk.qkv_variant(T.Q8_0, 2560, 132) is None
+
+
+def test_the_qkv_variant_compiles_only_with_its_flag_and_reads_the_handoff():
+    """The QKV_VARIANT instances (both layouts, reading x or an NQ handoff) are a compile group of
+    their own that compile_jobs asks for only with qkv (K4_QKV_WIDE), and nx_reads admits the
+    variant without glu: check_q8 lets its launch read a handoff."""
+    from types import SimpleNamespace
+
+    from k4.runtime.cuda import q8_handoff as hand
+
+    wide = qk.QKV_VARIANT[T.Q4_K]
+    names = qk.GROUPS["gemv.cu"]["Q4_K.qkv"]
+    assert set(names) == {qk._gemv_q8_name(T.Q4_K, p, wide, nx=nx) for p in (False, True) for nx in (False, True)}
+    assert not set(names) & {n for k, g in qk.GROUPS["gemv.cu"].items() if k != "Q4_K.qkv" for n in g}
+    groups = lambda qkv: [g for f, g, _ in compile_jobs([T.Q4_K, T.Q6_K], qkv=qkv) if f == "gemv.cu"]  # noqa: E731
+    assert names in groups(True) and names not in groups(False)
+    assert qk.nx_reads(T.Q4_K, wide, False) and not qk.nx_reads(T.Q4_K, wide, True)
+    handed = hand.Q8Vector(None, 256, 1, parts=object(), n_parts=4)
+    hand.check_q8(SimpleNamespace(ggml_type=T.Q4_K, glu=False), handed, None, 256, 64, False, variant=wide)

@@ -47,7 +47,14 @@ ST_TOK, ST_POS, ST_RING, ST_DRAW = range(STATE_WORDS)  # token, its position, ri
 # The most warps of a gemv_q8 block that folds the RMSNorm's scale into its outputs (one pass over
 # x: norm_prologue.cuh quantize_x_unscaled; q8_handoff.folds_norm). The 32-warp instances, at 64
 # registers, keep two passes: the 7B's wide NQ output product spilled 28 bytes with both (session 47).
-FOLD_MAX_WARPS = 16
+# The 20-warp q/k/v instances (QKV_WARPS) fold it, at 78-80 registers without spills.
+FOLD_MAX_WARPS = 20
+
+# The q/k/v products of few rows (quant_kernels.qkv_variant, flag K4_QKV_WIDE) run blocks of QKV_WARPS
+# warps: one round of rows fewer than 16 warps' grid on the H200 (Qwen2.5 7B's 4,608 rows: 3 -> 2,
+# TinyLlama's 2,560: 2 -> 1). Capped at QKV_REGS, the registers that leave attn_short's block (the
+# launch after them, SHORT_THREADS x SHORT_REGS) room beside them (80 at 20 warps).
+QKV_WARPS = 20
 
 # ---- gemv.cu gemv_q8_pair ----------------------------------------------------------------------
 # Its register cap. A decode product launches the attention after it early (programmatic dependent
@@ -63,6 +70,7 @@ PAIR_REGS = (65536 - ATT_THREADS * (65536 // (ATT_BLOCKS * ATT_THREADS) // 8 * 8
 # attn_short's register cap (attention_short.cu): its block fits beside the pair's, in the registers
 # PAIR_REGS leaves (96).
 SHORT_REGS = (65536 - PAIR_THREADS * PAIR_REGS) // SHORT_THREADS // 8 * 8
+QKV_REGS = (65536 - SHORT_THREADS * SHORT_REGS) // (32 * QKV_WARPS) // 8 * 8
 
 
 # ---- gemv_mma.cu -------------------------------------------------------------------------------
@@ -261,6 +269,7 @@ def defines() -> tuple[str, ...]:
     out = [f"{name}={value}" for name, value in (
         ("ATT_THREADS", ATT_THREADS), ("ATT_BLOCKS", ATT_BLOCKS), ("ATT_BLOCKS_DEEP", ATT_BLOCKS_DEEP), ("PAIR_REGS", PAIR_REGS),
         ("PAIR_THREADS", PAIR_THREADS), ("FOLD_MAX_WARPS", FOLD_MAX_WARPS), ("ATT_CHUNK", ATT_CHUNK), ("ATT_MAX_SPLIT", ATT_MAX_SPLIT),
+        ("QKV_WARPS", QKV_WARPS), ("QKV_REGS", QKV_REGS),
         ("MERGE_SLICE", MERGE_SLICE), ("TILE_Q", TILE_Q), ("TILE_K", TILE_K),
         ("TILE_THREADS", TILE_THREADS), ("TILE_PS", TILE_PS), ("MMA_WARPS", MMA_WARPS), ("MMA_THREADS", MMA_THREADS),
         ("MMA_BQ", MMA_BQ), ("GQA_WARPS", GQA_WARPS), ("GQA_THREADS", GQA_THREADS), ("SHORT_THREADS", SHORT_THREADS),

@@ -24,7 +24,8 @@ from .op_args import AttnShape, FreshKV, RopeArgs
 from .q8_handoff import Q8Vector, folds_norm
 from .gemv_batch import Q8Rows, gemv_rows, quantize_rows
 from .gemv_mma import gemv_mma, nq_parts, uses_mma8, writes_q8
-from .quant_kernels import MMA8_MIN_TOKENS, QUANT, after_attention_variant, nx_reads
+from .launch import device_limits
+from .quant_kernels import MMA8_MIN_TOKENS, QUANT, after_attention_variant, nx_reads, qkv_variant
 from .kv_cache import KVCache
 from .weights import LayerWeights, Weights
 
@@ -49,6 +50,7 @@ class ForwardOptions:
     mma8_ffq8: bool = True  # K4_MMA8_FFQ8: the verify step's gate/up product writes its output quantized for down (gate_up)
     wo_wide: bool = True  # K4_WO_WIDE: decode's output product in quant_kernels.after_attention_variant (residual)
     head_argmax: bool = True  # K4_HEAD_ARGMAX: decode's output head writes the sampler's argmax partials (output)
+    qkv_wide: bool = False  # K4_QKV_WIDE: decode's q/k/v of one run in quant_kernels.qkv_variant (qkv)
 
 
 class Forward:
@@ -65,6 +67,7 @@ class Forward:
         self.splits, self.pos, self.stream = splits, pos, stream
         self.swa_splits = swa_splits or {limit: (n, length) for limit, n, length in splits}
         self.blas = None
+        self.n_sm = device_limits()[0]  # multiprocessors (qkv_variant)
         # per layer: the attention's query scale, window (sliding layers), score soft-cap and cache ring
         self.shapes = [AttnShape(cfg.query_scale, cfg.n_swa if cfg.sliding(li) else 0, cfg.attn_softcap, kv.rings[li])
                        for li in range(cfg.n_layer)]
@@ -329,12 +332,21 @@ class Forward:
             # would give it, and its one-pass prologue costs about what the copy does
             if len(norm) == 3 or not any(folds_norm(matmul.gemv_variant(p.w.ggml_type, *p.w.shape)) for p in later):
                 x_q8_out = Q8Vector.for_weight(later[0].w, self.act.h_q8)
+        wide = self.qkv_variant(L) if n == 1 else None
         for p in L.qkv:
-            self.linear(p.w, h, p.out[:n], bias=p.bias, norm=norm, x_q8=x_q8, x_q8_out=x_q8_out)
+            self.linear(p.w, h, p.out[:n], bias=p.bias, norm=norm, x_q8=x_q8, x_q8_out=x_q8_out, variant=wide)
             cols.update({name: c[:n] for name, c in p.cols.items()})
             if x_q8_out is not None:  # the later runs: the first one's q8 x, no prologue
                 norm, x_q8, x_q8_out = None, x_q8_out, None
         return cols
+
+    def qkv_variant(self, L: LayerWeights) -> tuple[int, int, int] | None:
+        """The gemv_q8 variant of layer L's one-token q/k/v product where it is one quantized run
+        (K4_QKV_WIDE, quant_kernels.qkv_variant), else None (matmul's choice)."""
+        (p, *more), t = L.qkv, L.qkv[0].w.ggml_type
+        if more or not self.opts.qkv_wide or t not in matmul.QUANT or p.w.glu:
+            return None
+        return qkv_variant(t, p.w.shape[0], self.n_sm)
 
     def gate_up(self, L: LayerWeights, x1: cp.ndarray, ff: cp.ndarray, half: bool):
         """ff (n, n_ff) = act(gate) * up of rmsnorm(x1 (n, n_embd)) * ffn_norm, act cfg.activation

@@ -95,7 +95,7 @@ def check_q8(w, x_q8: Q8Vector | None, y_q8: Q8Vector | None, n_in: int, n_out: 
             raise ValueError(f"y_q8 holds {y_q8.n} values; this product writes {n_out}")
         y_q8 = None
     if x_q8 is not None and x_q8.parts is not None:  # an NQ handoff: only NX instances read it
-        if variant is not None or not nx_reads(w.ggml_type, gemv_variant(w.ggml_type, n_out, n_in, w.glu), w.glu):
+        if not nx_reads(w.ggml_type, variant or gemv_variant(w.ggml_type, n_out, n_in, w.glu), w.glu):
             n_y = n_out * (2 if w.glu else 1)
             raise ValueError(f"no product of {w.ggml_type.name} {(n_y, n_in)} reads an NQ handoff (x_q8 with parts)")
     q = QUANT.get(w.ggml_type)

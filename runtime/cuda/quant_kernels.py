@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as T
 
 from ..kquants import QK_K
 from .compile import module
-from .constants import QUANT_LAYOUTS
+from .constants import QKV_WARPS, QUANT_LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,14 @@ ROW_BLOCKS_VARIANT: dict[T, tuple[int, int, int]] = {T.Q4_K: (32, 2, 0), T.Q6_K:
 # other types were not measured (Q6_K's NQ instance of (32, 2, 0) spills 8 bytes).
 AFTER_ATTENTION_TYPES = (T.Q4_K,)
 AFTER_ATTENTION_MIN_IN = 2048  # inputs the product must exceed
+# The one-token q/k/v product of one run (no gemv_q8_pair), flag K4_QKV_WIDE: blocks of QKV_WARPS
+# (constants.py) warps where that takes a round of rows off 16 warps' grid and leaves at most
+# QKV_MAX_ROUNDS (qkv_variant). Measured on the H200 (bench_gemv, x as floats, session 46): Qwen2.5
+# 7B's 4,608 x 3,584 4.79 -> 4.57 µs (3 rounds -> 2), TinyLlama's 2,560 x 2,048 3.03 -> 2.81 (2 -> 1);
+# where the rounds stay (4,096 x 4,096, 2) or are many (12,288 x 4,096, 6 -> 5) 0.1 µs slower. Off by
+# default until measured in a model (docs/PERF.md, session 48).
+QKV_VARIANT: dict[T, tuple[int, int, int]] = {T.Q4_K: (QKV_WARPS, 2, 1)}
+QKV_MAX_ROUNDS = 3
 # SwiGLU-epilogue variants compiled besides the default
 EXTRA_GLU_VARIANTS: dict[T, tuple[tuple[int, int, int], ...]] = {T.Q4_K: ((16, 2, 0),)}
 FLOAT_GEMV = (8, 4)  # gemv_f: warps per block, 16-byte chunks in flight per lane
@@ -215,6 +223,17 @@ def after_attention_variant(t: T, n_in: int) -> tuple[int, int, int] | None:
     return ROW_BLOCKS_VARIANT[t] if t in AFTER_ATTENTION_TYPES and n_in > AFTER_ATTENTION_MIN_IN else None
 
 
+def qkv_variant(t: T, n_out: int, n_sm: int) -> tuple[int, int, int] | None:
+    """(WARPS, U, PF) of the one-token q/k/v product of one run of type t with n_out outputs on a
+    GPU of n_sm multiprocessors (K4_QKV_WIDE): QKV_VARIANT[t] where its grid of warps, one block a
+    multiprocessor, gives the busiest warp fewer rows than QUANT[t].gemv's and at most QKV_MAX_ROUNDS;
+    else None (gemv_variant's choice)."""
+    if t not in QKV_VARIANT or QUANT[t].gemv[0] >= QKV_WARPS:
+        return None
+    rounds = [-(-n_out // (n_sm * warps)) for warps in (QUANT[t].gemv[0], QKV_VARIANT[t][0])]
+    return QKV_VARIANT[t] if rounds[1] < rounds[0] and rounds[1] <= QKV_MAX_ROUNDS else None
+
+
 def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool = False, act: str = "silu",
                   cluster: bool = False, nq: bool = False, nx: bool = False, am: bool = False) -> str:
     warps, u, pf = variant
@@ -310,6 +329,14 @@ def _nq_names(t: T) -> tuple[str, ...]:
     return names + tuple(_gemv_q8_name(t, p, v, glu, nx=True) for glu, v in readers for p in (False, True))
 
 
+def _qkv_names(t: T) -> tuple[str, ...]:
+    """The instances of QKV_VARIANT[t] (qkv_variant), both layouts, reading x (norm folded in) or,
+    for NQ_TYPES, an NQ handoff (NX). Their own compile group (f"{t.name}.qkv"), built only with
+    K4_QKV_WIDE on (compile_jobs qkv)."""
+    readers = (False, True) if t in NQ_TYPES else (False,)
+    return tuple(_gemv_q8_name(t, p, QKV_VARIANT[t], nx=nx) for nx in readers for p in (False, True))
+
+
 def nq_balanced(n_out: int, n_in: int, grid: int, warps: int) -> bool:
     """Whether whole 32-output groups per block (of `warps` warps, `grid` blocks) give no warp more
     of the n_out rows than rows round-robin over all warps do, and leave few enough blocks without
@@ -332,7 +359,9 @@ def nq_balanced(n_out: int, n_in: int, grid: int, warps: int) -> bool:
 
 def nx_reads(t: T, variant: tuple[int, int, int], glu: bool) -> bool:
     """Whether a gemv_q8 launch of type t, variant (WARPS, U, PF), glu or not, has an NX instance
-    (_nq_names): it can read an NQ handoff (gemv x_q8 with parts)."""
+    (_nq_names, _qkv_names): it can read an NQ handoff (gemv x_q8 with parts)."""
+    if t in NQ_TYPES and not glu and variant == QKV_VARIANT.get(t):
+        return True
     return t in NQ_TYPES and variant == (QUANT[t].glu if glu else QUANT[t].gemv) and variant[0] <= 16
 
 
@@ -384,6 +413,7 @@ GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
         **{f"{t.name}.gelu_tanh": _gelu_names(t) for t in (*QUANT, *FLOAT)},
         **{f"{t.name}.nq": _nq_names(t) for t in NQ_TYPES},
         **{f"{t.name}.am": _am_names(t) for t in QUANT},
+        **{f"{t.name}.qkv": _qkv_names(t) for t in QKV_VARIANT},
         **{f"pair.{a.name}.{b.name}": _pair_names(a, b) for a, b in QKV_PAIRS},
         "bench": tuple(_gemv_q8_name(t, p, v, glu) for glu, extra in ((False, EXTRA_GEMV_VARIANTS), (True, EXTRA_GLU_VARIANTS))
                        for t, vs in extra.items() for v in vs for p in (False, True)),

@@ -41,7 +41,8 @@ def options(flags: Flags) -> tuple:
                        moe_one=on("K4_MOE_ONE"), qkv_q8=on("K4_QKV_Q8"), qkv_pair=on("K4_QKV_PAIR"),
                        x_cluster=on("K4_X_CLUSTER"), norm_q8=on("K4_NORM_Q8"),
                        mma8_nq=on("K4_MMA8_NQ"), mma8_ffq8=on("K4_MMA8_FFQ8"), wo_wide=on("K4_WO_WIDE"),
-                       head_argmax=on("K4_HEAD_ARGMAX"))
+                       head_argmax=on("K4_HEAD_ARGMAX"),
+                       qkv_wide=on("K4_QKV_WIDE"))
     o = OpSwitches.from_flags(flags)
     return w, f, o
 
