@@ -126,11 +126,43 @@ def _zeroed_moe_handoff(moe_module=None):
     return lambda: setattr(moe_module, "moe_ffn", ffn)
 
 
+def _zeroed_dense_handoff(forward_class=None):
+    """Forward.residual (of forward_class, default runtime/cuda/forward.py's Forward) that, where a
+    one-token residual product without a post-norm hands its readers nothing (no NQ launch: the
+    balance rule, or its variant), leaves Forward.nq a zeroed NQ handoff for the products after
+    the next RMSNorm (those that can read one: the `nq` reader forward passes), so they copy it
+    instead of normalizing and quantizing x: the most a handoff from every such product could give
+    (a q8 format of 8- or 16-value units, which no block would have to share; docs/PERF.md,
+    session 48). The buffers are zeroed outside graph captures only. Returns the undo."""
+    if forward_class is None:
+        from k4.runtime.cuda.forward import Forward as forward_class
+    from k4.runtime.cuda import launch
+    from k4.runtime.cuda.q8_handoff import Q8Vector
+
+    residual = forward_class.residual
+
+    def patched(self, w, X, res, Y, post_norm, x_q8=None, nq=None, variant=None):
+        residual(self, w, X, res, Y, post_norm, x_q8=x_q8, nq=nq, variant=variant)
+        if X.shape[0] != 1 or post_norm is not None or nq is None or nq[1] is None or self.nq is not None:
+            return
+        if not launch.capturing(None):
+            self.act.nq8.fill(0)
+            self.act.nq_parts.fill(0)
+        vec = Q8Vector.for_weight(nq[1], self.act.nq8)
+        self.nq = (Q8Vector(vec.data, vec.n, vec.swizzle, self.act.nq_parts, 1, self.cfg.rms_eps), nq[0])
+
+    forward_class.residual = patched
+    return lambda: setattr(forward_class, "residual", residual)
+
+
 # name -> (what the run leaves out, a function that patches it out and returns the undo)
 LAUNCH_CUTS = {"wo": ("the one-token output product's launch (attention's output never reaches the residual stream)",
                       _no_output_product),
                "moe-nx": ("the x prologue of the products after a MoE layer: they read a zeroed NQ handoff "
-                          "(what moe_one handing them their input could save at most)", _zeroed_moe_handoff)}
+                          "(what moe_one handing them their input could save at most)", _zeroed_moe_handoff),
+               "dense-nx": ("the x prologue of the products after every residual product that hands them nothing: "
+                            "they read a zeroed NQ handoff (what handoffs without the balance rule could save at most)",
+                            _zeroed_dense_handoff)}
 
 
 def apply_cut(src: Path, dst: Path, edits: list[tuple[str, str, str]]) -> None:

@@ -1,7 +1,8 @@
 """scripts/take_away.py's temporary builds (no GPU): every cut's edits still find their anchors in
 today's kernels_cu, a stale anchor stops the script with a one-line error, its source switch
 points runtime/cuda/compile.py at the copy and back, the launch cut "wo" leaves out exactly the
-one-token output product, and "moe-nx" hands the products after a MoE layer a zeroed handoff."""
+one-token output product, "moe-nx" hands the products after a MoE layer a zeroed handoff, and
+"dense-nx" the products after any residual product that hands them none."""
 
 from __future__ import annotations
 
@@ -108,6 +109,52 @@ def test_the_moe_nx_cut_hands_the_next_norm_a_zeroed_handoff(monkeypatch):
     assert calls == [4, 1, 1, 1]
     moe.moe_ffn(fwd, layers[0], None, None, 1)
     assert calls[-1] == 1 and fwd.nq[1] == "out_norm"
+
+
+def test_the_dense_nx_cut_hands_a_zeroed_handoff_where_the_product_hands_none(monkeypatch):
+    """After one token's residual product without a post-norm that left Forward.nq empty, the cut
+    leaves it a handoff (the zeroed buffers, one part, the norm's eps) for nq's reader and norm;
+    a real handoff, several rows, a post-norm or no reader are left alone; the undo restores it."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    from k4.runtime.cuda import launch
+
+    monkeypatch.setattr(launch, "capturing", lambda stream: False)
+    calls = []
+
+    class Fwd:
+        def residual(self, w, X, res, Y, post_norm, x_q8=None, nq=None, variant=None):
+            calls.append(X.shape[0])
+            if w == "hands":
+                self.nq = ("real", nq[0])
+
+    reader = SimpleNamespace(ggml_type=T.Q4_K, shape=(512, 256))
+    act = SimpleNamespace(nq8=np.full(4096, 7, np.uint8), nq_parts=np.ones(64, np.float32))
+    fwd = Fwd()
+    fwd.act, fwd.nq, fwd.cfg = act, None, SimpleNamespace(rms_eps=1e-6)
+    one, four = np.zeros((1, 8)), np.zeros((4, 8))
+    undo = LAUNCH_CUTS["dense-nx"][1](Fwd)
+    try:
+        fwd.residual("w", four, None, None, None, nq=("norm", reader))  # a prompt: nothing handed over
+        fwd.residual("w", one, None, None, "post", nq=("norm", reader))  # a post-norm
+        fwd.residual("w", one, None, None, None, nq=("norm", None))  # no reader
+        assert fwd.nq is None
+        fwd.residual("hands", one, None, None, None, nq=("norm", reader))
+        assert fwd.nq == ("real", "norm")
+        fwd.nq = None
+        fwd.residual("w", one, None, None, None, nq=("norm", reader))
+        vec, norm_w = fwd.nq
+        assert norm_w == "norm" and vec.data is act.nq8 and vec.parts is act.nq_parts and (vec.n, vec.n_parts) == (256, 1)
+        assert not act.nq8.any() and not act.nq_parts.any() and vec.eps == 1e-6
+    finally:
+        undo()
+    assert calls == [4, 1, 1, 1, 1]
+    fwd.nq = None
+    fwd.residual("w", one, None, None, None, nq=("norm", reader))
+    assert fwd.nq is None and calls[-1] == 1
 
 
 @pytest.mark.parametrize("cut", ["norm-sum", "wo"])
