@@ -94,6 +94,20 @@ def _no_output_product(forward_class=None):
     return lambda: setattr(forward_class, "residual", residual)
 
 
+def _zeroed_handoff(fwd, reader):
+    """A zeroed NQ handoff (Q8Vector with one part, in fwd.act.nq8 and nq_parts, the norm's eps)
+    for reader's products. The buffers are zeroed outside graph captures only (a fill would be
+    captured into the step), so no NaN reaches the sampler."""
+    from k4.runtime.cuda import launch
+    from k4.runtime.cuda.q8_handoff import Q8Vector
+
+    if not launch.capturing(None):
+        fwd.act.nq8.fill(0)
+        fwd.act.nq_parts.fill(0)
+    vec = Q8Vector.for_weight(reader, fwd.act.nq8)
+    return Q8Vector(vec.data, vec.n, vec.swizzle, fwd.act.nq_parts, 1, fwd.cfg.rms_eps)
+
+
 def _zeroed_moe_handoff(moe_module=None):
     """runtime/cuda/moe.py moe_ffn (of moe_module, default runtime/cuda/moe.py) that, after one
     token's expert feed-forward, hands the next layer's q/k/v products (after the last layer the
@@ -103,8 +117,6 @@ def _zeroed_moe_handoff(moe_module=None):
     only (a fill would be captured into the step), so no NaN reaches the sampler. Returns the undo."""
     if moe_module is None:
         from k4.runtime.cuda import moe as moe_module
-    from k4.runtime.cuda import launch
-    from k4.runtime.cuda.q8_handoff import Q8Vector
 
     ffn = moe_module.moe_ffn
 
@@ -115,12 +127,8 @@ def _zeroed_moe_handoff(moe_module=None):
         reader = fwd.readers(li)[1]
         if n != 1 or reader is None:
             return
-        if not launch.capturing(None):
-            fwd.act.nq8.fill(0)
-            fwd.act.nq_parts.fill(0)
-        vec = Q8Vector.for_weight(reader, fwd.act.nq8)
         norm_w = layers[li + 1].attn_norm if li + 1 < len(layers) else fwd.w.output_norm
-        fwd.nq = (Q8Vector(vec.data, vec.n, vec.swizzle, fwd.act.nq_parts, 1, fwd.cfg.rms_eps), norm_w)
+        fwd.nq = (_zeroed_handoff(fwd, reader), norm_w)
 
     moe_module.moe_ffn = patched
     return lambda: setattr(moe_module, "moe_ffn", ffn)
@@ -136,8 +144,6 @@ def _zeroed_dense_handoff(forward_class=None):
     session 48). The buffers are zeroed outside graph captures only. Returns the undo."""
     if forward_class is None:
         from k4.runtime.cuda.forward import Forward as forward_class
-    from k4.runtime.cuda import launch
-    from k4.runtime.cuda.q8_handoff import Q8Vector
 
     residual = forward_class.residual
 
@@ -145,11 +151,7 @@ def _zeroed_dense_handoff(forward_class=None):
         residual(self, w, X, res, Y, post_norm, x_q8=x_q8, nq=nq, variant=variant)
         if X.shape[0] != 1 or post_norm is not None or nq is None or nq[1] is None or self.nq is not None:
             return
-        if not launch.capturing(None):
-            self.act.nq8.fill(0)
-            self.act.nq_parts.fill(0)
-        vec = Q8Vector.for_weight(nq[1], self.act.nq8)
-        self.nq = (Q8Vector(vec.data, vec.n, vec.swizzle, self.act.nq_parts, 1, self.cfg.rms_eps), nq[0])
+        self.nq = (_zeroed_handoff(self, nq[1]), nq[0])
 
     forward_class.residual = patched
     return lambda: setattr(forward_class, "residual", residual)
