@@ -74,6 +74,36 @@ CUTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
           "        else if (false)\n            quantize_x_past_warp0<")]),
 }
 CUTS["moe-route-quant"] = ("both moe-route and moe-quant", CUTS["moe-route"][1] + CUTS["moe-quant"][1])
+# gemv.cu's NQ instances (the residual products' norm handoff) with 16-output units: block b computes
+# outputs 16b .. 16b + 15 (one row a warp of 16) and quantizes them with a scale of their own, as a
+# q8 format of 16-value units would let a block do, instead of whole 32-output groups (which at
+# n_out 2,048 fill 64 of 132 blocks, so the balance rule leaves TinyLlama without handoffs). The odd
+# unit's scale is not stored (the 32-value format holds one a pair): the readers decode it with its
+# neighbour's, so the values are wrong; the work of producer and reader is a 16-value format's,
+# less the reader's second scale a 32-value group (about 4 instructions a chunk). With the patch
+# that admits the NQ launch wherever the units fit the grid (_nq16_balance).
+CUTS["nq16"] = (
+    "nothing: the residual products hand the next RMSNorm's products their input in 16-output units "
+    "(see _nq16_balance; models whose n_embd is at most 16 x the multiprocessors, e.g. TinyLlama)",
+    [("gemv.cu", "    if (HANDOFF && y_q8) {\n        row = 32 * group(blockIdx.x) + (threadIdx.x >> 5);\n",
+      "    if (NQ) {  // the nq16 cut: block b takes outputs 16b .. 16b + 15, a row a warp\n"
+      "        row = 16 * blockIdx.x + (threadIdx.x >> 5);\n        row_end = min(n_out, 16 * (int)blockIdx.x + 16);\n"
+      "        row_step = WARPS;\n    } else if (HANDOFF && y_q8) {\n        row = 32 * group(blockIdx.x) + (threadIdx.x >> 5);\n"),
+     ("gemv.cu", "        const int g0 = group(blockIdx.x), n16 = 8 * (group(blockIdx.x + 1) - g0);\n"
+      "        if ((int)threadIdx.x < n16)\n"
+      "            k4mma::cp_async16(k4mma::smem_u32(y_smem() + 4 * (n16 + threadIdx.x)), nq_w + 32 * g0 + 4 * threadIdx.x, true);\n",
+      "        if ((int)threadIdx.x < 4 && 16 * (int)blockIdx.x < n_out)  // the nq16 cut: its 16 weights after its 16 outputs\n"
+      "            k4mma::cp_async16(k4mma::smem_u32(y_smem() + 4 * (4 + threadIdx.x)), nq_w + 16 * blockIdx.x + 4 * threadIdx.x, true);\n"),
+     ("gemv.cu", "            y_smem()[r - 32 * group(blockIdx.x)] = acc;\n", "            y_smem()[r - 16 * blockIdx.x] = acc;\n"),
+     ("gemv.cu", "            const int g0 = group(blockIdx.x), n = group(blockIdx.x + 1) - g0;\n"
+      "            const float* yo = y_smem();\n            float ss = 0.f;\n            for (int j = 0; j < n; ++j) {\n"
+      "                const float v = yo[32 * j + lane];\n                ss += v * v;\n"
+      "                q8_lane_store(v * yo[32 * (n + j) + lane], 32 * (g0 + j) + lane, n_out, y_swz, y_q8, lane);\n            }\n",
+      "            // the nq16 cut: the block's 16 outputs as one unit with a scale of its own (lanes\n"
+      "            // 16..31 mirror 0..15 and store the same bytes; an odd unit's scale is not stored)\n"
+      "            const float* yo = y_smem();\n            const bool mine = 16 * (int)blockIdx.x < n_out;\n"
+      "            const float v = mine ? yo[lane & 15] : 0.f;\n            float ss = lane < 16 ? v * v : 0.f;\n"
+      "            if (mine) q8_lane_store(v * yo[16 + (lane & 15)], 16 * blockIdx.x + (lane & 15), n_out, y_swz, y_q8, lane);\n")])
 
 
 def _no_output_product(forward_class=None):
@@ -156,6 +186,31 @@ def _zeroed_dense_handoff(forward_class=None):
     forward_class.residual = patched
     return lambda: setattr(forward_class, "residual", residual)
 
+
+def _nq16_balance(matmul_module=None):
+    """matmul.nq_balanced (of matmul_module, default runtime/cuda/matmul.py) for the nq16 cut: the
+    NQ launch wherever its 16-output units fit the grid, one a block of 16 warps (one row a warp),
+    so the one-token residual products hand the next RMSNorm's products their input. A product
+    whose 32-output groups the rule admits today would lose its handoff to the cut's mapping: that
+    stops the run with a one-line error (models wider than 16 x the multiprocessors). Returns the undo."""
+    if matmul_module is None:
+        from k4.runtime.cuda import matmul as matmul_module
+
+    balanced = matmul_module.nq_balanced
+
+    def patched(n_out: int, n_in: int, grid: int, warps: int) -> bool:
+        fits = warps == 16 and n_out // 16 <= grid
+        if not fits and balanced(n_out, n_in, grid, warps):
+            raise SystemExit(f"error: the nq16 cut cannot map the {n_out}-output NQ product onto {grid} blocks of {warps} "
+                             "warps; use it on a model whose n_embd is at most 16 x the multiprocessors")
+        return fits
+
+    matmul_module.nq_balanced = patched
+    return lambda: setattr(matmul_module, "nq_balanced", balanced)
+
+
+# python-side patches a kernel cut needs besides its edits: name -> a function that patches and returns the undo
+CUT_PATCHES = {"nq16": _nq16_balance}
 
 # name -> (what the run leaves out, a function that patches it out and returns the undo)
 LAUNCH_CUTS = {"wo": ("the one-token output product's launch (attention's output never reaches the residual stream)",
@@ -244,9 +299,14 @@ def main(argv: list[str]) -> None:
         else:
             apply_cut(SOURCE_DIR, Path(tmp), CUTS[a.cut][1])
 
-            def install():  # compile from the cut's copy until the undo
+            def install():  # compile from the cut's copy (and patch what CUT_PATCHES says) until the undo
                 use_sources(Path(tmp))
-                return lambda: use_sources(SOURCE_DIR)
+                unpatch = CUT_PATCHES[a.cut]() if a.cut in CUT_PATCHES else (lambda: None)
+
+                def undo():
+                    unpatch()
+                    use_sources(SOURCE_DIR)
+                return undo
         for _ in range(a.rounds):
             for name in runs:
                 undo = install() if name == a.cut else None

@@ -1,11 +1,15 @@
 """scripts/take_away.py's temporary builds (no GPU): every cut's edits still find their anchors in
 today's kernels_cu, a stale anchor stops the script with a one-line error, its source switch
 points runtime/cuda/compile.py at the copy and back, the launch cut "wo" leaves out exactly the
-one-token output product, "moe-nx" hands the products after a MoE layer a zeroed handoff, and
-"dense-nx" the products after any residual product that hands them none."""
+one-token output product, "moe-nx" hands the products after a MoE layer a zeroed handoff,
+"dense-nx" the products after any residual product that hands them none, and "nq16" (16-output
+units) admits the NQ launch where its units fit the grid, compiles for sm_90 where nvcc is on
+PATH, and patches the balance rule only while its sources are in use."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,7 @@ import pytest
 from k4.kernels_cu import SOURCE_DIR
 from k4.runtime.cuda import compile as comp
 from k4.runtime.cuda import quant_kernels
-from scripts.take_away import CUTS, LAUNCH_CUTS, apply_cut, use_sources
+from scripts.take_away import CUT_PATCHES, CUTS, LAUNCH_CUTS, apply_cut, use_sources
 
 
 @pytest.mark.parametrize("cut", sorted(CUTS))
@@ -157,7 +161,43 @@ def test_the_dense_nx_cut_hands_a_zeroed_handoff_where_the_product_hands_none(mo
     assert fwd.nq is None and calls[-1] == 1
 
 
-@pytest.mark.parametrize("cut", ["norm-sum", "wo"])
+def test_the_nq16_patch_admits_units_that_fit_and_stops_where_main_hands_off():
+    """One 16-output unit a block of 16 warps: TinyLlama's 2,048 outputs on 132 blocks are admitted
+    (main's rule refuses them); a product main hands off that the cut cannot map stops the run
+    (the 7B's 4,096 outputs in 32-warp blocks); one neither hands off stays without; the undo."""
+    from types import SimpleNamespace
+
+    from k4.runtime.cuda.quant_kernels import nq_balanced
+
+    mm = SimpleNamespace(nq_balanced=nq_balanced)
+    assert not nq_balanced(2048, 2048, 132, 16) and nq_balanced(4096, 4096, 132, 32)
+    undo = CUT_PATCHES["nq16"](mm)
+    try:
+        assert mm.nq_balanced(2048, 2048, 132, 16) and mm.nq_balanced(2048, 5632, 132, 16)
+        assert not mm.nq_balanced(2048, 2048, 127, 16)  # 128 units on 127 blocks: main refuses it too
+        with pytest.raises(SystemExit, match="cannot map the 4096-output NQ product onto 132 blocks of 32 warps"):
+            mm.nq_balanced(4096, 4096, 132, 32)
+    finally:
+        undo()
+    assert mm.nq_balanced is nq_balanced
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_the_nq16_cut_compiles(tmp_path):
+    """The NQ instances and their readers of the cut's gemv.cu (both types, both layouts, clusters) and a plain one."""
+    from k4.runtime.cuda.compile import OPTIONS
+
+    apply_cut(SOURCE_DIR, tmp_path, CUTS["nq16"][1])
+    names = [n for t in quant_kernels.NQ_TYPES for n in quant_kernels.GROUPS["gemv.cu"][f"{t.name}.nq"]]
+    names.append(quant_kernels.GROUPS["gemv.cu"]["Q4_K"][0])
+    (tmp_path / "some.cu").write_text('#include "gemv.cu"\nvoid* const k4_some[] = {' + ", ".join(f"(void*)&{n}" for n in names) + "};\n")
+    options = [o for o in OPTIONS if not o.startswith(("-I", "--gpu-architecture", "-arch"))]
+    cmd = ["nvcc", "-arch=sm_90", f"-I{tmp_path}", *options, "-c", str(tmp_path / "some.cu"), "-o", str(tmp_path / "k.o")]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("cut", ["norm-sum", "wo", "nq16"])
 def test_main_alternates_main_and_the_cut_and_restores_both(cut, monkeypatch, capsys):
     """The script's loop (the bench stubbed): main and the cut in turn for each round, the sources
     (or the forward pass) back as they were after each cut run, and the per-layer figure printed."""
@@ -172,11 +212,13 @@ def test_main_alternates_main_and_the_cut_and_restores_both(cut, monkeypatch, ca
     undone = []
     if cut in ta.LAUNCH_CUTS:
         monkeypatch.setitem(ta.LAUNCH_CUTS, cut, (ta.LAUNCH_CUTS[cut][0], lambda: (lambda: undone.append(True))))
+    if cut in ta.CUT_PATCHES:
+        monkeypatch.setitem(ta.CUT_PATCHES, cut, lambda: (lambda: undone.append(True)))
     seen = []
     monkeypatch.setattr(ta, "bench_ts", lambda args, test: seen.append(comp.SOURCE_DIR) or (100.0 if len(seen) % 2 else 125.0))
     ta.main([cut, "-m", "model.gguf", "--rounds", "2"])
     assert len(seen) == 4 and seen[0] == seen[2] == SOURCE_DIR
     assert (seen[1] == seen[3] == SOURCE_DIR) == (cut == "wo") and comp.SOURCE_DIR == SOURCE_DIR
-    assert undone == ([True, True] if cut == "wo" else [])
+    assert undone == ([True, True] if cut in ("wo", "nq16") else [])
     out = capsys.readouterr().out
     assert "main 100.00 t/s, without it 125.00 t/s (+25.0%): 2000.0 µs a step, 500.00 µs a layer (4 layers)" in out
