@@ -9,7 +9,9 @@ A cut is a few exact edits of kernels_cu sources, applied to a copy in a tempora
 repository is never touched); the bench compiles from that copy through runtime/cuda/compile.py
 (its SOURCE_DIR and include path, and a fresh module cache). Each edit's anchor must occur once in
 today's source: when a kernel changes under it, the script stops and says which. A launch cut
-(LAUNCH_CUTS) instead leaves a whole launch out of the forward pass, patched in this process only.
+(LAUNCH_CUTS) instead leaves a whole launch out of the forward pass, patched in this process only;
+a kernel cut may also patch a choice of the forward pass while its sources are in use (CUT_PATCHES:
+nq16 admits the handoff its kernels make).
 
 Usage (from the repository root, k4 importable, on the GPU machine):
     python scripts/take_away.py CUT -m MODEL.gguf [-n 128] [-r 3] [--rounds 2] [--verify 8]
@@ -74,6 +76,18 @@ CUTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
           "        else if (false)\n            quantize_x_past_warp0<")]),
 }
 CUTS["moe-route-quant"] = ("both moe-route and moe-quant", CUTS["moe-route"][1] + CUTS["moe-quant"][1])
+CUTS["moe-barrier"] = (
+    "moe_one's wait for every block's SwiGLU rows before the down phase (each block goes on when its own "
+    "rows are in h, reading the others' stale): what per-expert arrivals could save at most",
+    [("moe_one.cu", "            if (n >= (u64)tag * (u64)G) break;\n", "            if (true) break;\n")])
+CUTS["moe-hq"] = (
+    "moe_one's quantization of the k SwiGLU rows in every block before the down phase (the down rows "
+    "read stale shared memory): what the gate/up phase handing h over quantized could save at most",
+    [("moe_one.cu", "    quantize_k_rows<true>(h, k, n_ff, TD::x_swizzle, base, xb);\n", "")])
+CUTS["attention-nowait"] = (
+    "attn_short's programmatic-dependent-launch wait for the q/k/v product (it works on stale q, k and v as "
+    "soon as it runs): the most a fused q/k/v and attention, each head starting when its rows are done, could gain",
+    [("attention_short.cu", "    __syncthreads();  // the table\n    pdl_wait();\n", "    __syncthreads();  // the table\n")])
 # gemv.cu's NQ instances (the residual products' norm handoff) with 16-output units: block b computes
 # outputs 16b .. 16b + 15 (one row a warp of 16) and quantizes them with a scale of their own, as a
 # q8 format of 16-value units would let a block do, instead of whole 32-output groups (which at

@@ -3,8 +3,8 @@ today's kernels_cu, a stale anchor stops the script with a one-line error, its s
 points runtime/cuda/compile.py at the copy and back, the launch cut "wo" leaves out exactly the
 one-token output product, "moe-nx" hands the products after a MoE layer a zeroed handoff,
 "dense-nx" the products after any residual product that hands them none, and "nq16" (16-output
-units) admits the NQ launch where its units fit the grid, compiles for sm_90 where nvcc is on
-PATH, and patches the balance rule only while its sources are in use."""
+units) admits the NQ launch where its units fit the grid and patches the balance rule only while
+its sources are in use; every cut of .cu files compiles for sm_90 where nvcc is on PATH."""
 
 from __future__ import annotations
 
@@ -182,19 +182,32 @@ def test_the_nq16_patch_admits_units_that_fit_and_stops_where_main_hands_off():
     assert mm.nq_balanced is nq_balanced
 
 
+def _cut_instances(filename: str) -> list[str]:
+    """What a cut of kernels_cu/filename is compiled with: gemv.cu's NQ instances and their readers
+    (both types, both layouts, clusters) and a plain one; every instance of a smaller file."""
+    from k4.runtime.cuda import kernel_names
+
+    if filename == "gemv.cu":
+        nq = [n for t in quant_kernels.NQ_TYPES for n in quant_kernels.GROUPS["gemv.cu"][f"{t.name}.nq"]]
+        return nq + [quant_kernels.GROUPS["gemv.cu"]["Q4_K"][0]]
+    groups = quant_kernels.GROUPS.get(filename)
+    return [n for g in (groups.values() if groups else kernel_names.GROUPS[filename]) for n in g]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
-def test_the_nq16_cut_compiles(tmp_path):
-    """The NQ instances and their readers of the cut's gemv.cu (both types, both layouts, clusters) and a plain one."""
+@pytest.mark.parametrize("cut", sorted(c for c in CUTS if all(f.endswith(".cu") for f, _, _ in CUTS[c][1])))
+def test_every_cut_of_a_kernel_file_compiles(tmp_path, cut):
+    """A cut of .cu files compiles for sm_90 (nvcc, the options NVRTC gets at run time)."""
     from k4.runtime.cuda.compile import OPTIONS
 
-    apply_cut(SOURCE_DIR, tmp_path, CUTS["nq16"][1])
-    names = [n for t in quant_kernels.NQ_TYPES for n in quant_kernels.GROUPS["gemv.cu"][f"{t.name}.nq"]]
-    names.append(quant_kernels.GROUPS["gemv.cu"]["Q4_K"][0])
-    (tmp_path / "some.cu").write_text('#include "gemv.cu"\nvoid* const k4_some[] = {' + ", ".join(f"(void*)&{n}" for n in names) + "};\n")
+    apply_cut(SOURCE_DIR, tmp_path, CUTS[cut][1])
     options = [o for o in OPTIONS if not o.startswith(("-I", "--gpu-architecture", "-arch"))]
-    cmd = ["nvcc", "-arch=sm_90", f"-I{tmp_path}", *options, "-c", str(tmp_path / "some.cu"), "-o", str(tmp_path / "k.o")]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
+    for filename in sorted({f for f, _, _ in CUTS[cut][1]}):
+        refs = ", ".join(f"(void*)&{n}" for n in _cut_instances(filename))
+        (tmp_path / "some.cu").write_text(f'#include "{filename}"\nvoid* const k4_some[] = {{{refs}}};\n')
+        cmd = ["nvcc", "-arch=sm_90", f"-I{tmp_path}", *options, "-c", str(tmp_path / "some.cu"), "-o", str(tmp_path / "k.o")]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("cut", ["norm-sum", "wo", "nq16"])
