@@ -74,50 +74,51 @@ CUTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         "moe_one's normalization and quantization of x (the route as usual, which then follows stale x)",
         [("moe_one.cu", "        else\n            quantize_x_past_warp0<",
           "        else if (false)\n            quantize_x_past_warp0<")]),
+    "moe-barrier": (
+        "moe_one's wait for every block's SwiGLU rows before the down phase (each block goes on when its own "
+        "rows are in h, reading the others' stale): what per-expert arrivals could save at most",
+        [("moe_one.cu", "            if (n >= (u64)tag * (u64)G) break;\n", "            if (true) break;\n")]),
+    "moe-hq": (
+        "moe_one's quantization of the k SwiGLU rows in every block before the down phase (the down rows "
+        "read stale shared memory): what the gate/up phase handing h over quantized could save at most",
+        [("moe_one.cu", "    quantize_k_rows<true>(h, k, n_ff, TD::x_swizzle, base, xb);\n", "")]),
+    "attention-nowait": (
+        "attn_short's programmatic-dependent-launch wait for the q/k/v product (it works on stale q, k and v as "
+        "soon as it runs): the most a fused q/k/v and attention, each head starting when its rows are done, could gain",
+        [("attention_short.cu", "    __syncthreads();  // the table\n    pdl_wait();\n", "    __syncthreads();  // the table\n")]),
+    # gemv.cu's NQ instances (the residual products' norm handoff) with 16-output units: block b computes
+    # outputs 16b .. 16b + 15 (one row a warp of 16) and quantizes them with a scale of their own, as a
+    # q8 format of 16-value units would let a block do, instead of whole 32-output groups (which at
+    # n_out 2,048 fill 64 of 132 blocks, so the balance rule leaves TinyLlama without handoffs). The odd
+    # unit's scale is not stored (the 32-value format holds one a pair): the readers decode it with its
+    # neighbour's, so the values are wrong; the work of producer and reader is a 16-value format's,
+    # less the reader's second scale a 32-value group (about 4 instructions a chunk). With the patch
+    # that admits the NQ launch wherever the units fit the grid (_nq16_balance).
+    "nq16": (
+        "nothing: the residual products hand the next RMSNorm's products their input in 16-output units "
+        "(see _nq16_balance; models whose n_embd is at most 16 x the multiprocessors, e.g. TinyLlama)",
+        [("gemv.cu", "    if (HANDOFF && y_q8) {\n        row = 32 * group(blockIdx.x) + (threadIdx.x >> 5);\n",
+          "    if (NQ) {  // the nq16 cut: block b takes outputs 16b .. 16b + 15, a row a warp\n"
+          "        row = 16 * blockIdx.x + (threadIdx.x >> 5);\n        row_end = min(n_out, 16 * (int)blockIdx.x + 16);\n"
+          "        row_step = WARPS;\n    } else if (HANDOFF && y_q8) {\n        row = 32 * group(blockIdx.x) + (threadIdx.x >> 5);\n"),
+         ("gemv.cu", "        const int g0 = group(blockIdx.x), n16 = 8 * (group(blockIdx.x + 1) - g0);\n"
+          "        if ((int)threadIdx.x < n16)\n"
+          "            k4mma::cp_async16(k4mma::smem_u32(y_smem() + 4 * (n16 + threadIdx.x)), nq_w + 32 * g0 + 4 * threadIdx.x, true);\n",
+          "        if ((int)threadIdx.x < 4 && 16 * (int)blockIdx.x < n_out)  // the nq16 cut: its 16 weights after its 16 outputs\n"
+          "            k4mma::cp_async16(k4mma::smem_u32(y_smem() + 4 * (4 + threadIdx.x)), nq_w + 16 * blockIdx.x + 4 * threadIdx.x, true);\n"),
+         ("gemv.cu", "            y_smem()[r - 32 * group(blockIdx.x)] = acc;\n", "            y_smem()[r - 16 * blockIdx.x] = acc;\n"),
+         ("gemv.cu", "            const int g0 = group(blockIdx.x), n = group(blockIdx.x + 1) - g0;\n"
+          "            const float* yo = y_smem();\n            float ss = 0.f;\n            for (int j = 0; j < n; ++j) {\n"
+          "                const float v = yo[32 * j + lane];\n                ss += v * v;\n"
+          "                q8_lane_store(v * yo[32 * (n + j) + lane], 32 * (g0 + j) + lane, n_out, y_swz, y_q8, lane);\n            }\n",
+          "            // the nq16 cut: the block's 16 outputs as one unit with a scale of its own (lanes\n"
+          "            // 16..31 mirror 0..15 and store the same bytes; an odd unit's scale is not stored)\n"
+          "            const float* yo = y_smem();\n            const bool mine = 16 * (int)blockIdx.x < n_out;\n"
+          "            const float v = mine ? yo[lane & 15] : 0.f;\n            float ss = lane < 16 ? v * v : 0.f;\n"
+          "            if (mine) q8_lane_store(v * yo[16 + (lane & 15)], 16 * blockIdx.x + (lane & 15), n_out, y_swz, y_q8, lane);\n")]),
 }
 CUTS["moe-route-quant"] = ("both moe-route and moe-quant", CUTS["moe-route"][1] + CUTS["moe-quant"][1])
-CUTS["moe-barrier"] = (
-    "moe_one's wait for every block's SwiGLU rows before the down phase (each block goes on when its own "
-    "rows are in h, reading the others' stale): what per-expert arrivals could save at most",
-    [("moe_one.cu", "            if (n >= (u64)tag * (u64)G) break;\n", "            if (true) break;\n")])
-CUTS["moe-hq"] = (
-    "moe_one's quantization of the k SwiGLU rows in every block before the down phase (the down rows "
-    "read stale shared memory): what the gate/up phase handing h over quantized could save at most",
-    [("moe_one.cu", "    quantize_k_rows<true>(h, k, n_ff, TD::x_swizzle, base, xb);\n", "")])
-CUTS["attention-nowait"] = (
-    "attn_short's programmatic-dependent-launch wait for the q/k/v product (it works on stale q, k and v as "
-    "soon as it runs): the most a fused q/k/v and attention, each head starting when its rows are done, could gain",
-    [("attention_short.cu", "    __syncthreads();  // the table\n    pdl_wait();\n", "    __syncthreads();  // the table\n")])
-# gemv.cu's NQ instances (the residual products' norm handoff) with 16-output units: block b computes
-# outputs 16b .. 16b + 15 (one row a warp of 16) and quantizes them with a scale of their own, as a
-# q8 format of 16-value units would let a block do, instead of whole 32-output groups (which at
-# n_out 2,048 fill 64 of 132 blocks, so the balance rule leaves TinyLlama without handoffs). The odd
-# unit's scale is not stored (the 32-value format holds one a pair): the readers decode it with its
-# neighbour's, so the values are wrong; the work of producer and reader is a 16-value format's,
-# less the reader's second scale a 32-value group (about 4 instructions a chunk). With the patch
-# that admits the NQ launch wherever the units fit the grid (_nq16_balance).
-CUTS["nq16"] = (
-    "nothing: the residual products hand the next RMSNorm's products their input in 16-output units "
-    "(see _nq16_balance; models whose n_embd is at most 16 x the multiprocessors, e.g. TinyLlama)",
-    [("gemv.cu", "    if (HANDOFF && y_q8) {\n        row = 32 * group(blockIdx.x) + (threadIdx.x >> 5);\n",
-      "    if (NQ) {  // the nq16 cut: block b takes outputs 16b .. 16b + 15, a row a warp\n"
-      "        row = 16 * blockIdx.x + (threadIdx.x >> 5);\n        row_end = min(n_out, 16 * (int)blockIdx.x + 16);\n"
-      "        row_step = WARPS;\n    } else if (HANDOFF && y_q8) {\n        row = 32 * group(blockIdx.x) + (threadIdx.x >> 5);\n"),
-     ("gemv.cu", "        const int g0 = group(blockIdx.x), n16 = 8 * (group(blockIdx.x + 1) - g0);\n"
-      "        if ((int)threadIdx.x < n16)\n"
-      "            k4mma::cp_async16(k4mma::smem_u32(y_smem() + 4 * (n16 + threadIdx.x)), nq_w + 32 * g0 + 4 * threadIdx.x, true);\n",
-      "        if ((int)threadIdx.x < 4 && 16 * (int)blockIdx.x < n_out)  // the nq16 cut: its 16 weights after its 16 outputs\n"
-      "            k4mma::cp_async16(k4mma::smem_u32(y_smem() + 4 * (4 + threadIdx.x)), nq_w + 16 * blockIdx.x + 4 * threadIdx.x, true);\n"),
-     ("gemv.cu", "            y_smem()[r - 32 * group(blockIdx.x)] = acc;\n", "            y_smem()[r - 16 * blockIdx.x] = acc;\n"),
-     ("gemv.cu", "            const int g0 = group(blockIdx.x), n = group(blockIdx.x + 1) - g0;\n"
-      "            const float* yo = y_smem();\n            float ss = 0.f;\n            for (int j = 0; j < n; ++j) {\n"
-      "                const float v = yo[32 * j + lane];\n                ss += v * v;\n"
-      "                q8_lane_store(v * yo[32 * (n + j) + lane], 32 * (g0 + j) + lane, n_out, y_swz, y_q8, lane);\n            }\n",
-      "            // the nq16 cut: the block's 16 outputs as one unit with a scale of its own (lanes\n"
-      "            // 16..31 mirror 0..15 and store the same bytes; an odd unit's scale is not stored)\n"
-      "            const float* yo = y_smem();\n            const bool mine = 16 * (int)blockIdx.x < n_out;\n"
-      "            const float v = mine ? yo[lane & 15] : 0.f;\n            float ss = lane < 16 ? v * v : 0.f;\n"
-      "            if (mine) q8_lane_store(v * yo[16 + (lane & 15)], 16 * blockIdx.x + (lane & 15), n_out, y_swz, y_q8, lane);\n")])
+
 
 
 def _no_output_product(forward_class=None):
