@@ -195,7 +195,7 @@ def check_short(ops, q: np.ndarray, kc, vc, pos0: int, want: np.ndarray, options
     from k4.runtime.cuda.attention_launch import SHORT_SPLITS
     from k4.runtime.cuda.matmul import q8x_bytes
     from k4.runtime.cuda.q8_handoff import Q8Vector, q8x_host
-    from k4.runtime.cuda.quant_kernels import QUANT
+    from k4.runtime.cuda.quant_types import QUANT
     from k4.runtime.kv_types import KVTypes
 
     n_tok, n_head, D = q.shape

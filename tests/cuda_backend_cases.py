@@ -26,7 +26,8 @@ def sampling_kernels(mf, head_argmax: bool = True) -> int:
     """The sampling kernels of a decode step: sample_argmax_partial (unless the output head writes
     its partials: K4_HEAD_ARGMAX on, a quantized head whose default gemv_q8 variant runs, no final
     soft-cap) and sample_finish (the repeat penalty inside)."""
-    from k4.runtime.cuda.quant_kernels import QUANT, gemv_variant
+    from k4.runtime.cuda.gemv_choice import gemv_variant
+    from k4.runtime.cuda.quant_types import QUANT
 
     cfg = mf.config
     head = mf.tensor("token_embd.weight" if cfg.tied_embeddings else "output.weight")

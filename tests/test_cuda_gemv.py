@@ -11,6 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
+from k4.runtime.cuda import gemv_choice as gc
 from k4.runtime.cuda import layout as lay
 from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import quant_kernels as qk
@@ -102,7 +103,7 @@ def test_stacked_rows_multiply_as_one_matrix():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("type_name,variant", [(t, v) for t, vs in qk.EXTRA_GEMV_VARIANTS.items() for v in vs]
-                         + list(qk.ROW_BLOCKS_VARIANT.items()))
+                         + list(gc.ROW_BLOCKS_VARIANT.items()))
 def test_gemv_variants_match_numpy(type_name, variant):
     import cupy as cp
 
@@ -116,7 +117,7 @@ def test_gemv_variants_match_numpy(type_name, variant):
 
 @pytest.mark.cuda
 def test_the_output_products_wide_variant_reads_attentions_q8():
-    """quant_kernels.after_attention_variant's instance (K4_WO_WIDE) as forward runs it on Qwen2.5
+    """gemv_choice.after_attention_variant's instance (K4_WO_WIDE) as forward runs it on Qwen2.5
     7B's output product: x handed in quantized (attention's q8 output), the residual added; against
     numpy on the q8-rounded x, and the bits of the default (16, 2, 1), whose rows sum in the same order."""
     import cupy as cp
@@ -125,7 +126,7 @@ def test_the_output_products_wide_variant_reads_attentions_q8():
 
     rng, seed = fresh_rng()
     n = 3584
-    variant = qk.after_attention_variant(T.Q4_K, n)
+    variant = gc.after_attention_variant(T.Q4_K, n)
     w, ref_w = weight("Q4_K", n, n, rng, True)
     x = rng.standard_normal(n).astype(np.float32)
     r = rng.standard_normal(n).astype(np.float32)
@@ -141,7 +142,7 @@ def test_the_output_products_wide_variant_reads_attentions_q8():
 @pytest.mark.cuda
 @pytest.mark.parametrize("repack", [True, False], ids=["planar", "raw"])
 def test_the_qkv_variant_sums_the_rows_as_the_default_does(repack):
-    """quant_kernels.qkv_variant's 20-warp instance (K4_QKV_WIDE) on Qwen2.5 7B's q|k|v shape
+    """gemv_choice.qkv_variant's 20-warp instance (K4_QKV_WIDE) on Qwen2.5 7B's q|k|v shape
     (4,608 x 3,584, bias): x quantized as it is, the bits of the default (16, 2, 1), whose rows
     run the same loop (U, PF); with the RMSNorm folded in, numpy's normed product within the 8-bit
     limit and the default's within float32 rounding (the norm's sum of squares meets over other
@@ -150,8 +151,8 @@ def test_the_qkv_variant_sums_the_rows_as_the_default_does(repack):
 
     rng, seed = fresh_rng()
     n_out, n_in = 4608, 3584
-    variant = qk.qkv_variant(T.Q4_K, n_out, 132)
-    assert variant == qk.QKV_VARIANT[T.Q4_K]
+    variant = gc.qkv_variant(T.Q4_K, n_out, 132)
+    assert variant == gc.QKV_VARIANT[T.Q4_K]
     w, ref_w = weight("Q4_K", n_out, n_in, rng, repack)
     x = (3 * rng.standard_normal(n_in) + 0.5).astype(np.float32)
     b = cp.asarray(rng.standard_normal(n_out).astype(np.float32))

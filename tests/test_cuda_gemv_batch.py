@@ -22,8 +22,9 @@ from k4.runtime.cuda import layout as lay
 from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import q8_handoff as hand
 from k4.runtime.cuda import quant_kernels as qk
-from k4.runtime.cuda.matrix_jobs import compile_jobs
+from k4.runtime.cuda import quant_types as qt
 from k4.runtime.cuda.gemv_batch import gemv_batch, gemv_rows
+from k4.runtime.cuda.matrix_jobs import compile_jobs
 from k4.runtime.cuda.microbench import random_weight
 from k4.runtime.trace import Trace
 from tests.matmul_ref import GLU_REF, LIMIT_Q8_ROUNDED, QUANTIZED, fresh_rng, glu_weight, nan_like, q8_rounded, rel_err, weight
@@ -212,7 +213,7 @@ def test_batch_instances_compile_with_the_model_types_one_module_each():
     gelu = jobs("gelu_tanh")
     assert gelu[:4] == silu and len(gelu) == 6 and all(n.endswith("true, true>") for (n,) in gelu[4:])
     assert all(qk.GROUPS["gemv_batch.cu"][n] == (n,) for (n,) in gelu)
-    assert set(qk.BATCH_VARIANT) == set(qk.QUANT)
+    assert set(qk.BATCH_VARIANT) == set(qt.QUANT)
 
 
 @pytest.mark.cuda
@@ -260,7 +261,7 @@ def test_x_quantized_once_gives_the_same_bytes_and_products(type_name):
     rng, seed = fresh_rng()
     n_out, n_in = shapes(type_name)[2]
     w, _ = weight(type_name, n_out, n_in, rng, True)
-    swizzle = qk.QUANT[T[type_name]].x_swizzle
+    swizzle = qt.QUANT[T[type_name]].x_swizzle
     for n_tok in (1, 3, qk.BATCH_TOKENS):
         X, x = strided_rows(rng, n_tok, n_in)
         X[n_tok // 2, :32] = 0  # an all-zero group: d 0

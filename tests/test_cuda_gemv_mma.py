@@ -24,9 +24,10 @@ from k4.runtime.cuda import gemv_batch as gb
 from k4.runtime.cuda import layout as lay
 from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import quant_kernels as qk
-from k4.runtime.cuda.matrix_jobs import compile_jobs
+from k4.runtime.cuda import quant_types as qt
 from k4.runtime.cuda.constants import MMA8_TOKENS
 from k4.runtime.cuda.gemv_mma import gemv_mma, uses_mma8
+from k4.runtime.cuda.matrix_jobs import compile_jobs
 from k4.runtime.cuda.microbench import random_weight
 from k4.runtime.flags import Flags
 from k4.runtime.trace import Trace
@@ -149,7 +150,7 @@ def test_x_quantized_once_gives_the_same_products(type_name):
     rng, seed = fresh_rng()
     n_out, n_in = ODD
     w, _ = weight(type_name, n_out, n_in, rng, True)
-    swizzle = qk.QUANT[T[type_name]].x_swizzle
+    swizzle = qt.QUANT[T[type_name]].x_swizzle
     for n_tok, swz in ((1, swizzle), (3, 3), (MMA8_TOKENS, swizzle), (MMA8_TOKENS, 0)):
         X, _ = strided_rows(rng, n_tok, n_in)
         X[n_tok // 2, :32] = 0  # an all-zero sub-block: d 0

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
+from k4.runtime.cuda import gemv_choice as gc
 from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import quant_kernels as qk
 from k4.runtime.cuda.matrix_jobs import compile_jobs
@@ -22,7 +23,7 @@ SHAPES = ((300, 44, 512), (40, 8, 256), (5120, 1024, 4096))
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("repack", [True, False], ids=["planar", "raw"])
-@pytest.mark.parametrize("types", qk.QKV_PAIRS, ids=lambda p: f"{p[0].name}+{p[1].name}")
+@pytest.mark.parametrize("types", gc.QKV_PAIRS, ids=lambda p: f"{p[0].name}+{p[1].name}")
 def test_pair_gives_the_bits_of_two_products(types, repack):
     import cupy as cp
 
@@ -76,9 +77,9 @@ def test_pair_rejects_what_it_cannot_multiply():
 
 def test_every_pair_is_compiled_only_where_both_types_are_present():
     """Each QKV_PAIRS entry has its compile group, which a model compiles when it holds both types."""
-    for a, b in qk.QKV_PAIRS:
+    for a, b in gc.QKV_PAIRS:
         names = qk.GROUPS["gemv.cu"][f"pair.{a.name}.{b.name}"]
-        nx = (False, True) if a in qk.NQ_TYPES and b in qk.NQ_TYPES else (False,)  # the readers of an NQ handoff
+        nx = (False, True) if a in gc.NQ_TYPES and b in gc.NQ_TYPES else (False,)  # the readers of an NQ handoff
         assert names == tuple(qk.gemv_pair_name(a, b, p, x) for x in nx for p in (False, True))
     groups = lambda types: [g for f, g, _ in compile_jobs(types) if f == "gemv.cu" and "pair" in g[0]]  # noqa: E731
     assert groups([T.Q4_K, T.Q6_K, T.F32]) == [qk.GROUPS["gemv.cu"]["pair.Q4_K.Q6_K"]]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from k4.runtime.cuda import quant_kernels as qk
+from k4.runtime.cuda import quant_types as qt
 from k4.runtime.cuda.constants import MMA8_TOKENS, q8x_bytes
 from k4.runtime.cuda.gemv_batch import Q8Rows
 from k4.runtime.cuda.gemv_mma import _mma_plan, gemv_mma, nq_parts
@@ -55,7 +55,7 @@ def test_nq_handoff_feeds_the_products_after_the_norm(case, n_tok):
     n_parts = nq_parts(w, n_tok)
     tiles = _mma_plan(w, None)[2][0] // 32 // _mma_plan(w, None)[4]
     assert n_parts == -(-n_out // (16 * tiles)) and tiles in (2, 4), (n_parts, tiles)
-    swz = qk.QUANT[T.Q4_K].x_swizzle
+    swz = qt.QUANT[T.Q4_K].x_swizzle
     rows = handoff_rows(n_tok, n_out, n_parts, swz)
     Y = nan_like((n_tok, n_out))
     gemv_mma(w, X, Y, residual=cp.asarray(res), x_q8=None, nq_out=(cp.asarray(norm_w), rows))

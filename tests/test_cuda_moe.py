@@ -25,7 +25,7 @@ from gguf.quants import dequantize
 from tests.gpu import cupy_or_skip
 from tests.matmul_ref import LIMIT_Q8, LIMIT_Q8_ROUNDED, q8_rounded
 from k4.runtime.cuda import moe as cmoe
-from k4.runtime.cuda.quant_kernels import QUANT
+from k4.runtime.cuda.quant_types import QUANT
 from k4.runtime.moe import route
 from k4.runtime.synthetic import random_blocks
 from k4.runtime.trace import Trace

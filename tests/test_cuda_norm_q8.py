@@ -4,7 +4,7 @@ bytes) and its blocks' sums of y^2; the products after the norm (gemv_q8 of any 
 gate/up, gemv_q8_pair in either swizzle) read that instead of normalizing x, within float
 rounding of the same product given the scaled q8 x, and within the 8-bit error of the normed
 product; end to end, llama.cpp's greedy tokens and the numpy backend's logits with the handoff
-forced on for models too small for its balance rule (quant_kernels.nq_balanced, as matmul binds
+forced on for models too small for its balance rule (gemv_choice.nq_balanced, as matmul binds
 it). Inputs: tests/matmul_ref.py."""
 
 from __future__ import annotations
@@ -82,14 +82,14 @@ def test_the_residual_product_hands_its_norm_input_over(type_name, monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("n", [4096, 3584])
 def test_the_wide_output_product_hands_over_as_the_default_does(n):
-    """The NQ instance of the output product's wide variant (quant_kernels.nq_variants, K4_WO_WIDE),
+    """The NQ instance of the output product's wide variant (gemv_choice.nq_variants, K4_WO_WIDE),
     as Llama 2 7B's (4,096) and Qwen2.5 7B's (3,584) output products run it (attention's q8 x, the
     residual): y as the default variant's (the same U, so the same y), the handoff q8x_host(y *
     norm_w) and, where the default hands over too (4,096: 16 warps a block keep it balanced; 3,584
     only in 32-warp blocks), its handoff and its parts' sum."""
     import cupy as cp
 
-    from k4.runtime.cuda.quant_kernels import after_attention_variant
+    from k4.runtime.cuda.gemv_choice import after_attention_variant
 
     rng, seed = fresh_rng()
     w, _ = weight("Q4_K", n, n, rng, True)
@@ -149,12 +149,12 @@ def test_a_reader_of_the_handoff_is_the_normed_product(reader_type, glu, monkeyp
 
 @pytest.mark.cuda
 def test_the_qkv_variant_reads_the_handoff_as_the_default_does(monkeypatch):
-    """The 20-warp q/k/v instance (quant_kernels.qkv_variant, K4_QKV_WIDE) given a handoff copies
+    """The 20-warp q/k/v instance (gemv_choice.qkv_variant, K4_QKV_WIDE) given a handoff copies
     and scales it as the default's NX instance does and runs the same row loop: the same bits, on
     Qwen2.5 7B's q|k|v shape after its 3,584-output down product (bias added)."""
     import cupy as cp
 
-    from k4.runtime.cuda import quant_kernels as qk
+    from k4.runtime.cuda import gemv_choice as gc
 
     monkeypatch.setattr(mm, "nq_balanced", lambda *a: True)
     rng, seed = fresh_rng()
@@ -164,7 +164,7 @@ def test_the_qkv_variant_reads_the_handoff_as_the_default_does(monkeypatch):
     _, q8, _, _ = produce(w, reader, rng, n_out)
     b = cp.asarray(rng.standard_normal(4608).astype(np.float32))
     wide, default = nan_like(4608), nan_like(4608)
-    mm.gemv(reader, nan_like(n_out), wide, bias=b, x_q8=q8, variant=qk.QKV_VARIANT[T.Q4_K])
+    mm.gemv(reader, nan_like(n_out), wide, bias=b, x_q8=q8, variant=gc.QKV_VARIANT[T.Q4_K])
     mm.gemv(reader, nan_like(n_out), default, bias=b, x_q8=q8)
     assert bool((wide == default).all()), f"seed {seed}"
 

@@ -172,7 +172,7 @@ def test_decode_attention_hands_over_the_output_quantized(ops, rng, n_head, n_he
     from k4.runtime.cuda.attention_launch import GQA_MIN_LIMIT, attention_split
     from k4.runtime.cuda.matmul import q8x_bytes
     from k4.runtime.cuda.q8_handoff import Q8Vector, q8x_host
-    from k4.runtime.cuda.quant_kernels import QUANT
+    from k4.runtime.cuda.quant_types import QUANT
 
     pos0, n_ctx, limit = 700, 768, None if gqa else GQA_MIN_LIMIT
     q, keys, values = attention_inputs(rng, 1, pos0, n_head, n_head_kv, D)
@@ -203,7 +203,7 @@ def test_attn_mma_hands_over_its_rows_quantized(ops, rng, n_tok, n_head, n_head_
     products' swizzle; 70 queries: two query blocks, the second with rows past the last query."""
     from k4.runtime.cuda.gemv_batch import Q8Rows
     from k4.runtime.cuda.q8_handoff import q8x_host
-    from k4.runtime.cuda.quant_kernels import QUANT
+    from k4.runtime.cuda.quant_types import QUANT
 
     pos0, n_ctx = 300, 512
     q, keys, values = attention_inputs(rng, n_tok, pos0, n_head, n_head_kv, D)

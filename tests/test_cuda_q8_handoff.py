@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
+from k4.runtime.cuda import gemv_choice as gc
 from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import q8_handoff as hand
-from k4.runtime.cuda import quant_kernels as qk
 from tests.matmul_ref import GLU_REF, LIMIT_Q8, QUANTIZED, fresh_rng, glu_weight, nan_like, q8_rounded, rel_err, weight
 
 @pytest.mark.parametrize("swizzle", [1, 2])
@@ -67,12 +67,12 @@ def test_gemv_q8_handoff_is_the_quantization_of_y(glu_type, down_type, act):
 @pytest.mark.parametrize("type_name,variant", [("Q4_K", None), ("Q6_K", None), ("Q4_K", (32, 2, 0))])
 def test_gemv_quantizes_a_long_x_as_q8x_host(type_name, variant, cluster, monkeypatch):
     """gemv_q8 quantizing x itself (in blocks of 512 threads and of 1,024; alone, or shared out
-    over clusters of 2 and 4 blocks: quant_kernels.gemv_cluster) equals gemv given q8x_host(x) as x_q8, to
+    over clusters of 2 and 4 blocks: gemv_choice.gemv_cluster) equals gemv given q8x_host(x) as x_q8, to
     the bit. n_in 8,448 (528 units: more than a block has threads; 264 and 132 a cluster block)
     and 16,896 (1,056 units)."""
     import cupy as cp
 
-    monkeypatch.setattr(qk, "X_CLUSTER", cluster)
+    monkeypatch.setattr(gc, "X_CLUSTER", cluster)
     rng, seed = fresh_rng()
     for n_in in (8448, 16896):
         w, _ = weight(type_name, 300, n_in, rng, True)
@@ -103,7 +103,7 @@ def test_the_rms_norm_folds_into_the_outputs(type_name, variant):
     x, t = ((3 * rng.standard_normal(n_in) + 0.5).astype(np.float32) for _ in range(2))
     nw, pw = ((1 + 0.3 * rng.standard_normal(n_in)).astype(np.float32) for _ in range(2))
     dx, norm = cp.asarray(x), (cp.asarray(nw), eps)
-    folds = hand.folds_norm(variant or qk.gemv_variant(w.ggml_type, n_out, n_in))
+    folds = hand.folds_norm(variant or gc.gemv_variant(w.ggml_type, n_out, n_in))
     assert folds == (variant is None)
     y, y_q8 = nan_like(n_out), nan_like(n_out)
     mm.gemv(w, dx, y, norm=norm, variant=variant)

@@ -42,7 +42,7 @@ def step_kernels(mf, flag: str | None) -> int:
     one type when stacked, one for two runs of a paired type), attention (with RoPE and the cache store, its splits merged in the
     kernel), output, gate/up with SwiGLU, down; then the embedding, lm_head (the final norm
     folded into both), and the sampling kernels (sampling_kernels). Each switch off adds its kernels."""
-    from k4.runtime.cuda.quant_kernels import QKV_PAIRS
+    from k4.runtime.cuda.gemv_choice import QKV_PAIRS
     from k4.runtime.cuda.weights import runs_of_one_type
 
     n = mf.config.n_layer
@@ -203,10 +203,10 @@ def test_the_wide_qkv_product_keeps_the_decode_logits(tiny_model, monkeypatch, h
     handoff's readers give the same bits: test_cuda_norm_q8; a wrong row errs by far more). The
     variant runs only when on, reading the down product's handoff where it is forced (nq_balanced)."""
     from k4.runtime.cuda import forward as fw
-    from k4.runtime.cuda import quant_kernels as qk
+    from k4.runtime.cuda import gemv_choice as gc
 
-    monkeypatch.setattr(fw, "qkv_variant", lambda t, n_out, n_sm: qk.QKV_VARIANT.get(t))
-    wide = qk.QKV_VARIANT[qk.T.Q4_K]
+    monkeypatch.setattr(fw, "qkv_variant", lambda t, n_out, n_sm: gc.QKV_VARIANT.get(t))
+    wide = gc.QKV_VARIANT[gc.T.Q4_K]
     # a launch of the wide variant (reading the handoff where forced)
     calls = counted_launches(monkeypatch, handoff, lambda k: k.get("variant") == wide and (
         not handoff or (k.get("x_q8") is not None and k["x_q8"].parts is not None)))
@@ -225,10 +225,10 @@ def test_the_wide_output_product_changes_no_bit_of_the_decode_logits(tiny_model,
     are the same bits with the flag on and off, and the variant runs only when on. With the handoff
     forced (nq_balanced: the model is too small for it) the variant's NQ instance runs, its blocks
     the default's groups, so the reader's scale is the same bits too."""
-    from k4.runtime.cuda import quant_kernels as qk
+    from k4.runtime.cuda import gemv_choice as gc
 
-    monkeypatch.setattr(qk, "AFTER_ATTENTION_MIN_IN", 0)
-    wide = qk.ROW_BLOCKS_VARIANT[qk.T.Q4_K]
+    monkeypatch.setattr(gc, "AFTER_ATTENTION_MIN_IN", 0)
+    wide = gc.ROW_BLOCKS_VARIANT[gc.T.Q4_K]
     # a launch of the wide variant (with its handoff where forced)
     calls = counted_launches(monkeypatch, handoff, lambda k: k.get("variant") == wide and (not handoff or k.get("norm_out") is not None))
     small = tiny_model("llama-q4_k")

@@ -8,6 +8,10 @@ from __future__ import annotations
 import pytest
 from gguf import GGMLQuantizationType as T
 
+from k4.runtime.cuda import gemv_choice as gc
+
+from k4.runtime.cuda import quant_types as qt
+
 from k4.runtime.cuda import quant_kernels as qk
 from k4.runtime.cuda.matrix_jobs import compile_jobs
 
@@ -16,42 +20,42 @@ from k4.runtime.cuda.matrix_jobs import compile_jobs
 def test_rows_of_slow_block_counts_take_the_row_blocks_variant(t):
     # 17, 18, 20, 21, 22, 23, 34, 35, 54, 70, 84 blocks
     for n_in in (4352, 4608, 5120, 5376, 5632, 5888, 8704, 8960, 13824, 17920, 21504):
-        assert qk.gemv_variant(t, 4096, n_in) == qk.ROW_BLOCKS_VARIANT[t], n_in
+        assert gc.gemv_variant(t, 4096, n_in) == gc.ROW_BLOCKS_VARIANT[t], n_in
     for n_in in (512, 768, 1792, 2048, 3072, 3584, 3840, 4096, 6144, 11008, 14336, 15360, 18944):
-        assert qk.gemv_variant(t, 4096, n_in) == qk.QUANT[t].gemv, n_in
+        assert gc.gemv_variant(t, 4096, n_in) == qt.QUANT[t].gemv, n_in
 
 
 @pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K])
 def test_products_of_at_most_one_row_a_warp_keep_the_default(t):
     # TinyLlama's down product: 2048 rows of 5632 inputs (22 blocks), where the row-blocks variant
     # leaves half its warps without a row
-    assert qk.gemv_variant(t, 2048, 5632) == qk.QUANT[t].gemv
-    assert qk.gemv_variant(t, qk.ROW_BLOCKS_FEW_ROWS, 5632) == qk.QUANT[t].gemv
-    assert qk.gemv_variant(t, qk.ROW_BLOCKS_FEW_ROWS + 1, 5632) == qk.ROW_BLOCKS_VARIANT[t]
+    assert gc.gemv_variant(t, 2048, 5632) == qt.QUANT[t].gemv
+    assert gc.gemv_variant(t, gc.ROW_BLOCKS_FEW_ROWS, 5632) == qt.QUANT[t].gemv
+    assert gc.gemv_variant(t, gc.ROW_BLOCKS_FEW_ROWS + 1, 5632) == gc.ROW_BLOCKS_VARIANT[t]
 
 
 def test_swiglu_pairs_and_other_types_keep_their_variant():
-    assert qk.gemv_variant(T.Q4_K, 5632, 5120, glu=True) == qk.QUANT[T.Q4_K].glu
+    assert gc.gemv_variant(T.Q4_K, 5632, 5120, glu=True) == qt.QUANT[T.Q4_K].glu
     for t in (T.Q5_K, T.Q8_0, T.Q3_K):
-        assert qk.gemv_variant(t, 4096, 5120) == qk.QUANT[t].gemv
+        assert gc.gemv_variant(t, 4096, 5120) == qt.QUANT[t].gemv
 
 
 def test_the_row_blocks_variant_is_compiled_with_the_type():
-    for t, v in qk.ROW_BLOCKS_VARIANT.items():
+    for t, v in gc.ROW_BLOCKS_VARIANT.items():
         for planar in (False, True):
             assert qk._gemv_q8_name(t, planar, v) in qk.GROUPS["gemv.cu"][t.name]
 
 
 def test_the_output_product_after_attention_runs_wide_where_measured():
-    """quant_kernels.after_attention_variant (K4_WO_WIDE): Q4_K's one-token output product without a
+    """gemv_choice.after_attention_variant (K4_WO_WIDE): Q4_K's one-token output product without a
     handoff runs the row-blocks variant (32, 2, 0) past 2,048 inputs (Qwen2.5 7B's 3,584,
     Qwen3-30B-A3B's 4,096), with the default's U (so its bits), compiled with the type; TinyLlama's
     2,048 and the other types keep matmul's choice."""
-    assert qk.after_attention_variant(T.Q4_K, 3584) == qk.after_attention_variant(T.Q4_K, 4096) == (32, 2, 0)
-    assert qk.after_attention_variant(T.Q4_K, 2048) is None and qk.after_attention_variant(T.Q4_K, 1536) is None
-    assert qk.after_attention_variant(T.Q6_K, 3584) is None and qk.after_attention_variant(T.Q5_K, 4096) is None
-    v = qk.after_attention_variant(T.Q4_K, 3584)
-    assert v[1] == qk.QUANT[T.Q4_K].gemv[1]
+    assert gc.after_attention_variant(T.Q4_K, 3584) == gc.after_attention_variant(T.Q4_K, 4096) == (32, 2, 0)
+    assert gc.after_attention_variant(T.Q4_K, 2048) is None and gc.after_attention_variant(T.Q4_K, 1536) is None
+    assert gc.after_attention_variant(T.Q6_K, 3584) is None and gc.after_attention_variant(T.Q5_K, 4096) is None
+    v = gc.after_attention_variant(T.Q4_K, 3584)
+    assert v[1] == qt.QUANT[T.Q4_K].gemv[1]
     for planar in (False, True):
         assert qk._gemv_q8_name(T.Q4_K, planar, v) in qk.GROUPS["gemv.cu"]["Q4_K"]
 
@@ -98,20 +102,20 @@ def test_the_pair_gives_each_matrix_blocks_in_proportion_to_its_bytes(n1, rb1, n
 
 
 def test_clusters_only_for_a_long_x_on_the_compiled_cluster_instances():
-    for t in qk.CLUSTER_TYPES:
-        v = qk.QUANT[t].gemv
-        assert qk.gemv_cluster(t, 4096, 11008, v) == qk.gemv_cluster(t, 3584, 18944, v) == qk.X_CLUSTER == 2
-        assert qk.gemv_cluster(t, 4096, qk.X_CLUSTER_MIN_IN, v) == 1  # 4096 and 5632 were slower in clusters
-        assert qk.gemv_cluster(t, 5120, 17920, qk.ROW_BLOCKS_VARIANT[t]) == 1  # no cluster instance
-        assert qk.gemv_cluster(t, 4, 11008, v) == 2 and qk.gemv_cluster(t, 3, 11008, v) == 1  # a grid of whole clusters
+    for t in gc.CLUSTER_TYPES:
+        v = qt.QUANT[t].gemv
+        assert gc.gemv_cluster(t, 4096, 11008, v) == gc.gemv_cluster(t, 3584, 18944, v) == gc.X_CLUSTER == 2
+        assert gc.gemv_cluster(t, 4096, gc.X_CLUSTER_MIN_IN, v) == 1  # 4096 and 5632 were slower in clusters
+        assert gc.gemv_cluster(t, 5120, 17920, gc.ROW_BLOCKS_VARIANT[t]) == 1  # no cluster instance
+        assert gc.gemv_cluster(t, 4, 11008, v) == 2 and gc.gemv_cluster(t, 3, 11008, v) == 1  # a grid of whole clusters
         for p in (False, True):
             name = qk._gemv_q8_name(t, p, v, cluster=True)
             assert name.endswith(", false, false, true>") and name in qk.GROUPS["gemv.cu"][t.name]
-    assert qk.gemv_cluster(T.Q8_0, 4096, 11008, qk.QUANT[T.Q8_0].gemv) == 1
+    assert gc.gemv_cluster(T.Q8_0, 4096, 11008, qt.QUANT[T.Q8_0].gemv) == 1
 
 
 def test_the_norm_handoff_only_where_blocks_of_whole_groups_stay_balanced():
-    """quant_kernels.nq_balanced: NQ products (gemv norm_out) take whole 32-output groups per block, so
+    """gemv_choice.nq_balanced: NQ products (gemv norm_out) take whole 32-output groups per block, so
     only where that gives no warp more rows than the round-robin rows (TinyLlama's 2,048 outputs:
     2 against 1 on 132 blocks of 16 warps) and idles at most a tenth of the blocks (Qwen2.5 7B's
     3,584 of 3,584 inputs: 112 groups on 132 blocks), a quarter where n_in is at least 4 n_out
@@ -120,7 +124,7 @@ def test_the_norm_handoff_only_where_blocks_of_whole_groups_stay_balanced():
     holds more than 1.25x the plain product's busiest block's rows (not Phi-4's 5,120 outputs: 64
     against 39); the NQ instances (both clusterings of CLUSTER_TYPES) in
     their own compile group, left out for the gelu_tanh families."""
-    nq_balanced = qk.nq_balanced
+    nq_balanced = gc.nq_balanced
     assert nq_balanced(4096, 4096, 132, 16) and nq_balanced(8192, 4096, 132, 16) and nq_balanced(256, 256, 8, 16)
     assert not nq_balanced(2048, 2048, 132, 16) and not nq_balanced(3584, 3584, 132, 16) and not nq_balanced(5120, 5120, 132, 16)
     assert nq_balanced(3584, 18944, 132, 16) and not nq_balanced(3584, 14335, 132, 16)
@@ -128,15 +132,15 @@ def test_the_norm_handoff_only_where_blocks_of_whole_groups_stay_balanced():
     assert nq_balanced(3584, 3584, 132, 32) and nq_balanced(4096, 4096, 132, 32) and not nq_balanced(5120, 5120, 132, 32)
     assert nq_balanced(8192, 4096, 132, 32) and not nq_balanced(5376, 5376, 132, 32) and nq_balanced(3840, 3840, 132, 32)
     assert not nq_balanced(2048, 2048, 132, 32) and not nq_balanced(2048, 4096, 132, 32) and not nq_balanced(2880, 2880, 132, 32)
-    for t in qk.NQ_TYPES:
+    for t in gc.NQ_TYPES:
         names = qk.GROUPS["gemv.cu"][f"{t.name}.nq"]
         nq = [n for n in names if n.count(",") == 8]  # the rest, one template argument more, read the handoff (NX)
-        assert len(nq) == (4 if t in qk.CLUSTER_TYPES else 2) + 2 * (len(qk.nq_variants(t)) - 1)
+        assert len(nq) == (4 if t in gc.CLUSTER_TYPES else 2) + 2 * (len(gc.nq_variants(t)) - 1)
         assert all(n.endswith(", true>") for n in names)
-        assert all(qk._gemv_q8_name(t, p, v, nq=True) in names for v in qk.nq_variants(t) for p in (False, True))
-        assert len(names) - len(nq) == (4 if qk.QUANT[t].glu[0] <= 16 else 2)
-        assert qk.nx_reads(t, qk.QUANT[t].gemv, False) and not qk.nx_reads(t, (32, 2, 0), False)
-        assert qk.nx_reads(t, qk.QUANT[t].glu, True) == (qk.QUANT[t].glu[0] <= 16)
+        assert all(qk._gemv_q8_name(t, p, v, nq=True) in names for v in gc.nq_variants(t) for p in (False, True))
+        assert len(names) - len(nq) == (4 if qt.QUANT[t].glu[0] <= 16 else 2)
+        assert gc.nx_reads(t, qt.QUANT[t].gemv, False) and not gc.nx_reads(t, (32, 2, 0), False)
+        assert gc.nx_reads(t, qt.QUANT[t].glu, True) == (qt.QUANT[t].glu[0] <= 16)
         assert not set(names) & set(qk.GROUPS["gemv.cu"][t.name])
         jobs = lambda act: [g for f, g, _ in compile_jobs([t], True, act) if f == "gemv.cu"]  # noqa: E731
         assert names in jobs("silu") and names not in jobs("gelu_tanh")
@@ -150,28 +154,28 @@ def test_the_head_argmax_instances_compile_only_for_the_heads_type():
     assert (("gemv.cu", qk.GROUPS["gemv.cu"]["Q6_K.am"], ()) in with_head
             and qk.GROUPS["gemv.cu"]["Q4_K.am"] not in [g for _, g, _ in with_head])
     assert not any(g == qk.GROUPS["gemv.cu"]["Q6_K.am"] for _, g, _ in compile_jobs([T.Q6_K]))
-    am_groups = [qk.GROUPS["gemv.cu"][f"{t.name}.am"] for t in qk.QUANT]
+    am_groups = [qk.GROUPS["gemv.cu"][f"{t.name}.am"] for t in qt.QUANT]
     assert not any(g in am_groups for _, g, _ in compile_jobs([T.F32], head=T.F32))
-    for t, q in qk.QUANT.items():
+    for t, q in qt.QUANT.items():
         names = qk.GROUPS["gemv.cu"][f"{t.name}.am"]
         assert len(names) == (4 if q.gemv[0] <= 16 else 2), t.name
         assert all(n.endswith(", true>") and f"{q.gemv[0]}, {q.gemv[1]}," in n for n in names), t.name
 
 
 def test_the_qkv_variant_takes_a_round_of_rows_off_few_row_products():
-    """K4_QKV_WIDE (quant_kernels.qkv_variant): the one-token q/k/v of one Q4_K run takes
+    """K4_QKV_WIDE (gemv_choice.qkv_variant): the one-token q/k/v of one Q4_K run takes
     QKV_VARIANT's 20-warp blocks where their grid leaves the busiest warp fewer rows than 16
     warps' and at most QKV_MAX_ROUNDS; on the H200's 132 multiprocessors Qwen2.5 7B's 4,608 rows
     (3 -> 2), TinyLlama's 2,560 (2 -> 1) and Qwen3-30B-A3B's 5,120 (3 -> 2), not Llama 2 7B's 12,288
     (6 -> 5: more than 3), 4,096 or 2,048 (the same rounds), nor a type without the variant."""
-    wide = qk.QKV_VARIANT[T.Q4_K]
-    assert wide[0] == 20 and wide[1:] == qk.QUANT[T.Q4_K].gemv[1:]  # the default's U and PF: the same row loop
+    wide = gc.QKV_VARIANT[T.Q4_K]
+    assert wide[0] == 20 and wide[1:] == qt.QUANT[T.Q4_K].gemv[1:]  # the default's U and PF: the same row loop
     for n_out in (4608, 2560, 5120, 2113, 2640, 4225, 5280):
-        assert qk.qkv_variant(T.Q4_K, n_out, 132) == wide, n_out
+        assert gc.qkv_variant(T.Q4_K, n_out, 132) == wide, n_out
     for n_out in (12288, 6144, 4096, 2048, 2112, 2641, 4224, 5281, 64):
-        assert qk.qkv_variant(T.Q4_K, n_out, 132) is None, n_out
-    assert qk.qkv_variant(T.Q4_K, 4608, 100) is None  # another GPU: 4,608 rows over 100 x 16 warps or 100 x 20, 3 rounds each
-    assert qk.qkv_variant(T.Q6_K, 4608, 132) is None and qk.qkv_variant(T.Q8_0, 2560, 132) is None
+        assert gc.qkv_variant(T.Q4_K, n_out, 132) is None, n_out
+    assert gc.qkv_variant(T.Q4_K, 4608, 100) is None  # another GPU: 4,608 rows over 100 x 16 warps or 100 x 20, 3 rounds each
+    assert gc.qkv_variant(T.Q6_K, 4608, 132) is None and gc.qkv_variant(T.Q8_0, 2560, 132) is None
 
 
 def test_the_qkv_variant_compiles_only_with_its_flag_and_reads_the_handoff():
@@ -182,12 +186,12 @@ def test_the_qkv_variant_compiles_only_with_its_flag_and_reads_the_handoff():
 
     from k4.runtime.cuda import q8_handoff as hand
 
-    wide = qk.QKV_VARIANT[T.Q4_K]
+    wide = gc.QKV_VARIANT[T.Q4_K]
     names = qk.GROUPS["gemv.cu"]["Q4_K.qkv"]
     assert set(names) == {qk._gemv_q8_name(T.Q4_K, p, wide, nx=nx) for p in (False, True) for nx in (False, True)}
     assert not set(names) & {n for k, g in qk.GROUPS["gemv.cu"].items() if k != "Q4_K.qkv" for n in g}
     groups = lambda qkv: [g for f, g, _ in compile_jobs([T.Q4_K, T.Q6_K], qkv=qkv) if f == "gemv.cu"]  # noqa: E731
     assert names in groups(True) and names not in groups(False)
-    assert qk.nx_reads(T.Q4_K, wide, False) and not qk.nx_reads(T.Q4_K, wide, True)
+    assert gc.nx_reads(T.Q4_K, wide, False) and not gc.nx_reads(T.Q4_K, wide, True)
     handed = hand.Q8Vector(None, 256, 1, parts=object(), n_parts=4)
     hand.check_q8(SimpleNamespace(ggml_type=T.Q4_K, glu=False), handed, None, 256, 64, False, variant=wide)

@@ -32,14 +32,16 @@ def test_the_claims_apply_to_todays_gemv(tmp_path):
 def test_the_claiming_gemv_compiles(tmp_path):
     from gguf import GGMLQuantizationType as T
 
+    from k4.runtime.cuda import quant_types as qt
+
     from k4.runtime.cuda import quant_kernels as qk
     from k4.runtime.cuda.compile import OPTIONS
 
     apply_cut(SOURCE_DIR, tmp_path, EDITS)
-    v = qk.QUANT[T.Q4_K].gemv
+    v = qt.QUANT[T.Q4_K].gemv
     names = [qk._gemv_q8_name(T.Q4_K, True, v), qk._gemv_q8_name(T.Q4_K, True, v, glu=True),
              qk._gemv_q8_name(T.Q4_K, True, v, nx=True), qk._gemv_q8_name(T.Q4_K, True, v, cluster=True),
-             qk._gemv_q8_name(T.Q4_K, True, v, nq=True), qk._gemv_q8_name(T.Q6_K, True, qk.QUANT[T.Q6_K].gemv, am=True)]
+             qk._gemv_q8_name(T.Q4_K, True, v, nq=True), qk._gemv_q8_name(T.Q6_K, True, qt.QUANT[T.Q6_K].gemv, am=True)]
     refs = ", ".join(f"(void*)&{n}" for n in names)
     (tmp_path / "some.cu").write_text(f'#include "gemv.cu"\nvoid* const k4_some[] = {{{refs}}};\n')
     options = [o for o in OPTIONS if not o.startswith(("-I", "--gpu-architecture", "-arch"))]

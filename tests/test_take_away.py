@@ -16,7 +16,7 @@ import pytest
 
 from k4.kernels_cu import SOURCE_DIR
 from k4.runtime.cuda import compile as comp
-from k4.runtime.cuda import quant_kernels
+from k4.runtime.cuda import gemv_choice, quant_kernels
 from scripts.take_away import CUT_PATCHES, CUTS, LAUNCH_CUTS, apply_cut, use_sources
 
 
@@ -167,7 +167,7 @@ def test_the_nq16_patch_admits_units_that_fit_and_stops_where_main_hands_off():
     (the 7B's 4,096 outputs in 32-warp blocks); one neither hands off stays without; the undo."""
     from types import SimpleNamespace
 
-    from k4.runtime.cuda.quant_kernels import nq_balanced
+    from k4.runtime.cuda.gemv_choice import nq_balanced
 
     mm = SimpleNamespace(nq_balanced=nq_balanced)
     assert not nq_balanced(2048, 2048, 132, 16) and nq_balanced(4096, 4096, 132, 32)
@@ -188,7 +188,7 @@ def _cut_instances(filename: str) -> list[str]:
     from k4.runtime.cuda import kernel_names
 
     if filename == "gemv.cu":
-        nq = [n for t in quant_kernels.NQ_TYPES for n in quant_kernels.GROUPS["gemv.cu"][f"{t.name}.nq"]]
+        nq = [n for t in gemv_choice.NQ_TYPES for n in quant_kernels.GROUPS["gemv.cu"][f"{t.name}.nq"]]
         return nq + [quant_kernels.GROUPS["gemv.cu"]["Q4_K"][0]]
     groups = quant_kernels.GROUPS.get(filename)
     return [n for g in (groups.values() if groups else kernel_names.GROUPS[filename]) for n in g]

@@ -50,7 +50,7 @@ ST_TOK, ST_POS, ST_RING, ST_DRAW = range(STATE_WORDS)  # token, its position, ri
 # The 20-warp q/k/v instances (QKV_WARPS) fold it, at 78-80 registers without spills.
 FOLD_MAX_WARPS = 20
 
-# The q/k/v products of few rows (quant_kernels.qkv_variant, flag K4_QKV_WIDE) run blocks of QKV_WARPS
+# The q/k/v products of few rows (gemv_choice.qkv_variant, flag K4_QKV_WIDE) run blocks of QKV_WARPS
 # warps: one round of rows fewer than 16 warps' grid on the H200 (Qwen2.5 7B's 4,608 rows: 3 -> 2,
 # TinyLlama's 2,560: 2 -> 1). Capped at QKV_REGS, the registers that leave attn_short's block (the
 # launch after them, SHORT_THREADS x SHORT_REGS) room beside them (80 at 20 warps).

@@ -14,7 +14,8 @@ from k4.runtime.trace import Trace
 
 from .arg_checks import check_array
 from .launch import launch, null_or
-from .quant_kernels import QUANT, _dequant_name, _kernel
+from .quant_kernels import _dequant_name, _kernel
+from .quant_types import QUANT
 
 
 def dequant_launch(w, row_ids, row0: int, n_rows: int, out, out_type: str, stream, trace,

@@ -20,13 +20,15 @@ from gguf import GGMLQuantizationType as T
 from ..model import ModelConfig
 from . import dequant, gemv_pair, matmul, moe, ops
 from .constants import MMA8_TOKENS
+from .gemv_batch import Q8Rows, gemv_rows, quantize_rows
+from .gemv_choice import after_attention_variant, nx_reads, qkv_variant
+from .gemv_mma import gemv_mma, nq_parts, uses_mma8, writes_q8
+from .kv_cache import KVCache
+from .launch import device_limits
 from .op_args import AttnShape, FreshKV, RopeArgs
 from .q8_handoff import Q8Vector, folds_norm
-from .gemv_batch import Q8Rows, gemv_rows, quantize_rows
-from .gemv_mma import gemv_mma, nq_parts, uses_mma8, writes_q8
-from .launch import device_limits
-from .quant_kernels import MMA8_MIN_TOKENS, QUANT, after_attention_variant, nx_reads, qkv_variant
-from .kv_cache import KVCache
+from .quant_kernels import MMA8_MIN_TOKENS
+from .quant_types import QUANT
 from .weights import LayerWeights, Weights
 
 
@@ -48,9 +50,9 @@ class ForwardOptions:
     norm_q8: bool = True  # K4_NORM_Q8: decode's residual products hand the next norm's products their input quantized
     mma8_nq: bool = True  # K4_MMA8_NQ: the same from the verify step's down products on int8 tensor cores (rows_handoff)
     mma8_ffq8: bool = True  # K4_MMA8_FFQ8: the verify step's gate/up product writes its output quantized for down (gate_up)
-    wo_wide: bool = True  # K4_WO_WIDE: decode's output product in quant_kernels.after_attention_variant (residual)
+    wo_wide: bool = True  # K4_WO_WIDE: decode's output product in gemv_choice.after_attention_variant (residual)
     head_argmax: bool = True  # K4_HEAD_ARGMAX: decode's output head writes the sampler's argmax partials (output)
-    qkv_wide: bool = False  # K4_QKV_WIDE: decode's q/k/v of one run in quant_kernels.qkv_variant (qkv)
+    qkv_wide: bool = False  # K4_QKV_WIDE: decode's q/k/v of one run in gemv_choice.qkv_variant (qkv)
 
 
 class Forward:
@@ -255,7 +257,7 @@ class Forward:
     def reader(ws) -> object | None:
         """The weight whose swizzle a handoff to the one-token products of weights ws is made in,
         or None where one of them cannot read it: each with a gemv_q8 instance that reads it
-        (quant_kernels.nx_reads), all of one swizzle."""
+        (gemv_choice.nx_reads), all of one swizzle."""
         for w in ws:
             if w.ggml_type not in matmul.NQ_TYPES or not matmul.uses_gemv(w, 1):
                 return None
@@ -342,7 +344,7 @@ class Forward:
 
     def qkv_variant(self, L: LayerWeights) -> tuple[int, int, int] | None:
         """The gemv_q8 variant of layer L's one-token q/k/v product where it is one quantized run
-        (K4_QKV_WIDE, quant_kernels.qkv_variant), else None (matmul's choice)."""
+        (K4_QKV_WIDE, gemv_choice.qkv_variant), else None (matmul's choice)."""
         (p, *more), t = L.qkv, L.qkv[0].w.ggml_type
         if more or not self.opts.qkv_wide or t not in matmul.QUANT or p.w.glu:
             return None

@@ -11,17 +11,19 @@ import numpy as np
 
 from k4.runtime.trace import Trace
 
-from .constants import q8x_bytes
-from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
 from .arg_checks import check_array, check_post
+from .constants import q8x_bytes
+from .gemv_choice import NQ_TYPES, QKV_PAIRS, gemv_variant
+from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
 from .matmul import DeviceWeight
-from .quant_kernels import NQ_TYPES, QKV_PAIRS, QUANT, _kernel, gemv_pair_name, gemv_variant
+from .quant_kernels import _kernel, gemv_pair_name
+from .quant_types import QUANT
 
 
 def pairs(w1: DeviceWeight, w2: DeviceWeight) -> bool:
     """Whether gemv_pair can multiply w1 and w2 (in this order) in one launch: a QKV_PAIRS type
     pair, one layout, rows of the same length for which each weight's own product takes its
-    type's default variant (quant_kernels.gemv_variant), no gate/up interleave."""
+    type's default variant (gemv_choice.gemv_variant), no gate/up interleave."""
     return ((w1.ggml_type, w2.ggml_type) in QKV_PAIRS and w1.planar == w2.planar and w1.shape[1] == w2.shape[1]
             and all(gemv_variant(w.ggml_type, *w.shape) == QUANT[w.ggml_type].gemv for w in (w1, w2))
             and not w1.glu and not w2.glu)

@@ -11,21 +11,21 @@ MMA_TILE_KEYS = {64: 64, 128: 64, 256: 32}  # head_dim -> keys per shared-memory
 GQA_TILE_KEYS = {64: 64, 128: 64, 256: 64}  # head_dim -> keys per tile of its attn_gqa instance (16 per warp)
 SHORT_HEAD_DIMS = (64, 128, 256)  # head_dim instances of attn_short (attention_short.cu: 128 dims of a key a thread)
 
-# the decoder structs of kernels_cu/decoders.cuh (quant_kernels.QUANT and FLOAT name the same): the
+# the decoder structs of kernels_cu/decoders.cuh (quant_types.QUANT and FLOAT name the same): the
 # instances of moe.cu's expert products, one compile group each
 MOE_QUANT_DECODERS = ("type_q4_K", "type_q5_K", "type_q6_K", "type_q8_0", "type_q5_0", "type_q5_1", "type_q2_K",
                       "type_q3_K", "type_q4_0", "type_iq4_xs", "type_iq4_nl")
 MOE_FLOAT_DECODERS = ("type_f32", "type_f16", "type_bf16")
 # moe_gemv.cu moe_gemv_q8's (WARPS, U, PF) per decoder: warps per block, chunks in flight per lane,
 # next chunks loaded during the dots. Not yet measured on expert shapes (scripts/bench_moe.py
-# times them): gemv_q8's choices for the dense products (quant_kernels.QUANT gemv), except Q6_K
+# times them): gemv_q8's choices for the dense products (quant_types.QUANT gemv), except Q6_K
 # (16, 1, 1), as (16, 2, 1) spills 12 bytes with the slot loop (ptxas, sm_90) and rows of up
 # to 2048 weights (Qwen3-30B-A3B's experts) fill one chunk per lane anyway.
 MOE_Q8_VARIANTS = {"type_q4_K": (16, 2, 1), "type_q5_K": (32, 1, 0), "type_q6_K": (16, 1, 1), "type_q8_0": (32, 4, 0),
                    "type_q5_0": (32, 4, 0), "type_q5_1": (32, 4, 0), "type_q2_K": (16, 2, 1), "type_q3_K": (16, 2, 1),
                    "type_q4_0": (32, 4, 0), "type_iq4_xs": (16, 2, 1), "type_iq4_nl": (32, 4, 0)}
 # the SwiGLU instances' where they differ: with the up row's chunks these spill (ptxas, sm_90: Q8_0
-# 36 bytes, Q3_K 8), so gemv_q8's GLU choices (quant_kernels.QUANT glu)
+# 36 bytes, Q3_K 8), so gemv_q8's GLU choices (quant_types.QUANT glu)
 MOE_Q8_GLU_VARIANTS = {**MOE_Q8_VARIANTS, "type_q8_0": (32, 2, 0), "type_q3_K": (32, 1, 0)}
 
 

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as T
 from k4.runtime.model import Tensor
 from k4.runtime.trace import Trace
 
-from .quant_kernels import FLOAT, QUANT
+from .quant_types import FLOAT, QUANT
 
 
 # ---- host layout -------------------------------------------------------------------------------

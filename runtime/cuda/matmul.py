@@ -48,12 +48,13 @@ from .arg_checks import check_array, check_post
 from .constants import q8x_bytes
 from .dequant import dequant_launch
 from .gemv_batch import gemv_rows
+from .gemv_choice import NQ_TYPES, gemv_cluster, gemv_variant, nq_balanced, nq_variants
 from .gemv_mma import uses_mma8
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
 from .layout import MatrixSpec, _check_matrix, layout_nbytes
 from .q8_handoff import Q8Vector, check_q8
-from .quant_kernels import (DEQUANT_CHUNK_BYTES, FLOAT, FLOAT_GEMV, GEMV_MAX_TOKENS, GLU_ACTS, QUANT, NQ_TYPES,
-                            _gemv_f_name, _gemv_q8_name, _kernel, gemv_cluster, gemv_variant, nq_balanced, nq_variants)
+from .quant_kernels import DEQUANT_CHUNK_BYTES, FLOAT_GEMV, GEMV_MAX_TOKENS, GLU_ACTS, _gemv_f_name, _gemv_q8_name, _kernel
+from .quant_types import FLOAT, QUANT
 
 
 # ---- device weights ----------------------------------------------------------------------------
@@ -156,7 +157,7 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
                split: bool = False, nq: bool = False, nx: bool = False, am: bool = False):
     """The launch of gemv on w, cached per variant, norm prologue, post-norm prologue (post: its x
     and t * w kept as floats after x's q8), split (x quantized in the kernel without norm or
-    post-norm: in clusters where quant_kernels.gemv_cluster says), nq (the NQ instance, gemv
+    post-norm: in clusters where gemv_choice.gemv_cluster says), nq (the NQ instance, gemv
     norm_out), nx (its reader, x_q8 with parts) and am (gemv argmax). The grid is as many blocks as fit on the GPU at once, but at most one per output,
     cut to a multiple of the cluster. Returns (kernel, grid, block, shared_mem, blocks per cluster)."""
     plan = w._plans.get((variant, norm, post, split, nq, nx, am))
@@ -193,7 +194,7 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
 
 def argmax_ok(w: DeviceWeight) -> bool:
     """Whether gemv can write w's argmax partials (gemv argmax): a quantized weight without glu whose
-    default gemv_q8 variant runs (quant_kernels.gemv_variant)."""
+    default gemv_q8 variant runs (gemv_choice.gemv_variant)."""
     (n_out, n_in), t = w.shape, w.ggml_type
     return t in QUANT and not w.glu and gemv_variant(t, n_out, n_in) == QUANT[t].gemv
 
@@ -201,7 +202,7 @@ def argmax_ok(w: DeviceWeight) -> bool:
 def norm_q8_blocks(w: DeviceWeight, x_cluster: bool = True, variant: tuple[int, int, int] | None = None) -> int:
     """The blocks (n_parts) of gemv's NQ launch on w (norm_out, float x; x_cluster, variant as gemv's), or 0: not a
     non-glu NQ_TYPES weight, n_out a multiple of 32, in a variant of nq_variants (None: the default where
-    gemv_variant chooses it) that quant_kernels.nq_balanced admits."""
+    gemv_variant chooses it) that gemv_choice.nq_balanced admits."""
     (n_out, n_in), t = w.shape, w.ggml_type
     if (w.glu or t not in NQ_TYPES or n_out % 32 or variant not in (None, *nq_variants(t))
             or variant is None and gemv_variant(t, n_out, n_in) != QUANT[t].gemv):
@@ -253,7 +254,7 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     not fold the norm's scale into its outputs (q8_handoff.folds_norm; with x_q8_out this launch
     does not either).
     x_cluster: a quantized product that quantizes a long x itself without norm or post-norm
-    launches in thread-block clusters that share that work (quant_kernels.gemv_cluster; flag
+    launches in thread-block clusters that share that work (gemv_choice.gemv_cluster; flag
     K4_X_CLUSTER); the same bits.
     Returns the grid's warps. Raises ValueError on wrong shapes, dtypes or alignment, and for
     x_q8, y_q8, post, x_q8_out or argmax where they do not apply.

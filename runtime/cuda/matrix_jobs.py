@@ -8,8 +8,9 @@ from collections.abc import Iterable
 
 from gguf import GGMLQuantizationType as T
 
-from .quant_kernels import (FLOAT, GLU_ACTS, GROUPS, MMA8_DECODERS, NQ_TYPES, QKV_PAIRS, QKV_VARIANT, QUANT, _batch_names,
-                            _defines, _mma8_names)
+from .gemv_choice import NQ_TYPES, QKV_PAIRS, QKV_VARIANT
+from .quant_kernels import GLU_ACTS, GROUPS, MMA8_DECODERS, _batch_names, _defines, _mma8_names
+from .quant_types import FLOAT, QUANT
 
 
 def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str = "silu", mma8: bool = False,

@@ -27,7 +27,7 @@ from ..model import ModelConfig, ModelFile
 from ..errors import UnsupportedModelError
 from .constants import MOE_MAX_K, MOE_WARPS as ROW_WARPS, QUANT_LAYOUTS, ROUTER_THREADS, q8x_bytes
 from .kernel_names import MOE_DOWN_VARIANT, MOE_Q8_GLU_VARIANTS, MOE_Q8_VARIANTS, moe_down_name, moe_grouped_name, moe_q8_name
-from .quant_kernels import FLOAT, QUANT
+from .quant_types import FLOAT, QUANT
 from . import moe_grouped, moe_one
 
 TOPK_THREADS = 128

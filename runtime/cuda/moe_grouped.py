@@ -14,7 +14,7 @@ import numpy as np
 
 from .constants import chunk_elems, q8x_bytes
 from .kernel_names import MOE_GROUP_TOKENS, MOE_GROUPED_VARIANT, moe_grouped_name
-from .quant_kernels import QUANT
+from .quant_types import QUANT
 
 GROUP_THREADS = 1024  # moe_group: one block
 GROUPED_MIN_TOKENS = 9  # chunks of fewer tokens (the verify step's up to 8) keep moe.gathered

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as T
 
 from .constants import q8x_bytes
 from .kernel_names import MOE_ONE_PAIRS, MOE_Q8_GLU_VARIANTS, moe_one_name
-from .quant_kernels import QUANT
+from .quant_types import QUANT
 
 
 def kernel_name(router_type, gate, down) -> str | None:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .constants import FOLD_MAX_WARPS, q8x_bytes, q8x_offsets
-from .quant_kernels import NQ_TYPES, QUANT, gemv_variant, nx_reads
+from .gemv_choice import NQ_TYPES, gemv_variant, nx_reads
+from .quant_types import QUANT
 
 
 @dataclass
