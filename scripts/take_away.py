@@ -169,7 +169,7 @@ def _zeroed_moe_handoff(moe_module=None):
         ffn(fwd, L, x1, x, n, *args, **kwargs)
         layers = list(fwd.w.layers)
         li = next(i for i, layer in enumerate(layers) if layer is L)
-        reader = fwd.readers(li)[1]
+        reader = fwd.hand.readers(li)[1]
         if n != 1 or reader is None:
             return
         norm_w = layers[li + 1].attn_norm if li + 1 < len(layers) else fwd.w.output_norm

@@ -193,7 +193,7 @@ def check_short(ops, q: np.ndarray, kc, vc, pos0: int, want: np.ndarray, options
     import cupy as cp
 
     from k4.runtime.cuda.attention_launch import SHORT_SPLITS
-    from k4.runtime.cuda.matmul import q8x_bytes
+    from k4.runtime.cuda.constants import q8x_bytes
     from k4.runtime.cuda.q8_handoff import Q8Vector, q8x_host
     from k4.runtime.cuda.quant_types import QUANT
     from k4.runtime.kv_types import KVTypes

@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from k4.runtime.cuda import layout as lay
-from k4.runtime.cuda import matmul as mm
+from k4.runtime.cuda.device_weight import make_weight
 from k4.runtime.cuda.microbench import random_weight
 from tests.helpers_matmul import interleave_rows
 
@@ -77,7 +77,7 @@ def weight(type_name: str, n_out: int, n_in: int, rng, repack: bool):
     import cupy as cp
 
     t = random_weight(T[type_name], n_out, n_in, rng)
-    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack)
+    w = make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack)
     return w, dequantize(t.raw_bytes(), t.ggml_type).astype(np.float64)
 
 
@@ -89,7 +89,7 @@ def glu_weight(ggml_type: T, n_ff: int, n_in: int, rng, repack: bool = True, act
 
     gate, up = (random_weight(ggml_type, n_ff, n_in, rng) for _ in range(2))
     t = interleave_rows(gate, up, "ffn_gate_up")
-    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack, glu=True, glu_act=act)
+    w = make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack, glu=True, glu_act=act)
     ref_g, ref_u = (dequantize(p.raw_bytes(), p.ggml_type).astype(np.float64) for p in (gate, up))
     return w, ref_g, ref_u
 

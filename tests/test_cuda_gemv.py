@@ -15,6 +15,7 @@ from k4.runtime.cuda import gemv_choice as gc
 from k4.runtime.cuda import layout as lay
 from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import quant_kernels as qk
+from k4.runtime.cuda.device_weight import make_weight
 from k4.runtime.cuda.matrix_jobs import compile_jobs
 from k4.runtime.cuda.microbench import random_weight
 from k4.runtime.model import Tensor
@@ -93,7 +94,7 @@ def test_stacked_rows_multiply_as_one_matrix():
     parts = [random_weight(T.Q4_K, n, 512, rng) for n in (256, 64, 64)]
     t = stack_rows(parts, "blk.0.attn_qkv.weight")
     assert t.shape == (384, 512)
-    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True)
+    w = make_weight(t, cp.asarray(lay.weight_layout(t, True)), True)
     x = rng.standard_normal(512).astype(np.float32)
     y = nan_like(384)
     mm.gemv(w, cp.asarray(x), y)
@@ -276,7 +277,7 @@ def test_glu_instances_keep_the_swiglu_names_and_add_gelu_ones():
     assert qk.GROUPS["gemv.cu"]["F32.gelu_tanh"] in groups("gelu_tanh") and len(groups("gelu_tanh")) == 4
     gate_up = Tensor("ffn_gate_up", T.F32, (4, 32), 0, None)
     with pytest.raises(ValueError, match="relu"):
-        mm.make_weight(gate_up, np.zeros(512, np.uint8), False, glu=True, glu_act="relu")
+        make_weight(gate_up, np.zeros(512, np.uint8), False, glu=True, glu_act="relu")
 
 
 @pytest.mark.cuda

@@ -23,6 +23,7 @@ from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import q8_handoff as hand
 from k4.runtime.cuda import quant_kernels as qk
 from k4.runtime.cuda import quant_types as qt
+from k4.runtime.cuda.device_weight import make_weight
 from k4.runtime.cuda.gemv_batch import gemv_batch, gemv_rows
 from k4.runtime.cuda.matrix_jobs import compile_jobs
 from k4.runtime.cuda.microbench import random_weight
@@ -239,7 +240,7 @@ def test_gemv_batch_variants_equal_the_default(type_name, variant, glu):
 
     rng, seed = fresh_rng()
     t = random_weight(T[type_name], 778, 1536, rng)
-    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=glu)
+    w = make_weight(t, cp.asarray(lay.weight_layout(t, True)), True, glu=glu)
     X, _ = strided_rows(rng, qk.BATCH_TOKENS, 1536)
     n_y = 389 if glu else 778
     want, got = nan_like((qk.BATCH_TOKENS, n_y)), nan_like((qk.BATCH_TOKENS, n_y))

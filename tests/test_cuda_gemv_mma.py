@@ -26,6 +26,7 @@ from k4.runtime.cuda import matmul as mm
 from k4.runtime.cuda import quant_kernels as qk
 from k4.runtime.cuda import quant_types as qt
 from k4.runtime.cuda.constants import MMA8_TOKENS
+from k4.runtime.cuda.device_weight import make_weight
 from k4.runtime.cuda.gemv_mma import gemv_mma, uses_mma8
 from k4.runtime.cuda.matrix_jobs import compile_jobs
 from k4.runtime.cuda.microbench import random_weight
@@ -121,7 +122,7 @@ def test_gemv_mma_glu_epilogue(type_name, repack, act):
     n_ff, n_in = 150, 1024
     gate, up = (random_weight(T[type_name], n_ff, n_in, rng) for _ in range(2))
     t = interleave_rows(gate, up, "ffn_gate_up")
-    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack, glu=True, glu_act=act)
+    w = make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack, glu=True, glu_act=act)
     ref_g, ref_u = (dequantize(p.raw_bytes(), p.ggml_type).astype(np.float64) for p in (gate, up))
     X, x = strided_rows(rng, MMA8_TOKENS, n_in)
     want = per_token(w, X, n_ff)
@@ -178,7 +179,7 @@ def test_gemv_mma_variants_agree_with_the_default(type_name, planar, variant, gl
 
     rng, seed = fresh_rng()
     t = random_weight(T[type_name], 778, 1536, rng)
-    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, planar)), planar, glu=glu)
+    w = make_weight(t, cp.asarray(lay.weight_layout(t, planar)), planar, glu=glu)
     X, _ = strided_rows(rng, MMA8_TOKENS, 1536)
     n_y = 389 if glu else 778
     want, got = nan_like((MMA8_TOKENS, n_y)), nan_like((MMA8_TOKENS, n_y))

@@ -20,6 +20,7 @@ cp = cupy_or_skip()
 from k4.runtime.cuda import matmul as mm  # noqa: E402  (needs CuPy)
 from k4.runtime.cuda import ops as ops_mod  # noqa: E402
 from k4.runtime.cuda.constants import ARGMAX_PARTS  # noqa: E402
+from k4.runtime.cuda.device_weight import make_weight  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -72,14 +73,14 @@ def test_equal_logits_go_to_the_lowest_row(repack):
     n_out, n_in = 4096, 1024
     t = random_weight(T.Q6_K, n_out, n_in, rng)
     x = rng.standard_normal(n_in).astype(np.float32)
-    first = mm.make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack)
+    first = make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack)
     logits, top, _ = head_with_partials(first, x)
     raw, copies = np.array(t.raw, copy=True), [top]
     for row in ((top + 1) % n_out, 3 * n_out // 4, 17, 5):  # later, then earlier rows, in other blocks than top's
         raw[row] = raw[top]
         copies.append(row)
         t2 = replace(t, raw=raw)
-        w = mm.make_weight(t2, cp.asarray(lay.weight_layout(t2, repack)), repack)
+        w = make_weight(t2, cp.asarray(lay.weight_layout(t2, repack)), repack)
         logits, got, _ = head_with_partials(w, x)
         assert logits[row] == logits[top], f"row {row} (seed {seed})"
         assert got == int(np.argmax(logits)) == min(copies), f"row {row} (seed {seed})"

@@ -25,6 +25,7 @@ from gguf.quants import dequantize
 from tests.gpu import cupy_or_skip
 from tests.matmul_ref import LIMIT_Q8, LIMIT_Q8_ROUNDED, q8_rounded
 from k4.runtime.cuda import moe as cmoe
+from k4.runtime.cuda.device_weight import make_weight
 from k4.runtime.cuda.quant_types import QUANT
 from k4.runtime.moe import route
 from k4.runtime.synthetic import random_blocks
@@ -120,7 +121,7 @@ def _check_q8(ggml_type, raw, w, ids, x, x_div: int, got: np.ndarray, what: str)
         e = int(ids[s])
         if e not in weights:
             t = Tensor(f"expert {e}", ggml_type, (w.shape[1], n_in), raw[e].reshape(w.shape[1], -1))
-            weights[e] = mm.make_weight(t, cp.asarray(lay.weight_layout(t, False)), False)
+            weights[e] = make_weight(t, cp.asarray(lay.weight_layout(t, False)), False)
         y = cp.full(w.shape[1], np.nan, cp.float32)
         mm.gemv(weights[e], cp.asarray(np.ascontiguousarray(x[s // x_div, :n_in])), y)
         assert (cp.asnumpy(y).view(np.uint32) == got[s].view(np.uint32)).all(), f"{what}: slot {s} differs from gemv"
@@ -190,7 +191,7 @@ def test_q8_gathered_swiglu_is_gemv_of_the_interleaved_pair(o, ggml_type, rows, 
         if e not in pairs:
             g, u = (Tensor(n, ggml_type, (rows, n_in), r[e].reshape(rows, -1)) for n, r in (("gate", raw_g), ("up", raw_u)))
             t = interleave_rows(g, u, f"gate/up {e}")
-            pairs[e] = mm.make_weight(t, cp.asarray(lay.weight_layout(t, False)), False, glu=True)
+            pairs[e] = make_weight(t, cp.asarray(lay.weight_layout(t, False)), False, glu=True)
         ye = cp.full(rows, np.nan, cp.float32)
         mm.gemv(pairs[e], cp.asarray(np.ascontiguousarray(x[s // 8, :n_in])), ye)
         assert (cp.asnumpy(ye).view(np.uint32) == got[s].view(np.uint32)).all(), f"slot {s} differs from gemv (seed {seed})"

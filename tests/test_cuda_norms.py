@@ -21,6 +21,7 @@ from gguf.quants import dequantize
 
 from k4.runtime.cuda import layout as lay
 from k4.runtime.cuda import matmul as mm
+from k4.runtime.cuda.device_weight import make_weight
 from k4.runtime.cuda.microbench import random_weight
 from k4.runtime.reference import apply_rope, rope_tables
 from k4.runtime.rope import rope_table
@@ -145,7 +146,7 @@ def test_gemv_norm_prologue_where_eps_matters(type_name, n_in, eps, repack, glu)
     n_out = 300
     parts = [random_weight(T[type_name], n_out, n_in, rng) for _ in range(2 if glu else 1)]
     t = interleave_rows(*parts, "ffn_gate_up") if glu else parts[0]
-    w = mm.make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack, glu=glu)
+    w = make_weight(t, cp.asarray(lay.weight_layout(t, repack)), repack, glu=glu)
     mats = [dequantize(p.raw_bytes(), p.ggml_type).astype(np.float64) for p in parts]  # (n_out, n_in) each
     quantized = T[type_name] in mm.QUANT
     limit = (LIMIT_GEMV_Q8 if quantized else LIMIT_GEMV_FLOAT) * (2 if glu else 1)  # glu: two products' errors

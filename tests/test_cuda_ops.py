@@ -170,7 +170,7 @@ def test_decode_attention_hands_over_the_output_quantized(ops, rng, n_head, n_he
     would make of it (q8_handoff.q8x_host), in every products' swizzle: attn_gqa in the merge
     of its splits, attn_kv's short-range instance with and without splits."""
     from k4.runtime.cuda.attention_launch import GQA_MIN_LIMIT, attention_split
-    from k4.runtime.cuda.matmul import q8x_bytes
+    from k4.runtime.cuda.constants import q8x_bytes
     from k4.runtime.cuda.q8_handoff import Q8Vector, q8x_host
     from k4.runtime.cuda.quant_types import QUANT
 

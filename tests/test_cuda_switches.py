@@ -144,7 +144,7 @@ def test_attention_q8_handoff_changes_no_bit_of_the_decode_logits(tiny_model, mo
         f = be.forward
         limit, n_split, _ = f.splits[-1]
         assert n_split > 1 or not gqa
-        assert (f.attn_q8(f.w.layers[0].wo, 1, n_split, limit) is not None) == on
+        assert (f.hand.attn_q8(f.w.layers[0].wo, 1, n_split, limit) is not None) == on
         be.eval(prompt)
         logits[on] = [be.eval([t]) for t in (7, 8, 9)]
         be.close()

@@ -94,7 +94,7 @@ def test_the_moe_nx_cut_hands_the_next_norm_a_zeroed_handoff(monkeypatch):
     reader = SimpleNamespace(ggml_type=T.Q4_K, shape=(512, 256))
     act = SimpleNamespace(nq8=np.full(4096, 7, np.uint8), nq_parts=np.ones(64, np.float32))
     fwd = SimpleNamespace(w=SimpleNamespace(layers=layers, output_norm="out_norm"), act=act, nq=None,
-                          cfg=SimpleNamespace(rms_eps=1e-6), readers=lambda li: (None, None if li == 1 else reader))
+                          cfg=SimpleNamespace(rms_eps=1e-6), hand=SimpleNamespace(readers=lambda li: (None, None if li == 1 else reader)))
     undo = LAUNCH_CUTS["moe-nx"][1](moe)
     try:
         moe.moe_ffn(fwd, layers[0], None, None, 4)  # a prompt: nothing handed over

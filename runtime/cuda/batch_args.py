@@ -6,12 +6,9 @@ Importable without a GPU (CuPy is imported when a check runs).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from .matmul import DeviceWeight
+from .device_weight import DeviceWeight
 
 
 def check_rows(name: str, a, shape: tuple[int, int], align16: bool = False) -> int:

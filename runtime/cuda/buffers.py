@@ -16,7 +16,7 @@ import cupy as cp
 import numpy as np
 
 from ..model import ModelConfig
-from . import matmul, ops
+from . import device_weight, matmul, ops
 from .constants import ARGMAX_PARTS, MMA8_TOKENS
 from .memory import DeviceMemory, PinnedBuffer
 from .moe import moe_spec
@@ -56,9 +56,9 @@ def allocate(mem: DeviceMemory, spec: Spec) -> SimpleNamespace:
     return out
 
 
-def matmul_scratch_bytes(specs, chunk: int, opts: matmul.WeightOptions) -> int:
+def matmul_scratch_bytes(specs, chunk: int, opts: device_weight.WeightOptions) -> int:
     """matmul.matmul_scratch_bytes for weights described by `specs` (objects with ggml_type and
-    shape: matmul.MatrixSpec or DeviceWeight) before they are uploaded, with options `opts`
+    shape: layout.MatrixSpec or DeviceWeight) before they are uploaded, with options `opts`
     (its tensor_cores and mma8 switches choose the products' paths)."""
     sized = [SimpleNamespace(ggml_type=s.ggml_type, shape=s.shape, prefill_tc=opts.tensor_cores, mma8=opts.mma8) for s in specs]
     return matmul.matmul_scratch_bytes(sized, chunk)

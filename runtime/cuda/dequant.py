@@ -20,7 +20,7 @@ from .quant_types import QUANT
 
 def dequant_launch(w, row_ids, row0: int, n_rows: int, out, out_type: str, stream, trace,
                    scale: float = 1.0) -> None:
-    """Enqueue rows row_ids[i] (or row0 + i with row_ids None), i < n_rows, of the matmul.DeviceWeight
+    """Enqueue rows row_ids[i] (or row0 + i with row_ids None), i < n_rows, of the device_weight.DeviceWeight
     w into out (n_rows, n_in): out_type "float" (float32, times scale) or "u16" (fp16 bits). The
     caller checks the shapes."""
     n_in = w.shape[1]

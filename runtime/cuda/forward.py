@@ -6,8 +6,8 @@ captured as CUDA graphs (runtime/cuda/runner.py).
 Speed tricks are options (each a K4_* flag) applied from outside the model's order: in decode,
 each RMSNorm folded into the matrix-vector product after it (fuse_norm), RoPE with the KV-cache
 store inside the attention kernel (fuse_rope); the q/k/v and gate/up layouts come with the
-weights (runtime/cuda/weights.py). Prefill runs on fp16 activations when every product takes
-them (matmul.takes_half).
+weights (runtime/cuda/weights.py); which 8-bit handoff each product gets, runtime/cuda/handoffs.py.
+Prefill runs on fp16 activations when every product takes them (matmul.takes_half).
 """
 
 from __future__ import annotations
@@ -15,26 +15,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import cupy as cp
-from gguf import GGMLQuantizationType as T
 
 from ..model import ModelConfig
 from . import dequant, gemv_pair, matmul, moe, ops
 from .constants import MMA8_TOKENS
 from .gemv_batch import Q8Rows, gemv_rows, quantize_rows
-from .gemv_choice import after_attention_variant, nx_reads, qkv_variant
-from .gemv_mma import gemv_mma, nq_parts, uses_mma8, writes_q8
+from .gemv_choice import after_attention_variant, qkv_variant
+from .handoffs import Q8_SWIZZLE, Handoffs
+from .gemv_mma import gemv_mma
 from .kv_cache import KVCache
 from .launch import device_limits
 from .op_args import AttnShape, FreshKV, RopeArgs
 from .q8_handoff import Q8Vector, folds_norm
 from .quant_kernels import MMA8_MIN_TOKENS
-from .quant_types import QUANT
 from .weights import LayerWeights, Weights
 
 
-# The unit order of the X this module quantizes once for the few-token products (gemv_mma takes any;
-# gemv_batch where it is its weight's: Q4_K's, the common case).
-Q8_SWIZZLE = QUANT[T.Q4_K].x_swizzle
 
 @dataclass(frozen=True)
 class ForwardOptions:
@@ -48,7 +44,7 @@ class ForwardOptions:
     qkv_pair: bool = True  # K4_QKV_PAIR: decode's q/k/v in two runs of paired types as one launch (qkv)
     x_cluster: bool = True  # K4_X_CLUSTER: decode's products quantizing a long x in clusters of blocks (linear)
     norm_q8: bool = True  # K4_NORM_Q8: decode's residual products hand the next norm's products their input quantized
-    mma8_nq: bool = True  # K4_MMA8_NQ: the same from the verify step's down products on int8 tensor cores (rows_handoff)
+    mma8_nq: bool = True  # K4_MMA8_NQ: the same from the verify step's down products on int8 tensor cores (Handoffs.rows_handoff)
     mma8_ffq8: bool = True  # K4_MMA8_FFQ8: the verify step's gate/up product writes its output quantized for down (gate_up)
     wo_wide: bool = True  # K4_WO_WIDE: decode's output product in gemv_choice.after_attention_variant (residual)
     head_argmax: bool = True  # K4_HEAD_ARGMAX: decode's output head writes the sampler's argmax partials (output)
@@ -79,7 +75,7 @@ class Forward:
         # one token with norm_q8: the q8 handoff of the residual stream's next RMSNorm input and
         # that norm's weight (residual's nq), taken by normed
         self.nq: tuple | None = None
-        self._readers: dict[int, tuple] = {}  # readers(li)
+        self.hand = Handoffs(cfg, w, act, o, opts)  # which 8-bit handoff each product gets
         self.mega = None  # megakernel.MegaStep (K4_MEGAKERNEL), set by the backend where the model allows it
 
     def layers(self, n: int, row_ids: cp.ndarray, split: tuple[int, int, int] | None = None) -> cp.ndarray:
@@ -116,12 +112,12 @@ class Forward:
                 fresh = None
             k_rows, v_rows, row_scales = self.kv.layer(li, limit)  # the positions below the decode range's limit
             sliding = cfg.sliding(li)
-            attn_q8 = self.attn_q8(L.wo, n, configs[sliding][0], limit)
+            attn_q8 = self.hand.attn_q8(L.wo, n, configs[sliding][0], limit)
             o.attention(q, k_rows, v_rows, attn, self.pos, *configs[sliding], parts[sliding], a.ticket, fresh, self.shapes[li],
                         scales=row_scales, limit=limit if n == 1 else None, x_q8=attn_q8)
-            # a few rows: the output product hands nothing over (rows_handoff: the gate/up product's ramp costs
+            # a few rows: the output product hands nothing over (Handoffs.rows_handoff: the gate/up product's ramp costs
             # what the RMSNorm does there)
-            nq = None if L.moe is not None or n > 1 else (L.ffn_norm, self.readers(li)[0])
+            nq = None if L.moe is not None or n > 1 else (L.ffn_norm, self.hand.readers(li)[0])
             wide = after_attention_variant(L.wo.ggml_type, cfg.q_dim) if self.opts.wo_wide else None
             self.residual(L.wo, attn.reshape(n, cfg.q_dim), x, x1, L.attn_post_norm, x_q8=attn_q8, nq=nq, variant=wide)
             if L.moe is not None:  # routed experts (+ shared expert) + residual: runtime/cuda/moe.py
@@ -133,7 +129,7 @@ class Forward:
             # the next layer's q/k/v, or after the last layer the output head
             nxt = self.w.layers[li + 1] if li + 1 < len(self.w.layers) else None
             nq = (nxt.attn_norm if nxt else self.w.output_norm,
-                  self.readers(li)[1] if n == 1 else [p.w for p in nxt.qkv] if nxt else [self.w.output])
+                  self.hand.readers(li)[1] if n == 1 else [p.w for p in nxt.qkv] if nxt else [self.w.output])
             self.residual(L.w_down, ff, x1, x, L.ffn_post_norm, x_q8=ff_q8, nq=nq)
         return x
 
@@ -154,12 +150,12 @@ class Forward:
         its output (None: none can take a handoff): for one token with norm_q8 and fuse_norm, the
         product also writes rmsnorm(Y) * norm_w's q8 handoff (matmul.gemv norm_out, act.nq8 and
         act.nq_parts) for them, and normed gives it to them (self.nq). For 3 to 8 rows nq's second
-        item is the list of those weights instead (rows_handoff). variant: the gemv_q8 (WARPS, U, PF) of
+        item is the list of those weights instead (Handoffs.rows_handoff). variant: the gemv_q8 (WARPS, U, PF) of
         one token's product (None: matmul's choice), its handoff's too where it has NQ instances."""
         if x_q8 is None:
             x_q8 = self.quantized(w, X)
         if post_norm is None and X.shape[0] > 1:
-            rows = self.rows_handoff(w, nq, X.shape[0])
+            rows = self.hand.rows_handoff(w, nq, X.shape[0])
             if rows is not None:
                 gemv_mma(w, X, Y, residual=res, stream=self.stream, trace=self.ops.trace, x_q8=x_q8, nq_out=(nq[0], rows))
                 self.nq = (rows, nq[0])
@@ -167,9 +163,9 @@ class Forward:
             self.linear(w, X, Y, residual=res, x_q8=x_q8)
             return
         if post_norm is None:
-            handoff, v = self.handoff(w, nq, x_q8, variant), variant
+            handoff, v = self.hand.handoff(w, nq, x_q8, variant), variant
             if handoff is None and variant is not None:  # no NQ launch in that variant: the default's
-                handoff, v = self.handoff(w, nq, x_q8), None
+                handoff, v = self.hand.handoff(w, nq, x_q8), None
             if handoff is not None:
                 self.linear(w, X, Y, residual=res, x_q8=x_q8, y_q8=handoff, norm_out=(nq[0], handoff.parts), variant=v)
                 self.nq = (handoff, nq[0])
@@ -182,109 +178,13 @@ class Forward:
         if X.shape[0] > 1 or not self.opts.fuse_norm:
             self.settle()
 
-    def x_q8_rows(self, w, n: int) -> Q8Rows | None:
-        """act.x_q8 as the Q8Rows (Q8_SWIZZLE) of n rows of w's inputs that w's product copies
-        instead of every block quantizing its X, where that product runs as gemv_mma (n from
-        MMA8_MIN_TOKENS to MMA8_TOKENS, inputs a multiple of 32) and the rows fit; else None."""
-        n_in = w.shape[1]
-        if not (MMA8_MIN_TOKENS <= n <= MMA8_TOKENS and n_in % 32 == 0 and matmul.uses_gemv(w, n) and uses_mma8(w, n)
-                and Q8Rows.nbytes(n, n_in) <= self.act.x_q8.nbytes):
-            return None
-        return Q8Rows(self.act.x_q8, n, n_in, Q8_SWIZZLE)
-
     def quantized(self, w, X: cp.ndarray):
         """X (n, n_in) f32 quantized into act.x_q8 (gemv_batch.quantize_rows: one launch) where
-        x_q8_rows gives w's product of n rows its x that way (docs/PERF.md); else None."""
-        q8 = self.x_q8_rows(w, X.shape[0]) if X.dtype == cp.float32 else None
+        Handoffs.x_q8_rows gives w's product of n rows its x that way (docs/PERF.md); else None."""
+        q8 = self.hand.x_q8_rows(w, X.shape[0]) if X.dtype == cp.float32 else None
         if q8 is not None:
             quantize_rows(X, q8, stream=self.stream, trace=self.ops.trace)
         return q8
-
-    def ff_rows(self, L: LayerWeights, n: int) -> Q8Rows | None:
-        """The Q8Rows that layer L's glu gate/up product of n rows also writes its output into for
-        w_down (gemv_mma y_q8): x_q8_rows's for w_down (what quantized would give it: the same
-        bytes), or None: mma8_ffq8 off, the gate/up product unable to (gemv_mma.writes_q8: steps
-        of whole 32-output groups), or no x_q8_rows for w_down."""
-        w = L.gate_up[0].w
-        if not (self.opts.mma8_ffq8 and matmul.uses_gemv(w, n) and writes_q8(w, n)):
-            return None
-        return self.x_q8_rows(L.w_down, n)
-
-    def attn_q8(self, wo, n: int, n_split: int, limit: int) -> Q8Vector | Q8Rows | None:
-        """The q8 vector (in act.x_q8, free in decode) that decode attention hands the output
-        product wo, its output quantized by the attention kernel (Ops.uses_attn_q8; K4_ATTN_Q8),
-        or None where it does not: n tokens, the range's n_split splits and most keys `limit`,
-        wo quantized. For several rows (the verify step) x_q8_rows's for wo, which wo's product
-        copies instead of a quantize_q8_rows kernel running first (quantized: the same bytes)."""
-        cfg = self.cfg
-        if wo.ggml_type not in matmul.QUANT or not self.ops.uses_attn_q8(n, cfg.head_dim, cfg.n_head // cfg.n_head_kv, n_split, limit):
-            return None
-        return Q8Vector.for_weight(wo, self.act.x_q8) if n == 1 else self.x_q8_rows(wo, n)
-
-    def handoff(self, w, nq, x_q8, variant=None) -> Q8Vector | None:
-        """The q8 handoff (Q8Vector with parts, in act.nq8 and act.nq_parts) that w's one-token
-        product of float x (x_q8 None) or of x_q8, in gemv_q8 variant `variant` (None: matmul's),
-        writes for nq's reader (residual), or None where norm_q8 or fuse_norm is off, nq is None,
-        or w's product has no NQ launch in that variant."""
-        if nq is None or nq[1] is None or not (self.opts.norm_q8 and self.opts.fuse_norm):
-            return None
-        n_parts = matmul.norm_q8_blocks(w, self.opts.x_cluster and x_q8 is None, variant)
-        if not n_parts:
-            return None
-        vec = Q8Vector.for_weight(nq[1], self.act.nq8)
-        return Q8Vector(vec.data, vec.n, vec.swizzle, self.act.nq_parts, n_parts, self.cfg.rms_eps)
-
-    def rows_handoff(self, w, nq, n: int) -> Q8Rows | None:
-        """The NQ handoff (Q8Rows with parts, in act.h_q8 and act.nq_rows_parts) that w's product
-        of n rows writes (gemv_mma nq_out) for the products of nq = (norm_w, their weights), or
-        None: mma8_nq off, n outside MMA8_MIN_TOKENS..MMA8_TOKENS, nq or its weights None, w's
-        product without an NQ launch (gemv_mma.nq_parts), or a reader that does not run as
-        gemv_mma (matmul.uses_gemv and uses_mma8: only it reads the handoff). layers asks it for
-        the down products (readers: the next q/k/v or the output head) only: on the H200 the
-        handoff from the output product to gate/up gained 0.9 µs a layer on Llama 2 7B and lost on
-        TinyLlama and Qwen2.5 7B, whose gate/up ramp then costs what the RMSNorm kernel did
-        (docs/PERF.md, session 31)."""
-        if nq is None or nq[1] is None or not (self.opts.mma8_nq and MMA8_MIN_TOKENS <= n <= MMA8_TOKENS):
-            return None
-        n_parts = nq_parts(w, n) if matmul.uses_gemv(w, n) else 0
-        if not n_parts or n * n_parts > self.act.nq_rows_parts.size or Q8Rows.nbytes(n, w.shape[0]) > self.act.h_q8.nbytes:
-            return None
-        if not all(matmul.uses_gemv(r, n) and uses_mma8(r, n) for r in nq[1]):
-            return None
-        return Q8Rows(self.act.h_q8, n, w.shape[0], Q8_SWIZZLE, self.act.nq_rows_parts, n_parts, self.cfg.rms_eps)
-
-    @staticmethod
-    def reader(ws) -> object | None:
-        """The weight whose swizzle a handoff to the one-token products of weights ws is made in,
-        or None where one of them cannot read it: each with a gemv_q8 instance that reads it
-        (gemv_choice.nx_reads), all of one swizzle."""
-        for w in ws:
-            if w.ggml_type not in matmul.NQ_TYPES or not matmul.uses_gemv(w, 1):
-                return None
-            if not nx_reads(w.ggml_type, matmul.gemv_variant(w.ggml_type, w.shape[0] // (2 if w.glu else 1), w.shape[1], w.glu), w.glu):
-                return None
-        return ws[0] if len({matmul.QUANT[w.ggml_type].x_swizzle for w in ws}) == 1 else None
-
-    def readers(self, li: int) -> tuple:
-        """(reader of layer li's gate/up, reader of the q/k/v of layer li + 1 or after the last
-        layer of the output head), computed once per layer (the eager decode step asks each token)."""
-        r = self._readers.get(li)
-        if r is None:
-            layers = self.w.layers
-            nxt = self.qkv_reader(layers[li + 1]) if li + 1 < len(layers) else self.reader([self.w.output])
-            r = self._readers[li] = (self.gate_up_reader(layers[li]), nxt)
-        return r
-
-    def qkv_reader(self, L: LayerWeights):
-        """reader for layer L's one-token q/k/v products: a gemv_pair pair reads any swizzle (its
-        first run's), separate runs must share one."""
-        if self.opts.qkv_pair and len(L.qkv) == 2 and gemv_pair.pairs(L.qkv[0].w, L.qkv[1].w):
-            return L.qkv[0].w
-        return self.reader([p.w for p in L.qkv])
-
-    def gate_up_reader(self, L: LayerWeights):
-        """reader for layer L's one-token gate/up product: one glu weight, or None."""
-        return self.reader([L.gate_up[0].w]) if len(L.gate_up) == 1 and L.gate_up[0].w.glu else None
 
     def settle(self) -> None:
         """Apply a pending post-norm (self.post) with the rms_norm_add kernel."""
@@ -355,7 +255,7 @@ class Forward:
         (silu, gemma's gelu_tanh): in the product's epilogue for a glu weight on the matrix-vector
         path (its glu_act; quantized: gemv_batch.gemv_rows, 8 tokens per launch), else by the
         swiglu (geglu) kernel. Returns the q8 ff the epilogue also wrote for w_down, else None:
-        L.ff_q8 for one token, ff_rows's for the verify step's rows."""
+        L.ff_q8 for one token, Handoffs.ff_rows's for the verify step's rows."""
         n = x1.shape[0]
         h, norm, h_q8 = self.normed(x1, L.ffn_norm, half)
         if len(L.gate_up) == 2:  # separate gate and up
@@ -369,7 +269,7 @@ class Forward:
             if n == 1:
                 self.linear(p.w, h, ff, norm=norm, y_q8=L.ff_q8, x_q8=h_q8)
                 return L.ff_q8
-            ff_q8 = self.ff_rows(L, n)
+            ff_q8 = self.hand.ff_rows(L, n)
             if ff_q8 is not None:  # the verify step: ff also quantized for w_down, in the same launch
                 gemv_mma(p.w, h, ff, stream=self.stream, trace=self.ops.trace, x_q8=h_q8, y_q8=ff_q8)
                 return ff_q8
@@ -415,7 +315,7 @@ class Forward:
         output quantized (gemv_batch.Q8Rows in act.h_q8, Q4_K's swizzle), which the few-token
         products copy instead of quantizing it in every block (else None)."""
         n = x.shape[0]
-        if self.nq is not None and isinstance(self.nq[0], Q8Rows):  # residual's handoff of n rows (rows_handoff)
+        if self.nq is not None and isinstance(self.nq[0], Q8Rows):  # residual's handoff of n rows (Handoffs.rows_handoff)
             (q8, handed_w), self.nq = self.nq, None
             assert handed_w is norm_w and self.post is None
             if q8.n_tok == n:

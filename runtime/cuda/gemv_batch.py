@@ -19,21 +19,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from k4.runtime.trace import Trace
 
 from .batch_args import check_products, check_rows
 from .constants import q8x_bytes
+from .device_weight import DeviceWeight
 from .gemv_mma import gemv_mma, uses_mma8
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
 from .quant_kernels import BATCH_TOKENS, BATCH_VARIANT, _gemv_batch_name, _kernel
 from .quant_types import QUANT
-
-if TYPE_CHECKING:
-    from .matmul import DeviceWeight
 
 
 @dataclass
@@ -105,7 +101,7 @@ def gemv_batch(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, 
     """Y[t] = w @ X[t] (+ bias) (+ residual[t]) for n_tok = 1 .. BATCH_TOKENS tokens, one kernel
     launch reading w once; with w.glu, Y[t] = act(gate @ X[t]) * (up @ X[t]), act w.glu_act.
 
-    w: a matmul.DeviceWeight of a quantized type (quant_types.QUANT). X: (n_tok, n_in)
+    w: a device_weight.DeviceWeight of a quantized type (quant_types.QUANT). X: (n_tok, n_in)
     float32, rows contiguous, 16-byte aligned, any multiple of 16 bytes apart. Y: (n_tok, n_out)
     float32 ((n_tok, n_out / 2) for w.glu), rows contiguous, any whole number of floats apart (a
     column view of a stacked output). residual: like Y or None, may be Y itself; bias: (n_out,)

@@ -31,12 +31,12 @@ from k4.runtime.trace import Trace
 from .batch_args import check_products
 from .constants import (MMA8_NQ_RUN, MMA8_STAGE_BYTES, MMA8_STAGE_BYTES_Q6_K, MMA8_TOKENS, mma8_lay_in, mma8_smem,
                         mma8_staged_smem, q8x_bytes)
+from .device_weight import DeviceWeight
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
 from .quant_kernels import EXTRA_MMA8_WARPS, MMA8_CLUSTER, MMA8_DECODERS, MMA8_KERNELS, MMA8_MIN_TOKENS, _gemv_mma_name, _kernel, mma8_file
 
 if TYPE_CHECKING:
     from .gemv_batch import Q8Rows
-    from .matmul import DeviceWeight
 
 SMEM_LIMIT = 227 << 10  # sm_90: the most dynamic shared memory a block may opt in to (bytes)
 
@@ -223,7 +223,7 @@ def gemv_mma(w: DeviceWeight, X, Y, *, residual=None, bias=None, stream=None, tr
     launch reading w once, on int8 tensor cores; with w.glu, Y[t] = act(gate @ X[t]) * (up @
     X[t]), act w.glu_act (silu or gelu_tanh).
 
-    w: a matmul.DeviceWeight of type Q4_K or Q6_K (MMA8_DECODERS), raw or planar, n_in at most
+    w: a device_weight.DeviceWeight of type Q4_K or Q6_K (MMA8_DECODERS), raw or planar, n_in at most
     what uses_mma8 allows. X: (n_tok, n_in) float32, rows contiguous, 16-byte aligned, any
     multiple of 16 bytes apart. Y: (n_tok, n_out) float32 ((n_tok, n_out / 2) for w.glu), rows
     any whole number of floats apart. residual: like Y or None, may be Y itself; bias: (n_out,)

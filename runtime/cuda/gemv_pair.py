@@ -13,9 +13,9 @@ from k4.runtime.trace import Trace
 
 from .arg_checks import check_array, check_post
 from .constants import q8x_bytes
+from .device_weight import DeviceWeight
 from .gemv_choice import NQ_TYPES, QKV_PAIRS, gemv_variant
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
-from .matmul import DeviceWeight
 from .quant_kernels import _kernel, gemv_pair_name
 from .quant_types import QUANT
 

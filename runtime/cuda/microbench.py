@@ -26,7 +26,8 @@ from .compile import module
 from .quant_kernels import BATCH_TOKENS, MMA8_DECODERS
 from .launch import device_limits, launch
 from .layout import weight_layout
-from .matmul import FLOAT, QUANT, DeviceWeight, WeightOptions, gemv, make_weight, matmul, matmul_scratch_bytes, q8x_bytes
+from .device_weight import DeviceWeight, WeightOptions, make_weight
+from .matmul import FLOAT, QUANT, gemv, matmul, matmul_scratch_bytes, q8x_bytes
 from .q8_handoff import Q8Vector, q8x_host
 
 

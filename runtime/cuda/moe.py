@@ -26,6 +26,7 @@ import numpy as np
 from ..model import ModelConfig, ModelFile
 from ..errors import UnsupportedModelError
 from .constants import MOE_MAX_K, MOE_WARPS as ROW_WARPS, QUANT_LAYOUTS, ROUTER_THREADS, q8x_bytes
+from .device_weight import WeightOptions, make_weight
 from .kernel_names import MOE_DOWN_VARIANT, MOE_Q8_GLU_VARIANTS, MOE_Q8_VARIANTS, moe_down_name, moe_grouped_name, moe_q8_name
 from .quant_types import FLOAT, QUANT
 from . import moe_grouped, moe_one
@@ -117,19 +118,18 @@ class MoeWeights:
 
 def router_weight(m: MoeWeights, o):
     """The router of a float type (F32, F16, BF16: what convert_hf_to_gguf writes) as a dense
-    matmul.DeviceWeight over its uploaded bytes, so its product runs as the dense ones do in
+    DeviceWeight (device_weight.py) over its uploaded bytes, so its product runs as the dense ones do in
     float32: gemv_f for up to GEMV_MAX_TOKENS tokens (one block per row, instead of moe.cu's
     per-slot kernel: a 128 x 2048 F32 router per layer), cuBLAS fp32 for more. None for a
     quantized router, which stays on moe.cu's float-x kernel (8-bit x could change the experts
     chosen). o: the ops.Ops whose PDL and evict-first switches the product takes."""
-    from . import matmul
     from .layout import MatrixSpec
 
     if m.router_w is None and m.router.ggml_type in FLOAT:
         _, n_out, n_in = m.router.shape
         spec = MatrixSpec("ffn_gate_inp.weight", m.router.ggml_type, (n_out, n_in))
-        opts = matmul.WeightOptions(tensor_cores=True, pdl=o.sw.pdl, evict_first=o.sw.evict_first)
-        m.router_w = matmul.make_weight(spec, m.router.data, repack=False, opts=opts)
+        opts = WeightOptions(tensor_cores=True, pdl=o.sw.pdl, evict_first=o.sw.evict_first)
+        m.router_w = make_weight(spec, m.router.data, repack=False, opts=opts)
     return m.router_w
 
 

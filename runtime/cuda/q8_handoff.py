@@ -35,7 +35,7 @@ class Q8Vector:
 
     @staticmethod
     def for_weight(w, data) -> "Q8Vector":
-        """The q8 x of w's (a matmul.DeviceWeight) gemv_q8 kernel, (n_in,) values, in `data` (at least q8x_bytes(n_in)
+        """The q8 x of w's (a device_weight.DeviceWeight) gemv_q8 kernel, (n_in,) values, in `data` (at least q8x_bytes(n_in)
         bytes, may be shared with Q8Vectors used at other times). Raises ValueError for a float
         weight type or a buffer that is too small."""
         if w.ggml_type not in QUANT:
@@ -78,7 +78,7 @@ def q8x_host(x: np.ndarray, swizzle: int) -> np.ndarray:
 
 
 def can_hand_off(glu, down) -> bool:
-    """Whether gemv on the gate/up matmul.DeviceWeight `glu` can write its output quantized (y_q8) for gemv on
+    """Whether gemv on the gate/up device_weight.DeviceWeight `glu` can write its output quantized (y_q8) for gemv on
     `down` to read (x_q8): both quantized, glu's type with a handoff, n_ff a multiple of 32."""
     n_ff = down.shape[1]
     return (glu.glu and glu.ggml_type in QUANT and QUANT[glu.ggml_type].handoff and down.ggml_type in QUANT
@@ -87,7 +87,7 @@ def can_hand_off(glu, down) -> bool:
 
 def check_q8(w, x_q8: Q8Vector | None, y_q8: Q8Vector | None, n_in: int, n_out: int, norm: bool, norm_out: bool = False,
              variant: tuple[int, int, int] | None = None) -> None:
-    """gemv's checks of its q8 handoff arguments for matmul.DeviceWeight w (n_out: its outputs,
+    """gemv's checks of its q8 handoff arguments for device_weight.DeviceWeight w (n_out: its outputs,
     SwiGLU pairs for a glu weight) launched with `variant` (ValueError)."""
     if norm_out:
         if y_q8 is None or w.glu or w.ggml_type not in NQ_TYPES or n_out % 32 or x_q8 is not None and x_q8.parts is not None:

@@ -18,7 +18,7 @@ from ..kv_types import F16, KVTypes
 from .. import swa_ring
 from ..model import ModelFile
 from ..trace import Trace
-from . import blas, layout, matmul, memory, ops
+from . import blas, device_weight, layout, memory, ops
 from .buffers import activation_spec, matmul_scratch_bytes, sampler_spec, spec_bytes
 from .kv_cache import KVCache
 from .op_switches import OpSwitches
@@ -33,7 +33,7 @@ def options(flags: Flags) -> tuple:
     """(WeightOptions, ForwardOptions, OpSwitches) of a Flags value."""
     on = flags.on
     pdl = on("K4_PDL")
-    mat = matmul.WeightOptions(tensor_cores=on("K4_PREFILL_TC"), pdl=pdl, evict_first=on("K4_EVICT_FIRST"), mma8=on("K4_MMA8"),
+    mat = device_weight.WeightOptions(tensor_cores=on("K4_PREFILL_TC"), pdl=pdl, evict_first=on("K4_EVICT_FIRST"), mma8=on("K4_MMA8"),
                                  mma8_cluster=on("K4_MMA8_CLUSTER"))
     w = WeightOptions(repack=on("K4_REPACK"), stack=on("K4_STACK"), glu=on("K4_FUSE_SWIGLU"), pinned=on("K4_PINNED_UPLOAD"),
                       planar_experts=on("K4_PLANAR_EXPERTS"), matrix=mat)

@@ -23,7 +23,8 @@ from ..model import ModelConfig, ModelFile, expected_shapes, layer_matrices
 from ..rope import RopeTable, factor_tensor, rope_table
 from ..trace import Trace
 from ..weights import dequantize_tensor
-from . import layout, matmul, memory
+from . import device_weight, layout, matmul, memory
+from .quant_kernels import GLU_ACTS
 from .moe import layer_moe, scratch_bytes as moe_scratch_bytes, upload_experts
 
 STACKED = ("attn_q", "attn_k", "attn_v", "attn_qkv", "ffn_gate", "ffn_up")  # per-layer tensors uploaded as Projections
@@ -38,14 +39,14 @@ class WeightOptions:
     glu: bool = True  # K4_FUSE_SWIGLU: gate/up interleaved for the SwiGLU epilogue
     pinned: bool = True  # K4_PINNED_UPLOAD: pinned staging buffers, reader threads
     planar_experts: bool = True  # K4_PLANAR_EXPERTS: expert tensors of some types planar (moe.planar_experts)
-    matrix: matmul.WeightOptions = field(default_factory=matmul.WeightOptions)
+    matrix: device_weight.WeightOptions = field(default_factory=device_weight.WeightOptions)
 
 
 @dataclass
 class Projection:
     """One matrix product of a layer whose weight stacks the rows of one or more GGUF tensors.
 
-    w: matmul.DeviceWeight (n_out, n_in); bias: (n_out,) f32 or None (qwen2's q/k/v biases,
+    w: device_weight.DeviceWeight (n_out, n_in); bias: (n_out,) f32 or None (qwen2's q/k/v biases,
     concatenated); parts: (name, rows) of each stacked tensor in order ("q", "k", "v", "gate",
     "up"; "gate_up" for a glu weight, interleaved); out: (P, n_out) f32 view of the scratch
     buffer it writes; cols: per part name, the (P, rows) column view of out (buffers.place).
@@ -60,7 +61,7 @@ class Projection:
 
 @dataclass
 class LayerWeights:
-    """One block's weights on the device. Matrices are matmul.DeviceWeight (n_out, n_in);
+    """One block's weights on the device. Matrices are device_weight.DeviceWeight (n_out, n_in);
     vectors are f32 CuPy arrays."""
 
     attn_norm: object  # (n_embd,)
@@ -136,7 +137,7 @@ def matrix_plan(mf: ModelFile, cfg: ModelConfig, opts: WeightOptions) -> list[tu
     or "gate_up", index of the run of one type); tensors: model.Tensor, the q/k/v and gate/up
     ones by their unfused names (row views of a fused tensor, model.layer_matrices); glu: gate/up
     interleaved, for the product's act(gate) * up epilogue (silu, or gemma's gelu_tanh:
-    matmul.GLU_ACTS)."""
+    quant_kernels.GLU_ACTS)."""
     plan = []
     for name, shape in expected_shapes(cfg).items():
         if len(shape) == 2 and not (name.startswith("blk.") and name.split(".")[2] in STACKED) and "ffn_gate_inp." not in name:
@@ -148,7 +149,7 @@ def matrix_plan(mf: ModelFile, cfg: ModelConfig, opts: WeightOptions) -> list[tu
             parts.append(("gate_up", [m["ffn_gate"], m["ffn_up"]]))
         for part, tensors in parts:
             types = [t.ggml_type for t in tensors]
-            if part == "gate_up" and opts.glu and types[0] == types[1] and cfg.activation in matmul.GLU_ACTS:
+            if part == "gate_up" and opts.glu and types[0] == types[1] and cfg.activation in GLU_ACTS:
                 plan.append(((i, part, 0), tensors, True))
                 continue
             for j, run in enumerate(runs_of_one_type(types, opts.stack)):
@@ -221,7 +222,7 @@ class WeightLoader:
             else:
                 up.upload_file(target.data.ptr + at, mf.path, t.file_offset, t.n_bytes, then)
             at += t.n_bytes
-        return matmul.make_weight(spec, buf, repack, glu, self.opts.matrix, glu_act=act if glu else "silu")
+        return device_weight.make_weight(spec, buf, repack, glu, self.opts.matrix, glu_act=act if glu else "silu")
 
     def _vector(self, up, host: np.ndarray):
         buf = self.mem.empty(host.shape, host.dtype, "weights")
@@ -257,8 +258,8 @@ def half_weights(weights: Weights, mem: memory.DeviceMemory, chunk: int, stream,
     """Keep an fp16 copy of every matrix prefill multiplies on tensor cores (matmul.make_half)
     when all of them take under a quarter of the free GPU memory, so prefill skips
     dequantization; otherwise leave them (no error). For K4_PREFILL_F16_CACHE."""
-    todo = [w for w in weights.matrices if matmul.half_bytes(w) and matmul.takes_half(w, chunk)]
-    need = sum(matmul.half_bytes(w) for w in {id(w): w for w in todo}.values())
+    todo = [w for w in weights.matrices if device_weight.half_bytes(w) and matmul.takes_half(w, chunk)]
+    need = sum(device_weight.half_bytes(w) for w in {id(w): w for w in todo}.values())
     if not (todo and need < memory.free_bytes() // 4):
         return
     for w in todo:
