@@ -106,7 +106,7 @@ def test_weight_layout_rejects_partial_blocks():
         lay.weight_layout(bad, repack=True)
 
 
-# ---- stacked expert tensors (runtime/cuda/moe.py upload_experts) --------------------------------
+# ---- stacked expert tensors (runtime/cuda/moe_load.py upload_experts) --------------------------------
 
 def _expert_layout_cases(xp):
     """(host: each expert's weight_layout(repack=True) one after the other, expert_layout's result

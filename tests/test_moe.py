@@ -107,7 +107,7 @@ def test_qwen3_30b_a3b_preset():
 
 
 def test_cuda_compile_jobs_pick_the_q8_expert_products_and_a_float_x_router():
-    """runtime/cuda/moe.py compile_jobs (no GPU needed): quantized routed experts compile
+    """runtime/cuda/moe_load.py compile_jobs (no GPU needed): quantized routed experts compile
     moe_gemv.cu's 8-bit-x instance of their type (of every layer), gate and up of one type its
     SwiGLU instance too, a quantized router moe.cu's float-x one, an F32 router moe_gemv_f; only
     the types the model has. Where decode fuses (an F32 router, gate and up fused), moe_router and
@@ -118,7 +118,7 @@ def test_cuda_compile_jobs_pick_the_q8_expert_products_and_a_float_x_router():
     from gguf import GGMLQuantizationType as T
 
     from k4.runtime.cuda.kernel_names import moe_one_name
-    from k4.runtime.cuda.moe import compile_jobs
+    from k4.runtime.cuda.moe_load import compile_jobs
 
     cfg = PRESETS["qwen3-30b-a3b"].config("qwen3moe")
     o = SimpleNamespace(_defines=lambda: ())

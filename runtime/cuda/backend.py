@@ -30,7 +30,7 @@ try:
 except ModuleNotFoundError:  # require_cuda() says so
     cp = None
 else:
-    from . import blas, matrix_jobs, megakernel, memory, moe, ops, q8_handoff
+    from . import blas, matrix_jobs, megakernel, memory, moe_load, ops, q8_handoff
     from .attention_launch import MAX_HEAD_DIM
     from .buffers import allocate, place, sampler_spec
     from .kv_cache import KVCache
@@ -107,7 +107,7 @@ class CudaBackend(TokenCache):
         compiling = compile_async(matrix_jobs.compile_jobs(matrix_types, w_opts.matrix.evict_first, cfg.activation,
                                                              w_opts.matrix.mma8, head if f_opts.head_argmax else None,
                                                              f_opts.qkv_wide)
-                                  + o.compile_jobs(cfg.head_dim, cfg.n_head // cfg.n_head_kv) + moe.compile_jobs(mf, cfg, o))
+                                  + o.compile_jobs(cfg.head_dim, cfg.n_head // cfg.n_head_kv) + moe_load.compile_jobs(mf, cfg, o))
         plan = size_plan(mf, n_ctx, self.flags, o)
         chunk = plan.chunk
         stream, copy_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)

@@ -81,7 +81,7 @@ class Ops(AttentionLaunchers):
         head launches: the small files' kernels, the RoPE + cache store, the decode (for short and
         long ranges: GQA_MIN_LIMIT) and prefill attention kernels that attention() picks for it,
         of the cache types self.kv only."""
-        # moe: moe.compile_jobs; speculative.cu: on the first verify step (runtime/cuda/speculative.py);
+        # moe: moe_load.compile_jobs; speculative.cu: on the first verify step (runtime/cuda/speculative.py);
         # megakernel.cu: runtime/cuda/megakernel.py, with K4_MEGAKERNEL
         out = [(f, n) for f, names in KERNELS.items() if not f.startswith(("attention", "moe", "rope", "speculative", "megakernel")) for n in names]
         decode = {self.attention_kernel(1, head_dim, group=group, limit=limit)  # the shortest, short and long ranges

@@ -25,7 +25,7 @@ from ..trace import Trace
 from ..weights import dequantize_tensor
 from . import device_weight, layout, matmul, memory
 from .quant_kernels import GLU_ACTS
-from .moe import layer_moe, scratch_bytes as moe_scratch_bytes, upload_experts
+from .moe_load import layer_moe, scratch_bytes as moe_scratch_bytes, upload_experts
 
 STACKED = ("attn_q", "attn_k", "attn_v", "attn_qkv", "ffn_gate", "ffn_up")  # per-layer tensors uploaded as Projections
 
