@@ -257,7 +257,8 @@ def test_x_quantized_once_gives_the_same_bytes_and_products(type_name):
     the bits it produces from the float rows; a q8 x of another swizzle or row count is refused."""
     import cupy as cp
 
-    from k4.runtime.cuda.gemv_batch import Q8Rows, quantize_rows
+    from k4.runtime.cuda.gemv_batch import quantize_rows
+    from k4.runtime.cuda.q8_handoff import Q8Rows
 
     rng, seed = fresh_rng()
     n_out, n_in = shapes(type_name)[2]

@@ -146,7 +146,8 @@ def test_x_quantized_once_gives_the_same_products(type_name):
     read; an x_q8 of other rows is refused."""
     import cupy as cp
 
-    from k4.runtime.cuda.gemv_batch import Q8Rows, quantize_rows
+    from k4.runtime.cuda.gemv_batch import quantize_rows
+    from k4.runtime.cuda.q8_handoff import Q8Rows
 
     rng, seed = fresh_rng()
     n_out, n_in = ODD

@@ -15,7 +15,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from k4.runtime.cuda.constants import MMA8_TOKENS
-from k4.runtime.cuda.gemv_batch import Q8Rows, quantize_rows
+from k4.runtime.cuda.gemv_batch import quantize_rows
+from k4.runtime.cuda.q8_handoff import Q8Rows
 from k4.runtime.cuda.gemv_mma import _mma_plan, gemv_mma, writes_q8
 from tests.matmul_ref import fresh_rng, glu_weight, nan_like, weight
 from tests.test_cuda_gemv_batch import strided_rows

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as T
 
 from k4.runtime.cuda import quant_types as qt
 from k4.runtime.cuda.constants import MMA8_TOKENS, q8x_bytes
-from k4.runtime.cuda.gemv_batch import Q8Rows
+from k4.runtime.cuda.q8_handoff import Q8Rows
 from k4.runtime.cuda.gemv_mma import _mma_plan, gemv_mma, nq_parts
 from k4.runtime.cuda.q8_handoff import q8x_host
 from tests.matmul_ref import LIMIT_Q8_ROUNDED, fresh_rng, nan_like, q8_rounded, rel_err, weight

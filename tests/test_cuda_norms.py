@@ -101,7 +101,8 @@ def test_rms_norm_with_q8_rows_is_the_norm_and_its_quantize_rows(ops, n, swizzle
     makes of that y; an fp16 y or rows of another size are refused."""
     import cupy as cp
 
-    from k4.runtime.cuda.gemv_batch import Q8Rows, quantize_rows
+    from k4.runtime.cuda.gemv_batch import quantize_rows
+    from k4.runtime.cuda.q8_handoff import Q8Rows
 
     eps = EPS[0]
     rng = np.random.default_rng([17, n, swizzle])

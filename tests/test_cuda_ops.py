@@ -201,7 +201,7 @@ def test_attn_mma_hands_over_its_rows_quantized(ops, rng, n_tok, n_head, n_head_
     """attn_mma (several queries: the verify step's) writes its output rows quantized too (x_q8
     a Q8Rows, K4_ATTN_Q8) with the bytes gemv_q8 would make of each row (q8x_host), in every
     products' swizzle; 70 queries: two query blocks, the second with rows past the last query."""
-    from k4.runtime.cuda.gemv_batch import Q8Rows
+    from k4.runtime.cuda.q8_handoff import Q8Rows
     from k4.runtime.cuda.q8_handoff import q8x_host
     from k4.runtime.cuda.quant_types import QUANT
 

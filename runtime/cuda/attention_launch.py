@@ -293,7 +293,7 @@ class AttentionLaunchers:
         cache row pos. shape: the query scale, sliding window, score soft-cap and the ring of
         a sliding layer's cache (AttnShape; a ring's rows are a multiple of every kernel's key
         tile). x_q8: None, or (where uses_attn_q8) a q8_handoff.Q8Vector of n_head * D values (one
-        query), or a gemv_batch.Q8Rows of n_tok rows of them (attn_mma), that the kernel also
+        query), or a q8_handoff.Q8Rows of n_tok rows of them (attn_mma), that the kernel also
         writes its output into, for the output product to copy (K4_ATTN_Q8).
         """
         n_tok, n_head, D = q.shape
@@ -343,7 +343,7 @@ class AttentionLaunchers:
     def _attention_tiles(self, name: str, q, planes: tuple, out, pos, shape: AttnShape, x_q8=None) -> None:
         """Launch attn_mma or attn_tiled (planes: k, k_d, v, v_d): several queries per block,
         keys staged in shared memory; attn_mma also writes its output quantized into x_q8 (a
-        gemv_batch.Q8Rows of n_tok rows) unless None. Without programmatic dependent launch, whatever the Ops'
+        q8_handoff.Q8Rows of n_tok rows) unless None. Without programmatic dependent launch, whatever the Ops'
         switch: with it, the prefill graph of 512 tokens of the synthetic Qwen3-30B-A3B stopped
         with an illegal address (H200; from session 8 to 10 MoE models ran without PDL at all).
         Session 11's bisection: PDL off for these launches alone ended it; off for the RoPE

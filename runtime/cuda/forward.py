@@ -19,14 +19,14 @@ import cupy as cp
 from ..model import ModelConfig
 from . import dequant, gemv_pair, matmul, moe, ops
 from .constants import MMA8_TOKENS
-from .gemv_batch import Q8Rows, gemv_rows, quantize_rows
+from .gemv_batch import gemv_rows, quantize_rows
 from .gemv_choice import after_attention_variant, qkv_variant
 from .handoffs import Q8_SWIZZLE, Handoffs
 from .gemv_mma import gemv_mma
 from .kv_cache import KVCache
 from .launch import device_limits
 from .op_args import AttnShape, FreshKV, RopeArgs
-from .q8_handoff import Q8Vector, folds_norm
+from .q8_handoff import Q8Rows, Q8Vector, folds_norm
 from .quant_kernels import MMA8_MIN_TOKENS
 from .weights import LayerWeights, Weights
 
@@ -312,7 +312,7 @@ class Forward:
         post-norm whose result x is (self.post) folded in too: then (res, (norm_w, eps, (t,
         post_w, x)), None), the products computing x and writing it; otherwise the norm kernel's
         output, fp16 when `half`, and for MMA8_MIN_TOKENS to MMA8_TOKENS rows in f32 also that
-        output quantized (gemv_batch.Q8Rows in act.h_q8, Q4_K's swizzle), which the few-token
+        output quantized (q8_handoff.Q8Rows in act.h_q8, Q4_K's swizzle), which the few-token
         products copy instead of quantizing it in every block (else None)."""
         n = x.shape[0]
         if self.nq is not None and isinstance(self.nq[0], Q8Rows):  # residual's handoff of n rows (Handoffs.rows_handoff)

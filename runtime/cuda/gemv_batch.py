@@ -18,7 +18,6 @@ caller), allocates nothing, never synchronizes, can be captured in a CUDA graph.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 import numpy as np
 
 from k4.runtime.trace import Trace
@@ -28,33 +27,9 @@ from .constants import q8x_bytes
 from .device_weight import DeviceWeight
 from .gemv_mma import gemv_mma, uses_mma8
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
+from .q8_handoff import Q8Rows
 from .quant_kernels import BATCH_TOKENS, BATCH_VARIANT, _gemv_batch_name, _kernel
 from .quant_types import QUANT
-
-
-@dataclass
-class Q8Rows:
-    """n_tok vectors of n float32 values quantized to 8 bits per 32 (llama.cpp's q8_1 scheme, as
-    q8_handoff.Q8Vector), each q8x_bytes(n) bytes, one after another in `data` (cupy uint8), laid
-    out for the products of x swizzle `swizzle` (QuantKernels.x_swizzle): gemv_batch's X
-    quantized once (quantize_rows) instead of in every thread block of the product."""
-
-    data: object
-    n_tok: int
-    n: int
-    swizzle: int
-    # An NQ handoff of the verify step's products (gemv_mma nq_out, flag K4_MMA8_NQ): data holds
-    # each row's y times the next RMSNorm's weights, quantized without the norm's scale; parts
-    # (float32 cupy array) the producer's sums of y^2, n_parts per row (row t's at t * n_parts),
-    # eps the norm's. Only gemv_mma reads it (its blocks scale each d by the norm). None: plain rows.
-    parts: object = None
-    n_parts: int = 0
-    eps: float = 0.0
-
-    @staticmethod
-    def nbytes(n_tok: int, n: int) -> int:
-        """Bytes of n_tok quantized vectors of n values."""
-        return n_tok * q8x_bytes(n)
 
 
 def quantize_rows(X, out: Q8Rows, stream=None, trace: Trace | None = None, pdl: bool | None = None) -> None:

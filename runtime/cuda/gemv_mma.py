@@ -21,8 +21,6 @@ nothing, never synchronizes, can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
@@ -33,10 +31,8 @@ from .constants import (MMA8_NQ_RUN, MMA8_STAGE_BYTES, MMA8_STAGE_BYTES_Q6_K, MM
                         mma8_staged_smem, q8x_bytes)
 from .device_weight import DeviceWeight
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
+from .q8_handoff import Q8Rows
 from .quant_kernels import EXTRA_MMA8_WARPS, MMA8_CLUSTER, MMA8_DECODERS, MMA8_KERNELS, MMA8_MIN_TOKENS, _gemv_mma_name, _kernel, mma8_file
-
-if TYPE_CHECKING:
-    from .gemv_batch import Q8Rows
 
 SMEM_LIMIT = 227 << 10  # sm_90: the most dynamic shared memory a block may opt in to (bytes)
 

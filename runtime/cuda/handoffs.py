@@ -14,10 +14,9 @@ from gguf import GGMLQuantizationType as T
 from ..model import ModelConfig
 from . import gemv_pair, matmul, ops
 from .constants import MMA8_TOKENS
-from .gemv_batch import Q8Rows
 from .gemv_choice import nx_reads
 from .gemv_mma import nq_parts, uses_mma8, writes_q8
-from .q8_handoff import Q8Vector
+from .q8_handoff import Q8Rows, Q8Vector
 from .quant_kernels import MMA8_MIN_TOKENS
 from .quant_types import QUANT
 from .weights import LayerWeights, Weights

@@ -306,7 +306,7 @@ def matmul(w: DeviceWeight, X, Y, *, residual=None, bias=None, scratch=None, str
     BATCH_TOKENS tokens per launch; float types: gemv per token; not for a glu weight: call gemv
     or gemv_rows, which apply the SwiGLU). blas: a runtime.cuda.blas.Blas for the cuBLAS calls,
     so they can be captured in a CUDA graph (None: CuPy's handle, which refuses capture). x_q8:
-    None or X already quantized (gemv_batch.Q8Rows), which gemv_rows may copy instead of X. Raises
+    None or X already quantized (q8_handoff.Q8Rows), which gemv_rows may copy instead of X. Raises
     ValueError on wrong shapes, dtypes or scratch size.
     """
     import cupy as cp

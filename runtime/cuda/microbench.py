@@ -174,7 +174,8 @@ def bench_gemv_batch(ggml_type: str, n_out: int, n_in: int, tokens: Sequence[int
     """
     import cupy as cp
 
-    from .gemv_batch import Q8Rows, gemv_batch, quantize_rows
+    from .gemv_batch import gemv_batch, quantize_rows
+    from .q8_handoff import Q8Rows
     from .gemv_mma import gemv_mma
 
     t = _type(ggml_type)

@@ -109,7 +109,7 @@ class Ops(AttentionLaunchers):
 
     def rms_norm(self, x: cp.ndarray, w: cp.ndarray, y: cp.ndarray, eps: float, q8=None) -> None:
         """y = x / sqrt(mean(x^2, last axis) + eps) * w. x: (n_rows, n) f32; y: (n_rows, n) f32
-        (may be x) or fp16 (a tensor-core input); w: (n,) f32. q8: None, or a gemv_batch.Q8Rows of
+        (may be x) or fp16 (a tensor-core input); w: (n,) f32. q8: None, or a q8_handoff.Q8Rows of
         n_rows rows of n (n a multiple of 32, at most 16,384; y f32) that also receives y quantized
         as the few-token products quantize their X (kernels_cu/norm.cu rms_norm_q8), so they copy it
         instead of each block quantizing y."""

@@ -1,7 +1,8 @@
 """The 8-bit handoff between decode's matrix-vector products (runtime/cuda/matmul.py gemv's x_q8
 and y_q8): the quantized vector a SwiGLU product writes for the down product (flag
 K4_FUSE_QUANT), or a residual product for the products after the next RMSNorm (norm_out, flag
-K4_NORM_Q8), its host reference, and the checks gemv applies to it."""
+K4_NORM_Q8), its host reference, and the checks gemv applies to it; and its form of a few rows
+(Q8Rows), which the verify step's products take and hand on (gemv_batch, gemv_mma)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,31 @@ class Q8Vector:
         if data.dtype != np.uint8 or data.nbytes < q8x_bytes(n):
             raise ValueError(f"a q8 vector of {n} values needs {q8x_bytes(n)} uint8 bytes, got {data.dtype} ({data.nbytes} bytes)")
         return Q8Vector(data, n, QUANT[w.ggml_type].x_swizzle)
+
+
+@dataclass
+class Q8Rows:
+    """n_tok vectors of n float32 values quantized to 8 bits per 32 (llama.cpp's q8_1 scheme, as
+    Q8Vector), each q8x_bytes(n) bytes, one after another in `data` (cupy uint8), laid
+    out for the products of x swizzle `swizzle` (QuantKernels.x_swizzle): gemv_batch's X
+    quantized once (quantize_rows) instead of in every thread block of the product."""
+
+    data: object
+    n_tok: int
+    n: int
+    swizzle: int
+    # An NQ handoff of the verify step's products (gemv_mma nq_out, flag K4_MMA8_NQ): data holds
+    # each row's y times the next RMSNorm's weights, quantized without the norm's scale; parts
+    # (float32 cupy array) the producer's sums of y^2, n_parts per row (row t's at t * n_parts),
+    # eps the norm's. Only gemv_mma reads it (its blocks scale each d by the norm). None: plain rows.
+    parts: object = None
+    n_parts: int = 0
+    eps: float = 0.0
+
+    @staticmethod
+    def nbytes(n_tok: int, n: int) -> int:
+        """Bytes of n_tok quantized vectors of n values."""
+        return n_tok * q8x_bytes(n)
 
 
 def folds_norm(variant: tuple[int, int, int]) -> bool:
