@@ -12,7 +12,9 @@ are nvidia/cu13/bin/cuobjdump and nvidia/cu13/bin/nvdisasm in the wheels).
 Usage (from the repository root, k4 importable):
     python scripts/sass_loops.py gemv.cu "gemv_q8<type_q4_K, true, 16, 2, true"
 The pattern is a substring of the instance names the launchers use (quant_kernels.GROUPS,
-kernel_names.KERNELS).
+kernel_names.KERNELS). --with IMMA picks the innermost loop holding that opcode (the int8
+tensor-core products' item loop sits inside their step loop, whose x staging makes it widest):
+    python scripts/sass_loops.py gemv_mma_staged.cu "staged_q4_K, true, 16, false>" --with IMMA
 """
 
 from __future__ import annotations
@@ -30,17 +32,21 @@ INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,6})\*/\s+([^;]+);")
 BRANCH = re.compile(r"\bBRA\b(?:\.\S+)?\s+(?:\S+,\s*)?0x([0-9a-f]+)")
 
 
-def loop_mix(function_sass: str) -> tuple[int, int, collections.Counter] | None:
-    """(start, end, opcode counts) of the longest loop in one function's SASS (cuobjdump -sass
-    text): the backward branch whose span is widest, its target to the branch inclusive. Opcodes
-    without their predicate and modifiers (LDG.E.128 -> LDG). None if the function has no loop."""
+def loop_mix(function_sass: str, opcode: str | None = None) -> tuple[int, int, collections.Counter] | None:
+    """(start, end, opcode counts) of one loop in one function's SASS (cuobjdump -sass text): the
+    backward branch whose span is widest, its target to the branch inclusive; with `opcode`, the
+    narrowest span that holds that opcode (the innermost loop doing that work, e.g. IMMA: a tensor
+    core product's loop inside its step loop). Opcodes without their predicate and modifiers
+    (LDG.E.128 -> LDG). None if the function has no such loop."""
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in INSTRUCTION.finditer(function_sass)]
+    ops_at = [(addr, re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]) for addr, text in ins]
     loops = [(int(b.group(1), 16), addr) for addr, text in ins if (b := BRANCH.search(text)) and int(b.group(1), 16) < addr]
+    if opcode is not None:
+        loops = [(s, e) for s, e in loops if any(s <= addr <= e and op == opcode for addr, op in ops_at)]
     if not loops:
         return None
-    start, end = max(loops, key=lambda span: span[1] - span[0])
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
-                              for addr, text in ins if start <= addr <= end)
+    start, end = (min if opcode else max)(loops, key=lambda span: span[1] - span[0])
+    ops = collections.Counter(op for addr, op in ops_at if start <= addr <= end)
     return start, end, ops
 
 
@@ -67,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source", help="a kernels_cu file, e.g. gemv.cu")
     ap.add_argument("pattern", help="a substring of the instance names to compile")
+    ap.add_argument("--with", dest="opcode", help="the innermost loop holding this opcode (e.g. IMMA) instead of the widest")
     a = ap.parse_args(argv)
     for tool in ("nvcc", "cuobjdump", "nvdisasm", "c++filt"):
         if shutil.which(tool) is None:
@@ -85,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     fs = functions(sass)
     demangled = subprocess.run(["c++filt"], input="\n".join(fs), capture_output=True, text=True).stdout.split("\n")
     for text, name in zip(fs.values(), demangled):
-        mix = loop_mix(text)
+        mix = loop_mix(text, a.opcode)
         if mix is None:
-            print(f"{name}: no loop")
+            print(f"{name}: no loop" + (f" holding {a.opcode}" if a.opcode else ""))
             continue
         start, end, ops = mix
         print(f"{name}\n  loop {start:#x}-{end:#x}: {sum(ops.values())} instructions; "

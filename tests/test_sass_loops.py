@@ -39,3 +39,12 @@ def test_the_widest_backward_branch_is_the_loop():
 
 def test_a_function_without_a_backward_branch_has_no_loop():
     assert loop_mix(functions(LISTING)["_Z3barPi"]) is None
+
+
+def test_with_an_opcode_the_innermost_loop_holding_it():
+    foo = functions(LISTING)["_Z3fooPi"]
+    # IDP lies in both spans: the narrower, 0x60-0x90, is the innermost loop doing that work
+    start, end, ops = loop_mix(foo, "IDP")
+    assert (start, end) == (0x60, 0x90) and ops == {"IDP": 1, "VIADD": 1, "BRA": 2}
+    assert loop_mix(foo, "LDG")[:2] == (0x40, 0x80)  # only the wide span holds the load
+    assert loop_mix(foo, "IMMA") is None
