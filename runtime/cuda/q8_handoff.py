@@ -52,17 +52,17 @@ class Q8Rows:
     """n_tok vectors of n float32 values quantized to 8 bits per 32 (llama.cpp's q8_1 scheme, as
     Q8Vector), each q8x_bytes(n) bytes, one after another in `data` (cupy uint8), laid
     out for the products of x swizzle `swizzle` (QuantKernels.x_swizzle): gemv_batch's X
-    quantized once (quantize_rows) instead of in every thread block of the product."""
+    quantized once (quantize_rows) instead of in every thread block of the product.
+
+    With parts, the NQ handoff of the verify step's products (gemv_mma nq_out, flag K4_MMA8_NQ),
+    as Q8Vector's for each row: n_parts sums of y^2 a row (row t's at t * n_parts) and the norm's
+    eps; only gemv_mma reads it (its blocks scale each d by the norm)."""
 
     data: object
     n_tok: int
     n: int
     swizzle: int
-    # An NQ handoff of the verify step's products (gemv_mma nq_out, flag K4_MMA8_NQ): data holds
-    # each row's y times the next RMSNorm's weights, quantized without the norm's scale; parts
-    # (float32 cupy array) the producer's sums of y^2, n_parts per row (row t's at t * n_parts),
-    # eps the norm's. Only gemv_mma reads it (its blocks scale each d by the norm). None: plain rows.
-    parts: object = None
+    parts: object = None  # float32 cupy array, or None: plain rows
     n_parts: int = 0
     eps: float = 0.0
 
