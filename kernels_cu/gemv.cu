@@ -50,17 +50,10 @@
 // Every thread of the block calls it.
 __device__ __forceinline__ void quantize_outputs(const float* yo, int u0, int n_units, int n_out, int swz, u8* y_q8) {
     float* yd = reinterpret_cast<float*>(y_q8 + q8x_bytes_q(n_out));
-    for (int base = 0; base < n_units; base += blockDim.x) {  // warp-uniform trip count
-        const int t = base + threadIdx.x;
-        const bool ok = t < n_units;
-        float v[16];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const float4 f = ok ? reinterpret_cast<const float4*>(yo)[4 * t + k] : make_float4(0.f, 0.f, 0.f, 0.f);
-            v[4 * k] = f.x; v[4 * k + 1] = f.y; v[4 * k + 2] = f.z; v[4 * k + 3] = f.w;
-        }
-        q8_unit(v, ok, u0 + t, swz, y_q8, yd, yd + q8x_d_floats(n_out));
-    }
+    const float4* y4 = reinterpret_cast<const float4*>(yo);
+    q8_units(n_units, u0, swz, y_q8, yd, yd + q8x_d_floats(n_out), [=](int t, int k, bool ok) {
+        return ok ? y4[4 * t + k] : make_float4(0.f, 0.f, 0.f, 0.f);
+    });
 }
 
 // The register cap of a gemv_q8 block of `warps` warps: what __launch_bounds__(32 warps, 1)

@@ -60,6 +60,27 @@ __device__ __forceinline__ void post_store(const PostNorm& post, int n_in, float
     for (int i = threadIdx.x; i < n_in / 4; i += blockDim.x) reinterpret_cast<float4*>(post.out)[i] = post_input(post, n_in, i, ts);
 }
 
+// The block's loop over units 0 .. n_units - 1 of a q8 x, one a thread (a warp-uniform trip
+// count, so q8_unit's pairs meet in adjacent lanes): float4 k (0..3) of unit u from
+// load(u, k, ok) (ok false: a lane past the last unit, whose values must be zeros), the unit
+// quantized by q8_unit into slot u0 + u of xq, xd, xs. quantize_x, quantize_x_unscaled and
+// gemv.cu's quantize_outputs differ only in load. Their loads capture by value: captured by
+// reference, nvcc scheduled 34 gemv.cu instances differently (docs/PERF.md, session 50).
+template <class Load>
+__device__ __forceinline__ void q8_units(int n_units, int u0, int swz, u8* xq, float* xd, float* xs, Load load) {
+    for (int base = 0; base < n_units; base += blockDim.x) {
+        const int u = base + threadIdx.x;
+        const bool ok = u < n_units;
+        float v[16];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float4 f = load(u, k, ok);
+            v[4 * k] = f.x; v[4 * k + 1] = f.y; v[4 * k + 2] = f.z; v[4 * k + 3] = f.w;
+        }
+        q8_unit(v, ok, u0 + u, swz, xq, xd, xs);
+    }
+}
+
 // Quantize x (n_in floats, n_in a multiple of 32, 16-byte aligned) into the q8x arrays in
 // shared memory; with norm_w (n_in,) non-null, x * rms_scale(x) * norm_w instead; with post.t
 // non-null (and norm_w), the post-norm's input (post_split) in place of x. One thread per
@@ -71,24 +92,16 @@ __device__ void quantize_x(const float* __restrict__ x, int n_in, const float* _
     const float2 ps = fold ? post_split(x, n_in, eps, post) : make_float2(0.f, norm_w ? rms_scale(x, n_in, eps) : 1.f);
     const float scale = norm_w ? ps.y : 1.f;
     if (fold) post_store(post, n_in, ps.x);
-    const int n_units = n_in >> 4;
-    for (int base = 0; base < n_units; base += blockDim.x) {  // warp-uniform trip count
-        const int u = base + threadIdx.x;
-        const bool ok = u < n_units;
-        float v[16];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            float4 f = !ok  ? make_float4(0.f, 0.f, 0.f, 0.f)
-                       : fold ? post_input(post, n_in, 4 * u + k, ps.x)
-                              : __ldg(reinterpret_cast<const float4*>(x) + 4 * u + k);
-            if (norm_w && ok) {
-                const float4 g = __ldg(reinterpret_cast<const float4*>(norm_w) + 4 * u + k);
-                f = make_float4(f.x * scale * g.x, f.y * scale * g.y, f.z * scale * g.z, f.w * scale * g.w);
-            }
-            v[4 * k] = f.x; v[4 * k + 1] = f.y; v[4 * k + 2] = f.z; v[4 * k + 3] = f.w;
+    q8_units(n_in >> 4, 0, SWZ, xq, xd, xs, [=](int u, int k, bool ok) {
+        float4 f = !ok  ? make_float4(0.f, 0.f, 0.f, 0.f)
+                   : fold ? post_input(post, n_in, 4 * u + k, ps.x)
+                          : __ldg(reinterpret_cast<const float4*>(x) + 4 * u + k);
+        if (norm_w && ok) {
+            const float4 g = __ldg(reinterpret_cast<const float4*>(norm_w) + 4 * u + k);
+            f = make_float4(f.x * scale * g.x, f.y * scale * g.y, f.z * scale * g.z, f.w * scale * g.w);
         }
-        q8_unit(v, ok, u, SWZ, xq, xd, xs);
-    }
+        return f;
+    });
 }
 
 // quantize_x's RMSNorm in one pass, for a product that scales its outputs instead (gemv.cu gemv_q8
@@ -102,25 +115,17 @@ template <int SWZ>
 __device__ float* quantize_x_unscaled(const float* __restrict__ x, int n_in, const float* __restrict__ norm_w, u8* xq, float* xd,
                                       float* xs) {
     __shared__ float part[32];
-    const int n_units = n_in >> 4;
     float ss = 0.f;
-    for (int base = 0; base < n_units; base += blockDim.x) {  // warp-uniform trip count
-        const int u = base + threadIdx.x;
-        const bool ok = u < n_units;
-        float v[16];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (ok) {
-                f = __ldg(reinterpret_cast<const float4*>(x) + 4 * u + k);
-                const float4 g = __ldg(reinterpret_cast<const float4*>(norm_w) + 4 * u + k);
-                ss += f.x * f.x + f.y * f.y + f.z * f.z + f.w * f.w;
-                f = make_float4(f.x * g.x, f.y * g.y, f.z * g.z, f.w * g.w);
-            }
-            v[4 * k] = f.x; v[4 * k + 1] = f.y; v[4 * k + 2] = f.z; v[4 * k + 3] = f.w;
+    q8_units(n_in >> 4, 0, SWZ, xq, xd, xs, [=, &ss](int u, int k, bool ok) {
+        float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (ok) {
+            f = __ldg(reinterpret_cast<const float4*>(x) + 4 * u + k);
+            const float4 g = __ldg(reinterpret_cast<const float4*>(norm_w) + 4 * u + k);
+            ss += f.x * f.x + f.y * f.y + f.z * f.z + f.w * f.w;
+            f = make_float4(f.x * g.x, f.y * g.y, f.z * g.z, f.w * g.w);
         }
-        q8_unit(v, ok, u, SWZ, xq, xd, xs);
-    }
+        return f;
+    });
     ss = warp_sum(ss);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
     return part;
