@@ -1,8 +1,8 @@
-"""The import graph of the k4 sources, read from their syntax trees (nothing is imported): imports
-point one way, cli -> runtime -> runtime/cuda (docs/ARCHITECTURE.md), and the modules' own
-top-level imports form no circle. Imports inside functions (runtime.backend choosing a backend,
-the few that defer a module until a call) and under `if TYPE_CHECKING:` are the exceptions the
-rules name. No GPU."""
+"""The house rules a machine can check (docs/ARCHITECTURE.md, ../shared/STYLE.md), read from the
+sources (nothing is imported): imports point one way, cli -> runtime -> runtime/cuda, and the
+modules' own top-level imports form no circle (imports inside functions, such as runtime.backend
+choosing a backend, and under `if TYPE_CHECKING:` are the exceptions the rules name); no source
+file is over MAX_LINES lines. No GPU."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # the installed package's names of the source folders (pyproject.toml [tool.setuptools.package-dir])
 PACKAGES = {"cli": "k4.cli", "runtime": "k4.runtime", "kernels_cu": "k4.kernels_cu"}
+MAX_LINES = 450  # one responsibility a file: past this, a file holds two
+SOURCE_FOLDERS = ("cli", "runtime", "kernels_cu", "scripts", "tests")
 
 
 def module_files() -> dict[str, Path]:
@@ -112,3 +114,10 @@ def test_imports_point_from_the_cli_to_the_runtime_to_its_cuda_backend():
             assert not any(m.startswith("k4.runtime.cuda") for m in top), f"{name} imports the CUDA backend at load"
         if name.startswith("k4.kernels_cu"):
             assert not anywhere, f"{name} (CUDA sources) imports {sorted(anywhere)}"
+
+
+def test_no_source_file_is_over_the_line_limit():
+    files = [p for folder in SOURCE_FOLDERS for ext in ("*.py", "*.cu", "*.cuh") for p in (REPO / folder).rglob(ext)]
+    assert len(files) > 100
+    long = {str(p.relative_to(REPO)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines (move a responsibility into a file of its own): {long}"
