@@ -1,8 +1,9 @@
 """The house rules a machine can check (docs/ARCHITECTURE.md, ../shared/STYLE.md), read from the
 sources (nothing is imported): imports point one way, cli -> runtime -> runtime/cuda, and the
 modules' own top-level imports form no circle (imports inside functions, such as runtime.backend
-choosing a backend, and under `if TYPE_CHECKING:` are the exceptions the rules name); no source
-file is over MAX_LINES lines. No GPU."""
+choosing a backend, and under `if TYPE_CHECKING:` are the exceptions the rules name); the
+runtime reads the environment in one place (runtime/flags.py: values are passed in, not read deep
+inside); no source file is over MAX_LINES lines. No GPU."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 # the installed package's names of the source folders (pyproject.toml [tool.setuptools.package-dir])
 PACKAGES = {"cli": "k4.cli", "runtime": "k4.runtime", "kernels_cu": "k4.kernels_cu"}
 MAX_LINES = 450  # one responsibility a file: past this, a file holds two
+ENVIRONMENT_READERS = {"runtime/flags.py"}  # the runtime's one reader of os.environ (Flags)
 SOURCE_FOLDERS = ("cli", "runtime", "kernels_cu", "scripts", "tests")
 
 
@@ -121,3 +123,22 @@ def test_no_source_file_is_over_the_line_limit():
     assert len(files) > 100
     long = {str(p.relative_to(REPO)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"over {MAX_LINES} lines (move a responsibility into a file of its own): {long}"
+
+
+def environment_reads(path: Path) -> list[int]:
+    """Lines of `path` that read the process environment: os.environ, os.getenv, os.environb."""
+    tree = ast.parse(path.read_text())
+    return sorted(node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb")
+            and isinstance(node.value, ast.Name) and node.value.id == "os")
+
+
+def test_environment_reads_are_found(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import os\na = os.environ.get('X')\nb = os.getenv('Y')\nc = {}.get('environ')\n")
+    assert environment_reads(src) == [2, 3]
+
+
+def test_the_runtime_reads_the_environment_only_in_flags():
+    readers = {str(p.relative_to(REPO)) for p in (REPO / "runtime").rglob("*.py") if environment_reads(p)}
+    assert readers == ENVIRONMENT_READERS, f"read the environment once, in runtime/flags.py, and pass values in: {sorted(readers)}"
