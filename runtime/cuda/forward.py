@@ -20,14 +20,15 @@ from ..model import ModelConfig
 from . import dequant, gemv_pair, matmul, moe, ops
 from .constants import MMA8_TOKENS
 from .gemv_batch import gemv_rows, quantize_rows
-from .gemv_choice import after_attention_variant, qkv_variant
-from .handoffs import Q8_SWIZZLE, Handoffs
+from .gemv_choice import after_attention_variant, gemv_variant, qkv_variant
 from .gemv_mma import gemv_mma
+from .handoffs import Q8_SWIZZLE, Handoffs
 from .kv_cache import KVCache
 from .launch import device_limits
 from .op_args import AttnShape, FreshKV, RopeArgs
 from .q8_handoff import Q8Rows, Q8Vector, folds_norm
 from .quant_kernels import MMA8_MIN_TOKENS
+from .quant_types import QUANT
 from .weights import LayerWeights, Weights
 
 
@@ -227,12 +228,12 @@ class Forward:
                                 stream=self.stream, trace=self.ops.trace, x_q8=h_q8)
             return {name: c[:1] for p in L.qkv for name, c in p.cols.items()}
         if (n == 1 and self.opts.qkv_q8 and later and norm is not None and h_q8 is None
-                and all(p.w.ggml_type in matmul.QUANT for p in L.qkv)
-                and len({matmul.QUANT[p.w.ggml_type].x_swizzle for p in later}) == 1):
+                and all(p.w.ggml_type in QUANT for p in L.qkv)
+                and len({QUANT[p.w.ggml_type].x_swizzle for p in later}) == 1):
             # only where no later run folds the norm's scale into its outputs (q8_handoff.folds_norm: with
             # a post-norm none does): a run that folds it computes other bits than the first run's q8 x
             # would give it, and its one-pass prologue costs about what the copy does
-            if len(norm) == 3 or not any(folds_norm(matmul.gemv_variant(p.w.ggml_type, *p.w.shape)) for p in later):
+            if len(norm) == 3 or not any(folds_norm(gemv_variant(p.w.ggml_type, *p.w.shape)) for p in later):
                 x_q8_out = Q8Vector.for_weight(later[0].w, self.act.h_q8)
         wide = self.qkv_variant(L) if n == 1 else None
         for p in L.qkv:
@@ -246,7 +247,7 @@ class Forward:
         """The gemv_q8 variant of layer L's one-token q/k/v product where it is one quantized run
         (K4_QKV_WIDE, gemv_choice.qkv_variant), else None (matmul's choice)."""
         (p, *more), t = L.qkv, L.qkv[0].w.ggml_type
-        if more or not self.opts.qkv_wide or t not in matmul.QUANT or p.w.glu:
+        if more or not self.opts.qkv_wide or t not in QUANT or p.w.glu:
             return None
         return qkv_variant(t, p.w.shape[0], self.n_sm)
 
@@ -273,7 +274,7 @@ class Forward:
             if ff_q8 is not None:  # the verify step: ff also quantized for w_down, in the same launch
                 gemv_mma(p.w, h, ff, stream=self.stream, trace=self.ops.trace, x_q8=h_q8, y_q8=ff_q8)
                 return ff_q8
-            if p.w.ggml_type in matmul.QUANT:  # up to BATCH_TOKENS tokens per read of the weight
+            if p.w.ggml_type in QUANT:  # up to BATCH_TOKENS tokens per read of the weight
                 gemv_rows(p.w, h, ff, stream=self.stream, trace=self.ops.trace, x_q8=h_q8)
                 return None
             for i in range(n):

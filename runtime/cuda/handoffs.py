@@ -3,8 +3,8 @@ instead of quantizing its input in every block (attention's output for the outpu
 gate/up output for down, the verify step's rows), and the NQ handoff a residual product writes
 for the products after the next RMSNorm (K4_NORM_Q8 for one token, K4_MMA8_NQ for the verify
 step's rows) with the weight whose swizzle it is made in. Forward (forward.py) asks; these only
-choose and describe buffers of `act`, they launch nothing. Formats: q8_handoff.py (Q8Vector),
-gemv_batch.py (Q8Rows).
+choose and describe buffers of `act`, they launch nothing. Formats: q8_handoff.py (Q8Vector,
+Q8Rows).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as T
 from ..model import ModelConfig
 from . import gemv_pair, matmul, ops
 from .constants import MMA8_TOKENS
-from .gemv_choice import nx_reads
+from .gemv_choice import NQ_TYPES, gemv_variant, nx_reads
 from .gemv_mma import nq_parts, uses_mma8, writes_q8
 from .q8_handoff import Q8Rows, Q8Vector
 from .quant_kernels import MMA8_MIN_TOKENS
@@ -63,7 +63,7 @@ class Handoffs:
         wo quantized. For several rows (the verify step) x_q8_rows's for wo, which wo's product
         copies instead of a quantize_q8_rows kernel running first (quantized: the same bytes)."""
         cfg = self.cfg
-        if wo.ggml_type not in matmul.QUANT or not self.ops.uses_attn_q8(n, cfg.head_dim, cfg.n_head // cfg.n_head_kv, n_split, limit):
+        if wo.ggml_type not in QUANT or not self.ops.uses_attn_q8(n, cfg.head_dim, cfg.n_head // cfg.n_head_kv, n_split, limit):
             return None
         return Q8Vector.for_weight(wo, self.act.x_q8) if n == 1 else self.x_q8_rows(wo, n)
 
@@ -105,11 +105,11 @@ class Handoffs:
         or None where one of them cannot read it: each with a gemv_q8 instance that reads it
         (gemv_choice.nx_reads), all of one swizzle."""
         for w in ws:
-            if w.ggml_type not in matmul.NQ_TYPES or not matmul.uses_gemv(w, 1):
+            if w.ggml_type not in NQ_TYPES or not matmul.uses_gemv(w, 1):
                 return None
-            if not nx_reads(w.ggml_type, matmul.gemv_variant(w.ggml_type, w.shape[0] // (2 if w.glu else 1), w.shape[1], w.glu), w.glu):
+            if not nx_reads(w.ggml_type, gemv_variant(w.ggml_type, w.shape[0] // (2 if w.glu else 1), w.shape[1], w.glu), w.glu):
                 return None
-        return ws[0] if len({matmul.QUANT[w.ggml_type].x_swizzle for w in ws}) == 1 else None
+        return ws[0] if len({QUANT[w.ggml_type].x_swizzle for w in ws}) == 1 else None
 
     def readers(self, li: int) -> tuple:
         """(reader of layer li's gate/up, reader of the q/k/v of layer li + 1 or after the last
