@@ -17,11 +17,6 @@ from .quant_types import FLOAT, QUANT
 EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # the router as one "expert"
 
 
-def expert_bytes(mf: ModelFile, cfg: ModelConfig) -> int:
-    """Device bytes of every stacked expert tensor and router (as in the file)."""
-    return sum(mf.tensor(f"blk.{i}.{n}.weight").n_bytes for i in range(cfg.n_layer) for n in EXPERT_TENSORS) if cfg.n_expert else 0
-
-
 def scratch_bytes(mf: ModelFile, cfg: ModelConfig, planar: bool) -> int:
     """The largest expert tensor that upload_experts passes through scratch (0: none)."""
     names = (f"blk.{i}.{n}.weight" for i in range(cfg.n_layer if cfg.n_expert else 0) for n in EXPERT_TENSORS)
