@@ -1,8 +1,8 @@
 """Errors a user can cause. Each carries one sentence that says what is wrong and what to do.
 
 The CLI catches `K4Error` in one place (cli/render.py), prints the message on one line and
-exits with `exit_code` (2 for errors in the user's input, 3 for a failure of the GPU, 130 for
-Ctrl-C). Everything else is a bug and keeps its traceback.
+exits with `exit_code` (2 for errors in the user's input, 3 for a failure of the GPU; Ctrl-C,
+a KeyboardInterrupt, exits with 130 there too). Everything else is a bug and keeps its traceback.
 """
 
 
@@ -46,12 +46,6 @@ class GpuError(K4Error):
 
 class UsageError(K4Error):
     """An option or input value is invalid."""
-
-
-class Interrupted(K4Error):
-    """The user pressed Ctrl-C; the CLI exits with 130."""
-
-    exit_code = 130
 
 
 class OutOfMemoryError(K4Error):
