@@ -155,10 +155,8 @@ def moe_shapes(cfg) -> dict[str, tuple[int, ...]]:
     (n_expert, n_embd, n_ff_exp); the shared expert's gate vector (n_embd,) and its matrices
     (n_ff_shexp rows) when cfg.n_ff_shexp > 0 (llama.cpp's LLM_ARCH_QWEN2MOE tensors)."""
     e, d, f = cfg.n_expert, cfg.n_embd, cfg.n_ff_exp
-    shapes = {"ffn_gate_inp.weight": (e, d), "ffn_gate_exps.weight": (e, f, d), "ffn_up_exps.weight": (e, f, d),
-              "ffn_down_exps.weight": (e, d, f)}
+    shapes = dict(zip(MOE_TENSORS, ((e, d), (e, f, d), (e, f, d), (e, d, f))))
     if cfg.n_ff_shexp:
         s = cfg.n_ff_shexp
-        shapes.update({"ffn_gate_inp_shexp.weight": (d,), "ffn_gate_shexp.weight": (s, d), "ffn_up_shexp.weight": (s, d),
-                       "ffn_down_shexp.weight": (d, s)})
+        shapes.update(zip(MOE_SHARED_TENSORS, ((d,), (s, d), (s, d), (d, s))))
     return shapes

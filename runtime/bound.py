@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .arch import MOE_TENSORS
 from .kv_types import F16, KVTypes
 from .model import ModelConfig, ModelFile
 
 H200_BANDWIDTH_GBS = 4200.0  # GB/s (1e9 B/s): the H200's HBM3e figure
-EXPERT_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+EXPERT_TENSORS = MOE_TENSORS[1:]  # the stacked experts, past the router
 
 
 def weight_bytes_per_token(mf: ModelFile) -> int:

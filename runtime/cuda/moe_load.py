@@ -5,6 +5,7 @@ expert and planar where moe.planar_experts says (upload_experts), each layer's M
 
 from __future__ import annotations
 
+from ..arch import MOE_TENSORS
 from ..errors import UnsupportedModelError
 from ..model import ModelConfig, ModelFile
 from . import moe_one
@@ -14,7 +15,7 @@ from .moe import Experts, MoeWeights, decode_fusable, fused_glu, planar_experts,
 from .quant_types import FLOAT, QUANT
 
 
-EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # the router as one "expert"
+EXPERT_TENSORS = tuple(n.removesuffix(".weight") for n in MOE_TENSORS)  # the router as one "expert"
 
 
 def scratch_bytes(mf: ModelFile, cfg: ModelConfig, planar: bool) -> int:
