@@ -33,8 +33,8 @@ def options(flags: Flags) -> tuple:
     """(WeightOptions, ForwardOptions, OpSwitches) of a Flags value."""
     on = flags.on
     pdl = on("K4_PDL")
-    mat = device_weight.WeightOptions(tensor_cores=on("K4_PREFILL_TC"), pdl=pdl, evict_first=on("K4_EVICT_FIRST"), mma8=on("K4_MMA8"),
-                                 mma8_cluster=on("K4_MMA8_CLUSTER"))
+    mat = device_weight.WeightOptions(tensor_cores=on("K4_PREFILL_TC"), pdl=pdl, evict_first=on("K4_EVICT_FIRST"),
+                                      mma8=on("K4_MMA8"), mma8_cluster=on("K4_MMA8_CLUSTER"))
     w = WeightOptions(repack=on("K4_REPACK"), stack=on("K4_STACK"), glu=on("K4_FUSE_SWIGLU"), pinned=on("K4_PINNED_UPLOAD"),
                       planar_experts=on("K4_PLANAR_EXPERTS"), matrix=mat)
     f = ForwardOptions(fuse_norm=on("K4_FUSE_NORM"), fuse_rope=on("K4_FUSE_ROPE"), fuse_moe=on("K4_FUSE_MOE"),

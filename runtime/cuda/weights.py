@@ -24,8 +24,8 @@ from ..rope import RopeTable, factor_tensor, rope_table
 from ..trace import Trace
 from ..weights import dequantize_tensor
 from . import device_weight, layout, matmul, memory
-from .quant_kernels import GLU_ACTS
 from .moe_load import layer_moe, scratch_bytes as moe_scratch_bytes, upload_experts
+from .quant_kernels import GLU_ACTS
 
 STACKED = ("attn_q", "attn_k", "attn_v", "attn_qkv", "ffn_gate", "ffn_up")  # per-layer tensors uploaded as Projections
 
