@@ -18,6 +18,7 @@ import numpy as np
 from .errors import UsageError
 
 MASK64 = (1 << 64) - 1
+SEED_MULTIPLIER = 0x100000001B3  # uniform()'s seed mix (the 64-bit FNV prime); sampling.cu gets seed * it
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def splitmix64(x: int) -> int:
 
 def uniform(seed: int, step: int) -> float:
     """A uniform float in [0, 1) for draw number `step` under `seed` (53 random bits)."""
-    return (splitmix64((seed * 0x100000001B3 + step) & MASK64) >> 11) * (1.0 / (1 << 53))
+    return (splitmix64((seed * SEED_MULTIPLIER + step) & MASK64) >> 11) * (1.0 / (1 << 53))
 
 
 def apply_repeat_penalty(logits: np.ndarray, history: Sequence[int], penalty: float, last_n: int) -> np.ndarray:

@@ -74,3 +74,48 @@ def test_same_seed_same_tokens():
 def test_invalid_values_name_the_range(change, needle):
     with pytest.raises(UsageError, match=needle.replace("(", r"\(").replace("]", r"\]")):
         SamplingParams().with_(**change)
+
+
+def test_defaults_are_llama_cpps():
+    """llama.cpp's common_params_sampling defaults (temp 0.80, top-k 40, top-p 0.95, min-p 0.05,
+    repeat penalty 1.00 over the last 64 tokens); k4's seed defaults to 0 so that runs repeat."""
+    p = SamplingParams()
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed) == (0.8, 40, 0.95, 0.05, 1.0, 64, 0)
+
+
+def test_the_ranges_ends_are_valid():
+    """--temp 0 (greedy), --min-p 0 and 1, --top-p 1 and --repeat-last-n 0 are accepted."""
+    SamplingParams(temperature=0.0, top_p=1.0, min_p=0.0, repeat_last_n=0).validate()
+    assert SamplingParams(temperature=0.0).validate().greedy and not SamplingParams(temperature=1e-6).greedy
+    SamplingParams(min_p=1.0).validate()
+
+
+def test_uniform_is_the_same_stream_in_every_version():
+    """A seed names the same text across versions and on the GPU (sampling.cu draws the same u):
+    these values are splitmix64((seed * 0x100000001B3 + step) mod 2^64) >> 11, over 2^53."""
+    assert uniform(1, 2) == 0.2491670799166551
+    assert uniform(0, 0) == 0.8833108082136426
+    assert uniform(7, 3) == 0.12945116780430932
+
+
+def test_repeat_last_n_zero_is_off_and_small_positive_logits_are_divided():
+    logits = np.array([0.5, -0.5, 4.0], np.float32)
+    assert apply_repeat_penalty(logits, [0, 1, 2], 2.0, 0) is logits  # llama.cpp: last_n 0 disables
+    np.testing.assert_allclose(apply_repeat_penalty(logits, [0, 1], 2.0, 8), [0.25, -1.0, 4.0])
+    np.testing.assert_allclose(apply_repeat_penalty(logits, [0, 1], 1.0, 8), logits)
+
+
+def test_candidates_weights_are_relative_to_the_top_and_stay_finite():
+    """weights = exp((logit - max) / T): the top one is exactly 1 however large the logits are."""
+    logits = np.array([1000.0, 999.0, 990.0, -5.0], np.float32)
+    order, w = candidates(logits, SamplingParams(temperature=0.5, top_k=0, top_p=1.0, min_p=0.0))
+    assert order.tolist() == [0, 1, 2, 3] and w[0] == 1.0 and np.all(np.isfinite(w))
+    np.testing.assert_allclose(w[1], np.exp(-2.0), rtol=1e-12)
+    order, w = candidates(logits, SamplingParams(temperature=0.5))  # top-p 0.95 keeps 0.731 + 0.269
+    assert order.tolist() == [0, 1] and np.all(np.isfinite(w))
+
+
+def test_min_p_can_leave_a_single_candidate():
+    logits = np.array([10.0, 0.0, 0.0], np.float32)
+    order, w = candidates(logits, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.5))
+    assert order.tolist() == [0] and w.tolist() == [1.0]

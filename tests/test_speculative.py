@@ -257,3 +257,35 @@ def test_accept_sampled_penalizes_each_rows_own_token():
         logits[i, own], logits[i, nxt] = 2.0, 1.5  # penalized: 1.0 < 1.5
     got, _ = accept_sampled(logits, ids, params, [0, 2], 0)
     assert got == [6, 8, 1]
+
+
+def test_accept_sampled_numbers_its_draws_one_random_number_each():
+    """The draw number returned is the first one no draw used: a draft's test and the final draw
+    take one number each, so the next verify step never reuses a number (which would tie its draws
+    to these)."""
+    params = SamplingParams(temperature=1.0, top_k=1)  # top-k 1: p(argmax) = 1, every other id 0
+    logits = np.zeros((4, 10), np.float32)
+    logits[:, 5] = 3.0
+    assert accept_sampled(logits, [1, 5, 5, 5], params, [], 10) == ([5, 5, 5, 5], 14)  # 3 tests + the last row
+    assert accept_sampled(logits, [1, 5, 2, 5], params, [], 10) == ([5, 5], 13)  # 2 tests, the redraw
+    assert accept_sampled(logits, [1, 2], params, [], 0) == ([5], 2)
+
+
+def test_accept_sampled_sees_the_history_inside_the_penalty_window():
+    """The penalty window reaches back into history (also a history shorter than the window) and
+    no further: token 7 leads row 0 and is penalized exactly while it is among the last 5 ids."""
+    params = SamplingParams(temperature=0.0, repeat_penalty=100.0, repeat_last_n=5)
+    logits = np.zeros((1, 10), np.float32)
+    logits[0, 7], logits[0, 2] = 5.0, 1.0
+    assert accept_sampled(logits, [3], params, [7], 0)[0] == [2]
+    assert accept_sampled(logits, [3], params, [7, 1, 1, 1], 0)[0] == [2]
+    assert accept_sampled(logits, [3], params, [7, 1, 1, 1, 1], 0)[0] == [7]  # [1, 1, 1, 1, 3]: 7 has left
+
+
+def test_draft_vocab_sizes_may_differ_by_llama_cpps_128():
+    words = [f"t{i}" for i in range(300)]
+    check_draft_vocab(words, words[:172])
+    with pytest.raises(UsageError, match="same vocabulary"):
+        check_draft_vocab(words, words[:171])
+    with pytest.raises(UsageError, match="token 3"):
+        check_draft_vocab(words, words[:3] + ["x"] + words[4:])

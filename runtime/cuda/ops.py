@@ -17,7 +17,7 @@ import cupy as cp
 import numpy as np
 
 from ..kv_types import F16, KVTypes
-from ..sampling import MASK64, SamplingParams
+from ..sampling import MASK64, SEED_MULTIPLIER, SamplingParams
 from ..trace import Trace
 from .attention_launch import GQA_MIN_LIMIT, AttentionLaunchers
 from .compile import module
@@ -32,7 +32,6 @@ from .op_args import OUT_TYPES, RopeArgs, check_f32, check_out, ring_mask, row_s
 
 # Launch parameters of the host only; what the kernels share is in constants.py.
 ROPE_WARPS = 4  # rows per block of rope_qk_store (the kernel takes its warp count from blockDim)
-FNV_PRIME = 0x100000001B3  # the seed multiplier of runtime/sampling.py uniform()
 
 
 GLU_KERNELS = {"silu": "swiglu", "gelu_tanh": "geglu"}  # ModelConfig.activation -> elementwise.cu kernel
@@ -48,7 +47,7 @@ def pack_sampler_params(p: SamplingParams) -> np.ndarray:
     words = np.zeros(SAMPLER_PARAM_WORDS, dtype=np.uint64)  # (8,)
     words[:4].view(np.float64)[:] = (p.temperature, p.top_p, p.min_p, p.repeat_penalty)
     words[4:6].view(np.int64)[:] = (p.top_k, p.repeat_last_n)
-    words[6] = (p.seed * FNV_PRIME) & MASK64
+    words[6] = (p.seed * SEED_MULTIPLIER) & MASK64
     return words
 
 
