@@ -289,3 +289,70 @@ def test_draft_vocab_sizes_may_differ_by_llama_cpps_128():
         check_draft_vocab(words, words[:171])
     with pytest.raises(UsageError, match="token 3"):
         check_draft_vocab(words, words[:3] + ["x"] + words[4:])
+
+
+def test_lookup_takes_one_grams_and_every_shorter_n_gram_in_turn():
+    """n = ngram .. 1, each size in turn: a 1-gram may be the context's first token, and a 2-gram
+    match under ngram 3 wins over a later 1-gram match."""
+    assert LookupDrafter(1).draft([5, 9, 5], 1) == [9]
+    assert LookupDrafter(3).draft([1, 2, 7, 8, 3, 7, 9, 2, 7], 2) == [8, 3]  # "2 7", not the later "7"
+
+
+def test_model_drafter_keeps_within_its_context_and_repeats_itself(data):
+    """The draft model's cache never overflows: at 15 of 16 positions it drafts one token; the
+    same context twice gives the same drafts (the cache holds it all but the last token)."""
+    mf = open_model(data / "models" / "stories260K.gguf")
+    drafter = ModelDrafter(make_backend(mf, "numpy", 16))
+    ctx = [1, 403, 407, 261, 378, 260, 431, 306, 260, 464, 321, 260, 363, 266, 290]
+    one = drafter.draft(ctx, 5)
+    assert len(one) == 1 and drafter.draft(ctx, 5) == one
+    assert drafter.draft(ctx[:8], 3) == drafter.draft(ctx[:8], 3) and len(drafter.draft(ctx[:8], 3)) == 3
+
+
+def test_draft_max_ends_are_valid():
+    Speculator(LookupDrafter(2), 0)
+    Speculator(LookupDrafter(2), 63)
+    with pytest.raises(UsageError, match="0 to 63"):
+        Speculator(LookupDrafter(2), 64)
+
+
+def test_greedy_with_a_repeat_penalty_is_the_plain_output(data):
+    """The device's greedy verify knows no penalty, so a penalized greedy run takes the host rule;
+    its tokens are plain decoding's."""
+    mf = open_model(data / "models" / "stories260K.gguf")
+    prompt = [1, 403, 407, 261, 378]
+    params = SamplingParams(temperature=0.0, repeat_penalty=1.5, repeat_last_n=16)
+    plain = make_backend(mf, "numpy", 128).generate(prompt, params)
+    want = [next(plain) for _ in range(30)]
+    gen = Speculator(LookupDrafter(2), 4).generate(make_backend(mf, "numpy", 128), prompt, params)
+    assert [next(gen) for _ in range(30)] == want
+    assert want != [next(g) for g in [make_backend(mf, "numpy", 128).generate(prompt, SamplingParams(temperature=0.0))] for _ in range(30)]
+
+
+def test_sampled_speculation_draws_each_number_once_and_keeps_the_cache(data, monkeypatch):
+    """The sampled path: the first token is the plain sampler's (draw number 0), every later
+    draw takes the next number (none reused, none skipped), and when closed the cache holds the
+    prompt and the tokens consumed but the last."""
+    from k4.runtime import sampling, spec_accept
+
+    used = []
+
+    def spy(seed, step):
+        used.append(step)
+        return sampling.uniform.__wrapped__(seed, step)
+
+    spy.__wrapped__ = sampling.uniform
+    mf = open_model(data / "models" / "stories260K.gguf")
+    prompt = [1, 403, 407, 261, 378]
+    params = SamplingParams(temperature=1.0, seed=5)
+    plain = make_backend(mf, "numpy", 128).generate(prompt, params)
+    first = next(plain)
+    monkeypatch.setattr(sampling, "uniform", spy)
+    monkeypatch.setattr(spec_accept, "uniform", spy)
+    be = make_backend(mf, "numpy", 128)
+    gen = Speculator(LookupDrafter(1), 3).generate(be, prompt, params)
+    got = [next(gen) for _ in range(25)]
+    gen.close()
+    assert got[0] == first
+    assert used == list(range(len(used))) and len(used) >= 25
+    assert be.tokens == prompt + got[:-1]
