@@ -119,6 +119,24 @@ def test_yarn_table_blends_by_pair_and_scales_the_magnitude():
     assert t.mscale == pytest.approx(1 + 0.1 * math.log(4))
 
 
+def test_yarn_ramp_starts_at_its_low_pair_and_high_stops_at_the_last_pair():
+    """llama.cpp's rope_yarn_ramp: pair i blends by y = (i - low) / (high - low), clipped to [0, 1]
+    (a model whose low pair is not 0: original context 4,096 gives low 10, high 23); high is
+    clamped to rope_dim / 2 - 1 pairs (base 100 at 65,536 positions: ceil(64.3) -> 63); a scale of
+    1.5 still scales the magnitude by 1 + 0.1 ln 1.5."""
+    cfg = tiny_config("llama", rope_dim=64, head_dim=64, rope_scaling="yarn", rope_scale=4.0, rope_orig_ctx=4096)
+    assert yarn_corr_dims(cfg) == (10.0, 23.0)
+    base = 10000.0 ** (-np.arange(32) * 2 / 64)
+    inv = rope_table(cfg, 8192, None).inv_freq
+    for i, y in [(10, 0.0), (11, 1 / 13), (17, 7 / 13), (23, 1.0)]:  # weight y on the interpolated base / 4
+        assert inv[i] == pytest.approx(base[i] * (y / 4 + (1 - y)), rel=1e-14), i
+    far = tiny_config("llama", rope_dim=64, head_dim=64, rope_freq_base=100.0, rope_scaling="yarn", rope_scale=4.0,
+                      rope_orig_ctx=65536)
+    assert yarn_corr_dims(far) == (40.0, 63.0)
+    mild = tiny_config("llama", rope_dim=64, head_dim=64, rope_scaling="yarn", rope_scale=1.5, rope_orig_ctx=4096)
+    assert rope_table(mild, 8192, None).mscale == pytest.approx(1 + 0.1 * math.log(1.5), rel=1e-12)
+
+
 def test_linear_scaling_divides_positions_and_unscaled_models_keep_their_table():
     plain = tiny_config("llama")
     lin = tiny_config("llama", rope_scaling="linear", rope_scale=8.0)
