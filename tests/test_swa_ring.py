@@ -23,6 +23,7 @@ def test_ring_rows_hold_the_window_and_one_pass():
     assert swa_ring.ring_rows(4096, 512, 131072) == 8192  # gemma 2
     assert swa_ring.ring_rows(5, 64, 4096) == swa_ring.RING_MIN_ROWS  # the kernels' largest key tile divides it
     assert swa_ring.ring_rows(1024, 512, 2048) == 0  # not smaller than the context: a plain cache
+    assert swa_ring.ring_rows(1537, 512, 131072) == 2048  # window + chunk - 1 = 2,048 exactly: no doubling
     for window, chunk in ((1, 1), (100, 9), (1024, 512), (1025, 512), (1538, 512), (4096, 512)):  # 1538: 2,049 rows needed
         r = swa_ring.ring_rows(window, chunk, 1 << 30)
         assert r & (r - 1) == 0 and r >= window + chunk - 1 and r // 2 < max(swa_ring.RING_MIN_ROWS, window + chunk - 1)
