@@ -77,3 +77,21 @@ def test_ppl_estimate():
     assert ppl == pytest.approx(math.e**2) and err == pytest.approx(math.e**2 * math.sqrt((2 / 3) / 2))
     assert ppl_estimate(2.0, 4.0, 1) == (pytest.approx(math.e**2), None)  # one token: no spread to measure
     assert ppl_estimate(3.0, 3.0, 3)[1] is None  # every token equally likely: zero variance
+    # two tokens (nll 1 and 2) have a spread: variance 0.25 over n - 1 = 1
+    assert ppl_estimate(3.0, 5.0, 2)[1] == pytest.approx(math.exp(1.5) * math.sqrt(0.25 / 1))
+
+
+def test_the_smallest_context_and_text_perplexity_takes(data):
+    """-c 4 and a text of exactly two chunks run (llama.cpp's limits: 2 * n_ctx tokens); -c 3
+    and one token fewer are refused with the size to use."""
+    from k4.runtime.errors import UsageError
+    from k4.runtime.perplexity import perplexity
+
+    be = NumpyBackend(open_model(data / "models" / "stories260K.gguf"), 8)
+    text = [1, 403, 407, 261, 378, 260, 431, 306]
+    got = list(perplexity(be, text, 4, 1))
+    assert [c.n_scored for c in got] == [1, 1] and all(c.ppl > 1 for c in got)
+    with pytest.raises(UsageError, match="at least 4"):
+        next(perplexity(be, text, 3, 1))
+    with pytest.raises(UsageError, match="needs at least 8"):
+        next(perplexity(be, text[:7], 4, 1))
