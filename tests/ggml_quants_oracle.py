@@ -252,9 +252,11 @@ ORACLES = {T.Q4_K: (c_q4_K, 256), T.Q5_K: (c_q5_K, 256), T.Q6_K: (c_q6_K, 256), 
 
 
 def hard_blocks(n: int, seed: int) -> np.ndarray:
-    """(n + 10) * 256 float32 weights: ordinary blocks and the cases that take special paths (zero
+    """(n + 12) * 256 float32 weights: ordinary blocks and the cases that take special paths (zero
     and constant sub-blocks, one-signed blocks, outliers, fp16 underflow, exact ties, -0.0, spans
-    too small for float rounding)."""
+    too small for float rounding), and two blocks found by search whose bytes change if a scale
+    search takes one step more than ggml's (make_qx_quants' -9 .. 9 for Q6_K, make_qkx2_quants'
+    nstep 15 for Q5_K), which random blocks seldom tell (about 1 in 500 for Q5_K, 1 in 37,000 for Q6_K)."""
     rng = np.random.default_rng(seed)
     blocks = [rng.standard_normal(256) * 0.02 for _ in range(n)]
     b = rng.standard_normal(256) * 0.05
@@ -276,4 +278,6 @@ def hard_blocks(n: int, seed: int) -> np.ndarray:
     blocks.append(z)
     blocks.append(rng.standard_normal(256) * 1e-36)  # spans below 1e-30: kquants' integer rounding path
     blocks.append(np.where(rng.random(256) < 0.1, -1.0, 1e-7 * rng.standard_normal(256)))  # sparse outliers
+    blocks.append(np.random.default_rng(5).standard_t(3, size=(400, 256))[399].astype(F) * F(0.02))
+    blocks.append(np.random.default_rng(0).laplace(size=(216, 256))[215].astype(F) * F(0.02))
     return np.concatenate(blocks).astype(np.float32)
