@@ -247,3 +247,37 @@ def test_tokenizer_errors_name_the_file(tmp_path, kwargs, message):
     with pytest.raises(TokenizerError) as err:
         Tokenizer.from_model(mf)
     assert message in str(err.value) and "bad.gguf" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_spm_without_scores_or_special_ids_takes_llama_cpps_defaults(tmp_path):
+    """A "llama" vocabulary with no scores, BOS/EOS keys: scores 0 (ties by id), BOS 1, EOS 2,
+    BOS added; a character it has no piece or byte for is its unknown token; add_eos_token adds
+    EOS."""
+    tokens = ["<unk>", "<s>", "</s>", "a", "b", "▁", "▁a", "▁b"]
+    types = [2, 3, 3, 1, 1, 1, 1, 1]
+    tok = Tokenizer.from_model(write_vocab(tmp_path / "v.gguf", tokens, types, model="llama", pre=None))
+    assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.add_eos) == (1, 2, True, False)
+    assert tok.encode("a b") == [1, 6, 7]
+    assert tok.encode("a c", add_bos=False) == [6, 5, 0]  # "c": no piece, no <0x63> byte token
+    w = gguf.GGUFWriter(str(tmp_path / "eos.gguf"), arch="llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_add_eos_token(True)
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        step()
+    eos = Tokenizer.from_model(open_model(tmp_path / "eos.gguf", require_weights=False))
+    assert eos.add_eos and eos.encode("a") == [1, 6, 2]
+
+
+def test_spm_without_a_space_prefix_keeps_a_leading_space_when_decoding(tmp_path):
+    tokens = ["<unk>", "<s>", "</s>", "a", "b", "▁", "▁a", "▁b"]
+    kinds = [2, 3, 3, 1, 1, 1, 1, 1]
+    plain = Tokenizer.from_model(write_vocab(tmp_path / "p.gguf", tokens, kinds, model="llama", pre=None, space_prefix=False))
+    prefixed = Tokenizer.from_model(write_vocab(tmp_path / "s.gguf", tokens, kinds, model="llama", pre=None, space_prefix=True))
+    assert plain.decode([7, 6]) == " b a" and prefixed.decode([7, 6]) == "b a"
+
+
+def test_bpe_merges_naming_missing_tokens_are_dropped(tmp_path):
+    mf = write_vocab(tmp_path / "v.gguf", ["a", "b", "ab", "c"], [1, 1, 1, 1], merges=["x y", "a b", "c d", "b c"])
+    assert Tokenizer.from_model(mf).encode("abc") == [2, 3]
