@@ -29,6 +29,14 @@ def test_route_picks_the_largest_and_renormalizes():
     np.testing.assert_allclose(wn[0], p[[1, 3]] / p[[1, 3]].sum(), rtol=1e-6)
 
 
+def test_route_is_finite_for_large_router_logits():
+    """The softmax subtracts the row's largest logit first: logits near 100 (exp overflows
+    float32 at 88.7) still give the exact probabilities."""
+    ids, w = route(np.array([[100.0, 99.0, 0.0, 98.0]], np.float32), 2, renormalize=False)
+    e = np.exp(np.array([0.0, -1.0, -100.0, -2.0]))
+    assert ids.tolist() == [[0, 1]] and np.all(np.isfinite(w))
+    np.testing.assert_allclose(w[0], e[[0, 1]] / e.sum(), rtol=1e-6)
+
 def test_route_breaks_ties_by_the_lower_id_among_128_experts():
     """Qwen3-30B-A3B's 128 experts with logits in three values, so most probabilities tie: the k
     chosen are the largest, ties taken by the lower id (what moe_route.cuh's ranks give), for
