@@ -141,3 +141,41 @@ def test_synth_writes_a_model_with_finite_forward(tmp_path):
     assert np.isfinite(logits).all() and logits.std() > 0
     r = runner.invoke(app, ["synth", "test-tiny", str(out)])
     assert r.exit_code == 2 and "--force" in r.stderr
+
+
+def test_run_verify_times_both_step_sizes_alternately():
+    """tvN: VERIFY_STEPS steps of N random ids (never BOS/EOS/UNK: ids >= 3) alternating with
+    one-token steps after one prompt eval; t/s = N / the median N-token step, the ratio of the
+    medians. A fake clock where a step of n ids takes n ms (plus 5 ms once, an outlier the
+    median drops)."""
+    from k4.runtime.bench_spec import VERIFY_STEPS, run_verify
+
+    class Fake:
+        def __init__(self):
+            self.now, self.calls, self.evals = 0.0, [], []
+
+        def eval(self, ids):
+            self.evals.append(list(ids))
+
+        def verify(self, batch):
+            self.calls.append(list(batch))
+            self.now += len(batch) * 1e-3 + (5e-3 if len(self.calls) == 3 else 0.0)
+
+    be = Fake()
+    tps, extra = run_verify(be, 4, [1, 5], 10, 0, lambda: be.now)
+    assert be.evals == [[1, 5]] and [len(c) for c in be.calls] == [4, 1] * VERIFY_STEPS
+    assert all(3 <= t < 10 for c in be.calls for t in c)
+    assert tps == pytest.approx(1000.0) and extra["verify_ratio"] == pytest.approx(4.0)
+    assert extra["verify_ms"] == pytest.approx(4.0) and extra["verify1_ms"] == pytest.approx(1.0)
+
+
+def test_bench_verify_and_lookup_tests():
+    """--verify 4 --lookup 2: tv4 reports its steps' times and ratio; tg16/lookup2 drafts from
+    the model's own continuation, so every draft is accepted, 8 tokens a step (draft-max 7)."""
+    recs = {r["test"]: r for r in json.loads(_bench("-p", "0", "-n", "16", "--verify", "4", "--lookup", "2", "-o", "json"))}
+    assert set(recs) == {"tg16", "tg16/lookup2", "tv4"}
+    tv = recs["tv4"]
+    assert tv["verify_ratio"] == pytest.approx(tv["verify_ms"] / tv["verify1_ms"])
+    assert tv["samples_ts"][-1] == pytest.approx(4 / (tv["verify_ms"] / 1e3))
+    lk = recs["tg16/lookup2"]
+    assert lk["draft_accepted"] == lk["draft_tokens"] > 0 and lk["tokens_per_step"] == 8.0
