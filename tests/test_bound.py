@@ -38,6 +38,8 @@ def test_stories_figures_by_hand(data):
     # stories260K: F32, 512 x 64 embedding (131,072 bytes), one row 256 bytes
     path = data / "models/stories260K.gguf"
     assert weight_bytes_per_token(open_model(path)) == sum(_file_bytes(path).values()) - 131072 + 256
+    b = decode_bound(open_model(path), 0, 1)  # the default bandwidth: the H200's 4.2 TB/s (issues 18, 20)
+    assert b.tokens_per_s == pytest.approx(4.2e12 / b.bytes_per_token, rel=1e-12)
 
 
 def test_tied_output_counts_the_whole_embedding(data):
