@@ -195,3 +195,20 @@ def test_the_qkv_variant_compiles_only_with_its_flag_and_reads_the_handoff():
     assert gc.nx_reads(T.Q4_K, wide, False) and not gc.nx_reads(T.Q4_K, wide, True)
     handed = hand.Q8Vector(None, 256, 1, parts=object(), n_parts=4)
     hand.check_q8(SimpleNamespace(ggml_type=T.Q4_K, glu=False), handed, None, 256, 64, False, variant=wide)
+
+
+def test_nx_reads_admits_exactly_the_compiled_handoff_readers():
+    """A launch that nx_reads admits runs a gemv.cu NX instance: for every quantized type, every
+    variant a rule can pick (the default, the GLU one, the row-blocks and q/k/v variants) and glu
+    or not, nx_reads says yes exactly where both layouts' NX instances are in a compile group.
+    A yes without the instance fails only on the GPU, at the launch."""
+    compiled = {n for g in qk.GROUPS["gemv.cu"].values() for n in g}
+    admitted = 0
+    for t, q in qt.QUANT.items():
+        variants = {q.gemv, q.glu, gc.ROW_BLOCKS_VARIANT.get(t), gc.QKV_VARIANT.get(t)} - {None}
+        for v in variants:
+            for glu in (False, True):
+                have = all(qk._gemv_q8_name(t, p, v, glu, nx=True) in compiled for p in (False, True))
+                assert gc.nx_reads(t, v, glu) == have, (t.name, v, glu)
+                admitted += have
+    assert admitted >= 4  # Q4_K and Q6_K: the default and the GLU variant at least
