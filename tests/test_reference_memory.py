@@ -70,6 +70,7 @@ def test_decode_without_the_cache_is_bit_identical(data):
     mf = open_model(data / "models" / "stories260K-pad-q4_k_m.gguf")
     kept, on_use = NumpyBackend(mf, 32), NumpyBackend(mf, 32, cache_bytes=0)
     assert kept.cached and not on_use.cached and all(m.f32 is None for m in on_use.matrices())
+    assert all(m.f32 is not None and m.f32.dtype == np.float32 for m in kept.matrices())  # kept: dequantized once at load
     ids = [1, 403, 407, 261, 378, 12, 88]
     np.testing.assert_array_equal(on_use.eval(ids, all_logits=True), kept.eval(ids, all_logits=True))
     np.testing.assert_array_equal(on_use.eval([99]), kept.eval([99]))
