@@ -75,3 +75,27 @@ def test_corpus(tmp_path, case):
     path = tmp_path / "m.gguf"
     path.write_bytes(mutate(json.loads(case.read_text())))
     load(path)
+
+
+def test_bounded_reader_fields_match_the_gguf_package():
+    """BoundedReader builds array fields' parts on demand; every field of the sample model (the
+    vocabulary's string arrays, the scores and types, the scalars) has gguf.GGUFReader's parts at
+    every index, negative ones included, and the same contents."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from k4.runtime.gguf_reader import BoundedReader
+
+    theirs, ours = GGUFReader(SAMPLE, "r"), BoundedReader(SAMPLE, "r")
+    assert list(ours.fields) == list(theirs.fields)
+    arrays = 0
+    for key, want in theirs.fields.items():
+        got = ours.fields[key]
+        n = len(want.parts)
+        assert len(got.parts) == n and list(got.data) == list(want.data) and got.types == want.types, key
+        step = max(1, n // 40)  # a few dozen indices of the 1,500-part arrays, the first and last 8 each
+        for i in sorted({*range(-n, n, step), *range(min(n, 8)), *range(-min(n, 8), 0)}):
+            assert np.array_equal(got.parts[i], want.parts[i]), (key, i)
+        assert got.contents() == want.contents(), key
+        arrays += len(want.data) > 1
+    assert arrays >= 3  # tokens, scores, token types
