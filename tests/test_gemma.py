@@ -163,6 +163,28 @@ def test_family_fields_follow_llama_cpp():
     assert (llama["n_swa"], llama["swa_layers"], llama["activation"], llama["embed_scale"]) == (0, (), "silu", 1.0)
 
 
+@pytest.mark.parametrize("arch, keys", [
+    ("gemma3", {"attention.sliding_window": 5}),  # the family's 5:1 pattern and local base: the window alone
+    ("gemma3", {"attention.sliding_window": 5, "attention.sliding_window_pattern": (True, False, True, True)}),
+    ("gemma3", {"attention.sliding_window": 5, "rope.freq_base_swa": 20000.0}),
+    ("gemma2", {"attention.sliding_window": 4}),  # gemma2: the global base and llama.cpp's caps
+    ("gemma2", {"attention.sliding_window": 4, "rope.freq_base_swa": 5e5, "attn_logit_softcapping": 2.0,
+                "final_logit_softcapping": 8.0}),
+    ("llama", {}),  # a family without these options: no key
+])
+def test_family_keys_are_the_fewest_that_give_the_config_back(arch, keys):
+    """family_keys (what synth and the tests write) is family_fields' inverse: the keys a config
+    needs and no others (a value equal to the family's default is left out), and reading them
+    gives back the config's fields."""
+    from k4.runtime.family_keys import family_keys
+
+    a = ARCHITECTURES[arch]
+    cfg = gemma_tiny(arch, keys)
+    read = {k: tuple(v) if isinstance(v, list) else v for k, v in family_keys(cfg).items()}  # lists read back as tuples
+    assert read == keys
+    fields = family_fields(a, read, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.rope_freq_base)
+    assert all(getattr(cfg, k) == v for k, v in fields.items())
+
 def test_a_pattern_of_the_wrong_length_is_refused(tmp_path, data):
     cfg = gemma_tiny("gemma3", {"attention.sliding_window": 5, "attention.sliding_window_pattern": (True, False, True, True)})
     path = write_tiny(tmp_path / "bad.gguf", data / "models" / "stories260K.gguf", replace(cfg, swa_layers=(True, False, True)))
