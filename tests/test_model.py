@@ -148,3 +148,16 @@ def test_reader_on_a_plain_view_parses_what_gguf_parses(data):
         mine = mf.tensors[t.name]
         assert mine.file_offset == int(t.data_offset)
         assert np.array_equal(mine.raw_bytes().reshape(-1), np.asarray(t.data).reshape(-1).view(np.uint8))
+
+
+def test_optional_tensors_follow_the_family_rule():
+    """q/k/v biases: read when present for llama (some llama-architecture models carry them),
+    always for qwen2, never for qwen3; one attn_qkv tensor: phi3's when present, never llama's."""
+    from k4.runtime.arch import ARCHITECTURES as A
+
+    biased, plain = {"blk.0.attn_q.bias", "blk.0.attn_q.weight"}, {"blk.0.attn_q.weight"}
+    assert A["llama"].has_qkv_bias(biased) and not A["llama"].has_qkv_bias(plain)
+    assert A["qwen2"].has_qkv_bias(plain) and not A["qwen3"].has_qkv_bias(biased)
+    fused = {"blk.0.attn_qkv.weight"}
+    assert A["phi3"].has_fused_qkv(fused) and not A["phi3"].has_fused_qkv(plain)
+    assert not A["llama"].has_fused_qkv(fused)
