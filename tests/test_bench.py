@@ -28,6 +28,26 @@ def test_test_names_follow_llama_bench():
     assert BenchTest(0, 128).name == "tg128"
     assert BenchTest(512, 128).name == "pp512+tg128"
     assert BenchTest(0, 128, 4096).name == "tg128@d4096"
+    assert BenchTest(0, 0, 8, n_verify=4).name == "tv4@d8" and BenchTest(0, 16, lookup=2).name == "tg16/lookup2"
+
+
+def test_each_test_asks_for_the_context_it_fills():
+    """tvN: depth, the first token, then VERIFY_STEPS steps of N + 1 at worst; ppN+tgM the depth
+    and its tokens, and with lookup one position more."""
+    from k4.runtime.bench_spec import VERIFY_STEPS
+
+    assert BenchTest(0, 0, 8, n_verify=4).ctx_tokens == 8 + 1 + VERIFY_STEPS * 5
+    assert BenchTest(16, 32, 64).ctx_tokens == 112 and BenchTest(0, 32, 64, lookup=2).ctx_tokens == 97
+
+
+def test_latency_percentiles_in_the_records():
+    from k4.runtime.bench import BenchResult, result_record
+
+    res = BenchResult(BenchTest(0, 4), samples=[10.0, 12.0], token_ms=[float(x) for x in range(1, 102)])
+    rec = result_record(res, {}, {})
+    assert rec["token_ms_p50"] == 51.0 and rec["token_ms_p99"] == 100.0 and rec["token_gpu_ms_p50"] is None
+    assert rec["avg_ts"] == 11.0 and rec["stddev_ts"] == pytest.approx(2 ** 0.5)
+    assert result_record(BenchResult(BenchTest(0, 4), samples=[9.0]), {}, {})["stddev_ts"] == 0.0
 
 
 def test_expand_is_the_cartesian_product():
