@@ -131,6 +131,18 @@ def test_parse_cost_of_2m_empty_strings_is_a_small_multiple_of_the_file(tmp_path
     assert float(seconds) < 5.0 and float(mib) < 48, run.stdout
 
 
+@pytest.mark.parametrize("what, cut, count", [("keys", None, 136_329), ("tensors", 20_000, 2_000)])
+def test_counts_the_file_cannot_hold_are_refused_before_the_parse(tmp_path, what, cut, count):
+    """A header claiming more keys (13 bytes each at least) or tensor infos (32) than the file's
+    bytes can hold is refused at once, naming the count: a tenth of the sample's 1.36 MB in keys;
+    2,000 tensor infos in a file cut to 20,000 bytes (within k4's 32,768, past the 625 it holds)."""
+    data = Model.sample().to_bytes(**{"n_kv" if what == "keys" else "n_tensors": count})
+    path = tmp_path / "m.gguf"
+    path.write_bytes(data[:cut])
+    with pytest.raises(ModelFileError, match=f"{count} {what} cannot fit in"):
+        open_model(path)
+
+
 def test_bounded_reader_gives_the_values_gguf_gives(tmp_path):
     mf = open_model(SAMPLE_MODEL)
     tokens = mf.meta("tokenizer.ggml.tokens")
