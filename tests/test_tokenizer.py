@@ -281,3 +281,21 @@ def test_spm_without_a_space_prefix_keeps_a_leading_space_when_decoding(tmp_path
 def test_bpe_merges_naming_missing_tokens_are_dropped(tmp_path):
     mf = write_vocab(tmp_path / "v.gguf", ["a", "b", "ab", "c"], [1, 1, 1, 1], merges=["x y", "a b", "c d", "b c"])
     assert Tokenizer.from_model(mf).encode("abc") == [2, 3]
+
+
+def test_special_ids_must_name_a_token(tmp_path):
+    """BOS/EOS ids are used when 0 <= id < n_vocab (0 included); an id past the vocabulary is
+    treated as absent rather than indexing past it."""
+    tokens, types = ["<s>", "a", "b", "ab"], [3, 1, 1, 1]
+    tok = Tokenizer.from_model(write_vocab(tmp_path / "v.gguf", tokens, types, merges=["a b"], bos=0, eos=4))
+    assert (tok.bos_id, tok.bos_text, tok.eos_id) == (0, "<s>", None)
+    assert tok.encode("ab", add_bos=True) == [0, 3]
+
+
+def test_llama3_pre_takes_a_whole_word_from_the_vocabulary_before_merging(tmp_path):
+    """Llama 3's BPE (llama.cpp's ignore_merges) takes a word that is a token as that token; other
+    pre-tokenizers build it by merges, which here reach only "ab" + "c"."""
+    tokens, merges = ["a", "b", "c", "abc", "ab"], ["a b"]
+    llama3 = Tokenizer.from_model(write_vocab(tmp_path / "l.gguf", tokens, [1] * 5, pre="llama-bpe", merges=merges))
+    gpt2 = Tokenizer.from_model(write_vocab(tmp_path / "g.gguf", tokens, [1] * 5, pre="gpt-2", merges=merges))
+    assert llama3.encode("abc", add_bos=False) == [3] and gpt2.encode("abc") == [4, 2]
