@@ -199,3 +199,18 @@ def test_bench_verify_and_lookup_tests():
     assert tv["samples_ts"][-1] == pytest.approx(4 / (tv["verify_ms"] / 1e3))
     lk = recs["tg16/lookup2"]
     assert lk["draft_accepted"] == lk["draft_tokens"] > 0 and lk["tokens_per_step"] == 8.0
+
+
+def test_run_lookup_times_every_token_after_the_first(data):
+    """tgN/lookupK: the model's own greedy continuation primes the drafter (untimed), then the
+    run is timed from the start: t/s = N over the whole run, and a latency per token after the
+    first. A fake clock that advances 1 ms a reading."""
+    import itertools
+
+    from k4.runtime.bench_spec import run_lookup
+
+    be = NumpyBackend(open_model(data / "models" / "stories260K.gguf"), 64)
+    ticks = itertools.count(1)
+    tps, token_ms, extra = run_lookup(be, [1, 403, 407], 8, 2, 7, lambda: next(ticks) * 1e-3)
+    assert tps == pytest.approx(8 / 9e-3) and token_ms == pytest.approx([1.0] * 7)
+    assert extra["draft_accepted"] == extra["draft_tokens"] > 0 and extra["draft_steps"] >= 1
