@@ -337,7 +337,6 @@ class ChatSession:
             result = self.generator.result
             if not finished:
                 result.stop_reason = "interrupted"
-            if not finished:
                 splitter.flush()
             self.messages.append({"role": "assistant", "content": splitter.answer})
             self.last = TurnReport(result, trace_since(before, trace), cache_reset, splitter.thinking)
