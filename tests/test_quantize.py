@@ -98,7 +98,12 @@ def test_q4_k_m_is_byte_identical_to_llama_quantize(tmp_path, data, monkeypatch,
         monkeypatch.setattr(kquants, "CACHE_WEIGHTS", cache)
     ref_path = data / "models" / "stories260K-pad-q4_k_m.gguf"
     out = tmp_path / "q.gguf"
-    quantize_model(data / "models" / "stories260K-pad-f32.gguf", out, "Q4_K_M", threads=threads)
+    calls = []
+    plan = quantize_model(data / "models" / "stories260K-pad-f32.gguf", out, "Q4_K_M", threads=threads,
+                          progress=lambda done, total, name: calls.append((done, total, name)))
+    done = [c[0] for c in calls]  # progress in weights: rising to every weight of the plan, tensor by tensor
+    assert done == sorted(set(done)) and done[-1] == plan.n_elements and {c[1] for c in calls} == {plan.n_elements}
+    assert list(dict.fromkeys(c[2] for c in calls)) == [t.name for t in plan.tensors]
     ours, ref = GGUFReader(out), GGUFReader(ref_path)
     assert len(ref.tensors) == 48
     assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
