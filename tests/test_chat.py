@@ -241,6 +241,21 @@ def test_set_param():
         with pytest.raises(UsageError, match=message):
             s.set_param(name, value)
     assert s.settings() == settings
+    s.set_param("max_tokens", "-1")  # no limit
+    s.set_param("seed", "0")
+    assert s.settings()["max_tokens"] == -1 and s.settings()["seed"] == 0
+    s.set_param("max_tokens", "0")
+    assert s.settings()["max_tokens"] == 0
+
+
+def test_set_seed_starts_the_draws_over():
+    """/set seed S after some replies: the next reply is drawn as a new session's first with S."""
+    fresh = make_session(SAMPLE_MODEL, params=SamplingParams(temperature=1.0, seed=7), n_predict=16)
+    want = turn(fresh, "Once upon a time")
+    s = make_session(SAMPLE_MODEL, params=SamplingParams(temperature=1.0, seed=3), n_predict=16)
+    turn(s, "Once upon a time")
+    s.set_param("seed", "7")
+    assert turn(s, None) == want  # the regenerated reply: the same window as fresh's first
 
 
 def test_save_and_load_round_trip(tmp_path):
