@@ -37,7 +37,8 @@ def read_suite(path):
     return list(zip(texts[:-1], expected))
 
 
-def write_vocab(path, tokens, types, model="gpt2", pre="gpt-2", merges=(), scores=None, space_prefix=None, **ids):
+def write_vocab(path, tokens, types, model="gpt2", pre="gpt-2", merges=(), scores=None, space_prefix=None, add_eos=None,
+                **ids):
     """A vocabulary-only GGUF; ids: bos/eos/eot = token id keys."""
     w = gguf.GGUFWriter(str(path), arch="llama")
     if model is not None:
@@ -52,6 +53,8 @@ def write_vocab(path, tokens, types, model="gpt2", pre="gpt-2", merges=(), score
         w.add_token_scores(scores)
     if space_prefix is not None:
         w.add_add_space_prefix(space_prefix)
+    if add_eos is not None:
+        w.add_add_eos_token(add_eos)
     for key, value in ids.items():
         getattr(w, f"add_{key}_token_id")(value)
     w.write_header_to_file()
@@ -222,9 +225,12 @@ def test_pre_tokenizer_digit_rules(tmp_path, pre, expected):
     assert Tokenizer.from_model(mf).encode("123123 x") == expected
 
 
+SPM_TOKENS = ["<unk>", "<s>", "</s>", "a", "b", "▁", "▁a", "▁b"]  # a tiny SentencePiece vocabulary: unk, BOS, EOS, pieces
+
+
 @pytest.mark.parametrize(("space_prefix", "ids", "text"), [(None, [6, 7], "a b"), (True, [6, 7], "a b"), (False, [3, 7], "a b")])
 def test_spm_space_prefix(tmp_path, space_prefix, ids, text):
-    tokens = ["<unk>", "<s>", "</s>", "a", "b", "▁", "▁a", "▁b"]
+    tokens = SPM_TOKENS
     mf = write_vocab(tmp_path / "v.gguf", tokens, [2, 3, 3, 1, 1, 1, 1, 1], model="llama", pre=None,
                      scores=[0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0], space_prefix=space_prefix)
     tok = Tokenizer.from_model(mf)
@@ -253,25 +259,18 @@ def test_spm_without_scores_or_special_ids_takes_llama_cpps_defaults(tmp_path):
     """A "llama" vocabulary with no scores, BOS/EOS keys: scores 0 (ties by id), BOS 1, EOS 2,
     BOS added; a character it has no piece or byte for is its unknown token; add_eos_token adds
     EOS."""
-    tokens = ["<unk>", "<s>", "</s>", "a", "b", "▁", "▁a", "▁b"]
+    tokens = SPM_TOKENS
     types = [2, 3, 3, 1, 1, 1, 1, 1]
     tok = Tokenizer.from_model(write_vocab(tmp_path / "v.gguf", tokens, types, model="llama", pre=None))
     assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.add_eos) == (1, 2, True, False)
     assert tok.encode("a b") == [1, 6, 7]
     assert tok.encode("a c", add_bos=False) == [6, 5, 0]  # "c": no piece, no <0x63> byte token
-    w = gguf.GGUFWriter(str(tmp_path / "eos.gguf"), arch="llama")
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_add_eos_token(True)
-    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
-        step()
-    eos = Tokenizer.from_model(open_model(tmp_path / "eos.gguf", require_weights=False))
+    eos = Tokenizer.from_model(write_vocab(tmp_path / "eos.gguf", tokens, types, model="llama", pre=None, add_eos=True))
     assert eos.add_eos and eos.encode("a") == [1, 6, 2]
 
 
 def test_spm_without_a_space_prefix_keeps_a_leading_space_when_decoding(tmp_path):
-    tokens = ["<unk>", "<s>", "</s>", "a", "b", "▁", "▁a", "▁b"]
+    tokens = SPM_TOKENS
     kinds = [2, 3, 3, 1, 1, 1, 1, 1]
     plain = Tokenizer.from_model(write_vocab(tmp_path / "p.gguf", tokens, kinds, model="llama", pre=None, space_prefix=False))
     prefixed = Tokenizer.from_model(write_vocab(tmp_path / "s.gguf", tokens, kinds, model="llama", pre=None, space_prefix=True))
