@@ -226,11 +226,20 @@ __device__ __forceinline__ u32 q6k_quants(const uint4 (&l)[2], const uint4& h, i
     return type_q6_K::quant_word(word(l[half], 2 * (m & 1) + lr), word(h, 2 * half + lr), m);
 }
 
+// Byte i (0..3) of w as a signed int: one prmt in its generic form, whose selector nibbles with the
+// msb set replicate the selected byte's sign over the upper three bytes (PTX ISA, prmt).
+__device__ __forceinline__ int sbyte(u32 w, int i) {
+    int r;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(w), "r"(i | (0x8 | i) << 4 | (0x8 | i) << 8 | (0x8 | i) << 12));
+    return r;
+}
+
 // acc (C order: rows g, g + 8 x tokens 2t, 2t + 1) += one Q6_K block of rows g (l0, h0: word t
 // of its ql and qh pieces, sc0 its 16 scales, d0 its scale) and g + 8 (l1, h1, sc1, d1) times the
 // x of its 8 sub-blocks at xq, xsc (gemv_mma.cu's layout): per group one m16n8k16 mma with -32 *
-// the sum of x's quants as C (the dot with q - 32, |dot| <= 16 * 32 * 127 < 2^22), then
-// dx * sc * dot in float (sc * dot exact: < 2^24).
+// the sum of x's quants as C (the dot with q - 32, |dot| <= 16 * 32 * 127 < 2^16); the two groups
+// of a sub-block (one dx) meet in int32, sc_a dot_a + sc_b dot_b (|.| <= 2 * 128 * 2^16 < 2^24,
+// so exact as a float), and dx times that is the sub-block's one float rounding.
 __device__ __forceinline__ void q6k_dot(const uint4 (&l0)[2], const uint4& h0, const uint4& sc0, float d0,
                                         const uint4 (&l1)[2], const uint4& h1, const uint4& sc1, float d1,
                                         const u8* xq, const u32* xsc, int lane, float (&acc)[4]) {
@@ -241,18 +250,16 @@ __device__ __forceinline__ void q6k_dot(const uint4 (&l0)[2], const uint4& h0, c
         const uint2 b = *reinterpret_cast<const uint2*>(xq + 256 * s + 8 * lane);
         const float2 dx = *reinterpret_cast<const float2*>(xsc + 32 * s + 8 * t);     // tokens 2t, 2t + 1
         const int4 c32 = *reinterpret_cast<const int4*>(xsc + 32 * s + 8 * t + 4);  // -32 sums: 2s (x, y), 2s + 1 (z, w)
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const int i = 2 * s + k;
-            int d[4];
-            mma_k16(d, q6k_quants(l0, h0, i), q6k_quants(l1, h1, i), k ? b.y : b.x, k ? c32.z : c32.x, k ? c32.w : c32.y);
-            const float sa = magic_int_to_float((int)(i8)(word(sc0, i >> 2) >> (8 * (i & 3))));
-            const float sb = magic_int_to_float((int)(i8)(word(sc1, i >> 2) >> (8 * (i & 3))));
-            dot_s[0] += dx.x * (sa * magic_int_to_float(d[0]));
-            dot_s[1] += dx.y * (sa * magic_int_to_float(d[1]));
-            dot_s[2] += dx.x * (sb * magic_int_to_float(d[2]));
-            dot_s[3] += dx.y * (sb * magic_int_to_float(d[3]));
-        }
+        int da[4], db[4];
+        mma_k16(da, q6k_quants(l0, h0, 2 * s), q6k_quants(l1, h1, 2 * s), b.x, c32.x, c32.y);
+        mma_k16(db, q6k_quants(l0, h0, 2 * s + 1), q6k_quants(l1, h1, 2 * s + 1), b.y, c32.z, c32.w);
+        const u32 w0 = word(sc0, s >> 1), w1 = word(sc1, s >> 1);  // scales 2s, 2s + 1: bytes 2 (s & 1), + 1
+        const int a0 = sbyte(w0, 2 * (s & 1)), b0 = sbyte(w0, 2 * (s & 1) + 1);
+        const int a1 = sbyte(w1, 2 * (s & 1)), b1 = sbyte(w1, 2 * (s & 1) + 1);
+        dot_s[0] += dx.x * (float)(a0 * da[0] + b0 * db[0]);
+        dot_s[1] += dx.y * (float)(a0 * da[1] + b0 * db[1]);
+        dot_s[2] += dx.x * (float)(a1 * da[2] + b1 * db[2]);
+        dot_s[3] += dx.y * (float)(a1 * da[3] + b1 * db[3]);
     }
     acc[0] += d0 * dot_s[0];
     acc[1] += d0 * dot_s[1];
