@@ -49,7 +49,7 @@ class ForwardOptions:
     mma8_ffq8: bool = True  # K4_MMA8_FFQ8: the verify step's gate/up product writes its output quantized for down (gate_up)
     wo_wide: bool = True  # K4_WO_WIDE: decode's output product in gemv_choice.after_attention_variant (residual)
     head_argmax: bool = True  # K4_HEAD_ARGMAX: decode's output head writes the sampler's argmax partials (output)
-    qkv_wide: bool = False  # K4_QKV_WIDE: decode's q/k/v of one run in gemv_choice.qkv_variant (qkv)
+    qkv_wide: bool = True  # K4_QKV_WIDE: decode's q/k/v of one run in gemv_choice.qkv_variant (qkv)
 
 
 class Forward:

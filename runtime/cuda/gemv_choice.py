@@ -47,8 +47,9 @@ AFTER_ATTENTION_MIN_IN = 2048  # inputs the product must exceed
 # (constants.py) warps where that takes a round of rows off 16 warps' grid and leaves at most
 # QKV_MAX_ROUNDS (qkv_variant). Measured on the H200 (bench_gemv, x as floats, session 46): Qwen2.5
 # 7B's 4,608 x 3,584 4.79 -> 4.57 µs (3 rounds -> 2), TinyLlama's 2,560 x 2,048 3.03 -> 2.81 (2 -> 1);
-# where the rounds stay (4,096 x 4,096, 2) or are many (12,288 x 4,096, 6 -> 5) 0.1 µs slower. Off by
-# default until measured in a model (docs/PERF.md, session 48).
+# where the rounds stay (4,096 x 4,096, 2) or are many (12,288 x 4,096, 6 -> 5) 0.1 µs slower. In a
+# model (tg128, session 52): TinyLlama 2,214 -> 2,229-2,245 t/s, Qwen2.5 7B 682.5-684.6 -> 688.4-689.5,
+# Qwen3-30B-A3B within its noise (761-771 either way); on by default since.
 QKV_VARIANT: dict[T, tuple[int, int, int]] = {T.Q4_K: (QKV_WARPS, 2, 1)}
 QKV_MAX_ROUNDS = 3
 
