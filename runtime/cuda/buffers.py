@@ -90,6 +90,8 @@ def activation_spec(cfg: ModelConfig, chunk: int, n_ctx: int, n_split: int, mm_s
         # partials of split decode attention: (1, n_head, n_split, head_dim + 2) of the range in use
         "part": Buffer((cfg.n_head * n_split * (cfg.head_dim + 2) if n_split > 1 else 0,), f32),
         "ticket": Buffer((cfg.n_head,), np.int32, zero=True),  # splits of decode attention done, per head
+        # K4_HEAD_READY: the q/k/v product's rows done per q head, k head and v head, then attention's blocks past their waits
+        "head_counts": Buffer((cfg.n_head + 2 * cfg.n_head_kv + 1,), np.int32, zero=True),
         "ids": Buffer((n_ctx,), np.int32),  # token ids of one eval/prefill
         "mm_scratch": Buffer((mm_scratch,), np.uint8),  # fp16 X and dequantized W chunks of matmul
         **moe_spec(cfg, P),  # mixture of experts: router logits, top-k ids and weights, expert outputs
