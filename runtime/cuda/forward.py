@@ -254,7 +254,7 @@ class Forward:
             if len(norm) == 3 or not any(folds_norm(gemv_variant(p.w.ggml_type, *p.w.shape)) for p in later):
                 x_q8_out = Q8Vector.for_weight(later[0].w, self.act.h_q8)
         wide = self.qkv_variant(L) if n == 1 else None
-        if later or L.qkv[0].w.ggml_type not in QUANT:
+        if later or n != 1 or not matmul.ready_ok(L.qkv[0].w, wide):  # one launch of an RD instance only
             counts = None
         for p in L.qkv:
             self.linear(p.w, h, p.out[:n], bias=p.bias, norm=norm, x_q8=x_q8, x_q8_out=x_q8_out, variant=wide,
