@@ -166,15 +166,17 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 // ---- rows counted done: one kernel's outputs handed to the next while it still runs ------------
 // The producer (gemv.cu's q/k/v products, flag K4_HEAD_READY) counts every output row it wrote
 // into counts[base + row / per] once its warp has written all its rows: lane 0, which stored them,
-// adds 1 a row by release reductions (red.release.gpu: those stores before the count; no L1
-// invalidation, which acquire fences cost). The consumer
-// (attention_short.cu) waits for its counts with wait_counts instead of the whole producer grid
+// adds 1 a row by reductions, the first with release semantics (red.release.gpu: those stores
+// before every count after it; no L1 invalidation, which acquire fences cost). The consumer
+// (attention_short.cu) waits for a count with wait_count instead of the whole producer grid
 // (griddepcontrol.wait), so a head starts when its own rows are in memory. The consumer launches
 // only once every producer block has started (programmatic dependent launch releases it after all
 // of them triggered), so a wait never holds a producer off the machine.
 __device__ __forceinline__ void count_rows_done(int* counts, int base, int row, int row_end, int row_step, int per) {
-    for (; row < row_end; row += row_step)
-        asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counts + base + row / per) : "memory");
+    if (row >= row_end) return;
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counts + base + row / per) : "memory");
+    for (row += row_step; row < row_end; row += row_step)
+        asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;" ::"l"(counts + base + row / per) : "memory");
 }
 
 // One thread waits until each of the n counts reaches `target`: relaxed loads while it polls (an
