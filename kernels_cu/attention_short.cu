@@ -107,8 +107,11 @@ attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __res
     if (ready != nullptr) {  // K4_HEAD_READY: this head's q rows, and where it holds the token its k and v rows
         if (tid == 0) {
             const int g = h / group;
-            const int* counts[3] = {ready + h, ready + n_head + g, ready + n_head + n_head_kv + g};
-            wait_counts(counts, mine ? 3 : 1, D);
+            wait_count(ready + h, D);
+            if (mine) {
+                wait_count(ready + n_head + g, D);
+                wait_count(ready + n_head + n_head_kv + g, D);
+            }
             // the launch's last active block past its waits zeroes the counts for the next layer's product
             const int n_counts = n_head + 2 * n_head_kv;
             if (ticket_acq_rel(ready + n_counts) == n_head * n_active - 1) {

@@ -166,31 +166,22 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 // ---- rows counted done: one kernel's outputs handed to the next while it still runs ------------
 // The producer (gemv.cu's q/k/v products, flag K4_HEAD_READY) counts every output row it wrote
 // into counts[base + row / per] once its warp has written all its rows: lane 0, which stored them,
-// adds 1 a row by reductions, the first with release semantics (red.release.gpu: those stores
-// before every count after it; no L1 invalidation, which acquire fences cost). The consumer
-// (attention_short.cu) waits for a count with wait_count instead of the whole producer grid
-// (griddepcontrol.wait), so a head starts when its own rows are in memory. The consumer launches
-// only once every producer block has started (programmatic dependent launch releases it after all
-// of them triggered), so a wait never holds a producer off the machine.
+// fences (fence.acq_rel.gpu: those stores before every count after it) and adds 1 a row (relaxed
+// reductions). The consumer (attention_short.cu) waits for a count with wait_count instead of the
+// whole producer grid (griddepcontrol.wait), so a head starts when its own rows are in memory. The
+// consumer launches only once every producer block has started (programmatic dependent launch
+// releases it after all of them triggered), so a wait never holds a producer off the machine.
 __device__ __forceinline__ void count_rows_done(int* counts, int base, int row, int row_end, int row_step, int per) {
     if (row >= row_end) return;
-    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counts + base + row / per) : "memory");
-    for (row += row_step; row < row_end; row += row_step)
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    for (; row < row_end; row += row_step)
         asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;" ::"l"(counts + base + row / per) : "memory");
 }
 
-// One thread waits until each of the n counts reaches `target`: relaxed loads while it polls (an
-// acquire load invalidates the multiprocessor's L1 each time, under the products beside it), then
-// one acquire fence, so the rows counted before (count_rows_done) are visible to this thread, and
-// to its block after a barrier.
-__device__ __forceinline__ void wait_counts(const int* const* counts, int n, int target) {
-    for (int i = 0; i < n; ++i) {
-        int v;
-        do {
-            asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(counts[i]) : "memory");
-        } while (v < target);
-    }
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+// One thread waits until *count reaches `target` (an acquire load each turn): the rows counted
+// before it (count_rows_done) are then visible to this thread, and to its block after a barrier.
+__device__ __forceinline__ void wait_count(const int* count, int target) {
+    while (ld_acquire(count) < target) __nanosleep(32);
 }
 
 // ---- warp reductions (all 32 lanes must take part) ---------------------------------------------
