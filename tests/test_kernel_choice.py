@@ -217,6 +217,29 @@ def test_the_counting_instances_compile_only_with_their_flag():
     assert not any(set(g) & rd for g in groups(False))
 
 
+def test_ready_ok_admits_exactly_the_variants_with_counting_instances():
+    """matmul.ready_ok (gemv ready, K4_HEAD_READY): a quantized weight without gate/up interleave,
+    in its type's default variant (the shape's choice where none is given) or QKV_VARIANT; every
+    admitted (type, variant) has an RD instance in the type's compile group, raw and planar."""
+    from types import SimpleNamespace
+
+    from k4.runtime.cuda import matmul as mm
+
+    def w(t, glu=False, shape=(4608, 3584)):
+        return SimpleNamespace(ggml_type=t, glu=glu, shape=shape)
+
+    for t in qt.QUANT:
+        rd = set(qk.GROUPS["gemv.cu"][f"{t.name}.rd"])
+        for v in {qt.QUANT[t].gemv, gc.QKV_VARIANT.get(t, qt.QUANT[t].gemv), *gc.ROW_BLOCKS_VARIANT.values(), (32, 1, 0), (16, 1, 1)}:
+            admitted = mm.ready_ok(w(t), v)
+            assert admitted == (v in (qt.QUANT[t].gemv, gc.QKV_VARIANT.get(t))), (t.name, v)
+            if admitted:
+                assert all(qk._gemv_q8_name(t, p, v, rd=True) in rd for p in (False, True)), (t.name, v)
+        assert mm.ready_ok(w(t)) == (gc.gemv_variant(t, 4608, 3584) in (qt.QUANT[t].gemv, gc.QKV_VARIANT.get(t)))
+        assert not mm.ready_ok(w(t, glu=True), qt.QUANT[t].gemv), t.name
+    assert not mm.ready_ok(w(T.F16)) and not mm.ready_ok(w(T.F32))
+
+
 def test_nx_reads_admits_exactly_the_compiled_handoff_readers():
     """A launch that nx_reads admits runs a gemv.cu NX instance: for every quantized type, every
     variant a rule can pick (the default, the GLU one, the row-blocks and q/k/v variants) and glu
