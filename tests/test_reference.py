@@ -1,4 +1,6 @@
-"""The numpy reference forward pass: cache consistency, RoPE, padded model equivalence."""
+"""The numpy reference forward pass: cache consistency, RoPE, padded model equivalence, and its
+building blocks (RMSNorm, RoPE tables, causal attention) against float64 formulas at the edges
+where a wrong sign or factor would show: small inputs, large scores, scaled tables."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ from gguf import GGMLQuantizationType as T
 
 from k4.runtime.errors import ContextFullError
 from k4.runtime.model import open_model
-from k4.runtime.reference import NumpyBackend, apply_rope, rope_tables
-from k4.runtime.rope import rope_table
+from k4.runtime.reference import NumpyBackend, apply_rope, causal_attention, rms_norm, rope_tables, swa_rope_tables
+from k4.runtime.rope import RopeTable, rope_table
 from tiny import tiny_config, write_tiny
 
 
@@ -71,3 +73,63 @@ def test_padded_f32_model_computes_the_same_function(data):
     padded = NumpyBackend(open_model(data / "models" / "stories260K-pad-f32.gguf"), 64)
     ids = [1, 403, 407, 261, 378, 12, 88]
     np.testing.assert_allclose(padded.eval(ids, all_logits=True), small.eval(ids, all_logits=True), rtol=0, atol=2e-3)
+
+
+def test_rms_norm_adds_eps_to_the_mean_square():
+    """x / sqrt(mean(x^2) + eps) * w where eps dominates (x of 1e-3, eps 1e-5: mean square 1e-6),
+    and zeros stay zeros (a subtracted eps would give NaN)."""
+    rng = np.random.default_rng(1)
+    x = (1e-3 * rng.standard_normal((3, 64))).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(64)).astype(np.float32)
+    want = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(rms_norm(x, w, 1e-5), want, rtol=2e-6)
+    np.testing.assert_array_equal(rms_norm(np.zeros((1, 64), np.float32), w, 1e-6), np.zeros((1, 64), np.float32))
+
+
+def test_rope_tables_scale_cos_and_sin_by_mscale():
+    """YaRN's mscale multiplies both tables (1.5 here): cos(p w) * 1.5 and sin(p w) * 1.5."""
+    inv = 10000.0 ** (-np.arange(4) * 2 / 8)
+    cos, sin = rope_tables(RopeTable(inv, 1.5), np.array([0, 3, 250]))
+    theta = np.array([0, 3, 250])[:, None] * inv[None, :]
+    np.testing.assert_allclose(cos, 1.5 * np.cos(theta), rtol=1e-6)
+    np.testing.assert_allclose(sin, 1.5 * np.sin(theta), rtol=1e-6, atol=1e-7)
+
+
+def test_sliding_layers_turn_by_their_own_base():
+    """Gemma's sliding layers: theta_i = p * base_swa^(-2i / rope_dim), whatever the global base
+    and scaling (base_swa 10,000 against a global 1,000,000 here)."""
+    cfg = tiny_config("llama", rope_dim=8, head_dim=8)
+    cfg = type(cfg)(**{**cfg.__dict__, "rope_freq_base": 1e6, "rope_freq_base_swa": 1e4})
+    pos = np.array([0, 1, 7, 100])
+    cos, sin = swa_rope_tables(cfg, pos)
+    theta = pos[:, None] * (1e4 ** (-np.arange(4) * 2.0 / 8))[None, :]
+    np.testing.assert_allclose(cos, np.cos(theta), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(sin, np.sin(theta), rtol=1e-6, atol=1e-7)
+
+
+def _attention64(q, k, v, p0, scale):
+    """float64 grouped-query causal attention: q (T, nkv, g, d), k, v (S, nkv, d) -> (T, nkv g d)."""
+    T, nkv, g, d = q.shape
+    out = np.zeros((T, nkv, g, d))
+    for t in range(T):
+        for h in range(nkv):
+            s = k[: p0 + t + 1, h].astype(np.float64) @ q[t, h].astype(np.float64).T * scale  # (keys, g)
+            p = np.exp(s - s.max(0))
+            out[t, h] = (p / p.sum(0)).T @ v[: p0 + t + 1, h]
+    return out.reshape(T, -1)
+
+
+def test_causal_attention_default_scale_and_large_scores():
+    """The default scale is 1/sqrt(head_dim); scores near 80 (where exp of a score, or of a score
+    plus the row's largest, overflows float32) still give float64's softmax."""
+    rng = np.random.default_rng(3)
+    T, nkv, g, d, p0 = 3, 2, 2, 16, 4
+    q = rng.standard_normal((T, nkv, g, d)).astype(np.float32)
+    k = rng.standard_normal((p0 + T, nkv, d)).astype(np.float32)
+    v = rng.standard_normal((p0 + T, nkv, d)).astype(np.float32)
+    np.testing.assert_array_equal(causal_attention(q, k, v, p0), causal_attention(q, k, v, p0, 1 / np.sqrt(d)))
+    np.testing.assert_allclose(causal_attention(q, k, v, p0), _attention64(q, k, v, p0, 1 / np.sqrt(d)), rtol=1e-4, atol=1e-5)
+    big = 9 * q
+    got = causal_attention(big, k, v, p0, 2.0)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, _attention64(big, k, v, p0, 2.0), rtol=1e-3, atol=1e-4)
