@@ -133,3 +133,47 @@ def test_causal_attention_default_scale_and_large_scores():
     got = causal_attention(big, k, v, p0, 2.0)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, _attention64(big, k, v, p0, 2.0), rtol=1e-3, atol=1e-4)
+
+
+def test_verify_keeps_the_evaluated_token_and_the_accepted_drafts(data):
+    """verify([t, d1 .. dk]) returns the accepted drafts and the next token (accept_greedy) and
+    leaves the cache holding t and the accepted drafts only (n_past grows by one more than the
+    accepted drafts); the next logits are those of a plain run fed the same tokens."""
+    mf = open_model(data / "models" / "stories260K.gguf")
+    plain, spec = NumpyBackend(mf, 64), NumpyBackend(mf, 64)
+    prompt = [1, 403, 407, 261]
+    greedy = [int(np.argmax(plain.eval(prompt)))]
+    for _ in range(3):
+        greedy.append(int(np.argmax(plain.eval([greedy[-1]]))))
+    spec.eval(prompt)
+    # t = greedy[0], drafts: two right ones, then a wrong one
+    out = spec.verify([greedy[0], greedy[1], greedy[2], (greedy[3] + 1) % mf.config.n_vocab])
+    assert out == [greedy[1], greedy[2], greedy[3]]
+    assert spec.n_past == len(prompt) + 3  # t and the two accepted drafts
+    np.testing.assert_allclose(spec.eval([greedy[3]]), plain.eval([greedy[3]]), rtol=0, atol=1e-5)
+
+
+def test_phases_steps_and_memory_report(data):
+    """A prompt is one prefill step, each single token a decode step (the trace `k4 bench` and the
+    stats line print); the KV cache's report is its keys' and values' float32 bytes."""
+    mf = open_model(data / "models" / "stories260K.gguf")
+    be = NumpyBackend(mf, 32)
+    be.eval([1, 403, 407])
+    be.eval([5])
+    be.eval([6])
+    assert be.trace.get("prefill").steps == 1 and be.trace.get("decode").steps == 2
+    c = mf.config
+    assert be.memory_report()["kv_cache"] == 2 * 4 * c.n_layer * 32 * c.n_head_kv * c.head_dim
+
+
+def test_generate_numbers_its_draws_from_zero(data, monkeypatch):
+    """generate samples token i with draw number i (0, 1, 2 ...), the numbering the seeded sampler
+    and the GPU's share (runtime/sampling.py): the same seed gives the same text on both."""
+    from k4.runtime import reference
+
+    seen, sample = [], reference.sample
+    monkeypatch.setattr(reference, "sample", lambda logits, params, recent, step: seen.append(step) or sample(logits, params, recent, step))
+    be = NumpyBackend(open_model(data / "models" / "stories260K.gguf"), 32)
+    gen = be.generate([1, 403], reference.SamplingParams(seed=7))
+    [next(gen) for _ in range(4)]
+    assert seen == [0, 1, 2, 3]
