@@ -66,6 +66,7 @@ def test_block_count_of_2_pow_32_is_refused_before_any_layer_is_built(tmp_path):
     ("llama.rope.dimension_count", V.UINT32, 7, "7", "an even number of at most the head size (8)"),
     ("llama.attention.head_count_kv", V.UINT32, 8, "8 (x head size 8 = 64)", "the 128 rows of blk.0.attn_k.weight"),
     ("llama.attention.head_count_kv", V.UINT32, 5, "5", "a divisor of attention.head_count (32)"),
+    ("llama.attention.head_count", V.UINT32, 512, "512", "at most embedding_length (256)"),
     ("llama.feed_forward_length", V.UINT32, 255, "255", "the 256 rows of blk.0.ffn_up.weight"),
     ("llama.embedding_length", V.UINT32, 255, "255", "256, the columns of token_embd.weight"),
     ("tokenizer.ggml.bos_token_id", V.STRING, "1", "'1' (STRING)", "an integer in -2,147,483,648..4,294,967,295"),
