@@ -57,6 +57,12 @@ def mma_smem(D: int) -> int:
     return _mma_smem(D, MMA_TILE_KEYS[D])
 
 
+def head_count_slots(n_head: int, n_head_kv: int) -> int:
+    """The int32 counts attn_short's `ready` holds (K4_HEAD_READY; attention_short.cu): one a q head,
+    one a KV head's keys, one its values, then the blocks past their waits."""
+    return n_head + 2 * n_head_kv + 1
+
+
 def attention_split(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, keys: int = ATT_SPLIT_KEYS,
                     dynamic: bool = False) -> tuple[int, int]:
     """(n_split, split_len) for decode attention over a cache of n_ctx positions: at most
@@ -313,7 +319,7 @@ class AttentionLaunchers:
         planes = _planes(k_cache, v_cache, scales)
         assert x_q8 is None or (self.uses_attn_q8(n_tok, D, n_head // n_head_kv, n_split, limit, types) and x_q8.n == n_head * D)
         assert ready is None or (name.startswith("attn_short") and fresh is not None and ready.dtype == cp.int32
-                                 and ready.size >= n_head + 2 * n_head_kv + 1), "ready: attn_short's counts, with fresh"
+                                 and ready.size >= head_count_slots(n_head, n_head_kv)), "ready: attn_short's counts, with fresh"
         if name.startswith(("attn_mma", "attn_tiled")):
             assert n_split == 1 and fresh is None and (x_q8 is None or x_q8.n_tok == n_tok)
             self._attention_tiles(name, q, planes, out, pos, shape, x_q8)

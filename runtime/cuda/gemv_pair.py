@@ -11,7 +11,7 @@ import numpy as np
 
 from k4.runtime.trace import Trace
 
-from .arg_checks import check_array, check_post
+from .arg_checks import check_array, check_post, ready_fits
 from .constants import q8x_bytes
 from .device_weight import DeviceWeight
 from .gemv_choice import NQ_TYPES, QKV_PAIRS, gemv_variant
@@ -97,8 +97,8 @@ def gemv_pair(w1: DeviceWeight, w2: DeviceWeight, x, y1, y2, *, bias1=None, bias
                 or not all(t in NQ_TYPES for t in (w1.ggml_type, w2.ggml_type))):
             raise ValueError(f"gemv_pair's x_q8 is an NQ handoff of {n_in} values, for NQ types, without norm or post")
         eps = x_q8.eps
-    if ready is not None and not (all(t in NQ_TYPES for t in (w1.ggml_type, w2.ggml_type)) and ready[1] > 0 and n1 % ready[1] == 0
-                                  and ready[0].dtype == np.int32 and ready[0].size > (n1 + n2 - 1) // ready[1]):
+    if ready is not None and not (all(t in NQ_TYPES for t in (w1.ggml_type, w2.ggml_type)) and ready_fits(ready, n1 + n2)
+                                  and n1 % ready[1] == 0):
         raise ValueError(f"gemv_pair's ready counts: NQ types, int32 counts for rows of {ready[1]} that divide {n1}")
     kernel, grid, block, smem, b2 = _plan(w1, w2, post is not None, x_q8 is not None, ready is not None)
     args = (w1.data, w2.data, x, y1, y2, null_or(bias1), null_or(bias2), null_or(norm_w), np.float32(eps),

@@ -42,7 +42,7 @@ from gguf import GGMLQuantizationType as T
 
 from k4.runtime.trace import Trace
 
-from .arg_checks import check_array, check_post
+from .arg_checks import check_array, check_post, ready_fits
 from .constants import q8x_bytes
 from .dequant import dequant_launch
 from .device_weight import DeviceWeight, half_bytes
@@ -217,8 +217,7 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
                    and residual is bias is y_q8 is x_q8_out is norm_out is None):
         raise ValueError(f"argmax partials need a plain product of {w.ggml_type.name} {w.shape} in its default variant")
     rd = ready is not None
-    if rd and not (ready_ok(w, variant) and residual is y_q8 is x_q8_out is norm_out is argmax is None and ready[1] > 0
-                   and ready[0].dtype == np.int32 and ready[0].size > (n_out - 1) // ready[1]):
+    if rd and not (ready_ok(w, variant) and residual is y_q8 is x_q8_out is norm_out is argmax is None and ready_fits(ready, n_out)):
         raise ValueError(f"ready counts need a plain product of {w.ggml_type.name} {w.shape} in an RD variant and "
                          f"int32 counts for rows of {ready[1]}")
     split = x_cluster and x_q8 is None and norm_w is None and post is None and not am and not rd

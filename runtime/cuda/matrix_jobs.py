@@ -30,9 +30,10 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
     jobs = [("matmul.cu", GROUPS["matmul.cu"]["common"], ())]
     jobs += [("gemv.cu", GROUPS["gemv.cu"][f"{head.name}.am"], _defines(evict_first))] if head in QUANT else []
     gelu = activation != "silu" and activation in GLU_ACTS
-    jobs += [("gemv.cu", GROUPS["gemv.cu"][f"pair.{a.name}.{b.name}{suffix}"], _defines(evict_first))
-             for a, b in QKV_PAIRS if a in present and b in present
-             for suffix in ("", ".rd") if not suffix or (ready and f"pair.{a.name}.{b.name}.rd" in GROUPS["gemv.cu"])]
+    pairs = [f"pair.{a.name}.{b.name}" for a, b in QKV_PAIRS if a in present and b in present]
+    if ready:
+        pairs += [f"{p}.rd" for p in pairs if f"{p}.rd" in GROUPS["gemv.cu"]]
+    jobs += [("gemv.cu", GROUPS["gemv.cu"][p], _defines(evict_first)) for p in pairs]
     for t in present:
         jobs += [("gemv.cu", GROUPS["gemv.cu"][t.name], _defines(evict_first)),
                  ("matmul.cu", GROUPS["matmul.cu"][t.name], _defines(evict_first))]
