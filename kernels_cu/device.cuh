@@ -163,6 +163,17 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
     return v;
 }
 
+// *p read relaxed at GPU scope (coherent in L2, no L1 invalidation): a poll's load. After the last
+// poll, acquire_fence() makes what the writer released before the value visible, as one acquire
+// load would; an acquire load in every poll invalidates the multiprocessor's L1 each time (sm_90:
+// CCTL.IVALL after each load), under whatever else runs there.
+__device__ __forceinline__ int ld_relaxed(const int* p) {
+    int v;
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void acquire_fence() { asm volatile("fence.acquire.gpu;" ::: "memory"); }  // PTX ISA 8.6
+
 // ---- rows counted done: one kernel's outputs handed to the next while it still runs ------------
 // The producer (gemv.cu's q/k/v products, flag K4_HEAD_READY) counts every output row it wrote
 // into counts[base + row / per] once its warp has written all its rows: lane 0, which stored them,

@@ -40,16 +40,7 @@ N_X = 4096  # floats of x each link reads whole and writes a share of (a 7B's n_
 THREADS = 512
 
 SOURCE = r"""
-__device__ __forceinline__ int ld_relaxed(const int* p) {
-    int v;
-    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ int ld_acquire(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
+#include "device.cuh"  // ld_relaxed, ld_acquire, acquire_fence: the forms the kernels use
 
 // MODE: 0 grid, 1 relaxed, 2 acquire, 3 relaxed-sleep, 4 none (scripts/boundary_wait.py MODES)
 template <int NV, int MODE>
@@ -67,12 +58,12 @@ __device__ void link(const uint4* w, long long w_stride, const float* x_in, floa
             const int target = gridDim.x;
             if (MODE == 1) {
                 while (ld_relaxed(c) < target) {}
-                asm volatile("fence.acquire.gpu;" ::: "memory");
+                acquire_fence();
             } else if (MODE == 2) {
                 while (ld_acquire(c) < target) __nanosleep(32);
             } else {
                 while (ld_relaxed(c) < target) __nanosleep(32);
-                asm volatile("fence.acquire.gpu;" ::: "memory");
+                acquire_fence();
             }
         }
         __syncthreads();
@@ -133,8 +124,7 @@ def cases() -> list[tuple[int, int, str]]:
 
 def main() -> None:
     import cupy as cp
-
-    # the raw cuLaunchKernelEx launch (PDL)
+    from k4.kernels_cu import SOURCE_DIR
     from k4.runtime.cuda.launch import _launch_ex
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -143,7 +133,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.links < 2 or args.reps < 4:
         raise SystemExit("boundary_wait: --links must be at least 2 and --reps at least 4")
-    mod = cp.RawModule(code=SOURCE, options=("-std=c++17",))
+    mod = cp.RawModule(code=SOURCE, options=("-std=c++17", f"-I{SOURCE_DIR}"))
     n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
     stride = n_sm * THREADS * max(NVS)  # 16-byte words of one link's weights
     words = cp.ones((args.links * stride, 4), dtype=cp.uint32)

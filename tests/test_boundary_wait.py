@@ -10,6 +10,7 @@ import shutil
 import subprocess
 
 import pytest
+from k4.kernels_cu import SOURCE_DIR
 
 from scripts.boundary_wait import MODES, NVS, SMEM_KB, SOURCE, cases, kernel_name
 from scripts.sass_loops import functions
@@ -52,7 +53,7 @@ def poll_loops(sass: str) -> list[list[str]]:
 @pytest.mark.skipif(not TOOLS, reason="nvcc and cuobjdump are not on PATH")
 def test_links_compile_and_only_acquire_polls_invalidate_l1(tmp_path):
     (tmp_path / "links.cu").write_text(SOURCE)
-    build = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
+    build = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", f"-I{SOURCE_DIR}", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
                             str(tmp_path / "links.cu")], capture_output=True, text=True, check=False)
     assert build.returncode == 0, build.stderr[-2000:]
     assert not re.search(r"[1-9]\d* bytes spill", build.stderr)
