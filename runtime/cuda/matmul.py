@@ -188,7 +188,7 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     ready: None or (counts, per), counts an int32 array, per > 0, where ready_ok(w, variant) and
     without residual, y_q8, x_q8_out, norm_out or argmax (decode's q/k/v of one run, K4_HEAD_READY):
     once a warp has written its rows, it adds 1 to counts[r // per] for each of its rows r
-    (gemv.cu RD; n_out // per + 1 counts at least), for a kernel that waits for them.
+    (gemv.cu RD; at least ceil(n_out / per) counts: arg_checks.ready_fits), for a kernel that waits for them.
     Returns the grid's warps. Raises ValueError on wrong shapes, dtypes or alignment, and for
     x_q8, y_q8, post, x_q8_out, argmax or ready where they do not apply.
     """
