@@ -264,13 +264,15 @@ GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
 _GROUP_OF = {(f, name): names for f, groups in GROUPS.items() for names in groups.values() for name in names}
 
 
-def _defines(evict_first: bool) -> tuple[str, ...]:
-    return () if evict_first else ("K4_EVICT_FIRST=0",)
+def _defines(evict_first: bool, count_wait: bool = False) -> tuple[str, ...]:
+    return (() if evict_first else ("K4_EVICT_FIRST=0",)) + (("K4_COUNT_WAIT=1",) if count_wait else ())
 
 
 @cache  # a RawModule lookup per launch showed in the prefill profile (host-bound)
-def _kernel(filename: str, name: str, evict_first: bool = True):
+def _kernel(filename: str, name: str, evict_first: bool = True, count_wait: bool = False):
     """Kernel `name` of kernels_cu/`filename`, from the module of its compile group; evict_first:
-    its weight loads carry the L1 evict-first hint (device.cuh load16, flag K4_EVICT_FIRST)."""
+    its weight loads carry the L1 evict-first hint (device.cuh load16, flag K4_EVICT_FIRST);
+    count_wait: from the module built with K4_COUNT_WAIT (kernels_cu/chain.cuh: the decode step's
+    count waits, for a launch runtime/cuda/chain.py links)."""
     group = _GROUP_OF.get((filename, name))  # None: an extern "C" kernel
-    return module(filename, group, _defines(evict_first) if group else ()).get_function(name)
+    return module(filename, group, _defines(evict_first, count_wait) if group else ()).get_function(name)
