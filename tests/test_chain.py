@@ -13,7 +13,16 @@ import subprocess
 import numpy as np
 import pytest
 from k4.kernels_cu import SOURCE_DIR
-from k4.runtime.cuda.chain import LINKS_PER_LAYER, Chain, ChainFull, chain_args, chain_slots, last_args, slot_of, waits_for_grid
+from k4.runtime.cuda.chain import (
+    LINKS_PER_LAYER,
+    Chain,
+    ChainFull,
+    chain_args,
+    chain_slots,
+    last_args,
+    slot_of,
+    waits_for_grid,
+)
 from k4.runtime.cuda.compile import OPTIONS
 from k4.runtime.cuda.constants import CHAIN_DONE, CHAIN_GRID
 
@@ -156,3 +165,14 @@ def test_without_the_flag_no_chain_code_and_with_it_relaxed_polls(tmp_path, file
             assert text.count("CCTL.IVALL") > sass_off[name].count("CCTL.IVALL"), name  # the acquire fence after it
             if name != "sample_finish":
                 assert text.count("MEMBAR") > sass_off[name].count("MEMBAR"), name  # the release fence before a count
+
+
+def test_the_flag_builds_every_gemv_module_a_second_time_with_the_define():
+    from gguf import GGMLQuantizationType as T
+    from k4.runtime.cuda.matrix_jobs import compile_jobs
+
+    args = ([T.Q4_K, T.Q6_K, T.F32], True, "silu", True, T.Q6_K, True)
+    off, on = compile_jobs(*args), compile_jobs(*args, count_wait=True)
+    assert on[: len(off)] == off
+    gemv = [(f, names, d) for f, names, d in off if f == "gemv.cu"]
+    assert gemv and on[len(off):] == [(f, names, (*d, "K4_COUNT_WAIT=1")) for f, names, d in gemv]
