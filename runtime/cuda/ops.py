@@ -65,7 +65,7 @@ class Ops(AttentionLaunchers):
     def __init__(self, trace: Trace, kv: KVTypes = F16, sw: OpSwitches = OpSwitches()):
         self.trace, self.kv, self.sw = trace, kv, sw
         self._n_sm: int | None = None  # multiprocessors of the device, when a launcher first needs them
-        self._functions: dict[tuple[str, str], object] = {}
+        self._functions: dict[tuple[str, str, bool], object] = {}  # (file, kernel, count_wait)
 
     def function(self, filename: str, name: str, count_wait: bool = False):
         """Kernel `name` of kernels_cu/`filename`, compiled with the switches' defines; count_wait:
