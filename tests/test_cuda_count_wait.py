@@ -80,11 +80,13 @@ def test_generation_is_the_same_bits_with_count_waits(tiny_model, monkeypatch, p
     assert not any(chain_mod.waits_for_grid(a) for a in first[1:]), "every launch after the first waits on a count"
 
 
-@pytest.mark.parametrize("case", ["qwen2-q8_0-hd64", "llama-q6_k-tied", "qwen2-q8_0-bias"])
+@pytest.mark.parametrize("case", ["qwen2-q8_0-hd64", "llama-q6_k-tied", "qwen2-q8_0-bias", "qwen3moe-q4_k", "qwen3moe-q6_k"])
 def test_unlinked_launches_break_the_chain_and_the_bits_hold(tiny_model, monkeypatch, case):
     """attn_gqa (qwen2-q8_0-hd64's 4 query heads a KV head), attention of heads other than attn_short's
     and the products of other types: the launches the chain does not link make the next linked one wait
-    for the grid; the same tokens and logits bits as without the flag."""
+    for the grid; the same tokens and logits bits as without the flag. The qwen3moe cases: moe_one
+    (every block waiting for every other inside it) linked between the output product and the next
+    q/k/v product."""
     mf = tiny_model(case)
     prompt = np.random.default_rng(12).integers(3, mf.config.n_vocab, size=30).tolist()
     got = generate_by_flag(monkeypatch, mf, prompt, 10)
