@@ -58,6 +58,7 @@ def test_consecutive_links_wait_on_counts_and_the_first_on_the_grid():
     ats = [linked(chain, launches) for _ in range(4)]
     assert waits_for_grid(ats[0]) and slot_of(ats[0]) == 0
     assert ats[1:] == [1, 2, 3]  # each waits on the slot before its own
+    assert not any(waits_for_grid(a) for a in ats[1:]) and [slot_of(a) for a in ats[1:]] == [1, 2, 3]
     assert chain.used == 4
 
 
@@ -106,6 +107,10 @@ def test_more_links_than_slots_is_refused_with_its_reason():
         chain.link()
     with pytest.raises(ValueError, match="at least one slot"):
         Chain("slots", 0, launches)
+    one = Chain("slots", 1, launches)
+    assert linked(one, launches) == CHAIN_GRID
+    with pytest.raises(ChainFull):
+        one.link()
 
 
 def test_no_chain_passes_a_null_pointer_and_zero():
