@@ -31,6 +31,10 @@
 #endif
 static_assert(CHAIN_DONE < CHAIN_GRID, "a slot's index stays below CHAIN_GRID");
 
+// Polls of one wait before it traps: about 2^24 L2 round trips, several seconds; a decode step's
+// longest wait is microseconds.
+constexpr unsigned CHAIN_MAX_POLLS = 1u << 24;
+
 // Whether this launch takes part in a chain: always false in a build without K4_COUNT_WAIT, so
 // the code behind it compiles away.
 __device__ __forceinline__ bool chain_on(const int* chain) { return K4_COUNT_WAIT && chain != nullptr; }
@@ -39,7 +43,9 @@ __device__ __forceinline__ void chain_wait(const int* chain, int at) {
     if (chain_on(chain) && !(at & CHAIN_GRID)) {  // uniform over the grid
         if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
             const int* slot = chain + at - 1;
-            while (ld_relaxed(slot) < CHAIN_DONE) {}
+            // a launch that never completes its count (a bug) traps after seconds instead of hanging the GPU
+            for (unsigned polls = 0; ld_relaxed(slot) < CHAIN_DONE;)
+                if (++polls == CHAIN_MAX_POLLS) __trap();
             acquire_fence();
         }
         __syncthreads();
