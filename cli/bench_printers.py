@@ -64,6 +64,24 @@ def print_md(results, records: list[dict]) -> None:
     sys.stdout.write("\n".join(lines) + "\n")
 
 
+def speculative_lines(records: list[dict]) -> list[str]:
+    """The speculative tests' lines of -o table: what one verify step costs (host-timed, and on the
+    device where the backend timed it there), what the drafts gave."""
+    lines = []
+    for r in records:
+        if r.get("verify_ratio"):
+            n = r["test"].split("@")[0][2:]
+            lines.append(f"{r['test']}: a verify step of {n} tokens takes {r['verify_ms']:.3f} ms, {r['verify_ratio']:.2f}x a "
+                         f"one-token step ({r['verify1_ms']:.3f} ms): speculation gains at most {int(n) / r['verify_ratio']:.2f}x")
+            if r.get("verify_gpu_ratio"):
+                lines.append(f"{r['test']}: on the device {r['verify_gpu_ms']:.3f} ms against {r['verify1_gpu_ms']:.3f} ms, "
+                             f"{r['verify_gpu_ratio']:.2f}x")
+        if r.get("tokens_per_step"):
+            lines.append(f"{r['test']}: {r['draft_accepted']}/{r['draft_tokens']} drafts accepted, "
+                         f"{r['tokens_per_step']:.2f} tokens per verify step")
+    return lines
+
+
 def print_tables(results, records: list[dict]) -> None:
     """-o table: the throughput summary, the speculative tests' lines, time and copy traffic per
     phase, the load steps and GPU memory."""
@@ -71,14 +89,8 @@ def print_tables(results, records: list[dict]) -> None:
     out.print(f"[dim]{env['gpu'] or env['cpu']} | backend {env['backend']} | k4 {env['k4_version']} ({env['git_commit'] or 'no git'}) "
               f"| cupy {env['cupy'] or '-'} | driver {env.get('driver', '-')} | cuda {env.get('cuda_runtime', '-')}[/]")
     out.print(table("throughput", SUMMARY_COLUMNS, _summary_rows(records), right=(1, 2, 8, 9, 10)))
-    for r in records:  # speculative tests: what one verify step costs, what the drafts gave
-        if r.get("verify_ratio"):
-            n = r["test"].split("@")[0][2:]
-            out.print(f"{r['test']}: a verify step of {n} tokens takes {r['verify_ms']:.3f} ms, {r['verify_ratio']:.2f}x a "
-                      f"one-token step ({r['verify1_ms']:.3f} ms): speculation gains at most {int(n) / r['verify_ratio']:.2f}x")
-        if r.get("tokens_per_step"):
-            out.print(f"{r['test']}: {r['draft_accepted']}/{r['draft_tokens']} drafts accepted, "
-                      f"{r['tokens_per_step']:.2f} tokens per verify step")
+    for line in speculative_lines(records):
+        out.print(line)
     rows = []
     for r in results:
         ph = r.phases

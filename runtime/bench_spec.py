@@ -4,7 +4,9 @@
   device, N random ids so almost every draft is rejected and the cache grows by one per step).
   Reported as tokens verified per second, and as the ratio of its median step time to the
   median of one-token verify steps timed alternately in the same run: what speculation can
-  gain at most is N over that ratio.
+  gain at most is N over that ratio. The same ratio of device times (CUDA events around each
+  step's work, runtime/cuda/timer.py) where the backend records them: the host-timed ratio
+  moves by a few percent between runs, the device-timed one much less (docs/PERF.md, session 45).
 - tgN with --lookup: generation with prompt lookup where every draft is right: the drafter has
   seen the model's own greedy continuation (computed untimed first), as when a model repeats
   a text it was given. The upper bound of prompt lookup's speed-up.
@@ -37,7 +39,9 @@ class PrimedLookup:
 def run_verify(backend, n: int, prompt: list[int], n_vocab: int, seed: int,
                clock: Callable[[], float]) -> tuple[float, dict]:
     """VERIFY_STEPS verify steps of n random tokens after prompt, alternating with one-token
-    steps. Returns (tokens/s of the n-token steps, {"verify_ms", "verify1_ms", "verify_ratio"})."""
+    steps. Returns (tokens/s of the n-token steps, {"verify_ms", "verify1_ms", "verify_ratio"}, and
+    where backend.trace.gpu_steps["verify"] holds a device time for each of those steps,
+    "verify_gpu_ms", "verify1_gpu_ms", "verify_gpu_ratio" of their medians)."""
     rng = np.random.default_rng(seed)
     backend.eval(prompt)
     times: dict[int, list[float]] = {n: [], 1: []}
@@ -48,7 +52,13 @@ def run_verify(backend, n: int, prompt: list[int], n_vocab: int, seed: int,
             backend.verify(batch)
             times[size].append(clock() - t0)
     step, step1 = statistics.median(times[n]), statistics.median(times[1])
-    return n / step, {"verify_ms": step * 1e3, "verify1_ms": step1 * 1e3, "verify_ratio": step / step1}
+    out = {"verify_ms": step * 1e3, "verify1_ms": step1 * 1e3, "verify_ratio": step / step1}
+    trace = getattr(backend, "trace", None)
+    device = (trace.gpu_steps.get("verify", []) if trace is not None else [])[-2 * VERIFY_STEPS:]  # ms: n, 1, n, 1, ...
+    if len(device) == 2 * VERIFY_STEPS and all(ms > 0 for ms in device):
+        gpu, gpu1 = statistics.median(device[0::2]), statistics.median(device[1::2])
+        out.update(verify_gpu_ms=gpu, verify1_gpu_ms=gpu1, verify_gpu_ratio=gpu / gpu1)
+    return n / step, out
 
 
 def run_lookup(backend, prompt: list[int], n_gen: int, ngram: int, draft_max: int,

@@ -187,6 +187,52 @@ def test_run_verify_times_both_step_sizes_alternately():
     assert all(3 <= t < 10 for c in be.calls for t in c)
     assert tps == pytest.approx(1000.0) and extra["verify_ratio"] == pytest.approx(4.0)
     assert extra["verify_ms"] == pytest.approx(4.0) and extra["verify1_ms"] == pytest.approx(1.0)
+    assert "verify_gpu_ratio" not in extra  # a backend without device times
+
+
+def test_run_verify_also_gives_the_device_times_ratio_where_the_backend_records_them():
+    """The medians of the device times the backend recorded for the same steps (the last
+    2 VERIFY_STEPS of trace.gpu_steps["verify"], N-token and one-token steps alternating), here
+    3 ms and 1 ms a step after an earlier run's entries and one outlier."""
+    from k4.runtime.bench_spec import VERIFY_STEPS, run_verify
+    from k4.runtime.trace import Trace
+
+    class Fake:
+        def __init__(self):
+            self.now, self.trace, self.n = 0.0, Trace(), 0
+            self.trace.gpu_steps["verify"] = [50.0, 60.0, 70.0]  # an earlier repetition's steps
+
+        def eval(self, ids):
+            pass
+
+        def verify(self, batch):
+            self.n += 1
+            self.now += len(batch) * 1e-3
+            ms = 3.0 if len(batch) > 1 else 1.0
+            self.trace.gpu_steps["verify"].append(ms * (9 if self.n == 5 else 1))
+
+    be = Fake()
+    _, extra = run_verify(be, 4, [1], 10, 0, lambda: be.now)
+    assert extra["verify_gpu_ms"] == pytest.approx(3.0) and extra["verify1_gpu_ms"] == pytest.approx(1.0)
+    assert extra["verify_gpu_ratio"] == pytest.approx(3.0) and extra["verify_ratio"] == pytest.approx(4.0)
+    be = Fake()
+    be.verify = lambda batch: setattr(be, "now", be.now + 1e-3)  # records no device time
+    _, extra = run_verify(be, 4, [1], 10, 0, lambda: be.now)
+    assert "verify_gpu_ratio" not in extra
+    assert VERIFY_STEPS >= 4
+
+
+def test_the_speculative_lines_name_both_ratios_where_there_are_two():
+    from k4.cli.bench_printers import speculative_lines
+
+    host = {"test": "tv8@d64", "verify_ms": 2.808, "verify1_ms": 1.605, "verify_ratio": 1.7495}
+    lines = speculative_lines([host, {**host, "verify_gpu_ms": 2.5, "verify1_gpu_ms": 1.25, "verify_gpu_ratio": 2.0},
+                               {"test": "tg128/lookup3", "draft_accepted": 90, "draft_tokens": 100, "tokens_per_step": 3.25}])
+    assert lines == [
+        "tv8@d64: a verify step of 8 tokens takes 2.808 ms, 1.75x a one-token step (1.605 ms): speculation gains at most 4.57x",
+        "tv8@d64: a verify step of 8 tokens takes 2.808 ms, 1.75x a one-token step (1.605 ms): speculation gains at most 4.57x",
+        "tv8@d64: on the device 2.500 ms against 1.250 ms, 2.00x",
+        "tg128/lookup3: 90/100 drafts accepted, 3.25 tokens per verify step"]
 
 
 def test_bench_verify_and_lookup_tests():
