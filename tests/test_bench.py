@@ -191,25 +191,27 @@ def test_run_verify_times_both_step_sizes_alternately():
 
 
 def test_run_verify_also_gives_the_device_times_ratio_where_the_backend_records_them():
-    """The medians of the device times the backend recorded for the same steps (the last
-    2 VERIFY_STEPS of trace.gpu_steps["verify"], N-token and one-token steps alternating), here
-    3 ms and 1 ms a step after an earlier run's entries and one outlier."""
+    """The medians of the device times the backend recorded for the same steps (what
+    trace.gpu_steps["verify"] gained after the prompt's eval, N-token and one-token steps
+    alternating), here 3 ms and 1 ms a step, one outlier; as the CUDA timer does, a step's time
+    lands at the next call (the last step's not at all), and the eval lands an earlier run's last."""
     from k4.runtime.bench_spec import VERIFY_STEPS, run_verify
     from k4.runtime.trace import Trace
 
     class Fake:
         def __init__(self):
-            self.now, self.trace, self.n = 0.0, Trace(), 0
-            self.trace.gpu_steps["verify"] = [50.0, 60.0, 70.0]  # an earlier repetition's steps
+            self.now, self.trace, self.n, self.pending = 0.0, Trace(), 0, [70.0]  # an earlier run's last step
+            self.trace.gpu_steps["verify"] = [50.0, 60.0]
 
         def eval(self, ids):
-            pass
+            self.trace.gpu_steps["verify"] += self.pending
+            self.pending = []
 
         def verify(self, batch):
             self.n += 1
             self.now += len(batch) * 1e-3
-            ms = 3.0 if len(batch) > 1 else 1.0
-            self.trace.gpu_steps["verify"].append(ms * (9 if self.n == 5 else 1))
+            self.trace.gpu_steps["verify"] += self.pending
+            self.pending = [(3.0 if len(batch) > 1 else 1.0) * (9 if self.n == 5 else 1)]
 
     be = Fake()
     _, extra = run_verify(be, 4, [1], 10, 0, lambda: be.now)
