@@ -255,3 +255,13 @@ def test_nx_reads_admits_exactly_the_compiled_handoff_readers():
                 assert gc.nx_reads(t, v, glu) == have, (t.name, v, glu)
                 admitted += have
     assert admitted >= 4  # Q4_K and Q6_K: the default and the GLU variant at least
+
+
+def test_the_pair_instances_compile_only_where_both_types_are_present():
+    """compile_jobs asks for a QKV_PAIRS entry's gemv_q8_pair group only where the model has both of
+    its types, and for no group of a type without CUDA kernels."""
+    pair = qk.GROUPS["gemv.cu"]["pair.Q4_K.Q6_K"]
+    assert pair in [g for _, g, _ in compile_jobs([T.Q4_K, T.Q6_K])]
+    for alone in ([T.Q4_K], [T.Q6_K], [T.Q4_K, T.F32]):
+        assert pair not in [g for _, g, _ in compile_jobs(alone)], alone
+    assert compile_jobs([T.TQ1_0]) == compile_jobs([])  # a type k4 has no kernel for (refused at load)
