@@ -161,3 +161,26 @@ def test_optional_tensors_follow_the_family_rule():
     fused = {"blk.0.attn_qkv.weight"}
     assert A["phi3"].has_fused_qkv(fused) and not A["phi3"].has_fused_qkv(plain)
     assert not A["llama"].has_fused_qkv(fused)
+
+
+def test_rope_scaling_from_the_older_linear_key_and_from_the_type():
+    """rope_scaling_fields: rope.scale_linear alone (files older than rope.scaling.*) is linear scaling
+    by that factor; rope.scaling.type with its factor wins over it; no scaling key, or type none,
+    is factor 1; phi3's rope_factors_long tensor makes it longrope; an unknown type is refused."""
+    from types import SimpleNamespace
+
+    from k4.runtime.model import rope_scaling_fields
+
+    mf = SimpleNamespace(path="m.gguf", tensors={})
+    got = rope_scaling_fields(mf, {"rope.scale_linear": 4.0})
+    assert (got["rope_scaling"], got["rope_scale"]) == ("linear", 4.0)
+    got = rope_scaling_fields(mf, {"rope.scale_linear": 4.0, "rope.scaling.type": "yarn", "rope.scaling.factor": 8.0,
+                                   "rope.scaling.original_context_length": 4096})
+    assert (got["rope_scaling"], got["rope_scale"], got["rope_orig_ctx"]) == ("yarn", 8.0, 4096)
+    for v in ({}, {"rope.scaling.type": "none", "rope.scaling.factor": 2.0}):
+        got = rope_scaling_fields(mf, v)
+        assert (got["rope_scaling"], got["rope_scale"]) == ("none", 1.0)
+    got = rope_scaling_fields(SimpleNamespace(path="m.gguf", tensors={"rope_factors_long.weight": None}), {})
+    assert got["rope_scaling"] == "longrope"
+    with pytest.raises(UnsupportedModelError, match="'su' is not supported"):
+        rope_scaling_fields(mf, {"rope.scaling.type": "su"})
