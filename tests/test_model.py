@@ -184,3 +184,39 @@ def test_rope_scaling_from_the_older_linear_key_and_from_the_type():
     assert got["rope_scaling"] == "longrope"
     with pytest.raises(UnsupportedModelError, match="'su' is not supported"):
         rope_scaling_fields(mf, {"rope.scaling.type": "su"})
+
+
+def test_optional_keys_take_their_defaults(tmp_path, data, monkeypatch):
+    """A file without context_length, the RMSNorm epsilon or the RoPE base: 2,048 tokens of training
+    context, eps 1e-5 and base 10,000 (llama.cpp's default base)."""
+    from gguf import GGUFWriter
+
+    dropped = (".context_length", ".attention.layer_norm_rms_epsilon", ".rope.freq_base")
+    for method in ("add_uint32", "add_float32"):
+        real = getattr(GGUFWriter, method)
+        monkeypatch.setattr(GGUFWriter, method, lambda self, key, value, real=real: None if key.endswith(dropped)
+                            else real(self, key, value))
+    path = write_tiny(tmp_path / "m.gguf", data / "models" / "stories260K.gguf",
+                      tiny_config("llama", n_ctx_train=64, rms_eps=1e-6, rope_freq_base=5e5))
+    cfg = open_model(path).config
+    assert (cfg.n_ctx_train, cfg.rms_eps, cfg.rope_freq_base) == (2048, 1e-5, 10000.0)
+
+
+def test_the_header_takes_gguf_versions_2_and_3_only(tmp_path):
+    """_check_header: a file of exactly the 24-byte header passes for versions 2 and 3; versions 1
+    and 4 and a shorter file are refused with their reason."""
+    import struct
+
+    from k4.runtime.model import _check_header
+
+    for version, ok in ((2, True), (3, True), (1, False), (4, False)):
+        path = tmp_path / f"v{version}.gguf"
+        path.write_bytes(b"GGUF" + struct.pack("<I", version) + bytes(16))
+        if ok:
+            _check_header(path)
+        else:
+            with pytest.raises(ModelFileError, match=f"unsupported GGUF version {version}"):
+                _check_header(path)
+    (tmp_path / "short.gguf").write_bytes(b"GGUF" + struct.pack("<I", 3) + bytes(15))
+    with pytest.raises(ModelFileError, match="23 bytes, the header alone is 24"):
+        _check_header(tmp_path / "short.gguf")
