@@ -46,6 +46,7 @@ def generate_by_flag(monkeypatch, mf, prompt: list[int], n: int, n_ctx: int = 25
         ats.clear()
         be = cuda(mf, n_ctx)
         tokens = take(be.generate(prompt, GREEDY), n)
+        be.runner.stream.synchronize()  # the step enqueued ahead (K4_PINGPONG) done before its buffers are read
         act = be.forward.act
         out[on] = (tokens, act.logits[0].get(), act.chain.get(), list(ats))
         be.close()
@@ -111,6 +112,7 @@ def test_llama_cpp_greedy_goldens_hold_with_count_waits(data, tok_q4, monkeypatc
     be = cuda(mf, 256)
     try:
         check_q4_k_m_greedy(data, tok, be)
+        be.runner.stream.synchronize()
         assert not be.forward.act.chain.get().any()
     finally:
         be.close()
