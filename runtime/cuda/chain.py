@@ -21,6 +21,12 @@ import numpy as np
 
 from .constants import CHAIN_GRID
 
+# The define that builds a module's kernels with the chain's waits and counts (kernels_cu/chain.cuh).
+COUNT_WAIT_DEFINE = "K4_COUNT_WAIT=1"
+
+# A launch's (chain, at) arguments without a chain: a null pointer and 0.
+NO_CHAIN = (np.uint64(0), np.int32(0))
+
 # Linked launches a layer makes at most: three q/k/v runs, attention, the output product, separate gate and
 # up products, the down product.
 LINKS_PER_LAYER = 8
@@ -81,13 +87,13 @@ class Chain:
 def chain_args(chain: Chain | None) -> tuple:
     """The (chain, at) kernel arguments of a launch that may be linked: chain.link()'s, or a null
     pointer and 0 without a chain (chain.cuh: the kernel as without the flag)."""
-    return chain.link() if chain is not None else (np.uint64(0), np.int32(0))
+    return chain.link() if chain is not None else NO_CHAIN
 
 
 def last_args(chain: Chain | None) -> tuple:
     """The (chain, at) kernel arguments of the step's last launch: chain.last()'s, or a null pointer
     and 0 without a chain."""
-    return chain.last() if chain is not None else (np.uint64(0), np.int32(0))
+    return chain.last() if chain is not None else NO_CHAIN
 
 
 def waits_for_grid(at: int) -> bool:

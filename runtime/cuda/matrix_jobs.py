@@ -53,5 +53,5 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
             names = _mma8_names(t) + (_mma8_names(t, activation) if gelu else ())
             jobs += [(f, (name,), _defines(evict_first)) for f, name in names]
     if count_wait:
-        jobs += [(f, names, _defines(evict_first, True)) for f, names, defines in jobs if f == "gemv.cu"]
+        jobs += [(f, names, _defines(evict_first, True)) for f, names, _ in jobs if f == "gemv.cu"]
     return jobs

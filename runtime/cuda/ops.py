@@ -20,7 +20,7 @@ from ..kv_types import F16, KVTypes
 from ..sampling import MASK64, SEED_MULTIPLIER, SamplingParams
 from ..trace import Trace
 from .attention_launch import GQA_MIN_LIMIT, AttentionLaunchers
-from .chain import last_args
+from .chain import COUNT_WAIT_DEFINE, last_args
 from .compile import module
 from .constants import ARGMAX_PARTS, SAMPLE_THREADS, SAMPLER_PARAM_WORDS, STATE_WORDS, short_keys
 from .constants import ST_DRAW, ST_POS, ST_RING, ST_TOK  # noqa: F401 (ops.ST_*: the decode state's words)
@@ -72,7 +72,7 @@ class Ops(AttentionLaunchers):
         from the module built with K4_COUNT_WAIT (kernels_cu/chain.cuh), for a launch a Chain links."""
         key = (filename, name, count_wait)
         if key not in self._functions:
-            defines = self._defines() + (("K4_COUNT_WAIT=1",) if count_wait else ())
+            defines = self._defines() + ((COUNT_WAIT_DEFINE,) if count_wait else ())
             self._functions[key] = module(filename, GROUP_OF[key[:2]], defines).get_function(name)
         return self._functions[key]
 

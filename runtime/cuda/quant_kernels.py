@@ -12,6 +12,7 @@ from functools import cache
 
 from gguf import GGMLQuantizationType as T
 
+from .chain import COUNT_WAIT_DEFINE
 from .compile import module
 from .gemv_choice import CLUSTER_TYPES, NQ_TYPES, QKV_PAIRS, QKV_VARIANT, ROW_BLOCKS_VARIANT, nq_variants
 from .quant_types import FLOAT, QUANT
@@ -265,7 +266,7 @@ _GROUP_OF = {(f, name): names for f, groups in GROUPS.items() for names in group
 
 
 def _defines(evict_first: bool, count_wait: bool = False) -> tuple[str, ...]:
-    return (() if evict_first else ("K4_EVICT_FIRST=0",)) + (("K4_COUNT_WAIT=1",) if count_wait else ())
+    return (() if evict_first else ("K4_EVICT_FIRST=0",)) + ((COUNT_WAIT_DEFINE,) if count_wait else ())
 
 
 @cache  # a RawModule lookup per launch showed in the prefill profile (host-bound)
