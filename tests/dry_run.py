@@ -1,0 +1,180 @@
+"""The CUDA backend's Python run on the CPU over tests/cupy_stub.py, every kernel launch checked
+against the kernel's parameter list (tests/kernel_params.py).
+
+    python -m tests.dry_run DIR CASE[:K4_FLAG=V,...][@deep] ...
+
+For each case (a tiny model of tests/cuda_backend_cases.py ARCH_CASES or DRY_CASES, written into
+DIR, with the K4_* flags given), in one process with the stub installed: load, a prefill with all
+logits, greedy generation (the decode graphs), sampled generation with a repeat penalty, and
+speculative verify steps of 8 and 4 tokens. Prints one JSON line a case: the kernels launched
+and the problems found, each a line naming the kernel:
+- kernel_params.launch_problems for every launch (argument count and kinds, geometry);
+- a launch that passes a chain (K4_COUNT_WAIT, runtime/cuda/chain.py) from a module built without
+  the chain's define, whose kernel would never count;
+- a launch that waits on a count (no CHAIN_GRID in its `at`) whose stream's launch before it did
+  not count into slot at - 1: it would wait on a count nobody adds to, or on the wrong launch.
+Exit status 0 when no case found a problem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from tests import cupy_stub
+
+DATA = Path(__file__).resolve().parent / "data"
+PROMPT = [1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45]  # more than a verify step: MoE prefill grouped by expert
+DEEP_CTX, DEEP_PROMPT = 8192, 4200
+
+# Tiny models beyond ARCH_CASES: the shapes that take the decode kernels' other paths.
+# hd64: heads of 64 on an fp16 cache, attn_short (its smallest head); its 4 query heads a KV head
+# take attn_gqa where K4_SHORT_ATTN is off.
+DRY_CASES = {
+    "llama-q4_k-hd64": ("llama", "Q4_K", {"n_embd": 256, "n_ff": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "rope_dim": 64}),
+    "qwen2-q4_k-hd128": ("qwen2", "Q4_K", {"n_embd": 256, "n_ff": 512, "n_head": 2, "n_head_kv": 1, "head_dim": 128,
+                                           "rope_dim": 128}),
+}
+
+
+# Synthetic Q4_K_M models of runtime/synthetic.py's presets cut to SYNTH_LAYERS layers and at most
+# SYNTH_VOCAB tokens: the real widths, so the kernels and variants the real models take (paired q|k
+# and v runs, wide products, clusters, the MoE's one launch); `synth-` and the preset's name.
+SYNTH_LAYERS = 2
+SYNTH_VOCAB = 32768
+
+
+def write_case(case: str, folder: Path):
+    """The ModelFile of a model `case` (ARCH_CASES, DRY_CASES, GEMMA_CASES or synth-PRESET), written in folder."""
+    from dataclasses import replace
+
+    from gguf import GGMLQuantizationType as T
+    from k4.runtime import synthetic
+    from k4.runtime.model import open_model
+
+    from tests import tiny
+    from tests.cuda_backend_cases import ARCH_CASES
+    from tests.quant_blocks import blocks_like
+
+    tiny.quantize = blocks_like  # random valid blocks of every type (as tests/conftest.py's tiny_model)
+    vocab = DATA / "models" / "stories260K.gguf"
+    path = folder / f"{case}.gguf"
+    if case.startswith("synth-"):
+        preset = synthetic.PRESETS[case.removeprefix("synth-")]
+        synthetic.PRESETS[case] = replace(preset, n_layer=SYNTH_LAYERS, n_vocab=min(preset.n_vocab, SYNTH_VOCAB))
+        synthetic.write_synthetic(case, path, force=True)
+        return open_model(path)
+    if case in ARCH_CASES:
+        arch, ttype, over = ARCH_CASES[case]
+        cfg = tiny.tiny_config(arch, **over)
+    elif case in DRY_CASES:
+        arch, tname, over = DRY_CASES[case]
+        ttype = T[tname]
+        cfg = tiny.tiny_config(arch, **over)
+    else:
+        from tests.test_gemma import GEMMA_CASES, gemma_tiny
+
+        arch, keys, over = GEMMA_CASES[case]
+        cfg, ttype = gemma_tiny(arch, keys, head_dim=64, **over), T.Q8_0
+    tiny.write_tiny(path, vocab, cfg, ttype, seed=7)
+    return open_model(path)
+
+
+def exercise(mf, deep: bool = False) -> None:
+    """Load, prefill, generate (greedy, then sampled with a penalty), verify 8 and 4 tokens; deep:
+    with a context of DEEP_CTX, greedy generation and a verify step after a prompt of DEEP_PROMPT
+    tokens (decode attention past 4,096 keys: split, attn_gqa)."""
+    from k4.runtime.cuda.backend import CudaBackend
+    from k4.runtime.sampling import SamplingParams
+
+    from tests.cuda_backend_cases import GREEDY, take
+
+    be = CudaBackend(mf, DEEP_CTX if deep else 64)
+    try:
+        if deep:
+            long = [(7 * i) % 500 + 1 for i in range(DEEP_PROMPT)]
+            take(be.generate(long, GREEDY), 3)
+            be.reset()
+            be.eval(long)
+            be.verify([3, 4, 5, 6, 7, 8, 9, 10])
+            return
+        be.eval(PROMPT, all_logits=True)
+        be.reset()
+        take(be.generate(PROMPT, GREEDY), 5)
+        be.reset()
+        take(be.generate(PROMPT, SamplingParams(temperature=0.8, repeat_penalty=1.1, seed=3)), 3)
+        be.reset()
+        be.eval(PROMPT)
+        be.verify([3, 4, 5, 6, 7, 8, 9, 10])
+        be.verify([11, 12, 13, 14])
+    finally:
+        be.close()
+
+
+def chain_problems(launches, device_array: type) -> list[str]:
+    """K4_COUNT_WAIT's pairing in launch order, stream by stream (the module docstring)."""
+    from k4.runtime.cuda.chain import COUNT_WAIT_DEFINE, slot_of, waits_for_grid
+
+    from tests.kernel_params import kernels_in
+
+    out, counted = [], {}  # stream -> the slot its last launch counted into, or None
+    for la in launches:
+        if not isinstance(la, cupy_stub.Launch):
+            continue
+        names = [p.name for p in kernels_in(la.kernel.module.code).get(la.kernel.name.split("<")[0].strip(), ())]
+        before, counted[la.stream] = counted.get(la.stream), None
+        if names[-2:] != ["chain", "chain_at"] or len(la.args) != len(names):
+            continue
+        chain, at = la.args[-2], int(la.args[-1])
+        if not isinstance(chain, device_array):
+            continue  # no chain: the kernel as without the flag
+        name = la.kernel.name
+        if f"-D{COUNT_WAIT_DEFINE}" not in la.kernel.module.options:
+            out.append(f"{name}: given a chain but built without {COUNT_WAIT_DEFINE}: it would never count")
+        if not waits_for_grid(at) and before != slot_of(at) - 1:
+            out.append(f"{name}: waits on slot {slot_of(at) - 1} but the launch before it counted into {before}")
+        if "sample_finish" not in name:  # the step's last launch zeroes the slots instead of counting
+            counted[la.stream] = slot_of(at)
+    return out
+
+
+def run_case(spec: str, folder: Path) -> dict:
+    from tests.kernel_params import launch_problems
+
+    spec_case, deep = spec.removesuffix("@deep"), spec.endswith("@deep")
+    case, _, flags = spec_case.partition(":")
+    env = dict(kv.split("=", 1) for kv in flags.split(",") if kv)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    cupy_stub.LAUNCHES.clear()
+    try:
+        exercise(write_case(case, folder), deep)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    launches = [la for la in cupy_stub.LAUNCHES if isinstance(la, cupy_stub.Launch)]
+    problems = {p for la in launches for p in launch_problems(la, cupy_stub.ndarray)}
+    problems |= set(chain_problems(cupy_stub.LAUNCHES, cupy_stub.ndarray))
+    return {"case": spec, "launches": len(launches), "kernels": sorted({la.kernel.name.split("<")[0] for la in launches}),
+            "problems": sorted(problems)}
+
+
+def main(argv: list[str]) -> int:
+    cupy_stub.install()
+    cupy_stub.patch_launch()
+    folder, specs = Path(argv[0]), argv[1:]
+    bad = 0
+    for spec in specs:
+        result = run_case(spec, folder)
+        bad += bool(result["problems"])
+        print(json.dumps(result), flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

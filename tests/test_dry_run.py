@@ -1,0 +1,230 @@
+"""The CUDA backend's launches checked on the CPU (tests/dry_run.py over tests/cupy_stub.py): every
+kernel launch of load, prefill, decode graphs, sampling and verify steps, for every tiny model
+family and tensor type with each K4_* switch flipped, for synthetic models in the real widths
+with the switches of their paths, and past 4,096 keys, must pass its kernel's parameter list
+(count and kinds), CUDA's geometry limits and K4_COUNT_WAIT's pairing. A GPU run would read
+garbage where these fail, not raise. The checks themselves are tested here on launches built to
+fail them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from k4.runtime.flags import FLAGS
+
+from tests import kernel_params as kp
+from tests.cuda_backend_cases import ARCH_CASES
+from tests.dry_run import DRY_CASES
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "kernels_cu"
+TINY = [*ARCH_CASES, *DRY_CASES, "gemma3", "gemma2"]
+# each switch flipped from its default (K4_TRACE changes no launch)
+FLIPPED = [f"{f.name}={0 if f.default else 1}" for f in FLAGS.values() if f.name != "K4_TRACE"]
+# the real widths (tests/dry_run.py SYNTH_LAYERS layers) and the switches whose paths they take
+WIDE = {
+    "synth-llama2-7b": ["K4_COUNT_WAIT=1", "K4_HEAD_READY=1", "K4_MEGAKERNEL=1", "K4_QKV_PAIR=0", "K4_WO_WIDE=0", "K4_X_CLUSTER=0",
+                        "K4_NORM_Q8=0", "K4_MMA8_CLUSTER=0", "K4_MMA8_NQ=0", "K4_MMA8_FFQ8=0", "K4_FUSE_QUANT=1"],
+    "synth-tinyllama-1.1b": ["K4_COUNT_WAIT=1", "K4_HEAD_READY=1", "K4_QKV_WIDE=0", "K4_QKV_Q8=0", "K4_HEAD_ARGMAX=0"],
+    "synth-qwen2.5-7b": ["K4_COUNT_WAIT=1", "K4_HEAD_READY=1", "K4_QKV_WIDE=0", "K4_QKV_PAIR=0"],
+    "synth-qwen3-30b-a3b": ["K4_COUNT_WAIT=1", "K4_MOE_ONE=0", "K4_FUSE_MOE=0", "K4_PLANAR_EXPERTS=0", "K4_WO_WIDE=0"],
+    "synth-gemma3-12b": ["K4_COUNT_WAIT=1", "K4_QKV_Q8=0"],
+    "synth-phi4-14b": ["K4_COUNT_WAIT=1", "K4_MMA8=0"],
+}
+DEEP = ["qwen2-q8_0-hd64@deep", "qwen2-q8_0-hd64:K4_GQA_COLS=0@deep", "qwen2-q8_0-hd64:K4_DYN_SPLIT=0@deep",
+        "llama-q8_0-gqa@deep", "llama-q4_k-hd64:K4_COUNT_WAIT=1@deep"]
+# kernels no path of the backend launches: the bandwidth probes of runtime/cuda/microbench.py
+NOT_LAUNCHED = {"read_stream", "read_stream_dependent"}
+
+
+def dry_run(tmp_path: Path, specs: list[str]) -> list[dict]:
+    """tests/dry_run.py's result for each spec, in a process of its own (the stub replaces cupy)."""
+    proc = subprocess.run([sys.executable, "-m", "tests.dry_run", str(tmp_path), *specs], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, check=False)
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == len(specs), proc.stderr[-3000:]
+    return results
+
+
+def assert_clean(results: list[dict]) -> None:
+    bad = {r["case"]: r["problems"] for r in results if r["problems"]}
+    assert not bad, json.dumps(bad, indent=1)[:4000]
+
+
+_seen: set[str] = set()
+
+
+@pytest.mark.parametrize("flag", ["default", *FLIPPED])
+def test_tiny_models_launch_what_their_kernels_take(tmp_path, flag):
+    results = dry_run(tmp_path, [c if flag == "default" else f"{c}:{flag}" for c in TINY])
+    assert_clean(results)
+    assert all(r["launches"] > 50 for r in results)
+    _seen.update(k for r in results for k in r["kernels"])
+
+
+@pytest.mark.parametrize("case", list(WIDE))
+def test_real_widths_launch_what_their_kernels_take(tmp_path, case):
+    results = dry_run(tmp_path, [case, *(f"{case}:{f}" for f in WIDE[case])])
+    assert_clean(results)
+    _seen.update(k for r in results for k in r["kernels"])
+    if case == "synth-llama2-7b":
+        assert "gemv_q8_pair" in results[0]["kernels"] and "megakernel" in results[3]["kernels"]
+    if case == "synth-qwen3-30b-a3b":
+        assert "moe_one" in results[0]["kernels"]
+
+
+def test_past_4096_keys_launch_what_their_kernels_take(tmp_path):
+    results = dry_run(tmp_path, DEEP)
+    assert_clean(results)
+    assert "attn_gqa" in results[0]["kernels"]
+    _seen.update(k for r in results for k in r["kernels"])
+
+
+def test_every_kernel_is_launched_by_some_case():
+    """After the cases above (in this module's order): the dry runs reach every kernel of kernels_cu
+    but the microbenchmarks', so none goes unchecked."""
+    if len(_seen) < 10:
+        pytest.skip("needs the dry-run cases of this module to have run first")
+    every = {k for f in KERNELS.glob("*.cu") for k in kp.kernels_in(f.read_text())}
+    assert every - NOT_LAUNCHED - _seen == set()
+
+
+# ---- the checks, on launches built to fail them -------------------------------------------------
+
+SOURCE = """
+// a kernel as kernels_cu writes them
+template <int N>
+__global__ void __launch_bounds__(N * 32, 1) __maxnreg__(64)
+k(const float* __restrict__ x,  // (n,) a comment, with a comma
+  float* y, int n, float eps, i64 m, int* chain, int chain_at) {}
+extern "C" __global__ void plain(u8* p) {}
+"""
+
+
+class Array(np.ndarray):
+    """A device array for the checks (the stub's ndarray, without importing the stub)."""
+
+
+def launch(name: str, args: tuple, grid=(4,), block=(128,), smem: int = 0, cluster: int = 1, source: str = SOURCE,
+           smem_limit: int = 48 << 10):
+    module = SimpleNamespace(code=source, options=(), name_expressions=(name,))
+    return SimpleNamespace(kernel=SimpleNamespace(name=name, module=module), grid=grid, block=block, args=args, shared_mem=smem,
+                           stream=1, pdl=True, cluster=cluster, smem_limit=smem_limit)
+
+
+def test_every_kernel_parameter_list_is_read():
+    every = {f.name: kp.kernels_in(f.read_text()) for f in KERNELS.glob("*.cu")}
+    assert sum(map(len, every.values())) >= 40
+    assert [p.kind for p in every["sampling.cu"]["sample_finish"]][-2:] == ["ptr", "i32"]
+    got = kp.kernels_in(SOURCE)
+    assert [(p.name, p.kind) for p in got["k"]] == [("x", "ptr"), ("y", "ptr"), ("n", "i32"), ("eps", "f32"), ("m", "i64"),
+                                                    ("chain", "ptr"), ("chain_at", "i32")]
+    assert [p.kind for p in got["plain"]] == ["ptr"]
+
+
+@pytest.mark.parametrize("bad", ["float3 v", "T v", "struct S s"])
+def test_a_parameter_of_unknown_size_is_refused(bad):
+    with pytest.raises(ValueError, match="no known size"):
+        kp.kernels_in(f"__global__ void f({bad}) {{}}")
+
+
+def test_a_parameter_list_that_depends_on_defines_is_refused():
+    with pytest.raises(ValueError, match="preprocessor"):
+        kp.kernels_in("__global__ void f(int a,\n#if X\n int b\n#endif\n) {}")
+
+
+def good_args():
+    x = np.zeros(4, np.float32).view(Array)
+    return (x, x, np.int32(4), np.float32(1e-5), np.int64(9), np.uint64(0), np.int32(0))
+
+
+def test_a_correct_launch_passes():
+    assert kp.launch_problems(launch("k<4>", good_args()), Array) == []
+    assert kp.launch_problems(launch("k<4>", good_args(), smem=100 << 10, smem_limit=100 << 10), Array) == []
+
+
+@pytest.mark.parametrize("change, expect", [
+    (lambda a: a[:-1], "6 arguments for 7 parameters"),
+    (lambda a: a + (np.int32(0),), "8 arguments for 7 parameters"),
+    (lambda a: a[:2] + (np.float32(4),) + a[3:], "argument 2 `int n` (i32) given f32"),
+    (lambda a: a[:2] + (4,) + a[3:], "argument 2 `int n` (i32) given int"),
+    (lambda a: a[:3] + (np.int32(1),) + a[4:], "argument 3 `float eps` (f32) given i32"),
+    (lambda a: a[:4] + (np.int32(9),) + a[5:], "argument 4 `i64 m` (i64) given i32"),
+    (lambda a: (np.int32(0),) + a[1:], "argument 0 `const float* __restrict__ x` (ptr) given i32"),
+])
+def test_a_wrong_argument_is_named(change, expect):
+    problems = kp.launch_problems(launch("k<4>", change(good_args())), Array)
+    assert len(problems) == 1 and expect in problems[0], problems
+
+
+@pytest.mark.parametrize("geometry, expect", [
+    ({"block": (2048,)}, "block"), ({"block": (0,)}, "block"), ({"grid": (0,)}, "grid"), ({"grid": (4, 70000)}, "grid"),
+    ({"smem": 300 << 10}, "shared memory"), ({"smem": 64 << 10}, "49152 allowed"), ({"cluster": 3}, "clusters"),
+    ({"cluster": 16, "grid": (32,)}, "clusters"),
+])
+def test_a_launch_cuda_would_refuse_is_named(geometry, expect):
+    problems = kp.launch_problems(launch("k<4>", good_args(), **geometry), Array)
+    assert len(problems) == 1 and expect in problems[0], problems
+
+
+def test_a_kernel_missing_from_its_module_is_named():
+    assert "no __global__ kernel" in kp.launch_problems(launch("gone", ()), Array)[0]
+
+
+# ---- K4_COUNT_WAIT's pairing (dry_run.chain_problems) ---------------------------------------------
+
+def linked(name: str, at: int, stream: int = 1, built: bool = True, chain: bool = True):
+    from k4.runtime.cuda.chain import COUNT_WAIT_DEFINE
+
+    from tests.cupy_stub import Launch
+
+    slots = np.zeros(8, np.int32).view(Array)
+    x = np.zeros(4, np.float32).view(Array)
+    module = SimpleNamespace(code=SOURCE + "__global__ void sample_finish(int* chain, int chain_at) {}", name_expressions=(),
+                             options=(f"-D{COUNT_WAIT_DEFINE}",) if built else ())
+    args = (x, x, np.int32(4), np.float32(1e-5), np.int64(9), slots if chain else np.uint64(0), np.int32(at))
+    if name == "sample_finish":
+        args = args[-2:]
+    return Launch(SimpleNamespace(name=name, module=module), (4,), (128,), args, 0, stream, True, 1, 48 << 10)
+
+
+def test_a_chain_of_consecutive_counts_passes():
+    from k4.runtime.cuda.chain import CHAIN_GRID
+
+    from tests.dry_run import chain_problems
+
+    steps = [linked("k<4>", CHAIN_GRID), linked("k<4>", 1), linked("k<4>", 2), linked("sample_finish", 3)]
+    assert chain_problems(steps, Array) == []
+    unlinked = SimpleNamespace(kernel=None)  # a launch of another kind (not a stub Launch): ignored
+    assert chain_problems([steps[0], unlinked, *steps[1:]], Array) == []
+
+
+def test_a_count_wait_after_a_launch_that_did_not_count_is_named():
+    from k4.runtime.cuda.chain import CHAIN_GRID
+
+    from tests.dry_run import chain_problems
+
+    plain = linked("k<4>", 0, chain=False)  # a launch without a chain between two linked ones
+    got = chain_problems([linked("k<4>", CHAIN_GRID), plain, linked("k<4>", 1)], Array)
+    assert got == ["k<4>: waits on slot 0 but the launch before it counted into None"]
+    got = chain_problems([linked("k<4>", CHAIN_GRID), linked("k<4>", 2)], Array)  # a slot skipped
+    assert got == ["k<4>: waits on slot 1 but the launch before it counted into 0"]
+    got = chain_problems([linked("k<4>", CHAIN_GRID, stream=2), linked("k<4>", 1, stream=1)], Array)  # another stream's count
+    assert got == ["k<4>: waits on slot 0 but the launch before it counted into None"]
+    got = chain_problems([linked("k<4>", CHAIN_GRID), linked("sample_finish", 1), linked("k<4>", 2)], Array)  # after the last
+    assert got == ["k<4>: waits on slot 1 but the launch before it counted into None"]
+
+
+def test_a_chain_passed_to_a_kernel_built_without_it_is_named():
+    from k4.runtime.cuda.chain import CHAIN_GRID
+
+    from tests.dry_run import chain_problems
+
+    got = chain_problems([linked("k<4>", CHAIN_GRID, built=False)], Array)
+    assert len(got) == 1 and "built without K4_COUNT_WAIT=1" in got[0]
