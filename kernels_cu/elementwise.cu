@@ -1,8 +1,8 @@
 // Element-wise kernels: the gated feed-forward activations (Shazeer 2020): SwiGLU of the llama
-// families and GeGLU (tanh-approximated GELU) of Gemma; Gemma's scale of the embedding rows and
-// tanh soft-cap of the logits; and the scalar store that sets decode state (the cache position)
-// from a kernel argument, so no host copy is needed. Launched by runtime/cuda/ops.py (Ops.swiglu,
-// Ops.swiglu_rows with act, Ops.scale, Ops.softcap, Ops.set_i32).
+// families and GeGLU (tanh-approximated GELU) of Gemma; Gemma 2's tanh soft-cap of the logits;
+// and the scalar store that sets decode state (the cache position) from a kernel argument, so no
+// host copy is needed. Launched by runtime/cuda/ops.py (Ops.swiglu,
+// Ops.swiglu_rows with act, Ops.softcap, Ops.set_i32).
 #include "ops_common.cuh"
 
 __device__ __forceinline__ void put(float* p, float v) { *p = v; }
@@ -46,14 +46,6 @@ __global__ void swiglu(const float* gate, const float* up, OUT* out, int n_tok, 
 template <class OUT>
 __global__ void geglu(const float* gate, const float* up, OUT* out, int n_tok, int n_ff, int ld, int step) {
     glu<GeluTanh>(gate, up, out, n_tok, n_ff, ld, step);
-}
-
-// x[i] *= s, i < n (f32, in place). Thread mapping: one value per thread, grid-stride.
-extern "C" __global__ void scale_f32(float* x, long long n, float s) {
-    pdl_trigger();
-    pdl_wait();
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        x[i] *= s;
 }
 
 // x[i] = cap * tanh(x[i] / cap), i < n (f32, in place): Gemma 2's final logit soft-cap, as

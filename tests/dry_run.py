@@ -23,11 +23,17 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from tests import cupy_stub
+from tests.cuda_backend_cases import K_CFG
 
 DATA = Path(__file__).resolve().parent / "data"
 PROMPT = [1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45]  # more than a verify step: MoE prefill grouped by expert
 DEEP_CTX, DEEP_PROMPT = 8192, 4200
+
+_MOE = {"n_expert": 8, "n_expert_used": 2, "n_ff_exp": 32}
+ROUTER = "router_type"  # a DRY_CASES key: the router's type, where not F32
 
 # Tiny models beyond ARCH_CASES: the shapes that take the decode kernels' other paths.
 # hd64: heads of 64 on an fp16 cache, attn_short (its smallest head); its 4 query heads a KV head
@@ -36,6 +42,11 @@ DRY_CASES = {
     "llama-q4_k-hd64": ("llama", "Q4_K", {"n_embd": 256, "n_ff": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "rope_dim": 64}),
     "qwen2-q4_k-hd128": ("qwen2", "Q4_K", {"n_embd": 256, "n_ff": 512, "n_head": 2, "n_head_kv": 1, "head_dim": 128,
                                            "rope_dim": 128}),
+    # float experts (moe.cu moe_gemv_f), a shared expert (qwen2moe), a quantized router (moe_gemv_q on float x)
+    "qwen3moe-f16": ("qwen3moe", "F16", {**_MOE, "has_qk_norm": True, "expert_norm": True}),
+    "qwen2moe-q8_0-shexp": ("qwen2moe", "Q8_0", {**_MOE, "n_ff_shexp": 64, "has_qkv_bias": True}),
+    "qwen3moe-q4_k-q8_0-router": ("qwen3moe", "Q4_K", {**K_CFG, **_MOE, "n_ff_exp": 256, "has_qk_norm": True,
+                                                       "expert_norm": True, ROUTER: "Q8_0"}),
 }
 
 
@@ -43,7 +54,10 @@ DRY_CASES = {
 # SYNTH_VOCAB tokens: the real widths, so the kernels and variants the real models take (paired q|k
 # and v runs, wide products, clusters, the MoE's one launch); `synth-` and the preset's name.
 SYNTH_LAYERS = 2
-SYNTH_VOCAB = 32768
+SYNTH_VOCAB = 8192
+
+
+_written: set[Path] = set()
 
 
 def write_case(case: str, folder: Path):
@@ -61,6 +75,9 @@ def write_case(case: str, folder: Path):
     tiny.quantize = blocks_like  # random valid blocks of every type (as tests/conftest.py's tiny_model)
     vocab = DATA / "models" / "stories260K.gguf"
     path = folder / f"{case}.gguf"
+    if path in _written:  # written by this process: the same bytes again
+        return open_model(path)
+    _written.add(path)
     if case.startswith("synth-"):
         preset = synthetic.PRESETS[case.removeprefix("synth-")]
         synthetic.PRESETS[case] = replace(preset, n_layer=SYNTH_LAYERS, n_vocab=min(preset.n_vocab, SYNTH_VOCAB))
@@ -71,8 +88,16 @@ def write_case(case: str, folder: Path):
         cfg = tiny.tiny_config(arch, **over)
     elif case in DRY_CASES:
         arch, tname, over = DRY_CASES[case]
-        ttype = T[tname]
+        over = dict(over)
+        router, ttype = over.pop(ROUTER, None), T[tname]
         cfg = tiny.tiny_config(arch, **over)
+        if router:  # the routers written in that type instead of F32
+            names = [f"blk.{i}.ffn_gate_inp.weight" for i in range(cfg.n_layer)]
+            rng = np.random.default_rng(1)
+            extra = {n: (blocks_like(rng.standard_normal((cfg.n_expert, cfg.n_embd)).astype(np.float32), T[router]), T[router])
+                     for n in names}
+            tiny.write_tiny(path, vocab, cfg, ttype, seed=7, skip=tuple(names), extra=extra)
+            return open_model(path)
     else:
         from tests.test_gemma import GEMMA_CASES, gemma_tiny
 

@@ -78,11 +78,8 @@ def test_geglu(ops, rng, out_dtype):
     np.testing.assert_allclose(out.get(), want, rtol=1e-5, atol=1e-6)
 
 
-def test_scale_softcap_and_post_norm(ops, rng):
+def test_softcap_and_post_norm(ops, rng):
     x = rng.standard_normal((3, 1000)).astype(np.float32) * 20
-    d = cp.asarray(x)
-    ops.scale(d, 61.96773)
-    assert np.array_equal(d.get(), x * np.float32(61.96773))  # one f32 product per value, as numpy
     d = cp.asarray(x)
     ops.softcap(d, 30.0)
     np.testing.assert_allclose(d.get(), reference.softcap(x, 30.0), rtol=1e-5, atol=1e-5)

@@ -43,13 +43,35 @@ DEEP = ["qwen2-q8_0-hd64@deep", "qwen2-q8_0-hd64:K4_GQA_COLS=0@deep", "qwen2-q8_
 NOT_LAUNCHED = {"read_stream", "read_stream_dependent"}
 
 
-def dry_run(tmp_path: Path, specs: list[str]) -> list[dict]:
+def dry_run(folder: Path, specs: list[str]) -> list[dict]:
     """tests/dry_run.py's result for each spec, in a process of its own (the stub replaces cupy)."""
-    proc = subprocess.run([sys.executable, "-m", "tests.dry_run", str(tmp_path), *specs], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "tests.dry_run", str(folder), *specs], cwd=ROOT, capture_output=True,
                           text=True, timeout=600, check=False)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(results) == len(specs), proc.stderr[-3000:]
     return results
+
+
+# the groups of cases: the tiny models with the defaults and with each switch flipped, each synthetic
+# model with its switches, the deep cases; a batch of groups runs in one process, which writes each
+# model once
+BATCHES = {
+    "tiny": {flag: [c if flag == "default" else f"{c}:{flag}" for c in TINY] for flag in ["default", *FLIPPED]},
+    "wide": {case: [case, *(f"{case}:{f}" for f in flags)] for case, flags in WIDE.items()},
+    "deep": {"deep": DEEP},
+}
+GROUPS = {name: specs for batch in BATCHES.values() for name, specs in batch.items()}
+_results: dict[str, list[dict]] = {}
+
+
+def group_results(name: str, tmp_path_factory) -> list[dict]:
+    """The results of group `name`: its batch runs once per session."""
+    if name not in _results:
+        batch = next(b for b in BATCHES.values() if name in b)
+        results = iter(dry_run(tmp_path_factory.mktemp("dry"), [spec for specs in batch.values() for spec in specs]))
+        for group, specs in batch.items():
+            _results[group] = [next(results) for _ in specs]
+    return _results[name]
 
 
 def assert_clean(results: list[dict]) -> None:
@@ -57,42 +79,34 @@ def assert_clean(results: list[dict]) -> None:
     assert not bad, json.dumps(bad, indent=1)[:4000]
 
 
-_seen: set[str] = set()
-
-
 @pytest.mark.parametrize("flag", ["default", *FLIPPED])
-def test_tiny_models_launch_what_their_kernels_take(tmp_path, flag):
-    results = dry_run(tmp_path, [c if flag == "default" else f"{c}:{flag}" for c in TINY])
+def test_tiny_models_launch_what_their_kernels_take(tmp_path_factory, flag):
+    results = group_results(flag, tmp_path_factory)
     assert_clean(results)
     assert all(r["launches"] > 50 for r in results)
-    _seen.update(k for r in results for k in r["kernels"])
 
 
 @pytest.mark.parametrize("case", list(WIDE))
-def test_real_widths_launch_what_their_kernels_take(tmp_path, case):
-    results = dry_run(tmp_path, [case, *(f"{case}:{f}" for f in WIDE[case])])
+def test_real_widths_launch_what_their_kernels_take(tmp_path_factory, case):
+    results = group_results(case, tmp_path_factory)
     assert_clean(results)
-    _seen.update(k for r in results for k in r["kernels"])
     if case == "synth-llama2-7b":
         assert "gemv_q8_pair" in results[0]["kernels"] and "megakernel" in results[3]["kernels"]
     if case == "synth-qwen3-30b-a3b":
         assert "moe_one" in results[0]["kernels"]
 
 
-def test_past_4096_keys_launch_what_their_kernels_take(tmp_path):
-    results = dry_run(tmp_path, DEEP)
+def test_past_4096_keys_launch_what_their_kernels_take(tmp_path_factory):
+    results = group_results("deep", tmp_path_factory)
     assert_clean(results)
     assert "attn_gqa" in results[0]["kernels"]
-    _seen.update(k for r in results for k in r["kernels"])
 
 
-def test_every_kernel_is_launched_by_some_case():
-    """After the cases above (in this module's order): the dry runs reach every kernel of kernels_cu
-    but the microbenchmarks', so none goes unchecked."""
-    if len(_seen) < 10:
-        pytest.skip("needs the dry-run cases of this module to have run first")
+def test_every_kernel_is_launched_by_some_case(tmp_path_factory):
+    """The dry runs reach every kernel of kernels_cu but the microbenchmarks', so none goes unchecked."""
+    seen = {k for name in GROUPS for r in group_results(name, tmp_path_factory) for k in r["kernels"]}
     every = {k for f in KERNELS.glob("*.cu") for k in kp.kernels_in(f.read_text())}
-    assert every - NOT_LAUNCHED - _seen == set()
+    assert every - NOT_LAUNCHED - seen == set()
 
 
 # ---- the checks, on launches built to fail them -------------------------------------------------

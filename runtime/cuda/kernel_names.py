@@ -144,7 +144,7 @@ KERNELS = {
     "attention_mma.cu": tuple(f"attn_mma<{d}, {bk}, {kv_args(k, v)}>" for d, bk in MMA_TILE_KEYS.items() for k, v in KV_PAIRS),
     "attention_gqa.cu": tuple(dict.fromkeys(gqa_name(d, k, v, g, i8) for d in GQA_TILE_KEYS for k, v in KV_PAIRS
                                             for g in (GQA_COLS_GROUP, 16) for i8 in (True, False))),
-    "elementwise.cu": ("swiglu<float>", "swiglu<u16>", "geglu<float>", "geglu<u16>", "scale_f32", "softcap_f32", "set_i32"),
+    "elementwise.cu": ("swiglu<float>", "swiglu<u16>", "geglu<float>", "geglu<u16>", "softcap_f32", "set_i32"),
     "sampling.cu": ("sample_argmax_partial", "sample_finish"),
     "speculative.cu": ("spec_argmax", "spec_accept"),
     "moe.cu": ("moe_topk", "moe_combine", *(f"moe_gemv_q<{d}>" for d in MOE_QUANT_DECODERS),

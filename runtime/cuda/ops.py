@@ -204,11 +204,6 @@ class Ops(AttentionLaunchers):
         threads = 32 * min(32, max(1, -(-n // 256)))
         self._launch("norm.cu", "rms_norm_add", (n_rows,), (threads,), (t, w, res, y, np.int32(n), np.float32(eps)))
 
-    def scale(self, x: cp.ndarray, s: float) -> None:
-        """x *= s in place (Gemma's embedding scale). x: contiguous f32, any shape."""
-        assert x.dtype == cp.float32 and x.flags.c_contiguous
-        self._launch("elementwise.cu", "scale_f32", (min(-(-x.size // 256), 4096),), (256,), (x, np.int64(x.size), np.float32(s)))
-
     def softcap(self, x: cp.ndarray, cap: float) -> None:
         """x = cap * tanh(x / cap) in place (Gemma 2's final logit soft-cap). x: contiguous f32; cap > 0."""
         assert x.dtype == cp.float32 and x.flags.c_contiguous and cap > 0
