@@ -273,6 +273,21 @@ def _numpy_function(name: str):
     return fn
 
 
+class _RandomState:
+    """cupy.random.RandomState: numpy's generator whose arrays are device arrays; randint gives
+    zeros (the microbenchmarks' buffers: no kernel reads their values here)."""
+
+    def __init__(self, seed=None):
+        self._rs = np.random.RandomState(seed)
+
+    def randint(self, low, high=None, size=None, dtype=np.int64):
+        return empty(() if size is None else size, dtype)
+
+    def __getattr__(self, name):
+        fn = getattr(self._rs, name)
+        return lambda *a, **k: _device(np.asarray(fn(*a, **k)))
+
+
 def _module() -> types.ModuleType:
     cp = types.ModuleType("cupy")
     cp.__version__ = "0.0-stub"
@@ -284,6 +299,7 @@ def _module() -> types.ModuleType:
     pool = types.SimpleNamespace(free_all_blocks=lambda: None, used_bytes=lambda: 0, total_bytes=lambda: 0, free_bytes=lambda: 0,
                                  set_limit=lambda **kw: None)
     cp.get_default_memory_pool = cp.get_default_pinned_memory_pool = lambda: pool
+    cp.random = types.SimpleNamespace(RandomState=_RandomState)
     cp.__getattr__ = _numpy_function  # dtypes and array functions: numpy's
     cuda = types.ModuleType("cupy.cuda")
     cuda.Stream, cuda.Event, cuda.Device, cuda.Graph = Stream, Event, Device, Graph

@@ -2,6 +2,7 @@
 against the kernel's parameter list (tests/kernel_params.py).
 
     python -m tests.dry_run DIR CASE[:K4_FLAG=V,...][@deep] ...
+    python -m tests.dry_run --cli K4_ARGS...    (a k4 command, its launches checked the same way)
 
 For each case (a tiny model of tests/cuda_backend_cases.py ARCH_CASES or DRY_CASES, written into
 DIR, with the K4_* flags given), in one process with the stub installed: load, a prefill with all
@@ -166,8 +167,6 @@ def chain_problems(launches, device_array: type) -> list[str]:
 
 
 def run_case(spec: str, folder: Path) -> dict:
-    from tests.kernel_params import launch_problems
-
     spec_case, deep = spec.removesuffix("@deep"), spec.endswith("@deep")
     case, _, flags = spec_case.partition(":")
     env = dict(kv.split("=", 1) for kv in flags.split(",") if kv)
@@ -182,16 +181,42 @@ def run_case(spec: str, folder: Path) -> dict:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    return summary(spec)
+
+
+def summary(name: str) -> dict:
+    """The launches recorded since LAUNCHES was cleared, checked: {case, launches, kernels, problems}."""
+    from tests.kernel_params import launch_problems
+
     launches = [la for la in cupy_stub.LAUNCHES if isinstance(la, cupy_stub.Launch)]
     problems = {p for la in launches for p in launch_problems(la, cupy_stub.ndarray)}
     problems |= set(chain_problems(cupy_stub.LAUNCHES, cupy_stub.ndarray))
-    return {"case": spec, "launches": len(launches), "kernels": sorted({la.kernel.name.split("<")[0] for la in launches}),
+    return {"case": name, "launches": len(launches), "kernels": sorted({la.kernel.name.split("<")[0] for la in launches}),
             "problems": sorted(problems)}
+
+
+def run_cli(args: list[str]) -> int:
+    """`k4 ARGS` (cli/app.py main) over the stub; then the launches' summary as the last line of
+    stdout. Its exit status: the command's, or 1 where a launch has a problem."""
+    from k4.cli.app import main as k4_main
+
+    cupy_stub.LAUNCHES.clear()
+    sys.argv = ["k4", *args]
+    try:
+        k4_main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    result = summary("k4 " + " ".join(args))
+    print(json.dumps(result), flush=True)
+    return code or (1 if result["problems"] else 0)
 
 
 def main(argv: list[str]) -> int:
     cupy_stub.install()
     cupy_stub.patch_launch()
+    if argv[0] == "--cli":
+        return run_cli(argv[1:])
     folder, specs = Path(argv[0]), argv[1:]
     bad = 0
     for spec in specs:

@@ -39,8 +39,8 @@ WIDE = {
 }
 DEEP = ["qwen2-q8_0-hd64@deep", "qwen2-q8_0-hd64:K4_GQA_COLS=0@deep", "qwen2-q8_0-hd64:K4_DYN_SPLIT=0@deep",
         "llama-q8_0-gqa@deep", "llama-q4_k-hd64:K4_COUNT_WAIT=1@deep"]
-# kernels no path of the backend launches: the bandwidth probes of runtime/cuda/microbench.py
-NOT_LAUNCHED = {"read_stream", "read_stream_dependent"}
+# kernels only `k4 bench --kernels` launches (runtime/cuda/microbench.py's bandwidth probes), checked there
+MICROBENCH_ONLY = {"read_stream", "read_stream_dependent"}
 
 
 def dry_run(folder: Path, specs: list[str]) -> list[dict]:
@@ -103,10 +103,61 @@ def test_past_4096_keys_launch_what_their_kernels_take(tmp_path_factory):
 
 
 def test_every_kernel_is_launched_by_some_case(tmp_path_factory):
-    """The dry runs reach every kernel of kernels_cu but the microbenchmarks', so none goes unchecked."""
+    """The dry runs reach every kernel of kernels_cu but the microbenchmarks' (test_bench_kernels_...),
+    so none goes unchecked."""
     seen = {k for name in GROUPS for r in group_results(name, tmp_path_factory) for k in r["kernels"]}
     every = {k for f in KERNELS.glob("*.cu") for k in kp.kernels_in(f.read_text())}
-    assert every - NOT_LAUNCHED - seen == set()
+    assert every - MICROBENCH_ONLY - seen == set()
+
+
+# ---- k4 commands on the CUDA backend -------------------------------------------------------------
+
+def k4(*args: str) -> tuple[int, str, dict]:
+    """`k4 ARGS` over the stub: (exit status, its stdout before the summary, the launches' summary)."""
+    proc = subprocess.run([sys.executable, "-m", "tests.dry_run", "--cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, check=False)
+    out, _, last = proc.stdout.rstrip("\n").rpartition("\n")
+    assert last.startswith("{"), proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.returncode, out, json.loads(last)
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_k_m(tmp_path_factory) -> str:
+    """A synthetic Q4_K_M model of the test-tiny preset (`k4 synth`)."""
+    path = tmp_path_factory.mktemp("synth") / "test-tiny.gguf"
+    code, _, _ = k4("synth", "test-tiny", str(path))
+    assert code == 0 and path.exists()
+    return str(path)
+
+
+def test_bench_with_verify_and_lookup_reports_every_test(tiny_q4_k_m):
+    """`k4 bench` as the GPU sessions run it (two flag settings, tvN, lookup): every record, the
+    verify steps' device-time ratio among them (session 54), no launch problem."""
+    code, out, summary = k4("bench", "-m", tiny_q4_k_m, "-p", "16", "-n", "8", "-r", "2", "--verify", "4,8", "--lookup", "4",
+                            "--flags", "", "--flags", "K4_COUNT_WAIT=1", "--backend", "cuda", "-o", "json")
+    assert code == 0 and summary["problems"] == [], summary["problems"]
+    records = json.loads(out[out.index("["):])
+    tests = {(r["test"], r.get("flags", "")) for r in records}
+    assert {t for t, _ in tests} >= {"pp16", "tg8", "tv4", "tv8"} and any(t.startswith("tg8/lookup") for t, _ in tests)
+    assert len({f for _, f in tests}) == 2
+    tv8 = [r for r in records if r["test"] == "tv8"]
+    assert all(r["verify_gpu_ratio"] > 0 and r["verify_ratio"] > 0 for r in tv8), tv8
+
+
+def test_bench_kernels_launch_what_their_kernels_take(tiny_q4_k_m):
+    code, _, summary = k4("bench", "-m", tiny_q4_k_m, "--kernels", "--depth", "4096", "--backend", "cuda")
+    assert code == 0 and summary["problems"] == [], summary["problems"]
+    assert MICROBENCH_ONLY <= set(summary["kernels"])
+
+
+@pytest.mark.parametrize("command", [
+    ("run", "-n", "6", "-p", "Once upon a time"),
+    ("run", "-n", "6", "-p", "Once upon a time", "--lookup", "3", "--temp", "0"),
+    ("perplexity", "-f", str(ROOT / "README.md"), "-c", "64"),
+])
+def test_commands_run_on_the_cuda_backend(tiny_q4_k_m, command):
+    code, _, summary = k4(*command, "-m", tiny_q4_k_m, "--backend", "cuda")
+    assert code == 0 and summary["problems"] == [] and summary["launches"] > 20, summary
 
 
 # ---- the checks, on launches built to fail them -------------------------------------------------
