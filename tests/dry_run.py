@@ -3,6 +3,11 @@ against the kernel's parameter list (tests/kernel_params.py).
 
     python -m tests.dry_run DIR CASE[:K4_FLAG=V,...][@deep] ...
     python -m tests.dry_run --cli K4_ARGS...    (a k4 command, its launches checked the same way)
+    python -m tests.dry_run --pytest PYTEST_ARGS...    (e.g. -m cuda: the GPU tests over the stub)
+
+The last form is a check for a session without a GPU, not a test: every GPU test that compares
+numbers fails over the stub (its kernels write nothing), so what it shows is the failures of
+another kind, a test or launcher that raises before any number is compared.
 
 For each case (a tiny model of tests/cuda_backend_cases.py ARCH_CASES or DRY_CASES, written into
 DIR, with the K4_* flags given), in one process with the stub installed: load, a prefill with all
@@ -217,6 +222,10 @@ def main(argv: list[str]) -> int:
     cupy_stub.patch_launch()
     if argv[0] == "--cli":
         return run_cli(argv[1:])
+    if argv[0] == "--pytest":  # the `cuda` tests' Python over the stub: what fails other than by its numbers
+        import pytest
+
+        return int(pytest.main(argv[1:]))
     folder, specs = Path(argv[0]), argv[1:]
     bad = 0
     for spec in specs:
