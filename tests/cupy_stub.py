@@ -27,6 +27,7 @@ import ctypes
 import sys
 import types
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -52,6 +53,21 @@ class Launch:
 
 
 LAUNCHES: list = []  # Launch, or (what, details) tuples for graphs, captures and cuBLAS calls
+# What CUDA refuses while a stream is being captured into a graph, done during a capture: a
+# device allocation (CuPy's pool may call cudaMalloc), a synchronization, a synchronous copy.
+# Each entry names the call and the k4 source line that made it.
+CAPTURE_VIOLATIONS: list[str] = []
+_capturing: list = []  # the streams being captured
+
+
+def _during_capture(what: str) -> None:
+    if not _capturing:
+        return
+    import traceback
+
+    here = [f for f in traceback.extract_stack()[:-2] if "/tests/" not in f.filename.replace("\\", "/")]
+    where = f"{Path(here[-1].filename).name}:{here[-1].lineno}" if here else "?"
+    CAPTURE_VIOLATIONS.append(f"{what} during a graph capture ({where})")
 
 
 class _Mem:
@@ -82,15 +98,18 @@ def _device(a) -> ndarray:
 
 
 def asarray(a, dtype=None, order=None) -> ndarray:
+    _during_capture("cupy.asarray (a device allocation)")
     base = a.view(np.ndarray) if isinstance(a, ndarray) else a
     return np.array(base, dtype=dtype, copy=True, order="C" if order is None else order).view(ndarray)
 
 
 def empty(shape, dtype=np.float32, order="C") -> ndarray:
+    _during_capture("cupy.empty (a device allocation)")
     return np.zeros(shape, dtype, order).view(ndarray)
 
 
 def empty_like(a, dtype=None, order="K", shape=None) -> ndarray:
+    _during_capture("cupy.empty_like (a device allocation)")
     return np.zeros_like(a, dtype=dtype, shape=shape).view(ndarray)
 
 
@@ -145,7 +164,7 @@ class Stream:
         return self
 
     def synchronize(self):
-        pass
+        _during_capture("Stream.synchronize")
 
     def record(self, event=None):
         return event if event is not None else Event()
@@ -155,11 +174,13 @@ class Stream:
 
     def begin_capture(self, mode=None):
         self._capture_start = len(LAUNCHES)
+        _capturing.append(self)
         LAUNCHES.append(("begin_capture", self.ptr))
 
     def end_capture(self) -> Graph:
         n = sum(isinstance(x, Launch) for x in LAUNCHES[self._capture_start:])
         self._capture_start = None
+        _capturing.remove(self)
         LAUNCHES.append(("end_capture", self.ptr))
         return Graph(n)
 
@@ -185,9 +206,10 @@ class Event:
         pass
 
     def synchronize(self):
-        pass
+        _during_capture("Event.synchronize")
 
     def query(self) -> bool:
+        _during_capture("Event.query")
         return True
 
 
@@ -209,7 +231,7 @@ class Device:
         pass
 
     def synchronize(self):
-        pass
+        _during_capture("Device.synchronize")
 
 
 def alloc_pinned_memory(nbytes: int):
@@ -222,6 +244,11 @@ def alloc_pinned_memory(nbytes: int):
 def _memcpy(dst: int, src: int, nbytes: int, kind=None, stream=None) -> None:
     if nbytes:
         ctypes.memmove(dst, src, nbytes)
+
+
+def _memcpy_sync(dst: int, src: int, nbytes: int, kind=None) -> None:
+    _during_capture("runtime.memcpy (synchronous)")
+    _memcpy(dst, src, nbytes)
 
 
 def _memset(ptr: int, value: int, nbytes: int, stream=None) -> None:
@@ -306,10 +333,10 @@ def _module() -> types.ModuleType:
     cuda.get_current_stream, cuda.alloc_pinned_memory = get_current_stream, alloc_pinned_memory
     cuda.get_elapsed_time = lambda start, end: 1.0
     cuda.runtime = types.SimpleNamespace(
-        CUDARuntimeError=CUDARuntimeError, getDeviceCount=lambda: 1, memcpy=_memcpy, memcpyAsync=_memcpy, memsetAsync=_memset,
+        CUDARuntimeError=CUDARuntimeError, getDeviceCount=lambda: 1, memcpy=_memcpy_sync, memcpyAsync=_memcpy, memsetAsync=_memset,
         memcpyHostToDevice=1, memcpyDeviceToHost=2, memcpyDeviceToDevice=3, memcpyDefault=4,
         memGetInfo=lambda: (140 << 30, 141 << 30), runtimeGetVersion=lambda: 13000, driverGetVersion=lambda: 13000,
-        deviceSynchronize=lambda: None, getDevice=lambda: 0,
+        deviceSynchronize=lambda: _during_capture("deviceSynchronize"), getDevice=lambda: 0,
         getDeviceProperties=lambda i: {"name": b"cupy_stub", "totalGlobalMem": 141 << 30, "multiProcessorCount": SM_COUNT,
                                        "major": 9, "minor": 0, "l2CacheSize": L2_BYTES},
         CUDA_R_32F=0, CUDA_R_16F=2, CUDA_R_8I=3, CUDA_R_32I=10, CUDA_R_16BF=14)

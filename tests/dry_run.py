@@ -18,7 +18,9 @@ and the problems found, each a line naming the kernel:
 - a launch that passes a chain (K4_COUNT_WAIT, runtime/cuda/chain.py) from a module built without
   the chain's define, whose kernel would never count;
 - a launch that waits on a count (no CHAIN_GRID in its `at`) whose stream's launch before it did
-  not count into slot at - 1: it would wait on a count nobody adds to, or on the wrong launch.
+  not count into slot at - 1: it would wait on a count nobody adds to, or on the wrong launch;
+- what a CUDA graph capture refuses, done during one (cupy_stub.CAPTURE_VIOLATIONS: a device
+  allocation, a synchronization, a synchronous copy), with the source line that did it.
 Exit status 0 when no case found a problem.
 """
 
@@ -178,6 +180,7 @@ def run_case(spec: str, folder: Path) -> dict:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     cupy_stub.LAUNCHES.clear()
+    cupy_stub.CAPTURE_VIOLATIONS.clear()
     try:
         exercise(write_case(case, folder), deep)
     finally:
@@ -196,6 +199,7 @@ def summary(name: str) -> dict:
     launches = [la for la in cupy_stub.LAUNCHES if isinstance(la, cupy_stub.Launch)]
     problems = {p for la in launches for p in launch_problems(la, cupy_stub.ndarray)}
     problems |= set(chain_problems(cupy_stub.LAUNCHES, cupy_stub.ndarray))
+    problems |= set(cupy_stub.CAPTURE_VIOLATIONS)
     return {"case": name, "launches": len(launches), "kernels": sorted({la.kernel.name.split("<")[0] for la in launches}),
             "problems": sorted(problems)}
 
@@ -206,6 +210,7 @@ def run_cli(args: list[str]) -> int:
     from k4.cli.app import main as k4_main
 
     cupy_stub.LAUNCHES.clear()
+    cupy_stub.CAPTURE_VIOLATIONS.clear()
     sys.argv = ["k4", *args]
     try:
         k4_main()

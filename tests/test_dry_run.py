@@ -293,3 +293,20 @@ def test_a_chain_passed_to_a_kernel_built_without_it_is_named():
 
     got = chain_problems([linked("k<4>", CHAIN_GRID, built=False)], Array)
     assert len(got) == 1 and "built without K4_COUNT_WAIT=1" in got[0]
+
+
+def test_what_a_graph_capture_refuses_is_named():
+    from tests import cupy_stub
+
+    s = cupy_stub.Stream()
+    cupy_stub.empty(3)  # outside a capture: fine
+    s.begin_capture()
+    try:
+        cupy_stub.empty(3)
+        s.synchronize()
+        cupy_stub.Event().synchronize()
+    finally:
+        s.end_capture()
+    s.synchronize()
+    got, cupy_stub.CAPTURE_VIOLATIONS[:] = list(cupy_stub.CAPTURE_VIOLATIONS), []
+    assert [g.split(" during")[0] for g in got] == ["cupy.empty (a device allocation)", "Stream.synchronize", "Event.synchronize"]
