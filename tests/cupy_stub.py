@@ -372,12 +372,36 @@ def install() -> None:
     sys.modules["cupy_backends.cuda.libs.cublas"] = cublas
 
 
+class _CublasFunction:
+    """A function of the stub's libcublas: ctypes' argtypes and restype settable, every call
+    returns 0 (CUBLAS_STATUS_SUCCESS) and is recorded as ("cublas", name)."""
+
+    def __init__(self, name: str):
+        self.name, self.argtypes, self.restype = name, None, None
+
+    def __call__(self, *args):
+        LAUNCHES.append(("cublas", self.name))
+        return 0
+
+
+class _CublasLibrary:
+    """What runtime/cuda/blas.py loads as libcublas.so.N (ctypes.CDLL): any function, a stub."""
+
+    def __getattr__(self, name: str) -> _CublasFunction:
+        fn = _CublasFunction(name)
+        setattr(self, name, fn)
+        return fn
+
+
 def patch_launch() -> None:
     """Route runtime/cuda/launch.py's driver path (cuLaunchKernelEx: programmatic dependent launch,
-    clusters) into LAUNCHES; the plain path calls RawKernel, which records already."""
-    from k4.runtime.cuda import launch
+    clusters) into LAUNCHES; the plain path calls RawKernel, which records already. And give
+    runtime/cuda/blas.py a libcublas whose calls are recorded, so the paths a GPU machine takes
+    with k4's own cuBLAS handle (prefill chunks and verify steps captured as graphs) run here too."""
+    from k4.runtime.cuda import blas, launch
 
     def launch_ex(kernel, grid, block, args, shared_mem, stream_ptr, pdl=True, cluster=1):
         record(kernel, grid, block, args, shared_mem, stream_ptr, pdl, cluster)
 
     launch._launch_ex = launch_ex
+    blas._library = _CublasLibrary
