@@ -116,7 +116,8 @@ def write_case(case: str, folder: Path):
 
 
 def exercise(mf, deep: bool = False) -> None:
-    """Load, prefill, generate (greedy, then sampled with a penalty), verify 8 and 4 tokens; deep:
+    """Load, prefill, generate (greedy, then sampled with a penalty), verify 8 tokens twice (the
+    second step captured as a graph) and 4 tokens; deep:
     with a context of DEEP_CTX, greedy generation and a verify step after a prompt of DEEP_PROMPT
     tokens (decode attention past 4,096 keys: split, attn_gqa)."""
     from k4.runtime.cuda.backend import CudaBackend
@@ -140,6 +141,7 @@ def exercise(mf, deep: bool = False) -> None:
         take(be.generate(PROMPT, SamplingParams(temperature=0.8, repeat_penalty=1.1, seed=3)), 3)
         be.reset()
         be.eval(PROMPT)
+        be.verify([3, 4, 5, 6, 7, 8, 9, 10])  # eagerly, then captured as a graph and replayed
         be.verify([3, 4, 5, 6, 7, 8, 9, 10])
         be.verify([11, 12, 13, 14])
     finally:
