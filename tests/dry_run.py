@@ -9,11 +9,12 @@ The last form is a check for a session without a GPU, not a test: every GPU test
 numbers fails over the stub (its kernels write nothing), so what it shows is the failures of
 another kind, a test or launcher that raises before any number is compared.
 
-For each case (a tiny model of tests/cuda_backend_cases.py ARCH_CASES or DRY_CASES, written into
-DIR, with the K4_* flags given), in one process with the stub installed: load, a prefill with all
-logits, greedy generation (the decode graphs), sampled generation with a repeat penalty, and
-speculative verify steps of 8 and 4 tokens. Prints one JSON line a case: the kernels launched
-and the problems found, each a line naming the kernel:
+For each case (a tiny model of tests/cuda_backend_cases.py ARCH_CASES, DRY_CASES or Gemma's, or
+`synth-PRESET`, written into DIR, with the K4_* flags given), in one process with the stub
+installed: load, a prefill with all logits, greedy generation (the decode graphs), sampled
+generation with a repeat penalty, and speculative verify steps of 8 tokens (eager, then captured)
+and 4; `@deep`: generation and a verify step past 4,096 keys instead (exercise). Prints one JSON
+line a case: the kernels launched and the problems found, each a line naming the kernel:
 - kernel_params.launch_problems for every launch (argument count and kinds, geometry);
 - a launch that passes a chain (K4_COUNT_WAIT, runtime/cuda/chain.py) from a module built without
   the chain's define, whose kernel would never count;
