@@ -32,9 +32,11 @@ from typing import ClassVar
 
 import numpy as np
 
+from tests import kernel_params
+
 SM_COUNT = 132  # what Device().attributes reports: an H200's
 L2_BYTES = 60 << 20
-SMEM_OPTIN = 227 << 10  # MaxSharedMemoryPerBlockOptin on sm_90
+SMEM_OPTIN = kernel_params.SMEM_OPTIN  # MaxSharedMemoryPerBlockOptin on sm_90
 
 
 @dataclass
@@ -58,6 +60,12 @@ LAUNCHES: list = []  # Launch, or (what, details) tuples for graphs, captures an
 # Each entry names the call and the k4 source line that made it.
 CAPTURE_VIOLATIONS: list[str] = []
 _capturing: list = []  # the streams being captured
+
+
+def reset() -> None:
+    """Forget what was recorded (LAUNCHES, CAPTURE_VIOLATIONS)."""
+    LAUNCHES.clear()
+    CAPTURE_VIOLATIONS.clear()
 
 
 def _during_capture(what: str) -> None:
@@ -214,8 +222,8 @@ class Event:
 
 
 class Device:
-    attributes: ClassVar[dict] = {"MultiProcessorCount": SM_COUNT, "L2CacheSize": L2_BYTES, "MaxSharedMemoryPerBlockOptin": SMEM_OPTIN,
-                  "MaxSharedMemoryPerMultiprocessor": 228 << 10}
+    attributes: ClassVar[dict] = {"MultiProcessorCount": SM_COUNT, "L2CacheSize": L2_BYTES,
+                                  "MaxSharedMemoryPerBlockOptin": SMEM_OPTIN, "MaxSharedMemoryPerMultiprocessor": 228 << 10}
 
     def __init__(self, device_id: int = 0):
         self.id = device_id

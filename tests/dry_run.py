@@ -28,7 +28,6 @@ Exit status 0 when no case found a problem.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -116,17 +115,17 @@ def write_case(case: str, folder: Path):
     return open_model(path)
 
 
-def exercise(mf, deep: bool = False) -> None:
-    """Load, prefill, generate (greedy, then sampled with a penalty), verify 8 tokens twice (the
-    second step captured as a graph) and 4 tokens; deep:
-    with a context of DEEP_CTX, greedy generation and a verify step after a prompt of DEEP_PROMPT
-    tokens (decode attention past 4,096 keys: split, attn_gqa)."""
+def exercise(mf, flags, deep: bool = False) -> None:
+    """On a CudaBackend of mf with `flags` (runtime/flags.py Flags): load, prefill, generate
+    (greedy, then sampled with a penalty), verify 8 tokens twice (the second step captured as a
+    graph) and 4 tokens; deep: with a context of DEEP_CTX, greedy generation and a verify step
+    after a prompt of DEEP_PROMPT tokens (decode attention past 4,096 keys: split, attn_gqa)."""
     from k4.runtime.cuda.backend import CudaBackend
     from k4.runtime.sampling import SamplingParams
 
     from tests.cuda_backend_cases import GREEDY, take
 
-    be = CudaBackend(mf, DEEP_CTX if deep else 64)
+    be = CudaBackend(mf, DEEP_CTX if deep else 64, flags=flags)
     try:
         if deep:
             long = [(7 * i) % 500 + 1 for i in range(DEEP_PROMPT)]
@@ -153,13 +152,13 @@ def chain_problems(launches, device_array: type) -> list[str]:
     """K4_COUNT_WAIT's pairing in launch order, stream by stream (the module docstring)."""
     from k4.runtime.cuda.chain import COUNT_WAIT_DEFINE, slot_of, waits_for_grid
 
-    from tests.kernel_params import kernels_in
+    from tests.kernel_params import base_name, kernels_in
 
     out, counted = [], {}  # stream -> the slot its last launch counted into, or None
     for la in launches:
         if not isinstance(la, cupy_stub.Launch):
             continue
-        names = [p.name for p in kernels_in(la.kernel.module.code).get(la.kernel.name.split("<")[0].strip(), ())]
+        names = [p.name for p in kernels_in(la.kernel.module.code).get(base_name(la.kernel.name), ())]
         before, counted[la.stream] = counted.get(la.stream), None
         if names[-2:] != ["chain", "chain_at"] or len(la.args) != len(names):
             continue
@@ -177,33 +176,25 @@ def chain_problems(launches, device_array: type) -> list[str]:
 
 
 def run_case(spec: str, folder: Path) -> dict:
+    """One case of the module docstring's spec syntax, run and checked (summary)."""
+    from k4.runtime.flags import Flags
+
     spec_case, deep = spec.removesuffix("@deep"), spec.endswith("@deep")
     case, _, flags = spec_case.partition(":")
-    env = dict(kv.split("=", 1) for kv in flags.split(",") if kv)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    cupy_stub.LAUNCHES.clear()
-    cupy_stub.CAPTURE_VIOLATIONS.clear()
-    try:
-        exercise(write_case(case, folder), deep)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    cupy_stub.reset()
+    exercise(write_case(case, folder), Flags(dict(kv.split("=", 1) for kv in flags.split(",") if kv)), deep)
     return summary(spec)
 
 
 def summary(name: str) -> dict:
     """The launches recorded since LAUNCHES was cleared, checked: {case, launches, kernels, problems}."""
-    from tests.kernel_params import launch_problems
+    from tests.kernel_params import base_name, launch_problems
 
     launches = [la for la in cupy_stub.LAUNCHES if isinstance(la, cupy_stub.Launch)]
     problems = {p for la in launches for p in launch_problems(la, cupy_stub.ndarray)}
     problems |= set(chain_problems(cupy_stub.LAUNCHES, cupy_stub.ndarray))
     problems |= set(cupy_stub.CAPTURE_VIOLATIONS)
-    return {"case": name, "launches": len(launches), "kernels": sorted({la.kernel.name.split("<")[0] for la in launches}),
+    return {"case": name, "launches": len(launches), "kernels": sorted({base_name(la.kernel.name) for la in launches}),
             "problems": sorted(problems)}
 
 
@@ -212,8 +203,7 @@ def run_cli(args: list[str]) -> int:
     stdout. Its exit status: the command's, or 1 where a launch has a problem."""
     from k4.cli.app import main as k4_main
 
-    cupy_stub.LAUNCHES.clear()
-    cupy_stub.CAPTURE_VIOLATIONS.clear()
+    cupy_stub.reset()
     sys.argv = ["k4", *args]
     try:
         k4_main()

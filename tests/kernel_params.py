@@ -96,24 +96,18 @@ def kernels_in(source: str) -> dict[str, tuple[Param, ...]]:
     return out
 
 
+# The numpy scalar types runtime/cuda/launch.py passes (its _C_SCALARS) -> the parameter kinds they fit.
+_SCALAR_KINDS = {np.dtype(np.uint64): {"ptr", "i64"},  # launch.null_or's null pointer, or a 64-bit value
+                 np.dtype(np.int32): {"i32"}, np.dtype(np.int64): {"i64"}, np.dtype(np.float32): {"f32"}}
+
+
 def arg_kinds(arg, device_array: type) -> set[str]:
     """The parameter kinds a launch argument fits (launch.py's rules: device arrays pass their
-    pointer, numpy scalars their value in their own C type)."""
+    pointer, numpy scalars of its four types their value in their own C type); set() for anything
+    else (a Python int or float has no C type: CuPy and the driver path would guess or refuse)."""
     if isinstance(arg, device_array):
         return {"ptr"}
-    if isinstance(arg, np.generic):
-        d = arg.dtype
-        if d == np.uint64:  # launch.null_or's null pointer, or a 64-bit value
-            return {"ptr", "i64"}
-        if d in (np.int32, np.uint32):
-            return {"i32"}
-        if d in (np.int64,):
-            return {"i64"}
-        if d == np.float32:
-            return {"f32"}
-        if d == np.float64:
-            return {"f64"}
-    return set()  # a Python int or float has no C type: CuPy and the driver path would guess
+    return set(_SCALAR_KINDS.get(arg.dtype, ())) if isinstance(arg, np.generic) else set()
 
 
 def base_name(kernel_name: str) -> str:

@@ -43,10 +43,15 @@ DEEP = ["qwen2-q8_0-hd64@deep", "qwen2-q8_0-hd64:K4_GQA_COLS=0@deep", "qwen2-q8_
 MICROBENCH_ONLY = {"read_stream", "read_stream_dependent"}
 
 
+def dry_run_process(*args: str) -> subprocess.CompletedProcess:
+    """`python -m tests.dry_run ARGS`, in a process of its own (the stub replaces cupy there)."""
+    return subprocess.run([sys.executable, "-m", "tests.dry_run", *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          check=False)
+
+
 def dry_run(folder: Path, specs: list[str]) -> list[dict]:
-    """tests/dry_run.py's result for each spec, in a process of its own (the stub replaces cupy)."""
-    proc = subprocess.run([sys.executable, "-m", "tests.dry_run", str(folder), *specs], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, check=False)
+    """tests/dry_run.py's result for each spec."""
+    proc = dry_run_process(str(folder), *specs)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(results) == len(specs), proc.stderr[-3000:]
     return results
@@ -114,8 +119,7 @@ def test_every_kernel_is_launched_by_some_case(tmp_path_factory):
 
 def k4(*args: str) -> tuple[int, str, dict]:
     """`k4 ARGS` over the stub: (exit status, its stdout before the summary, the launches' summary)."""
-    proc = subprocess.run([sys.executable, "-m", "tests.dry_run", "--cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, check=False)
+    proc = dry_run_process("--cli", *args)
     out, _, last = proc.stdout.rstrip("\n").rpartition("\n")
     assert last.startswith("{"), proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.returncode, out, json.loads(last)
@@ -310,3 +314,9 @@ def test_what_a_graph_capture_refuses_is_named():
     s.synchronize()
     got, cupy_stub.CAPTURE_VIOLATIONS[:] = list(cupy_stub.CAPTURE_VIOLATIONS), []
     assert [g.split(" during")[0] for g in got] == ["cupy.empty (a device allocation)", "Stream.synchronize", "Event.synchronize"]
+
+
+def test_the_scalar_kinds_are_the_scalars_launch_passes():
+    from k4.runtime.cuda import launch
+
+    assert set(kp._SCALAR_KINDS) == set(launch._C_SCALARS)
