@@ -1,8 +1,8 @@
 // Element-wise kernels: the gated feed-forward activations (Shazeer 2020): SwiGLU of the llama
 // families and GeGLU (tanh-approximated GELU) of Gemma; Gemma 2's tanh soft-cap of the logits;
 // and the scalar store that sets decode state (the cache position) from a kernel argument, so no
-// host copy is needed. Launched by runtime/cuda/ops.py (Ops.swiglu,
-// Ops.swiglu_rows with act, Ops.softcap, Ops.set_i32).
+// host copy is needed. Launched by runtime/cuda/ops.py (Ops.swiglu, Ops.swiglu_rows with act,
+// Ops.softcap, Ops.set_i32).
 #include "ops_common.cuh"
 
 __device__ __forceinline__ void put(float* p, float v) { *p = v; }
