@@ -40,9 +40,6 @@
 //   KV head's k and v rows, count D; the last active block to get there zeroes them all. The kernels
 //   after this one wait for it (griddepcontrol.wait), and it for every row of the product, so the
 //   chain's order holds: no later kernel starts its work before the product's rows are written.
-// chain, chain_at: null, or a decode step's counts and this launch's slot (chain.cuh): the wait for
-//   the q/k/v product on its count (not with ready), and every block's count once its writes are
-//   done (a block without keys at once; with several splits, the merging block after its merge).
 // Requires the keys seen to fit gridDim.y splits (the launcher's range; else the kernel traps).
 //
 // Held rows: row j of ks / vs is the split's key j, its D / 8 16-byte units u at slot (u + TPG j)
@@ -57,7 +54,6 @@
 #include "gemv_common.cuh"  // q8_lane_store
 #include "mma_common.cuh"   // cp.async
 #include "split_merge.cuh"  // merge_row
-#include "chain.cuh"        // chain_wait, chain_count (K4_COUNT_WAIT)
 
 template <int D>
 __global__ void __maxnreg__(SHORT_REGS)  // constants.py SHORT_REGS: it fits beside the q/k/v product
@@ -66,7 +62,7 @@ attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __res
            int ring,
            const float* fresh_q, const float* fresh_k, const float* fresh_v,  // not __restrict__: K4_HEAD_READY reads them as they are written
            const float* __restrict__ q_norm, const float* __restrict__ k_norm, const double* __restrict__ inv_freq,
-           int rope_dim, int neox, float eps, float mscale, u8* __restrict__ x_q8, int x_swz, int* ready, int* chain, int chain_at) {
+           int rope_dim, int neox, float eps, float mscale, u8* __restrict__ x_q8, int x_swz, int* ready) {
     constexpr int U = D / 8, KEYS = short_keys(D), KL = SHORT_THREADS / U, WARPS = SHORT_THREADS / 32;
     constexpr int TPG = KEYS < SHORT_THREADS ? SHORT_THREADS / KEYS : 1, KPT = KEYS > SHORT_THREADS ? KEYS / SHORT_THREADS : 1;
     static_assert(KEYS * TPG == SHORT_THREADS * KPT && U % TPG == 0 && U <= 32 && D % 32 == 0, "attn_short: the passes' mapping");
@@ -91,10 +87,7 @@ attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __res
     const int lo = window > 0 ? max(0, p + 1 - window) : 0;
     if (p + 1 - lo > KEYS * (int)gridDim.y) __trap();
     const int n_active = (p + 1 - lo + KEYS - 1) / KEYS;  // splits holding keys
-    if (split >= n_active) {  // no keys: nothing to write
-        if (tid == 0) chain_count(chain, chain_at);
-        return;
-    }
+    if (split >= n_active) return;
     const int begin = lo + split * KEYS;
     const int n = min(p + 1 - begin, KEYS);  // keys begin .. begin + n - 1
     const bool mine = begin + n == p + 1;    // the token's key is this split's last (held row n - 1)
@@ -127,7 +120,7 @@ attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __res
         }
         __syncthreads();
     } else {
-        chain_wait(chain, chain_at);
+        pdl_wait();
     }
 
     const size_t row_p = (size_t)(p & ring) * kv_stride + head_off;
@@ -243,10 +236,6 @@ attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __res
             out[(size_t)h * D + i] = o;
             if (x_q8 != nullptr) q8_lane_store(o, h * D + i, n_head * D, x_swz, x_q8, lane);
         }
-        if (chain_on(chain)) {
-            __syncthreads();
-            if (tid == 0) chain_count(chain, chain_at);
-        }
         return;
     }
     // several: the split's partial [m, l, unnormalized output] (split_merge.cuh's layout), and the
@@ -267,12 +256,7 @@ attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __res
     __syncthreads();
     if (tid == 0) last = ticket_acq_rel(ticket + h) == n_active - 1;
     __syncthreads();
-    if (!last && tid == 0) chain_count(chain, chain_at);  // its partial written before the barrier
     if (!last || warp != 0) return;
     merge_row<false, D>(pr, n_active, out + (size_t)h * D, lane, x_q8, x_swz, n_head * D, h * D / 16);
     if (lane == 0) ticket[h] = 0;
-    if (chain_on(chain)) {  // after the warp's merge
-        __syncwarp();
-        if (lane == 0) chain_count(chain, chain_at);
-    }
 }

@@ -9,12 +9,6 @@
 
 #define K4_C ,
 
-#ifndef CHAIN_GRID
-#error "CHAIN_GRID comes from runtime/cuda/constants.py"
-#endif
-#ifndef CHAIN_DONE
-#error "CHAIN_DONE comes from runtime/cuda/constants.py"
-#endif
 #ifndef ATT_THREADS
 #error "ATT_THREADS comes from runtime/cuda/constants.py"
 #endif

@@ -44,7 +44,6 @@
 #include "argmax.cuh"       // NO_INDEX, beats (AM)
 #include "gemv_common.cuh"
 #include "mma_common.cuh"  // k4mma::cp_async16 (NQ's norm weights)
-#include "chain.cuh"        // chain_wait, chain_count (K4_COUNT_WAIT)
 
 // Quantize units u0 .. u0 + n_units - 1 of a q8 y (q8x_bytes(n_out) at y_q8) from their values
 // yo[0 .. 16 n_units) in shared memory: the SwiGLU epilogue's handoff to the down product.
@@ -120,8 +119,7 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         float* __restrict__ am_val,        // AM: (gridDim.x * WARPS,) each warp's largest output
         int* __restrict__ am_idx,          // AM: (gridDim.x * WARPS,) its row
         int* __restrict__ ready,           // RD: counts of rows done, ready[r / ready_rows] (device.cuh count_rows_done)
-        int ready_rows,
-        int* chain, int chain_at) {        // null, or a decode step's counts and this launch's slot (chain.cuh)
+        int ready_rows) {
     extern __shared__ uint4 smem[];
     static_assert(!NX || ((WARPS <= 16 || WARPS == QKV_WARPS) && !CLUSTER && !NQ),
                   "NX: instances of 16 warps or fewer, or QKV_WARPS; no cluster, no NQ");
@@ -169,7 +167,7 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         k4mma::cp_async_commit();
     }
     if constexpr (CLUSTER) cluster_arrive_relaxed();
-    chain_wait(chain, chain_at);
+    pdl_wait();
     if constexpr (CLUSTER) {
         quantize_x_cluster<T::x_swizzle>(x, n_in, xq, xd, xs);
     } else if constexpr (NX) {
@@ -240,10 +238,6 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         const int g0 = group(blockIdx.x);
         quantize_outputs(y_smem(), 2 * g0, 2 * (group(blockIdx.x + 1) - g0), n_out, y_swz, y_q8);
     }
-    if (chain_on(chain)) {  // every write of the block done: its count (chain.cuh)
-        __syncthreads();
-        if (threadIdx.x == 0) chain_count(chain, chain_at);
-    }
 }
 
 // gemv_q8_pair: two products of the same x in one launch, y1 = w1 @ x (+ bias1) and y2 = w2 @ x
@@ -265,7 +259,7 @@ __device__ __forceinline__ void pair_part(const u8* __restrict__ w, const float*
                                           const float* __restrict__ norm_w, float eps, int n, int n_in, int part_block, int part_grid,
                                           const PostNorm& post, uint4* smem, const u8* __restrict__ x_q8, int x_q8_swz,
                                           const float* __restrict__ x_parts, int n_parts, int* __restrict__ ready, int ready_base,
-                                          int ready_rows, const int* chain, int chain_at) {
+                                          int ready_rows) {
     u8* xq = reinterpret_cast<u8*>(smem);
     float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
     float* xs = xd + q8x_d_floats(n_in);
@@ -276,7 +270,7 @@ __device__ __forceinline__ void pair_part(const u8* __restrict__ w, const float*
     if (row < n) q8_load<T, PLANAR, U, false>(ch, w, (i64)n * nblk_row, nblk_row, n_chunks, row, lane);  // before the wait
     prefetch_l1_floats(norm_w, n_in);  // the prologue's weights too
     prefetch_l1_floats(post.w, n_in);
-    chain_wait(chain, chain_at);
+    pdl_wait();
     const float* norm_part = nullptr;  // as gemv_q8's: the RMSNorm's scale goes to the outputs
     if constexpr (NX) {  // an NQ product's y_q8 (gemv_q8), in its swizzle
         copy_q8x_normed(x_q8, n_in, x_q8_swz, T::x_swizzle, x_parts, n_parts, eps, smem);
@@ -307,22 +301,17 @@ gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in
              int b2,                                                 // blocks taking w2's rows: 1 .. gridDim.x - 1
              const u8* __restrict__ x_q8, int x_q8_swz,              // NX: an NQ product's y_q8 (no norm_w, no post)
              const float* __restrict__ x_parts, int n_parts,         // NX: that product's nq_parts
-             int* __restrict__ ready, int ready_rows,                // RD: rows done as gemv_q8's, y2's after y1's
-             int* chain, int chain_at) {                             // as gemv_q8's (chain.cuh)
+             int* __restrict__ ready, int ready_rows) {              // RD: rows done as gemv_q8's, y2's after y1's
     static_assert(32 * WARPS == PAIR_THREADS, "PAIR_REGS is the cap of a block of PAIR_THREADS");
     extern __shared__ uint4 smem[];
     const PostNorm post{post_t, post_w, x_out, reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in))};
     pdl_trigger();
     if ((int)blockIdx.x < b2)  // block-uniform: the barriers inside are the whole block's
         pair_part<T2, PLANAR, U2, PF2, NX, RD>(w2, x, y2, bias2, norm_w, eps, n2, n_in, blockIdx.x, b2, post, smem, x_q8, x_q8_swz, x_parts,
-                                       n_parts, ready, RD ? n1 / ready_rows : 0, ready_rows, chain, chain_at);
+                                       n_parts, ready, RD ? n1 / ready_rows : 0, ready_rows);
     else
         pair_part<T1, PLANAR, U1, PF1, NX, RD>(w1, x, y1, bias1, norm_w, eps, n1, n_in, blockIdx.x - b2, gridDim.x - b2, post, smem, x_q8,
-                                       x_q8_swz, x_parts, n_parts, ready, 0, ready_rows, chain, chain_at);
-    if (chain_on(chain)) {  // every write of the block done: its count (chain.cuh)
-        __syncthreads();
-        if (threadIdx.x == 0) chain_count(chain, chain_at);
-    }
+                                       x_q8_swz, x_parts, n_parts, ready, 0, ready_rows);
 }
 
 // Sum over one weight row (n_in of T at wr) times x (global or shared memory, 16-byte aligned),

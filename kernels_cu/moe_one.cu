@@ -32,15 +32,12 @@
 // does, so the launch's blocks have all arrived once it reaches tag * G (no block finishes before
 // every block has arrived, so count is G (tag - 1) when read). All blocks must be resident at
 // once, as each waits for every other: one block per multiprocessor (the launcher's grid).
-// Programmatic dependent launch as the products: trigger, then wait for x; with chain (K4_COUNT_WAIT,
-// chain.cuh) on the launch before's count instead of its grid, and each block counts itself done
-// after its rows of y (and its count's add), as the products do.
+// Programmatic dependent launch as the products: trigger, then wait for x.
 // Dynamic shared memory: max(q8x_bytes(n_embd), k q8x_bytes(n_ff)) + 8 n_expert bytes.
 #define K4_WIDE_RAW_Q6_K 1
 #include "gemv_common.cuh"
 #include "moe_down.cuh"
 #include "moe_route.cuh"
-#include "chain.cuh"  // chain_wait, chain_count (K4_COUNT_WAIT)
 
 using u64 = unsigned long long;
 
@@ -137,8 +134,7 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
         float* h,                        // (k, n_ff) the SwiGLU rows
         u64* count,                      // (1,) the blocks that finished a launch
         float* y,                        // (n_embd,) x + the experts' weighted sum (may alias x)
-        int n_expert, int k, int renorm, int n_embd, int n_ff,
-        int* chain, int chain_at) {      // null, or a decode step's counts and this launch's slot (chain.cuh)
+        int n_expert, int k, int renorm, int n_embd, int n_ff) {
     static_assert(WARPS >= 2, "warp 0 routes while the others quantize x");
     extern __shared__ uint4 smem[];
     __shared__ u32 tag_s;
@@ -153,7 +149,7 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
             asm volatile("prefetch.global.L1 [%0];" ::"l"(router + ((i64)e * n_embd + i) * type_f32::elem_bytes));
     prefetch_l1_floats(norm_w, n_embd);  // ffn_norm's weights too
     pdl_trigger();
-    chain_wait(chain, chain_at);
+    pdl_wait();
     if (threadIdx.x == 0) {
         u64 n;
         asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(n) : "l"(count) : "memory");
@@ -239,8 +235,4 @@ moe_one(const u8* __restrict__ router,   // (n_expert, n_embd) f32 (type_f32)
     const float wj = renorm ? __fdiv_rn(c.w[d.j], wsum) : c.w[d.j];
     d.rows(dch, row, G * WARPS, n_embd, q8x<TD::x_swizzle>{hq, hd, hd + q8x_d_floats(n_ff)}, wj, x, y, lane);
     if (threadIdx.x == 0) atomicAdd(count, 1ull);
-    if (chain_on(chain)) {  // every write of the block done: its count (chain.cuh)
-        __syncthreads();
-        if (threadIdx.x == 0) chain_count(chain, chain_at);
-    }
 }

@@ -17,7 +17,6 @@
 // decode state come from runtime/cuda/constants.py (constants.cuh).
 #include "ops_common.cuh"
 #include "argmax.cuh"  // NO_INDEX, beats, warp_argmax, block_argmax
-#include "chain.cuh"   // chain_wait, chain_reset (K4_COUNT_WAIT)
 
 // Sampling parameters, 64 bytes, written by the host once per generate() call
 // (runtime/cuda/ops.py pack_sampler_params).
@@ -304,15 +303,12 @@ __device__ int draw_token(const float* x, int n, const SamplerParams* __restrict
 // head's: gemv.cu AM, K4_HEAD_ARGMAX) predate the penalty: where it changed logits, greedy takes
 // the argmax of the logits themselves. logits: (n,) f32, penalized in place. seen: (n,) int32
 // zeros. part_val/part_idx: (n_part,) argmax partials (any number). state: (4,) int32. ring:
-// (ring_cap,) int32. One block of SAMPLE_THREADS threads. chain, chain_at: null, or the decode
-// step's counts and this launch's slot, the step's last (chain.cuh): it waits for the output head's
-// count and zeroes the step's slots for the next.
+// (ring_cap,) int32. One block of SAMPLE_THREADS threads.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_finish(float* logits, int n, int* seen, const float* __restrict__ part_val, const int* __restrict__ part_idx, int n_part,
-              int* state, int* ring, int ring_cap, const SamplerParams* __restrict__ sp, int advance, int* chain, int chain_at) {
+              int* state, int* ring, int ring_cap, const SamplerParams* __restrict__ sp, int advance) {
     pdl_trigger();
-    chain_wait(chain, chain_at);
-    chain_reset(chain, chain_at);
+    pdl_wait();
     const int tid = threadIdx.x;
     const bool penalized = apply_penalty(logits, seen, ring, state, ring_cap, sp);
     const int draw = state[ST_DRAW];

@@ -34,8 +34,8 @@ EDITS: list[tuple[str, str, str]] = [
      '#include "gemv_common.cuh"\n'),
     ("gemv.cu", "    typename T::chunk ch[U];\n    pdl_trigger();\n",
      "    typename T::chunk ch[U];\n    if (threadIdx.x == 0) " + _STAMP.format(row=0, i="blockIdx.x") + "\n    pdl_trigger();\n"),
-    ("gemv.cu", "    if constexpr (CLUSTER) cluster_arrive_relaxed();\n    chain_wait(chain, chain_at);\n",
-     "    if constexpr (CLUSTER) cluster_arrive_relaxed();\n    chain_wait(chain, chain_at);\n    if (threadIdx.x == 0) "
+    ("gemv.cu", "    if constexpr (CLUSTER) cluster_arrive_relaxed();\n    pdl_wait();\n",
+     "    if constexpr (CLUSTER) cluster_arrive_relaxed();\n    pdl_wait();\n    if (threadIdx.x == 0) "
      + _STAMP.format(row=1, i="blockIdx.x") + "\n"),
     ("gemv.cu", "    __syncthreads();\n    const float out_scale = norm_part ? folded_scale(norm_part, n_in, eps) : 1.f;  // 1:",
      "    __syncthreads();\n    if (threadIdx.x == 0) " + _STAMP.format(row=2, i="blockIdx.x")

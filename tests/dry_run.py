@@ -16,10 +16,6 @@ generation with a repeat penalty, and speculative verify steps of 8 tokens (eage
 and 4; `@deep`: generation and a verify step past 4,096 keys instead (exercise). Prints one JSON
 line a case: the kernels launched and the problems found, each a line naming the kernel:
 - kernel_params.launch_problems for every launch (argument count and kinds, geometry);
-- a launch that passes a chain (K4_COUNT_WAIT, runtime/cuda/chain.py) from a module built without
-  the chain's define, whose kernel would never count;
-- a launch that waits on a count (no CHAIN_GRID in its `at`) whose stream's launch before it did
-  not count into slot at - 1: it would wait on a count nobody adds to, or on the wrong launch;
 - what a CUDA graph capture refuses, done during one (cupy_stub.CAPTURE_VIOLATIONS: a device
   allocation, a synchronization, a synchronous copy), with the source line that did it.
 Exit status 0 when no case found a problem.
@@ -148,33 +144,6 @@ def exercise(mf, flags, deep: bool = False) -> None:
         be.close()
 
 
-def chain_problems(launches, device_array: type) -> list[str]:
-    """K4_COUNT_WAIT's pairing in launch order, stream by stream (the module docstring)."""
-    from k4.runtime.cuda.chain import COUNT_WAIT_DEFINE, slot_of, waits_for_grid
-
-    from tests.kernel_params import base_name, kernels_in
-
-    out, counted = [], {}  # stream -> the slot its last launch counted into, or None
-    for la in launches:
-        if not isinstance(la, cupy_stub.Launch):
-            continue
-        names = [p.name for p in kernels_in(la.kernel.module.code).get(base_name(la.kernel.name), ())]
-        before, counted[la.stream] = counted.get(la.stream), None
-        if names[-2:] != ["chain", "chain_at"] or len(la.args) != len(names):
-            continue
-        chain, at = la.args[-2], int(la.args[-1])
-        if not isinstance(chain, device_array):
-            continue  # no chain: the kernel as without the flag
-        name = la.kernel.name
-        if f"-D{COUNT_WAIT_DEFINE}" not in la.kernel.module.options:
-            out.append(f"{name}: given a chain but built without {COUNT_WAIT_DEFINE}: it would never count")
-        if not waits_for_grid(at) and before != slot_of(at) - 1:
-            out.append(f"{name}: waits on slot {slot_of(at) - 1} but the launch before it counted into {before}")
-        if "sample_finish" not in name:  # the step's last launch zeroes the slots instead of counting
-            counted[la.stream] = slot_of(at)
-    return out
-
-
 def run_case(spec: str, folder: Path) -> dict:
     """One case of the module docstring's spec syntax, run and checked (summary)."""
     from k4.runtime.flags import Flags
@@ -192,7 +161,6 @@ def summary(name: str) -> dict:
 
     launches = [la for la in cupy_stub.LAUNCHES if isinstance(la, cupy_stub.Launch)]
     problems = {p for la in launches for p in launch_problems(la, cupy_stub.ndarray)}
-    problems |= set(chain_problems(cupy_stub.LAUNCHES, cupy_stub.ndarray))
     problems |= set(cupy_stub.CAPTURE_VIOLATIONS)
     return {"case": name, "launches": len(launches), "kernels": sorted({base_name(la.kernel.name) for la in launches}),
             "problems": sorted(problems)}

@@ -2,7 +2,7 @@
 kernel launch of load, prefill, decode graphs, sampling and verify steps, for every tiny model
 family and tensor type with each K4_* switch flipped, for synthetic models in the real widths
 with the switches of their paths, and past 4,096 keys, must pass its kernel's parameter list
-(count and kinds), CUDA's geometry limits and K4_COUNT_WAIT's pairing. A GPU run would read
+(count and kinds) and CUDA's geometry limits, and do nothing a graph capture refuses. A GPU run would read
 garbage where these fail, not raise. The checks themselves are tested here on launches built to
 fail them."""
 
@@ -29,16 +29,16 @@ TINY = [*ARCH_CASES, *DRY_CASES, "gemma3", "gemma2"]
 FLIPPED = [f"{f.name}={0 if f.default else 1}" for f in FLAGS.values() if f.name != "K4_TRACE"]
 # the real widths (tests/dry_run.py SYNTH_LAYERS layers) and the switches whose paths they take
 WIDE = {
-    "synth-llama2-7b": ["K4_COUNT_WAIT=1", "K4_HEAD_READY=1", "K4_MEGAKERNEL=1", "K4_QKV_PAIR=0", "K4_WO_WIDE=0", "K4_X_CLUSTER=0",
+    "synth-llama2-7b": ["K4_HEAD_READY=1", "K4_MEGAKERNEL=1", "K4_QKV_PAIR=0", "K4_WO_WIDE=0", "K4_X_CLUSTER=0",
                         "K4_NORM_Q8=0", "K4_MMA8_CLUSTER=0", "K4_MMA8_NQ=0", "K4_MMA8_FFQ8=0", "K4_FUSE_QUANT=1"],
-    "synth-tinyllama-1.1b": ["K4_COUNT_WAIT=1", "K4_HEAD_READY=1", "K4_QKV_WIDE=0", "K4_QKV_Q8=0", "K4_HEAD_ARGMAX=0"],
-    "synth-qwen2.5-7b": ["K4_COUNT_WAIT=1", "K4_HEAD_READY=1", "K4_QKV_WIDE=0", "K4_QKV_PAIR=0"],
-    "synth-qwen3-30b-a3b": ["K4_COUNT_WAIT=1", "K4_MOE_ONE=0", "K4_FUSE_MOE=0", "K4_PLANAR_EXPERTS=0", "K4_WO_WIDE=0"],
-    "synth-gemma3-12b": ["K4_COUNT_WAIT=1", "K4_QKV_Q8=0"],
-    "synth-phi4-14b": ["K4_COUNT_WAIT=1", "K4_MMA8=0"],
+    "synth-tinyllama-1.1b": ["K4_HEAD_READY=1", "K4_QKV_WIDE=0", "K4_QKV_Q8=0", "K4_HEAD_ARGMAX=0"],
+    "synth-qwen2.5-7b": ["K4_HEAD_READY=1", "K4_QKV_WIDE=0", "K4_QKV_PAIR=0"],
+    "synth-qwen3-30b-a3b": ["K4_MOE_ONE=0", "K4_FUSE_MOE=0", "K4_PLANAR_EXPERTS=0", "K4_WO_WIDE=0"],
+    "synth-gemma3-12b": ["K4_QKV_Q8=0"],
+    "synth-phi4-14b": ["K4_MMA8=0"],
 }
 DEEP = ["qwen2-q8_0-hd64@deep", "qwen2-q8_0-hd64:K4_GQA_COLS=0@deep", "qwen2-q8_0-hd64:K4_DYN_SPLIT=0@deep",
-        "llama-q8_0-gqa@deep", "llama-q4_k-hd64:K4_COUNT_WAIT=1@deep"]
+        "llama-q8_0-gqa@deep", "llama-q4_k-hd64@deep"]
 # kernels only `k4 bench --kernels` launches (runtime/cuda/microbench.py's bandwidth probes), checked there
 MICROBENCH_ONLY = {"read_stream", "read_stream_dependent"}
 
@@ -96,7 +96,8 @@ def test_real_widths_launch_what_their_kernels_take(tmp_path_factory, case):
     results = group_results(case, tmp_path_factory)
     assert_clean(results)
     if case == "synth-llama2-7b":
-        assert "gemv_q8_pair" in results[0]["kernels"] and "megakernel" in results[3]["kernels"]
+        mega = next(r for r in results if "K4_MEGAKERNEL=1" in r["case"])
+        assert "gemv_q8_pair" in results[0]["kernels"] and "megakernel" in mega["kernels"]
     if case == "synth-qwen3-30b-a3b":
         assert "moe_one" in results[0]["kernels"]
 
@@ -138,7 +139,7 @@ def test_bench_with_verify_and_lookup_reports_every_test(tiny_q4_k_m):
     """`k4 bench` as the GPU sessions run it (two flag settings, tvN, lookup): every record, the
     verify steps' device-time ratio among them (session 54), no launch problem."""
     code, out, summary = k4("bench", "-m", tiny_q4_k_m, "-p", "16", "-n", "8", "-r", "2", "--verify", "4,8", "--lookup", "4",
-                            "--flags", "", "--flags", "K4_COUNT_WAIT=1", "--backend", "cuda", "-o", "json")
+                            "--flags", "", "--flags", "K4_QKV_WIDE=0", "--backend", "cuda", "-o", "json")
     assert code == 0 and summary["problems"] == [], summary["problems"]
     records = json.loads(out[out.index("["):])
     tests = {(r["test"], r.get("flags", "")) for r in records}
@@ -171,7 +172,7 @@ SOURCE = """
 template <int N>
 __global__ void __launch_bounds__(N * 32, 1) __maxnreg__(64)
 k(const float* __restrict__ x,  // (n,) a comment, with a comma
-  float* y, int n, float eps, i64 m, int* chain, int chain_at) {}
+  float* y, int n, float eps, i64 m, int* counts, int slot) {}
 extern "C" __global__ void plain(u8* p) {}
 """
 
@@ -193,7 +194,7 @@ def test_every_kernel_parameter_list_is_read():
     assert [p.kind for p in every["sampling.cu"]["sample_finish"]][-2:] == ["ptr", "i32"]
     got = kp.kernels_in(SOURCE)
     assert [(p.name, p.kind) for p in got["k"]] == [("x", "ptr"), ("y", "ptr"), ("n", "i32"), ("eps", "f32"), ("m", "i64"),
-                                                    ("chain", "ptr"), ("chain_at", "i32")]
+                                                    ("counts", "ptr"), ("slot", "i32")]
     assert [p.kind for p in got["plain"]] == ["ptr"]
 
 
@@ -244,59 +245,6 @@ def test_a_launch_cuda_would_refuse_is_named(geometry, expect):
 
 def test_a_kernel_missing_from_its_module_is_named():
     assert "no __global__ kernel" in kp.launch_problems(launch("gone", ()), Array)[0]
-
-
-# ---- K4_COUNT_WAIT's pairing (dry_run.chain_problems) ---------------------------------------------
-
-def linked(name: str, at: int, stream: int = 1, built: bool = True, chain: bool = True):
-    from k4.runtime.cuda.chain import COUNT_WAIT_DEFINE
-
-    from tests.cupy_stub import Launch
-
-    slots = np.zeros(8, np.int32).view(Array)
-    x = np.zeros(4, np.float32).view(Array)
-    module = SimpleNamespace(code=SOURCE + "__global__ void sample_finish(int* chain, int chain_at) {}", name_expressions=(),
-                             options=(f"-D{COUNT_WAIT_DEFINE}",) if built else ())
-    args = (x, x, np.int32(4), np.float32(1e-5), np.int64(9), slots if chain else np.uint64(0), np.int32(at))
-    if name == "sample_finish":
-        args = args[-2:]
-    return Launch(SimpleNamespace(name=name, module=module), (4,), (128,), args, 0, stream, True, 1, 48 << 10)
-
-
-def test_a_chain_of_consecutive_counts_passes():
-    from k4.runtime.cuda.chain import CHAIN_GRID
-
-    from tests.dry_run import chain_problems
-
-    steps = [linked("k<4>", CHAIN_GRID), linked("k<4>", 1), linked("k<4>", 2), linked("sample_finish", 3)]
-    assert chain_problems(steps, Array) == []
-    unlinked = SimpleNamespace(kernel=None)  # a launch of another kind (not a stub Launch): ignored
-    assert chain_problems([steps[0], unlinked, *steps[1:]], Array) == []
-
-
-def test_a_count_wait_after_a_launch_that_did_not_count_is_named():
-    from k4.runtime.cuda.chain import CHAIN_GRID
-
-    from tests.dry_run import chain_problems
-
-    plain = linked("k<4>", 0, chain=False)  # a launch without a chain between two linked ones
-    got = chain_problems([linked("k<4>", CHAIN_GRID), plain, linked("k<4>", 1)], Array)
-    assert got == ["k<4>: waits on slot 0 but the launch before it counted into None"]
-    got = chain_problems([linked("k<4>", CHAIN_GRID), linked("k<4>", 2)], Array)  # a slot skipped
-    assert got == ["k<4>: waits on slot 1 but the launch before it counted into 0"]
-    got = chain_problems([linked("k<4>", CHAIN_GRID, stream=2), linked("k<4>", 1, stream=1)], Array)  # another stream's count
-    assert got == ["k<4>: waits on slot 0 but the launch before it counted into None"]
-    got = chain_problems([linked("k<4>", CHAIN_GRID), linked("sample_finish", 1), linked("k<4>", 2)], Array)  # after the last
-    assert got == ["k<4>: waits on slot 1 but the launch before it counted into None"]
-
-
-def test_a_chain_passed_to_a_kernel_built_without_it_is_named():
-    from k4.runtime.cuda.chain import CHAIN_GRID
-
-    from tests.dry_run import chain_problems
-
-    got = chain_problems([linked("k<4>", CHAIN_GRID, built=False)], Array)
-    assert len(got) == 1 and "built without K4_COUNT_WAIT=1" in got[0]
 
 
 def test_what_a_graph_capture_refuses_is_named():

@@ -23,7 +23,6 @@ from .kernel_names import FILE_OF, GQA_TILE_KEYS, MMA_TILE_KEYS, SHORT_HEAD_DIMS
 from .kernel_names import gqa_stages, kv_args
 from .kv_cache import NO_SCALES, cache_types, planes as _planes
 from .launch import allow_shared, blocks_per_sm, device_limits
-from .chain import Chain, chain_args
 from .op_args import NULL, PLAIN, AttnShape, FreshKV, check_f32, row_stride
 
 ATT_SPLIT_KEYS = 32  # attn_kv's decode splits are multiples of this many keys (one round of the kernel)
@@ -278,8 +277,7 @@ class AttentionLaunchers:
     def attention(self, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, out: cp.ndarray, pos: cp.ndarray,
                   n_split: int = 1, split_len: int = 0, part: cp.ndarray | None = None,
                   ticket: cp.ndarray | None = None, fresh: FreshKV | None = None, shape: AttnShape = PLAIN,
-                  scales: tuple = NO_SCALES, limit: int | None = None, x_q8=None, ready: cp.ndarray | None = None,
-                  chain: Chain | None = None) -> None:
+                  scales: tuple = NO_SCALES, limit: int | None = None, x_q8=None, ready: cp.ndarray | None = None) -> None:
         """Causal attention of q over the cache; query t sits at position pos + t.
 
         q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx, n_head_kv, D) fp16, or int8
@@ -305,9 +303,7 @@ class AttentionLaunchers:
         writes its output into, for the output product to copy (K4_ATTN_Q8). ready: None, or on
         attn_short with fresh the q/k/v product's counts of rows done, (n_head + 2 n_head_kv + 1,)
         int32 zeros (Forward.head_counts; matmul.gemv ready): each head starts once its rows are
-        counted, not after the whole product (K4_HEAD_READY), and the counts are left zero. chain:
-        None, or the decode step's Chain (runtime/cuda/chain.py, K4_COUNT_WAIT), not with ready:
-        attn_short's launch is linked; any other kernel's is not (the chain sees it go by).
+        counted, not after the whole product (K4_HEAD_READY), and the counts are left zero.
         """
         n_tok, n_head, D = q.shape
         n_ctx, n_head_kv, _ = k_cache.shape
@@ -329,16 +325,15 @@ class AttentionLaunchers:
             self._attention_tiles(name, q, planes, out, pos, shape, x_q8)
         elif name.startswith("attn_short"):
             assert limit <= n_split * self.short_limit(D, types), "attn_short's splits must hold the range (decode_splits)"
-            assert ready is None or chain is None, "K4_HEAD_READY's counts or the chain's, not both"
-            self._attention_short(name, q, planes, out, pos, n_split, part, ticket, fresh, shape, x_q8, ready, chain)
+            self._attention_short(name, q, planes, out, pos, n_split, part, ticket, fresh, shape, x_q8, ready)
         else:
             self._attention_rows(name, q, planes, types, out, pos, n_split, split_len, part, ticket, fresh, shape, x_q8)
 
     def _attention_short(self, name: str, q, planes: tuple, out, pos, n_split: int, part, ticket, fresh: FreshKV | None,
-                         shape: AttnShape, x_q8, ready=None, chain: Chain | None = None) -> None:
+                         shape: AttnShape, x_q8, ready=None) -> None:
         """Launch attn_short (one query; planes: k, k_d, v, v_d of an fp16 cache, whose scale planes
         are null): a block per query head and split of short_keys(D) keys (n_split of them: the
-        range's; part and ticket as attn_kv's where n_split > 1; ready, chain: attention's), its shared memory asked for as one
+        range's; part and ticket as attn_kv's where n_split > 1; ready: attention's), its shared memory asked for as one
         block a multiprocessor (the carveout of the products it launches beside, K4_CARVEOUT)."""
         n_tok, n_head, D = q.shape
         n_head_kv = planes[0].shape[1]
@@ -350,13 +345,12 @@ class AttentionLaunchers:
         if fresh is not None:
             head, tail = _fresh_args(fresh, n_head, n_head_kv, D)
         smem = short_smem(D)
-        allow_shared(self.function(FILE_OF[name], name, chain is not None), smem)
+        allow_shared(self.function(FILE_OF[name], name), smem)
         self._launch(FILE_OF[name], name, (n_head, n_split), (SHORT_THREADS,),
                      (q, planes[0], planes[2], out, NULL if n_split == 1 else part, NULL if n_split == 1 else ticket, pos,
                       np.int32(n_head), np.int32(n_head_kv), *shape.kernel_args(D), *head, *tail,
-                      NULL if x_q8 is None else x_q8.data, np.int32(0 if x_q8 is None else x_q8.swizzle), NULL if ready is None else ready,
-                      *chain_args(chain)),
-                     shared_mem=smem, per_sm=1, count_wait=chain is not None)
+                      NULL if x_q8 is None else x_q8.data, np.int32(0 if x_q8 is None else x_q8.swizzle), NULL if ready is None else ready),
+                     shared_mem=smem, per_sm=1)
 
     def _attention_tiles(self, name: str, q, planes: tuple, out, pos, shape: AttnShape, x_q8=None) -> None:
         """Launch attn_mma or attn_tiled (planes: k, k_d, v, v_d): several queries per block,

@@ -18,7 +18,6 @@ import numpy as np
 from ..model import ModelConfig
 from . import device_weight, matmul, ops
 from .attention_launch import head_count_slots
-from .chain import chain_slots
 from .constants import ARGMAX_PARTS, MMA8_TOKENS
 from .memory import DeviceMemory, PinnedBuffer
 from .moe import moe_spec
@@ -94,8 +93,6 @@ def activation_spec(cfg: ModelConfig, chunk: int, n_ctx: int, n_split: int, mm_s
         "ticket": Buffer((cfg.n_head,), np.int32, zero=True),  # splits of decode attention done, per head
         # K4_HEAD_READY: the q/k/v product's rows done per q head, k head and v head, then attention's blocks past their waits
         "head_counts": Buffer((head_count_slots(cfg.n_head, cfg.n_head_kv),), np.int32, zero=True),
-        # K4_COUNT_WAIT: a slot per linked launch of a decode step (runtime/cuda/chain.py), zero between steps
-        "chain": Buffer((chain_slots(cfg.n_layer),), np.int32, zero=True),
         "ids": Buffer((n_ctx,), np.int32),  # token ids of one eval/prefill
         "mm_scratch": Buffer((mm_scratch,), np.uint8),  # fp16 X and dequantized W chunks of matmul
         **moe_spec(cfg, P),  # mixture of experts: router logits, top-k ids and weights, expert outputs

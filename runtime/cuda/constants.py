@@ -43,12 +43,6 @@ STATE_WORDS = 4  # int32 words of the decode state
 ST_TOK, ST_POS, ST_RING, ST_DRAW = range(STATE_WORDS)  # token, its position, ring count, draws made
 
 
-# ---- chain.cuh (runtime/cuda/chain.py, flag K4_COUNT_WAIT) ------------------------------------
-# In a linked launch's `at`: wait by griddepcontrol.wait (the launch before counts nothing). A slot
-# holds CHAIN_DONE once every block of its launch has counted; above any grid's blocks.
-CHAIN_GRID = 1 << 30
-CHAIN_DONE = 1 << 20
-
 # ---- gemv.cu gemv_q8 ---------------------------------------------------------------------------
 # The most warps of a gemv_q8 block that folds the RMSNorm's scale into its outputs (one pass over
 # x: norm_prologue.cuh quantize_x_unscaled; q8_handoff.folds_norm). The 32-warp instances, at 64
@@ -284,7 +278,7 @@ def defines() -> tuple[str, ...]:
         ("ST_POS", ST_POS), ("ST_RING", ST_RING), ("ST_DRAW", ST_DRAW), ("MOE_WARPS", MOE_WARPS),
         ("MOE_MAX_K", MOE_MAX_K), ("ROUTER_THREADS", ROUTER_THREADS), ("MMA8_TOKENS", MMA8_TOKENS),
         ("MMA8_STAGE_BYTES", MMA8_STAGE_BYTES), ("MMA8_STAGE_BYTES_Q6_K", MMA8_STAGE_BYTES_Q6_K),
-        ("MMA8_NQ_RUN", MMA8_NQ_RUN), ("CHAIN_GRID", CHAIN_GRID), ("CHAIN_DONE", CHAIN_DONE),
+        ("MMA8_NQ_RUN", MMA8_NQ_RUN),
         ("MK_THREADS", MK_THREADS), ("MK_SLOTS", MK_SLOTS), ("MK_SPLIT_KEYS", MK_SPLIT_KEYS), ("MK_SPLIT_MIN", MK_SPLIT_MIN),
         ("MK_MAX_SPLIT", MK_MAX_SPLIT),
         ("MK_MAX_GROUP", MK_MAX_GROUP), ("MK_MAX_D", MK_MAX_D), ("MK_MAX_GD", MK_MAX_GD), ("MK_GEMV", MK_GEMV),

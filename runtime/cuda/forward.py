@@ -22,7 +22,6 @@ from .constants import MMA8_TOKENS
 from .gemv_batch import gemv_rows, quantize_rows
 from .gemv_choice import after_attention_variant, gemv_variant, qkv_variant
 from .gemv_mma import gemv_mma
-from .chain import Chain
 from .handoffs import Q8_SWIZZLE, Handoffs
 from .kv_cache import KVCache, cache_types
 from .launch import device_limits
@@ -52,7 +51,6 @@ class ForwardOptions:
     head_argmax: bool = True  # K4_HEAD_ARGMAX: decode's output head writes the sampler's argmax partials (output)
     qkv_wide: bool = True  # K4_QKV_WIDE: decode's q/k/v of one run in gemv_choice.qkv_variant (qkv)
     head_ready: bool = False  # K4_HEAD_READY: decode attention's heads wait for their q/k/v rows counted done (head_counts)
-    count_wait: bool = False  # K4_COUNT_WAIT: decode's linked launches wait on counts (runner.decode_body, self.chain)
 
 
 class Forward:
@@ -81,9 +79,6 @@ class Forward:
         self.nq: tuple | None = None
         self.hand = Handoffs(cfg, w, act, o, opts)  # which 8-bit handoff each product gets
         self.mega = None  # megakernel.MegaStep (K4_MEGAKERNEL), set by the backend where the model allows it
-        # the decode step's Chain (K4_COUNT_WAIT) while runner.decode_body enqueues one, else None: the
-        # one-token products, attn_short and the output head link their launches to it (runtime/cuda/chain.py)
-        self.chain: Chain | None = None
 
     def layers(self, n: int, row_ids: cp.ndarray, split: tuple[int, int, int] | None = None) -> cp.ndarray:
         """Enqueue the layers for n tokens (ids row_ids (n,) int32 on the device) at positions
@@ -122,8 +117,7 @@ class Forward:
             sliding = cfg.sliding(li)
             attn_q8 = self.hand.attn_q8(L.wo, n, configs[sliding][0], limit)
             o.attention(q, k_rows, v_rows, attn, self.pos, *configs[sliding], parts[sliding], a.ticket, fresh, self.shapes[li],
-                        scales=row_scales, limit=limit if n == 1 else None, x_q8=attn_q8, ready=counts,
-                        chain=self.chain if n == 1 and counts is None else None)
+                        scales=row_scales, limit=limit if n == 1 else None, x_q8=attn_q8, ready=counts)
             # a few rows: the output product hands nothing over (Handoffs.rows_handoff: the gate/up product's ramp costs
             # what the RMSNorm does there)
             nq = None if L.moe is not None or n > 1 else (L.ffn_norm, self.hand.readers(li)[0])
@@ -222,7 +216,7 @@ class Forward:
         cache rows (k, v, scales) of the range's `limit`), the q/k/v outputs q, k, v in that order in whole heads;
         else None. qkv still decides whether its launch counts them (one launch only)."""
         cfg = self.cfg
-        if n != 1 or not (self.opts.head_ready and self.opts.fuse_rope) or self.chain is not None:
+        if n != 1 or not (self.opts.head_ready and self.opts.fuse_rope):
             return None
         if [name for p in L.qkv for name, _ in p.parts] != ["q", "k", "v"] or any(p.w.shape[0] % cfg.head_dim for p in L.qkv):
             return None
@@ -249,7 +243,7 @@ class Forward:
                 norm, post = norm[:2], norm[2]
             gemv_pair.gemv_pair(a.w, b.w, h[0], a.out[0], b.out[0], bias1=a.bias, bias2=b.bias, norm=norm, post=post,
                                 stream=self.stream, trace=self.ops.trace, x_q8=h_q8,
-                                ready=None if counts is None else (counts, self.cfg.head_dim), chain=self.chain)
+                                ready=None if counts is None else (counts, self.cfg.head_dim))
             return {name: c[:1] for p in L.qkv for name, c in p.cols.items()}, counts
         if (n == 1 and self.opts.qkv_q8 and later and norm is not None and h_q8 is None
                 and all(p.w.ggml_type in QUANT for p in L.qkv)
@@ -327,8 +321,7 @@ class Forward:
                 norm, post = norm[:2], norm[2]
             warps = matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, norm=norm,
                                  stream=self.stream, trace=self.ops.trace, x_q8=x_q8, y_q8=y_q8, post=post, x_q8_out=x_q8_out,
-                                 x_cluster=self.opts.x_cluster, norm_out=norm_out, variant=variant, argmax=argmax, ready=ready,
-                                 chain=self.chain)
+                                 x_cluster=self.opts.x_cluster, norm_out=norm_out, variant=variant, argmax=argmax, ready=ready)
             return warps if argmax is not None else 0
         matmul.matmul(w, X, Y, residual=residual, bias=bias, scratch=self.act.mm_scratch, stream=self.stream,
                       trace=self.ops.trace, blas=self.blas, x_q8=x_q8)

@@ -138,11 +138,9 @@ def kernel_name(kernel) -> str:
 
 class _LastLaunch:
     """The kernel object (or graph name) most recently launched in this process, named only when
-    an error message needs it, so a launch costs one assignment; and how many kernels launch()
-    has launched (launch_count)."""
+    an error message needs it, so a launch costs one assignment."""
 
     what: object = None
-    count: int = 0
 
 
 _last = _LastLaunch()
@@ -153,12 +151,6 @@ FAULT_ADVICE = "the GPU state is unknown: run again, or use --backend numpy; rep
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
-
-
-def launch_count() -> int:
-    """How many kernels launch() has launched in this process (runtime/cuda/chain.py: which
-    launches came between two it linked)."""
-    return _last.count
 
 
 def last_launched() -> str:
@@ -260,7 +252,6 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
         during = f" during {trace.phase}" if trace is not None else ""
         raise GpuError(f"CUDA refused to launch kernel {kernel_name(kernel)} (grid {tuple(grid)}, block {tuple(block)}, "
                        f"{shared_mem} bytes shared){during}: {_one_line(exc)}; {REFUSED_ADVICE}") from None
-    _last.count += 1
     if trace is not None:
         trace.launch()
 

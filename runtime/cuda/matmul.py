@@ -43,7 +43,6 @@ from gguf import GGMLQuantizationType as T
 from k4.runtime.trace import Trace
 
 from .arg_checks import check_array, check_post, ready_fits
-from .chain import Chain, chain_args
 from .constants import q8x_bytes
 from .dequant import dequant_launch
 from .device_weight import DeviceWeight, half_bytes
@@ -74,14 +73,13 @@ def make_half(w: DeviceWeight, out, stream=None, trace: Trace | None = None) -> 
 
 
 def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, norm: bool = False, post: bool = False,
-               split: bool = False, nq: bool = False, nx: bool = False, am: bool = False, rd: bool = False, cw: bool = False):
+               split: bool = False, nq: bool = False, nx: bool = False, am: bool = False, rd: bool = False):
     """The launch of gemv on w, cached per variant, norm prologue, post-norm prologue (post: its x
     and t * w kept as floats after x's q8), split (x quantized in the kernel without norm or
     post-norm: in clusters where gemv_choice.gemv_cluster says), nq (the NQ instance, gemv
-    norm_out), nx (its reader, x_q8 with parts), am (gemv argmax), rd (gemv ready) and cw (a quantized weight's
-    kernel from the K4_COUNT_WAIT build, gemv chain). The grid is as many blocks as fit on the GPU at once, but at most one per output,
+    norm_out), nx (its reader, x_q8 with parts), am (gemv argmax) and rd (gemv ready). The grid is as many blocks as fit on the GPU at once, but at most one per output,
     cut to a multiple of the cluster. Returns (kernel, grid, block, shared_mem, blocks per cluster)."""
-    plan = w._plans.get((variant, norm, post, split, nq, nx, am, rd, cw))
+    plan = w._plans.get((variant, norm, post, split, nq, nx, am, rd))
     if plan is not None:
         return plan
     n_out, n_in = w.shape
@@ -93,7 +91,7 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         warps = variant[0]
         cluster = gemv_cluster(w.ggml_type, n_out, n_in, variant) if split and not w.glu else 1
         name = _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act, cluster > 1, nq, nx, am, rd)
-        kernel = _kernel("gemv.cu", name, w.evict_first, cw)
+        kernel = _kernel("gemv.cu", name, w.evict_first)
         smem = q8x_bytes(n_in)
         after = 8 * n_in if post else 0  # the post-norm's x and t * w (floats), then free
         if (w.glu and q.handoff) or nq:  # room for one block's outputs (y_q8): its 32-output groups
@@ -109,7 +107,7 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
     grid = min(device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem), n_out)
     grid -= grid % cluster
     plan = (kernel, (grid,), (32 * warps,), smem, cluster)
-    w._plans[(variant, norm, post, split, nq, nx, am, rd, cw)] = plan
+    w._plans[(variant, norm, post, split, nq, nx, am, rd)] = plan
     return plan
 
 
@@ -147,7 +145,7 @@ def norm_q8_blocks(w: DeviceWeight, x_cluster: bool = True, variant: tuple[int, 
 def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=None, trace: Trace | None = None,
          variant: tuple[int, int, int] | None = None, pdl: bool | None = None, x_q8: Q8Vector | None = None,
          y_q8: Q8Vector | None = None, post=None, x_q8_out: Q8Vector | None = None, x_cluster: bool = True,
-         norm_out=None, argmax=None, ready=None, chain: Chain | None = None) -> int:
+         norm_out=None, argmax=None, ready=None) -> int:
     """y = w @ x (+ bias) (+ residual), one kernel launch; with w.glu, y = act(gate @ x) * (up @ x),
     act w.glu_act (silu, or gelu_tanh for gemma).
 
@@ -191,8 +189,6 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     without residual, y_q8, x_q8_out, norm_out or argmax (decode's q/k/v of one run, K4_HEAD_READY):
     once a warp has written its rows, it adds 1 to counts[r // per] for each of its rows r
     (gemv.cu RD; at least ceil(n_out / per) counts: arg_checks.ready_fits), for a kernel that waits for them.
-    chain: None, or the decode step's Chain (K4_COUNT_WAIT): a quantized weight's launch is linked
-    (runtime/cuda/chain.py), waiting for the launch before on its count where that one counts, and counting its own blocks done.
     Returns the grid's warps. Raises ValueError on wrong shapes, dtypes or alignment, and for
     x_q8, y_q8, post, x_q8_out, argmax or ready where they do not apply.
     """
@@ -234,9 +230,8 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     nx = x_q8 is not None and x_q8.parts is not None  # an NQ handoff (check_q8 made sure an instance reads it)
     if nx:
         eps = x_q8.eps
-    cw = chain is not None and w.ggml_type in QUANT
     kernel, grid, block, smem, cluster = _gemv_plan(w, variant, norm_w is not None, post is not None, split, norm_out is not None, nx,
-                                                    am, rd, cw)
+                                                    am, rd)
     warps = grid[0] * block[0] // 32
     if am:
         check_array("argmax values", argmax[0][:warps], (warps,))
@@ -249,7 +244,7 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
         args += (null_or(x_q8_out and x_q8_out.data), np.int32(x_q8_out.swizzle if x_q8_out else 0), null_or(nq_w), null_or(parts),
                  null_or(x_q8 and x_q8.parts), np.int32(x_q8.n_parts if x_q8 is not None else 0),
                  null_or(argmax and argmax[0]), null_or(argmax and argmax[1]), null_or(ready and ready[0]),
-                 np.int32(ready[1] if ready else 0), *chain_args(chain if cw else None))
+                 np.int32(ready[1] if ready else 0))
     if pdl is None:  # eagerly the driver-API launch costs more host time than it saves
         pdl = w.pdl and capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl, cluster=cluster)

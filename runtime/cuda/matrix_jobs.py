@@ -14,7 +14,7 @@ from .quant_types import FLOAT, QUANT
 
 
 def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str = "silu", mma8: bool = False,
-                 head: T | None = None, qkv: bool = False, ready: bool = False, count_wait: bool = False) -> list:
+                 head: T | None = None, qkv: bool = False, ready: bool = False) -> list:
     """compile.module() arguments for the matrix kernels of weights of `types` (ggml types with
     CUDA kernels; others are skipped): their gemv, gemv_batch (quantized types), gemv_mma
     (MMA8_DECODERS) and dequantization instances, matmul.cu's conversions, and the gemv_q8_pair
@@ -23,8 +23,7 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
     NQ_TYPES (gemv norm_out); mma8 False (flag K4_MMA8 off):
     no gemv_mma instances; head: the output head's type, whose AM instances (K4_HEAD_ARGMAX) come
     too where it is quantized; qkv (K4_QKV_WIDE): the QKV_VARIANT instances; ready (K4_HEAD_READY): the RD
-    instances of the q/k/v products that count their rows done; count_wait (K4_COUNT_WAIT): every gemv.cu
-    module also built with it (kernels_cu/chain.cuh), for decode's linked launches. For compile.compile_async at
+    instances of the q/k/v products that count their rows done. For compile.compile_async at
     load: each gemv_batch and gemv_mma instance is a job of its own (~1 s each with nvcc), so the compile
     threads build them in parallel with the rest."""
     present = [t for t in dict.fromkeys(types) if t in QUANT or t in FLOAT]
@@ -52,6 +51,4 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
         if mma8 and t in MMA8_DECODERS:
             names = _mma8_names(t) + (_mma8_names(t, activation) if gelu else ())
             jobs += [(f, (name,), _defines(evict_first)) for f, name in names]
-    if count_wait:
-        jobs += [(f, names, _defines(evict_first, True)) for f, names, _ in jobs if f == "gemv.cu"]
     return jobs

@@ -286,8 +286,7 @@ def decode_fused(fwd, L, x1, x) -> bool:
     k, norm = cfg.n_expert_used, (L.ffn_norm, cfg.rms_eps)
     logits = a.moe_logits[:1]
     handoff = moe_one.Handoff(a.moe_words, a.moe_arrived, a.moe_count)
-    if fwd.opts.moe_one and moe_one.launch(o, m, x1[0], L.ffn_norm, cfg.rms_eps, a.moe_g[:k], handoff, x[0], k, cfg.expert_norm,
-                                           chain=fwd.chain):
+    if fwd.opts.moe_one and moe_one.launch(o, m, x1[0], L.ffn_norm, cfg.rms_eps, a.moe_g[:k], handoff, x[0], k, cfg.expert_norm):
         return True
     o._launch("moe.cu", router_name(m.router.ggml_type), (cfg.n_expert,), (ROUTER_THREADS,),
               (m.router.data, x1, L.ffn_norm, np.float32(cfg.rms_eps), logits, np.int32(cfg.n_embd)))

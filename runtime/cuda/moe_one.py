@@ -52,14 +52,12 @@ class Handoff:
     count: object
 
 
-def launch(o, m, x, norm_w, eps: float, h, handoff: Handoff, y, k: int, renorm: bool, chain=None) -> bool:
+def launch(o, m, x, norm_w, eps: float, h, handoff: Handoff, y, k: int, renorm: bool) -> bool:
     """Enqueue one token's feed-forward on ops.Ops o's stream: y (n_embd,) f32 = x + the experts'
     weighted sum for rmsnorm(x) * norm_w (y may be x). m: the layer's MoeWeights (router F32
     (1, n_expert, n_embd), gate/up/down Experts); h (k, n_ff) f32 receives the SwiGLU rows.
-    chain: None, or the decode step's Chain (runtime/cuda/chain.py, K4_COUNT_WAIT): the launch is linked.
     Returns False, enqueueing nothing, where no instance covers the layer or one block per
     multiprocessor does not fit. Raises ValueError for handoff buffers of other sizes or types."""
-    from .chain import chain_args
     from .launch import allow_shared, blocks_per_sm, device_limits
 
     name = kernel_name(m.router.ggml_type, m.gate, m.down)
@@ -74,13 +72,13 @@ def launch(o, m, x, norm_w, eps: float, h, handoff: Handoff, y, k: int, renorm: 
                          f"({k}, {n_ff}) f32; got {ho.words.size} {ho.words.dtype}, {ho.arrived.size} {ho.arrived.dtype}, "
                          f"{ho.count.dtype}, h {h.shape} {h.dtype}")
     smem = shared_bytes(n_embd, n_ff, k, n_expert)
-    kernel = o.function("moe_one.cu", name, chain is not None)
+    kernel = o.function("moe_one.cu", name)
     allow_shared(kernel, smem)
     grid = device_limits()[0]
     if blocks_per_sm(kernel, 32 * warps, smem) < 1:
         return False
     args = (m.router.data, m.gate.data, m.up.data, np.int64(m.gate.expert_bytes), m.down.data, np.int64(m.down.expert_bytes),
             x, norm_w, np.float32(eps), ho.words, ho.arrived, h, ho.count, y, np.int32(n_expert), np.int32(k), np.int32(renorm),
-            np.int32(n_embd), np.int32(n_ff), *chain_args(chain))
-    o._launch("moe_one.cu", name, (grid,), (32 * warps,), args, shared_mem=smem, count_wait=chain is not None)
+            np.int32(n_embd), np.int32(n_ff))
+    o._launch("moe_one.cu", name, (grid,), (32 * warps,), args, shared_mem=smem)
     return True

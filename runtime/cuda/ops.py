@@ -20,7 +20,6 @@ from ..kv_types import F16, KVTypes
 from ..sampling import MASK64, SEED_MULTIPLIER, SamplingParams
 from ..trace import Trace
 from .attention_launch import GQA_MIN_LIMIT, AttentionLaunchers
-from .chain import COUNT_WAIT_DEFINE, last_args
 from .compile import module
 from .constants import ARGMAX_PARTS, SAMPLE_THREADS, SAMPLER_PARAM_WORDS, STATE_WORDS, short_keys
 from .constants import ST_DRAW, ST_POS, ST_RING, ST_TOK  # noqa: F401 (ops.ST_*: the decode state's words)
@@ -65,15 +64,12 @@ class Ops(AttentionLaunchers):
     def __init__(self, trace: Trace, kv: KVTypes = F16, sw: OpSwitches = OpSwitches()):
         self.trace, self.kv, self.sw = trace, kv, sw
         self._n_sm: int | None = None  # multiprocessors of the device, when a launcher first needs them
-        self._functions: dict[tuple[str, str, bool], object] = {}  # (file, kernel, count_wait)
+        self._functions: dict[tuple[str, str], object] = {}
 
-    def function(self, filename: str, name: str, count_wait: bool = False):
-        """Kernel `name` of kernels_cu/`filename`, compiled with the switches' defines; count_wait:
-        from the module built with K4_COUNT_WAIT (kernels_cu/chain.cuh), for a launch a Chain links."""
-        key = (filename, name, count_wait)
+    def function(self, filename: str, name: str):
+        key = (filename, name)
         if key not in self._functions:
-            defines = self._defines() + ((COUNT_WAIT_DEFINE,) if count_wait else ())
-            self._functions[key] = module(filename, GROUP_OF[key[:2]], defines).get_function(name)
+            self._functions[key] = module(filename, GROUP_OF[key], self._defines()).get_function(name)
         return self._functions[key]
 
     def _defines(self) -> tuple[str, ...]:
@@ -106,10 +102,9 @@ class Ops(AttentionLaunchers):
             self.function(filename, name)
 
     def _launch(self, filename: str, name: str, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
-                pdl: bool = True, per_sm: int | None = None, count_wait: bool = False) -> None:
-        """Launch kernel `name` (count_wait: from the K4_COUNT_WAIT build, for a launch a Chain links)."""
+                pdl: bool = True, per_sm: int | None = None) -> None:
         pdl = pdl and self.sw.pdl and cp.cuda.get_current_stream().is_capturing()
-        launch(self.function(filename, name, count_wait), grid, block, args, shared_mem, None, self.trace, pdl, per_sm)
+        launch(self.function(filename, name), grid, block, args, shared_mem, None, self.trace, pdl, per_sm)
 
     def rms_norm(self, x: cp.ndarray, w: cp.ndarray, y: cp.ndarray, eps: float, q8=None) -> None:
         """y = x / sqrt(mean(x^2, last axis) + eps) * w. x: (n_rows, n) f32; y: (n_rows, n) f32
@@ -215,7 +210,7 @@ class Ops(AttentionLaunchers):
         self._launch("elementwise.cu", "set_i32", (1,), (1,), (dst, np.int32(value)), pdl=False)
 
     def sample(self, logits: cp.ndarray, params: cp.ndarray, state: cp.ndarray, ring: cp.ndarray, seen: cp.ndarray,
-               part_val: cp.ndarray, part_idx: cp.ndarray, advance: bool, head_parts: int = 0, chain=None) -> None:
+               part_val: cp.ndarray, part_idx: cp.ndarray, advance: bool, head_parts: int = 0) -> None:
         """Sample the next token on the device (sampling.cu) and update the decode state.
 
         logits: (n_vocab,) f32, penalized in place; params: (8,) uint64 from pack_sampler_params;
@@ -224,8 +219,7 @@ class Ops(AttentionLaunchers):
         partials. head_parts: how many the output head wrote into them (matmul.gemv argmax,
         K4_HEAD_ARGMAX; at most ARGMAX_PARTS), or 0: sample_argmax_partial writes
         argmax_parts(n_vocab) of them.
-        advance: also increment state[pos] (after a decode step). chain: None, or the decode step's
-        Chain (runtime/cuda/chain.py, K4_COUNT_WAIT): sample_finish is its last launch.
+        advance: also increment state[pos] (after a decode step).
         """
         n_vocab = logits.shape[0]
         check_f32(logits, n_vocab)
@@ -240,6 +234,5 @@ class Ops(AttentionLaunchers):
             self._launch("sampling.cu", "sample_argmax_partial", (n_part,), (256,), (logits, np.int32(n_vocab), part_val, part_idx))
         self._launch("sampling.cu", "sample_finish", (1,), (SAMPLE_THREADS,),
                      (logits, np.int32(n_vocab), seen, part_val, part_idx, np.int32(n_part), state, ring, ring_cap, params,
-                      np.int32(advance), *last_args(chain)),
-                     count_wait=chain is not None)
+                      np.int32(advance)))
 

@@ -12,7 +12,6 @@ from functools import cache
 
 from gguf import GGMLQuantizationType as T
 
-from .chain import COUNT_WAIT_DEFINE
 from .compile import module
 from .gemv_choice import CLUSTER_TYPES, NQ_TYPES, QKV_PAIRS, QKV_VARIANT, ROW_BLOCKS_VARIANT, nq_variants
 from .quant_types import FLOAT, QUANT
@@ -265,15 +264,13 @@ GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
 _GROUP_OF = {(f, name): names for f, groups in GROUPS.items() for names in groups.values() for name in names}
 
 
-def _defines(evict_first: bool, count_wait: bool = False) -> tuple[str, ...]:
-    return (() if evict_first else ("K4_EVICT_FIRST=0",)) + ((COUNT_WAIT_DEFINE,) if count_wait else ())
+def _defines(evict_first: bool) -> tuple[str, ...]:
+    return () if evict_first else ("K4_EVICT_FIRST=0",)
 
 
 @cache  # a RawModule lookup per launch showed in the prefill profile (host-bound)
-def _kernel(filename: str, name: str, evict_first: bool = True, count_wait: bool = False):
+def _kernel(filename: str, name: str, evict_first: bool = True):
     """Kernel `name` of kernels_cu/`filename`, from the module of its compile group; evict_first:
-    its weight loads carry the L1 evict-first hint (device.cuh load16, flag K4_EVICT_FIRST);
-    count_wait: from the module built with K4_COUNT_WAIT (kernels_cu/chain.cuh: the decode step's
-    count waits, for a launch runtime/cuda/chain.py links)."""
+    its weight loads carry the L1 evict-first hint (device.cuh load16, flag K4_EVICT_FIRST)."""
     group = _GROUP_OF.get((filename, name))  # None: an extern "C" kernel
-    return module(filename, group, _defines(evict_first, count_wait) if group else ()).get_function(name)
+    return module(filename, group, _defines(evict_first) if group else ()).get_function(name)

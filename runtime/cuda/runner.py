@@ -23,9 +23,8 @@ from ..sampling import SamplingParams
 from ..trace import Trace
 from . import memory, ops
 from .buffers import Readback
-from .chain import Chain
 from .forward import Forward
-from .launch import launch_count, launch_graph
+from .launch import launch_graph
 from .memory import DeviceMemory
 
 
@@ -109,25 +108,18 @@ class Runner:
     # ---- the decode step ------------------------------------------------------------------------
     def decode_body(self, split: tuple[int, int, int] | None = None) -> None:
         """One decode step on the current stream: evaluate state[tok] at state[pos], sample the
-        next token into state and the ring, advance pos. Reads nothing from the host. With
-        K4_COUNT_WAIT (fwd.opts.count_wait) its launches are linked by a Chain over act.chain. split: the
+        next token into state and the ring, advance pos. Reads nothing from the host. split: the
         attention configuration (Forward.layers); ranges of up to fwd.mega.max_keys keys run the
         megakernel instead, when there is one (K4_MEGAKERNEL)."""
         fwd, s = self.fwd, self.smp
         parts = 0  # argmax partials the output head wrote (K4_HEAD_ARGMAX)
-        chain = None
         if self.mega_runs(split):
             fwd.decode_mega(self.tok_view)
         else:
-            if fwd.opts.count_wait:  # the step's launches linked by counts (runtime/cuda/chain.py)
-                chain = fwd.chain = Chain(fwd.act.chain, fwd.act.chain.size, launch_count)
-            try:
-                x = fwd.layers(1, self.tok_view, split)
-                parts = fwd.output(x, fwd.act.logits[:1], (s.part_val, s.part_idx))
-            finally:
-                fwd.chain = None
+            x = fwd.layers(1, self.tok_view, split)
+            parts = fwd.output(x, fwd.act.logits[:1], (s.part_val, s.part_idx))
         self.ops.sample(fwd.act.logits[0], s.params, s.state, s.ring, s.seen, s.part_val, s.part_idx, advance=True,
-                        head_parts=parts, chain=chain)
+                        head_parts=parts)
 
     def mega_runs(self, split: tuple[int, int, int] | None) -> bool:
         """Whether a one-token pass with attention configuration `split` runs the megakernel
