@@ -32,14 +32,6 @@
 //   and row p is cached (rope.cu rope_qk_store ran before).
 // x_q8: null, or the q8 x of out (n_head * D values, swizzle x_swz; q8_handoff.Q8Vector) for the
 //   output product (K4_ATTN_Q8), as attn_kv writes it.
-// ready: null, or (with fresh_q) the q/k/v product's counts of rows done (K4_HEAD_READY; device.cuh
-//   count_rows_done), (n_head + 2 n_head_kv + 1,) int32 zeros on entry and left so: q head h's
-//   rows at [h], KV head g's key rows at [n_head + g], its value rows at [n_head + n_head_kv + g],
-//   then the blocks past their waits. In place of the programmatic-dependent-launch wait for the
-//   whole product, thread 0 waits until its head's q rows, and where the block holds the token its
-//   KV head's k and v rows, count D; the last active block to get there zeroes them all. The kernels
-//   after this one wait for it (griddepcontrol.wait), and it for every row of the product, so the
-//   chain's order holds: no later kernel starts its work before the product's rows are written.
 // Requires the keys seen to fit gridDim.y splits (the launcher's range; else the kernel traps).
 //
 // Held rows: row j of ks / vs is the split's key j, its D / 8 16-byte units u at slot (u + TPG j)
@@ -60,9 +52,9 @@ __global__ void __maxnreg__(SHORT_REGS)  // constants.py SHORT_REGS: it fits bes
 attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __restrict__ out, float* __restrict__ part,
            int* __restrict__ ticket, const int* __restrict__ pos, int n_head, int n_head_kv, float scale, int window, float softcap,
            int ring,
-           const float* fresh_q, const float* fresh_k, const float* fresh_v,  // not __restrict__: K4_HEAD_READY reads them as they are written
+           const float* __restrict__ fresh_q, const float* __restrict__ fresh_k, const float* __restrict__ fresh_v,
            const float* __restrict__ q_norm, const float* __restrict__ k_norm, const double* __restrict__ inv_freq,
-           int rope_dim, int neox, float eps, float mscale, u8* __restrict__ x_q8, int x_swz, int* ready) {
+           int rope_dim, int neox, float eps, float mscale, u8* __restrict__ x_q8, int x_swz) {
     constexpr int U = D / 8, KEYS = short_keys(D), KL = SHORT_THREADS / U, WARPS = SHORT_THREADS / 32;
     constexpr int TPG = KEYS < SHORT_THREADS ? SHORT_THREADS / KEYS : 1, KPT = KEYS > SHORT_THREADS ? KEYS / SHORT_THREADS : 1;
     static_assert(KEYS * TPG == SHORT_THREADS * KPT && U % TPG == 0 && U <= 32 && D % 32 == 0, "attn_short: the passes' mapping");
@@ -104,24 +96,7 @@ attn_short(const float* __restrict__ q, u16* k_cache, u16* v_cache, float* __res
         prefetch_l1_floats(k_norm, D);
     }
     __syncthreads();  // the table
-    if (ready != nullptr) {  // K4_HEAD_READY: this head's q rows, and where it holds the token its k and v rows
-        if (tid == 0) {
-            const int g = h / group;
-            wait_count(ready + h, D);
-            if (mine) {
-                wait_count(ready + n_head + g, D);
-                wait_count(ready + n_head + n_head_kv + g, D);
-            }
-            // the launch's last active block past its waits zeroes the counts for the next layer's product
-            const int n_counts = n_head + 2 * n_head_kv;
-            if (ticket_acq_rel(ready + n_counts) == n_head * n_active - 1) {
-                for (int i = 0; i <= n_counts; ++i) ready[i] = 0;
-            }
-        }
-        __syncthreads();
-    } else {
-        pdl_wait();
-    }
+    pdl_wait();
 
     const size_t row_p = (size_t)(p & ring) * kv_stride + head_off;
     if (fresh_q) {  // a warp each turns q (scaled as it is made) and k and converts v; k's and v's warps hold them

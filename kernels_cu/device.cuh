@@ -174,27 +174,6 @@ __device__ __forceinline__ int ld_relaxed(const int* p) {
 }
 __device__ __forceinline__ void acquire_fence() { asm volatile("fence.acquire.gpu;" ::: "memory"); }  // PTX ISA 8.6
 
-// ---- rows counted done: one kernel's outputs handed to the next while it still runs ------------
-// The producer (gemv.cu's q/k/v products, flag K4_HEAD_READY) counts every output row it wrote
-// into counts[base + row / per] once its warp has written all its rows: lane 0, which stored them,
-// fences (fence.acq_rel.gpu: those stores before every count after it) and adds 1 a row (relaxed
-// reductions). The consumer (attention_short.cu) waits for a count with wait_count instead of the
-// whole producer grid (griddepcontrol.wait), so a head starts when its own rows are in memory. The
-// consumer launches only once every producer block has started (programmatic dependent launch
-// releases it after all of them triggered), so a wait never holds a producer off the machine.
-__device__ __forceinline__ void count_rows_done(int* counts, int base, int row, int row_end, int row_step, int per) {
-    if (row >= row_end) return;
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    for (; row < row_end; row += row_step)
-        asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;" ::"l"(counts + base + row / per) : "memory");
-}
-
-// One thread waits until *count reaches `target` (an acquire load each turn): the rows counted
-// before it (count_rows_done) are then visible to this thread, and to its block after a barrier.
-__device__ __forceinline__ void wait_count(const int* count, int target) {
-    while (ld_acquire(count) < target) __nanosleep(32);
-}
-
 // ---- warp reductions (all 32 lanes must take part) ---------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

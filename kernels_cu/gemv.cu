@@ -88,13 +88,8 @@ __host__ __device__ constexpr int gemv_q8_regs(int warps) {
 // the largest of its outputs y[r] and its r (argmax.cuh beats: the lowest r on equal values) to
 // am_val[i], am_idx[i], i = blockIdx.x * WARPS + warp, gridDim.x * WARPS partials for sample_finish
 // (a warp without rows: -inf and NO_INDEX). A partial per block cost the block a barrier.
-// RD (a plain product, NX as given; instances of their own, so the others' code is untouched): once a
-// warp has written all its rows, it counts each row r done in ready[r / ready_rows] (device.cuh
-// count_rows_done): decode's q/k/v product, whose attention blocks each wait for their own head's
-// rows instead of the whole grid (flag K4_HEAD_READY). The other instances take ready and ready_rows
-// and ignore them.
 template <class T, bool PLANAR, int WARPS, int U, bool PF, bool GLU, bool GELU = false, bool CLUSTER = false, bool NQ = false,
-          bool NX = false, bool AM = false, bool RD = false>
+          bool NX = false, bool AM = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) __maxnreg__(gemv_q8_regs(WARPS))
 gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw or planar; GLU: (2 n_out, n_in) interleaved
         const float* __restrict__ x,       // (n_in,)
@@ -117,14 +112,11 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         const float* __restrict__ x_parts,  // NX: (n_parts,) the nq_parts of the NQ product whose y_q8 is x_q8
         int n_parts,
         float* __restrict__ am_val,        // AM: (gridDim.x * WARPS,) each warp's largest output
-        int* __restrict__ am_idx,          // AM: (gridDim.x * WARPS,) its row
-        int* __restrict__ ready,           // RD: counts of rows done, ready[r / ready_rows] (device.cuh count_rows_done)
-        int ready_rows) {
+        int* __restrict__ am_idx) {        // AM: (gridDim.x * WARPS,) its row
     extern __shared__ uint4 smem[];
     static_assert(!NX || ((WARPS <= 16 || WARPS == QKV_WARPS) && !CLUSTER && !NQ),
                   "NX: instances of 16 warps or fewer, or QKV_WARPS; no cluster, no NQ");
     static_assert(!AM || !(GLU || CLUSTER || NQ), "AM: a plain product");
-    static_assert(!RD || !(GLU || CLUSTER || NQ || AM), "RD: a plain product");
     u8* xq = reinterpret_cast<u8*>(smem);
     float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
     float* xs = xd + q8x_d_floats(n_in);
@@ -216,8 +208,6 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
         am_val[blockIdx.x * WARPS + (threadIdx.x >> 5)] = am_v;
         am_idx[blockIdx.x * WARPS + (threadIdx.x >> 5)] = am_i;
     }
-    if (RD && lane == 0)  // the warp's rows (lane 0 wrote them) counted done; row is still the warp's first
-        count_rows_done(ready, 0, row, row_end, row_step, ready_rows);
     if constexpr (NQ) {  // warp 0 hands the block's groups over, a value a lane: y * nq_w quantized, the sum of y^2
         k4mma::cp_async_wait_all();
         __syncthreads();
@@ -252,14 +242,12 @@ gemv_q8(const u8* __restrict__ w,          // (n_out, n_in) in T's blocks, raw o
 // rows of both types in one list over every warp, the w2 rows after each warp's w1 rows, cost a
 // dependent round of loads between the two loops). Shared memory: q8x_bytes(n_in), then 8 n_in
 // bytes with post_t (its x and t * w, as gemv_q8's). NX (instances of their own, as gemv_q8's):
-// x is an NQ product's handoff, copied into each part's swizzle. RD (as gemv_q8's): rows counted done,
-// w2's after w1's (ready[(n1 + r) / ready_rows]). Launched by runtime/cuda/gemv_pair.py.
-template <class T, bool PLANAR, int U, bool PF, bool NX, bool RD>
+// x is an NQ product's handoff, copied into each part's swizzle. Launched by runtime/cuda/gemv_pair.py.
+template <class T, bool PLANAR, int U, bool PF, bool NX>
 __device__ __forceinline__ void pair_part(const u8* __restrict__ w, const float* __restrict__ x, float* y, const float* __restrict__ bias,
                                           const float* __restrict__ norm_w, float eps, int n, int n_in, int part_block, int part_grid,
                                           const PostNorm& post, uint4* smem, const u8* __restrict__ x_q8, int x_q8_swz,
-                                          const float* __restrict__ x_parts, int n_parts, int* __restrict__ ready, int ready_base,
-                                          int ready_rows) {
+                                          const float* __restrict__ x_parts, int n_parts) {
     u8* xq = reinterpret_cast<u8*>(smem);
     float* xd = reinterpret_cast<float*>(xq + q8x_bytes_q(n_in));
     float* xs = xd + q8x_d_floats(n_in);
@@ -286,10 +274,9 @@ __device__ __forceinline__ void pair_part(const u8* __restrict__ w, const float*
     };
     q8_rows<T, U, PF, false>(n_chunks, row, n, step, lane, ch, true, q8x<T::x_swizzle>{xq, xd, xs}, load,
                              [&](int r, float acc, float) { write_row(y, nullptr, bias, r, acc * out_scale); });
-    if (RD && lane == 0) count_rows_done(ready, ready_base, row, n, step, ready_rows);  // as gemv_q8's RD
 }
 
-template <class T1, class T2, bool PLANAR, int WARPS, int U1, bool PF1, int U2, bool PF2, bool NX = false, bool RD = false>
+template <class T1, class T2, bool PLANAR, int WARPS, int U1, bool PF1, int U2, bool PF2, bool NX = false>
 __global__ void __maxnreg__(PAIR_REGS)  // constants.py PAIR_REGS: attention's blocks launch beside it
 gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in) of T1, (n2, n_in) of T2, raw or planar
              const float* __restrict__ x,                           // (n_in,)
@@ -300,18 +287,17 @@ gemv_q8_pair(const u8* __restrict__ w1, const u8* __restrict__ w2,  // (n1, n_in
              const float* __restrict__ post_t, const float* __restrict__ post_w, float* x_out,  // as gemv_q8's
              int b2,                                                 // blocks taking w2's rows: 1 .. gridDim.x - 1
              const u8* __restrict__ x_q8, int x_q8_swz,              // NX: an NQ product's y_q8 (no norm_w, no post)
-             const float* __restrict__ x_parts, int n_parts,         // NX: that product's nq_parts
-             int* __restrict__ ready, int ready_rows) {              // RD: rows done as gemv_q8's, y2's after y1's
+             const float* __restrict__ x_parts, int n_parts) {       // NX: that product's nq_parts
     static_assert(32 * WARPS == PAIR_THREADS, "PAIR_REGS is the cap of a block of PAIR_THREADS");
     extern __shared__ uint4 smem[];
     const PostNorm post{post_t, post_w, x_out, reinterpret_cast<float*>(reinterpret_cast<u8*>(smem) + q8x_bytes(n_in))};
     pdl_trigger();
     if ((int)blockIdx.x < b2)  // block-uniform: the barriers inside are the whole block's
-        pair_part<T2, PLANAR, U2, PF2, NX, RD>(w2, x, y2, bias2, norm_w, eps, n2, n_in, blockIdx.x, b2, post, smem, x_q8, x_q8_swz, x_parts,
-                                       n_parts, ready, RD ? n1 / ready_rows : 0, ready_rows);
+        pair_part<T2, PLANAR, U2, PF2, NX>(w2, x, y2, bias2, norm_w, eps, n2, n_in, blockIdx.x, b2, post, smem, x_q8, x_q8_swz, x_parts,
+                                       n_parts);
     else
-        pair_part<T1, PLANAR, U1, PF1, NX, RD>(w1, x, y1, bias1, norm_w, eps, n1, n_in, blockIdx.x - b2, gridDim.x - b2, post, smem, x_q8,
-                                       x_q8_swz, x_parts, n_parts, ready, 0, ready_rows);
+        pair_part<T1, PLANAR, U1, PF1, NX>(w1, x, y1, bias1, norm_w, eps, n1, n_in, blockIdx.x - b2, gridDim.x - b2, post, smem, x_q8,
+                                       x_q8_swz, x_parts, n_parts);
 }
 
 // Sum over one weight row (n_in of T at wr) times x (global or shared memory, 16-byte aligned),

@@ -11,9 +11,10 @@ share of the next x. The wait is, per mode:
   and its writes are flushed);
 - `relaxed`: thread 0 polls the previous link's count (every block adds 1 after a release
   fence, fence.release.gpu) with relaxed loads, then takes one acquire fence (fence.acquire.gpu),
-  then a block barrier: K4_HEAD_READY's third form;
+  then a block barrier (the form K4_COUNT_WAIT and K4_HEAD_READY's third form used; both removed
+  in session 56, measured slower);
 - `acquire`: the same count polled with acquire loads and __nanosleep(32) between polls, release
-  reductions: K4_HEAD_READY's first form and moe_one's arrival wait (on sm_90 every acquire load
+  reductions: moe_one's arrival wait (on sm_90 every acquire load
   invalidates the multiprocessor's L1);
 - `relaxed-sleep`: relaxed polls with __nanosleep(32), one acquire fence;
 - `none`: no wait at all: the floor, its x values wrong.
@@ -21,8 +22,8 @@ share of the next x. The wait is, per mode:
 Each case runs with one block a multiprocessor possible at a time (SMEM_KB of dynamic shared
 memory a block, as the products, whose registers allow one) and with two (no shared memory), and
 reports µs a link (median of graph replays timed by CUDA events) and whether the chain's last x has
-the bits of the `grid` mode's. docs/PERF.md (session 53) says what the answer decides: if a count
-wait beats the boundary, every boundary of the decode chain could wait on counts instead.
+the bits of the `grid` mode's. On the H200 (docs/PERF.md, session 56) every count wait was 0.4-0.5 µs
+a link slower than `grid`, so decode's boundaries keep griddepcontrol.wait.
 
 Usage (from the repository root, k4 importable): python scripts/boundary_wait.py [--links 100] [--reps 20]
 """

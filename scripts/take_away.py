@@ -38,7 +38,8 @@ CUTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "attention": (
         "attn_short's work after its programmatic-dependent-launch wait (its keys and values still go "
         "to shared memory before it); the output product reads a stale input",
-        [("attention_short.cu", "    } else {\n        pdl_wait();\n    }\n", "    } else {\n        pdl_wait();\n    }\n    if (true) return;\n")]),
+        [("attention_short.cu", "    __syncthreads();  // the table\n    pdl_wait();\n",
+          "    __syncthreads();  // the table\n    pdl_wait();\n    if (true) return;\n")]),
     "down-x": (
         "the x quantization of the down products that quantize x in clusters (their barriers stay)",
         [("gemv_common.cuh", "for (int base = u_begin; base < u_end; base += blockDim.x) {",
@@ -84,7 +85,7 @@ CUTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "attention-nowait": (
         "attn_short's programmatic-dependent-launch wait for the q/k/v product (it works on stale q, k and v as "
         "soon as it runs): the most a fused q/k/v and attention, each head starting when its rows are done, could gain",
-        [("attention_short.cu", "    } else {\n        pdl_wait();\n    }\n", "    }\n")]),
+        [("attention_short.cu", "    __syncthreads();  // the table\n    pdl_wait();\n", "    __syncthreads();  // the table\n")]),
     # gemv.cu's NQ instances (the residual products' norm handoff) with 16-output units: block b computes
     # outputs 16b .. 16b + 15 (one row a warp of 16) and quantizes them with a scale of their own, as a
     # q8 format of 16-value units would let a block do, instead of whole 32-output groups (which at

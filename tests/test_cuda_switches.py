@@ -58,7 +58,7 @@ def step_kernels(mf, flag: str | None) -> int:
     return qkv + 4 * n + 2 + sampling_kernels(mf, flag != "K4_HEAD_ARGMAX") + extra
 
 
-SWITCHES = [None, *(f"{name}=0" for name in ALL_FLAGS), "K4_FUSE_QUANT=1", "K4_HEAD_READY=1"]  # default, each off alone, the default-off ones on
+SWITCHES = [None, *(f"{name}=0" for name in ALL_FLAGS), "K4_FUSE_QUANT=1"]  # default, each off alone, the default-off one on
 
 
 def family_cases(data) -> list[dict]:

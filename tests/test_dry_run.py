@@ -29,10 +29,10 @@ TINY = [*ARCH_CASES, *DRY_CASES, "gemma3", "gemma2"]
 FLIPPED = [f"{f.name}={0 if f.default else 1}" for f in FLAGS.values() if f.name != "K4_TRACE"]
 # the real widths (tests/dry_run.py SYNTH_LAYERS layers) and the switches whose paths they take
 WIDE = {
-    "synth-llama2-7b": ["K4_HEAD_READY=1", "K4_MEGAKERNEL=1", "K4_QKV_PAIR=0", "K4_WO_WIDE=0", "K4_X_CLUSTER=0",
+    "synth-llama2-7b": ["K4_MEGAKERNEL=1", "K4_QKV_PAIR=0", "K4_WO_WIDE=0", "K4_X_CLUSTER=0",
                         "K4_NORM_Q8=0", "K4_MMA8_CLUSTER=0", "K4_MMA8_NQ=0", "K4_MMA8_FFQ8=0", "K4_FUSE_QUANT=1"],
-    "synth-tinyllama-1.1b": ["K4_HEAD_READY=1", "K4_QKV_WIDE=0", "K4_QKV_Q8=0", "K4_HEAD_ARGMAX=0"],
-    "synth-qwen2.5-7b": ["K4_HEAD_READY=1", "K4_QKV_WIDE=0", "K4_QKV_PAIR=0"],
+    "synth-tinyllama-1.1b": ["K4_QKV_WIDE=0", "K4_QKV_Q8=0", "K4_HEAD_ARGMAX=0"],
+    "synth-qwen2.5-7b": ["K4_QKV_WIDE=0", "K4_QKV_PAIR=0"],
     "synth-qwen3-30b-a3b": ["K4_MOE_ONE=0", "K4_FUSE_MOE=0", "K4_PLANAR_EXPERTS=0", "K4_WO_WIDE=0"],
     "synth-gemma3-12b": ["K4_QKV_Q8=0"],
     "synth-phi4-14b": ["K4_MMA8=0"],

@@ -197,49 +197,6 @@ def test_the_qkv_variant_compiles_only_with_its_flag_and_reads_the_handoff():
     hand.check_q8(SimpleNamespace(ggml_type=T.Q4_K, glu=False), handed, None, 256, 64, False, variant=wide)
 
 
-def test_the_counting_instances_compile_only_with_their_flag():
-    """K4_HEAD_READY: the RD instances (gemv.cu; the last template flag true) of every quantized type
-    are its default variant and, for Q4_K, QKV_VARIANT, both layouts, reading x or (NQ_TYPES) an NQ
-    handoff; with the pair's (Q4_K q|k, Q6_K v) they are groups of their own that compile_jobs asks
-    for only with ready, and no other group holds them."""
-    wide = gc.QKV_VARIANT[T.Q4_K]
-    names = qk.GROUPS["gemv.cu"]["Q4_K.rd"]
-    assert set(names) == {qk._gemv_q8_name(T.Q4_K, p, v, nx=nx, rd=True) for v in (qt.QUANT[T.Q4_K].gemv, wide)
-                          for p in (False, True) for nx in (False, True)}
-    assert all(n.endswith(", false, true>") for n in names)  # RD after AM (false)
-    assert len(qk.GROUPS["gemv.cu"]["Q8_0.rd"]) == 2 and len(qk.GROUPS["gemv.cu"]["Q6_K.rd"]) == 4
-    pair = qk.GROUPS["gemv.cu"]["pair.Q4_K.Q6_K.rd"]
-    assert set(pair) == {qk.gemv_pair_name(T.Q4_K, T.Q6_K, p, nx, rd=True) for p in (False, True) for nx in (False, True)}
-    rd = set(names) | set(pair)
-    assert not rd & {n for k, g in qk.GROUPS["gemv.cu"].items() if not k.endswith(".rd") for n in g}
-    groups = lambda ready: [g for f, g, _ in compile_jobs([T.Q4_K, T.Q6_K], ready=ready) if f == "gemv.cu"]  # noqa: E731
-    assert names in groups(True) and pair in groups(True)
-    assert not any(set(g) & rd for g in groups(False))
-
-
-def test_ready_ok_admits_exactly_the_variants_with_counting_instances():
-    """matmul.ready_ok (gemv ready, K4_HEAD_READY): a quantized weight without gate/up interleave,
-    in its type's default variant (the shape's choice where none is given) or QKV_VARIANT; every
-    admitted (type, variant) has an RD instance in the type's compile group, raw and planar."""
-    from types import SimpleNamespace
-
-    from k4.runtime.cuda import matmul as mm
-
-    def w(t, glu=False, shape=(4608, 3584)):
-        return SimpleNamespace(ggml_type=t, glu=glu, shape=shape)
-
-    for t in qt.QUANT:
-        rd = set(qk.GROUPS["gemv.cu"][f"{t.name}.rd"])
-        for v in {qt.QUANT[t].gemv, gc.QKV_VARIANT.get(t, qt.QUANT[t].gemv), *gc.ROW_BLOCKS_VARIANT.values(), (32, 1, 0), (16, 1, 1)}:
-            admitted = mm.ready_ok(w(t), v)
-            assert admitted == (v in (qt.QUANT[t].gemv, gc.QKV_VARIANT.get(t))), (t.name, v)
-            if admitted:
-                assert all(qk._gemv_q8_name(t, p, v, rd=True) in rd for p in (False, True)), (t.name, v)
-        assert mm.ready_ok(w(t)) == (gc.gemv_variant(t, 4608, 3584) in (qt.QUANT[t].gemv, gc.QKV_VARIANT.get(t)))
-        assert not mm.ready_ok(w(t, glu=True), qt.QUANT[t].gemv), t.name
-    assert not mm.ready_ok(w(T.F16)) and not mm.ready_ok(w(T.F32))
-
-
 def test_nx_reads_admits_exactly_the_compiled_handoff_readers():
     """A launch that nx_reads admits runs a gemv.cu NX instance: for every quantized type, every
     variant a rule can pick (the default, the GLU one, the row-blocks and q/k/v variants) and glu

@@ -18,13 +18,6 @@ def check_array(name: str, a, shape: tuple[int, ...], dtype=np.float32, align16:
         raise ValueError(f"{name} must start at a 16-byte aligned address")
 
 
-def ready_fits(ready, n_rows: int) -> bool:
-    """Whether gemv's (and gemv_pair's) ready = (counts, per) can count n_rows rows: per > 0 and
-    counts an int32 array with a count for every row // per."""
-    counts, per = ready
-    return per > 0 and counts.dtype == np.int32 and counts.size > (n_rows - 1) // per
-
-
 def check_post(post, x, n_in: int, norm: bool, x_q8: bool) -> tuple:
     """gemv's (and gemv_pair's) post argument checked: (t, post_w, x_out), or three Nones."""
     if post is None:

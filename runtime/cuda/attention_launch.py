@@ -57,12 +57,6 @@ def mma_smem(D: int) -> int:
     return _mma_smem(D, MMA_TILE_KEYS[D])
 
 
-def head_count_slots(n_head: int, n_head_kv: int) -> int:
-    """The int32 counts attn_short's `ready` holds (K4_HEAD_READY; attention_short.cu): one a q head,
-    one a KV head's keys, one its values, then the blocks past their waits."""
-    return n_head + 2 * n_head_kv + 1
-
-
 def attention_split(n_ctx: int, split: bool, max_split: int = ATT_MAX_SPLIT, keys: int = ATT_SPLIT_KEYS,
                     dynamic: bool = False) -> tuple[int, int]:
     """(n_split, split_len) for decode attention over a cache of n_ctx positions: at most
@@ -277,7 +271,7 @@ class AttentionLaunchers:
     def attention(self, q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, out: cp.ndarray, pos: cp.ndarray,
                   n_split: int = 1, split_len: int = 0, part: cp.ndarray | None = None,
                   ticket: cp.ndarray | None = None, fresh: FreshKV | None = None, shape: AttnShape = PLAIN,
-                  scales: tuple = NO_SCALES, limit: int | None = None, x_q8=None, ready: cp.ndarray | None = None) -> None:
+                  scales: tuple = NO_SCALES, limit: int | None = None, x_q8=None) -> None:
         """Causal attention of q over the cache; query t sits at position pos + t.
 
         q, out: (n_tok, n_head, D) f32; k_cache, v_cache: (n_ctx, n_head_kv, D) fp16, or int8
@@ -300,10 +294,7 @@ class AttentionLaunchers:
         a sliding layer's cache (AttnShape; a ring's rows are a multiple of every kernel's key
         tile). x_q8: None, or (where uses_attn_q8) a q8_handoff.Q8Vector of n_head * D values (one
         query), or a q8_handoff.Q8Rows of n_tok rows of them (attn_mma), that the kernel also
-        writes its output into, for the output product to copy (K4_ATTN_Q8). ready: None, or on
-        attn_short with fresh the q/k/v product's counts of rows done, (n_head + 2 n_head_kv + 1,)
-        int32 zeros (Forward.head_counts; matmul.gemv ready): each head starts once its rows are
-        counted, not after the whole product (K4_HEAD_READY), and the counts are left zero.
+        writes its output into, for the output product to copy (K4_ATTN_Q8).
         """
         n_tok, n_head, D = q.shape
         n_ctx, n_head_kv, _ = k_cache.shape
@@ -318,22 +309,20 @@ class AttentionLaunchers:
         name = self.attention_kernel(n_tok, D, types, n_head // n_head_kv, limit)
         planes = _planes(k_cache, v_cache, scales)
         assert x_q8 is None or (self.uses_attn_q8(n_tok, D, n_head // n_head_kv, n_split, limit, types) and x_q8.n == n_head * D)
-        assert ready is None or (name.startswith("attn_short") and fresh is not None and ready.dtype == cp.int32
-                                 and ready.size >= head_count_slots(n_head, n_head_kv)), "ready: attn_short's counts, with fresh"
         if name.startswith(("attn_mma", "attn_tiled")):
             assert n_split == 1 and fresh is None and (x_q8 is None or x_q8.n_tok == n_tok)
             self._attention_tiles(name, q, planes, out, pos, shape, x_q8)
         elif name.startswith("attn_short"):
             assert limit <= n_split * self.short_limit(D, types), "attn_short's splits must hold the range (decode_splits)"
-            self._attention_short(name, q, planes, out, pos, n_split, part, ticket, fresh, shape, x_q8, ready)
+            self._attention_short(name, q, planes, out, pos, n_split, part, ticket, fresh, shape, x_q8)
         else:
             self._attention_rows(name, q, planes, types, out, pos, n_split, split_len, part, ticket, fresh, shape, x_q8)
 
     def _attention_short(self, name: str, q, planes: tuple, out, pos, n_split: int, part, ticket, fresh: FreshKV | None,
-                         shape: AttnShape, x_q8, ready=None) -> None:
+                         shape: AttnShape, x_q8) -> None:
         """Launch attn_short (one query; planes: k, k_d, v, v_d of an fp16 cache, whose scale planes
         are null): a block per query head and split of short_keys(D) keys (n_split of them: the
-        range's; part and ticket as attn_kv's where n_split > 1; ready: attention's), its shared memory asked for as one
+        range's; part and ticket as attn_kv's where n_split > 1), its shared memory asked for as one
         block a multiprocessor (the carveout of the products it launches beside, K4_CARVEOUT)."""
         n_tok, n_head, D = q.shape
         n_head_kv = planes[0].shape[1]
@@ -349,8 +338,7 @@ class AttentionLaunchers:
         self._launch(FILE_OF[name], name, (n_head, n_split), (SHORT_THREADS,),
                      (q, planes[0], planes[2], out, NULL if n_split == 1 else part, NULL if n_split == 1 else ticket, pos,
                       np.int32(n_head), np.int32(n_head_kv), *shape.kernel_args(D), *head, *tail,
-                      NULL if x_q8 is None else x_q8.data, np.int32(0 if x_q8 is None else x_q8.swizzle), NULL if ready is None else ready),
-                     shared_mem=smem, per_sm=1)
+                      NULL if x_q8 is None else x_q8.data, np.int32(0 if x_q8 is None else x_q8.swizzle)), shared_mem=smem, per_sm=1)
 
     def _attention_tiles(self, name: str, q, planes: tuple, out, pos, shape: AttnShape, x_q8=None) -> None:
         """Launch attn_mma or attn_tiled (planes: k, k_d, v, v_d): several queries per block,

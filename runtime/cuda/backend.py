@@ -106,7 +106,7 @@ class CudaBackend(TokenCache):
         head = mf.tensors["token_embd.weight" if cfg.tied_embeddings else "output.weight"].ggml_type
         compiling = compile_async(matrix_jobs.compile_jobs(matrix_types, w_opts.matrix.evict_first, cfg.activation,
                                                            w_opts.matrix.mma8, head if f_opts.head_argmax else None,
-                                                           f_opts.qkv_wide, f_opts.head_ready)
+                                                           f_opts.qkv_wide)
                                   + o.compile_jobs(cfg.head_dim, cfg.n_head // cfg.n_head_kv) + moe_load.compile_jobs(mf, cfg, o))
         plan = size_plan(mf, n_ctx, self.flags, o)
         chunk = plan.chunk

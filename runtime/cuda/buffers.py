@@ -17,7 +17,6 @@ import numpy as np
 
 from ..model import ModelConfig
 from . import device_weight, matmul, ops
-from .attention_launch import head_count_slots
 from .constants import ARGMAX_PARTS, MMA8_TOKENS
 from .memory import DeviceMemory, PinnedBuffer
 from .moe import moe_spec
@@ -91,8 +90,6 @@ def activation_spec(cfg: ModelConfig, chunk: int, n_ctx: int, n_split: int, mm_s
         # partials of split decode attention: (1, n_head, n_split, head_dim + 2) of the range in use
         "part": Buffer((cfg.n_head * n_split * (cfg.head_dim + 2) if n_split > 1 else 0,), f32),
         "ticket": Buffer((cfg.n_head,), np.int32, zero=True),  # splits of decode attention done, per head
-        # K4_HEAD_READY: the q/k/v product's rows done per q head, k head and v head, then attention's blocks past their waits
-        "head_counts": Buffer((head_count_slots(cfg.n_head, cfg.n_head_kv),), np.int32, zero=True),
         "ids": Buffer((n_ctx,), np.int32),  # token ids of one eval/prefill
         "mm_scratch": Buffer((mm_scratch,), np.uint8),  # fp16 X and dequantized W chunks of matmul
         **moe_spec(cfg, P),  # mixture of experts: router logits, top-k ids and weights, expert outputs

@@ -23,7 +23,7 @@ from .gemv_batch import gemv_rows, quantize_rows
 from .gemv_choice import after_attention_variant, gemv_variant, qkv_variant
 from .gemv_mma import gemv_mma
 from .handoffs import Q8_SWIZZLE, Handoffs
-from .kv_cache import KVCache, cache_types
+from .kv_cache import KVCache
 from .launch import device_limits
 from .op_args import AttnShape, FreshKV, RopeArgs
 from .q8_handoff import Q8Rows, Q8Vector, folds_norm
@@ -50,7 +50,6 @@ class ForwardOptions:
     wo_wide: bool = True  # K4_WO_WIDE: decode's output product in gemv_choice.after_attention_variant (residual)
     head_argmax: bool = True  # K4_HEAD_ARGMAX: decode's output head writes the sampler's argmax partials (output)
     qkv_wide: bool = True  # K4_QKV_WIDE: decode's q/k/v of one run in gemv_choice.qkv_variant (qkv)
-    head_ready: bool = False  # K4_HEAD_READY: decode attention's heads wait for their q/k/v rows counted done (head_counts)
 
 
 class Forward:
@@ -101,9 +100,7 @@ class Forward:
         for li, L in enumerate(self.w.layers):
             # attention: norm, q/k/v projections (+bias), [q/k norm] + RoPE + cache store, attention, output + residual
             h, norm, h_q8 = self.normed(x, L.attn_norm, half)
-            k_rows, v_rows, row_scales = self.kv.layer(li, limit)  # the positions below the decode range's limit
-            counts = self.head_counts(L, n, (k_rows, v_rows, row_scales), limit)
-            cols, counts = self.qkv(L, h, norm, n, h_q8, counts)
+            cols = self.qkv(L, h, norm, n, h_q8)
             k_cache, v_cache, scales = self.kv.layer(li)  # (n_ctx or ring rows, n_head_kv, head_dim); q8_0: + scales
             rope = RopeArgs(L.q_norm, L.k_norm, self.w.inv_freq, cfg.rope_dim, cfg.rope_neox, cfg.rms_eps, self.w.rope_mscale)
             if cfg.sliding(li):  # gemma's sliding layers: their own RoPE base, no scaling
@@ -114,10 +111,11 @@ class Forward:
                 o.rope_qk_store(cols["q"], cols["k"], cols["v"], k_cache, v_cache, rope, self.pos, q_out=q, scales=scales,
                                 ring=self.kv.rings[li])
                 fresh = None
+            k_rows, v_rows, row_scales = self.kv.layer(li, limit)  # the positions below the decode range's limit
             sliding = cfg.sliding(li)
             attn_q8 = self.hand.attn_q8(L.wo, n, configs[sliding][0], limit)
             o.attention(q, k_rows, v_rows, attn, self.pos, *configs[sliding], parts[sliding], a.ticket, fresh, self.shapes[li],
-                        scales=row_scales, limit=limit if n == 1 else None, x_q8=attn_q8, ready=counts)
+                        scales=row_scales, limit=limit if n == 1 else None, x_q8=attn_q8)
             # a few rows: the output product hands nothing over (Handoffs.rows_handoff: the gate/up product's ramp costs
             # what the RMSNorm does there)
             nq = None if L.moe is not None or n > 1 else (L.ffn_norm, self.hand.readers(li)[0])
@@ -210,20 +208,7 @@ class Forward:
             self.ops.softcap(logits, self.cfg.final_softcap)  # gemma 2: cap * tanh(logits / cap)
         return parts
 
-    def head_counts(self, L: LayerWeights, n: int, rows: tuple, limit: int) -> cp.ndarray | None:
-        """act.head_counts where layer L's decode attention may wait for its heads' q/k/v rows counted
-        done (K4_HEAD_READY): one token, RoPE fused into attention, attention on attn_short (over the
-        cache rows (k, v, scales) of the range's `limit`), the q/k/v outputs q, k, v in that order in whole heads;
-        else None. qkv still decides whether its launch counts them (one launch only)."""
-        cfg = self.cfg
-        if n != 1 or not (self.opts.head_ready and self.opts.fuse_rope):
-            return None
-        if [name for p in L.qkv for name, _ in p.parts] != ["q", "k", "v"] or any(p.w.shape[0] % cfg.head_dim for p in L.qkv):
-            return None
-        name = self.ops.attention_kernel(1, cfg.head_dim, cache_types(*rows), cfg.n_head // cfg.n_head_kv, limit)
-        return self.act.head_counts if name.startswith("attn_short") else None
-
-    def qkv(self, L: LayerWeights, h: cp.ndarray, norm, n: int, h_q8=None, counts=None) -> tuple[dict[str, cp.ndarray], cp.ndarray | None]:
+    def qkv(self, L: LayerWeights, h: cp.ndarray, norm, n: int, h_q8=None) -> dict[str, cp.ndarray]:
         """The q, k, v products (+ bias) of h (n, n_embd) (h_q8: h quantized, residual's NQ handoff
         of rmsnorm(h) for one token, or None): name -> (n,
         rows) column views. One token with the norm folded in and runs of several quantized types
@@ -231,9 +216,7 @@ class Forward:
         (act.h_q8) for the others, which copy it instead of repeating the norm and post-norm
         prologue; the same bytes, so the same outputs (so not where they fold the norm's scale
         into their outputs: q8_handoff.folds_norm). Two runs of a type pair gemv_pair takes
-        (K4_QKV_PAIR): one launch for both, the same bits again. counts (head_counts, or None): the
-        one launch of q/k/v (the pair, or one quantized run) counts its rows done there (K4_HEAD_READY).
-        Returns (name -> column view, counts where that launch counts them, else None)."""
+        (K4_QKV_PAIR): one launch for both, the same bits again."""
         cols, x_q8, x_q8_out, later = {}, h_q8, None, L.qkv[1:]
         handed = n == 1 and h_q8 is not None and h_q8.parts is not None  # residual's NQ handoff
         if (n == 1 and self.opts.qkv_pair and len(L.qkv) == 2 and (h_q8 is None or handed)
@@ -242,9 +225,8 @@ class Forward:
             if norm is not None and len(norm) == 3:  # normed's folded post-norm
                 norm, post = norm[:2], norm[2]
             gemv_pair.gemv_pair(a.w, b.w, h[0], a.out[0], b.out[0], bias1=a.bias, bias2=b.bias, norm=norm, post=post,
-                                stream=self.stream, trace=self.ops.trace, x_q8=h_q8,
-                                ready=None if counts is None else (counts, self.cfg.head_dim))
-            return {name: c[:1] for p in L.qkv for name, c in p.cols.items()}, counts
+                                stream=self.stream, trace=self.ops.trace, x_q8=h_q8)
+            return {name: c[:1] for p in L.qkv for name, c in p.cols.items()}
         if (n == 1 and self.opts.qkv_q8 and later and norm is not None and h_q8 is None
                 and all(p.w.ggml_type in QUANT for p in L.qkv)
                 and len({QUANT[p.w.ggml_type].x_swizzle for p in later}) == 1):
@@ -254,15 +236,12 @@ class Forward:
             if len(norm) == 3 or not any(folds_norm(gemv_variant(p.w.ggml_type, *p.w.shape)) for p in later):
                 x_q8_out = Q8Vector.for_weight(later[0].w, self.act.h_q8)
         wide = self.qkv_variant(L) if n == 1 else None
-        if later or n != 1 or not matmul.ready_ok(L.qkv[0].w, wide):  # one launch of an RD instance only
-            counts = None
         for p in L.qkv:
-            self.linear(p.w, h, p.out[:n], bias=p.bias, norm=norm, x_q8=x_q8, x_q8_out=x_q8_out, variant=wide,
-                        ready=None if counts is None else (counts, self.cfg.head_dim))
+            self.linear(p.w, h, p.out[:n], bias=p.bias, norm=norm, x_q8=x_q8, x_q8_out=x_q8_out, variant=wide)
             cols.update({name: c[:n] for name, c in p.cols.items()})
             if x_q8_out is not None:  # the later runs: the first one's q8 x, no prologue
                 norm, x_q8, x_q8_out = None, x_q8_out, None
-        return cols, counts
+        return cols
 
     def qkv_variant(self, L: LayerWeights) -> tuple[int, int, int] | None:
         """The gemv_q8 variant of layer L's one-token q/k/v product where it is one quantized run
@@ -306,14 +285,14 @@ class Forward:
         return None
 
     def linear(self, w, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None, bias=None, norm=None,
-               x_q8=None, y_q8=None, x_q8_out=None, norm_out=None, variant=None, argmax=None, ready=None) -> int:
+               x_q8=None, y_q8=None, x_q8_out=None, norm_out=None, variant=None, argmax=None) -> int:
         """Y = X W^T (+ bias) (+ residual). X: (n, n_in) f32 (or fp16 on the tensor-core path),
         Y and residual: (n, n_out) f32 views; a glu weight yields silu(gate) * up, (n, n_out / 2),
         on one row. One row: matmul.gemv, with norm = (norm_w, eps) folded into it and the q8
         handoff x_q8, y_q8, x_q8_out (q8_handoff.Q8Vector) and norm_out, in thread-block clusters where
         K4_X_CLUSTER allows (matmul.gemv x_cluster), in gemv_q8 variant `variant` if given; more:
         matmul.matmul (tensor cores unless K4_PREFILL_TC=0; up to GEMV_MAX_TOKENS rows: gemv_batch,
-        reading w once per BATCH_TOKENS rows). argmax, ready: one row only, matmul.gemv's. Returns the
+        reading w once per BATCH_TOKENS rows). argmax: one row only, matmul.gemv's. Returns the
         argmax partials written (0: none)."""
         if X.shape[0] == 1:
             post = None
@@ -321,7 +300,7 @@ class Forward:
                 norm, post = norm[:2], norm[2]
             warps = matmul.gemv(w, X[0], Y[0], residual=None if residual is None else residual[0], bias=bias, norm=norm,
                                  stream=self.stream, trace=self.ops.trace, x_q8=x_q8, y_q8=y_q8, post=post, x_q8_out=x_q8_out,
-                                 x_cluster=self.opts.x_cluster, norm_out=norm_out, variant=variant, argmax=argmax, ready=ready)
+                                 x_cluster=self.opts.x_cluster, norm_out=norm_out, variant=variant, argmax=argmax)
             return warps if argmax is not None else 0
         matmul.matmul(w, X, Y, residual=residual, bias=bias, scratch=self.act.mm_scratch, stream=self.stream,
                       trace=self.ops.trace, blas=self.blas, x_q8=x_q8)

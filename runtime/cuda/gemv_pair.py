@@ -11,7 +11,7 @@ import numpy as np
 
 from k4.runtime.trace import Trace
 
-from .arg_checks import check_array, check_post, ready_fits
+from .arg_checks import check_array, check_post
 from .constants import q8x_bytes
 from .device_weight import DeviceWeight
 from .gemv_choice import NQ_TYPES, QKV_PAIRS, gemv_variant
@@ -42,17 +42,16 @@ def split_blocks(grid: int, warps: int, n1: int, row_bytes1: int, n2: int, row_b
     return min(range(1, grid), key=cost)
 
 
-def _plan(w1: DeviceWeight, w2: DeviceWeight, post: bool, nx: bool = False, rd: bool = False):
+def _plan(w1: DeviceWeight, w2: DeviceWeight, post: bool, nx: bool = False):
     """(kernel, grid, block, shared bytes, b2) of gemv_q8_pair for w1 and w2, cached on w1: the
     warps of both types' own products, the grid as many blocks as fit at once, at most one per
-    output, b2 of them on w2's rows (split_blocks); nx: the instance that reads an NQ handoff; rd:
-    the one that counts its rows done."""
-    key = ("pair", w2.ggml_type, w2.shape[0], post, nx, rd)
+    output, b2 of them on w2's rows (split_blocks); nx: the instance that reads an NQ handoff."""
+    key = ("pair", w2.ggml_type, w2.shape[0], post, nx)
     plan = w1._plans.get(key)
     if plan is not None:
         return plan
     n_in = w1.shape[1]
-    kernel = _kernel("gemv.cu", gemv_pair_name(w1.ggml_type, w2.ggml_type, w1.planar, nx, rd), w1.evict_first)
+    kernel = _kernel("gemv.cu", gemv_pair_name(w1.ggml_type, w2.ggml_type, w1.planar, nx), w1.evict_first)
     smem = q8x_bytes(n_in) + (8 * n_in if post else 0)
     allow_shared(kernel, smem)
     warps = QUANT[w1.ggml_type].gemv[0]
@@ -64,7 +63,7 @@ def _plan(w1: DeviceWeight, w2: DeviceWeight, post: bool, nx: bool = False, rd: 
 
 
 def gemv_pair(w1: DeviceWeight, w2: DeviceWeight, x, y1, y2, *, bias1=None, bias2=None, norm=None, post=None,
-              stream=None, trace: Trace | None = None, pdl: bool | None = None, x_q8=None, ready=None) -> None:
+              stream=None, trace: Trace | None = None, pdl: bool | None = None, x_q8=None) -> None:
     """y1 = w1 @ x (+ bias1) and y2 = w2 @ x (+ bias2) in one kernel launch, for pairs(w1, w2).
 
     x: (n_in,) float32, 16-byte aligned; y1: (n1,), y2: (n2,) float32 (n1, n2: the weights'
@@ -76,9 +75,8 @@ def gemv_pair(w1: DeviceWeight, w2: DeviceWeight, x, y1, y2, *, bias1=None, bias
     matmul.gemv does, so both outputs are the bits two gemv calls give. x_q8: None, or an NQ
     handoff (q8_handoff.Q8Vector with parts, matmul.gemv norm_out) of n_in values in any
     swizzle, standing for RMSNorm(x) * norm_w (then no norm or post): each block copies it into
-    its type's swizzle. ready: None or (counts, per), as matmul.gemv takes it, both types in
-    NQ_TYPES: every output row counted done, w2's as rows n1 + r (K4_HEAD_READY). Raises
-    ValueError when the weights do not pair or on wrong shapes, dtypes or alignment."""
+    its type's swizzle. Raises ValueError when the weights do not pair or on wrong shapes,
+    dtypes or alignment."""
     if not pairs(w1, w2):
         raise ValueError(f"no paired product of {w1.ggml_type.name} {w1.shape} and {w2.ggml_type.name} {w2.shape}")
     (n1, n_in), n2 = w1.shape, w2.shape[0]
@@ -97,14 +95,11 @@ def gemv_pair(w1: DeviceWeight, w2: DeviceWeight, x, y1, y2, *, bias1=None, bias
                 or not all(t in NQ_TYPES for t in (w1.ggml_type, w2.ggml_type))):
             raise ValueError(f"gemv_pair's x_q8 is an NQ handoff of {n_in} values, for NQ types, without norm or post")
         eps = x_q8.eps
-    if ready is not None and not (all(t in NQ_TYPES for t in (w1.ggml_type, w2.ggml_type)) and ready_fits(ready, n1 + n2)
-                                  and n1 % ready[1] == 0):
-        raise ValueError(f"gemv_pair's ready counts: NQ types, int32 counts for rows of {ready[1]} that divide {n1}")
-    kernel, grid, block, smem, b2 = _plan(w1, w2, post is not None, x_q8 is not None, ready is not None)
+    kernel, grid, block, smem, b2 = _plan(w1, w2, post is not None, x_q8 is not None)
     args = (w1.data, w2.data, x, y1, y2, null_or(bias1), null_or(bias2), null_or(norm_w), np.float32(eps),
             np.int32(n1), np.int32(n2), np.int32(n_in), null_or(post_t), null_or(post_w), null_or(x_out), np.int32(b2),
             null_or(x_q8 and x_q8.data), np.int32(x_q8.swizzle if x_q8 else 0), null_or(x_q8 and x_q8.parts),
-            np.int32(x_q8.n_parts if x_q8 else 0), null_or(ready and ready[0]), np.int32(ready[1] if ready else 0))
+            np.int32(x_q8.n_parts if x_q8 else 0))
     if pdl is None:
         pdl = w1.pdl and capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl)

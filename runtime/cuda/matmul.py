@@ -42,12 +42,12 @@ from gguf import GGMLQuantizationType as T
 
 from k4.runtime.trace import Trace
 
-from .arg_checks import check_array, check_post, ready_fits
+from .arg_checks import check_array, check_post
 from .constants import q8x_bytes
 from .dequant import dequant_launch
 from .device_weight import DeviceWeight, half_bytes
 from .gemv_batch import gemv_rows
-from .gemv_choice import NQ_TYPES, QKV_VARIANT, gemv_cluster, gemv_variant, nq_balanced, nq_variants
+from .gemv_choice import NQ_TYPES, gemv_cluster, gemv_variant, nq_balanced, nq_variants
 from .gemv_mma import uses_mma8
 from .launch import allow_shared, blocks_per_sm, capturing, device_limits, launch, null_or
 from .q8_handoff import Q8Vector, check_q8
@@ -73,13 +73,13 @@ def make_half(w: DeviceWeight, out, stream=None, trace: Trace | None = None) -> 
 
 
 def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, norm: bool = False, post: bool = False,
-               split: bool = False, nq: bool = False, nx: bool = False, am: bool = False, rd: bool = False):
+               split: bool = False, nq: bool = False, nx: bool = False, am: bool = False):
     """The launch of gemv on w, cached per variant, norm prologue, post-norm prologue (post: its x
     and t * w kept as floats after x's q8), split (x quantized in the kernel without norm or
     post-norm: in clusters where gemv_choice.gemv_cluster says), nq (the NQ instance, gemv
-    norm_out), nx (its reader, x_q8 with parts), am (gemv argmax) and rd (gemv ready). The grid is as many blocks as fit on the GPU at once, but at most one per output,
+    norm_out), nx (its reader, x_q8 with parts) and am (gemv argmax). The grid is as many blocks as fit on the GPU at once, but at most one per output,
     cut to a multiple of the cluster. Returns (kernel, grid, block, shared_mem, blocks per cluster)."""
-    plan = w._plans.get((variant, norm, post, split, nq, nx, am, rd))
+    plan = w._plans.get((variant, norm, post, split, nq, nx, am))
     if plan is not None:
         return plan
     n_out, n_in = w.shape
@@ -90,7 +90,7 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
         variant = variant or gemv_variant(w.ggml_type, n_out, n_in, w.glu)
         warps = variant[0]
         cluster = gemv_cluster(w.ggml_type, n_out, n_in, variant) if split and not w.glu else 1
-        name = _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act, cluster > 1, nq, nx, am, rd)
+        name = _gemv_q8_name(w.ggml_type, w.planar, variant, w.glu, w.glu_act, cluster > 1, nq, nx, am)
         kernel = _kernel("gemv.cu", name, w.evict_first)
         smem = q8x_bytes(n_in)
         after = 8 * n_in if post else 0  # the post-norm's x and t * w (floats), then free
@@ -107,18 +107,8 @@ def _gemv_plan(w: DeviceWeight, variant: tuple[int, int, int] | None = None, nor
     grid = min(device_limits()[0] * blocks_per_sm(kernel, 32 * warps, smem), n_out)
     grid -= grid % cluster
     plan = (kernel, (grid,), (32 * warps,), smem, cluster)
-    w._plans[(variant, norm, post, split, nq, nx, am, rd)] = plan
+    w._plans[(variant, norm, post, split, nq, nx, am)] = plan
     return plan
-
-
-def ready_ok(w: DeviceWeight, variant: tuple[int, int, int] | None = None) -> bool:
-    """Whether gemv can count w's rows done (gemv ready; quant_kernels._rd_names): a quantized
-    weight without gate/up interleave, in its type's default variant or QKV_VARIANT (variant None:
-    gemv_variant's choice for w's shape)."""
-    if w.ggml_type not in QUANT or w.glu:
-        return False
-    v = variant or gemv_variant(w.ggml_type, *w.shape)
-    return v in (QUANT[w.ggml_type].gemv, QKV_VARIANT.get(w.ggml_type))
 
 
 def argmax_ok(w: DeviceWeight) -> bool:
@@ -145,7 +135,7 @@ def norm_q8_blocks(w: DeviceWeight, x_cluster: bool = True, variant: tuple[int, 
 def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=None, trace: Trace | None = None,
          variant: tuple[int, int, int] | None = None, pdl: bool | None = None, x_q8: Q8Vector | None = None,
          y_q8: Q8Vector | None = None, post=None, x_q8_out: Q8Vector | None = None, x_cluster: bool = True,
-         norm_out=None, argmax=None, ready=None) -> int:
+         norm_out=None, argmax=None) -> int:
     """y = w @ x (+ bias) (+ residual), one kernel launch; with w.glu, y = act(gate @ x) * (up @ x),
     act w.glu_act (silu, or gelu_tanh for gemma).
 
@@ -185,12 +175,8 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     x_cluster: a quantized product that quantizes a long x itself without norm or post-norm
     launches in thread-block clusters that share that work (gemv_choice.gemv_cluster; flag
     K4_X_CLUSTER); the same bits.
-    ready: None or (counts, per), counts an int32 array, per > 0, where ready_ok(w, variant) and
-    without residual, y_q8, x_q8_out, norm_out or argmax (decode's q/k/v of one run, K4_HEAD_READY):
-    once a warp has written its rows, it adds 1 to counts[r // per] for each of its rows r
-    (gemv.cu RD; at least ceil(n_out / per) counts: arg_checks.ready_fits), for a kernel that waits for them.
     Returns the grid's warps. Raises ValueError on wrong shapes, dtypes or alignment, and for
-    x_q8, y_q8, post, x_q8_out, argmax or ready where they do not apply.
+    x_q8, y_q8, post, x_q8_out or argmax where they do not apply.
     """
     n_out, n_in = w.shape
     if w.glu:
@@ -216,11 +202,7 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     if am and not (argmax_ok(w) and variant in (None, QUANT[w.ggml_type].gemv)
                    and residual is bias is y_q8 is x_q8_out is norm_out is None):
         raise ValueError(f"argmax partials need a plain product of {w.ggml_type.name} {w.shape} in its default variant")
-    rd = ready is not None
-    if rd and not (ready_ok(w, variant) and residual is y_q8 is x_q8_out is norm_out is argmax is None and ready_fits(ready, n_out)):
-        raise ValueError(f"ready counts need a plain product of {w.ggml_type.name} {w.shape} in an RD variant and "
-                         f"int32 counts for rows of {ready[1]}")
-    split = x_cluster and x_q8 is None and norm_w is None and post is None and not am and not rd
+    split = x_cluster and x_q8 is None and norm_w is None and post is None and not am
     nq_w, parts = (None, None) if norm_out is None else norm_out
     if norm_out is not None:
         n_parts = norm_q8_blocks(w, split, variant)
@@ -231,7 +213,7 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     if nx:
         eps = x_q8.eps
     kernel, grid, block, smem, cluster = _gemv_plan(w, variant, norm_w is not None, post is not None, split, norm_out is not None, nx,
-                                                    am, rd)
+                                                    am)
     warps = grid[0] * block[0] // 32
     if am:
         check_array("argmax values", argmax[0][:warps], (warps,))
@@ -243,8 +225,7 @@ def gemv(w: DeviceWeight, x, y, *, residual=None, bias=None, norm=None, stream=N
     if w.ggml_type in QUANT:
         args += (null_or(x_q8_out and x_q8_out.data), np.int32(x_q8_out.swizzle if x_q8_out else 0), null_or(nq_w), null_or(parts),
                  null_or(x_q8 and x_q8.parts), np.int32(x_q8.n_parts if x_q8 is not None else 0),
-                 null_or(argmax and argmax[0]), null_or(argmax and argmax[1]), null_or(ready and ready[0]),
-                 np.int32(ready[1] if ready else 0))
+                 null_or(argmax and argmax[0]), null_or(argmax and argmax[1]))
     if pdl is None:  # eagerly the driver-API launch costs more host time than it saves
         pdl = w.pdl and capturing(stream)
     launch(kernel, grid, block, args, smem, stream, trace, pdl, cluster=cluster)

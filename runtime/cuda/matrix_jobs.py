@@ -14,7 +14,7 @@ from .quant_types import FLOAT, QUANT
 
 
 def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str = "silu", mma8: bool = False,
-                 head: T | None = None, qkv: bool = False, ready: bool = False) -> list:
+                 head: T | None = None, qkv: bool = False) -> list:
     """compile.module() arguments for the matrix kernels of weights of `types` (ggml types with
     CUDA kernels; others are skipped): their gemv, gemv_batch (quantized types), gemv_mma
     (MMA8_DECODERS) and dequantization instances, matmul.cu's conversions, and the gemv_q8_pair
@@ -22,25 +22,20 @@ def compile_jobs(types: Iterable[T], evict_first: bool = True, activation: str =
     (ModelConfig.activation) also the GeGLU-epilogue instances, else the NQ instances of
     NQ_TYPES (gemv norm_out); mma8 False (flag K4_MMA8 off):
     no gemv_mma instances; head: the output head's type, whose AM instances (K4_HEAD_ARGMAX) come
-    too where it is quantized; qkv (K4_QKV_WIDE): the QKV_VARIANT instances; ready (K4_HEAD_READY): the RD
-    instances of the q/k/v products that count their rows done. For compile.compile_async at
+    too where it is quantized; qkv (K4_QKV_WIDE): the QKV_VARIANT instances. For compile.compile_async at
     load: each gemv_batch and gemv_mma instance is a job of its own (~1 s each with nvcc), so the compile
     threads build them in parallel with the rest."""
     present = [t for t in dict.fromkeys(types) if t in QUANT or t in FLOAT]
     jobs = [("matmul.cu", GROUPS["matmul.cu"]["common"], ())]
     jobs += [("gemv.cu", GROUPS["gemv.cu"][f"{head.name}.am"], _defines(evict_first))] if head in QUANT else []
     gelu = activation != "silu" and activation in GLU_ACTS
-    pairs = [f"pair.{a.name}.{b.name}" for a, b in QKV_PAIRS if a in present and b in present]
-    if ready:
-        pairs += [f"{p}.rd" for p in pairs if f"{p}.rd" in GROUPS["gemv.cu"]]
-    jobs += [("gemv.cu", GROUPS["gemv.cu"][p], _defines(evict_first)) for p in pairs]
+    jobs += [("gemv.cu", GROUPS["gemv.cu"][f"pair.{a.name}.{b.name}"], _defines(evict_first))
+             for a, b in QKV_PAIRS if a in present and b in present]
     for t in present:
         jobs += [("gemv.cu", GROUPS["gemv.cu"][t.name], _defines(evict_first)),
                  ("matmul.cu", GROUPS["matmul.cu"][t.name], _defines(evict_first))]
         if qkv and t in QKV_VARIANT:
             jobs.append(("gemv.cu", GROUPS["gemv.cu"][f"{t.name}.qkv"], _defines(evict_first)))
-        if ready and t in QUANT:
-            jobs.append(("gemv.cu", GROUPS["gemv.cu"][f"{t.name}.rd"], _defines(evict_first)))
         if gelu:
             jobs.append(("gemv.cu", GROUPS["gemv.cu"][f"{t.name}.{activation}"], _defines(evict_first)))
         elif t in NQ_TYPES:  # the gelu_tanh families (gemma) have post-norms, which take no handoff

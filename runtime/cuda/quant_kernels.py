@@ -92,11 +92,9 @@ GLU_ACTS: dict[str, str] = {"silu": "", "gelu_tanh": ", true"}
 
 
 def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool = False, act: str = "silu",
-                  cluster: bool = False, nq: bool = False, nx: bool = False, am: bool = False, rd: bool = False) -> str:
+                  cluster: bool = False, nq: bool = False, nx: bool = False, am: bool = False) -> str:
     warps, u, pf = variant
-    if rd:  # q/k/v rows counted done (gemv.cu RD; a plain product), NX as given
-        tail = f", false, false, false, {_bool(nx)}, false, true"
-    elif am:  # the output head's argmax partials (gemv.cu AM; not GLU, CLUSTER or NQ), NX as given
+    if am:  # the output head's argmax partials (gemv.cu AM; not GLU, CLUSTER or NQ), NX as given
         tail = f", false, false, false, {_bool(nx)}, true"
     elif nx:  # GELU, CLUSTER and NQ false (the readers of gemv.cu's NX)
         tail = ", false, false, false, true"
@@ -105,14 +103,13 @@ def _gemv_q8_name(t: T, planar: bool, variant: tuple[int, int, int], glu: bool =
     return f"gemv_q8<{QUANT[t].decoder}, {_bool(planar)}, {warps}, {u}, {_bool(pf)}, {_bool(glu)}{tail}>"
 
 
-def gemv_pair_name(t1: T, t2: T, planar: bool, nx: bool = False, rd: bool = False) -> str:
+def gemv_pair_name(t1: T, t2: T, planar: bool, nx: bool = False) -> str:
     """The gemv_q8_pair instance of the types (t1, t2) and layout: the warps of both types' default
     gemv_q8 variants (QKV_PAIRS), each type's rows in the loop of its own variant (U, PF), so
-    their sums are that instance's bits; nx: the reader of an NQ handoff (gemv.cu NX); rd: its rows
-    counted done (RD, K4_HEAD_READY)."""
+    their sums are that instance's bits; nx: the reader of an NQ handoff (gemv.cu NX)."""
     (w1, u1, pf1), (w2, u2, pf2) = QUANT[t1].gemv, QUANT[t2].gemv
     assert w1 == w2, "a pair's types run blocks of one size"
-    tail = f", {_bool(nx)}, true" if rd else ", true" if nx else ""
+    tail = ", true" if nx else ""
     return f"gemv_q8_pair<{QUANT[t1].decoder}, {QUANT[t2].decoder}, {_bool(planar)}, {w1}, {u1}, {_bool(pf1)}, {u2}, {_bool(pf2)}{tail}>"
 
 
@@ -182,17 +179,6 @@ def _qkv_names(t: T) -> tuple[str, ...]:
     return tuple(_gemv_q8_name(t, p, QKV_VARIANT[t], nx=nx) for nx in readers for p in (False, True))
 
 
-def _rd_names(t: T) -> tuple[str, ...]:
-    """The RD instances of quantized type t (K4_HEAD_READY: a q/k/v product of one run counting its
-    rows done): its default variant and, where it has one, QKV_VARIANT[t]; both layouts, reading x or,
-    for NQ_TYPES with instances of 16 warps or fewer (or QKV_WARPS), an NQ handoff. Their own
-    compile group (f"{t.name}.rd"), built only with K4_HEAD_READY on (compile_jobs ready)."""
-    variants = (QUANT[t].gemv,) + ((QKV_VARIANT[t],) if t in QKV_VARIANT else ())
-    readers = (False, True) if t in NQ_TYPES else (False,)
-    return tuple(_gemv_q8_name(t, p, v, nx=nx, rd=True) for v in variants for nx in readers
-                 if not nx or v[0] <= 16 or v == QKV_VARIANT.get(t) for p in (False, True))
-
-
 def _am_names(t: T) -> tuple[str, ...]:
     """The output head's AM instances of quantized type t (K4_HEAD_ARGMAX): its default variant in
     both layouts, reading x itself or, where NX instances exist (16 warps or fewer), an NQ handoff.
@@ -243,9 +229,6 @@ GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
         **{f"{t.name}.am": _am_names(t) for t in QUANT},
         **{f"{t.name}.qkv": _qkv_names(t) for t in QKV_VARIANT},
         **{f"pair.{a.name}.{b.name}": _pair_names(a, b) for a, b in QKV_PAIRS},
-        **{f"{t.name}.rd": _rd_names(t) for t in QUANT},
-        **{f"pair.{a.name}.{b.name}.rd": tuple(gemv_pair_name(a, b, p, x, rd=True) for x in (False, True) for p in (False, True))
-           for a, b in QKV_PAIRS if a in NQ_TYPES and b in NQ_TYPES},
         "bench": tuple(_gemv_q8_name(t, p, v, glu) for glu, extra in ((False, EXTRA_GEMV_VARIANTS), (True, EXTRA_GLU_VARIANTS))
                        for t, vs in extra.items() for v in vs for p in (False, True)),
     },

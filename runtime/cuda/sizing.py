@@ -42,7 +42,7 @@ def options(flags: Flags) -> tuple:
                        x_cluster=on("K4_X_CLUSTER"), norm_q8=on("K4_NORM_Q8"),
                        mma8_nq=on("K4_MMA8_NQ"), mma8_ffq8=on("K4_MMA8_FFQ8"), wo_wide=on("K4_WO_WIDE"),
                        head_argmax=on("K4_HEAD_ARGMAX"),
-                       qkv_wide=on("K4_QKV_WIDE"), head_ready=on("K4_HEAD_READY"))
+                       qkv_wide=on("K4_QKV_WIDE"))
     o = OpSwitches.from_flags(flags)
     return w, f, o
 
