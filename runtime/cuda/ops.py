@@ -67,6 +67,9 @@ class Ops(AttentionLaunchers):
         self._functions: dict[tuple[str, str], object] = {}
 
     def function(self, filename: str, name: str):
+        """Kernel `name` of kernels_cu/`filename` (a cupy RawKernel), from its compile group's module
+        built with the switches' defines; compiled once, then cached. Raises KeyError for a kernel no
+        compile group holds."""
         key = (filename, name)
         if key not in self._functions:
             self._functions[key] = module(filename, GROUP_OF[key], self._defines()).get_function(name)
